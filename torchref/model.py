@@ -1,0 +1,138 @@
+"""Llama-style decoder in PyTorch, the twin of ``jaxattn/model.py``.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so ``state_dict()`` keys are HF's
+(``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and a
+real HF checkpoint loads with ``load_state_dict``. Attention goes through ``torchref.attention`` (SDPA under the
+active ``sdpa_kernel`` backends). Logits are returned in float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import dot_product_attention
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: statistics in float32, scale applied after casting back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[B, 1, S, head_dim]`` in float32 for integer ``positions [B, S]``."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``rotate_half`` convention, computed in float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.head_dim_
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, segment_ids=None):
+        b, s, _ = x.shape
+        d = self.cfg.head_dim_
+        q = self.q_proj(x).view(b, s, self.cfg.n_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.cfg.n_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, segment_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Not persistent: HF state dicts carry no RoPE buffer.
+        self.register_buffer("inv_freq", torch.from_numpy(cfg.rope_inv_freq()), persistent=False)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if input_ids.ndim != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be an int tensor [batch, seq], got {input_ids.dtype}"
+                             f"{list(input_ids.shape)}")
+        b, s = input_ids.shape
+        if positions is None:
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        elif positions.shape != input_ids.shape:
+            raise ValueError(f"positions must have the input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {tuple(positions.shape)}")
+        if segment_ids is not None and segment_ids.shape != input_ids.shape:
+            raise ValueError(f"segment_ids must have the input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {tuple(segment_ids.shape)}")
+        cos, sin = rope_cos_sin(self.model.inv_freq, positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, segment_ids)
+        return self.lm_head(self.model.norm(x)).float()
