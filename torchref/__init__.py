@@ -1,0 +1,20 @@
+"""torchref: a Llama transformer in PyTorch with the well-known speed tricks — the reference twin of ``jaxattn``.
+
+Public names are imported lazily; nothing here imports jax.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+_EXPORTS = {
+    "ModelConfig": "config", "LlamaForCausalLM": "model",
+    "from_pretrained": "hf", "save_pretrained": "hf", "dot_product_attention": "attention",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'torchref' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)
