@@ -1,0 +1,88 @@
+"""Model suite: the same Llama (one set of weights) in both frameworks — parity check, then forward and
+forward+backward time side by side.
+
+The torch model is built first and its state dict is handed to ``jaxattn.hf.from_state_dict``, so both sides
+hold identical fp32 weights; the logits must agree to the fp32 full-model tolerance (1e-4) before anything is
+timed. JAX runs a pure jitted function of the split NNX state (flax's performance guide); torch runs eagerly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import common
+
+LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+
+
+def _shapes(quick: bool):
+    # (preset, batch, seq)
+    return [("tiny", 4, 128)] if quick else [("125m", 8, 1024), ("350m", 8, 1024)]
+
+
+def run(quick: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from flax import nnx
+
+    from jaxattn import hf as jhf
+    from jaxattn.config import ModelConfig as JConfig
+    from torchref.config import ModelConfig as TConfig
+    from torchref.model import LlamaForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    iters, warmup = (20, 3) if quick else (30, 5)
+    records = []
+    for preset, b, s in _shapes(quick):
+        torch.manual_seed(0)
+        tcfg = TConfig.preset(preset)
+        tmodel = LlamaForCausalLM(tcfg).to(dev)
+        jmodel = jhf.from_state_dict(JConfig.preset(preset), {k: v.cpu().numpy() for k, v in
+                                                                tmodel.state_dict().items()})
+        tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, s), dtype=np.int32)
+        t_tok = torch.from_numpy(tokens).long().to(dev)
+        j_tok = jnp.asarray(tokens)
+        graphdef, state = nnx.split(jmodel)
+
+        @jax.jit
+        def j_fwd(state, tok):
+            return nnx.merge(graphdef, state)(tok)
+
+        def j_loss(params, rest, tok):
+            logits = nnx.merge(graphdef, params, rest)(tok[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+        params, rest = nnx.split(jmodel, nnx.Param, ...)[1:]
+        j_fwd_bwd = jax.jit(jax.value_and_grad(j_loss))
+
+        def t_fwd(tok):
+            with torch.no_grad():
+                return tmodel(tok)
+
+        def t_fwd_bwd(tok):
+            logits = tmodel(tok[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tok[:, 1:].flatten())
+            loss.backward()
+            tmodel.zero_grad(set_to_none=True)
+            return loss
+
+        with torch.no_grad():
+            diff = float(np.abs(np.asarray(j_fwd(state, j_tok)) - t_fwd(t_tok).cpu().numpy()).max())
+        if not diff <= LOGITS_TOL:
+            raise AssertionError(f"{preset}: JAX and torch logits differ by {diff:.3g} > {LOGITS_TOL}; "
+                                 f"not timing a model pair that disagrees")
+        base = {"suite": "model", "preset": preset, "B": b, "S": s, "dtype": "float32"}
+        for fw, passes in (("jax", (("fwd", j_fwd, (state, j_tok)), ("fwd_bwd", j_fwd_bwd, (params, rest, j_tok)))),
+                           ("torch", (("fwd", t_fwd, (t_tok,)), ("fwd_bwd", t_fwd_bwd, (t_tok,))))):
+            for name, fn, args in passes:
+                if fw == "torch":
+                    common.torch_reset_peak()
+                t = common.timeit(fn, *args, warmup=warmup, iters=iters)
+                peak = common.jax_peak_memory() if fw == "jax" else common.torch_peak_memory()
+                records.append({**base, "impl": "jaxattn" if fw == "jax" else "torchref", "framework": fw,
+                                "pass": name, "median_ms": 1e3 * t["median_s"], "p10_ms": 1e3 * t["p10_s"],
+                                "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],
+                                "tokens_per_s": b * s / t["median_s"], "peak_mem_bytes": peak,
+                                "max_abs_diff": diff, "status": "ok"})
+    return records
