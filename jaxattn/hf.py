@@ -17,7 +17,7 @@ from flax import nnx
 
 from . import hf_format
 from .config import ModelConfig
-from .model import Llama
+from .model import Llama, set_value
 
 # (our stacked name, HF per-layer name, transposed?)
 _LAYER_MAP = (
@@ -44,13 +44,13 @@ def _resolve_dtype(dtype):
 def to_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """HF-named numpy arrays (``[out, in]`` layout); ``lm_head.weight`` only when embeddings are untied."""
     cfg = model.config
-    out = {"model.embed_tokens.weight": np.asarray(model.embed.value), "model.norm.weight": np.asarray(model.norm.value)}
+    out = {"model.embed_tokens.weight": np.asarray(model.embed[...]), "model.norm.weight": np.asarray(model.norm[...])}
     for ours, theirs, transpose in _LAYER_MAP:
-        stacked = np.asarray(getattr(model.layers, ours).value)
+        stacked = np.asarray(getattr(model.layers, ours)[...])
         for i in range(cfg.n_layers):
             out[f"model.layers.{i}.{theirs}"] = np.ascontiguousarray(stacked[i].T if transpose else stacked[i])
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(model.lm_head.value).T)
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(model.lm_head[...]).T)
     return out
 
 
@@ -65,14 +65,14 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtyp
 
     # Build without running the random initialisers, then fill every parameter.
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    model.embed.value = arr(tensors["model.embed_tokens.weight"])
-    model.norm.value = arr(tensors["model.norm.weight"])
+    set_value(model.embed, arr(tensors["model.embed_tokens.weight"]))
+    set_value(model.norm, arr(tensors["model.norm.weight"]))
     for ours, theirs, transpose in _LAYER_MAP:
         per_layer = [np.asarray(tensors[f"model.layers.{i}.{theirs}"]) for i in range(config.n_layers)]
-        getattr(model.layers, ours).value = arr(np.stack([p.T if transpose else p for p in per_layer]))
+        set_value(getattr(model.layers, ours), arr(np.stack([p.T if transpose else p for p in per_layer])))
     if not config.tie_embeddings:
-        model.lm_head.value = arr(np.asarray(tensors["lm_head.weight"]).T)
-    model.inv_freq.value = jnp.asarray(config.rope_inv_freq())
+        set_value(model.lm_head, arr(np.asarray(tensors["lm_head.weight"]).T))
+    set_value(model.inv_freq, jnp.asarray(config.rope_inv_freq()))
     return model
 
 

@@ -106,13 +106,19 @@ def weight_files(path: str | os.PathLike) -> list[str]:
                             f"(found: {sorted(os.listdir(path))})")
 
 
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
 def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy, order-preserving split of tensor names into shards of at most ``max_shard_bytes``."""
+    """Split tensor names, in natural order (layer 2 before layer 10), into shards of at most
+    ``max_shard_bytes``; the order is canonical so both frameworks write identical files."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = [[]]
     used = 0
-    for name, size in sizes.items():
+    for name in sorted(sizes, key=_natural_key):
+        size = sizes[name]
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0

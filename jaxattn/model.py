@@ -68,6 +68,14 @@ def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
     return x + mlp_block(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
 
 
+def set_value(variable: nnx.Variable, value) -> None:
+    """Assign a Variable's value on any flax 0.12+ (``set_value`` where it exists, ``.value =`` before)."""
+    if hasattr(variable, "set_value"):
+        variable.set_value(value)
+    else:  # pragma: no cover - older flax
+        variable.value = value
+
+
 class Layers(nnx.Module):
     """All decoder layers' parameters, stacked: each leaf has a leading ``n_layers`` axis."""
 
@@ -112,14 +120,14 @@ class Llama(nnx.Module):
             raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
         if segment_ids is not None and segment_ids.shape != tokens.shape:
             raise ValueError(f"segment_ids must have the tokens' shape {tokens.shape}, got {segment_ids.shape}")
-        cos, sin = rope_cos_sin(self.inv_freq.value, positions)
+        cos, sin = rope_cos_sin(self.inv_freq[...], positions)
 
         layer = lambda x, p: decoder_layer(x, p, cos, sin, cfg, segment_ids)  # noqa: E731
         if self.layer_wrapper is not None:
             layer = self.layer_wrapper(layer)
-        stacked = {name: getattr(self.layers, name).value for name in LAYER_PARAMS}
-        x = jnp.take(self.embed.value, tokens, axis=0)
+        stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
+        x = jnp.take(self.embed[...], tokens, axis=0)
         x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)
-        x = rms_norm(x, self.norm.value, cfg.norm_eps)
-        head = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
+        x = rms_norm(x, self.norm[...], cfg.norm_eps)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)

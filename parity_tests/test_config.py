@@ -1,0 +1,94 @@
+"""ModelConfig twins: identical fields and defaults, presets, HF config.json interop, clear errors."""
+import dataclasses
+
+import pytest
+
+import jaxattn.config as jc
+import torchref.config as tc
+
+PRESETS = ["tiny", "125m", "350m", "1b", "8b"]
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def test_fields_and_defaults_identical():
+    jf = [(f.name, f.type, f.default) for f in dataclasses.fields(jc.ModelConfig)]
+    tf = [(f.name, f.type, f.default) for f in dataclasses.fields(tc.ModelConfig)]
+    assert jf == tf
+    assert [f[0] for f in jf] == ["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                                  "max_seq_len", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_identical_and_round_trip(name):
+    j, t = jc.ModelConfig.preset(name), tc.ModelConfig.preset(name)
+    assert dataclasses.asdict(j) == dataclasses.asdict(t)
+    assert jc.ModelConfig.from_hf(j.to_hf()) == j
+    assert (j.rope_inv_freq() == t.rope_inv_freq()).all()
+
+
+def test_param_count_of_presets_is_llama_shaped():
+    def n_params(c):
+        d = c.head_dim_
+        layer = c.dim * d * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.ffn_dim + 2 * c.dim
+        return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * layer + c.dim
+
+    sizes = {n: n_params(jc.ModelConfig.preset(n)) / 1e6 for n in PRESETS[1:]}
+    assert 100 < sizes["125m"] < 150 and 300 < sizes["350m"] < 400
+    assert 1200 < sizes["1b"] < 1300 and 7900 < sizes["8b"] < 8100  # Llama-3.2-1B: 1.24B, Llama-3.1-8B: 8.03B
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+def test_transformers_config_interop(mod):
+    transformers = pytest.importorskip("transformers")
+    c = mod.ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96,
+                        max_seq_len=128, rope_theta=500000.0, rope_scaling=LLAMA3, tie_embeddings=True)
+    hf = transformers.LlamaConfig(**c.to_hf())
+    assert hf.head_dim == 32 and hf.num_key_value_heads == 1 and hf.tie_word_embeddings
+    back = mod.ModelConfig.from_hf(hf.to_dict())
+    assert back == c
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+def test_from_hf_reads_legacy_and_v5_rope_keys(mod):
+    base = {"vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 48}
+    legacy = mod.ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3, "type": "llama3"}})
+    v5 = mod.ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
+    assert legacy == v5 and v5.rope_theta == 5e5 and v5.rope_scaling["factor"] == 8.0
+    plain = mod.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None and plain.head_dim is None
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(dim=65, n_heads=4), "n_heads"),
+    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(ffn_dim=-4), "ffn_dim"),
+    (dict(n_layers=0), "n_layers"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(head_dim=15), "head_dim"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "rope_scaling"),
+])
+def test_invalid_config_names_field(mod, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        mod.ModelConfig.preset("tiny", **kwargs)
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+def test_unknown_preset_and_unsupported_hf(mod):
+    with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny"):
+        mod.ModelConfig.preset("huge")
+    hf = mod.ModelConfig.preset("tiny").to_hf()
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        mod.ModelConfig.from_hf({**hf, "rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="attention_bias"):
+        mod.ModelConfig.from_hf({**hf, "attention_bias": True})
+    with pytest.raises(ValueError, match="hidden_act"):
+        mod.ModelConfig.from_hf({**hf, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="missing required keys.*hidden_size"):
+        mod.ModelConfig.from_hf({"vocab_size": 3})
