@@ -1,0 +1,186 @@
+"""Attention for jaxattn: one public op, several backends, a dispatcher modelled on torch's ``sdpa_kernel``.
+
+    from jaxattn.attention import dot_product_attention, attention_backend
+    out = dot_product_attention(q, k, v, causal=True)              # best available backend
+    with attention_backend("flash", "xla"):                          # ordered preference, like sdpa_kernel
+        out = dot_product_attention(q, k, v, causal=True)
+    out = dot_product_attention(q, k, v, backend="chunked")          # explicit (a name or a sequence)
+
+Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is CONVENTIONS §4 (bottom-right causal,
+``(left, right)`` window, Gemma-2 softcap, segment ids, zeros for a query that sees no key).
+
+Backends (torch twin in brackets): ``xla`` [MATH] plain jnp; ``chunked`` [EFFICIENT_ATTENTION] O(S)-memory
+pure JAX; ``flash`` [FLASH_ATTENTION] our Pallas kernel; ``mosaic`` Pallas Mosaic GPU (Hopper); ``cudnn``
+[CUDNN_ATTENTION] via ``jax.nn.dot_product_attention``.  Each backend module has ``supports(q, k, v, args)``
+returning None or a one-line reason, and ``attention(q, k, v, args)``.  Backend modules are imported
+lazily: a module that fails to import (e.g. Mosaic GPU on an old jax) only makes that backend decline, with
+the import error as its reason.  When no listed backend serves a call, :class:`AttentionBackendError` lists
+every backend tried and why it declined (what torch's ``SDPBackend.ERROR`` gestures at).
+
+The dispatcher is hand-written (no library has this one): the choice is made when the call is traced, so a
+function already compiled by ``jax.jit`` keeps the backend chosen at its first trace — enter
+``attention_backend(...)`` before the first call of the jitted function (or jit inside the context).
+The active preference is a ``contextvars.ContextVar``, so it is per thread / per asyncio task.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import warnings
+from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
+
+from ._common import AttnArgs, mask, normalize, platform_of
+
+__all__ = [
+    "BACKENDS", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
+    "current_backends", "default_backends", "dot_product_attention", "get_backend", "mask", "normalize",
+]
+
+BACKENDS: Tuple[str, ...] = ("flash", "mosaic", "cudnn", "chunked", "xla")
+_GPU_DEFAULT: Tuple[str, ...] = ("mosaic", "flash", "cudnn", "chunked", "xla")
+_CPU_DEFAULT: Tuple[str, ...] = ("xla",)
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
+_MODULES: Dict[str, object] = {}
+_IMPORT_ERRORS: Dict[str, str] = {}
+
+
+class AttentionBackendError(RuntimeError):
+    """No backend in the active list can serve this call. ``reasons`` maps each tried backend to its reason."""
+
+    def __init__(self, reasons: Dict[str, str], call: str = ""):
+        self.reasons = dict(reasons)
+        lines = "\n".join(f"  {name}: {why}" for name, why in self.reasons.items())
+        super().__init__(f"no attention backend can serve this call{(' (' + call + ')') if call else ''}; "
+                         f"tried, in order:\n{lines}")
+
+
+# --------------------------------------------------------------------------------------------- names
+def _check_names(names, argname: str) -> Tuple[str, ...]:
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{argname} must be a backend name or a sequence of names from {BACKENDS}, "
+                        f"got {names!r}") from None
+    if not names:
+        raise ValueError(f"{argname} must name at least one backend from {BACKENDS}, got an empty list")
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{argname}: backend names must be strings from {BACKENDS}, got {n!r} "
+                            f"of type {type(n).__name__}")
+        if n not in BACKENDS:
+            raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {BACKENDS}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argname}: backend names must not repeat, got {names}")
+    return names
+
+
+@contextlib.contextmanager
+def attention_backend(*names: Union[str, Sequence[str]]) -> Iterator[Tuple[str, ...]]:
+    """Within the block, ``dot_product_attention(backend=None)`` tries ``names`` in order; the first whose
+    ``supports()`` accepts the call wins.  Accepts ``attention_backend("flash", "xla")`` or
+    ``attention_backend(["flash", "xla"])``.  Nested blocks replace (not extend) the outer list, like
+    ``torch.nn.attention.sdpa_kernel``.  Unknown names raise ``ValueError`` listing the valid ones."""
+    if len(names) == 1 and not isinstance(names[0], str):
+        names = tuple(names[0])
+    checked = _check_names(names, "attention_backend")
+    token = _ACTIVE.set(checked)
+    try:
+        yield checked
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_backends() -> Optional[Tuple[str, ...]]:
+    """The list set by the innermost active ``attention_backend(...)`` block, or None outside any block."""
+    return _ACTIVE.get()
+
+
+def default_backends(q=None) -> Tuple[str, ...]:
+    """Preference used when neither ``backend=`` nor ``attention_backend`` says anything: on a GPU
+    mosaic, flash, cudnn, then chunked and xla; elsewhere xla (interpreted Pallas kernels are for tests)."""
+    return _GPU_DEFAULT if platform_of(q) == "gpu" else _CPU_DEFAULT
+
+
+# --------------------------------------------------------------------------------------------- loading
+def get_backend(name: str):
+    """Import and return the backend module ``jaxattn.attention.<name>``; raises ``ImportError`` with the
+    original error when it cannot be imported (the dispatcher turns that into a decline reason)."""
+    (name,) = _check_names((name,), "get_backend")
+    if name in _MODULES:
+        return _MODULES[name]
+    if name in _IMPORT_ERRORS:
+        raise ImportError(_IMPORT_ERRORS[name])
+    try:
+        mod = importlib.import_module(f"{__name__}.{name}")
+        for attr in ("supports", "attention"):
+            if not callable(getattr(mod, attr, None)):
+                raise ImportError(f"module {mod.__name__} has no callable {attr}()")
+    except Exception as e:  # any failure: ImportError, AttributeError in a moved jax API, ...
+        msg = f"import of {__name__}.{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _IMPORT_ERRORS[name] = msg
+        raise ImportError(msg) from e
+    _MODULES[name] = mod
+    return mod
+
+
+def _decline_reason(name: str, q, k, v, args: AttnArgs) -> Tuple[Optional[str], object]:
+    try:
+        mod = get_backend(name)
+    except ImportError as e:
+        return str(e), None
+    try:
+        reason = mod.supports(q, k, v, args)
+    except Exception as e:  # a buggy supports() must not take the dispatcher down, but must be visible
+        reason = f"supports() raised {type(e).__name__}: {e}"
+        warnings.warn(f"attention backend {name!r}: {reason}", RuntimeWarning, stacklevel=3)
+    if reason is not None and not isinstance(reason, str):
+        reason = str(reason)
+    return reason, mod
+
+
+def _resolve(backend, q) -> Tuple[str, ...]:
+    if backend is not None:
+        return _check_names(backend, "backend")
+    active = _ACTIVE.get()
+    return active if active is not None else default_backends(q)
+
+
+def _describe(q, k, args: AttnArgs) -> str:
+    return (f"q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)}, causal={args.causal}, "
+            f"window={args.window}, softcap={args.softcap}, segment_ids={'yes' if args.has_segment_ids else 'no'}"
+            f", platform={platform_of(q)}")
+
+
+# --------------------------------------------------------------------------------------------- public op
+def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, scale: Optional[float] = None,
+                          window=None, softcap: Optional[float] = None, backend=None):
+    """Scaled dot-product attention, ``softmax(mask(softcap(scale * q k^T))) v``.
+
+    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0``; returns ``[B, Sq, Hq, D]`` in
+    q's dtype.  ``causal`` is bottom-right aligned; ``window=(left, right)``; ``softcap=c`` applies
+    ``c*tanh(s/c)``; ``segment_ids`` is ``[B, S]`` or ``(q_ids, kv_ids)``.  ``backend`` is None (the
+    active ``attention_backend`` list, else :func:`default_backends`), a name, or an ordered sequence.
+    """
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
+                     softcap=softcap)
+    names = _resolve(backend, q)
+    reasons: Dict[str, str] = {}
+    for name in names:
+        reason, mod = _decline_reason(name, q, k, v, args)
+        if reason is None:
+            return mod.attention(q, k, v, args)
+        reasons[name] = reason
+    raise AttentionBackendError(reasons, _describe(q, k, args))
+
+
+def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale=None, window=None,
+                       softcap=None, backends: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:
+    """``{name: None if it can serve this call else the reason}`` for every backend (or ``backends``)."""
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
+                     softcap=softcap)
+    names = BACKENDS if backends is None else _check_names(backends, "backends")
+    return {name: _decline_reason(name, q, k, v, args)[0] for name in names}
