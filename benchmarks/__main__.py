@@ -13,7 +13,11 @@ import os
 import sys
 import time
 
-from . import common
+# jax and torch share the GPU in one process: without this jax grabs 75% of device memory at start-up and torch
+# SDPA runs out at long sequences. Must be set before jax is imported.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from . import common  # noqa: E402
 
 SUITES = ("model", "attention")
 

@@ -1,0 +1,249 @@
+"""Attention suite: every jaxattn attention backend against its peers, in one run, on one device.
+
+Implementations (``impl`` in each record):
+
+* jax, ours: ``xla``, ``chunked``, ``flash``, ``mosaic``, ``cudnn`` through
+  ``jaxattn.attention.dot_product_attention(backend=...)`` (a backend that declines is recorded as skipped
+  with its reason);
+* jax, peers: ``jax.nn:xla`` and ``jax.nn:cudnn`` (``jax.nn.dot_product_attention(implementation=...)``),
+  ``pallas:mha`` (``jax.experimental.pallas.ops.gpu.attention.mha``, GPU only), ``tokamax`` where installed;
+* torch: ``sdpa:flash``, ``sdpa:efficient``, ``sdpa:cudnn``, ``sdpa:math`` (``F.scaled_dot_product_attention``
+  under ``sdpa_kernel``; on CPU only MATH and FLASH exist).
+
+Passes: ``fwd`` and ``fwd_bwd`` (forward + vjp w.r.t. q, k, v).  TFLOP/s uses the FlashAttention convention
+(``benchmarks.common.attention_flops``: fwd 4·B·H·Sq·Sk·D, halved when causal; fwd+bwd 3.5x fwd).
+Peak memory: torch reports ``torch.cuda.max_memory_allocated`` after a reset (None on CPU); jax reports XLA's
+buffer assignment for the compiled function (arguments + outputs + temporaries, from
+``compiled.memory_analysis()``), because jax's device ``peak_bytes_in_use`` cannot be reset between
+implementations.  Workspace allocated inside a custom call (cuDNN, Triton) may not be counted there.
+
+Shapes (full run, GPU): bf16, D in {64, 128}, H = 2048 / D heads, B·S = 16k tokens, S from 512 to 16k, causal
+and not (FlashAttention's benchmark grid).  Materialising implementations (ours ``xla``, ``jax.nn:xla``,
+``sdpa:math``) are skipped above S = 4096 with that reason.  ``quick=True`` (CPU smoke run): B=1, H=2, D=64,
+S in {128, 256}, fp32, and the interpreted Pallas ``flash`` kernel on only the smallest shape.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+
+from . import common
+
+MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
+MAX_MATERIALISED_S = 4096
+JAX_OURS = ("flash", "mosaic", "cudnn", "chunked", "xla")
+TORCH_SDPA = ("flash", "efficient", "cudnn", "math")
+
+
+def _shapes(quick: bool, on_gpu: bool):
+    """(dtype, B, Hq, Hkv, S, D, causal)."""
+    if quick:
+        return [("float32", 1, 2, 2, s, 64, c) for s in (128, 256) for c in (False, True)]
+    out = []
+    for d in (64, 128):
+        for s in (512, 1024, 2048, 4096, 8192, 16384):
+            for c in (False, True):
+                out.append(("bfloat16", max(1, 16384 // s), 2048 // d, 2048 // d, s, d, c))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+
+
+def _record(impl, fw, pss, *, dtype, b, hq, hkv, s, d, causal, **kw):
+    r = {"suite": "attention", "impl": impl, "framework": fw, "pass": pss, "dtype": dtype, "B": b, "Hq": hq,
+         "Hkv": hkv, "Sq": s, "Sk": s, "D": d, "causal": causal, "median_ms": None, "tflops": None,
+         "peak_mem_bytes": None, "status": "ok", "reason": None}
+    r.update(kw)
+    return r
+
+
+# --------------------------------------------------------------------------------------------- jax
+def _jax_impls(quick: bool):
+    """name -> (make(q, k, v, causal) -> fwd callable, or raise to skip)."""
+    import jax
+
+    impls = {}
+    for name in JAX_OURS:
+        def make(causal, _name=name):
+            from jaxattn.attention import dot_product_attention
+
+            return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, backend=_name)
+        impls[name] = make
+    for impl in ("xla", "cudnn"):
+        def make(causal, _impl=impl):
+            return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=_impl)
+        impls[f"jax.nn:{impl}"] = make
+
+    def make_pallas(causal):
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
+        if jax.default_backend() != "gpu":
+            raise RuntimeError("GPU only (Triton lowering; interpret mode is not benchmarked)")
+        return lambda q, k, v: mha(q, k, v, None, sm_scale=1.0 / float(np.sqrt(q.shape[-1])), causal=causal)
+    impls["pallas:mha"] = make_pallas
+
+    def make_tokamax(causal):
+        import tokamax  # noqa: F401  (optional peer)
+
+        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
+    impls["tokamax"] = make_tokamax
+    return impls
+
+
+def _jax_mem(fn, *args) -> Optional[int]:
+    try:
+        ma = fn.lower(*args).compile().memory_analysis()
+        if ma is None:
+            return None
+        return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                   - getattr(ma, "alias_size_in_bytes", 0))
+    except Exception:
+        return None
+
+
+def _run_jax(records, quick, shape, iters, warmup, wanted=None):
+    import jax
+
+    from jaxattn.attention import available_backends
+
+    dtype, b, hq, hkv, s, d, causal = shape
+    key = jax.random.key(0)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (b, s, hq, d), dtype)
+    k = jax.random.normal(kk, (b, s, hkv, d), dtype)
+    v = jax.random.normal(kv, (b, s, hkv, d), dtype)
+    do = jax.random.normal(kd, (b, s, hq, d), dtype)
+    ours = available_backends(q, k, v, causal=causal)
+    for name, make in _jax_impls(quick).items():
+        if wanted is not None and name not in wanted:
+            continue
+        base = dict(dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal)
+        reason = None
+        if name in ours and ours[name] is not None:
+            reason = f"declined: {ours[name]}"
+        elif ("jax", name) in MATERIALISING and s > MAX_MATERIALISED_S:
+            reason = f"materialises S x S scores; skipped above S={MAX_MATERIALISED_S}"
+        elif quick and name == "flash" and (s, causal) != (128, False):
+            reason = "interpreted Pallas kernel on CPU: only the smallest quick shape is timed"
+        fwd = None
+        if reason is None:
+            try:
+                fwd = make(causal)
+            except Exception as e:
+                reason = _first_line(e)
+        for pss in ("fwd", "fwd_bwd"):
+            if reason is not None:
+                records.append(_record(name, "jax", pss, status="skipped", reason=reason, **_kw(base)))
+                continue
+            if pss == "fwd":
+                fn = jax.jit(fwd)
+                args = (q, k, v)
+            else:
+                fn = jax.jit(lambda q, k, v, do: jax.vjp(fwd, q, k, v)[1](do))
+                args = (q, k, v, do)
+            it = 3 if name == "flash" and quick else iters
+            try:
+                t = common.timeit(fn, *args, warmup=1 if it == 3 else warmup, iters=it)
+            except Exception as e:
+                records.append(_record(name, "jax", pss, status="skipped", reason=f"error: {_first_line(e)}",
+                                       **_kw(base)))
+                if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
+                    reason = f"error: {_first_line(e)}"
+                continue
+            fl = common.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            records.append(_record(name, "jax", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
+                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=_jax_mem(fn, *args),
+                                   **_kw(base)))
+
+
+def _kw(base):
+    return dict(dtype=base["dtype"], b=base["b"], hq=base["hq"], hkv=base["hkv"], s=base["s"], d=base["d"],
+                causal=base["causal"])
+
+
+# --------------------------------------------------------------------------------------------- torch
+def _run_torch(records, quick, shape, iters, warmup, wanted=None):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype, b, hq, hkv, s, d, causal = shape
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda h: torch.randn(b, h, s, d, generator=g).to(device=dev, dtype=tdt)  # noqa: E731
+    q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    sdp = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+           "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    gqa = dict(enable_gqa=True) if hq != hkv else {}
+    base = dict(dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal)
+    for name in TORCH_SDPA:
+        impl = f"sdpa:{name}"
+        if wanted is not None and impl not in wanted:
+            continue
+        reason = None
+        if ("torch", impl) in MATERIALISING and s > MAX_MATERIALISED_S:
+            reason = f"materialises S x S scores; skipped above S={MAX_MATERIALISED_S}"
+        elif dev == "cpu" and name in ("efficient", "cudnn"):
+            reason = f"SDPA {name} backend needs CUDA (device {dev})"
+
+        def fwd(q, k, v, _b=sdp[name]):
+            with sdpa_kernel([_b]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+        def fwd_bwd(q, k, v, do):
+            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+            out = fwd(qq, kk, vv)
+            return torch.autograd.grad(out, (qq, kk, vv), do)
+
+        for pss, fn, args in (("fwd", fwd, (q, k, v)), ("fwd_bwd", fwd_bwd, (q, k, v, do))):
+            if reason is not None:
+                records.append(_record(impl, "torch", pss, status="skipped", reason=reason, **_kw(base)))
+                continue
+            try:
+                common.torch_reset_peak()
+                grad_ctx = torch.no_grad() if pss == "fwd" else torch.enable_grad()
+                with grad_ctx:
+                    t = common.timeit(fn, *args, warmup=warmup, iters=iters)
+            except Exception as e:
+                records.append(_record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}",
+                                       **_kw(base)))
+                continue
+            fl = common.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            records.append(_record(impl, "torch", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
+                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=common.torch_peak_memory(),
+                                   **_kw(base)))
+
+
+# --------------------------------------------------------------------------------------------- entry
+def run(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[int] = None) -> list[dict]:
+    """Benchmark every implementation on every shape; returns the records (see the module docstring).
+
+    ``impls`` (optional) keeps only records whose ``impl`` is listed (e.g. ``["flash", "sdpa:flash"]``) and
+    ``max_seq`` drops longer shapes — for splitting a long GPU sweep into several runs."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    iters, warmup = 20, 3
+    records: list[dict] = []
+    wanted = None if impls is None else set(impls)
+    for shape in _shapes(quick, on_gpu):
+        if max_seq is not None and shape[4] > max_seq:
+            continue
+        _run_jax(records, quick, shape, iters, warmup, wanted)
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            for name in TORCH_SDPA:
+                for pss in ("fwd", "fwd_bwd"):
+                    dtype, b, hq, hkv, s, d, causal = shape
+                    records.append(_record(f"sdpa:{name}", "torch", pss, status="skipped",
+                                           reason=_first_line(e), dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d,
+                                           causal=causal))
+            continue
+        _run_torch(records, quick, shape, iters, warmup, wanted)
+    return records

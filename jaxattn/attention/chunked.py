@@ -1,0 +1,261 @@
+"""``chunked`` backend: memory-efficient attention in pure JAX (the twin of torch's EFFICIENT_ATTENTION).
+
+Blockwise attention with an online softmax (Rabe & Staats 2021, "Self-attention does not need O(n^2)
+memory"; the FlashAttention recurrence): queries are cut into chunks of ``q_chunk_size`` and, for each, a
+``lax.scan`` over key/value chunks of ``kv_chunk_size`` keeps a running max, running sum and an fp32
+accumulator.  Only a ``[B, Hkv, G, Cq, Ck]`` score block exists at any time, so memory is O(S), not O(S^2).
+
+Hand-written rather than taken from a library because no JAX library op gives an O(S)-memory backward on
+every platform with this contract (bottom-right causal, (left, right) window, softcap, segment ids, GQA):
+plain autodiff through the scan would save every chunk's probabilities (S x S in total).  So the op is a
+``jax.custom_vjp``: the forward saves only q, k, v, the output and the per-row log-sum-exp; the backward
+recomputes each score block from the log-sum-exp (FlashAttention-2's backward) and accumulates dq per query
+chunk and dk/dv per key chunk, again without an S x S buffer.
+
+Details: GQA reshapes q to ``[B, S, Hkv, G, D]`` (K/V are never repeated); scores, softmax and all
+accumulators are fp32, probabilities are cast to the input dtype before the p@v / gradient products (fp32
+accumulation) as flash kernels do; sequence lengths need not divide the chunk sizes (inputs are padded and the
+padding masked); key chunks that the causal/window mask hides entirely are skipped with ``lax.cond``; a
+query row that sees no key gives zeros and zero gradients.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ._common import AttnArgs, mask, normalize
+
+__all__ = ["supports", "attention", "chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]
+
+DEFAULT_Q_CHUNK = 512
+DEFAULT_KV_CHUNK = 512
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+class _Cfg(NamedTuple):  # static, hashable
+    causal: bool
+    scale: float
+    window: Optional[tuple]
+    softcap: Optional[float]
+    q_len: int
+    kv_len: int
+    cq: int
+    ck: int
+    has_ids: bool
+
+
+def supports(q, k, v, args: AttnArgs):
+    """The chunked backend serves every call that ``normalize`` accepts."""
+    return None
+
+
+def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int = DEFAULT_Q_CHUNK,
+              kv_chunk_size: int = DEFAULT_KV_CHUNK):
+    for name, c in (("q_chunk_size", q_chunk_size), ("kv_chunk_size", kv_chunk_size)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"{name} must be a positive int, got {c!r}")
+    sq, sk = q.shape[1], k.shape[1]
+    cfg = _Cfg(args.causal, float(args.scale), args.window, args.softcap, sq, sk,
+               min(q_chunk_size, sq), min(kv_chunk_size, sk), args.has_segment_ids)
+    if args.has_segment_ids:
+        qids, kvids = args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32)
+    else:  # dummies, never read
+        qids = jnp.zeros((q.shape[0], sq), jnp.int32)
+        kvids = jnp.zeros((q.shape[0], sk), jnp.int32)
+    return _chunked(cfg, q, k, v, qids, kvids)
+
+
+def chunked_attention(q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None,
+                      q_chunk_size: int = DEFAULT_Q_CHUNK, kv_chunk_size: int = DEFAULT_KV_CHUNK):
+    """Public op with the contract's keywords plus the chunk sizes (q ``[B,Sq,Hq,D]``, k/v ``[B,Sk,Hkv,D]``)."""
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
+                     softcap=softcap)
+    return attention(q, k, v, args, q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _pad_to(x, axis: int, n: int):
+    extra = n - x.shape[axis]
+    if extra == 0:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, extra)
+    return jnp.pad(x, pads)
+
+
+def _chunks(x, c: int):
+    """[B, S, ...] -> [S/c, B, c, ...] (S padded up to a multiple of c)."""
+    s = x.shape[1]
+    n = -(-s // c)
+    x = _pad_to(x, 1, n * c)
+    return jnp.moveaxis(x.reshape((x.shape[0], n, c) + x.shape[2:]), 1, 0)
+
+
+def _unchunk(x, s: int):
+    """[n, B, c, ...] -> [B, s, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    x = x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+    return x[:, :s]
+
+
+def _block_needed(cfg: _Cfg, q0, k0):
+    """False when the causal/window rule hides the whole [q0, q0+cq) x [k0, k0+ck) block (a scalar)."""
+    shift = cfg.kv_len - cfg.q_len
+    q_first, q_last = q0 + shift, q0 + cfg.cq - 1 + shift  # absolute positions
+    k_first, k_last = k0, k0 + cfg.ck - 1
+    ok = jnp.asarray(True)
+    if cfg.causal:
+        ok = ok & (k_first <= q_last)
+    if cfg.window is not None:
+        left, right = cfg.window
+        if left is not None:
+            ok = ok & (k_last >= q_first - left)
+        if right is not None:
+            ok = ok & (k_first <= q_last + right)
+    return ok
+
+
+def _scores(cfg: _Cfg, qc, kc, q0, k0, qidc, kidc):
+    """Masked (and capped) fp32 scores [B, Hkv, G, cq, ck]; also tanh(s/c) for the softcap derivative."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale
+    t = None
+    if cfg.softcap is not None:
+        t = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * t
+    margs = AttnArgs(causal=cfg.causal, window=cfg.window)
+    q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
+    kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
+    if cfg.has_ids:
+        m = mask(cfg.q_len, cfg.kv_len, margs, qidc, kidc, q_pos=q_pos, kv_pos=kv_pos)[:, None, None]
+    else:
+        m = mask(cfg.q_len, cfg.kv_len, margs, q_pos=q_pos, kv_pos=kv_pos)
+    return jnp.where(m, s, -jnp.inf), t
+
+
+def _low(x, like):
+    """Cast fp32 probabilities to the input dtype for the next matmul (no-op for fp32 inputs)."""
+    return x if like.dtype == _F32 else x.astype(like.dtype)
+
+
+# --------------------------------------------------------------------------------------------- forward
+def _forward(cfg: _Cfg, q, k, v, qids, kvids):
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qch = _chunks(q.reshape(b, sq, hkv, g, d), cfg.cq)  # [nq, B, cq, Hkv, G, D]
+    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)    # [nk, B, ck, Hkv, D]
+    qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
+    nq, nk = qch.shape[0], kch.shape[0]
+    k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
+
+    def q_step(_, xs):
+        qc, qidc, q0 = xs
+
+        def kv_step(carry, ys):
+            kc, vc, kidc, k0 = ys
+
+            def compute(carry):
+                m, l, acc = carry
+                s, _ = _scores(cfg, qc, kc, q0, k0, qidc, kidc)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                alpha = jnp.exp(m - m_safe)
+                p = jnp.exp(s - m_safe[..., None])
+                l = alpha * l + p.sum(axis=-1)
+                pv = jnp.einsum("bhgqk,bkhd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32,
+                                precision=_HI)
+                return m_new, l, alpha[..., None] * acc + pv
+
+            carry = jax.lax.cond(_block_needed(cfg, q0, k0), compute, lambda c: c, carry)
+            return carry, None
+
+        init = (jnp.full((b, hkv, g, cfg.cq), -jnp.inf, _F32), jnp.zeros((b, hkv, g, cfg.cq), _F32),
+                jnp.zeros((b, hkv, g, cfg.cq, d), _F32))
+        (m, l, acc), _ = jax.lax.scan(kv_step, init, (kch, vch, kidch, k_starts))
+        alive = l > 0
+        out = acc / jnp.where(alive, l, 1.0)[..., None]
+        lse = jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), 0.0)  # 0 for rows with no key
+        out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype)          # [B, cq, Hkv, G, D]
+        return None, (out, jnp.transpose(lse, (0, 3, 1, 2)))                # lse [B, cq, Hkv, G]
+
+    q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
+    _, (out, lse) = jax.lax.scan(q_step, None, (qch, qidch, q_starts))
+    out = _unchunk(out, sq).reshape(b, sq, hq, d)
+    return out, _unchunk(lse, sq)  # lse [B, Sq, Hkv, G]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(cfg, q, k, v, qids, kvids):
+    return _forward(cfg, q, k, v, qids, kvids)[0]
+
+
+def _chunked_fwd(cfg, q, k, v, qids, kvids):
+    out, lse = _forward(cfg, q, k, v, qids, kvids)
+    return out, (q, k, v, qids, kvids, out, lse)
+
+
+# --------------------------------------------------------------------------------------------- backward
+def _chunked_bwd(cfg, res, dout):
+    q, k, v, qids, kvids, out, lse = res
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dout = dout.astype(q.dtype).reshape(b, sq, hkv, g, d)
+    delta = jnp.sum(dout.astype(_F32) * out.reshape(b, sq, hkv, g, d).astype(_F32), axis=-1)  # [B,Sq,Hkv,G]
+    qch = _chunks(q.reshape(b, sq, hkv, g, d), cfg.cq)
+    doch = _chunks(dout, cfg.cq)
+    lsech, deltach = _chunks(lse, cfg.cq), _chunks(delta, cfg.cq)
+    qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
+    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)
+    nq, nk = qch.shape[0], kch.shape[0]
+    k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
+    q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
+
+    def q_step(dkv, xs):
+        qc, doc, lsec, deltac, qidc, q0 = xs
+        lse_b = jnp.transpose(lsec, (0, 2, 3, 1))[..., None]      # [B, Hkv, G, cq, 1]
+        delta_b = jnp.transpose(deltac, (0, 2, 3, 1))[..., None]
+
+        def kv_step(dq, ys):
+            kc, vc, kidc, k0 = ys
+
+            def compute(dq):
+                s, t = _scores(cfg, qc, kc, q0, k0, qidc, kidc)
+                p = jnp.exp(s - lse_b)                                  # 0 where masked / dead rows
+                dv = jnp.einsum("bhgqk,bqhgd->bkhd", _low(p, doc), doc, preferred_element_type=_F32,
+                                precision=_HI)
+                dp = jnp.einsum("bqhgd,bkhd->bhgqk", doc, vc, preferred_element_type=_F32, precision=_HI)
+                ds = p * (dp - delta_b)
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
+                ds = ds * cfg.scale
+                dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", _low(ds, kc), kc, preferred_element_type=_F32,
+                                     precision=_HI)
+                dk = jnp.einsum("bhgqk,bqhgd->bkhd", _low(ds, qc), qc, preferred_element_type=_F32,
+                                precision=_HI)
+                return dq, (dk, dv)
+
+            def skip(dq):
+                z = jnp.zeros((b, cfg.ck, hkv, d), _F32)
+                return dq, (z, z)
+
+            return jax.lax.cond(_block_needed(cfg, q0, k0), compute, skip, dq)
+
+        dq0 = jnp.zeros((b, cfg.cq, hkv, g, d), _F32)
+        dq, (dk, dv) = jax.lax.scan(kv_step, dq0, (kch, vch, kidch, k_starts))
+        return (dkv[0] + dk, dkv[1] + dv), dq
+
+    zeros = jnp.zeros((nk, b, cfg.ck, hkv, d), _F32)
+    (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros),
+                                (qch, doch, lsech, deltach, qidch, q_starts))
+    dq = _unchunk(dq, sq).reshape(b, sq, hq, d).astype(q.dtype)
+    dk = _unchunk(dk, sk).astype(k.dtype)
+    dv = _unchunk(dv, sk).astype(v.dtype)
+    return dq, dk, dv, None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
