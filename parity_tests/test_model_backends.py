@@ -1,0 +1,70 @@
+"""The model runs with every attention backend and gives the same logits (issue: attention backends).
+
+JAX: the ``tiny`` model under ``attention_backend(name)`` for each backend that serves CPU calls (``xla``,
+``chunked``, ``flash`` in interpret mode) matches the ``xla`` logits and the torch model at the fp32
+full-model tolerance. torch: the same model under each SDPA backend available on CPU. Backends that cannot
+serve (``cudnn``/``mosaic`` without a GPU) must decline with a reason, never silently fall back.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jaxattn.attention import AttentionBackendError, attention_backend  # noqa: E402
+from parity_tests.conftest import HAS_GPU  # noqa: E402
+from parity_tests.twins import jitted, tokens, twin_models  # noqa: E402
+from torchref import attention as tattn  # noqa: E402
+from torchref.config import ModelConfig  # noqa: E402
+
+LOGITS_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def case():
+    tmodel, jmodel = twin_models(ModelConfig.preset("tiny"), seed=11)
+    rng = np.random.default_rng(12)
+    tok = tokens(rng, 256, 2, 19)  # odd length: not a multiple of any block size
+    seg = np.sort(rng.integers(0, 2, (2, 19)), axis=1)
+    pos = np.broadcast_to(np.arange(19), (2, 19)).copy()
+    with torch.no_grad():
+        ref_t = tmodel(torch.from_numpy(tok), torch.from_numpy(pos), torch.from_numpy(seg)).numpy()
+    return tmodel, jmodel, tok, pos, seg, ref_t
+
+
+@pytest.mark.parametrize("backend", ["xla", "chunked", "flash"])
+def test_jax_model_same_logits_with_each_backend(case, backend):
+    tmodel, jmodel, tok, pos, seg, ref_t = case
+    with attention_backend(backend):  # jit inside the context: the backend is chosen at trace time
+        out = jitted(jmodel)(*(jnp.asarray(a, jnp.int32) for a in (tok, pos, seg)))
+    assert np.abs(np.asarray(out) - ref_t).max() <= LOGITS_TOL
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the CPU refusal")
+@pytest.mark.parametrize("backend", ["cudnn", "mosaic"])
+def test_gpu_only_backends_decline_on_cpu(case, backend):
+    _, jmodel, tok, *_ = case
+    with attention_backend(backend), pytest.raises(AttentionBackendError, match=backend):
+        jitted(jmodel)(jnp.asarray(tok, jnp.int32))
+
+
+def _torch_backends():
+    names = ["xla"]
+    q = torch.randn(1, 4, 8, 16)
+    for name in ("flash", "chunked"):
+        try:
+            tattn.dot_product_attention(q, q[:, :2], q[:, :2], causal=True, backend=name)
+            names.append(name)
+        except RuntimeError:  # this build has no CPU kernel for it
+            pass
+    return names
+
+
+@pytest.mark.parametrize("backend", _torch_backends())
+def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
+    tmodel, _, tok, pos, _, _ = case
+    with torch.no_grad():
+        ref = tmodel(torch.from_numpy(tok), torch.from_numpy(pos)).numpy()
+        with tattn.attention_backend(backend):
+            out = tmodel(torch.from_numpy(tok), torch.from_numpy(pos)).numpy()
+    assert np.abs(out - ref).max() <= LOGITS_TOL
