@@ -1,0 +1,721 @@
+"""``flash`` backend: our own Pallas flash-attention kernel (Triton lowering on NVIDIA GPUs).
+
+FlashAttention-2 style: the forward kernel keeps a ``[block_q, D]`` fp32 accumulator and an online
+softmax (running max ``m`` and sum ``l``, base-2 exponentials) while it walks the key blocks, and writes
+the output plus the log-sum-exp.  The backward pass is two kernels: ``dkv`` (grid ``(kv_blocks, B, Hkv)``)
+holds one key/value block and loops over the *whole query group* (the ``Hq // Hkv`` query heads that share
+this kv head) and their query blocks, so dK/dV of GQA/MQA are reduced inside the kernel without ever
+repeating K/V; ``dq`` (grid ``(q_blocks, B, Hq)``) holds one query block and loops over key blocks.
+``delta = rowsum(dO * O) - dLSE`` is a plain fused XLA reduction.
+
+Why hand-written: ``jax.experimental.pallas.ops.gpu.attention`` (which this kernel learned from, together
+with tokamax) has no GQA, rejects ``S % block != 0``, only top-left causal, no window / softcap / kv
+segment ids / LSE gradient.  Here
+
+* any ``Sq``, ``Sk`` (1 included): the sequences are zero-padded to a multiple of the blocks outside the
+  kernel and padded keys are masked inside it (``key < Sk``); padded query rows are sliced away (their
+  cotangent is zero, so they add nothing to dK/dV);
+* any head dim ``1..256``: D is zero-padded to a power of two >= 16 (Triton block dims must be powers of
+  two), which changes no dot product, and sliced back;
+* fp32 / bf16 / fp16 inputs, every matmul accumulates in fp32 (``preferred_element_type=float32``;
+  fp32 inputs use ``Precision.HIGHEST`` = IEEE fp32 on Triton, i.e. no TF32);
+* causal (bottom-right: query i sees key j iff ``j <= i + Sk - Sq``) and sliding windows ``(left, right)``
+  are applied with loop bounds, so key blocks (forward, dq) and query blocks (dkv) entirely outside the
+  band are never visited; the visited range is split (as FlashAttention-2 does for causal) into edge tiles
+  that build the mask and fully visible interior tiles that skip the mask arithmetic;
+* softcap ``c * tanh(s / c)`` after scaling and before masking; the backward multiplies by
+  ``1 - tanh^2``;
+* segment ids: inside the visited range a tile whose visibility mask is empty is skipped with
+  ``lax.cond`` (no loads of K/V/Q/dO, no matmuls).  The test is exact (``any(q_id == kv_id)`` over the
+  tile together with the causal/window/padding mask), so it is correct for *any* ids, sorted or not;
+  for packed (sorted) sequences it skips every cross-document tile, for unsorted ids it simply skips less;
+* a query row that sees no key gives output 0, LSE ``-inf`` and zero gradients, never NaN.
+
+``flash_attention_reference`` is the same contract in plain ``jnp`` at float32 (mask from
+``_common.mask``); the tests compare the kernel against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import AttnArgs, gpu_compute_capability, mask as _visibility_mask, normalize, platform_of
+
+try:  # the Triton-specific Pallas module; its compiler-params class was renamed across jax versions
+    from jax.experimental.pallas import triton as _plt
+except Exception:  # pragma: no cover - very old / stripped jax
+    _plt = None
+
+__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "supports", "attention"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity" for the running max
+_MAX_HEAD_DIM = 256
+_MIN_BLOCK = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def _triton_compiler_params(num_warps: int, num_stages: int):
+    """``CompilerParams`` for the Triton lowering: ``jax.experimental.pallas.triton.CompilerParams`` on
+    jax >= 0.6 (0.10 and 0.11 included), ``TritonCompilerParams`` in older releases."""
+    candidates = []
+    if _plt is not None:
+        candidates += [getattr(_plt, "CompilerParams", None), getattr(_plt, "TritonCompilerParams", None)]
+    candidates += [getattr(pl, "TritonCompilerParams", None), getattr(pl, "GPUCompilerParams", None)]
+    for cls in candidates:
+        if cls is not None:
+            return cls(num_warps=num_warps, num_stages=num_stages)
+    return None
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------- block sizes
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the three kernels (all powers of two >= 16) and the Triton launch knobs.
+
+    ``block_q``/``block_k``: forward; ``block_q_dkv``/``block_k_dkv``: the dK/dV kernel (one key block
+    per program, loops over query blocks); ``block_q_dq``/``block_k_dq``: the dQ kernel.  A block larger
+    than the (power-of-two-rounded) sequence is shrunk to it at call time, so defaults work for S=1.
+    ``num_warps=None`` picks 4 for head_dim <= 64 else 8.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 32
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 32
+    num_warps: Optional[int] = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            val = getattr(self, f)
+            if not _is_pow2(val) or val < _MIN_BLOCK or val > 1024:
+                raise ValueError(f"BlockSizes.{f} must be a power of two in [{_MIN_BLOCK}, 1024] (Triton "
+                                 f"block dims are powers of two and tl.dot needs >= 16), got {val!r}")
+        if self.num_warps is not None and (isinstance(self.num_warps, bool)
+                                           or self.num_warps not in (1, 2, 4, 8, 16)):
+            raise ValueError(f"BlockSizes.num_warps must be None or one of (1, 2, 4, 8, 16), "
+                             f"got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not (
+                1 <= self.num_stages <= 8):
+            raise ValueError(f"BlockSizes.num_stages must be an int in [1, 8], got {self.num_stages!r}")
+
+    @classmethod
+    def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
+        """Defaults per head dim / dtype, sized so the tiles fit in shared memory (fp32 tiles are twice
+        the bytes of bf16/fp16 ones, so fp32 halves the big blocks).  Not autotuned."""
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 1 <= head_dim <= _MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be an int in [1, {_MAX_HEAD_DIM}], got {head_dim!r}")
+        wide = jnp.dtype(dtype).itemsize >= 4
+        dp = max(_MIN_BLOCK, _next_pow2(head_dim))
+        if dp <= 64:
+            bs = cls(128, 64, 32, 128, 128, 32, num_warps=4, num_stages=3)
+        elif dp <= 128:
+            bs = cls(128, 64, 32, 64, 64, 32, num_warps=8, num_stages=2)
+        else:
+            bs = cls(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)
+        if wide:
+            bs = dataclasses.replace(bs, block_q=max(_MIN_BLOCK, bs.block_q // 2),
+                                     block_k_dkv=max(_MIN_BLOCK, bs.block_k_dkv // 2),
+                                     block_q_dq=max(_MIN_BLOCK, bs.block_q_dq // 2))
+        return bs
+
+
+# ----------------------------------------------------------------------------------------- static config
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """Everything static about one call (hashable; the custom_vjp's nondiff argument)."""
+    sq: int
+    sk: int
+    groups: int  # Hq // Hkv
+    scale: float
+    left: Optional[int]   # window: key j visible iff i_abs - left <= j <= i_abs + right (None: unbounded)
+    right: Optional[int]
+    softcap: Optional[float]
+    has_seg: bool
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+    poison: bool
+
+    @property
+    def sq_pad(self):
+        return _round_up(self.sq, max(self.block_q, self.block_q_dkv, self.block_q_dq))
+
+    @property
+    def sk_pad(self):
+        return _round_up(self.sk, max(self.block_k, self.block_k_dkv, self.block_k_dq))
+
+
+def _round_up(n: int, m: int) -> int:
+    return _cdiv(n, m) * m
+
+
+def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret: bool, poison: bool):
+    _, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bs = BlockSizes.default(d, q.dtype) if block_sizes is None else block_sizes
+    cap_q = max(_MIN_BLOCK, _next_pow2(sq))
+    cap_k = max(_MIN_BLOCK, _next_pow2(sk))
+    left = right = None
+    if args.window is not None:
+        left, right = args.window
+    if args.causal:
+        right = 0 if right is None else min(right, 0)
+    dp = max(_MIN_BLOCK, _next_pow2(d))
+    return _Cfg(
+        sq=sq, sk=sk, groups=hq // hkv, scale=float(args.scale), left=left, right=right,
+        softcap=None if args.softcap is None else float(args.softcap), has_seg=args.has_segment_ids,
+        block_q=min(bs.block_q, cap_q), block_k=min(bs.block_k, cap_k),
+        block_q_dkv=min(bs.block_q_dkv, cap_q), block_k_dkv=min(bs.block_k_dkv, cap_k),
+        block_q_dq=min(bs.block_q_dq, cap_q), block_k_dq=min(bs.block_k_dq, cap_k),
+        num_warps=bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8),
+        num_stages=bs.num_stages, interpret=bool(interpret), poison=bool(poison))
+
+
+# ----------------------------------------------------------------------------------------- kernel pieces
+def _dot(a, b, contract_a: int, contract_b: int):
+    """fp32-accumulating 2-D matmul; fp32 operands use IEEE fp32 (no TF32)."""
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _scores(q, k, cfg: _Cfg):
+    """``softcap(scale * q k^T)`` in fp32 and ``tanh`` (for the backward) or None."""
+    s = _dot(q, k, 1, 1) * cfg.scale
+    if cfg.softcap is None:
+        return s, None
+    t = jnp.tanh(s / cfg.softcap)
+    return cfg.softcap * t, t
+
+
+def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool):
+    """Visibility of a ``[bq, bk]`` tile (None when nothing can be masked)."""
+    m = None
+
+    def _and(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    qp = q_pos[:, None]
+    kp = k_pos[None, :]
+    off = cfg.sk - cfg.sq
+    if k_padded:
+        m = _and(m, kp < cfg.sk)
+    if cfg.right is not None:
+        m = _and(m, kp <= qp + (off + cfg.right))
+    if cfg.left is not None:
+        m = _and(m, kp >= qp + (off - cfg.left))
+    if q_seg is not None:
+        m = _and(m, q_seg[:, None] == k_seg[None, :])
+    return m
+
+
+def _kv_block_range(q0, bq: int, bk: int, cfg: _Cfg):
+    """Key blocks ``[lo, hi)`` that can hold a key visible to some query in ``[q0, q0 + bq)``."""
+    off = cfg.sk - cfg.sq
+    nk = _cdiv(cfg.sk, bk)  # blocks made only of padding are never visited
+    lo = jnp.int32(0)
+    hi = jnp.int32(nk)
+    if cfg.left is not None:
+        lo = lax.div(jnp.maximum(q0 + (off - cfg.left), 0), bk).astype(jnp.int32)
+    if cfg.right is not None:
+        end = jnp.maximum(q0 + (bq + off + cfg.right), 0)  # one past the last visible key
+        hi = jnp.minimum(lax.div(end + (bk - 1), bk), nk).astype(jnp.int32)
+    hi = jnp.where(q0 >= cfg.sq, lo, jnp.maximum(hi, lo))  # a block of padded queries does no work
+    return lo, hi
+
+
+def _q_block_range(k0, bk: int, bq: int, cfg: _Cfg):
+    """Query blocks ``[lo, hi)`` holding a query that can see a key in ``[k0, k0 + bk)``."""
+    off = cfg.sk - cfg.sq
+    nq = _cdiv(cfg.sq, bq)
+    lo = jnp.int32(0)
+    hi = jnp.int32(nq)
+    if cfg.right is not None:  # i + off + right >= j  ->  i >= j - right - off
+        lo = lax.div(jnp.maximum(k0 - (cfg.right + off), 0), bq).astype(jnp.int32)
+    if cfg.left is not None:  # i + off - left <= j  ->  i <= j + left - off
+        end = jnp.maximum(k0 + (bk + cfg.left - off), 0)
+        hi = jnp.minimum(lax.div(end + (bq - 1), bq), nq).astype(jnp.int32)
+    hi = jnp.where(k0 >= cfg.sk, lo, jnp.maximum(hi, lo))
+    return lo, hi
+
+
+def _kv_full_range(q0, bq: int, bk: int, cfg: _Cfg):
+    """Key blocks ``[u_lo, u_hi)`` in which EVERY (query, key) pair of the tile is visible, so the tile
+    needs no mask (padded query rows included: they only extend the band downwards)."""
+    off = cfg.sk - cfg.sq
+    u_lo = jnp.int32(0)
+    u_hi = jnp.int32(cfg.sk // bk)  # tiles without padded keys
+    if cfg.right is not None:  # first row q0 sees keys <= q0 + off + right
+        u_hi = jnp.minimum(u_hi, lax.div(jnp.maximum(q0 + (off + cfg.right + 1), 0), bk)).astype(jnp.int32)
+    if cfg.left is not None:  # last row sees keys >= q0 + bq - 1 + off - left
+        start = jnp.maximum(q0 + (bq - 1 + off - cfg.left), 0)
+        u_lo = lax.div(start + (bk - 1), bk).astype(jnp.int32)
+    return u_lo, u_hi
+
+
+def _q_full_range(k0, bk: int, bq: int, cfg: _Cfg):
+    """Query blocks ``[u_lo, u_hi)`` that see EVERY key of ``[k0, k0 + bk)`` (no mask needed)."""
+    off = cfg.sk - cfg.sq
+    u_lo = jnp.int32(0)
+    u_hi = jnp.int32(_cdiv(cfg.sq, bq))
+    if cfg.right is not None:  # first row of the block must see the last key: qb*bq >= k0+bk-1-off-right
+        u_lo = lax.div(jnp.maximum(k0 + (bk - 1 - off - cfg.right), 0) + (bq - 1), bq).astype(jnp.int32)
+    if cfg.left is not None:  # last row must see the first key: qb*bq + bq - 1 <= k0 + left - off
+        u_hi = jnp.minimum(u_hi, lax.div(jnp.maximum(k0 + (cfg.left - off + 1), 0), bq)).astype(jnp.int32)
+    u_hi = jnp.where(k0 + bk > cfg.sk, jnp.int32(0), u_hi)  # a tile with padded keys keeps its mask
+    return u_lo, u_hi
+
+
+def _split_loop(lo, hi, full, body, carry):
+    """Run ``body(j, carry, masked)`` for j in ``[lo, hi)``: tiles of the fully visible sub-range ``full``
+    without computing a mask (FlashAttention-2's split of the causal loop), the others with it.
+    With segment ids (``full`` is None) every tile is masked."""
+    if full is None:
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
+    a = jnp.minimum(jnp.maximum(full[0], lo), hi)
+    b = jnp.minimum(jnp.maximum(full[1], a), hi)
+    carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
+
+
+def _any(m):
+    # Explicit single-axis reductions (what the Triton lowering emits for a 2-D reduction anyway).
+    return jnp.max(jnp.max(m.astype(jnp.int32), axis=1), axis=0) > 0
+
+
+def _maybe_skip(tile_mask, cfg: _Cfg, compute, carry):
+    """Run ``compute(carry)`` unless segment ids make the whole tile invisible."""
+    if cfg.has_seg and tile_mask is not None:
+        return lax.cond(_any(tile_mask), compute, lambda c: c, carry)
+    return compute(carry)
+
+
+def _fwd_kernel(*refs, cfg: _Cfg):
+    if cfg.has_seg:
+        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        qs_ref = ks_ref = None
+    bq, bk = cfg.block_q, cfg.block_k
+    q0 = pl.program_id(0) * bq
+    q = q_ref[...]
+    dp = q.shape[-1]
+    q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+    q_seg = qs_ref[...] if cfg.has_seg else None
+    k_padded = cfg.sk_pad != cfg.sk
+    pv_dtype = jnp.float32 if v_ref.dtype == jnp.float32 else v_ref.dtype
+
+    def body(j, carry, masked):
+        k0 = j * bk
+        k_pos = k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        k_seg = ks_ref[pl.ds(k0, bk)] if cfg.has_seg else None
+        tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
+
+        def compute(c):
+            acc, m_prev, l_prev = c
+            k = k_ref[pl.ds(k0, bk), :]
+            v = v_ref[pl.ds(k0, bk), :]
+            s, _ = _scores(q, k, cfg)
+            s = s * _LOG2E
+            if tmask is not None:
+                s = jnp.where(tmask, s, _NEG)
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            if tmask is not None:  # a fully masked row has m_new == _NEG and would get p == 1
+                p = jnp.where(tmask, p, 0.0)
+            l_new = alpha * l_prev + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot(p.astype(pv_dtype), v, 1, 0)
+            return acc, m_new, l_new
+
+        return _maybe_skip(tmask, cfg, compute, carry)
+
+    lo, hi = _kv_block_range(q0, bq, bk, cfg)
+    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
+    acc, m, l = _split_loop(lo, hi, full, body, init)
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+def _bwd_tile(q, k, v, do, lse, delta, tmask, cfg: _Cfg):
+    """Shared backward algebra of one tile: returns ``(p, ds)`` with ds = dL/d(scaled, uncapped s)."""
+    s, t = _scores(q, k, cfg)
+    p = jnp.exp2(s * _LOG2E - (lse * _LOG2E)[:, None])  # rows that see no key carry lse = +inf: p = 0
+    if tmask is not None:  # masked entries contribute exactly 0
+        p = jnp.where(tmask, p, 0.0)
+    dpv = _dot(do, v, 1, 1)
+    ds = p * (dpv - delta[:, None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+def _dkv_kernel(*refs, cfg: _Cfg):
+    if cfg.has_seg:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        qs_ref = ks_ref = None
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    k0 = pl.program_id(0) * bk
+    k = k_ref[...]
+    v = v_ref[...]
+    dp = k.shape[-1]
+    k_pos = k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+    k_seg = ks_ref[...] if cfg.has_seg else None
+    k_padded = cfg.sk_pad != cfg.sk
+    lo, hi = _q_block_range(k0, bk, bq, cfg)
+    full = None if cfg.has_seg else _q_full_range(k0, bk, bq, cfg)
+
+    def group_body(g, carry):
+        def q_body(i, c, masked):
+            q0 = i * bq
+            q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+            q_seg = qs_ref[pl.ds(q0, bq)] if cfg.has_seg else None
+            tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
+
+            def compute(cc):
+                dk, dv = cc
+                q = q_ref[pl.ds(q0, bq), g, :]
+                do = do_ref[pl.ds(q0, bq), g, :]
+                lse = lse_ref[g, pl.ds(q0, bq)]
+                delta = delta_ref[g, pl.ds(q0, bq)]
+                p, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
+                dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+                dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+                return dk, dv
+
+            return _maybe_skip(tmask, cfg, compute, c)
+
+        return _split_loop(lo, hi, full, q_body, carry)
+
+    zeros = jnp.zeros((bk, dp), jnp.float32)
+    dk, dv = lax.fori_loop(0, cfg.groups, group_body, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, cfg: _Cfg):
+    if cfg.has_seg:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+        qs_ref = ks_ref = None
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    q0 = pl.program_id(0) * bq
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    dp = q.shape[-1]
+    q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+    q_seg = qs_ref[...] if cfg.has_seg else None
+    k_padded = cfg.sk_pad != cfg.sk
+
+    def body(j, carry, masked):
+        k0 = j * bk
+        k_pos = k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        k_seg = ks_ref[pl.ds(k0, bk)] if cfg.has_seg else None
+        tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
+
+        def compute(dq):
+            k = k_ref[pl.ds(k0, bk), :]
+            v = v_ref[pl.ds(k0, bk), :]
+            _, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
+            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+        return _maybe_skip(tmask, cfg, compute, carry)
+
+    lo, hi = _kv_block_range(q0, bq, bk, cfg)
+    full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
+    dq = _split_loop(lo, hi, full, body, jnp.zeros((bq, dp), jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------- pallas calls
+def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, args):
+    """``pl.pallas_call`` with the Triton params; with ``cfg.poison`` every output buffer is first filled
+    with NaN (passed in and aliased to the output), so a block the kernel forgets to write shows up as NaN
+    on the GPU too (interpret mode already starts outputs as NaN)."""
+    in_specs = list(in_specs)
+    args = list(args)
+    aliases = {}
+    body = kernel
+    if cfg.poison:
+        n_in, n_out = len(args), len(out_shapes)
+        for idx, (shape, spec) in enumerate(zip(out_shapes, out_specs)):
+            aliases[n_in + idx] = idx
+            args.append(jnp.full(shape.shape, jnp.nan, shape.dtype))
+            in_specs.append(spec)
+
+        def body(*refs):  # drop the poisoned input refs; the output refs alias them
+            return kernel(*refs[:n_in], *refs[n_in + n_out:])
+
+    return pl.pallas_call(
+        body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
+        input_output_aliases=aliases, interpret=cfg.interpret, name=name,
+        compiler_params=_triton_compiler_params(cfg.num_warps, cfg.num_stages),
+    )(*args)
+
+
+def _fwd_call(cfg: _Cfg, q, k, v, q_ids, kv_ids):
+    b, sqp, hq, dp = q.shape
+    skp = k.shape[1]
+    g, bq = cfg.groups, cfg.block_q
+    in_specs = [
+        pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0)),
+        pl.BlockSpec((None, skp, None, dp), lambda i, bb, h: (bb, 0, h // g, 0)),
+        pl.BlockSpec((None, skp, None, dp), lambda i, bb, h: (bb, 0, h // g, 0)),
+    ]
+    args = [q, k, v]
+    if cfg.has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
+                     pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0))]
+        args += [q_ids, kv_ids]
+    out_specs = [pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))]
+    out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sqp), jnp.float32)]
+    return _call(functools.partial(_fwd_kernel, cfg=cfg), cfg, name="flash_fwd",
+                 grid=(sqp // bq, b, hq), in_specs=in_specs, out_specs=out_specs,
+                 out_shapes=out_shapes, args=args)
+
+
+def _dkv_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
+    b, sqp, hq, dp = q.shape
+    skp, hkv = k.shape[1], k.shape[2]
+    g, bk = cfg.groups, cfg.block_k_dkv
+    kv_spec = pl.BlockSpec((None, bk, None, dp), lambda j, bb, h: (bb, j, h, 0))
+    grp_spec = pl.BlockSpec((None, sqp, g, dp), lambda j, bb, h: (bb, 0, h, 0))  # the query group of h
+    row_spec = pl.BlockSpec((None, g, sqp), lambda j, bb, h: (bb, h, 0))
+    in_specs = [grp_spec, kv_spec, kv_spec, grp_spec, row_spec, row_spec]
+    args = [q, k, v, do, lse, delta]
+    if cfg.has_seg:
+        in_specs += [pl.BlockSpec((None, sqp), lambda j, bb, h: (bb, 0)),
+                     pl.BlockSpec((None, bk), lambda j, bb, h: (bb, j))]
+        args += [q_ids, kv_ids]
+    out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    return _call(functools.partial(_dkv_kernel, cfg=cfg), cfg, name="flash_bwd_dkv",
+                 grid=(skp // bk, b, hkv), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
+                 out_shapes=out_shapes, args=args)
+
+
+def _dq_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
+    b, sqp, hq, dp = q.shape
+    skp = k.shape[1]
+    g, bq = cfg.groups, cfg.block_q_dq
+    q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0))
+    kv_spec = pl.BlockSpec((None, skp, None, dp), lambda i, bb, h: (bb, 0, h // g, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    args = [q, k, v, do, lse, delta]
+    if cfg.has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
+                     pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0))]
+        args += [q_ids, kv_ids]
+    (dq,) = _call(functools.partial(_dq_kernel, cfg=cfg), cfg, name="flash_bwd_dq",
+                  grid=(sqp // bq, b, hq), in_specs=in_specs, out_specs=[q_spec],
+                  out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], args=args)
+    return dq
+
+
+# ----------------------------------------------------------------------------------------- custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_core(cfg: _Cfg, q, k, v, q_ids, kv_ids):
+    """Padded arrays in, padded ``(out [B,Sqp,Hq,Dp], lse [B,Hq,Sqp] f32)`` out."""
+    return tuple(_fwd_call(cfg, q, k, v, q_ids, kv_ids))
+
+
+def _flash_core_fwd(cfg, q, k, v, q_ids, kv_ids):
+    out, lse = _fwd_call(cfg, q, k, v, q_ids, kv_ids)
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _flash_core_bwd(cfg, res, cts):
+    q, k, v, q_ids, kv_ids, out, lse = res
+    do, dlse = cts
+    do = do.astype(out.dtype)
+    # d lse / d s = p, so an LSE cotangent folds into delta: ds = p * (dp - (rowsum(dO*O) - dlse)).
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST)
+    delta = delta - dlse.astype(jnp.float32)
+    delta = jnp.where(jnp.isfinite(lse), delta, 0.0)
+    # A row that saw no key (lse = -inf; also a block of padded query rows, which the forward never
+    # visits) gets lse = +inf here, so p = exp(s - lse) is exactly 0 for it in every tile, masked or not.
+    # Without this, a padded row that the mask does not exclude would give p = inf and inf * 0 = NaN.
+    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    dk, dv = _dkv_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids)
+    dq = _dq_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids)
+    return dq, dk, dv, None, None
+
+
+_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "return_lse"))
+def _run(q, k, v, q_ids, kv_ids, *, cfg: _Cfg, return_lse: bool):
+    d = q.shape[-1]
+    dp = max(_MIN_BLOCK, _next_pow2(d))
+    pad_q = cfg.sq_pad - cfg.sq
+    pad_k = cfg.sk_pad - cfg.sk
+    qp = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp - d)))
+    kp = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, dp - d)))
+    vp = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, dp - d)))
+    if cfg.has_seg:  # edge padding keeps the ids of real positions; padded keys are masked by index
+        q_ids = jnp.pad(q_ids.astype(jnp.int32), ((0, 0), (0, pad_q)), mode="edge")
+        kv_ids = jnp.pad(kv_ids.astype(jnp.int32), ((0, 0), (0, pad_k)), mode="edge")
+    else:
+        q_ids = kv_ids = None
+    out, lse = _flash_core(cfg, qp, kp, vp, q_ids, kv_ids)
+    out = out[:, :cfg.sq, :, :d]
+    if return_lse:
+        return out, lse[:, :, :cfg.sq]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- public API
+def _resolve_interpret(interpret) -> bool:
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    if not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"interpret must be None or a bool, got {interpret!r} of type {type(interpret).__name__}")
+    return bool(interpret)
+
+
+def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, interpret=None,
+               poison=False):
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret), poison)
+    return _run(q, k, v, args.q_segment_ids, args.kv_segment_ids, cfg=cfg, return_lse=bool(return_lse))
+
+
+def _segment_pair(q_segment_ids, kv_segment_ids):
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (q_ids [B, Sq], kv_ids "
+                         f"[B, Sk]) or both be None; got q_segment_ids={'None' if q_segment_ids is None else 'array'}"
+                         f", kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
+    return None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+
+
+def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, scale=None,
+                    window=None, softcap=None, return_lse=False, block_sizes=None, interpret=None,
+                    _poison_outputs=False):
+    """Flash attention with our Pallas kernel; q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``.
+
+    Same contract as :func:`jaxattn.attention.dot_product_attention` (bottom-right ``causal``,
+    ``window=(left, right)``, ``softcap``, ``q_segment_ids [B, Sq]`` with ``kv_segment_ids [B, Sk]``,
+    ``scale`` default ``1/sqrt(D)``).  Returns ``out`` in q's dtype, or ``(out, lse)`` with
+    ``lse [B, Hq, Sq]`` float32 (natural log; ``-inf`` for a row that sees no key) when ``return_lse``;
+    both are differentiable.  ``block_sizes`` (default :meth:`BlockSizes.default`) and ``interpret``
+    (None: interpret unless jax's default backend is a GPU) are kernel knobs.  ``_poison_outputs`` (tests)
+    pre-fills the kernel output buffers with NaN.
+    """
+    args = normalize(q, k, v, causal=causal, segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+                     scale=scale, window=window, softcap=softcap)
+    return _from_args(q, k, v, args, return_lse=return_lse, block_sizes=block_sizes, interpret=interpret,
+                      poison=_poison_outputs)
+
+
+def flash_attention_reference(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
+                              scale=None, window=None, softcap=None, return_lse=False):
+    """Pure-``jnp`` float32 twin of :func:`flash_attention` (full score matrix, ``_common.mask``).
+
+    Inputs are upcast to float32 and every product uses ``Precision.HIGHEST``; the output is returned in
+    float32 (it is the high-precision reference the kernel is compared with), LSE in float32.
+    """
+    args = normalize(q, k, v, causal=causal, segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+                     scale=scale, window=window, softcap=softcap)
+    f32 = jnp.float32
+    hi = lax.Precision.HIGHEST
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.astype(f32).reshape(b, sq, hkv, g, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(f32), precision=hi) * args.scale
+    if args.softcap is not None:
+        s = args.softcap * jnp.tanh(s / args.softcap)
+    vis = _visibility_mask(sq, sk, args)
+    vis = vis[:, None, None] if vis.ndim == 3 else vis[None, None, None]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(vis, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(f32), precision=hi)
+    out = out.reshape(b, sq, hq, d)
+    if not return_lse:
+        return out
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), -jnp.inf)
+    return out, lse.reshape(b, hq, sq)
+
+
+# ----------------------------------------------------------------------------------------- backend API
+def supports(q, k, v, args: AttnArgs):
+    """None when this kernel can serve the call, else a one-line reason.
+
+    Serves NVIDIA GPUs (Triton lowering; bf16 needs compute capability >= 8.0) and CPU (interpret mode,
+    slow: meant for tests); declines other platforms and head dims > 256."""
+    d = q.shape[-1]
+    if d > _MAX_HEAD_DIM:
+        return f"head_dim {d} > {_MAX_HEAD_DIM}"
+    plat = platform_of(q)
+    if plat == "cpu":
+        return None
+    if plat != "gpu":
+        return f"the Triton lowering needs an NVIDIA GPU (found {plat})"
+    if _plt is None:
+        return "jax.experimental.pallas.triton is not importable in this jax"
+    try:
+        dev = jax.devices("gpu")[0]
+        kind = str(getattr(dev, "device_kind", ""))
+        version = str(getattr(dev.client, "platform_version", ""))
+    except Exception as e:  # pragma: no cover
+        return f"cannot query the GPU: {e}"
+    if "rocm" in version.lower() or "amd" in kind.lower() or "instinct" in kind.lower():
+        return f"the Triton lowering here targets NVIDIA GPUs (found {kind or version})"
+    cc = gpu_compute_capability(q)
+    if cc is not None and cc < (8, 0) and q.dtype == jnp.bfloat16:
+        return f"bfloat16 needs compute capability >= 8.0 (found {cc[0]}.{cc[1]})"
+    return None
+
+
+def attention(q, k, v, args: AttnArgs):
+    """Backend entry point (default block sizes, interpret iff no GPU)."""
+    return _from_args(q, k, v, args)

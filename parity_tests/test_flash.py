@@ -1,0 +1,475 @@
+"""Parity tests of the Pallas flash-attention kernel (``jaxattn.attention.flash``).
+
+The kernel is compared with ``flash_attention_reference`` (plain ``jnp`` in float32, full score matrix,
+``_common.mask``): outputs, log-sum-exp and dq/dk/dv, with random cotangents on BOTH the output and the
+LSE (so the LSE gradient path is checked too).
+
+* ``TestFlashInterpret`` runs the kernels in Pallas interpret mode on CPU (the very same kernel code);
+  ``TestFlashGPU`` (marker ``gpu``, auto-skipped without a GPU) runs the same test methods compiled with
+  the Triton lowering, plus larger shapes.
+* Tolerances (CONVENTIONS §7): fp32 outputs / LSE max-abs <= 1e-5 relative to the scale of the reference
+  (``1e-5 * max(1, max|ref|)``; outputs are convex combinations of v ~ N(0, 1), so this is 1e-5 up to the
+  magnitude of v); fp32 gradients ``rtol = atol = 1e-3``.  bf16/fp16: the kernel's max-abs error vs the
+  fp32 reference must be <= 2x the error of a naive attention computed entirely in bf16/fp16 (scores,
+  softmax, p@v and their autodiff gradients in the low dtype), plus half an ulp of the low dtype at the
+  reference's largest magnitude: the kernel must round its result to bf16/fp16, which alone costs up to
+  half an ulp, and the naive implementation can happen to be exact at its worst element (e.g. Sk = 1,
+  where attention returns v itself).
+* Outputs are poisoned: interpret mode starts every kernel output buffer as NaN, and the tests also pass
+  ``_poison_outputs=True``, which pre-fills the buffers with NaN through input/output aliasing (the
+  mechanism that works on a GPU too); an unwritten block therefore fails the comparison.
+  ``test_poison_catches_unwritten_blocks`` shows that the mechanism does catch a kernel that skips blocks.
+* The default run is a handful of cases chosen to cover every feature (GQA/MQA, padding of S and D,
+  S = 1, block sizes that do not divide S, bottom-right causal with Sq < Sk and Sq > Sk (rows with no
+  key), window, softcap, sorted and unsorted segment ids with rows that see no key, bf16, fp16); the
+  ``slow`` sweep draws random cases from the full cross product.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.attention import flash as F
+from jaxattn.attention._common import normalize
+
+HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    dtype: str = "float32"
+    causal: bool = False
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    softcap: Optional[float] = None
+    segments: Optional[str] = None  # None | "packed" (sorted, with query rows that see no key) | "random"
+    blocks: Optional[Tuple[int, ...]] = None  # 6 block sizes, or None for BlockSizes.default
+    seed: int = 0
+
+    def __str__(self):
+        parts = [f"b{self.b}", f"q{self.sq}", f"k{self.sk}", f"h{self.hq}-{self.hkv}", f"d{self.d}", self.dtype]
+        if self.causal:
+            parts.append("causal")
+        if self.window is not None:
+            parts.append(f"win{self.window[0]}-{self.window[1]}")
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.segments:
+            parts.append(f"seg-{self.segments}")
+        if self.blocks:
+            parts.append("blk" + "-".join(map(str, self.blocks)))
+        return "_".join(parts)
+
+
+B16 = (16, 16, 16, 16, 16, 16)
+
+# Default run: every feature at least once, tiny enough for interpret mode on 2 cores.
+DEFAULT_CASES = [
+    Case(1, 128, 128, 4, 4, 64),                                             # aligned, MHA
+    Case(3, 17, 17, 8, 2, 80, causal=True, blocks=B16),                      # GQA, D pad, S % block
+    Case(1, 255, 255, 8, 1, 32, causal=True, window=(40, None), blocks=(32, 16, 16, 32, 32, 16)),  # MQA
+    Case(1, 1, 513, 4, 4, 128, causal=True),                                 # decode: Sq = 1
+    Case(1, 513, 17, 8, 2, 32, causal=True, blocks=(16, 16, 64, 16, 32, 16)),  # Sq > Sk: rows see no key
+    Case(3, 128, 128, 8, 2, 64, causal=True, segments="packed", blocks=(32, 32, 16, 32, 32, 16)),
+    Case(1, 17, 128, 4, 4, 32, segments="random", blocks=B16),               # unsorted ids
+    Case(1, 128, 255, 8, 1, 80, window=(20, 7), softcap=4.0, blocks=(32, 64, 32, 16, 16, 64)),
+    Case(1, 1, 1, 4, 4, 32, causal=True),                                    # S = 1 both
+    Case(3, 128, 128, 8, 2, 64, dtype="bfloat16", causal=True, segments="packed", blocks=(32, 32, 32, 32, 32, 32)),
+    Case(1, 17, 255, 4, 4, 128, dtype="float16", window=(30, 5), softcap=3.0),
+    Case(1, 255, 255, 8, 1, 80, dtype="bfloat16", blocks=(64, 32, 32, 64, 32, 32)),
+]
+
+# Extra, larger shapes for the compiled GPU run.
+BIG_CASES = [
+    Case(2, 1024, 1024, 16, 4, 128, dtype="bfloat16", causal=True),
+    Case(2, 1000, 1500, 8, 1, 96, dtype="float16", causal=True, window=(256, None), softcap=30.0),
+    Case(2, 2048, 2048, 8, 8, 256, dtype="bfloat16", segments="packed"),
+    Case(1, 777, 777, 12, 4, 64, causal=True, segments="random"),
+    Case(1, 4096, 4096, 8, 2, 128, dtype="bfloat16", causal=True, segments="packed"),
+    Case(2, 513, 513, 8, 2, 80, causal=True, softcap=20.0),
+]
+
+
+def _sweep_cases(n: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for idx in range(n):
+        sq, sk = rng.choice([1, 17, 128, 255, 513]), rng.choice([1, 17, 128, 255, 513])
+        hq, hkv = rng.choice([(4, 4), (8, 2), (8, 1)])
+        causal = rng.random() < 0.5
+        window = rng.choice([None, None, (rng.randint(0, 64), None if causal else rng.randint(0, 64))])
+        segments = rng.choice([None, None, "packed", "random"])
+        blocks = rng.choice([None, B16, tuple(rng.choice([16, 32, 64]) for _ in range(6))])
+        out.append(Case(rng.choice([1, 3]), sq, sk, hq, hkv, rng.choice([32, 64, 80, 128]),
+                        dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]), causal=causal,
+                        window=window, softcap=rng.choice([None, None, 5.0]), segments=segments,
+                        blocks=blocks, seed=idx + 1))
+    return out
+
+
+SWEEP_CASES = _sweep_cases(48, seed=1234)
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def _segment_ids(rng: np.random.Generator, case: Case):
+    if case.segments is None:
+        return None, None
+    if case.segments == "random":  # unsorted ids from a small range
+        q_ids = rng.integers(0, 3, size=(case.b, case.sq))
+        kv_ids = rng.integers(0, 3, size=(case.b, case.sk))
+        return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+    q_ids = np.zeros((case.b, case.sq), np.int32)
+    kv_ids = np.zeros((case.b, case.sk), np.int32)
+    for bi in range(case.b):  # packed documents: sorted ids, random boundaries
+        n_docs = int(rng.integers(1, 5))
+        for ids, s in ((q_ids, case.sq), (kv_ids, case.sk)):
+            cuts = np.sort(rng.integers(0, s + 1, size=n_docs - 1))
+            ids[bi] = np.searchsorted(cuts, np.arange(s), side="right")
+        if case.sq >= 4:  # a run of queries whose document has no key at all
+            lo = int(rng.integers(0, case.sq - 3))
+            q_ids[bi, lo:lo + 3] = 99
+    return jnp.asarray(q_ids), jnp.asarray(kv_ids)
+
+
+def _inputs(case: Case):
+    rng = np.random.default_rng(case.seed + 7919 * case.sq + 31 * case.sk + case.d)
+    dt = jnp.dtype(case.dtype)
+
+    def rnd(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+
+    q = rnd(case.b, case.sq, case.hq, case.d)
+    k = rnd(case.b, case.sk, case.hkv, case.d)
+    v = rnd(case.b, case.sk, case.hkv, case.d)
+    do = rnd(case.b, case.sq, case.hq, case.d)
+    dlse = jnp.asarray(rng.standard_normal((case.b, case.hq, case.sq)), jnp.float32)
+    q_ids, kv_ids = _segment_ids(rng, case)
+    return q, k, v, do, dlse, q_ids, kv_ids
+
+
+def _opts(case: Case, q_ids, kv_ids):
+    return dict(causal=case.causal, window=case.window, softcap=case.softcap, q_segment_ids=q_ids,
+                kv_segment_ids=kv_ids)
+
+
+# ------------------------------------------------------------------------------------------------ runners
+def _vjp_all(fn, q, k, v, do, dlse):
+    (out, lse), pull = jax.vjp(fn, q, k, v)
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(lse.dtype)  # no cotangent on -inf rows
+    return out, lse, pull((do.astype(out.dtype), dlse))
+
+
+def _run_kernel(case: Case, interpret: bool, q, k, v, do, dlse, q_ids, kv_ids):
+    bs = None if case.blocks is None else F.BlockSizes(*case.blocks)
+
+    @jax.jit
+    def go(q, k, v, do, dlse, q_ids, kv_ids):
+        fn = lambda q, k, v: F.flash_attention(q, k, v, **_opts(case, q_ids, kv_ids), return_lse=True,
+                                               block_sizes=bs, interpret=interpret, _poison_outputs=True)
+        return _vjp_all(fn, q, k, v, do, dlse)
+
+    return go(q, k, v, do, dlse, q_ids, kv_ids)
+
+
+def _run_reference(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
+    @jax.jit
+    def go(q, k, v, do, dlse, q_ids, kv_ids):
+        fn = lambda q, k, v: F.flash_attention_reference(q, k, v, **_opts(case, q_ids, kv_ids), return_lse=True)
+        return _vjp_all(fn, q, k, v, do, dlse)
+
+    f32 = lambda x: x.astype(jnp.float32)
+    return go(f32(q), f32(k), f32(v), f32(do), dlse, q_ids, kv_ids)
+
+
+def _naive_low_precision(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
+    """Attention written naively in the inputs' low dtype: scores, softmax, p@v and autodiff all in
+    bf16/fp16 (the baseline of the 2x rule)."""
+    args = normalize(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap,
+                     segment_ids=None if q_ids is None else (q_ids, kv_ids))
+    from jaxattn.attention._common import mask
+
+    def fn(q, k, v):
+        dt = q.dtype
+        b, sq, hq, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        qg = q.reshape(b, sq, hkv, hq // hkv, d)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k) * jnp.asarray(args.scale, dt)
+        if args.softcap is not None:
+            c = jnp.asarray(args.softcap, dt)
+            s = c * jnp.tanh(s / c)
+        vis = mask(sq, sk, args, q_ids, kv_ids)
+        vis = vis[:, None, None] if vis.ndim == 3 else vis[None, None, None]
+        s = jnp.where(vis, s, jnp.asarray(-jnp.inf, dt))
+        m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+        p = jnp.where(vis, jnp.exp(s - m), jnp.zeros_like(s))
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        l_safe = jnp.where(l > 0, l, jnp.ones_like(l))
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, v).reshape(b, sq, hq, d)
+        lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(l_safe[..., 0]), -jnp.inf)
+        return out, lse.reshape(b, hq, sq)
+
+    return jax.jit(lambda *a: _vjp_all(fn, *a))(q, k, v, do, dlse.astype(q.dtype))
+
+
+def _maxabs(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    with np.errstate(invalid="ignore"):  # inf - inf on rows that are -inf in both (checked separately)
+        diff = np.where(both_inf, 0.0, np.abs(a - b))
+    return float(np.max(diff)) if diff.size else 0.0
+
+
+def _finite_scale(x):
+    x = np.asarray(jnp.asarray(x, jnp.float32))
+    x = x[np.isfinite(x)]
+    return float(np.max(np.abs(x))) if x.size else 0.0
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames and metafunc.cls is not None:
+        cases = metafunc.cls.CASES
+        metafunc.parametrize("case", cases, ids=[str(c) for c in cases])
+
+
+class _FlashSuite:
+    INTERPRET = True
+    CASES = DEFAULT_CASES
+
+    def _check(self, case: Case):
+        q, k, v, do, dlse, q_ids, kv_ids = _inputs(case)
+        out, lse, grads = _run_kernel(case, self.INTERPRET, q, k, v, do, dlse, q_ids, kv_ids)
+        r_out, r_lse, r_grads = _run_reference(case, q, k, v, do, dlse, q_ids, kv_ids)
+
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert lse.shape == (case.b, case.hq, case.sq) and lse.dtype == jnp.float32
+        for name, x in (("out", out), ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2])):
+            assert bool(jnp.all(jnp.isfinite(x))), f"{name} has non-finite values (unwritten block / NaN row)"
+        # LSE is -inf exactly on the rows that see no key, finite elsewhere; such rows give zeros.
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(r_lse)))
+        assert not bool(jnp.any(jnp.isnan(lse))) and not bool(jnp.any(lse == jnp.inf))
+        empty = np.asarray(jnp.isneginf(r_lse))  # [B, Hq, Sq]
+        if empty.any():
+            rows = np.asarray(jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)))[empty]
+            assert np.all(rows == 0.0), "rows that see no key must be exactly zero"
+            dq_rows = np.asarray(jnp.transpose(grads[0].astype(jnp.float32), (0, 2, 1, 3)))[empty]
+            assert np.all(dq_rows == 0.0), "rows that see no key must get zero dq"
+
+        names = ("out", "lse", "dq", "dk", "dv")
+        got = (out, lse) + tuple(grads)
+        ref = (r_out, r_lse) + tuple(r_grads)
+        if case.dtype == "float32":
+            for name, g, r in zip(names[:2], got[:2], ref[:2]):
+                err, tol = _maxabs(g, r), 1e-5 * max(1.0, _finite_scale(r))
+                assert err <= tol, f"{name}: max-abs error {err:.3g} > {tol:.3g}"
+            for name, g, r in zip(names[2:], got[2:], ref[2:]):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-3, atol=1e-3, err_msg=name)
+        else:
+            naive = _naive_low_precision(case, q, k, v, do, dlse, q_ids, kv_ids)
+            n_got = (naive[0], naive[1]) + tuple(naive[2])
+            eps = float(jnp.finfo(jnp.dtype(case.dtype)).eps)
+            for name, g, r, n in zip(names, got, ref, n_got):
+                if name == "lse":  # the kernel's LSE is float32 by contract: hold it to the fp32 bar
+                    err, tol = _maxabs(g, r), 1e-5 * max(1.0, _finite_scale(r))
+                else:
+                    err = _maxabs(g, r)
+                    tol = 2.0 * _maxabs(n, r) + 0.5 * eps * _finite_scale(r)
+                assert err <= tol, f"{name}: kernel error {err:.3g} > 2x naive {case.dtype} error bound {tol:.3g}"
+
+    def test_parity(self, case):
+        self._check(case)
+
+
+class TestFlashInterpret(_FlashSuite):
+    INTERPRET = True
+    CASES = DEFAULT_CASES
+
+
+@pytest.mark.gpu
+class TestFlashGPU(_FlashSuite):
+    INTERPRET = False
+    CASES = DEFAULT_CASES + BIG_CASES
+
+
+@pytest.mark.slow
+class TestFlashSweep(_FlashSuite):
+    INTERPRET = True
+    CASES = SWEEP_CASES
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+class TestFlashSweepGPU(_FlashSuite):
+    INTERPRET = False
+    CASES = SWEEP_CASES
+
+
+# ------------------------------------------------------------------------------------------------ bounds
+def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
+    """The loop bounds (block skipping for causal / window) never drop a tile with a visible pair, for
+    causal they exclude every tile entirely above the diagonal, and the tiles the kernels run WITHOUT a
+    mask (the fully visible interior) really are fully visible.  Checked exhaustively against the
+    brute-force mask for a grid of lengths, windows and block sizes (pure Python, no kernel)."""
+    from jaxattn.attention._common import AttnArgs, mask
+
+    for sq, sk, causal, window, bq, bk in itertools.product(
+            (1, 17, 40, 64), (1, 23, 40, 64), (False, True), (None, (5, None), (3, 9), (0, 0), (40, 2)),
+            (16, 32), (16, 32)):
+        if causal and window is not None:
+            window = (window[0], 0)
+        args = AttnArgs(causal=causal, window=window, scale=1.0)
+        q = jnp.zeros((1, sq, 1, 32))
+        k = jnp.zeros((1, sk, 1, 32))
+        cfg = F._make_cfg(q, k, args, F.BlockSizes(bq, bk, bq, bk, bq, bk), True, False)
+        vis = np.asarray(mask(sq, sk, args))
+        for qb in range(F._cdiv(sq, bq)):
+            lo, hi = (int(x) for x in F._kv_block_range(qb * bq, bq, bk, cfg))
+            for kb in range(F._cdiv(sk, bk)):
+                tile = vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+                if tile.any():
+                    assert lo <= kb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
+                elif causal and window is None and kb * bk > qb * bq + bq - 1 + sk - sq:
+                    assert not lo <= kb < hi, "a tile entirely above the causal diagonal was visited"
+            # tiles run without a mask must be fully visible and hold no padded key
+            u_lo, u_hi = (int(x) for x in F._kv_full_range(qb * bq, bq, bk, cfg))
+            for kb in range(max(u_lo, lo), min(u_hi, hi)):
+                assert (kb + 1) * bk <= sk and vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].all(), (
+                    "unmasked tile is not fully visible", sq, sk, causal, window, bq, bk, qb, kb)
+        for kb in range(F._cdiv(sk, bk)):
+            lo, hi = (int(x) for x in F._q_block_range(kb * bk, bk, bq, cfg))
+            for qb in range(F._cdiv(sq, bq)):
+                if vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].any():
+                    assert lo <= qb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
+            u_lo, u_hi = (int(x) for x in F._q_full_range(kb * bk, bk, bq, cfg))
+            for qb in range(max(u_lo, lo), min(u_hi, hi)):
+                assert (kb + 1) * bk <= sk and vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].all(), (
+                    "unmasked dkv tile is not fully visible", sq, sk, causal, window, bq, bk, qb, kb)
+
+
+# ------------------------------------------------------------------------------------------------ lowering
+@pytest.mark.parametrize("dtype, hq, hkv, d, opts", [
+    (jnp.bfloat16, 8, 2, 80, dict(causal=True, window=(30, None), softcap=5.0, segments=True)),
+    (jnp.float32, 6, 2, 64, dict(causal=False, window=(7, 3), softcap=None, segments=False)),  # G = 3
+    (jnp.float16, 4, 1, 256, dict(causal=True, window=None, softcap=None, segments=True)),
+])
+def test_triton_lowering_without_gpu(dtype, hq, hkv, d, opts):
+    """Forward + backward lower through the Pallas *Triton* lowering (cross-platform lowering for
+    "cuda" works on a CPU-only jaxlib): one Triton custom call each for forward, dkv and dq.  This
+    checks that every primitive the kernels use has a Triton lowering rule and that every loaded
+    tile is a power of two; it does not compile PTX or run anything."""
+    b, sq, sk = 2, 100, 130
+    q = jnp.ones((b, sq, hq, d), dtype)
+    k = jnp.ones((b, sk, hkv, d), dtype)
+    ids = (jnp.zeros((b, sq), jnp.int32), jnp.zeros((b, sk), jnp.int32)) if opts["segments"] else (None, None)
+
+    def f(q, k, v):
+        fn = lambda q, k, v: F.flash_attention(
+            q, k, v, causal=opts["causal"], window=opts["window"], softcap=opts["softcap"],
+            q_segment_ids=ids[0], kv_segment_ids=ids[1], return_lse=True, interpret=False,
+            _poison_outputs=True)
+        (o, l), pull = jax.vjp(fn, q, k, v)
+        return o, l, pull((o, l))
+
+    text = jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3, "expected the fwd, dkv and dq Triton kernels"
+
+
+# ------------------------------------------------------------------------------------------------ poison
+def test_poison_catches_unwritten_blocks():
+    """A kernel that writes only its first grid block leaves NaN in the others when poisoned."""
+    cfg = F._make_cfg(jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16)), normalize(
+        jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16))),
+        F.BlockSizes(16, 16, 16, 16, 16, 16), True, True)
+    from jax.experimental import pallas as pl
+
+    def lazy_kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = x_ref[...]
+
+    x = jnp.ones((64, 16), jnp.float32)
+    spec = pl.BlockSpec((16, 16), lambda i: (i, 0))
+    (y,) = F._call(lazy_kernel, cfg, name="lazy", grid=(4,), in_specs=[spec], out_specs=[spec],
+                   out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], args=[x])
+    y = np.asarray(y)
+    assert np.all(y[:16] == 1.0) and np.all(np.isnan(y[16:]))
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(block_q=48), ValueError, "block_q"),
+    (dict(block_k=8), ValueError, "block_k"),
+    (dict(block_q_dkv=0), ValueError, "block_q_dkv"),
+    (dict(block_k_dq=2048), ValueError, "block_k_dq"),
+    (dict(block_q=True), ValueError, "block_q"),
+    (dict(num_warps=3), ValueError, "num_warps"),
+    (dict(num_warps=True), ValueError, "num_warps"),
+    (dict(num_stages=0), ValueError, "num_stages"),
+])
+def test_block_sizes_rejects_bad_values(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        F.BlockSizes(**kwargs)
+
+
+def test_block_sizes_default_is_valid_for_every_head_dim():
+    for d in (1, 16, 32, 64, 80, 96, 128, 192, 256):
+        for dt in (jnp.float32, jnp.bfloat16, jnp.float16):
+            bs = F.BlockSizes.default(d, dt)
+            assert isinstance(bs, F.BlockSizes)
+    with pytest.raises(ValueError, match="head_dim"):
+        F.BlockSizes.default(300)
+
+
+def _qkv(sq=8, sk=8, hq=4, hkv=2, d=32, dt=jnp.float32):
+    key = jax.random.PRNGKey(0)
+    return (jax.random.normal(key, (1, sq, hq, d), dt), jax.random.normal(key, (1, sk, hkv, d), dt),
+            jax.random.normal(key, (1, sk, hkv, d), dt))
+
+
+@pytest.mark.parametrize("make, kwargs, exc, words", [
+    (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, "kv_segment_ids"),
+    (lambda: _qkv(), dict(block_sizes={"block_q": 16}), TypeError, "block_sizes"),
+    (lambda: _qkv(), dict(interpret="yes"), TypeError, "interpret"),
+    (lambda: _qkv(), dict(return_lse="no"), TypeError, "return_lse"),
+    (lambda: _qkv(hq=3, hkv=2), {}, ValueError, "Hq"),
+    (lambda: _qkv(d=300), {}, ValueError, "head_dim"),
+    (lambda: tuple(x.astype(jnp.int32) for x in _qkv()), {}, TypeError, "dtype"),
+    (lambda: (_qkv()[0][0],) + _qkv()[1:], {}, ValueError, "rank 4"),
+    (lambda: _qkv(), dict(window=(-1, 0)), ValueError, "window"),
+    (lambda: _qkv(), dict(softcap=0.0), ValueError, "softcap"),
+    (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8)), kv_segment_ids=jnp.zeros((1, 8))), TypeError,
+     "integer"),
+    (lambda: _qkv(sq=8, sk=9), dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32),
+                                    kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, "kv_ids"),
+])
+def test_flash_attention_rejects_bad_inputs(make, kwargs, exc, words):
+    q, k, v = make()
+    with pytest.raises(exc, match=words):
+        F.flash_attention(q, k, v, **kwargs)
+
+
+def test_supports_and_backend_entry_point():
+    """``supports`` accepts CPU (interpret) calls and ``attention`` matches the xla backend through the
+    dispatcher (``backend="flash"``)."""
+    from jaxattn.attention import dot_product_attention
+
+    q, k, v = _qkv(sq=17, sk=17, hq=4, hkv=2, d=32)
+    args = normalize(q, k, v, causal=True)
+    assert F.supports(q, k, v, args) is None
+    got = dot_product_attention(q, k, v, causal=True, backend="flash")
+    want = dot_product_attention(q, k, v, causal=True, backend="xla")
+    assert _maxabs(got, want) <= 1e-5
