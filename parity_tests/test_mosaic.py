@@ -1,0 +1,357 @@
+"""Tests for ``jaxattn.attention.mosaic`` (Pallas Mosaic GPU flash attention, Hopper).
+
+CPU (default run): import without a GPU, ``supports`` reasons, argument validation, and the numerics of
+everything around the kernel with the kernel swapped for its pure-jnp emulation (``impl="emulate"``: same
+tiles, loop bounds, masks and tile math) against a float64 numpy reference -- padding to the block size,
+bottom-right causal with Sq != Sk, GQA, empty rows, lse, the custom_vjp wiring and the blockwise recompute
+backward. One small case runs the *kernel body itself* under JAX's Mosaic GPU interpreter
+(``impl="interpret"``: simulated warpgroups, barriers and TMA; see the module docstring for the four
+substitutions) with its race detector on, which checks the barrier protocol and that every output block is
+written. Cross-platform export (``jax.export`` with ``platforms=["cuda"]``) runs the real Pallas -> Mosaic
+GPU lowering of the unsubstituted kernel (wgmma, TMA, layouts) on CPU, forward and backward.
+``slow``: more interpreter configurations.  ``gpu``: the compiled kernel on a Hopper GPU (bf16, 2x rule).
+
+Tolerances (CONVENTIONS §7): fp32 forward max-abs <= 1e-5, fp32 grads rtol = atol = 1e-3, bf16 error vs a
+float64 reference <= 2x the error of a naive bf16 implementation (outputs and gradients).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.attention import mosaic as M
+from jaxattn.attention._common import normalize
+
+
+# ------------------------------------------------------------------------------------------ references
+def _ref64(q, k, v, causal, scale, do=None):
+    """float64 numpy attention (bottom-right causal, GQA, empty rows -> 0) and, with ``do``, its grads.
+    Works in [B, H, S, D] with ``@`` so that numpy uses BLAS (the GPU tests use S = 2048)."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64).transpose(0, 2, 1, 3) for x in (q, k, v))
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = (q @ kk.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(vis, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    del s
+    l_ = e.sum(-1, keepdims=True)
+    p = e / np.where(l_ > 0, l_, 1.0)
+    del e
+    out = p @ vv
+    lse = np.where(l_[..., 0] > 0, m[..., 0] + np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0)), -np.inf)
+    to_jax = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    if do is None:
+        return to_jax(out), lse
+    do = np.asarray(jnp.asarray(do, jnp.float32), np.float64).transpose(0, 2, 1, 3)
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ vv.transpose(0, 1, 3, 2)
+    ds = p * (dp - np.sum(do * out, axis=-1, keepdims=True))
+    del dp, p
+    dq = (ds @ kk) * scale
+    dk = (ds.transpose(0, 1, 3, 2) @ q) * scale
+    fold = lambda x: to_jax(x.reshape(b, hkv, g, sk, d).sum(2))  # noqa: E731
+    return to_jax(out), lse, (to_jax(dq), fold(dk), fold(dv))
+
+
+def _naive(q, k, v, causal, scale):
+    """Naive attention computed entirely in the input dtype (the 2x rule's yardstick)."""
+    dt = q.dtype
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, preferred_element_type=dt) * jnp.asarray(scale, dt)
+    vis = jnp.ones((sq, sk), bool)
+    if causal:
+        vis = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+    s = jnp.where(vis, s, jnp.asarray(-jnp.inf, dt))
+    # rows that see no key give zeros (the contract), not softmax's NaN
+    p = jnp.where(vis.any(-1, keepdims=True), jax.nn.softmax(s, axis=-1), 0).astype(dt)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv, preferred_element_type=dt)
+
+
+def _inputs(seed, b, sq, sk, hq, hkv, d, dtype):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def _maxabs(a, b):
+    return float(np.max(np.abs(np.asarray(jnp.asarray(a, jnp.float32), np.float64) - b)))
+
+
+def _grads(fn, q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(do)
+
+
+# ------------------------------------------------------------------------------------------ CPU: API
+def test_import_and_supports_reasons_on_cpu():
+    q, k, v, _ = _inputs(0, 1, 8, 8, 2, 1, 64, jnp.bfloat16)
+    ok = normalize(q, k, v, causal=True)
+    reason = M.supports(q, k, v, ok)
+    if not jax.devices()[0].platform == "gpu":
+        assert reason is not None and "Hopper" in reason and "cpu" in reason
+    seg = jnp.zeros((1, 8), jnp.int32)
+    cases = [
+        (normalize(q, k, v, segment_ids=seg), "segment_ids"),
+        (normalize(q, k, v, window=(4, 0)), "window"),
+        (normalize(q, k, v, softcap=30.0), "softcap"),
+    ]
+    for args, word in cases:
+        assert word in M.supports(q, k, v, args)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert "dtype" in M.supports(*f32, normalize(*f32))
+    q80, k80, v80, _ = _inputs(0, 1, 8, 8, 2, 1, 80, jnp.float16)
+    assert M.supports(q80, k80, v80, normalize(q80, k80, v80)) == "head_dim 80 not in (64, 128, 256)"
+    with pytest.raises(ValueError, match="mosaic attention backend cannot serve"):
+        M.attention(q80, k80, v80, normalize(q80, k80, v80))
+
+
+def test_public_op_needs_gpu_with_clear_error():
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("a GPU is present")
+    q, k, v, _ = _inputs(0, 1, 8, 8, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="Hopper GPU"):
+        M.mosaic_attention(q, k, v)
+
+
+def test_argument_validation():
+    q, k, v, _ = _inputs(0, 1, 8, 8, 4, 2, 64, jnp.bfloat16)
+    f = M.mosaic_attention
+    with pytest.raises(ValueError, match="rank 4"):
+        f(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        f(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="v shape"):
+        f(q, k, v[:, :4])
+    with pytest.raises(TypeError, match="dtypes"):
+        f(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    with pytest.raises(TypeError, match="dtypes"):
+        f(q, k.astype(jnp.float16), v)
+    q80, k80, v80, _ = _inputs(0, 1, 8, 8, 2, 1, 80, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"head_dim 80 .*\(64, 128, 256\)"):
+        f(q80, k80, v80)
+    with pytest.raises(ValueError, match="scale"):
+        f(q, k, v, scale=-1.0)
+    with pytest.raises(TypeError, match="causal"):
+        f(q, k, v, causal="yes")
+    with pytest.raises(TypeError, match="block_sizes"):
+        f(q, k, v, block_sizes=(64, 64))
+    with pytest.raises(ValueError, match="shared memory"):
+        f(q, k, v, block_sizes=M.MosaicBlockSizes(block_kv=512, max_concurrent_steps=4))
+    with pytest.raises(ValueError, match="impl"):
+        M._mosaic_attention(q, k, v, impl="triton")
+
+
+def test_block_sizes_validation():
+    assert M.MosaicBlockSizes.default(256).block_kv == 64
+    assert M.MosaicBlockSizes.default(128) == M.MosaicBlockSizes()
+    with pytest.raises(ValueError, match="block_q"):
+        M.MosaicBlockSizes(block_q=96)
+    with pytest.raises(ValueError, match="block_kv"):
+        M.MosaicBlockSizes(block_kv=0)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        M.MosaicBlockSizes(max_concurrent_steps=1)
+    with pytest.raises(TypeError, match="block_q"):
+        M.MosaicBlockSizes(block_q=64.0)
+    with pytest.raises(dataclasses_FrozenError()):
+        M.MosaicBlockSizes().block_q = 128  # frozen
+
+
+def dataclasses_FrozenError():
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+# ------------------------------------------------------------------------------------------ CPU: numerics
+# (b, sq, sk, hq, hkv, d, causal): padding on both sides, Sq != Sk both ways (bottom-right causal; Sq > Sk
+# gives rows that see no key), GQA 2 and MQA, several kv blocks so the masked/unmasked split is exercised.
+FP32_CASES = [
+    (2, 100, 70, 4, 2, 64, False),   # GQA 2, both sides padded, masked last kv block
+    (1, 70, 200, 4, 1, 64, True),    # MQA, Sq < Sk: unmasked + masked kv steps
+    (1, 150, 40, 2, 2, 128, True),   # Sq > Sk: the first 110 rows see no key
+]
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", FP32_CASES)
+def test_emulated_forward_and_grads_fp32_vs_float64(b, sq, sk, hq, hkv, d, causal):
+    """Kernel tile math + padding/masking + custom_vjp + blockwise backward, all in fp32."""
+    q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, hq, hkv, d, jnp.float32)
+    scale = 0.7 / math.sqrt(d)
+    cfg = M.MosaicBlockSizes(block_kv=64, block_kv_bwd=48)  # many kv steps, ragged bwd blocks
+    fn = lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, scale=scale, block_sizes=cfg,  # noqa: E731
+                                             impl="emulate")
+    out, (dq, dk, dv) = _grads(jax.jit(fn), q, k, v, do)
+    r_out, r_lse, (r_dq, r_dk, r_dv) = _ref64(q, k, v, causal, scale, do)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _maxabs(out, r_out) <= 1e-5
+    for got, want in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-3, atol=1e-3)
+    _, lse = M._mosaic_attention(q, k, v, causal=causal, scale=scale, block_sizes=cfg, impl="emulate",
+                                 return_lse=True)
+    assert lse.shape == (b, hq, sq)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
+    fin = np.isfinite(r_lse)
+    np.testing.assert_allclose(lse[fin], r_lse[fin], rtol=0, atol=1e-5)
+    if causal and sq > sk:  # rows that see no key: zeros, never NaN, zero dq
+        empty = sq - sk
+        assert np.all(np.asarray(out[:, :empty]) == 0) and np.all(np.asarray(out[:, empty:]) != 0)
+        assert np.all(np.asarray(dq[:, :empty]) == 0)
+        assert np.all(np.isinf(lse[:, :, :empty]))
+        for x in (dq, dk, dv):
+            assert np.all(np.isfinite(np.asarray(x)))
+
+
+@pytest.mark.parametrize("dtype,causal", [(jnp.bfloat16, False),  # GQA, padded keys masked in the last block
+                                          (jnp.float16, True)])
+def test_emulated_low_precision_two_x_rule(dtype, causal):
+    """Outputs and grads: error vs float64 <= 2x the error of naive attention in the same dtype."""
+    q, k, v, do = _inputs(11, 1, 190, 250, 4, 2, 64, dtype)
+    scale = 1 / 8
+    fn = lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, impl="emulate")  # noqa: E731
+    out, grads = _grads(jax.jit(fn), q, k, v, do)
+    n_out, n_grads = _grads(jax.jit(lambda q, k, v: _naive(q, k, v, causal, scale)), q, k, v, do)
+    r_out, _, r_grads = _ref64(q, k, v, causal, scale, do)
+    assert out.dtype == dtype
+    assert _maxabs(out, r_out) <= 2 * _maxabs(n_out, r_out)
+    for name, g, n, r in zip("qkv", grads, n_grads, r_grads):
+        assert g.dtype == dtype
+        assert _maxabs(g, r) <= 2 * _maxabs(n, r), f"d{name}"
+
+
+def _check_interpret_case(b, sq, sk, hq, hkv, d, causal, cfg=None, seed=5):
+    """The kernel body under the Mosaic GPU interpreter with its happens-before race detector on (a TMA
+    write into a K/V slot that a consumer may still read is reported; checked by hand by swapping the
+    producer's wait and copy), which also poisons unwritten memory with NaN and raises if a thread leaves a
+    barrier phase unobserved. Then: bf16 2x rule vs float64, agreement with the emulation (same tile
+    math, so equal up to bf16 rounding), lse, and no unwritten (NaN) blocks."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # private, jax 0.10/0.11
+
+    q, k, v, _ = _inputs(seed, b, sq, sk, hq, hkv, d, jnp.bfloat16)
+    scale = 1 / math.sqrt(d)
+    M._INTERPRET_OPTIONS["detect_races"] = True
+    try:
+        out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="interpret",
+                                       return_lse=True)
+        jax.block_until_ready((out, lse))
+        assert not gpu_callbacks.get_races().races_found, "race between TMA and wgmma reads"
+    finally:
+        M._INTERPRET_OPTIONS.pop("detect_races", None)
+    e_out, e_lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="emulate",
+                                       return_lse=True)
+    r_out, r_lse = _ref64(q, k, v, causal, scale)
+    out32 = np.asarray(out.astype(jnp.float32))
+    assert not np.isnan(out32).any()
+    assert _maxabs(out, r_out) <= 2 * _maxabs(_naive(q, k, v, causal, scale), r_out)
+    np.testing.assert_allclose(out32, np.asarray(e_out.astype(jnp.float32)), rtol=0, atol=2 ** -7)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
+    fin = np.isfinite(r_lse)
+    np.testing.assert_allclose(lse[fin], np.asarray(e_lse, np.float64)[fin], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(lse[fin], r_lse[fin], rtol=0, atol=5e-2)
+
+
+def test_interpreted_kernel_causal_gqa_ragged():
+    """Causal, Sq < Sk, GQA, kv ring refilled (3 kv blocks > 2 slots), warpgroup 0 (2 kv steps) drains
+    the ring while warpgroup 1 (3 kv steps) still computes, padded q and k."""
+    _check_interpret_case(1, 100, 150, 2, 1, 64, True, M.MosaicBlockSizes(block_kv=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", [
+    (1, 100, 100, 2, 1, 64, False),
+    (1, 300, 600, 2, 1, 64, True),
+    (1, 600, 300, 2, 1, 64, True),  # rows with no key; warpgroup 0 drains
+    (1, 333, 333, 2, 1, 128, True),
+    (1, 129, 700, 2, 1, 64, False),
+    (1, 200, 200, 2, 1, 256, True),
+    (2, 256, 256, 4, 2, 128, False),
+])
+def test_interpreted_kernel_sweep(b, sq, sk, hq, hkv, d, causal):
+    _check_interpret_case(b, sq, sk, hq, hkv, d, causal)
+
+
+# ------------------------------------------------------------------------------------------ CPU: lowering
+def _export_for_cuda(fn, *shapes):
+    from jax import export
+    return export.export(jax.jit(fn), platforms=["cuda"])(*shapes).mlir_module()
+
+
+@pytest.mark.parametrize("sq,sk,d,causal,dtype", [
+    (1000, 1000, 128, True, jnp.bfloat16),
+    (300, 777, 64, False, jnp.float16),
+    (2048, 1000, 256, True, jnp.bfloat16),
+    (1, 4096, 64, True, jnp.float16),
+    (4096, 4096, 128, False, jnp.bfloat16),
+])
+def test_real_kernel_lowers_for_cuda_on_cpu(sq, sk, d, causal, dtype):
+    """Cross-platform export runs the real Pallas -> Mosaic GPU lowering (layouts, wgmma, TMA, mbarriers)
+    without a GPU. Catches API/layout errors in the GPU-only code paths; ptxas and the run itself are not
+    covered (the ``gpu`` tests do that)."""
+    q = jax.ShapeDtypeStruct((2, sq, 8, d), dtype)
+    k = jax.ShapeDtypeStruct((2, sk, 2, d), dtype)
+    txt = _export_for_cuda(
+        lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, impl="mosaic", return_lse=True), q, k, k)
+    for needle in ("wgmma", "cp.async.bulk.tensor", "mbarrier"):
+        assert needle in txt
+
+
+def test_real_kernel_with_backward_lowers_for_cuda_on_cpu():
+    q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = M._mosaic_attention(q, k, v, causal=True, impl="mosaic")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+    txt = _export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+    assert "wgmma" in txt
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1000, 2048])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kernel_bf16_two_x_rule(seq, d, causal):
+    q, k, v, do = _inputs(seq + d, 2, seq, seq, 8, 2, d, jnp.bfloat16)
+    args = normalize(q, k, v, causal=causal)
+    reason = M.supports(q, k, v, args)
+    if reason is not None and ("Hopper" in reason or "ptxas" in reason):
+        pytest.skip(reason)
+    assert reason is None
+    scale = 1 / math.sqrt(d)
+    fn = jax.jit(lambda q, k, v: M.attention(q, k, v, args))
+    out, grads = _grads(fn, q, k, v, do)
+    n_out, n_grads = _grads(jax.jit(lambda q, k, v: _naive(q, k, v, causal, scale)), q, k, v, do)
+    r_out, _, r_grads = _ref64(q, k, v, causal, scale, do)
+    assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out.astype(jnp.float32))).any()
+    assert _maxabs(out, r_out) <= 2 * _maxabs(n_out, r_out)
+    for name, g, n, r in zip("qkv", grads, n_grads, r_grads):
+        assert _maxabs(g, r) <= 2 * _maxabs(n, r), f"d{name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk", [(1000, 2048), (2048, 1000), (1, 777)])
+def test_gpu_kernel_bf16_unequal_lengths_causal(sq, sk):
+    q, k, v, _ = _inputs(sq + sk, 2, sq, sk, 8, 2, 128, jnp.bfloat16)
+    args = normalize(q, k, v, causal=True)
+    reason = M.supports(q, k, v, args)
+    if reason is not None and ("Hopper" in reason or "ptxas" in reason):
+        pytest.skip(reason)
+    out, lse = M._mosaic_attention(q, k, v, causal=True, impl="mosaic", return_lse=True)
+    r_out, r_lse = _ref64(q, k, v, True, 1 / math.sqrt(128))
+    assert not np.isnan(np.asarray(out.astype(jnp.float32))).any()
+    assert _maxabs(out, r_out) <= 2 * _maxabs(_naive(q, k, v, True, 1 / math.sqrt(128)), r_out)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
