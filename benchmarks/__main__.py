@@ -30,6 +30,10 @@ def main(argv=None) -> int:
     run.add_argument("--suite", action="append", choices=SUITES + ("all",),
                      help="suite to run (repeatable; default: all)")
     run.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    run.add_argument("--impl", action="append", default=None,
+                     help="attention suite: keep only these implementations (repeatable, e.g. flash, sdpa:flash)")
+    run.add_argument("--max-seq", type=int, default=None,
+                     help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)")
     run.add_argument("--out", default=None, help="output directory (default benchmarks/results/<device>[-quick])")
     args = parser.parse_args(argv)
 
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
     results = {}
     for suite in suites:
         t0 = time.perf_counter()
-        records = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick)
+        kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
+        records = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick, **kwargs)
         results[suite] = records
         common.write_results(out, suite, records, info)
         print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{common.report_table(records)}", flush=True)
