@@ -1,7 +1,7 @@
 """jaxattn: a Llama transformer in Flax NNX with our own Pallas attention kernels — the JAX twin of ``torchref``.
 
-Public names are imported lazily so that ``import jaxattn`` is cheap and the framework-neutral helpers
-(``jaxattn.hf_format``) can be used without initialising jax.
+Public names and submodules are imported lazily so that ``import jaxattn`` is cheap and the framework-neutral
+subpackage ``jaxattn.spec`` (the only part ``torchref`` imports) can be used without initialising jax.
 """
 from importlib import import_module
 
@@ -12,10 +12,14 @@ _EXPORTS = {
     "attention_backend": "attention",
 }
 
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "train")
+
 
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _SUBMODULES:  # `import jaxattn; jaxattn.attention` works without importing the submodule first
+        return import_module(f".{name}", __name__)
     raise AttributeError(f"module 'jaxattn' has no attribute {name!r}")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from . import hf_format
+from .spec import hf_format
 from .config import ModelConfig
 from .model import Llama, set_value
 

@@ -48,7 +48,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm)."""
     b, s, _ = x.shape
-    d = cfg.head_dim_
+    d = cfg.resolved_head_dim
     q = (x @ p["wq"]).reshape(b, s, cfg.n_heads, d)
     k = (x @ p["wk"]).reshape(b, s, cfg.n_kv_heads, d)
     v = (x @ p["wv"]).reshape(b, s, cfg.n_kv_heads, d)
@@ -80,7 +80,7 @@ class Layers(nnx.Module):
     """All decoder layers' parameters, stacked: each leaf has a leading ``n_layers`` axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        n, dim, d, f = cfg.n_layers, cfg.dim, cfg.head_dim_, cfg.ffn_dim
+        n, dim, d, f = cfg.n_layers, cfg.dim, cfg.resolved_head_dim, cfg.ffn_dim
         init = nnx.initializers.normal(0.02)
 
         def w(*shape):

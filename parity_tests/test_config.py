@@ -29,7 +29,7 @@ def test_presets_identical_and_round_trip(name):
 
 def test_param_count_of_presets_is_llama_shaped():
     def n_params(c):
-        d = c.head_dim_
+        d = c.resolved_head_dim
         layer = c.dim * d * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.ffn_dim + 2 * c.dim
         return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * layer + c.dim
 

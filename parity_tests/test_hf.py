@@ -15,8 +15,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from jaxattn import hf_format  # noqa: E402
-from jaxattn.hf_format import CheckpointError  # noqa: E402
+from jaxattn.spec import hf_format  # noqa: E402
+from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.twins import jitted, tokens, twin_models  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 

@@ -53,7 +53,7 @@ def test_rmsnorm(twins):
 def test_rope_with_position_offsets(twins):
     tmodel, jmodel = twins
     cfg, rng = tmodel.config, np.random.default_rng(2)
-    x = rand(rng, 2, 13, 3, cfg.head_dim_)  # [B, S, H, D] (jax layout)
+    x = rand(rng, 2, 13, 3, cfg.resolved_head_dim)  # [B, S, H, D] (jax layout)
     pos = (np.arange(13)[None] + np.array([[0], [1000]])).astype(np.int32)  # second row starts at offset 1000
     cos_j, sin_j = jm.rope_cos_sin(jmodel.inv_freq[...], jnp.asarray(pos))
     cos_t, sin_t = tm.rope_cos_sin(tmodel.model.inv_freq, torch.from_numpy(pos))

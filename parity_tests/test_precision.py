@@ -213,7 +213,7 @@ def _attention_ref64(x, mod, cos, sin, cfg):
     w = {n: getattr(mod, n).weight.detach().numpy().astype(np.float64) for n in ("q_proj", "k_proj", "v_proj",
                                                                                  "o_proj")}
     b, s, _ = x.shape
-    d, hq, hk = cfg.head_dim_, cfg.n_heads, cfg.n_kv_heads
+    d, hq, hk = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
     x = x.astype(np.float64)
     q = (x @ w["q_proj"].T).reshape(b, s, hq, d).transpose(0, 2, 1, 3)
     k = (x @ w["k_proj"].T).reshape(b, s, hk, d).transpose(0, 2, 1, 3)

@@ -10,10 +10,14 @@ _EXPORTS = {
     "from_pretrained": "hf", "save_pretrained": "hf", "dot_product_attention": "attention",
 }
 
+_SUBMODULES = ("config", "model", "hf", "attention", "precision", "train")
+
 
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _SUBMODULES:  # `import torchref; torchref.attention` works without importing the submodule first
+        return import_module(f".{name}", __name__)
     raise AttributeError(f"module 'torchref' has no attribute {name!r}")
 
 

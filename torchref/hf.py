@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints <-> ``torchref.model.LlamaForCausalLM`` (twin of ``jaxattn/hf.py``).
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format, which is shared with the
-JAX side through ``jaxattn.hf_format`` (pure Python: importing it pulls in no jax). ``dtype=None`` keeps the
+JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax). ``dtype=None`` keeps the
 dtype stored in the files. The model is built on the ``meta`` device and the tensors are assigned, so loading a
 large checkpoint allocates its weights once.
 """
@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 import torch
 import safetensors.torch
 
-from jaxattn import hf_format
+from jaxattn.spec import hf_format
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM

@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        d = cfg.head_dim_
+        d = cfg.resolved_head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * d, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, segment_ids=None):
         b, s, _ = x.shape
-        d = self.cfg.head_dim_
+        d = self.cfg.resolved_head_dim
         q = self.q_proj(x).view(b, s, self.cfg.n_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)

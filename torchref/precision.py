@@ -31,21 +31,18 @@ from typing import Any, Optional, Union
 
 import torch
 
+from jaxattn.spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
+
 __all__ = ["PRESETS", "Policy", "get_policy", "MATMUL_PRECISIONS", "MatmulSettings", "get_matmul_settings",
            "set_matmul_precision", "matmul_precision"]
 
-PRESETS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
+PRESETS: tuple[str, ...] = tuple(PRECISION_PRESETS)
 
 _PRESET_DTYPES: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
-    "fp32": (torch.float32, torch.float32, torch.float32),
-    "bf16": (torch.float32, torch.bfloat16, torch.float32),
-    "fp16": (torch.float32, torch.float16, torch.float32),
-    "bf16-pure": (torch.bfloat16, torch.bfloat16, torch.float32),
-}
+    name: tuple(getattr(torch, d) for d in dts) for name, dts in PRECISION_PRESETS.items()}
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float64": torch.float64}
+_DTYPE_NAMES = {name: getattr(torch, name) for name in POLICY_DTYPES}
+_FLOAT_DTYPES = tuple(_DTYPE_NAMES.values())
 
 
 def _as_float_dtype(value: Any, arg: str) -> torch.dtype:

@@ -23,10 +23,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses files without a known format tag
 
 _LAYER_KEYS = {  # HF name -> (rows, cols) as functions of the config; None cols = 1-D
-    "self_attn.q_proj.weight": lambda c: (c.n_heads * c.head_dim_, c.dim),
-    "self_attn.k_proj.weight": lambda c: (c.n_kv_heads * c.head_dim_, c.dim),
-    "self_attn.v_proj.weight": lambda c: (c.n_kv_heads * c.head_dim_, c.dim),
-    "self_attn.o_proj.weight": lambda c: (c.dim, c.n_heads * c.head_dim_),
+    "self_attn.q_proj.weight": lambda c: (c.n_heads * c.resolved_head_dim, c.dim),
+    "self_attn.k_proj.weight": lambda c: (c.n_kv_heads * c.resolved_head_dim, c.dim),
+    "self_attn.v_proj.weight": lambda c: (c.n_kv_heads * c.resolved_head_dim, c.dim),
+    "self_attn.o_proj.weight": lambda c: (c.dim, c.n_heads * c.resolved_head_dim),
     "mlp.gate_proj.weight": lambda c: (c.ffn_dim, c.dim),
     "mlp.up_proj.weight": lambda c: (c.ffn_dim, c.dim),
     "mlp.down_proj.weight": lambda c: (c.dim, c.ffn_dim),

@@ -1,0 +1,73 @@
+"""The training batch format and the token-id rules, shared by both twins (numpy only).
+
+A batch is a mapping ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1],
+"positions"?: [B, S+1]}``; the model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. The checks here
+read only ``.shape`` and ``.dtype``, so they accept numpy, jax and torch arrays alike.
+
+    from jaxattn.spec.batch import check_batch, check_token_ids
+    check_batch({"tokens": np.zeros((2, 17), np.int32)})
+    check_token_ids(np.array([[1, 2, 300]]), vocab_size=256)   # ValueError: ... position (0, 2) ... 300
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .dtypes import ID_DTYPES
+
+BATCH_KEYS: tuple[str, ...] = ("tokens", "loss_mask", "segment_ids", "positions")
+
+
+def dtype_name(x: Any) -> str:
+    """``"int32"`` for a numpy/jax array's dtype or a torch tensor's ``torch.int32``."""
+    return str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
+
+
+def check_id_dtype(x: Any, arg: str) -> None:
+    """Token ids, positions and segment ids: an integer dtype from :data:`ID_DTYPES` (bool is refused)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{arg} must be an integer array (numpy, jax or torch) of dtype one of {ID_DTYPES}, "
+                        f"got {type(x).__name__}")
+    name = dtype_name(x)
+    if name not in ID_DTYPES:
+        raise TypeError(f"{arg} must have an integer dtype, one of {ID_DTYPES}; got {name}")
+
+
+def check_token_ids(ids: Any, vocab_size: int, arg: str = "tokens") -> None:
+    """Raise ValueError naming the first id outside ``[0, vocab_size)`` (its position and value).
+
+    ``ids`` must be concrete (numpy, or anything ``np.asarray`` takes); callers inside ``jit`` cannot use it.
+    """
+    a = np.asarray(ids)
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{arg} holds an id outside [0, vocab_size={vocab_size}): {a[pos]} at position {pos} "
+                         f"({int(bad.sum())} bad ids in all); token ids must be in [0, {vocab_size})")
+
+
+def check_batch(batch: Any) -> None:
+    """Keys, dtypes and shapes of a training batch (not the id values: see :func:`check_token_ids`)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping with keys {BATCH_KEYS} ('tokens' required), "
+                        f"got {type(batch).__name__}")
+    unknown = [k for k in batch if k not in BATCH_KEYS]
+    if unknown or "tokens" not in batch:
+        raise ValueError(f"batch keys must be 'tokens' plus optional {BATCH_KEYS[1:]}; got {sorted(batch)}")
+    tokens = batch["tokens"]
+    check_id_dtype(tokens, "batch['tokens']")
+    if len(tokens.shape) != 2 or tokens.shape[1] < 2 or tokens.shape[0] < 1:
+        raise ValueError(f"batch['tokens'] must be an int array [batch >= 1, seq >= 2], "
+                         f"got {dtype_name(tokens)}{list(tokens.shape)}")
+    for k in BATCH_KEYS[1:]:
+        v = batch.get(k)
+        if v is None:
+            continue
+        if not hasattr(v, "shape"):
+            raise TypeError(f"batch[{k!r}] must be an array of the tokens' shape, got {type(v).__name__}")
+        if k != "loss_mask":
+            check_id_dtype(v, f"batch[{k!r}]")
+        if tuple(v.shape) != tuple(tokens.shape):
+            raise ValueError(f"batch[{k!r}] must have the tokens' shape {tuple(tokens.shape)}, got {tuple(v.shape)}")

@@ -1,0 +1,177 @@
+"""Model configuration shared by both twins (``jaxattn.config`` and ``torchref.config`` re-export it).
+
+``ModelConfig`` holds the Llama-style decoder's shape; ``preset(name)`` gives the project's standard sizes and
+``from_hf`` / ``to_hf`` read and write a Hugging Face Llama ``config.json`` dictionary (both the transformers 4.x
+keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Llama 3.1/3.2 long-context RoPE scaling: the only scaling this project implements.
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough for CPU tests: GQA (4 query heads over 2 kv heads), untied head.
+    "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256),
+    "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
+                 max_seq_len=2048, rope_theta=500000.0),
+    "350m": dict(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816,
+                 max_seq_len=2048, rope_theta=500000.0),
+    # Llama-3.2-1B shape.
+    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+               max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True,
+               rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)),
+    # Llama-3.1-8B shape.
+    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)),
+}
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 32000
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 12
+    head_dim: Optional[int] = None  # None = dim // n_heads
+    ffn_dim: int = 2048
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # None or the HF llama3 dict
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"ModelConfig.n_heads={self.n_heads} must divide dim={self.dim} "
+                                 f"(or set head_dim explicitly)")
+        elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
+            raise ValueError(f"ModelConfig.head_dim must be None or a positive int, got {self.head_dim!r}")
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.resolved_head_dim}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
+        for name in ("norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive float, got {v!r}")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
+
+    def __hash__(self):  # rope_scaling is a dict; hash a canonical form (NNX keeps the config as static data)
+        return hash(tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """The resolved head dimension."""
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies, float32 ``[head_dim // 2]``, with llama3 scaling applied (HF's formula).
+
+        Computed once in float64 numpy and shared by both frameworks, so the twins rotate identically.
+        """
+        d = self.resolved_head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            old = s["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old / s["low_freq_factor"], old / s["high_freq_factor"]
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / s["factor"], inv)
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        return inv.astype(np.float32)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a Hugging Face Llama ``config.json`` dictionary; refuses what the model cannot represent."""
+        if not isinstance(hf, dict):
+            raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if k not in hf]
+        if missing:
+            raise ValueError(f"HF config is missing required keys {missing}")
+        if hf.get("model_type", "llama") != "llama":
+            raise ValueError(f"HF config model_type={hf['model_type']!r}: only 'llama' is supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"HF config hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key, False):
+                raise ValueError(f"HF config {key}=True: biased projections are not supported")
+        if hf.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"HF config pretraining_tp={hf['pretraining_tp']!r}: only 1 is supported")
+        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = _check_rope_scaling(scaling, where="rope_scaling")
+        n_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and head_dim == hf["hidden_size"] // n_heads and hf["hidden_size"] % n_heads == 0:
+            head_dim = None
+        return cls(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                   n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+                   ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
+                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+    def to_hf(self) -> dict:
+        """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM``."""
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.resolved_head_dim, "intermediate_size": self.ffn_dim,
+            "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "rope_parameters": rope_parameters, "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        }
+
+
+def _check_rope_scaling(scaling: Any, where: str = "ModelConfig.rope_scaling") -> dict:
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{where} must be None or a dict, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"{where}.rope_type={kind!r} is not supported: only 'llama3' "
+                         f"(Llama 3.1/3.2) RoPE scaling is implemented")
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"{where} (llama3) is missing keys {missing}")
+    out = {"rope_type": "llama3", **{k: float(scaling[k]) for k in _LLAMA3_KEYS}}
+    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if out["factor"] <= 0 or out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"{where}: need factor > 0 and high_freq_factor > low_freq_factor, got {out}")
+    return out
