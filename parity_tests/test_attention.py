@@ -1,15 +1,17 @@
-"""Attention parity: jaxattn.attention backends and torchref.attention against a float64 reference.
+"""Attention parity: jaxattn.attention backends and torchref.attention.
 
-The reference (``_ref``) is written here, independently of both packages: plain float64 torch ops with the
-CONVENTIONS §4 visibility rule spelled out, autograd for dq/dk/dv.  Each case draws fresh normal inputs
-(never zeros) and compares, in JAX layout:
+Two oracles.  The JAX backends are compared with THE attention oracle, ``reference.attention_reference``
+(float32, ``Precision.HIGHEST``, built on ``_common.mask``) and its autodiff gradients; that oracle is in
+turn checked, case by case, against ``_ref``, written here independently of both packages (plain float64
+torch ops with the CONVENTIONS §4 visibility rule spelled out, autograd for dq/dk/dv), which is also the
+reference of the torch side.  Each case draws fresh normal inputs (never zeros) and compares, in JAX layout:
 
 * jax ``xla`` and ``chunked`` (small chunks that do not divide S, so several chunks, padding and skipped
-  blocks are exercised) and, when importable, ``flash`` through the dispatcher — outputs max-abs ≤ 1e-5
-  and gradients rtol = atol = 1e-3 at fp32 (CONVENTIONS §7);
-* torchref ``xla`` (SDPA MATH) and ``flash`` (SDPA FLASH_ATTENTION, which has a CPU kernel) at the same
-  tolerances;
-* bf16: error vs the float64 reference ≤ 2 × the error of a naive all-bf16 implementation (flash-attn's rule).
+  blocks are exercised) and, when importable, ``flash`` through the dispatcher vs the oracle — outputs
+  max-abs ≤ 1e-5 and gradients rtol = atol = 1e-3 at fp32 (CONVENTIONS §7);
+* torchref ``xla`` (SDPA MATH) and ``flash`` (SDPA FLASH_ATTENTION, which has a CPU kernel) vs ``_ref`` at
+  the same tolerances;
+* bf16: error vs the oracle ≤ 2 × the error of a naive all-bf16 implementation (flash-attn's rule).
 
 Plus the dispatcher (ordering, fallback, the error that lists every backend's reason, unknown names,
 import failures), bad inputs on both sides, and the O(S) memory of ``chunked``'s forward+backward.
@@ -30,6 +32,7 @@ from jaxattn.attention import (AttentionBackendError, attention_backend, availab
                                dot_product_attention, normalize)
 from jaxattn.attention import chunked as chunked_mod  # noqa: E402
 from jaxattn.attention import xla as xla_mod  # noqa: E402
+from jaxattn.attention.reference import attention_reference  # noqa: E402
 import torchref.attention as tattn  # noqa: E402
 
 OUT_ATOL = 1e-5
@@ -77,6 +80,17 @@ def _ref(q, k, v, do, *, causal=False, q_ids=None, kv_ids=None, scale=None, wind
     out = torch.einsum("bhqk,bkhd->bqhd", p, Vr)
     out.backward(torch.tensor(np.asarray(do, np.float64)))
     return out.detach().numpy(), Q.grad.numpy(), K.grad.numpy(), V.grad.numpy(), vis
+
+
+def _oracle(q, k, v, do, *, causal=False, q_ids=None, kv_ids=None, scale=None, window=None, softcap=None):
+    """``attention_reference`` (float32) and its autodiff gradients, float64 numpy out, like ``_ref``."""
+    seg = None if q_ids is None else (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    fn = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=seg, scale=scale,  # noqa: E731
+                                             window=window, softcap=softcap)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    out, pull = jax.vjp(jax.jit(fn), f32(q), f32(k), f32(v))
+    assert out.dtype == jnp.float32
+    return [np.asarray(x, np.float64) for x in (out, *pull(f32(do)))]
 
 
 def _naive_jax(q, k, v, *, causal, q_ids, kv_ids, scale, window, softcap):
@@ -202,11 +216,14 @@ def _prep(case):
 def _run_fp32_case(case, jax_backends=("xla", "chunked"), torch_backends=("xla", "flash")):
     q, k, v, do, q_ids, kv_ids, kw = _prep(case)
     ref = _ref(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
+    oracle = _oracle(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
+    _check_fp32(oracle, ref, "attention_reference vs the float64 torch reference")
     for be in jax_backends:
         chunks = dict(q_chunk_size=48, kv_chunk_size=40) if be == "chunked" else {}
-        _check_fp32(_jax_run(be, q, k, v, do, q_ids, kv_ids, kw, **chunks), ref, f"jax {be}")
+        _check_fp32(_jax_run(be, q, k, v, do, q_ids, kv_ids, kw, **chunks), oracle, f"jax {be}")
     if "chunked" in jax_backends:  # default chunk sizes through the dispatcher too
-        _check_fp32(_jax_run("chunked", q, k, v, do, q_ids, kv_ids, kw), ref, "jax chunked (default chunks)")
+        _check_fp32(_jax_run("chunked", q, k, v, do, q_ids, kv_ids, kw), oracle,
+                    "jax chunked (default chunks)")
     for be in torch_backends:
         if be == "flash" and kw.get("softcap") is not None:
             continue  # softcap is MATH-only by design (tested in test_torch_softcap_declines_fused)
@@ -227,7 +244,7 @@ def test_fp32_parity_sweep(case):
 def _run_bf16_case(case, backends=("xla", "chunked")):
     """Flash-attn's rule: |impl_bf16 - ref| <= 2 |naive_bf16 - ref| for the output and each gradient."""
     q, k, v, do, q_ids, kv_ids, kw = _prep(case)
-    ref = _ref(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
+    ref = _oracle(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     segn = dict(q_ids=q_ids, kv_ids=kv_ids)
     out, vjp = jax.vjp(lambda q, k, v: _naive_jax(q, k, v, **segn, **kw), bf(q), bf(k), bf(v))
@@ -256,6 +273,53 @@ def test_bf16_two_x_rule(case):
 @pytest.mark.parametrize("case", _sweep_cases(12, seed0=5000), ids=_case_id)
 def test_bf16_two_x_rule_sweep(case):
     _run_bf16_case(case)
+
+
+@pytest.mark.parametrize("case", [DEFAULT_CASES[2], DEFAULT_CASES[3]], ids=_case_id)
+def test_reference_lse_dtype_and_empty_rows(case):
+    """The oracle itself, beyond ``test_fp32_parity``: its LSE ``[B, Hq, Sq]`` and the LSE's gradient vs
+    float64 torch (``logsumexp`` and autograd), ``-inf`` LSE, zero output and zero gradients on rows that
+    see no key (Sq > Sk causal; query ids absent from the keys), float32 results for bf16 inputs."""
+    q, k, v, do, q_ids, kv_ids, kw = _prep(case)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    vis = torch.tensor(_vis(b, sq, sk, kw["causal"], kw["window"], q_ids, kv_ids))[:, None]  # [B,1,Sq,Sk]
+    alive = vis.any(-1)
+    assert (~alive).any() and alive.any(), "the case must have rows with and without visible keys"
+    alive_np = np.broadcast_to(alive.numpy(), (b, hq, sq))
+    dlse = np.random.default_rng(1).standard_normal((b, hq, sq)) * alive_np
+
+    t = lambda x: torch.tensor(np.asarray(x, np.float64), requires_grad=True)  # noqa: E731
+    Q, K, V = t(q), t(k), t(v)
+    scale = 1.0 / np.sqrt(d) if kw["scale"] is None else kw["scale"]
+    s64 = torch.einsum("bqhd,bkhd->bhqk", Q, K.repeat_interleave(hq // hkv, dim=2)) * scale
+    if kw["softcap"] is not None:
+        s64 = kw["softcap"] * torch.tanh(s64 / kw["softcap"])
+    s64 = torch.where(alive[..., None], s64.masked_fill(~vis, float("-inf")), torch.zeros_like(s64))
+    lse64 = torch.where(alive, torch.logsumexp(s64, -1), torch.full_like(s64[..., 0], float("-inf")))
+    (torch.where(alive, lse64, torch.zeros_like(lse64)) * torch.tensor(dlse)).sum().backward()
+
+    seg = None if q_ids is None else (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    opts = dict(causal=kw["causal"], window=kw["window"], softcap=kw["softcap"], scale=kw["scale"],
+                segment_ids=seg)
+    (out, lse), pull = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **opts, return_lse=True),
+                               *(jnp.asarray(x) for x in (q, k, v)))
+    grads = pull((jnp.zeros_like(out), jnp.asarray(dlse, jnp.float32)))
+    assert lse.shape == (b, hq, sq) and lse.dtype == jnp.float32
+    lse, want = np.asarray(lse, np.float64), lse64.detach().numpy()
+    np.testing.assert_array_equal(np.isneginf(lse), ~alive_np)
+    assert np.abs(lse[alive_np] - want[alive_np]).max() <= OUT_ATOL
+    assert V.grad is None and np.all(np.asarray(grads[2]) == 0)  # the LSE does not depend on v
+    for name, g, r in zip(("dq", "dk"), grads, (Q.grad, K.grad)):
+        np.testing.assert_allclose(np.asarray(g), r.numpy(), rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+    dead = ~alive_np.transpose(0, 2, 1)  # [B, Sq, Hq]
+    o2, pull2 = jax.vjp(lambda q: attention_reference(q, jnp.asarray(k), jnp.asarray(v), **opts),
+                        jnp.asarray(q))
+    assert np.all(np.asarray(o2)[dead] == 0) and np.all(np.asarray(pull2(jnp.asarray(do))[0])[dead] == 0)
+    bf = attention_reference(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), **opts)
+    assert bf.dtype == jnp.float32
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), return_lse="yes")
 
 
 def _flash_or_skip():
@@ -384,7 +448,7 @@ def test_jit_under_context():
     q, k, v = _qkv(sq=9, sk=9)
     with attention_backend("chunked"):
         out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True))(q, k, v)
-    ref = xla_mod.attention(q, k, v, normalize(q, k, v, causal=True))
+    ref = attention_reference(q, k, v, causal=True)
     assert float(jnp.abs(out - ref).max()) <= OUT_ATOL
 
 

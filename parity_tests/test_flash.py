@@ -1,8 +1,10 @@
 """Parity tests of the Pallas flash-attention kernel (``jaxattn.attention.flash``).
 
-The kernel is compared with ``flash_attention_reference`` (plain ``jnp`` in float32, full score matrix,
-``_common.mask``): outputs, log-sum-exp and dq/dk/dv, with random cotangents on BOTH the output and the
-LSE (so the LSE gradient path is checked too).
+The kernel is compared with the one attention oracle, ``reference.attention_reference`` (plain ``jnp`` in
+float32 at ``Precision.HIGHEST``, full score matrix, ``_common.mask``): outputs, log-sum-exp and dq/dk/dv,
+with random cotangents on BOTH the output and the LSE (so the LSE gradient path is checked too).
+``flash_backward`` (the backward kernels called from outside, as ``mosaic`` does) is checked against the
+kernel's own VJP and the oracle.
 
 * ``TestFlashInterpret`` runs the kernels in Pallas interpret mode on CPU (the very same kernel code);
   ``TestFlashGPU`` (marker ``gpu``, auto-skipped without a GPU) runs the same test methods compiled with
@@ -38,6 +40,7 @@ import pytest
 
 from jaxattn.attention import flash as F
 from jaxattn.attention._common import normalize
+from jaxattn.attention.reference import attention_reference
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -186,7 +189,9 @@ def _run_kernel(case: Case, interpret: bool, q, k, v, do, dlse, q_ids, kv_ids):
 def _run_reference(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
     @jax.jit
     def go(q, k, v, do, dlse, q_ids, kv_ids):
-        fn = lambda q, k, v: F.flash_attention_reference(q, k, v, **_opts(case, q_ids, kv_ids), return_lse=True)
+        seg = None if q_ids is None else (q_ids, kv_ids)
+        fn = lambda q, k, v: attention_reference(q, k, v, causal=case.causal, window=case.window,  # noqa: E731
+                                                 softcap=case.softcap, segment_ids=seg, return_lse=True)
         return _vjp_all(fn, q, k, v, do, dlse)
 
     f32 = lambda x: x.astype(jnp.float32)
@@ -247,6 +252,37 @@ def pytest_generate_tests(metafunc):
 
 
 class _FlashSuite:
+    """Kernel vs oracle for one case: out, LSE, dq/dk/dv; empty rows; poisoned buffers.
+
+    What the cases exercise (the kernel design, CONVENTIONS §4):
+
+    * any ``Sq``, ``Sk`` (1 included): sequences are zero-padded to a multiple of the blocks outside the
+      kernel and padded keys are masked inside it (``key < Sk``); padded query rows are sliced away (their
+      cotangent is zero, so they add nothing to dK/dV);
+    * any head dim ``1..256``: D is zero-padded to a power of two >= 16 (Triton block dims are powers of
+      two), which changes no dot product, and sliced back;
+    * fp32 / bf16 / fp16 inputs, every matmul accumulates in fp32; fp32 inputs use
+      ``Precision.HIGHEST`` (IEEE fp32 on Triton, no TF32);
+    * causal (bottom-right) and windows ``(left, right)`` are applied with loop bounds, so key blocks
+      (forward, dq) and query blocks (dkv) outside the band are never visited; the visited range is split,
+      as FlashAttention-2 does for causal, into edge tiles that build the mask and fully visible interior
+      tiles that skip it (``test_block_ranges_cover_every_visible_tile_and_skip_the_rest``);
+    * softcap ``c * tanh(s / c)`` after scaling and before masking; the backward multiplies by
+      ``1 - tanh^2``;
+    * segment ids: a tile whose visibility mask is empty is skipped with ``lax.cond``; the test is exact
+      (``any(q_id == kv_id)`` with the causal/window/padding mask), so it is correct for any ids, sorted
+      (packed documents: every cross-document tile skipped) or not ("random" cases);
+    * GQA: the dkv kernel holds one key block and loops over the whole query group, so dK/dV are reduced
+      inside the kernel without repeating K/V; ``delta = rowsum(dO * O) - dLSE`` is a fused XLA reduction
+      (an LSE cotangent folds into delta because d lse / d s = p);
+    * a row that sees no key gives output 0, LSE ``-inf`` and zero gradients, never NaN: the backward
+      turns its LSE into ``+inf`` so that ``p = exp(s - lse)`` is exactly 0 in every tile.
+
+    The kernel's reason to exist: ``jax.experimental.pallas.ops.gpu.attention`` (which it learned from,
+    with tokamax) has no GQA, rejects ``S % block != 0``, only top-left causal, no window / softcap / kv
+    segment ids / LSE gradient.
+    """
+
     INTERPRET = True
     CASES = DEFAULT_CASES
 
@@ -463,7 +499,7 @@ def test_flash_attention_rejects_bad_inputs(make, kwargs, exc, words):
 
 
 def test_supports_and_backend_entry_point():
-    """``supports`` accepts CPU (interpret) calls and ``attention`` matches the xla backend through the
+    """``supports`` accepts CPU (interpret) calls and ``attention`` matches the oracle through the
     dispatcher (``backend="flash"``)."""
     from jaxattn.attention import dot_product_attention
 
@@ -471,5 +507,45 @@ def test_supports_and_backend_entry_point():
     args = normalize(q, k, v, causal=True)
     assert F.supports(q, k, v, args) is None
     got = dot_product_attention(q, k, v, causal=True, backend="flash")
-    want = dot_product_attention(q, k, v, causal=True, backend="xla")
+    want = attention_reference(q, k, v, causal=True)
     assert _maxabs(got, want) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ flash_backward
+@pytest.mark.parametrize("case", [
+    Case(2, 37, 50, 6, 2, 64, causal=True, segments="packed", blocks=B16),  # G = 3, Sq < Sk, odd, ids
+    Case(1, 45, 20, 4, 1, 80, causal=True, blocks=(16, 16, 32, 16, 16, 32)),  # MQA, Sq > Sk: empty rows
+], ids=str)
+def test_flash_backward_from_outside_equals_the_vjp(case):
+    """``flash_backward`` (the backward kernels fed an unpadded ``(out, lse)`` computed elsewhere, the way
+    ``mosaic``'s custom VJP calls it) gives exactly the kernel's own VJP, LSE cotangent included, and so
+    the oracle's gradients.  Padded query rows get LSE ``-inf`` here (the forward kernel may give them a
+    finite one); either way their zero cotangent adds nothing, so the results agree bit for bit."""
+    q, k, v, do, dlse, q_ids, kv_ids = _inputs(case)
+    bs = None if case.blocks is None else F.BlockSizes(*case.blocks)
+    args = normalize(q, k, v, causal=case.causal, segment_ids=None if q_ids is None else (q_ids, kv_ids))
+    out, lse, vjp_grads = _run_kernel(case, True, q, k, v, do, dlse, q_ids, kv_ids)
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+    grads = F.flash_backward(q, k, v, out, lse, do, args, dlse=dlse, block_sizes=bs, interpret=True)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, vjp_grads):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    r_grads = _run_reference(case, q, k, v, do, dlse, q_ids, kv_ids)[2]
+    for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-3, atol=1e-3, err_msg=name)
+
+
+def test_flash_backward_rejects_bad_inputs():
+    q, k, v = _qkv(sq=8, sk=8, hq=4, hkv=2, d=32)
+    args = normalize(q, k, v)
+    lse = jnp.zeros((1, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 4, 8\)"):
+        F.flash_backward(q, k, v, q, lse[:, :2], q, args)
+    with pytest.raises(ValueError, match="do must have shape"):
+        F.flash_backward(q, k, v, q, lse, q[:, :4], args)
+    with pytest.raises(ValueError, match="dlse must have shape"):
+        F.flash_backward(q, k, v, q, lse, q, args, dlse=lse[0])
+    with pytest.raises(TypeError, match="AttnArgs"):
+        F.flash_backward(q, k, v, q, lse, q, {"causal": True})
+    with pytest.raises(TypeError, match="block_sizes"):
+        F.flash_backward(q, k, v, q, lse, q, args, block_sizes=(16, 16))

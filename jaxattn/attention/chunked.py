@@ -1,22 +1,13 @@
 """``chunked`` backend: memory-efficient attention in pure JAX (the twin of torch's EFFICIENT_ATTENTION).
 
-Blockwise attention with an online softmax (Rabe & Staats 2021, "Self-attention does not need O(n^2)
-memory"; the FlashAttention recurrence): queries are cut into chunks of ``q_chunk_size`` and, for each, a
-``lax.scan`` over key/value chunks of ``kv_chunk_size`` keeps a running max, running sum and an fp32
-accumulator.  Only a ``[B, Hkv, G, Cq, Ck]`` score block exists at any time, so memory is O(S), not O(S^2).
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, the full contract of CONVENTIONS §4.  Queries go in chunks,
+each with a ``lax.scan`` over key chunks and an online softmax (Rabe & Staats 2021; the FlashAttention
+recurrence), so only one ``[B, Hkv, G, Cq, Ck]`` score block exists at a time: O(S) memory.  A
+``jax.custom_vjp`` saves only q, k, v, the output and the log-sum-exp and recomputes score blocks in the
+backward (FlashAttention-2), so the backward is O(S) too (autodiff through the scan would keep every
+block).  Key chunks hidden by the causal/window mask are skipped; any length works (padded and masked)::
 
-Hand-written rather than taken from a library because no JAX library op gives an O(S)-memory backward on
-every platform with this contract (bottom-right causal, (left, right) window, softcap, segment ids, GQA):
-plain autodiff through the scan would save every chunk's probabilities (S x S in total).  So the op is a
-``jax.custom_vjp``: the forward saves only q, k, v, the output and the per-row log-sum-exp; the backward
-recomputes each score block from the log-sum-exp (FlashAttention-2's backward) and accumulates dq per query
-chunk and dk/dv per key chunk, again without an S x S buffer.
-
-Details: GQA reshapes q to ``[B, S, Hkv, G, D]`` (K/V are never repeated); scores, softmax and all
-accumulators are fp32, probabilities are cast to the input dtype before the p@v / gradient products (fp32
-accumulation) as flash kernels do; sequence lengths need not divide the chunk sizes (inputs are padded and the
-padding masked); key chunks that the causal/window mask hides entirely are skipped with ``lax.cond``; a
-query row that sees no key gives zeros and zero gradients.
+    out = chunked_attention(q, k, v, causal=True, q_chunk_size=256, kv_chunk_size=512)
 """
 from __future__ import annotations
 

@@ -1,38 +1,17 @@
-"""``flash`` backend: our own Pallas flash-attention kernel (Triton lowering on NVIDIA GPUs).
+"""``flash`` backend: our Pallas flash-attention kernels (Triton lowering on NVIDIA GPUs, interpreted on CPU).
 
-FlashAttention-2 style: the forward kernel keeps a ``[block_q, D]`` fp32 accumulator and an online
-softmax (running max ``m`` and sum ``l``, base-2 exponentials) while it walks the key blocks, and writes
-the output plus the log-sum-exp.  The backward pass is two kernels: ``dkv`` (grid ``(kv_blocks, B, Hkv)``)
-holds one key/value block and loops over the *whole query group* (the ``Hq // Hkv`` query heads that share
-this kv head) and their query blocks, so dK/dV of GQA/MQA are reduced inside the kernel without ever
-repeating K/V; ``dq`` (grid ``(q_blocks, B, Hq)``) holds one query block and loops over key blocks.
-``delta = rowsum(dO * O) - dLSE`` is a plain fused XLA reduction.
+FlashAttention-2: a forward kernel (online softmax; writes the output and the log-sum-exp) and two backward
+kernels, ``dkv`` (one key block; loops over the whole GQA query group, so K/V are never repeated) and
+``dq``.  The full contract of CONVENTIONS §4: any ``Sq``/``Sk`` and head dim ``1..256`` (padded inside),
+bottom-right causal, ``(left, right)`` window, softcap, segment ids, GQA/MQA, LSE and its gradient; fp32
+accumulation, fp32 inputs at IEEE fp32 (no TF32).  :func:`flash_backward` is the backward on its own, for
+a forward computed elsewhere (``mosaic`` uses it)::
 
-Why hand-written: ``jax.experimental.pallas.ops.gpu.attention`` (which this kernel learned from, together
-with tokamax) has no GQA, rejects ``S % block != 0``, only top-left causal, no window / softcap / kv
-segment ids / LSE gradient.  Here
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)   # q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]
+    dq, dk, dv = flash_backward(q, k, v, out, lse, do, normalize(q, k, v, causal=True))
 
-* any ``Sq``, ``Sk`` (1 included): the sequences are zero-padded to a multiple of the blocks outside the
-  kernel and padded keys are masked inside it (``key < Sk``); padded query rows are sliced away (their
-  cotangent is zero, so they add nothing to dK/dV);
-* any head dim ``1..256``: D is zero-padded to a power of two >= 16 (Triton block dims must be powers of
-  two), which changes no dot product, and sliced back;
-* fp32 / bf16 / fp16 inputs, every matmul accumulates in fp32 (``preferred_element_type=float32``;
-  fp32 inputs use ``Precision.HIGHEST`` = IEEE fp32 on Triton, i.e. no TF32);
-* causal (bottom-right: query i sees key j iff ``j <= i + Sk - Sq``) and sliding windows ``(left, right)``
-  are applied with loop bounds, so key blocks (forward, dq) and query blocks (dkv) entirely outside the
-  band are never visited; the visited range is split (as FlashAttention-2 does for causal) into edge tiles
-  that build the mask and fully visible interior tiles that skip the mask arithmetic;
-* softcap ``c * tanh(s / c)`` after scaling and before masking; the backward multiplies by
-  ``1 - tanh^2``;
-* segment ids: inside the visited range a tile whose visibility mask is empty is skipped with
-  ``lax.cond`` (no loads of K/V/Q/dO, no matmuls).  The test is exact (``any(q_id == kv_id)`` over the
-  tile together with the causal/window/padding mask), so it is correct for *any* ids, sorted or not;
-  for packed (sorted) sequences it skips every cross-document tile, for unsorted ids it simply skips less;
-* a query row that sees no key gives output 0, LSE ``-inf`` and zero gradients, never NaN.
-
-``flash_attention_reference`` is the same contract in plain ``jnp`` at float32 (mask from
-``_common.mask``); the tests compare the kernel against it.
+How padding, loop bounds, the masked/unmasked tile split and segment-id tile skipping work is written out,
+and checked, in ``parity_tests/test_flash.py``.
 """
 from __future__ import annotations
 
@@ -47,14 +26,14 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import AttnArgs, gpu_compute_capability, mask as _visibility_mask, normalize, platform_of
+from ._common import AttnArgs, gpu_compute_capability, normalize, platform_of
 
 try:  # the Triton-specific Pallas module; its compiler-params class was renamed across jax versions
     from jax.experimental.pallas import triton as _plt
 except Exception:  # pragma: no cover - very old / stripped jax
     _plt = None
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "supports", "attention"]
+__all__ = ["BlockSizes", "flash_attention", "flash_backward", "supports", "attention"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -568,7 +547,12 @@ def _flash_core_fwd(cfg, q, k, v, q_ids, kv_ids):
 def _flash_core_bwd(cfg, res, cts):
     q, k, v, q_ids, kv_ids, out, lse = res
     do, dlse = cts
-    do = do.astype(out.dtype)
+    return _bwd_padded(cfg, q, k, v, q_ids, kv_ids, out, lse, do, dlse) + (None, None)
+
+
+def _bwd_padded(cfg: _Cfg, q, k, v, q_ids, kv_ids, out, lse, do, dlse):
+    """``(dq, dk, dv)`` on padded arrays: the delta reduction, then the dkv and dq kernels."""
+    do = do.astype(q.dtype)
     # d lse / d s = p, so an LSE cotangent folds into delta: ds = p * (dp - (rowsum(dO*O) - dlse)).
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32),
                        precision=lax.Precision.HIGHEST)
@@ -580,37 +564,56 @@ def _flash_core_bwd(cfg, res, cts):
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
     dk, dv = _dkv_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids)
     dq = _dq_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids)
-    return dq, dk, dv, None, None
+    return dq, dk, dv
 
 
 _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 
 
+def _pad_rows(x, n: int, dp: int):
+    """Zero-pad ``[B, S, H, D]`` to ``[B, n, H, dp]``."""
+    return jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, dp - x.shape[3])))
+
+
+def _pad_inputs(cfg: _Cfg, q, k, v, q_ids, kv_ids):
+    dp = max(_MIN_BLOCK, _next_pow2(q.shape[-1]))
+    qp, kp, vp = _pad_rows(q, cfg.sq_pad, dp), _pad_rows(k, cfg.sk_pad, dp), _pad_rows(v, cfg.sk_pad, dp)
+    if not cfg.has_seg:
+        return qp, kp, vp, None, None
+    # edge padding keeps the ids of real positions; padded keys are masked by index
+    q_ids = jnp.pad(q_ids.astype(jnp.int32), ((0, 0), (0, cfg.sq_pad - cfg.sq)), mode="edge")
+    kv_ids = jnp.pad(kv_ids.astype(jnp.int32), ((0, 0), (0, cfg.sk_pad - cfg.sk)), mode="edge")
+    return qp, kp, vp, q_ids, kv_ids
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "return_lse"))
 def _run(q, k, v, q_ids, kv_ids, *, cfg: _Cfg, return_lse: bool):
-    d = q.shape[-1]
-    dp = max(_MIN_BLOCK, _next_pow2(d))
-    pad_q = cfg.sq_pad - cfg.sq
-    pad_k = cfg.sk_pad - cfg.sk
-    qp = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, dp - d)))
-    kp = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, dp - d)))
-    vp = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, dp - d)))
-    if cfg.has_seg:  # edge padding keeps the ids of real positions; padded keys are masked by index
-        q_ids = jnp.pad(q_ids.astype(jnp.int32), ((0, 0), (0, pad_q)), mode="edge")
-        kv_ids = jnp.pad(kv_ids.astype(jnp.int32), ((0, 0), (0, pad_k)), mode="edge")
-    else:
-        q_ids = kv_ids = None
-    out, lse = _flash_core(cfg, qp, kp, vp, q_ids, kv_ids)
-    out = out[:, :cfg.sq, :, :d]
+    out, lse = _flash_core(cfg, *_pad_inputs(cfg, q, k, v, q_ids, kv_ids))
+    out = out[:, :cfg.sq, :, :q.shape[-1]]
     if return_lse:
         return out, lse[:, :, :cfg.sq]
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _run_bwd(q, k, v, out, lse, do, dlse, q_ids, kv_ids, *, cfg: _Cfg):
+    d = q.shape[-1]
+    qp, kp, vp, q_ids, kv_ids = _pad_inputs(cfg, q, k, v, q_ids, kv_ids)
+    dp, pad_q = qp.shape[-1], ((0, 0), (0, 0), (0, cfg.sq_pad - cfg.sq))
+    lse = jnp.pad(lse.astype(jnp.float32), pad_q, constant_values=-jnp.inf)  # padded rows see no key
+    dlse = jnp.pad(dlse.astype(jnp.float32), pad_q)
+    dq, dk, dv = _bwd_padded(cfg, qp, kp, vp, q_ids, kv_ids, _pad_rows(out, cfg.sq_pad, dp),
+                             lse, _pad_rows(do.astype(q.dtype), cfg.sq_pad, dp), dlse)
+    return dq[:, :cfg.sq, :, :d], dk[:, :cfg.sk, :, :d], dv[:, :cfg.sk, :, :d]
+
+
 # ----------------------------------------------------------------------------------------- public API
 def _resolve_interpret(interpret) -> bool:
+    """``interpret=None``: interpret unless the trace targets a GPU (``jaxattn.attention.target_platform``,
+    set by the dispatcher from q's sharding, or jax's default backend), so a deviceless GPU compile gets the
+    Triton kernel."""
     if interpret is None:
-        return jax.default_backend() != "gpu"
+        return platform_of() != "gpu"
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be None or a bool, got {interpret!r} of type {type(interpret).__name__}")
     return bool(interpret)
@@ -653,37 +656,28 @@ def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids
                       poison=_poison_outputs)
 
 
-def flash_attention_reference(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                              scale=None, window=None, softcap=None, return_lse=False):
-    """Pure-``jnp`` float32 twin of :func:`flash_attention` (full score matrix, ``_common.mask``).
+def flash_backward(q, k, v, out, lse, do, args: AttnArgs, *, dlse=None, block_sizes=None, interpret=None):
+    """``(dq, dk, dv)`` of attention by the flash backward kernels, from a forward computed anywhere.
 
-    Inputs are upcast to float32 and every product uses ``Precision.HIGHEST``; the output is returned in
-    float32 (it is the high-precision reference the kernel is compared with), LSE in float32.
+    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, ``out``/``do`` ``[B, Sq, Hq, D]``, ``lse`` ``[B, Hq, Sq]``
+    (natural log, ``-inf`` for a row that sees no key), ``args`` from :func:`normalize` for the same call;
+    ``dlse`` (default none) is a cotangent of the LSE.  Gradients come back in the dtypes of q, k, v.
     """
-    args = normalize(q, k, v, causal=causal, segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
-                     scale=scale, window=window, softcap=softcap)
-    f32 = jnp.float32
-    hi = lax.Precision.HIGHEST
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.astype(f32).reshape(b, sq, hkv, g, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(f32), precision=hi) * args.scale
-    if args.softcap is not None:
-        s = args.softcap * jnp.tanh(s / args.softcap)
-    vis = _visibility_mask(sq, sk, args)
-    vis = vis[:, None, None] if vis.ndim == 3 else vis[None, None, None]
-    s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.where(vis, jnp.exp(s - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(f32), precision=hi)
-    out = out.reshape(b, sq, hq, d)
-    if not return_lse:
-        return out
-    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), -jnp.inf)
-    return out, lse.reshape(b, hq, sq)
+    if not isinstance(args, AttnArgs):
+        raise TypeError(f"args must be the AttnArgs that normalize() returned for this call, "
+                        f"got {type(args).__name__}")
+    b, sq, hq, _ = q.shape
+    for name, x, want in (("out", out, q.shape), ("do", do, q.shape), ("lse", lse, (b, hq, sq)),
+                          ("dlse", lse if dlse is None else dlse, (b, hq, sq))):
+        if tuple(getattr(x, "shape", ())) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)} (q is {tuple(q.shape)}), "
+                             f"got {tuple(getattr(x, 'shape', ()))}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
+    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret), False)
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    dq, dk, dv = _run_bwd(q, k, v, out, lse, do, dlse, args.q_segment_ids, args.kv_segment_ids, cfg=cfg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------- backend API
@@ -695,19 +689,21 @@ def supports(q, k, v, args: AttnArgs):
     d = q.shape[-1]
     if d > _MAX_HEAD_DIM:
         return f"head_dim {d} > {_MAX_HEAD_DIM}"
-    plat = platform_of(q)
+    plat = platform_of(q)  # the platform the trace targets (a target_platform block, q's sharding, ...)
     if plat == "cpu":
         return None
     if plat != "gpu":
         return f"the Triton lowering needs an NVIDIA GPU (found {plat})"
     if _plt is None:
         return "jax.experimental.pallas.triton is not importable in this jax"
-    try:
-        dev = jax.devices("gpu")[0]
-        kind = str(getattr(dev, "device_kind", ""))
-        version = str(getattr(dev.client, "platform_version", ""))
-    except Exception as e:  # pragma: no cover
-        return f"cannot query the GPU: {e}"
+    from ._common import current_target
+    kind = str(current_target(q).device_kind or "")
+    version = ""
+    if jax.default_backend() == "gpu":  # a live GPU: its client tells CUDA from ROCm
+        try:
+            version = str(getattr(jax.devices("gpu")[0].client, "platform_version", ""))
+        except Exception:  # pragma: no cover
+            version = ""
     if "rocm" in version.lower() or "amd" in kind.lower() or "instinct" in kind.lower():
         return f"the Triton lowering here targets NVIDIA GPUs (found {kind or version})"
     cc = gpu_compute_capability(q)

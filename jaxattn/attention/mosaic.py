@@ -1,55 +1,17 @@
-"""Flash-attention forward for Hopper GPUs written with Pallas Mosaic GPU (wgmma + TMA, FA3-style).
+"""``mosaic`` backend: flash attention for Hopper GPUs (Pallas Mosaic GPU forward, flash Pallas backward).
 
-What it does
-------------
-``mosaic_attention(q, k, v, causal=..., scale=...)`` computes softmax(scale * q k^T) v in the JAX layout
-(q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``), bf16/fp16 inputs, fp32 accumulation, with
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16 or fp16, ``D`` in ``HEAD_DIMS``; bottom-right causal,
+GQA/MQA, any sequence length (padded inside; a row that sees no key gives zeros).  The forward is an
+FA3-style kernel (wgmma + TMA, two consumer warpgroups in ping-pong and a producer warpgroup streaming K/V)
+that saves ``out`` and the log-sum-exp; the backward is ``jaxattn.attention.flash``'s Pallas backward
+kernels (``dq`` and the in-kernel-GQA ``dkv``, via :func:`flash.flash_backward`), so a training step on
+Hopper runs Pallas kernels both ways.  No segment ids, window or softcap (``supports`` declines)::
 
-* bottom-right causal masking (query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq``; CONVENTIONS §4);
-* GQA/MQA: q head ``h`` reads kv head ``h // (Hq // Hkv)`` straight from HBM (K/V are never repeated);
-* any sequence length: q is zero-padded to a multiple of ``2 * block_q`` and k/v to a multiple of
-  ``block_kv`` outside the kernel; padded keys are masked inside the kernel (only in the last kv block,
-  or by the causal mask, which already hides them), padded query rows are sliced off;
-* a query row that sees no key (causal with ``Sq > Sk``) gives zeros and log-sum-exp ``-inf``, never NaN
-  (the running max starts at a finite ``-1e30`` and ``l`` is clamped before the division).
+    out = mosaic_attention(q, k, v, causal=True)            # needs a Hopper GPU
 
-Kernel structure (hand-written, because JAX's own ``attention_mgpu`` op has no scale, no bottom-right
-causal for ``Sq != Sk``, no padding and no causal backward): one CTA per (q head, ``2 * block_q`` query
-rows, batch) with three warpgroups. Warpgroups 0 and 1 each own ``block_q`` query rows: Q tile -> SMEM by
-TMA, then for every kv block ``S = Q K^T`` (wgmma, fp32), online softmax in registers (exp2 with the scale
-folded into ``log2(e) * scale``), ``acc += P V`` (wgmma). Warpgroup 2 is the producer: it streams K/V
-blocks by TMA into a ring of ``max_concurrent_steps`` SMEM slots and re-fills a slot once both consumers
-arrived on its "consumed" barrier. A shared "schedule" barrier keeps the two consumers in lock-step
-(ping-pong, FA3) which also makes it safe for the consumer that finished early under causal masking to
-keep arriving on the consumed barriers (epilogue loop) until the producer has streamed every block the
-other consumer needs. The kv loop is split in an unmasked fast part and a masked part.
-
-The per-tile math (``_kv_bounds``, ``_tile_mask``, ``_softmax_update``, ``_finalize``) is written once
-with operations that exist both on Mosaic GPU register arrays and on ordinary ``jnp`` arrays, so it runs
-in three ways:
-
-* ``impl="mosaic"``: the real kernel (needs a Hopper GPU);
-* ``impl="interpret"``: the same kernel body run by JAX's Mosaic GPU *interpreter* on CPU (threads,
-  barriers and TMA are simulated). The interpreter lacks ``layout_cast``, layout-annotated iotas,
-  ``wgmma`` on transposed refs and ``run_state``, so under it those four things are replaced by their
-  plain equivalents (identity, ``lax.broadcasted_iota``, ``jnp.dot`` on SMEM values, ``acc + ...``) and
-  the two scheduling hints (``set_max_registers``, ``optimization_barrier``) are skipped; everything
-  else (loop bounds, the barrier protocol, TMA copies, masking, softmax, stores) is the kernel;
-* ``impl="emulate"``: a pure-jnp, vmapped tile loop with the same bounds and tile math (fast, also
-  accepts float32, so the padding/masking/finalize/backward can be checked against float64 tightly).
-
-Backward: there is no Mosaic backward. ``mosaic_attention`` is a ``jax.custom_vjp`` whose forward is the
-kernel (saving ``out`` and the log-sum-exp) and whose backward is a blockwise pure-JAX recompute
-(``_blockwise_backward``, FlashAttention-2 equations: ``P = exp(S - lse)``, ``dV = P^T dO``,
-``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = dS K``, ``dK = dS^T Q``) that scans over kv blocks, keeps
-matmul operands in the input dtype with fp32 accumulation, and sums GQA groups without repeating K/V.
-(``jaxattn.attention.flash`` keeps its backward private to its own ``custom_vjp`` -- its tile helpers take
-its own config and segment ids -- so it is not reused; the recompute here keeps this module independent.
-It is O(Sq * block_kv_bwd) in memory per (batch, kv head group) and runs as XLA matmuls, so training with
-this backend is forward-fast but not backward-fast.)
-
-Import cost: ``jax.experimental.pallas.mosaic_gpu`` is imported lazily inside functions, so importing
-this module never fails on CPU or on a jax without Mosaic GPU; ``supports`` then reports why it declines.
+Tests run the same kernel body on CPU (``impl="interpret"``: the Mosaic GPU interpreter; ``"emulate"``:
+a pure-jnp twin of its tile loop) and the backward kernels in Pallas interpret mode; how the kernel, its
+barrier protocol and the interpreter substitutions work is written out in ``parity_tests/test_mosaic.py``.
 """
 from __future__ import annotations
 
@@ -63,14 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = [
-    "HEAD_DIMS",
-    "MosaicBlockSizes",
-    "supports",
-    "attention",
-    "mosaic_attention",
-    "mosaic_attention_reference",
-]
+from . import flash
+from ._common import AttnArgs, gpu_compute_capability, normalize, platform_of
+
+__all__ = ["HEAD_DIMS", "MosaicBlockSizes", "supports", "attention", "mosaic_attention"]
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -85,22 +43,22 @@ _SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on H100/H200
 # ------------------------------------------------------------------------------------------ config
 @dataclasses.dataclass(frozen=True)
 class MosaicBlockSizes:
-    """Tile sizes and pipeline depth of the Mosaic kernel.
+    """Tile sizes and pipeline depth of the Mosaic forward kernel, and the backward's block sizes.
 
     * ``block_q``: query rows per compute warpgroup (a CTA has two, so it covers ``2 * block_q`` rows);
       a multiple of 64 (wgmma M).
     * ``block_kv``: keys per pipeline step; a multiple of 64.
     * ``max_concurrent_steps``: depth of the K/V TMA ring (SMEM slots), >= 2.
-    * ``block_kv_bwd``: keys per step of the blockwise pure-JAX backward.
+    * ``backward``: :class:`flash.BlockSizes` of the flash backward kernels (None: flash's default).
     """
 
     block_q: int = 64
     block_kv: int = 128
     max_concurrent_steps: int = 2
-    block_kv_bwd: int = 512
+    backward: Optional[flash.BlockSizes] = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "max_concurrent_steps", "block_kv_bwd"):
+        for name in ("block_q", "block_kv", "max_concurrent_steps"):
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
                 raise TypeError(f"MosaicBlockSizes.{name} must be an int, got {val!r} "
@@ -113,8 +71,9 @@ class MosaicBlockSizes:
         if self.max_concurrent_steps < 2:
             raise ValueError(f"MosaicBlockSizes.max_concurrent_steps must be >= 2, "
                              f"got {self.max_concurrent_steps}")
-        if self.block_kv_bwd < 1:
-            raise ValueError(f"MosaicBlockSizes.block_kv_bwd must be >= 1, got {self.block_kv_bwd}")
+        if self.backward is not None and not isinstance(self.backward, flash.BlockSizes):
+            raise TypeError(f"MosaicBlockSizes.backward must be None or a flash.BlockSizes, "
+                            f"got {type(self.backward).__name__}")
 
     @classmethod
     def default(cls, head_dim: int) -> "MosaicBlockSizes":
@@ -140,17 +99,10 @@ def _mosaic_import_error() -> Optional[str]:
 
 def _device_reason(x=None) -> Optional[str]:
     """None when the device running ``x`` (or the default device) is a Hopper GPU (compute capability 9.x)."""
-    try:
-        from jaxattn.attention._common import gpu_compute_capability, platform_of
-        plat = platform_of(x)
-        cc = gpu_compute_capability(x)
-    except ImportError:  # pragma: no cover - _common is part of the package
-        dev = jax.devices()[0]
-        plat = "gpu" if dev.platform in ("gpu", "cuda") else dev.platform
-        cc_s = getattr(dev, "compute_capability", None)
-        cc = tuple(int(t) for t in str(cc_s).split(".")[:2]) if cc_s else None
+    plat = platform_of(x)
     if plat != "gpu":
         return f"needs a Hopper GPU (compute capability 9.x), found platform {plat!r}"
+    cc = gpu_compute_capability(x)
     if cc is None:
         return "needs a Hopper GPU (compute capability 9.x), found a GPU of unknown compute capability"
     if cc[0] != 9:
@@ -175,87 +127,55 @@ def _cuda_causal_reason(causal: bool) -> Optional[str]:
     return None
 
 
-def _feature_reason(args) -> Optional[str]:
-    if getattr(args, "q_segment_ids", None) is not None or getattr(args, "kv_segment_ids", None) is not None:
-        return "segment_ids are not supported by the mosaic kernel"
-    window = getattr(args, "window", None)
-    if window is not None and tuple(window) not in ((None, None),) and not (
-            getattr(args, "causal", False) and tuple(window) == (None, 0)):
-        return f"window={tuple(window)!r} is not supported by the mosaic kernel (only window=None)"
-    if getattr(args, "softcap", None) is not None:
-        return f"softcap={args.softcap!r} is not supported by the mosaic kernel (only softcap=None)"
-    return None
-
-
-def _shape_reason(q, k, v) -> Optional[str]:
-    dt = jnp.dtype(q.dtype)
-    if dt not in DTYPES or jnp.dtype(k.dtype) != dt or jnp.dtype(v.dtype) != dt:
-        return (f"dtype {q.dtype}/{k.dtype}/{v.dtype} not supported (q, k, v must all be bfloat16 "
-                f"or all float16)")
+def _limit(q, args: AttnArgs, *, allow_fp32: bool = False):
+    """``(exception type, reason)`` for the first kernel limit a normalized call breaks, else None
+    (``normalize`` has already checked shapes, dtypes, GQA and the options themselves)."""
+    if args.has_segment_ids:
+        return ValueError, "segment_ids are not supported by the mosaic kernel"
+    if args.window is not None:
+        return ValueError, f"window={args.window!r} is not supported by the mosaic kernel (only window=None)"
+    if args.softcap is not None:
+        return ValueError, f"softcap={args.softcap!r} is not supported by the mosaic kernel (only softcap=None)"
+    dtypes = DTYPES + ((jnp.dtype(jnp.float32),) if allow_fp32 else ())
+    if jnp.dtype(q.dtype) not in dtypes:
+        return TypeError, (f"dtype {jnp.dtype(q.dtype).name} not supported (q, k, v must all be one of "
+                           f"{tuple(t.name for t in dtypes)})")
     d = q.shape[-1]
-    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return f"head_dim {d} not in {HEAD_DIMS}"
+    if d not in HEAD_DIMS:
+        return ValueError, f"head_dim {d} not in {HEAD_DIMS}"
     return None
 
 
-def supports(q, k, v, args) -> Optional[str]:
+def supports(q, k, v, args: AttnArgs) -> Optional[str]:
     """None when the Mosaic kernel can serve this call, else a one-line reason.
 
     Declines: segment ids, a sliding window, softcap, dtype other than bf16/fp16, head_dim not in
     ``HEAD_DIMS``, a jax without ``jax.experimental.pallas.mosaic_gpu``, no GPU or a GPU that is not
-    compute capability 9.x, causal on a CUDA runtime with the known ptxas bug.
+    compute capability 9.x, causal on a CUDA runtime with the known ptxas bug, and a call whose backward
+    the flash kernels decline.
     """
-    return (_feature_reason(args) or _shape_reason(q, k, v) or _mosaic_import_error()
-            or _device_reason(q) or _cuda_causal_reason(bool(getattr(args, "causal", False))))
+    limit = _limit(q, args)
+    reason = (limit[1] if limit else None) or _mosaic_import_error() or _device_reason(q) \
+        or _cuda_causal_reason(args.causal)
+    if reason is None:
+        bwd = flash.supports(q, k, v, args)
+        reason = None if bwd is None else f"its backward (the flash kernels) declines: {bwd}"
+    return reason
 
 
-def attention(q, k, v, args):
+def attention(q, k, v, args: AttnArgs):
     """Backend entry point (``jaxattn.attention`` contract): out ``[B, Sq, Hq, D]`` in ``q.dtype``."""
     reason = supports(q, k, v, args)
     if reason is not None:
         raise ValueError(f"mosaic attention backend cannot serve this call: {reason}")
-    return mosaic_attention(q, k, v, causal=bool(args.causal), scale=float(args.scale))
+    cfg = _block_sizes(None, q.shape[-1])
+    return _attention_vjp(q, k, v, args.causal, float(args.scale), cfg, "mosaic")[0]
 
 
 # ------------------------------------------------------------------------------------------ validation
-def _validate(q, k, v, causal, scale, block_sizes, *, allow_fp32: bool):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must have rank 4 ([B, S, H, D], the JAX layout), "
-                             f"got shape {tuple(x.shape)}")
-    b, sq, hq, d = q.shape
-    bk, sk, hkv, dk = k.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
-    if bk != b:
-        raise ValueError(f"k batch {bk} must equal q batch {b} (q {tuple(q.shape)}, k {tuple(k.shape)})")
-    if dk != d:
-        raise ValueError(f"k head_dim {dk} must equal q head_dim {d}")
-    if min(b, sq, sk, hq, hkv) < 1:
-        raise ValueError(f"empty dimension in q {tuple(q.shape)} / k {tuple(k.shape)}")
-    if hq % hkv:
-        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
-    dtypes = DTYPES + ((jnp.dtype(jnp.float32),) if allow_fp32 else ())
-    dt = jnp.dtype(q.dtype)
-    if dt not in dtypes or jnp.dtype(k.dtype) != dt or jnp.dtype(v.dtype) != dt:
-        raise TypeError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} not supported: all three must be "
-                        f"the same, one of {tuple(str(t) for t in dtypes)}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} not supported by the mosaic kernel, accepted: {HEAD_DIMS}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a positive float or None, got {scale!r}") from None
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
+def _block_sizes(block_sizes, d: int) -> MosaicBlockSizes:
     if block_sizes is None:
-        block_sizes = MosaicBlockSizes.default(d)
+        return MosaicBlockSizes.default(d)
     if not isinstance(block_sizes, MosaicBlockSizes):
         raise TypeError(f"block_sizes must be a MosaicBlockSizes or None, got {type(block_sizes).__name__}")
     need = block_sizes.smem_bytes(d, 2)
@@ -263,7 +183,17 @@ def _validate(q, k, v, causal, scale, block_sizes, *, allow_fp32: bool):
         raise ValueError(f"block_sizes {block_sizes} need {need} bytes of shared memory for head_dim {d}, "
                          f"more than the {_SMEM_BYTES} available; use a smaller block_kv or "
                          f"max_concurrent_steps")
-    return bool(causal), scale, block_sizes
+    return block_sizes
+
+
+def _validate(q, k, v, causal, scale, block_sizes, *, allow_fp32: bool):
+    """``normalize`` (shapes, dtypes, GQA, causal, scale) plus this kernel's limits; returns (args, cfg)."""
+    args = normalize(q, k, v, causal=causal, scale=scale)
+    limit = _limit(q, args, allow_fp32=allow_fp32)
+    if limit is not None:
+        exc, reason = limit
+        raise exc(f"mosaic attention: {reason}")
+    return args, _block_sizes(block_sizes, q.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------ tile math
@@ -588,67 +518,25 @@ def _forward(q, k, v, causal, scale, cfg, impl):
     return out, lse
 
 
-# ------------------------------------------------------------------------------------------ backward
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_kv"))
-def _blockwise_backward(q, k, v, out, lse, do, *, causal, scale, block_kv):
-    """Recompute-based FlashAttention-2 backward in pure JAX, scanning over kv blocks of ``block_kv`` keys.
-    ``lse`` is [B, Hq, Sq] (natural log, -inf for empty rows). Matmul operands stay in the input dtype,
-    accumulation and the softmax algebra are fp32. GQA: q heads are grouped per kv head, dK/dV are summed
-    over the group inside the einsum (K/V are never repeated)."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    dtype = q.dtype
-    f32 = jnp.float32
-    bk = max(1, min(block_kv, sk))
-    nb = _cdiv(sk, bk)
-    skp = nb * bk
-    pad = ((0, 0), (0, skp - sk), (0, 0), (0, 0))
-    kb = jnp.pad(k, pad).reshape(b, nb, bk, hkv, d).swapaxes(0, 1)
-    vb = jnp.pad(v, pad).reshape(b, nb, bk, hkv, d).swapaxes(0, 1)
-    qg = q.reshape(b, sq, hkv, g, d)
-    dog = do.astype(dtype).reshape(b, sq, hkv, g, d)
-    delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)  # [B, Sq, Hq]
-    delta = delta.reshape(b, sq, hkv, g).transpose(0, 2, 3, 1)[..., None]  # [B, Hkv, G, Sq, 1]
-    lse = lse.reshape(b, hkv, g, sq)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
-    q_pos = jnp.arange(sq)[:, None]
-
-    def body(dq, xs):
-        j, k_j, v_j = xs
-        kv_pos = j * bk + jnp.arange(bk)[None, :]
-        vis = kv_pos < sk
-        if causal:
-            vis = vis & (kv_pos <= q_pos + (sk - sq))
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_j, preferred_element_type=f32) * scale
-        p = jnp.where(vis, jnp.exp(s - lse_safe), 0.0)
-        dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(dtype), dog, preferred_element_type=f32)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v_j, preferred_element_type=f32)
-        ds = (p * (dp - delta)).astype(dtype)
-        dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j, preferred_element_type=f32)
-        dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, preferred_element_type=f32)
-        return dq, (dk_j, dv_j)
-
-    dq0 = jnp.zeros((b, sq, hkv, g, d), f32)
-    dq, (dk, dv) = lax.scan(body, dq0, (jnp.arange(nb), kb, vb))
-    dk = dk.swapaxes(0, 1).reshape(b, skp, hkv, d)[:, :sk] * scale
-    dv = dv.swapaxes(0, 1).reshape(b, skp, hkv, d)[:, :sk]
-    return ((dq * scale).reshape(b, sq, hq, d).astype(dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-
-
+# ------------------------------------------------------------------------------------------ custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _attention_vjp(q, k, v, causal, scale, cfg, impl):
-    return _forward(q, k, v, causal, scale, cfg, impl)[0]
+    """``(out, lse)``: the forward is the Mosaic kernel, the backward the flash Pallas kernels."""
+    return _forward(q, k, v, causal, scale, cfg, impl)
 
 
 def _attention_vjp_fwd(q, k, v, causal, scale, cfg, impl):
     out, lse = _forward(q, k, v, causal, scale, cfg, impl)
-    return out, (q, k, v, out, lse)
+    return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_vjp_bwd(causal, scale, cfg, impl, res, do):
+def _attention_vjp_bwd(causal, scale, cfg, impl, res, cts):
     q, k, v, out, lse = res
-    return _blockwise_backward(q, k, v, out, lse, do, causal=causal, scale=scale, block_kv=cfg.block_kv_bwd)
+    do, dlse = cts
+    # impl="mosaic" always compiles the backward (it also runs under a cross-platform export on CPU);
+    # the CPU test paths run the same kernels in Pallas interpret mode when no GPU is present.
+    return flash.flash_backward(q, k, v, out, lse, do, AttnArgs(causal=causal, scale=scale), dlse=dlse,
+                                block_sizes=cfg.backward, interpret=False if impl == "mosaic" else None)
 
 
 _attention_vjp.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
@@ -657,43 +545,23 @@ _attention_vjp.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
 def _mosaic_attention(q, k, v, *, causal=False, scale=None, block_sizes=None, impl="mosaic",
                       return_lse=False):
     """Internal entry with the implementation switch (tests use ``impl="emulate"`` / ``"interpret"``;
-    ``"emulate"`` also accepts float32). ``return_lse`` gives (out, lse [B, Hq, Sq]) without a VJP."""
+    ``"emulate"`` also accepts float32).  ``return_lse`` gives ``(out, lse [B, Hq, Sq])``, both
+    differentiable."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    causal, scale, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=(impl == "emulate"))
-    if return_lse:
-        return _forward(q, k, v, causal, scale, cfg, impl)
-    return _attention_vjp(q, k, v, causal, scale, cfg, impl)
+    args, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=(impl == "emulate"))
+    out, lse = _attention_vjp(q, k, v, args.causal, float(args.scale), cfg, impl)
+    return (out, lse) if return_lse else out
 
 
 def mosaic_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
                      block_sizes: Optional[MosaicBlockSizes] = None):
-    """Flash attention on Hopper (Pallas Mosaic GPU). q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``,
-    bf16 or fp16, D in ``HEAD_DIMS``; ``causal`` is bottom-right aligned; ``scale`` defaults to
-    ``1/sqrt(D)``. Differentiable (backward: blockwise pure-JAX recompute from the saved lse).
-    Raises ValueError/TypeError for bad inputs and RuntimeError when no Hopper GPU is present."""
-    causal, scale, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=False)
+    """Flash attention on Hopper: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16/fp16, D in
+    ``HEAD_DIMS``; bottom-right ``causal``; ``scale`` defaults to ``1/sqrt(D)``.  Differentiable (the
+    backward is the flash Pallas kernels).  Raises ValueError/TypeError for bad inputs and RuntimeError
+    when no Hopper GPU is present."""
+    args, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=False)
     reason = _mosaic_import_error() or _device_reason(q)
     if reason is not None:
         raise RuntimeError(f"mosaic_attention cannot run here: {reason}")
-    return _attention_vjp(q, k, v, causal, scale, cfg, "mosaic")
-
-
-def mosaic_attention_reference(q, k, v, *, causal: bool = False, scale: Optional[float] = None):
-    """Plain fp32 softmax attention with the same contract (bottom-right causal, GQA, empty rows -> 0),
-    computed in float32 and returned in ``q.dtype``."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qf = q.astype(jnp.float32).reshape(b, sq, hkv, hq // hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32)) * scale
-    if causal:
-        vis = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
-        s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m)
-    l_ = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(l_ > 0, l_, 1.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return out.reshape(b, sq, hq, d).astype(q.dtype)
+    return _attention_vjp(q, k, v, args.causal, float(args.scale), cfg, "mosaic")[0]
