@@ -4,6 +4,10 @@ Suites: ``model`` (same Llama in both frameworks: logits parity, forward and for
 ``attention`` (every attention backend against torch SDPA and JAX's own kernels); ``all`` runs each. Results go
 to ``--out`` (default ``benchmarks/results/<device>/``, or ``.../<device>-quick/`` with ``--quick``): one JSON
 per suite, ``report.md`` and plots. ``--quick`` uses tiny shapes so a CPU pass takes a few minutes at most.
+
+A bad filter (``--impl`` name, ``--max-seq`` that keeps no shape) or an unwritable ``--out`` fails at once,
+before anything is measured; a suite that measures nothing exits non-zero and writes nothing. Each file is
+replaced atomically, only by a complete result.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import time
 # SDPA runs out at long sequences. Must be set before jax is imported.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from . import common  # noqa: E402
+from . import attention, common  # noqa: E402
 
 SUITES = ("model", "attention")
 
@@ -35,26 +39,58 @@ def main(argv=None) -> int:
     run.add_argument("--max-seq", type=int, default=None,
                      help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)")
     run.add_argument("--out", default=None, help="output directory (default benchmarks/results/<device>[-quick])")
+    sub.add_parser("compile", help="compile for an H100/H200 without a GPU (python -m benchmarks compile --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compile"]:  # its own flags: benchmarks/compile.py
+        from .compile import main as compile_main
+        return compile_main(argv[1:])
     args = parser.parse_args(argv)
 
     suites = list(SUITES) if not args.suite or "all" in args.suite else list(dict.fromkeys(args.suite))
+    # Everything that can be wrong with the command line fails here, before jax/torch are imported or anything
+    # is measured, and writes nothing.
+    if (args.impl is not None or args.max_seq is not None) and "attention" not in suites:
+        run.error(f"--impl/--max-seq filter the attention suite, which is not selected (suites: {suites})")
+    try:
+        attention.check_filters(args.quick, args.impl, args.max_seq)
+    except ValueError as e:
+        run.error(str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq"))
+    try:
+        if args.out is not None:
+            common.check_out_dir(args.out)
+    except ValueError as e:
+        run.error(str(e))
+
     info = common.env_info()
     info["quick"] = args.quick
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    common.device_slug(info) + ("-quick" if args.quick else ""))
+    try:
+        out = common.check_out_dir(out)
+    except ValueError as e:
+        run.error(str(e))
     print(f"device: {info['jax_device']} | jax {info['jax']} | torch {info['torch']} | out: {out}", flush=True)
-    results = {}
+    results, failed = {}, []
     for suite in suites:
         t0 = time.perf_counter()
         kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
         records = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick, **kwargs)
+        if not any(r.get("status", "ok") == "ok" for r in records):
+            # never replace a result with an empty one or one made only of skips
+            reasons = sorted({str(r.get("reason")) for r in records})
+            print(f"error: suite {suite!r} measured nothing ({len(records)} records, all skipped"
+                  + (f": {'; '.join(reasons)[:500]}" if reasons else "") + "); nothing written for it",
+                  file=sys.stderr, flush=True)
+            failed.append(suite)
+            continue
         results[suite] = records
         common.write_results(out, suite, records, info)
         print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{common.report_table(records)}", flush=True)
         if suite == "attention":
             common.plot_attention(out, records)
-    print(f"\nreport: {common.write_report(out, results, info)}")
-    return 0
+    if results:
+        print(f"\nreport: {common.write_report(out, results, info)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

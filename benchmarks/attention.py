@@ -33,10 +33,12 @@ from . import common
 MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
 MAX_MATERIALISED_S = 4096
 JAX_OURS = ("flash", "mosaic", "cudnn", "chunked", "xla")
+JAX_PEERS = ("jax.nn:xla", "jax.nn:cudnn", "pallas:mha", "tokamax")
 TORCH_SDPA = ("flash", "efficient", "cudnn", "math")
+IMPLS = JAX_OURS + JAX_PEERS + tuple(f"sdpa:{n}" for n in TORCH_SDPA)  # every `impl` a record can have
 
 
-def _shapes(quick: bool, on_gpu: bool):
+def _shapes(quick: bool, on_gpu: bool = False):
     """(dtype, B, Hq, Hkv, S, D, causal)."""
     if quick:
         return [("float32", 1, 2, 2, s, 64, c) for s in (128, 256) for c in (False, True)]
@@ -46,6 +48,25 @@ def _shapes(quick: bool, on_gpu: bool):
             for c in (False, True):
                 out.append(("bfloat16", max(1, 16384 // s), 2048 // d, 2048 // d, s, d, c))
     return out
+
+
+def check_filters(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[int] = None) -> list:
+    """The shapes ``run`` will time, after checking the filters (cheap: imports neither jax nor torch).
+
+    Raises ValueError naming ``impls`` / ``max_seq`` when a name is unknown, ``max_seq`` is not a positive int,
+    or the filters leave nothing to run."""
+    if impls is not None:
+        impls = [impls] if isinstance(impls, str) else list(impls)
+        unknown = [i for i in impls if i not in IMPLS]
+        if not impls or unknown:
+            raise ValueError(f"impls: unknown implementation(s) {unknown or impls}; choose from {list(IMPLS)}")
+    if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
+        raise ValueError(f"max_seq must be a positive int (a sequence length), got {max_seq!r}")
+    shapes = [sh for sh in _shapes(quick) if max_seq is None or sh[4] <= max_seq]
+    if not shapes:
+        raise ValueError(f"max_seq={max_seq} leaves no shape to run: the shortest sequence "
+                         f"{'(quick) ' if quick else ''}is {min(sh[4] for sh in _shapes(quick))}")
+    return shapes
 
 
 def _first_line(e: BaseException) -> str:
@@ -224,16 +245,13 @@ def run(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[in
     """Benchmark every implementation on every shape; returns the records (see the module docstring).
 
     ``impls`` (optional) keeps only records whose ``impl`` is listed (e.g. ``["flash", "sdpa:flash"]``) and
-    ``max_seq`` drops longer shapes — for splitting a long GPU sweep into several runs."""
-    import jax
-
-    on_gpu = jax.default_backend() == "gpu"
+    ``max_seq`` drops longer shapes — for splitting a long GPU sweep into several runs (both checked first by
+    :func:`check_filters`)."""
+    shapes = check_filters(quick, impls, max_seq)
     iters, warmup = 20, 3
     records: list[dict] = []
-    wanted = None if impls is None else set(impls)
-    for shape in _shapes(quick, on_gpu):
-        if max_seq is not None and shape[4] > max_seq:
-            continue
+    wanted = None if impls is None else set([impls] if isinstance(impls, str) else impls)
+    for shape in shapes:
         _run_jax(records, quick, shape, iters, warmup, wanted)
         try:
             import torch  # noqa: F401

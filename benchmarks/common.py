@@ -4,9 +4,12 @@ Timing: warm-up calls first (compilation, autotuning and allocator growth stay o
 each closed by ``jax.block_until_ready`` / ``torch.cuda.synchronize``; we report the median and the 10th/90th
 percentiles. A record is a flat dict; a suite returns a list of them and ``write_results`` stores
 ``<out>/<suite>.json`` (environment + records) and a ``report.md`` with JAX and torch side by side.
+Every file is written to a temporary file in the same directory and moved into place (``os.replace``) only
+when complete, so an existing result is never replaced by an empty or partial one (CONVENTIONS §9).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +17,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -127,12 +131,87 @@ def device_slug(info: dict) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
 
 
+def check_out_dir(out_dir: str) -> str:
+    """``out_dir`` as an absolute path, after checking that results can be written there (before any work).
+
+    The directory may not exist yet (it is created when the first result is written); then its nearest
+    existing parent must be a writable directory. Checked by creating and removing a probe file, which also
+    catches read-only filesystems and root on them. Raises ValueError naming the path and the reason."""
+    path = os.path.abspath(out_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {out_dir!r}: {path} exists and is not a directory")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"--out {out_dir!r}: cannot create it, {probe} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".benchmarks-write-test-", dir=probe)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir!r} is not writable: cannot create a file in {probe} "
+                         f"({e.strerror or e}); pick a writable directory") from None
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yields a temporary path beside ``path``; when the block completes it is fsynced and moved onto ``path``
+    (``os.replace``, with the umask's permissions); when the block raises it is removed and ``path`` is left
+    untouched."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_text_atomic(path: str, text: str) -> str:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+    return path
+
+
 def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> str:
+    """Writes ``<out_dir>/<suite>.json`` atomically; refuses an empty record list (it would erase a result)."""
+    if not records:
+        raise ValueError(f"write_results: no records for suite {suite!r}; refusing to replace "
+                         f"{os.path.join(out_dir, suite + '.json')} with an empty result")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{suite}.json")
-    with open(path, "w") as f:
-        json.dump({"env": info, "suite": suite, "records": records}, f, indent=1, default=str)
-    return path
+    text = json.dumps({"env": info, "suite": suite, "records": records}, indent=1, default=str)
+    return write_text_atomic(path, text)
+
+
+def read_results(out_dir: str) -> dict[str, dict]:
+    """``{suite: {"env", "suite", "records"}}`` for every readable ``<suite>.json`` in ``out_dir``."""
+    found = {}
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(out_dir, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("records"), list) and data.get("suite"):
+            found[data["suite"]] = data
+    return found
 
 
 def _fmt(r: dict) -> str:
@@ -167,19 +246,22 @@ def report_table(records: Iterable[dict]) -> str:
 
 
 def write_report(out_dir: str, results: dict[str, list[dict]], info: dict) -> str:
+    """``report.md`` for this run's ``results`` plus every other suite whose JSON is already in ``out_dir``
+    (a run of one suite keeps the others' tables), written atomically."""
+    earlier = {k: v for k, v in read_results(out_dir).items() if k not in results}
     parts = [f"# Benchmark report — {info.get('jax_device')}", "",
              "Generated by `python -m benchmarks run`; numbers come from the JSON files beside this report.", "",
              "Environment: " + ", ".join(f"{k}={v}" for k, v in info.items() if v is not None), ""]
-    for suite, recs in results.items():
-        parts += [f"## {suite}", "", report_table(recs), ""]
+    suites = [(s, r, None) for s, r in results.items()]
+    suites += [(s, d["records"], (d.get("env") or {}).get("time_utc", "an earlier run")) for s, d in earlier.items()]
+    for suite, recs, when in suites:
+        parts += [f"## {suite}", ""] + ([f"From {suite}.json, measured at {when}.", ""] if when else [])
+        parts += [report_table(recs), ""]
         skipped = [r for r in recs if r.get("status") == "skipped"]
         if skipped:
             parts += ["Skipped: " + "; ".join(f"{r['framework']}:{r['impl']} ({r.get('reason')})" for r in
                                               {(r['framework'], r['impl']): r for r in skipped}.values()), ""]
-    path = os.path.join(out_dir, "report.md")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
-    return path
+    return write_text_atomic(os.path.join(out_dir, "report.md"), "\n".join(parts))
 
 
 def plot_attention(out_dir: str, records: list[dict]) -> Optional[str]:
@@ -207,6 +289,9 @@ def plot_attention(out_dir: str, records: list[dict]) -> Optional[str]:
     axes[0][0].legend(fontsize=7)
     path = os.path.join(out_dir, "attention_tflops.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path

@@ -12,6 +12,7 @@ to and from ``GradScaler.state_dict()`` (``parity_tests/test_loss_scale.py`` che
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar, Union
 
@@ -63,21 +64,76 @@ def _concrete(x: Any, what: str) -> np.ndarray:
         raise TypeError(f"{what} needs concrete values; call it outside jit (got a tracer)") from e
 
 
-def _to_float(value: Any, key: str) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"loss-scale state_dict[{key!r}] must be a float, got {value!r}")
-    try:
-        return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(f"loss-scale state_dict[{key!r}] must be a float, got {value!r}") from e
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_TRACER_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                  jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError)
 
 
-def _to_int(value: Any, key: str) -> int:
-    v = value.item() if hasattr(value, "item") else value
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        raise TypeError(f"loss-scale state_dict[{key!r}] must be an int, got {value!r}")
+def _python_number(value: Any, what: str) -> Union[int, float]:
+    """The Python int/float held by ``value``: a Python or numpy number, or a 0-d (numpy, jax, torch) array.
+
+    Bools (``True``, ``np.bool_``, bool arrays), strings, complex numbers and arrays with elements raise
+    ``TypeError`` naming ``what``."""
+    v = value
+    if isinstance(v, np.generic):
+        v = v.item()
+    elif not isinstance(v, numbers.Number) and hasattr(v, "shape") and hasattr(v, "item"):
+        shape = tuple(v.shape)
+        if shape != ():
+            raise TypeError(f"{what} must be a number or a 0-d array, got an array of shape {shape}")
+        try:
+            v = v.item()
+        except _TRACER_ERRORS as e:
+            raise TypeError(f"{what} needs a concrete value; call it outside jit (got a tracer)") from e
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} must be a number (Python or numpy int/float, or a 0-d array), got {value!r} "
+                        f"of type {type(value).__name__}")
+    return v
+
+
+def _float32(x: float) -> float:
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(x))
+
+
+def _check_scale(value: Any, what: str) -> float:
+    """A loss scale: finite and > 0 in float32 (1e40 overflows float32 to inf, 1e-50 underflows to 0)."""
+    x = float(_python_number(value, what))
+    f = _float32(x)
+    if not (math.isfinite(f) and f > 0):
+        raise ValueError(f"{what} must be a finite float > 0 that float32 can hold (at most {_F32_MAX:.8g}), "
+                         f"got {value!r}" + ("" if not math.isfinite(x) or x <= 0 else f" (float32: {f})"))
+    return x
+
+
+def _check_growth_factor(value: Any, what: str) -> float:
+    x = float(_python_number(value, what))
+    f = _float32(x)
+    if not (math.isfinite(f) and f > 1.0):
+        raise ValueError(f"{what} must be a finite float > 1.0 (in float32), got {value!r}"
+                         + ("" if not math.isfinite(x) or x <= 1.0 else f" (float32: {f})"))
+    return x
+
+
+def _check_backoff_factor(value: Any, what: str) -> float:
+    x = float(_python_number(value, what))
+    f = _float32(x)
+    if not 0.0 < f < 1.0:
+        raise ValueError(f"{what} must be a float in (0, 1) (in float32), got {value!r}"
+                         + ("" if not 0.0 < x < 1.0 else f" (float32: {f})"))
+    return x
+
+
+def _check_int(value: Any, what: str, lo: int, hi: int = _INT32_MAX, *, integral_float: bool = False) -> int:
+    """An int in ``[lo, hi]``; ``integral_float`` also takes 3.0 (a state dict that went through a float)."""
+    v = _python_number(value, what)
+    if isinstance(v, float):
+        if not (integral_float and v.is_integer()):
+            raise TypeError(f"{what} must be an int, got {value!r} of type {type(value).__name__}")
+        v = int(v)
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} must be an int in [{lo}, {hi}], got {value!r}")
     return int(v)
 
 
@@ -85,27 +141,12 @@ def _to_int(value: Any, key: str) -> int:
 class DynamicLossScale:
     """``torch.amp.GradScaler``'s dynamic loss scaling, as an immutable pytree usable inside ``jax.jit``.
 
-    Dynamic leaves: ``loss_scale`` (float32 scalar, GradScaler's ``_scale``) and ``growth_tracker`` (int32 scalar). Static (part of the tree
-    structure): ``growth_factor``, ``backoff_factor``, ``growth_interval``.
-
-    Semantics, step for step the same as GradScaler (``torch/amp/grad_scaler.py`` and the ``_amp_update_scale_``
-    and ``_amp_foreach_non_finite_check_and_unscale_`` kernels):
-
-    * ``scale(loss)`` multiplies by the scale (GradScaler.scale).
-    * non-finite detection looks at the SCALED gradients (the kernel checks each value before unscaling);
-      ``unscale(grads)`` multiplies by ``1/scale`` computed in float32 (torch computes the reciprocal in float64
-      and rounds to float32; IEEE division makes the two identical, double rounding being innocuous for 53 >=
-      2*24+2 bits), in float32 for half-precision gradients, like torch's opmath.
-    * ``update(finite)``: on a non-finite step ``scale *= backoff_factor`` and the tracker resets to 0; otherwise
-      the tracker is incremented and, when it reaches ``growth_interval``, ``scale *= growth_factor`` (only if
-      the result is finite; torch never grows to inf) and the tracker resets to 0.
-    * the caller skips the optimizer step on a non-finite step (``select``), leaving params and optimizer state
-      untouched.
-
-    Exactness note: torch multiplies the float32 scale by the factor in float64 and rounds to float32; here the
-    factor is rounded to float32 first. The results are bit-identical whenever the factor is representable in
-    float32 (the defaults 2.0 and 0.5, any power of two, most short decimals are NOT — e.g. 0.3 can differ by
-    one float32 ulp of the scale).
+    Dynamic leaves: ``loss_scale`` (float32 scalar, GradScaler's ``_scale``) and ``growth_tracker`` (int32
+    scalar). Static (part of the tree structure): ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+    ``scale(loss)``, ``unscale(grads)``, ``update(finite)`` and ``select(finite, new, old)`` follow GradScaler
+    step for step, bit-exact in float32; the derivation (torch's kernels, rounding) is in the docstrings of
+    ``parity_tests/test_loss_scale.py``, which checks it against the real GradScaler.
+    Numeric arguments take Python or numpy numbers and 0-d arrays (bools refused).
     """
 
     loss_scale: jax.Array
@@ -117,16 +158,12 @@ class DynamicLossScale:
     skips_nonfinite: ClassVar[bool] = True
 
     def __post_init__(self):
-        gf, bf, gi = self.growth_factor, self.backoff_factor, self.growth_interval
-        if isinstance(gf, bool) or not isinstance(gf, (int, float)) or not gf > 1.0 or not math.isfinite(gf):
-            raise ValueError(f"DynamicLossScale: growth_factor must be a finite float > 1.0, got {gf!r}")
-        if isinstance(bf, bool) or not isinstance(bf, (int, float)) or not 0.0 < bf < 1.0:
-            raise ValueError(f"DynamicLossScale: backoff_factor must be a float in (0, 1), got {bf!r}")
-        if isinstance(gi, bool) or not isinstance(gi, (int, np.integer)) or gi < 1:
-            raise ValueError(f"DynamicLossScale: growth_interval must be a positive int, got {gi!r}")
-        object.__setattr__(self, "growth_factor", float(gf))
-        object.__setattr__(self, "backoff_factor", float(bf))
-        object.__setattr__(self, "growth_interval", int(gi))
+        gf = _check_growth_factor(self.growth_factor, "DynamicLossScale: growth_factor")
+        bf = _check_backoff_factor(self.backoff_factor, "DynamicLossScale: backoff_factor")
+        gi = _check_int(self.growth_interval, "DynamicLossScale: growth_interval", 1)
+        object.__setattr__(self, "growth_factor", gf)
+        object.__setattr__(self, "backoff_factor", bf)
+        object.__setattr__(self, "growth_interval", gi)
         # Python numbers become strongly typed scalars, so the jit signature does not change after one update.
         if isinstance(self.loss_scale, (int, float, np.floating, np.integer)) and not isinstance(self.loss_scale, bool):
             object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
@@ -136,11 +173,12 @@ class DynamicLossScale:
     @classmethod
     def create(cls, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                growth_interval: int = 2000) -> "DynamicLossScale":
-        """GradScaler's constructor defaults: init 2**16, growth 2.0, backoff 0.5, interval 2000."""
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0 \
-                or not math.isfinite(init_scale):
-            raise ValueError(f"DynamicLossScale: init_scale must be a finite float > 0, got {init_scale!r}")
-        return cls(loss_scale=jnp.asarray(init_scale, jnp.float32), growth_tracker=jnp.asarray(0, jnp.int32),
+        """GradScaler's constructor defaults: init 2**16, growth 2.0, backoff 0.5, interval 2000.
+
+        ``init_scale`` must be finite and > 0 in float32; ``growth_factor`` > 1; ``backoff_factor`` in (0, 1);
+        ``growth_interval`` a positive int. Python/numpy numbers and 0-d arrays are accepted, bools are not."""
+        scale = _check_scale(init_scale, "DynamicLossScale: init_scale")
+        return cls(loss_scale=jnp.asarray(scale, jnp.float32), growth_tracker=jnp.asarray(0, jnp.int32),
                    growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
 
     # -- the four operations -----------------------------------------------------------------------------------
@@ -192,7 +230,10 @@ class DynamicLossScale:
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, Any]) -> "DynamicLossScale":
-        """A loss scale from a ``state_dict()`` of this class or of ``torch.amp.GradScaler``."""
+        """A loss scale from a ``state_dict()`` of this class or of ``torch.amp.GradScaler``.
+
+        Values are checked as ``create`` checks them (scale finite and > 0 in float32, ...), and
+        ``0 <= _growth_tracker < growth_interval`` (the only states GradScaler reaches)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"loss-scale state_dict must be a mapping with keys {list(_STATE_KEYS)}, "
                             f"got {type(state_dict).__name__}")
@@ -204,14 +245,15 @@ class DynamicLossScale:
         if missing or unexpected:
             raise ValueError(f"loss-scale state_dict: missing keys {missing}, unexpected keys {unexpected}; "
                              f"expected exactly {list(_STATE_KEYS)}")
-        scale = _to_float(state_dict["scale"], "scale")
-        tracker = _to_int(state_dict["_growth_tracker"], "_growth_tracker")
-        if tracker < 0:
-            raise ValueError(f"loss-scale state_dict['_growth_tracker'] must be >= 0, got {tracker}")
+        what = "loss-scale state_dict[{!r}]".format
+        scale = _check_scale(state_dict["scale"], what("scale"))
+        growth_factor = _check_growth_factor(state_dict["growth_factor"], what("growth_factor"))
+        backoff_factor = _check_backoff_factor(state_dict["backoff_factor"], what("backoff_factor"))
+        interval = _check_int(state_dict["growth_interval"], what("growth_interval"), 1, integral_float=True)
+        tracker = _check_int(state_dict["_growth_tracker"], what("_growth_tracker"), 0, interval - 1,
+                             integral_float=True)
         return cls(loss_scale=jnp.asarray(scale, jnp.float32), growth_tracker=jnp.asarray(tracker, jnp.int32),
-                   growth_factor=_to_float(state_dict["growth_factor"], "growth_factor"),
-                   backoff_factor=_to_float(state_dict["backoff_factor"], "backoff_factor"),
-                   growth_interval=_to_int(state_dict["growth_interval"], "growth_interval"))
+                   growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=interval)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> "DynamicLossScale":
         """Returns the loss scale described by ``state_dict`` (immutable: the receiver is unchanged). Like

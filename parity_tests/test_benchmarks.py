@@ -1,13 +1,22 @@
 """The main job (``python -m benchmarks run --quick``) writes well-formed records; the FLOP convention and the
-side-by-side table are right."""
+side-by-side table are right; bad command lines fail before any work and never replace a result."""
 import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
 pytest.importorskip("torch")
 
 from benchmarks import __main__ as cli  # noqa: E402
+from benchmarks import attention as attention_suite  # noqa: E402
 from benchmarks import common  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flops_convention():
@@ -41,3 +50,136 @@ def test_main_job_model_suite(tmp_path):
         assert r["status"] == "ok" and r["iters"] >= 20 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0
     assert "torch/jax" in (tmp_path / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------- bad command lines
+def _cli(*argv, timeout=60):
+    """``python -m benchmarks run ARGV`` in a subprocess: (returncode, stderr)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--impl", "nope"], r"--impl: unknown implementation\(s\) \['nope'\]; choose from \[.*'sdpa:flash'"),
+    (["--impl", "flash", "--impl", "sdpa:nope"], r"unknown implementation\(s\) \['sdpa:nope'\]"),
+    (["--max-seq", "-5"], r"--max-seq must be a positive int .*got -5"),
+    (["--max-seq", "0"], r"--max-seq must be a positive int"),
+    (["--quick", "--max-seq", "64"], r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 128"),
+    (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
+], ids=["impl-nope", "impl-sdpa-nope", "max-seq-negative", "max-seq-zero", "max-seq-below-shapes",
+        "filter-without-attention"])
+def test_filter_that_selects_nothing_fails_fast_and_writes_nothing(tmp_path, argv, message):
+    """Exit code != 0 with a message naming the flag, before jax/torch start (well under the timeout) and with
+    nothing written to --out."""
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    rc, err = _cli(*argv, "--out", str(out), timeout=30)
+    assert rc != 0 and re.search(message, err), err
+    assert not out.exists()
+    assert time.perf_counter() - t0 < 20
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "proc"])
+def test_unwritable_out_fails_before_any_work(tmp_path, where):
+    f = tmp_path / "a_file"
+    f.write_text("keep")
+    out = {"file": f, "under_file": f / "sub", "proc": "/proc/jaxattn-no-such-dir/out"}[where]
+    rc, err = _cli("--suite", "model", "--quick", "--out", str(out), timeout=30)
+    assert rc != 0 and "--out" in err and str(out) in err, err
+    assert f.read_text() == "keep"
+
+
+def test_read_only_out_dir_fails_before_any_work(tmp_path, monkeypatch):
+    """A read-only directory (simulated by refusing the probe file, since root ignores permission bits) fails
+    with a clear message before env_info (which imports jax and torch) is reached."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **kw):
+        if dir is not None and os.path.abspath(dir) == str(ro):
+            raise PermissionError(13, "Permission denied")
+        return real_mkstemp(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(common, "env_info", lambda: pytest.fail("work started before --out was checked"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--suite", "model", "--quick", "--out", str(ro / "results")])
+    assert exc.value.code != 0 and list(ro.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores permission bits")
+def test_read_only_out_dir_by_mode(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        rc, err = _cli("--suite", "model", "--quick", "--out", str(ro), timeout=30)
+    finally:
+        ro.chmod(0o755)
+    assert rc != 0 and "is not writable" in err and str(ro) in err, err
+
+
+# --------------------------------------------------------------------------------------------- never a partial file
+def _fake_records(status="ok"):
+    return [{"suite": "attention", "impl": "xla", "framework": fw, "pass": "fwd", "S": 8, "median_ms": 1.0,
+             "status": status, "reason": None if status == "ok" else "declined: test"} for fw in ("jax", "torch")]
+
+
+def _existing(out):
+    out.mkdir()
+    (out / "attention.json").write_text('{"suite": "attention", "records": [], "sentinel": 1}')
+    (out / "report.md").write_text("old report")
+    return {p.name: p.read_text() for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("outcome", ["empty", "all_skipped", "crash"])
+def test_existing_results_never_replaced_by_empty_or_partial(tmp_path, monkeypatch, outcome):
+    """A suite that measures nothing (exit 1) or crashes mid-way leaves the old files byte-identical and no
+    temporary files behind."""
+    out = tmp_path / "out"
+    before = _existing(out)
+
+    def fake_run(quick, impls=None, max_seq=None):
+        if outcome == "crash":
+            raise RuntimeError("killed mid-suite")
+        return [] if outcome == "empty" else _fake_records("skipped")
+
+    monkeypatch.setattr(attention_suite, "run", fake_run)
+    argv = ["run", "--suite", "attention", "--quick", "--out", str(out)]
+    if outcome == "crash":
+        with pytest.raises(RuntimeError, match="mid-suite"):
+            cli.main(argv)
+    else:
+        assert cli.main(argv) == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == before
+
+
+def test_completed_suite_replaces_atomically_and_report_keeps_other_suites(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    model = {"env": {"time_utc": "2020-01-01T00:00:00Z"}, "suite": "model",
+             "records": [{"suite": "model", "impl": "nnx", "framework": "jax", "pass": "fwd", "median_ms": 3.0}]}
+    (out / "model.json").write_text(json.dumps(model))
+    monkeypatch.setattr(attention_suite, "run", lambda quick, impls=None, max_seq=None: _fake_records())
+    assert cli.main(["run", "--suite", "attention", "--quick", "--out", str(out)]) == 0
+    assert json.loads((out / "attention.json").read_text())["records"] == _fake_records()
+    report = (out / "report.md").read_text()
+    assert "## attention" in report and "## model" in report and "2020-01-01" in report
+    assert sorted(p.name for p in out.iterdir()) == ["attention.json", "model.json", "report.md"]  # no temp files
+    with pytest.raises(ValueError, match="no records"):
+        common.write_results(str(out), "attention", [], {})
+    with pytest.raises(ZeroDivisionError):
+        with common.atomic_path(str(out / "model.json")) as tmp:
+            open(tmp, "w").write("partial")
+            1 / 0
+    assert json.loads((out / "model.json").read_text()) == model
+    assert sorted(p.name for p in out.iterdir()) == ["attention.json", "model.json", "report.md"]
+
+
+def test_impl_names_cover_every_implementation():
+    assert list(attention_suite._jax_impls(quick=True)) == list(attention_suite.JAX_OURS + attention_suite.JAX_PEERS)
+    assert set(attention_suite.IMPLS) >= {f"sdpa:{n}" for n in attention_suite.TORCH_SDPA}
+    with pytest.raises(ValueError, match="max_seq"):
+        attention_suite.run(quick=True, max_seq=True)

@@ -1,5 +1,6 @@
 """ModelConfig twins: identical fields and defaults, presets, HF config.json interop, clear errors."""
 import dataclasses
+import re
 
 import pytest
 
@@ -92,3 +93,52 @@ def test_unknown_preset_and_unsupported_hf(mod):
         mod.ModelConfig.from_hf({**hf, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="missing required keys.*hidden_size"):
         mod.ModelConfig.from_hf({"vocab_size": 3})
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+@pytest.mark.parametrize("key, value, accepted", [
+    ("rms_norm_eps", "abc", "positive finite number"),
+    ("rms_norm_eps", None, "positive finite number"),
+    ("rms_norm_eps", True, "positive finite number"),
+    ("rope_theta", None, "positive finite number"),
+    ("rope_theta", "1e4", "positive finite number"),
+    ("num_key_value_heads", 0, "positive int, or null/absent for num_attention_heads"),
+    ("num_key_value_heads", "2", "positive int"),
+    ("vocab_size", None, "positive int"),
+    ("hidden_size", 64.0, "positive int"),
+    ("num_hidden_layers", True, "positive int"),
+    ("intermediate_size", "160", "positive int"),
+    ("num_attention_heads", -4, "positive int"),
+    ("head_dim", 0, "positive int, or null/absent"),
+    ("max_position_embeddings", None, "positive int"),
+    ("tie_word_embeddings", "false", "true or false"),
+    ("tie_word_embeddings", None, "true or false"),
+    ("attention_bias", "no", "true or false"),
+])
+def test_from_hf_bad_value_names_key_value_and_accepted(mod, key, value, accepted):
+    """A config.json value of the wrong kind gives a ValueError naming the key, the value and what is accepted
+    (not Python's ``float()`` error, and never a silent fallback)."""
+    hf = mod.ModelConfig.preset("tiny").to_hf()
+    with pytest.raises(ValueError, match=re.escape(f"HF config {key}={value!r} ") + ".*" + re.escape(accepted)):
+        mod.ModelConfig.from_hf({**hf, key: value})
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+def test_from_hf_null_or_missing_kv_heads_means_mha_and_rope_values_checked(mod):
+    base = {"vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 48}
+    assert mod.ModelConfig.from_hf(base).n_kv_heads == 4  # HF semantics
+    assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": None}).n_kv_heads == 4
+    assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": 2}).n_kv_heads == 2
+    with pytest.raises(ValueError, match=r"rope_parameters\.rope_theta=None"):
+        mod.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": None}})
+    with pytest.raises(ValueError, match=r"rope_parameters="):
+        mod.ModelConfig.from_hf({**base, "rope_parameters": "default"})
+    with pytest.raises(ValueError, match=r"rope_scaling\.factor='8'.*positive finite number"):
+        mod.ModelConfig.from_hf({**base, "rope_scaling": {**LLAMA3, "factor": "8"}})
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=None.*positive int"):
+        mod.ModelConfig.from_hf({**base, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": None}})
+    with pytest.raises(ValueError, match="tie_embeddings must be a bool"):
+        mod.ModelConfig.preset("tiny", tie_embeddings="yes")
+    with pytest.raises(ValueError, match="norm_eps"):
+        mod.ModelConfig.preset("tiny", norm_eps=True)

@@ -1,4 +1,4 @@
-"""``jaxattn.precision.DynamicLossScale`` against the real ``torch.amp.GradScaler`` (CPU).
+"""``jaxattn.loss_scale.DynamicLossScale`` against the real ``torch.amp.GradScaler`` (CPU).
 
 Torch's scaler is driven with a tiny ``nn.Linear`` whose gradients are overwritten each step with the same
 random (scaled) values the JAX side sees, with inf / -inf / NaN injected at random steps. Every step must give
@@ -104,13 +104,34 @@ def _run_both(n_steps, seed, torch_kwargs, *, handover_at=None, direction="torch
 
 
 def test_trajectory_matches_gradscaler_interval_7():
-    """300 steps, growth_interval=7, ~12% of steps with an inf/-inf/NaN gradient: every decision identical."""
+    """300 steps, growth_interval=7, ~12% of steps with an inf/-inf/NaN gradient: every decision identical.
+
+    The rule being checked, step for step the same as GradScaler (``torch/amp/grad_scaler.py`` and the
+    ``_amp_update_scale_`` and ``_amp_foreach_non_finite_check_and_unscale_`` kernels):
+
+    * ``scale(loss)`` multiplies by the scale (GradScaler.scale).
+    * non-finite detection looks at the SCALED gradients (the kernel checks each value before unscaling);
+      ``unscale(grads)`` multiplies by ``1/scale`` computed in float32 (torch computes the reciprocal in float64
+      and rounds to float32; IEEE division makes the two identical, double rounding being innocuous for 53 >=
+      2*24+2 bits), in float32 for half-precision gradients, like torch's opmath.
+    * ``update(finite)``: on a non-finite step ``scale *= backoff_factor`` and the tracker resets to 0; otherwise
+      the tracker is incremented and, when it reaches ``growth_interval``, ``scale *= growth_factor`` (only if
+      the result is finite; torch never grows to inf) and the tracker resets to 0.
+    * the caller skips the optimizer step on a non-finite step (``select``), leaving params and optimizer state
+      untouched.
+    """
     n_skips, n_growths = _run_both(300, seed=0, torch_kwargs=dict(growth_interval=7))
     assert n_skips >= 20 and n_growths >= 5  # the sequence exercised both branches many times
 
 
 def test_trajectory_matches_gradscaler_other_factors():
-    """Non-default (float32-representable) factors and init scale."""
+    """Non-default (float32-representable) factors and init scale.
+
+    Exactness note: torch multiplies the float32 scale by the factor in float64 and rounds to float32;
+    ``DynamicLossScale`` rounds the factor to float32 first. The results are bit-identical whenever the factor
+    is representable in float32 (the defaults 2.0 and 0.5, any power of two; most short decimals are NOT —
+    e.g. 0.3 can differ by one float32 ulp of the scale), hence the factors chosen here.
+    """
     n_skips, n_growths = _run_both(120, seed=1, torch_kwargs=dict(init_scale=1024.0, growth_factor=4.0,
                                                                   backoff_factor=0.25, growth_interval=3))
     assert n_skips >= 5 and n_growths >= 5
@@ -208,3 +229,68 @@ def test_loss_scale_inside_jit_and_select():
     g16 = {"g": jnp.asarray([3.0, 65504.0], jnp.float16)}
     np.testing.assert_array_equal(np.asarray(ls.unscale(g16)["g"]),
                                   (np.asarray([3.0, 65504.0], np.float32) / 65536.0).astype(np.float16))
+
+
+BAD_SCALES = [0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e40, 1e-50, np.float64(1e40),
+              np.asarray(float("nan"))]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES, ids=repr)
+def test_bad_scale_refused_by_create_and_state_dict(bad):
+    """A scale that is not finite and > 0 in float32 (1e40 overflows to inf, 1e-50 underflows to 0) is refused
+    the same way by ``create`` and by ``load_state_dict`` / ``from_state_dict``, naming the field."""
+    with pytest.raises(ValueError, match=r"init_scale must be a finite float > 0"):
+        DynamicLossScale.create(init_scale=bad)
+    ls = DynamicLossScale.create()
+    sd = {**ls.state_dict(), "scale": bad}
+    with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a finite float > 0"):
+        ls.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"state_dict\['scale'\]"):
+        DynamicLossScale.from_state_dict(sd)
+
+
+def test_numpy_scalars_and_0d_arrays_accepted_bools_refused():
+    """Every numeric field takes numpy scalars and 0-d arrays (numpy, jax, torch) like Python numbers."""
+    want = DynamicLossScale.create(init_scale=2.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    variants = [
+        dict(init_scale=np.float32(2.0), growth_factor=np.float64(4.0), backoff_factor=np.float16(0.25),
+             growth_interval=np.int64(3)),
+        dict(init_scale=np.asarray(2.0), growth_factor=jnp.asarray(4.0), backoff_factor=torch.tensor(0.25),
+             growth_interval=np.asarray(3, np.int32)),
+        dict(init_scale=2, growth_factor=np.int8(4), backoff_factor=0.25, growth_interval=np.uint16(3)),
+    ]
+    for kw in variants:
+        got = DynamicLossScale.create(**kw)
+        assert got.state_dict() == want.state_dict(), kw
+        assert type(got.growth_factor) is float and type(got.growth_interval) is int
+    sd = {"scale": np.float32(2.0), "growth_factor": jnp.asarray(4.0), "backoff_factor": torch.tensor(0.25),
+          "growth_interval": np.int64(3), "_growth_tracker": torch.tensor(2)}
+    got = DynamicLossScale.from_state_dict(sd)
+    assert got.state_dict() == {**want.state_dict(), "_growth_tracker": 2}
+    assert [type(v) for v in got.state_dict().values()] == [float, float, float, int, int]
+    # bools and bool arrays are refused everywhere (TypeError naming the field)
+    for field, bad in (("init_scale", True), ("growth_factor", np.bool_(True)), ("growth_interval", True),
+                       ("backoff_factor", np.asarray(False)), ("init_scale", "2.0"),
+                       ("init_scale", np.asarray([2.0]))):
+        with pytest.raises(TypeError, match=field):
+            DynamicLossScale.create(**{field: bad})
+    for key, bad in (("scale", True), ("growth_interval", np.bool_(True)), ("_growth_tracker", torch.tensor(True)),
+                     ("growth_factor", np.ones(2)), ("backoff_factor", None)):
+        with pytest.raises(TypeError, match=rf"state_dict\['{key}'\]"):
+            DynamicLossScale.from_state_dict({**want.state_dict(), key: bad})
+
+
+@pytest.mark.parametrize("key, bad", [("growth_factor", 1.0), ("growth_factor", 1e40), ("growth_factor", float("nan")),
+                                      ("growth_factor", 1.00000001), ("backoff_factor", 0.0),
+                                      ("backoff_factor", 1.0), ("backoff_factor", 1e-50), ("growth_interval", 0),
+                                      ("growth_interval", 2 ** 31), ("growth_interval", 2.5),
+                                      ("_growth_tracker", -1), ("_growth_tracker", 2000)])
+def test_bad_state_dict_fields_refused(key, bad):
+    """Factors are checked after rounding to float32 (1.00000001 -> 1.0 would never grow); the tracker must be
+    in [0, growth_interval), the only states GradScaler reaches (it never grows from a tracker past it)."""
+    ls = DynamicLossScale.create()
+    with pytest.raises((ValueError, TypeError), match=rf"state_dict\['{key}'\]"):
+        ls.load_state_dict({**ls.state_dict(), key: bad})
+    # a state dict that went through a float (e.g. JSON from another tool) still loads integral values
+    assert DynamicLossScale.from_state_dict({**ls.state_dict(), "growth_interval": 7.0,
+                                             "_growth_tracker": 3.0}).state_dict()["_growth_tracker"] == 3

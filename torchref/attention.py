@@ -18,6 +18,10 @@ plain-math path for ``softcap`` (SDPA cannot express a score modification; ``fle
 but is not used here), which only the MATH backend (``xla``) may serve — other backends raise a clear error.
 GQA: SDPA's ``enable_gqa`` works only with the FLASH and MATH backends, so for EFFICIENT/CUDNN the kv heads
 are expanded (a copy) before the call.
+
+NaN inputs are not part of the contract: jaxattn propagates NaN from q/k/v, but torch's CPU SDPA flash kernel
+(what ``backend=None`` picks on CPU) returns zeros for a query row that holds a NaN (``backend="xla"``, MATH,
+propagates it), so the two packages may differ there and no parity test feeds NaN.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import math
 import numbers
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,15 +52,26 @@ MAX_HEAD_DIM = 256
 
 # --------------------------------------------------------------------------------------------- checks
 def _backend_names(backend, argname: str = "backend") -> Tuple[str, ...]:
-    names = (backend,) if isinstance(backend, str) else tuple(backend)
+    """Same rules and messages as ``jaxattn.attention._check_names``."""
+    names = (backend,) if isinstance(backend, str) else backend
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{argname} must be a backend name or a sequence of names from {BACKENDS}, "
+                        f"got {backend!r} of type {type(backend).__name__}") from None
     if not names:
         raise ValueError(f"{argname} must name at least one backend from {BACKENDS}, got an empty list")
     for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{argname}: backend names must be strings from {BACKENDS}, got {n!r} "
+                            f"of type {type(n).__name__}")
         if n == "mosaic":
             raise ValueError(f"{argname}: 'mosaic' (Pallas Mosaic GPU) has no torch twin; "
                              f"torch backends are {BACKENDS}")
         if n not in SDPA_BACKENDS:
             raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {BACKENDS}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argname}: backend names must not repeat, got {names}")
     return names
 
 
@@ -148,11 +164,16 @@ def _validate(q, k, v, causal, segment_ids, scale, window, softcap):
         raise ValueError(f"head_dim D={d} is too large: accepted 1 <= D <= {MAX_HEAD_DIM}")
     if hq % hkv:
         raise ValueError(f"query heads Hq={hq} must be a multiple of kv heads Hkv={hkv} (GQA/MQA)")
-    if not isinstance(causal, bool):
+    if not isinstance(causal, (bool, np.bool_)):  # np.bool_ as in jaxattn; ints are refused in both
         raise TypeError(f"causal must be a bool, got {causal!r} of type {type(causal).__name__}")
+    causal = bool(causal)
     if segment_ids is None:
         ids = None
     elif isinstance(segment_ids, (tuple, list)):
+        if not all(isinstance(x, torch.Tensor) for x in segment_ids):
+            raise TypeError(f"segment_ids must be an integer torch.Tensor [B, S] or a pair (q_ids [B, Sq], "
+                            f"kv_ids [B, Sk]) of them, got a {type(segment_ids).__name__} of "
+                            f"{sorted({type(x).__name__ for x in segment_ids})}")
         if len(segment_ids) != 2:
             raise ValueError(f"segment_ids as a sequence must be a pair (q_ids [B, Sq], kv_ids [B, Sk]), "
                              f"got {len(segment_ids)} elements")
@@ -199,7 +220,7 @@ def math_attention(q, k, v, *, mask=None, scale: float, softcap: Optional[float]
     """Attention written out in torch ops, scores and softmax in float32 (GQA by reshaping q, no K/V
     repeat).  Used for ``softcap`` (which SDPA cannot express); rows with no visible key give zeros."""
     b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     qf = q.float().reshape(b, hkv, g, sq, d)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale
@@ -226,6 +247,7 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     ``backend``: None (SDPA decides, within any active ``sdpa_kernel``), a name from :data:`BACKENDS`
     or an ordered sequence of names."""
     ids, scale, window, softcap = _validate(q, k, v, causal, segment_ids, scale, window, softcap)
+    causal = bool(causal)
     names = None if backend is None else _backend_names(backend)
     sdp = None if names is None else [SDPA_BACKENDS[n] for n in names]
     b, hq, sq, d = q.shape

@@ -69,8 +69,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
         for name in ("norm_eps", "rope_theta"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive float, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite float, got {v!r}")
+        if not isinstance(self.tie_embeddings, (bool, np.bool_)):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        object.__setattr__(self, "tie_embeddings", bool(self.tie_embeddings))
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
 
@@ -124,24 +127,36 @@ class ModelConfig:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"HF config hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key, False):
+            if _hf_bool(hf, key, False):
                 raise ValueError(f"HF config {key}=True: biased projections are not supported")
-        if hf.get("pretraining_tp", 1) not in (1, None):
-            raise ValueError(f"HF config pretraining_tp={hf['pretraining_tp']!r}: only 1 is supported")
-        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        tp = hf.get("pretraining_tp", 1)
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise ValueError(f"HF config pretraining_tp={tp!r}: only 1 (or null) is supported")
+        rope = hf.get("rope_parameters")  # transformers >= 5
+        if rope is not None and not isinstance(rope, dict):
+            raise ValueError(f"HF config rope_parameters={rope!r}: expected a dict (e.g. {{'rope_type': "
+                             f"'default', 'rope_theta': 10000.0}}) or null")
+        rope = dict(rope or {})
+        theta = _hf_float(hf, "rope_theta", 10000.0)  # checked even when rope_parameters has its own
+        if "rope_theta" in rope:
+            theta = _hf_float(rope, "rope_theta", where="HF config rope_parameters.")
+            rope.pop("rope_theta")
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             scaling = _check_rope_scaling(scaling, where="rope_scaling")
-        n_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and head_dim == hf["hidden_size"] // n_heads and hf["hidden_size"] % n_heads == 0:
+        n_heads = _hf_int(hf, "num_attention_heads")
+        dim = _hf_int(hf, "hidden_size")
+        # HF semantics: a missing or null num_key_value_heads means multi-head attention (= num_attention_heads)
+        n_kv_heads = _hf_int(hf, "num_key_value_heads", None, null_means=f"num_attention_heads ({n_heads})")
+        head_dim = _hf_int(hf, "head_dim", None, null_means="hidden_size // num_attention_heads")
+        if head_dim is not None and head_dim == dim // n_heads and dim % n_heads == 0:
             head_dim = None
-        return cls(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                   n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-                   ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
-                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        return cls(vocab_size=_hf_int(hf, "vocab_size"), dim=dim, n_layers=_hf_int(hf, "num_hidden_layers"),
+                   n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads is None else n_kv_heads, head_dim=head_dim,
+                   ffn_dim=_hf_int(hf, "intermediate_size"),
+                   max_seq_len=_hf_int(hf, "max_position_embeddings", 2048),
+                   norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                   tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False))
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM``."""
@@ -170,8 +185,48 @@ def _check_rope_scaling(scaling: Any, where: str = "ModelConfig.rope_scaling") -
     missing = [k for k in _LLAMA3_KEYS if k not in scaling]
     if missing:
         raise ValueError(f"{where} (llama3) is missing keys {missing}")
-    out = {"rope_type": "llama3", **{k: float(scaling[k]) for k in _LLAMA3_KEYS}}
-    out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    out = {"rope_type": "llama3", **{k: _hf_float(scaling, k, where=f"{where}.") for k in _LLAMA3_KEYS[:3]}}
+    out["original_max_position_embeddings"] = _hf_int(scaling, "original_max_position_embeddings",
+                                                      where=f"{where}.")
     if out["factor"] <= 0 or out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ValueError(f"{where}: need factor > 0 and high_freq_factor > low_freq_factor, got {out}")
     return out
+
+
+_REQUIRED = object()
+
+
+def _hf_value(hf: dict, key: str, default: Any, where: str):
+    if key not in hf:
+        if default is _REQUIRED:
+            raise ValueError(f"{where}{key} is missing")
+        return default
+    return hf[key]
+
+
+def _hf_int(hf: dict, key: str, default: Any = _REQUIRED, *, null_means: Optional[str] = None,
+            where: str = "HF config ") -> Optional[int]:
+    """``hf[key]`` as a positive int (not a bool, string or float); ``null_means`` allows null (returns None)."""
+    v = _hf_value(hf, key, default, where)
+    if v is None and null_means is not None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        accepted = "a positive int" + (f", or null/absent for {null_means}" if null_means else "")
+        raise ValueError(f"{where}{key}={v!r} ({type(v).__name__}) is invalid: expected {accepted}")
+    return v
+
+
+def _hf_float(hf: dict, key: str, default: Any = _REQUIRED, *, where: str = "HF config ") -> float:
+    """``hf[key]`` as a positive finite float (a JSON number, not a bool, string or null)."""
+    v = _hf_value(hf, key, default, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}{key}={v!r} ({type(v).__name__}) is invalid: expected a positive finite "
+                         f"number")
+    return float(v)
+
+
+def _hf_bool(hf: dict, key: str, default: bool, *, where: str = "HF config ") -> bool:
+    v = _hf_value(hf, key, default, where)
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}{key}={v!r} ({type(v).__name__}) is invalid: expected true or false")
+    return v

@@ -1,0 +1,296 @@
+"""Every bad input found by the reliability review, in one table run against both packages.
+
+Each row names the input, the packages it applies to, the exception type and fragments its message must hold
+(CONVENTIONS §10: the argument, the value, what is accepted), so a regression in either package shows here.
+A second table lists inputs that must WORK (numpy scalars, uint8 ids, ``np.bool_`` flags, lazy submodules).
+
+    pytest parity_tests/test_bad_inputs.py -k torch       # one package's rows
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxattn.attention as jattn  # noqa: E402
+import jaxattn.config as jconfig  # noqa: E402
+import jaxattn.hf as jhf  # noqa: E402
+import torchref.attention as tattn  # noqa: E402
+import torchref.config as tconfig  # noqa: E402
+import torchref.hf as thf  # noqa: E402
+from jaxattn.loss_scale import DynamicLossScale  # noqa: E402
+from jaxattn.model import Llama  # noqa: E402
+from torchref.model import LlamaForCausalLM  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOTH = ("jax", "torch")
+VOCAB = 256  # the tiny preset
+
+
+# --------------------------------------------------------------------------------------------- the two sides
+@functools.lru_cache(maxsize=None)
+def _model(pkg: str):
+    cfg = jconfig.ModelConfig.preset("tiny")
+    if pkg == "jax":
+        return Llama(cfg, rngs=nnx.Rngs(0))
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tconfig.ModelConfig.preset("tiny"))
+
+
+def _array(pkg: str, x):
+    """numpy -> the package's array, dtype kept; anything else (a Python list) is passed as it is."""
+    if not isinstance(x, np.ndarray):
+        return x
+    return jnp.asarray(x) if pkg == "jax" else torch.from_numpy(x)
+
+
+def _call_model(pkg: str, tokens, **kw):
+    kw = {k: _array(pkg, v) for k, v in kw.items()}
+    return _model(pkg)(_array(pkg, tokens), **kw)
+
+
+def _qkv(pkg: str, b=1, s=4, h=2, d=8):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(3))
+    if pkg == "torch":  # torch layout [B, H, S, D]
+        return tuple(torch.from_numpy(x.transpose(0, 2, 1, 3).copy()) for x in (q, k, v))
+    return tuple(jnp.asarray(x) for x in (q, k, v))
+
+
+def _attention(pkg: str, **kw):
+    if "segment_ids" in kw:
+        kw["segment_ids"] = _array(pkg, kw["segment_ids"])
+    fn = jattn.dot_product_attention if pkg == "jax" else tattn.dot_product_attention
+    return fn(*_qkv(pkg), **kw)
+
+
+def _config(pkg: str):
+    return jconfig.ModelConfig if pkg == "jax" else tconfig.ModelConfig
+
+
+def _hf(pkg: str):
+    return jhf if pkg == "jax" else thf
+
+
+def _saved(pkg: str, tmp_path, **kw) -> str:
+    path = str(tmp_path / f"ckpt-{pkg}")
+    _hf(pkg).save_pretrained(_model(pkg), path, **kw)
+    return path
+
+
+def _hf_config(**changes) -> dict:
+    hf = jconfig.ModelConfig.preset("tiny").to_hf()
+    hf.update(changes)
+    return hf
+
+
+def _cli(*argv: str):
+    from benchmarks import __main__ as cli
+
+    return cli.main(["run", *argv])
+
+
+# --------------------------------------------------------------------------------------------- bad inputs
+@dataclass(frozen=True)
+class Bad:
+    """``build(pkg, tmp_path) -> (thunk, fragments)``: calling ``thunk()`` must raise ``exc`` whose message
+    holds every fragment. ``exc=SystemExit`` (a CLI): the exit code must be non-zero and the fragments are
+    looked for in stderr."""
+
+    name: str
+    pkgs: tuple
+    exc: Any
+    build: Callable
+
+
+def _save_onto_file(pkg, tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("not a checkpoint")
+    return lambda: _hf(pkg).save_pretrained(_model(pkg), str(f)), [str(f)]
+
+
+def _corrupt(pkg, tmp_path, name, **save_kw):
+    path = _saved(pkg, tmp_path, **save_kw)
+    file = os.path.join(path, name)
+    assert os.path.isfile(file), sorted(os.listdir(path))
+    with open(file, "w") as f:
+        f.write("{not json")
+    return lambda: _hf(pkg).from_pretrained(path), [file]
+
+
+def _int32_tensor(pkg, tmp_path):
+    import safetensors.numpy
+
+    path = _saved(pkg, tmp_path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = safetensors.numpy.load_file(file)
+    key = "model.norm.weight"
+    tensors[key] = tensors[key].astype(np.int32)
+    safetensors.numpy.save_file(tensors, file)
+    return lambda: _hf(pkg).from_pretrained(path), [key, "int32"]
+
+
+def _tokens(pkg):
+    return "tokens" if pkg == "jax" else "input_ids"
+
+
+def _scale_state(bad):
+    def build(pkg, tmp_path):
+        ls = DynamicLossScale.create()
+        return lambda: ls.load_state_dict({**ls.state_dict(), "scale": bad}), ["state_dict['scale']", repr(bad)]
+    return build
+
+
+def _from_hf(key, value):
+    def build(pkg, tmp_path):
+        hf = _hf_config(**{key: value})
+        if key == "rope_theta":
+            hf.pop("rope_parameters")  # the legacy key alone, as in a transformers 4.x config.json
+        return lambda: _config(pkg).from_hf(hf), [key, repr(value), "expected"]
+    return build
+
+
+BAD = [
+    # (a) saving: onto an existing file, to ""
+    Bad("a-save-onto-file", BOTH, (ValueError, FileExistsError), _save_onto_file),
+    Bad("a-save-to-empty-path", BOTH, (ValueError, FileExistsError),
+        lambda pkg, tmp: (lambda: _hf(pkg).save_pretrained(_model(pkg), ""), ["''"])),
+    # (b) token ids outside the vocabulary in an eager call: position and value named
+    Bad("b-token-id-too-large", BOTH, ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.array([[1, 2, VOCAB]], np.int32)),
+                          [f"outside [0, vocab_size={VOCAB}", str(VOCAB), "(0, 2)"])),
+    Bad("b-token-id-negative", BOTH, ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.array([[1, -3, 2]], np.int32)),
+                          [f"outside [0, vocab_size={VOCAB}", "-3", "(0, 1)"])),
+    # (c) a loss-scale state whose scale is not finite and > 0 in float32
+    *[Bad(f"c-loss-scale-{label}", ("jax",), ValueError, _scale_state(v))
+      for label, v in (("zero", 0.0), ("nan", float("nan")), ("inf", float("inf")), ("negative", -2.0),
+                       ("1e40", 1e40))],
+    # (d) benchmark filters that select nothing
+    Bad("d-bench-impl-nope", ("cli",), SystemExit,
+        lambda pkg, tmp: (lambda: _cli("--impl", "nope", "--out", str(tmp / "out")), ["--impl", "'nope'"])),
+    Bad("d-bench-max-seq-negative", ("cli",), SystemExit,
+        lambda pkg, tmp: (lambda: _cli("--max-seq", "-5", "--out", str(tmp / "out")), ["--max-seq", "-5"])),
+    # (e) invalid JSON: the message names the file
+    Bad("e-config-json-invalid", BOTH, ValueError, lambda pkg, tmp: _corrupt(pkg, tmp, "config.json")),
+    Bad("e-index-json-invalid", BOTH, ValueError,
+        lambda pkg, tmp: _corrupt(pkg, tmp, "model.safetensors.index.json", max_shard_bytes=50_000)),
+    # (f) config.json values of the wrong kind
+    Bad("f-rms-norm-eps-str", BOTH, ValueError, _from_hf("rms_norm_eps", "abc")),
+    Bad("f-rope-theta-null", BOTH, ValueError, _from_hf("rope_theta", None)),
+    Bad("f-num-kv-heads-zero", BOTH, ValueError, _from_hf("num_key_value_heads", 0)),
+    # (g) wrong argument types
+    Bad("g-backend-int", BOTH, TypeError, lambda pkg, tmp: (lambda: _attention(pkg, backend=3),
+                                                            ["backend", "3", "'xla'"])),
+    Bad("g-max-shard-bytes-str", BOTH, (TypeError, ValueError),
+        lambda pkg, tmp: (lambda: _hf(pkg).save_pretrained(_model(pkg), str(tmp / "c"), max_shard_bytes="1GB"),
+                          ["max_shard_bytes", "'1GB'"])),
+    # (h) Python lists where arrays are expected
+    Bad("h-tokens-list", BOTH, TypeError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, [[1, 2, 3]]), [_tokens(pkg), "list"])),
+    Bad("h-segment-ids-list", BOTH, TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[[0, 0, 1, 1]]), ["segment_ids", "list"])),
+    Bad("h-segment-ids-flat-list", BOTH, TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[0, 0, 1, 1]), ["segment_ids", "list"])),
+    # (j) a checkpoint tensor of a dtype the model does not hold
+    Bad("j-int32-tensor-in-checkpoint", BOTH, ValueError, _int32_tensor),
+    # (k) bool ids are refused the same way in both (attention segment ids and model tokens)
+    Bad("k-bool-segment-ids", BOTH, TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=np.zeros((1, 4), bool)),
+                          ["segment_ids", "integer dtype", "bool"])),
+    Bad("k-bool-tokens", BOTH, TypeError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 4), bool)), [_tokens(pkg), "bool"])),
+    Bad("k-causal-int", BOTH, TypeError, lambda pkg, tmp: (lambda: _attention(pkg, causal=1),
+                                                           ["causal must be a bool", "1"])),
+    # (l) empty batch or sequence
+    Bad("l-seq-zero", BOTH, ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 0), np.int32)), [_tokens(pkg)])),
+    Bad("l-batch-zero", BOTH, ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((0, 4), np.int32)), [_tokens(pkg)])),
+]
+
+
+def _bad_params():
+    return [pytest.param(case, pkg, id=f"{case.name}-{pkg}") for case in BAD for pkg in case.pkgs]
+
+
+@pytest.mark.parametrize("case, pkg", _bad_params())
+def test_bad_input(case, pkg, tmp_path, capsys):
+    thunk, fragments = case.build(pkg, tmp_path)
+    with pytest.raises(case.exc) as info:
+        thunk()
+    if case.exc is SystemExit:
+        assert info.value.code not in (0, None)
+        message = capsys.readouterr().err
+        assert not (tmp_path / "out").exists()  # a failed command line writes nothing
+    else:
+        message = str(info.value)
+    missing = [f for f in fragments if f not in message]
+    assert not missing, f"{type(info.value).__name__} message lacks {missing}: {message}"
+
+
+# --------------------------------------------------------------------------------------------- must work
+def _np_scalar_loss_scale(pkg):
+    ls = DynamicLossScale.create(init_scale=np.float32(2.0), growth_factor=np.float64(2.0),
+                                 backoff_factor=np.asarray(0.5), growth_interval=np.int64(10))
+    assert ls.state_dict() == DynamicLossScale.create(2.0, 2.0, 0.5, 10).state_dict()
+    sd = {k: np.asarray(v) for k, v in ls.state_dict().items()}
+    assert DynamicLossScale.from_state_dict(sd).state_dict() == ls.state_dict()
+
+
+def _uint8_ids(pkg):
+    ids = np.array([[1, 2, 255, 3]], np.uint8)
+    logits = _call_model(pkg, ids, segment_ids=np.array([[0, 0, 1, 1]], np.uint8))
+    assert tuple(logits.shape) == (1, 4, VOCAB)
+    out = _attention(pkg, segment_ids=np.array([[0, 0, 1, 1]], np.uint8))
+    assert tuple(out.shape) in ((1, 4, 2, 8), (1, 2, 4, 8))
+
+
+def _np_bool_causal(pkg):
+    got = np.asarray(_attention(pkg, causal=np.bool_(True)))
+    want = np.asarray(_attention(pkg, causal=True))
+    np.testing.assert_array_equal(got, want)
+
+
+def _kv_heads_null(pkg):
+    assert _config(pkg).from_hf(_hf_config(num_key_value_heads=None)).n_kv_heads == 4  # HF: null = n_heads
+
+
+def _lazy_submodules(pkg):
+    code = {"jax": "import jaxattn; jaxattn.attention.dot_product_attention; "
+                   "jaxattn.precision.DynamicLossScale; jaxattn.loss_scale.DynamicLossScale",
+            "torch": "import torchref; torchref.attention.dot_product_attention; torchref.precision"}[pkg]
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+GOOD = [
+    ("i-loss-scale-numpy-scalars", ("jax",), _np_scalar_loss_scale),
+    ("k-uint8-ids", BOTH, _uint8_ids),
+    ("k-causal-np-bool", BOTH, _np_bool_causal),
+    ("f-num-kv-heads-null", BOTH, _kv_heads_null),
+    ("m-lazy-submodules", BOTH, _lazy_submodules),
+]
+
+
+@pytest.mark.parametrize("fn, pkg", [pytest.param(fn, pkg, id=f"{name}-{pkg}") for name, pkgs, fn in GOOD
+                                     for pkg in pkgs])
+def test_good_input(fn, pkg):
+    fn(pkg)
+
+
+def test_row_names_unique():
+    """Row names are unique (a duplicated name would hide a row in ``-k`` selections)."""
+    names = [c.name for c in BAD] + [g[0] for g in GOOD]
+    assert len(names) == len(set(names)), sorted(names)
