@@ -3,7 +3,10 @@
 ``from_pretrained(path, dtype=None)`` reads a directory written by ``transformers`` (or by either package here);
 ``save_pretrained(model, path)`` writes one that ``transformers`` loads. HF stores linear weights ``[out, in]``;
 our model keeps ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly, so an fp32
-round trip is bit-exact. ``dtype=None`` keeps the dtype stored in the files.
+round trip is bit-exact. ``dtype=None`` keeps the dtype stored in the files; names are ``MODEL_DTYPES``.
+Saving writes into the directory crash-safely and touches only our files (``jaxattn.spec.hf_format``).
+
+    jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import safetensors.numpy
 from flax import nnx
 
 from .spec import hf_format
+from .spec.dtypes import MODEL_DTYPES, check_model_dtype
 from .config import ModelConfig
 from .model import Llama, set_value
 
@@ -32,12 +36,13 @@ _LAYER_MAP = (
 def _resolve_dtype(dtype):
     if dtype is None:
         return None
+    if isinstance(dtype, str):
+        return jnp.dtype(check_model_dtype(dtype))
     try:
         dt = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(f"dtype={dtype!r} is not a dtype; use float32, bfloat16 or float16") from None
-    if dt not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
+        raise ValueError(f"dtype={dtype!r} is not a dtype; use one of {', '.join(MODEL_DTYPES)}") from None
+    check_model_dtype(dt.name)
     return dt
 
 
@@ -57,6 +62,8 @@ def to_state_dict(model: Llama) -> dict[str, np.ndarray]:
 def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=None) -> Llama:
     """Build a ``Llama`` from HF-named arrays (numpy, or anything ``np.asarray`` takes); checks every key."""
     hf_format.check_state_shapes(config, {k: np.shape(v) for k, v in tensors.items()})
+    hf_format.check_state_dtypes({k: v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
+                                  for k, v in tensors.items()})
     dt = _resolve_dtype(dtype)
 
     def arr(x):
@@ -78,19 +85,28 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtyp
 
 def from_pretrained(path: str | os.PathLike, dtype=None) -> Llama:
     """Load a Hugging Face Llama directory (``config.json`` + safetensors, single or sharded)."""
-    config = ModelConfig.from_hf(hf_format.read_config(path))
-    tensors: dict[str, np.ndarray] = {}
-    for file in hf_format.weight_files(path):
-        tensors.update(safetensors.numpy.load_file(file))
+    _resolve_dtype(dtype)  # a bad dtype fails before any file is read
+    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file: see jaxattn/gguf.py
+        from .gguf import from_gguf
+        return from_gguf(path, dtype)
+    hf_config, tensors = hf_format.read_checkpoint(path, safetensors.numpy.load_file)
+    config = ModelConfig.from_hf(hf_config)
+    where = f"checkpoint {os.fspath(path)!r}"
+    hf_format.check_state_shapes(config, {k: v.shape for k, v in tensors.items()}, where)
+    hf_format.check_state_dtypes({k: v.dtype for k, v in tensors.items()}, where)
     return from_state_dict(config, tensors, dtype=dtype)
 
 
 def save_pretrained(model: Llama, path: str | os.PathLike,
                     max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES,
                     dtype: Optional[object] = None) -> str:
-    """Write ``model`` as a HF Llama directory (temp dir + rename). Returns the absolute path."""
+    """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
+
+    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.
+    """
     if not isinstance(model, Llama):
         raise TypeError(f"save_pretrained expects a jaxattn.model.Llama, got {type(model).__name__}")
+    hf_format.check_max_shard_bytes(max_shard_bytes)
     dt = _resolve_dtype(dtype)
     tensors = to_state_dict(model)
     if dt is not None:
@@ -98,8 +114,8 @@ def save_pretrained(model: Llama, path: str | os.PathLike,
     hf_config = model.config.to_hf()
     hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
 
-    def save(subset, filename):
-        safetensors.numpy.save_file(subset, filename, metadata=hf_format.SAFETENSORS_METADATA)
+    def save(subset, filename, metadata):
+        safetensors.numpy.save_file(subset, filename, metadata=metadata)
 
     return hf_format.write_checkpoint(path, hf_config, tensors, {k: v.nbytes for k, v in tensors.items()}, save,
                                       max_shard_bytes)

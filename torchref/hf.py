@@ -2,8 +2,11 @@
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format, which is shared with the
 JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax). ``dtype=None`` keeps the
-dtype stored in the files. The model is built on the ``meta`` device and the tensors are assigned, so loading a
-large checkpoint allocates its weights once.
+dtype stored in the files; names are ``MODEL_DTYPES``. The model is built on the ``meta`` device and the tensors
+are assigned, so loading a large checkpoint allocates its weights once. Saving writes into the directory
+crash-safely and touches only our files (see ``jaxattn.spec.hf_format``).
+
+    torchref.hf.save_pretrained(model, "ckpt"); model = torchref.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
 from __future__ import annotations
 
@@ -14,21 +17,21 @@ import torch
 import safetensors.torch
 
 from jaxattn.spec import hf_format
+from jaxattn.spec.dtypes import MODEL_DTYPES, check_model_dtype
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _resolve_dtype(dtype) -> Optional[torch.dtype]:
     if dtype is None:
         return None
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    if dtype in _DTYPES.values():
+    if isinstance(dtype, str):
+        return getattr(torch, check_model_dtype(dtype))
+    if isinstance(dtype, torch.dtype):
+        check_model_dtype(hf_format.dtype_name(dtype))
         return dtype
-    raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or the torch dtypes")
+    raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(MODEL_DTYPES)} or those torch dtypes")
 
 
 def to_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -42,6 +45,7 @@ def to_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 def from_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype=None) -> LlamaForCausalLM:
     """Build a model from HF-named tensors; every key and shape is checked first."""
     hf_format.check_state_shapes(config, {k: tuple(v.shape) for k, v in tensors.items()})
+    hf_format.check_state_dtypes({k: v.dtype for k, v in tensors.items()})
     dt = _resolve_dtype(dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -58,25 +62,34 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dt
 
 def from_pretrained(path: str | os.PathLike, dtype=None) -> LlamaForCausalLM:
     """Load a Hugging Face Llama directory (``config.json`` + safetensors, single or sharded)."""
-    config = ModelConfig.from_hf(hf_format.read_config(path))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in hf_format.weight_files(path):
-        tensors.update(safetensors.torch.load_file(file))
+    _resolve_dtype(dtype)  # a bad dtype fails before any file is read
+    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file: see torchref/gguf.py
+        from .gguf import from_gguf
+        return from_gguf(path, dtype)
+    hf_config, tensors = hf_format.read_checkpoint(path, safetensors.torch.load_file)
+    config = ModelConfig.from_hf(hf_config)
+    where = f"checkpoint {os.fspath(path)!r}"
+    hf_format.check_state_shapes(config, {k: tuple(v.shape) for k, v in tensors.items()}, where)
+    hf_format.check_state_dtypes({k: v.dtype for k, v in tensors.items()}, where)
     return from_state_dict(config, tensors, dtype=dtype)
 
 
 def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike,
                     max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES, dtype=None) -> str:
-    """Write ``model`` as a HF Llama directory (temp dir + rename). Returns the absolute path."""
+    """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
+
+    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.
+    """
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"save_pretrained expects a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
+    hf_format.check_max_shard_bytes(max_shard_bytes)
     dt = _resolve_dtype(dtype)
     tensors = {k: (v if dt is None else v.to(dt)).cpu() for k, v in to_state_dict(model).items()}
     hf_config = model.config.to_hf()
     hf_config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
 
-    def save(subset, filename):
-        safetensors.torch.save_file(subset, filename, metadata=hf_format.SAFETENSORS_METADATA)
+    def save(subset, filename, metadata):
+        safetensors.torch.save_file(subset, filename, metadata=metadata)
 
     sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
     return hf_format.write_checkpoint(path, hf_config, tensors, sizes, save, max_shard_bytes)
