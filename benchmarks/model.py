@@ -1,9 +1,10 @@
 """Model suite: the same Llama (one set of weights) in both frameworks — parity check, then forward and
 forward+backward time side by side.
 
-The torch model is built first and its state dict is handed to ``jaxattn.hf.from_state_dict``, so both sides
-hold identical fp32 weights; the logits must agree to the fp32 full-model tolerance (1e-4) before anything is
-timed. JAX runs a pure jitted function of the split NNX state (flax's performance guide); torch runs eagerly.
+``benchmarks.twins.twin_models`` builds both (the torch state dict handed to ``jaxattn.hf.from_state_dict``),
+so both sides hold identical fp32 weights; the logits must agree to the fp32 full-model tolerance (1e-4) before
+anything is timed. JAX runs a pure jitted function of the split NNX state (flax's performance guide); torch runs
+eagerly.
 """
 from __future__ import annotations
 
@@ -26,22 +27,19 @@ def run(quick: bool) -> list[dict]:
     import torch
     from flax import nnx
 
-    from jaxattn import hf as jhf
     from jaxattn import precision as jprec
     from torchref import precision as tprec
-    from jaxattn.config import ModelConfig as JConfig
     from torchref.config import ModelConfig as TConfig
-    from torchref.model import LlamaForCausalLM
+
+    from .twins import twin_models
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     iters, warmup = (20, 3) if quick else (30, 5)
     records = []
     for preset, b, s in _shapes(quick):
-        torch.manual_seed(0)
         tcfg = TConfig.preset(preset)
-        tmodel = LlamaForCausalLM(tcfg).to(dev)
-        jmodel = jhf.from_state_dict(JConfig.preset(preset), {k: v.cpu().numpy() for k, v in
-                                                                tmodel.state_dict().items()})
+        tmodel, jmodel = twin_models(tcfg, seed=0, perturb_norms=False)
+        tmodel = tmodel.to(dev)
         tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, s), dtype=np.int32)
         t_tok = torch.from_numpy(tokens).long().to(dev)
         j_tok = jnp.asarray(tokens)

@@ -1,27 +1,68 @@
 """Llama-style decoder in Flax NNX, the twin of ``torchref/model.py``.
 
+    model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    logits = model(jnp.asarray([[1, 2, 3]]))        # float32 [1, 3, vocab]
+
 Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual]
 -> RMSNorm -> LM head. Layer parameters are stacked along a leading ``n_layers`` axis and the layers run under
 ``jax.lax.scan``, so compile time does not grow with depth. Weights are stored in the JAX ``[in, out]`` layout
-(``jaxattn.hf`` transposes to and from Hugging Face's ``[out, in]``).
+(``jaxattn.hf`` transposes to and from Hugging Face's ``[out, in]``). The model computes in the dtype of its
+parameters (a precision policy casts the state from outside); RMSNorm statistics, the softmax and the logits
+are float32.
 
-The model computes in the dtype of its parameters: a precision policy casts the parameter state from outside
-(``jaxattn.precision``), the layer code stays dtype-agnostic. RMSNorm statistics, the softmax (inside the
-attention backends) and the logits are float32. ``layer_wrapper`` (default ``None``) lets remat policies wrap
-the per-layer function from outside without touching the layer code.
+Seams for outside code, nothing more (no mesh, no policy object): every ``nnx.Param`` carries logical axis
+names (``nnx.get_partition_spec(nnx.state(model))``, see :data:`PARAM_AXES`); the values a remat policy may keep
+are tagged with ``checkpoint_name`` (:data:`REMAT_NAMES`, MaxText's names); ``Llama.remat`` is a policy NAME
+(a static, hashable attribute in the graphdef) mapped to ``jax.checkpoint`` around the scanned layer body.
+
+Token ids: an eager call (concrete ``tokens``) raises ValueError naming the first id outside ``[0, vocab)``.
+Under ``jit`` the ids are tracers and cannot be checked: an out-of-range id then embeds to a ZERO vector (the
+lookup is ``jnp.take(..., mode="fill", fill_value=0)``, never jnp's default NaN fill) and its embedding row gets
+no gradient, so a masked pad id (e.g. ``vocab_size``) cannot poison the loss or the parameters. To check ids
+inside jit use ``jaxattn.train.make_train_step(..., check_ids="jit")`` (``jax.experimental.checkify``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from .attention import dot_product_attention
 from .config import ModelConfig
+from .spec.batch import check_model_inputs, check_token_ids
+from .spec.remat import REMAT_POLICIES, check_remat
 
 LAYER_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm")
+
+# Logical axis names of every parameter (the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads").
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"), "norm": ("embed",), "lm_head": ("embed", "vocab"),
+    "wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
+    "wo": ("layers", "heads", "embed"), "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"), "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
+}
+
+# checkpoint_name tags (MaxText's names) on the values a remat policy may keep.
+REMAT_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_0", "mlpwi_1",
+                                "mlp_hidden", "decoder_layer_output")
+
+# Llama.remat name -> jax.checkpoint policy (None: no remat; "full" saves nothing).
+_REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names(
+        "query_proj", "key_proj", "value_proj", "attention_out"),
+}
+assert tuple(_REMAT) == REMAT_POLICIES
+
+try:  # an abstract value under jit / grad / vmap: its ids cannot be read
+    from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover - a jax that no longer re-exports it
+    from jax._src.core import Tracer as _Tracer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -49,23 +90,27 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
-    q = (x @ p["wq"]).reshape(b, s, cfg.n_heads, d)
-    k = (x @ p["wk"]).reshape(b, s, cfg.n_kv_heads, d)
-    v = (x @ p["wv"]).reshape(b, s, cfg.n_kv_heads, d)
+    q = checkpoint_name(x @ p["wq"], "query_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
+    k = checkpoint_name(x @ p["wk"], "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    v = checkpoint_name(x @ p["wv"], "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
-    return o.reshape(b, s, cfg.n_heads * d) @ p["wo"]
+    o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, S, Hq, D]
+    o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]
+    return o @ p["wo"]
 
 
 def mlp_block(x, p):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    gate = checkpoint_name(x @ p["w_gate"], "mlpwi_0")
+    up = checkpoint_name(x @ p["w_up"], "mlpwi_1")
+    return checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden") @ p["w_down"]
 
 
 def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
     """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters."""
     x = x + attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids)
-    return x + mlp_block(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
+    x = x + mlp_block(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
+    return checkpoint_name(x, "decoder_layer_output")
 
 
 def set_value(variable: nnx.Variable, value) -> None:
@@ -76,57 +121,70 @@ def set_value(variable: nnx.Variable, value) -> None:
         variable.value = value
 
 
+def param(init, name: str, key, shape, dtype) -> nnx.Param:
+    """``nnx.Param`` with the logical axis names ``PARAM_AXES[name]`` as its sharding metadata.
+
+    ``nnx.with_partitioning`` stores them under the key the installed flax reads (``out_sharding`` on flax
+    0.12.3+, ``sharding_names``/``sharding`` before), so ``nnx.get_partition_spec`` finds them on each;
+    ``eager_sharding=False``: the model never shards itself (no mesh inside), ``jaxattn.sharding`` does it.
+    """
+    return nnx.Param(nnx.with_partitioning(init, PARAM_AXES[name], eager_sharding=False)(key, shape, dtype))
+
+
 class Layers(nnx.Module):
     """All decoder layers' parameters, stacked: each leaf has a leading ``n_layers`` axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         n, dim, d, f = cfg.n_layers, cfg.dim, cfg.resolved_head_dim, cfg.ffn_dim
-        init = nnx.initializers.normal(0.02)
-
-        def w(*shape):
-            return nnx.Param(init(rngs.params(), (n, *shape), param_dtype))
-
-        self.wq, self.wk, self.wv = w(dim, cfg.n_heads * d), w(dim, cfg.n_kv_heads * d), w(dim, cfg.n_kv_heads * d)
-        self.wo = w(cfg.n_heads * d, dim)
-        self.w_gate, self.w_up, self.w_down = w(dim, f), w(dim, f), w(f, dim)
-        self.attn_norm = nnx.Param(jnp.ones((n, dim), param_dtype))
-        self.mlp_norm = nnx.Param(jnp.ones((n, dim), param_dtype))
+        normal, ones = nnx.initializers.normal(0.02), nnx.initializers.ones
+        shapes = {"wq": (dim, cfg.n_heads * d), "wk": (dim, cfg.n_kv_heads * d), "wv": (dim, cfg.n_kv_heads * d),
+                  "wo": (cfg.n_heads * d, dim), "w_gate": (dim, f), "w_up": (dim, f), "w_down": (f, dim),
+                  "attn_norm": (dim,), "mlp_norm": (dim,)}
+        for name in LAYER_PARAMS:
+            init = ones if name.endswith("norm") else normal
+            setattr(self, name, param(init, name, rngs.params(), (n, *shapes[name]), param_dtype))
 
 
 class Llama(nnx.Module):
-    """Llama-style causal LM. ``model(tokens, positions=None, segment_ids=None)`` -> float32 logits [B, S, V]."""
+    """Llama-style causal LM. ``model(tokens, positions=None, segment_ids=None)`` -> float32 logits [B, S, V].
+
+    ``tokens``, ``positions``, ``segment_ids``: integer arrays ``[B, S]`` (B, S >= 1) of a dtype in
+    ``jaxattn.spec.dtypes.ID_DTYPES`` (bool refused). ``remat``: one of ``REMAT_POLICIES``, set from outside.
+    """
+
+    remat: str = "none"
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.config = config
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.dim),
-                                                             param_dtype))
+        normal, v, dim = nnx.initializers.normal(0.02), config.vocab_size, config.dim
+        self.embed = param(normal, "embed", rngs.params(), (v, dim), param_dtype)
         self.layers = Layers(config, rngs=rngs, param_dtype=param_dtype)
-        self.norm = nnx.Param(jnp.ones((config.dim,), param_dtype))
+        self.norm = param(nnx.initializers.ones, "norm", rngs.params(), (dim,), param_dtype)
         if not config.tie_embeddings:
-            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.dim, config.vocab_size),
-                                                                   param_dtype))
+            self.lm_head = param(normal, "lm_head", rngs.params(), (dim, v), param_dtype)
         self.inv_freq = nnx.Variable(jnp.asarray(config.rope_inv_freq()))  # constant, not a trained Param
-        self.layer_wrapper: Optional[Callable] = None
+        self.remat = "none"
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg = self.config
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an int array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+        check_model_inputs(tokens, positions, segment_ids, arg="tokens")
+        if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
+            check_token_ids(tokens, cfg.vocab_size, arg="tokens")
+        policy = _REMAT[check_remat(self.remat, "Llama.remat")]
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        elif positions.shape != tokens.shape:
-            raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
-        if segment_ids is not None and segment_ids.shape != tokens.shape:
-            raise ValueError(f"segment_ids must have the tokens' shape {tokens.shape}, got {segment_ids.shape}")
-        cos, sin = rope_cos_sin(self.inv_freq[...], positions)
+        cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))
+        seg = None if segment_ids is None else jnp.asarray(segment_ids)
 
-        layer = lambda x, p: decoder_layer(x, p, cos, sin, cfg, segment_ids)  # noqa: E731
-        if self.layer_wrapper is not None:
-            layer = self.layer_wrapper(layer)
+        def layer(x, p):
+            return decoder_layer(x, p, cos, sin, cfg, seg)
+
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)  # inside scan: CSE is safe
         stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = jnp.take(self.embed[...], jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
         x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]

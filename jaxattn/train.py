@@ -1,14 +1,22 @@
-"""One training step for the Flax NNX Llama, the twin of ``torchref.train.train_step``.
+"""One training step for the Flax NNX Llama, the twin of ``torchref.train.make_train_step``.
 
-The step is a PURE function of ``(graphdef, TrainState, batch)``, jitted with ``graphdef``, the optax
-transformation, the precision policy and the clipping norm static (flax's performance guide): the model is split
-ONCE outside (``TrainState.create``), and merged inside the traced function, so a step costs no per-call NNX
-graph traversal in Python. What one step does, in the order ``torch.amp`` does it:
+    tx = optax.adamw(3e-4)
+    graphdef, state = TrainState.create(model, tx, policy="bf16")
+    step = make_train_step(graphdef, tx, policy="bf16", max_grad_norm=1.0)
+    state, metrics = step(state, {"tokens": tokens})       # metrics: loss, grad_norm, loss_scale, skipped
+
+``make_train_step`` binds the graphdef, the optax transformation, the policy and the clipping norm once and
+jits a PURE function of ``(TrainState, batch)`` (flax's performance guide): the model is split ONCE outside
+(``TrainState.create``) and merged inside the traced function, so a step costs no per-call NNX graph traversal
+in Python. Before the jitted call the host side checks the batch format (``jaxattn.spec.batch``) and, when the
+ids are concrete (numpy or jax arrays, not tracers), that every token id is in ``[0, vocab)``. What one step
+does, in the order ``torch.amp`` does it:
 
 1. cast the float32 master params to the policy's compute dtype INSIDE the differentiated function and merge
    the model (so the gradients come back in the params' dtype, jmp-style);
 2. loss = mean next-token cross-entropy in float32 over ``tokens[:, :-1] -> tokens[:, 1:]``, weighted by the
-   loss mask and by segment boundaries (``loss_weights``);
+   loss mask and by segment boundaries (``loss_weights``); masked targets are dropped with ``where``, not
+   multiplied by 0, so a masked position can never turn the loss or the gradients into NaN;
 3. gradients of ``loss * loss_scale``; non-finite check on the SCALED gradients; unscale (``scaler.unscale_``);
 4. optional global-norm clipping AFTER the unscale, with ``torch.nn.utils.clip_grad_norm_``'s formula
    (``coef = max_norm / (norm + 1e-6)``, clamped to 1) — hand-written because ``optax.clip_by_global_norm``
@@ -16,21 +24,14 @@ graph traversal in Python. What one step does, in the order ``torch.amp`` does i
 5. the optimizer update (e.g. ``optax.adamw``), then, on a non-finite step, the OLD params and optimizer state
    are kept (GradScaler skipping ``optimizer.step()``) and the loss scale backs off.
 
-AdamW equivalence (``optax.adamw(lr, b1, b2, eps, weight_decay=wd)`` vs ``torch.optim.AdamW(lr, (b1, b2), eps,
-weight_decay=wd)``): torch computes ``p <- p*(1 - lr*wd)`` then ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)``;
-optax computes ``u = m_hat / (sqrt(v_hat + eps_root) + eps) + wd*p`` then ``p <- p - lr*u``. With
-``eps_root=0`` (optax's default) these are the same update: eps outside the square root, after bias correction,
-decoupled decay scaled by the (scheduled) learning rate, applied to every parameter (optax's ``mask=None`` =
-torch's single param group). Only float rounding differs. Defaults differ (torch wd=0.01, optax wd=1e-4): pass
-all hyper-parameters explicitly on both sides.
-
+``optax.adamw`` with the same hyper-parameters is ``torch.optim.AdamW`` up to float rounding (the derivation is
+in ``parity_tests/test_train_step.py``); pass all hyper-parameters explicitly on both sides (defaults differ).
 On a skipped step the optax step count (and so an optax schedule) does not advance, exactly like torch's
 ``optimizer.step`` being skipped; a torch ``LRScheduler.step()`` called unconditionally by a loop WOULD advance.
 ``TrainState.step`` counts calls, skipped or not.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -39,13 +40,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.experimental import checkify
 
-from .precision import DynamicLossScale, LossScale, NoOpLossScale, Policy, get_policy
+from .model import _Tracer
+from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from .precision import Policy, get_policy
+from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
 
-__all__ = ["TrainState", "train_step", "make_train_step", "loss_fn", "loss_weights", "cross_entropy",
+__all__ = ["TrainState", "make_train_step", "CHECK_IDS", "loss_fn", "loss_weights", "cross_entropy",
            "clip_by_global_norm", "global_norm", "BATCH_KEYS"]
-
-BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -107,23 +110,6 @@ class TrainState:
 # Loss
 # --------------------------------------------------------------------------------------------------------------
 
-def _check_batch(batch: Batch) -> None:
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a mapping with keys {BATCH_KEYS} ('tokens' required), "
-                        f"got {type(batch).__name__}")
-    unknown = [k for k in batch if k not in BATCH_KEYS]
-    if unknown or "tokens" not in batch:
-        raise ValueError(f"batch keys must be 'tokens' plus optional {BATCH_KEYS[1:]}; got {sorted(batch)}")
-    tokens = batch["tokens"]
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.shape[1] < 2:
-        raise ValueError(f"batch['tokens'] must be an int array [batch, seq] with seq >= 2, "
-                         f"got {tokens.dtype}{list(tokens.shape)}")
-    for k in BATCH_KEYS[1:]:
-        if batch.get(k) is not None and tuple(batch[k].shape) != tuple(tokens.shape):
-            raise ValueError(f"batch[{k!r}] must have the tokens' shape {tuple(tokens.shape)}, "
-                             f"got {tuple(batch[k].shape)}")
-
-
 def loss_weights(batch: Batch) -> jax.Array:
     """float32 ``[B, S-1]`` weights of the targets ``tokens[:, 1:]``.
 
@@ -142,9 +128,14 @@ def loss_weights(batch: Batch) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``."""
-    logits = logits.astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``.
+
+    Targets with ``w == 0`` are dropped with ``where`` on the logits and the targets BEFORE the cross-entropy (a
+    NaN logit or an out-of-range target there stays out of the loss and out of its gradient, where ``0 * nan``
+    would not)."""
+    keep = weights > 0
+    logits = jnp.where(keep[..., None], logits.astype(jnp.float32), 0.0)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(keep, targets, 0))
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -178,12 +169,31 @@ def clip_by_global_norm(grads: Any, max_norm: float, norm: Optional[jax.Array] =
 # The step
 # --------------------------------------------------------------------------------------------------------------
 
+def _vocab_size(graphdef: nnx.GraphDef, state: TrainState) -> Optional[int]:
+    config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
+    return getattr(config, "vocab_size", None)
+
+
+def _check_ids_in_jit(tokens: jax.Array, vocab: int) -> None:
+    """``checkify.check`` that every id is in ``[0, vocab)``, naming the first bad one (position and value)."""
+    bad = (tokens < 0) | (tokens >= vocab)
+    first = jnp.argmax(bad.reshape(-1))
+    row, col = jnp.divmod(first, tokens.shape[1])
+    checkify.check(jnp.logical_not(bad.any()),
+                   token_id_error("batch['tokens']", vocab, "{value}", "({row}, {col})", "{n_bad}"),
+                   value=tokens.reshape(-1)[first], row=row, col=col, n_bad=bad.sum())
+
+
 def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: optax.GradientTransformation,
-                policy: Policy, max_grad_norm: Optional[float]) -> tuple[TrainState, Metrics]:
-    _check_batch(batch)
+                policy: Policy, max_grad_norm: Optional[float], check_ids: bool = False
+                ) -> tuple[TrainState, Metrics]:
+    check_batch(batch)
     ls = state.loss_scale
     if policy.uses_loss_scaling and isinstance(ls, NoOpLossScale):
         _warn_once(_FP16_NO_SCALE)
+    vocab = _vocab_size(graphdef, state) if check_ids else None
+    if vocab is not None:
+        _check_ids_in_jit(batch["tokens"], vocab)
 
     def scaled_loss(params):
         model = nnx.merge(graphdef, policy.cast_to_compute(params), state.rest)
@@ -206,42 +216,67 @@ def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: 
     return new_state, metrics
 
 
-def _check_static(tx: Any, policy: Any, max_grad_norm: Any) -> Policy:
+CHECK_IDS = ("host", "jit", "off")
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
+                    policy: Union[str, Policy] = "fp32", max_grad_norm: Optional[float] = None,
+                    donate: bool = True, check_ids: str = "host"
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
+
+    ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1], "positions"?: [B, S+1]}``
+    (``jaxattn.spec.batch``; the model sees the first S tokens), format checked before the jitted call.
+    ``metrics``, each a 0-d jax array (no host sync): ``loss`` (float32, unscaled), ``grad_norm`` (float32:
+    global norm of the unscaled gradients BEFORE clipping, what ``clip_grad_norm_`` returns), ``loss_scale``
+    (float32: the scale applied to THIS step's loss), ``skipped`` (bool: the update was dropped for non-finite
+    gradients). ``donate=True`` donates the state's buffers (updated in place on accelerators; the ``state``
+    passed in is invalid afterwards).
+
+    ``check_ids``: token ids outside ``[0, vocab)`` raise ValueError naming the first one (position, value).
+    ``"host"`` (default): checked on the host before the call when the ids are concrete (numpy, or a jax array:
+    one small device-to-host copy per step); ``"jit"`` (debug): checked INSIDE the compiled step with
+    ``jax.experimental.checkify`` and raised after it, with donation off so the state passed in survives the
+    error; ``"off"``: no check (an out-of-range id then embeds to zeros, see ``jaxattn.model``; never NaN).
+    ``step.jitted`` is the jitted pure function (no host-side checks; with ``"jit"`` it returns ``(error,
+    (state, metrics))``), ``step.lower`` lowers it.
+    """
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be None or a positive float, got {max_grad_norm!r}")
-    return get_policy(policy)
+    if check_ids not in CHECK_IDS:
+        raise ValueError(f"check_ids={check_ids!r} is not valid; use one of {', '.join(map(repr, CHECK_IDS))}")
+    policy = get_policy(policy)
+    max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
 
+    def pure(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return _train_step(graphdef, state, batch, tx=tx, policy=policy, max_grad_norm=max_grad_norm,
+                           check_ids=check_ids == "jit")
 
-_jitted_step = jax.jit(_train_step, static_argnames=("graphdef", "tx", "policy", "max_grad_norm"))
+    if check_ids == "jit":
+        jitted = jax.jit(checkify.checkify(pure, errors=checkify.user_checks))
+    else:
+        jitted = jax.jit(pure, donate_argnums=(0,) if donate else ())
+    vocab: list[Optional[int]] = []  # read from the model's config on the first host check (one merge)
 
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        check_batch(batch)
+        tokens = batch["tokens"]
+        if check_ids == "host" and not isinstance(tokens, _Tracer):
+            if not vocab:
+                vocab.append(_vocab_size(graphdef, state))
+            if vocab[0] is not None:
+                check_token_ids(tokens, vocab[0], arg="batch['tokens']")
+        if check_ids != "jit":
+            return jitted(state, batch)
+        err, out = jitted(state, batch)
+        message = err.get()
+        if message:
+            raise ValueError(message)
+        return out
 
-def train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: optax.GradientTransformation,
-               policy: Union[str, Policy] = "fp32",
-               max_grad_norm: Optional[float] = None) -> tuple[TrainState, Metrics]:
-    """One jitted training step; returns ``(new_state, metrics)``.
-
-    ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1], "positions"?: [B, S+1]}``
-    (the model sees the first S tokens). ``metrics``: ``loss`` (float32, unscaled), ``grad_norm`` (global norm of
-    the unscaled gradients BEFORE clipping, what ``clip_grad_norm_`` returns), ``loss_scale`` (the scale applied
-    to THIS step's loss), ``skipped`` (bool: the update was dropped for non-finite gradients).
-
-    ``state`` is not donated here (the old state stays valid); a training loop should use
-    ``make_train_step(..., donate=True)``.
-    """
-    policy = _check_static(tx, policy, max_grad_norm)
-    return _jitted_step(graphdef, state, batch, tx=tx, policy=policy,
-                        max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
-
-
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
-                    policy: Union[str, Policy] = "fp32", max_grad_norm: Optional[float] = None,
-                    donate: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """``step(state, batch) -> (state, metrics)``, jitted once with everything static bound, the state buffers
-    donated (so params and optimizer state are updated in place on accelerators)."""
-    policy = _check_static(tx, policy, max_grad_norm)
-    fn = functools.partial(_train_step, graphdef, tx=tx, policy=policy,
-                           max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
-    return jax.jit(fn, donate_argnums=(0,) if donate else ())
+    step.jitted = jitted
+    step.lower = jitted.lower
+    return step

@@ -1,20 +1,45 @@
 """Llama-style decoder in PyTorch, the twin of ``jaxattn/model.py``.
 
+    model = LlamaForCausalLM(ModelConfig.preset("tiny"))
+    logits = model(torch.tensor([[1, 2, 3]]))        # float32 [1, 3, vocab]
+
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so ``state_dict()`` keys are HF's
 (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and a
 real HF checkpoint loads with ``load_state_dict``. Attention goes through ``torchref.attention`` (SDPA under the
 active ``sdpa_kernel`` backends). Logits are returned in float32.
+
+Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
+skipped while ``torch.compile`` traces). ``remat`` (one of ``jaxattn.spec.remat.REMAT_POLICIES``, set from
+outside) checkpoints each decoder layer in training: ``full`` with ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)``, ``save_dots`` with selective checkpointing that keeps the ``aten.mm`` outputs (the
+weight matmuls; SDPA's batched matmuls are not ``mm``). torch has no named tags: selective checkpointing works
+on op lists, and the JAX tags map to these ops: ``query_proj``/``key_proj``/``value_proj`` = the ``mm`` of
+``self_attn.{q,k,v}_proj``, ``attention_out`` = the SDPA output, ``mlpwi_0``/``mlpwi_1`` = the ``mm`` of
+``mlp.gate_proj``/``mlp.up_proj``, ``mlp_hidden`` = the ``mul`` after ``silu``, ``decoder_layer_output`` = the
+layer's last ``add``. ``save_qkv_attn`` needs per-module tags an op list cannot express: NotImplementedError.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from jaxattn.spec.batch import check_model_inputs, check_token_ids
+from jaxattn.spec.remat import REMAT_POLICIES, check_remat
 
 from .attention import dot_product_attention
 from .config import ModelConfig
+
+__all__ = ["LlamaForCausalLM", "REMAT_POLICIES"]
+
+
+def _save_mm(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of ``save_dots``: keep matmul outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class RMSNorm(nn.Module):
@@ -101,11 +126,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V]."""
+    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V].
+
+    Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
+    (bool refused); ids other than int32/int64 are widened for the embedding lookup.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.remat = "none"
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -119,20 +149,34 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if input_ids.ndim != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be an int tensor [batch, seq], got {input_ids.dtype}"
-                             f"{list(input_ids.shape)}")
+        check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
+        if not torch.compiler.is_compiling():
+            _check_ids(input_ids, self.config.vocab_size)
+        remat = check_remat(self.remat, "LlamaForCausalLM.remat")
+        if remat == "save_qkv_attn":
+            raise NotImplementedError("LlamaForCausalLM.remat='save_qkv_attn' needs per-module tags that torch's "
+                                      "op-list selective checkpointing cannot express; planned with torchref/remat.py "
+                                      "(the remat issue). Use 'none', 'full' or 'save_dots'.")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            input_ids = input_ids.long()
         b, s = input_ids.shape
         if positions is None:
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        elif positions.shape != input_ids.shape:
-            raise ValueError(f"positions must have the input_ids' shape {tuple(input_ids.shape)}, "
-                             f"got {tuple(positions.shape)}")
-        if segment_ids is not None and segment_ids.shape != input_ids.shape:
-            raise ValueError(f"segment_ids must have the input_ids' shape {tuple(input_ids.shape)}, "
-                             f"got {tuple(segment_ids.shape)}")
         cos, sin = rope_cos_sin(self.model.inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
+        use_ckpt = remat != "none" and torch.is_grad_enabled()
+        ctx_fn = (functools.partial(create_selective_checkpoint_contexts, _save_mm) if remat == "save_dots"
+                  else None)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, segment_ids)
+            if use_ckpt:
+                kw = {} if ctx_fn is None else {"context_fn": ctx_fn}
+                x = checkpoint(layer, x, cos, sin, segment_ids, use_reentrant=False, **kw)
+            else:
+                x = layer(x, cos, sin, segment_ids)
         return self.lm_head(self.model.norm(x)).float()
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """ValueError naming the first id outside ``[0, vocab_size)``; one device sync, a host copy only on error."""
+    if bool(((ids < 0) | (ids >= vocab_size)).any()):
+        check_token_ids(ids.detach().cpu(), vocab_size, arg="input_ids")

@@ -1,8 +1,9 @@
 """The training batch format and the token-id rules, shared by both twins (numpy only).
 
 A batch is a mapping ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1],
-"positions"?: [B, S+1]}``; the model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. The checks here
-read only ``.shape`` and ``.dtype``, so they accept numpy, jax and torch arrays alike.
+"positions"?: [B, S+1]}``; the model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. The shape and
+dtype checks read only ``.shape`` and ``.dtype``, so they accept numpy, jax and torch arrays alike (tracers too);
+:func:`check_token_ids` reads the values, so it needs concrete ids.
 
     from jaxattn.spec.batch import check_batch, check_token_ids
     check_batch({"tokens": np.zeros((2, 17), np.int32)})
@@ -35,17 +36,41 @@ def check_id_dtype(x: Any, arg: str) -> None:
         raise TypeError(f"{arg} must have an integer dtype, one of {ID_DTYPES}; got {name}")
 
 
+def token_id_error(arg: str, vocab_size: int, value: Any, position: tuple[int, ...], n_bad: Any = None) -> str:
+    """The message for an id outside ``[0, vocab_size)`` (shared with the in-jit ``checkify`` check)."""
+    count = "" if n_bad is None else f" ({n_bad} bad ids in all)"
+    return (f"{arg} holds an id outside [0, vocab_size={vocab_size}): {value} at position {position}{count}; "
+            f"token ids must be in [0, {vocab_size})")
+
+
 def check_token_ids(ids: Any, vocab_size: int, arg: str = "tokens") -> None:
     """Raise ValueError naming the first id outside ``[0, vocab_size)`` (its position and value).
 
-    ``ids`` must be concrete (numpy, or anything ``np.asarray`` takes); callers inside ``jit`` cannot use it.
+    ``ids`` must be concrete (numpy, or anything ``np.asarray`` takes: a jax array, a CPU torch tensor);
+    callers inside ``jit`` cannot use it.
     """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     a = np.asarray(ids)
     bad = (a < 0) | (a >= vocab_size)
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{arg} holds an id outside [0, vocab_size={vocab_size}): {a[pos]} at position {pos} "
-                         f"({int(bad.sum())} bad ids in all); token ids must be in [0, {vocab_size})")
+        raise ValueError(token_id_error(arg, int(vocab_size), int(a[pos]), pos, int(bad.sum())))
+
+
+def check_model_inputs(tokens: Any, positions: Any = None, segment_ids: Any = None, arg: str = "tokens") -> None:
+    """A model call's inputs: ``tokens`` int ``[batch >= 1, seq >= 1]``; ``positions`` and ``segment_ids``
+    (optional) int arrays of the same shape. Reads shapes and dtypes only (works on tracers)."""
+    check_id_dtype(tokens, arg)
+    if len(tokens.shape) != 2 or 0 in tuple(tokens.shape):
+        raise ValueError(f"{arg} must be an int array [batch >= 1, seq >= 1], got {dtype_name(tokens)}"
+                         f"{list(tokens.shape)}")
+    for name, v in (("positions", positions), ("segment_ids", segment_ids)):
+        if v is None:
+            continue
+        check_id_dtype(v, name)
+        if tuple(v.shape) != tuple(tokens.shape):
+            raise ValueError(f"{name} must have the {arg}' shape {tuple(tokens.shape)}, got {tuple(v.shape)}")
 
 
 def check_batch(batch: Any) -> None:

@@ -1,0 +1,297 @@
+"""The seams outside code uses on the model, and the model's input rules, in both packages (tiny preset, CPU).
+
+* Logical axis names: every JAX ``nnx.Param`` carries names of its rank from the Llama vocabulary, read back by
+  ``nnx.get_partition_spec``, and a checkpoint loaded through ``jaxattn.hf`` keeps them.
+* Remat: ``Llama.remat`` / ``LlamaForCausalLM.remat`` is a policy name; gradients with every policy equal the
+  gradients without remat (fp32, same framework: recomputation repeats the same float ops, so only rounding
+  from a different fusion can differ), the policies really change what is saved for the backward pass, and an
+  unknown name is a ValueError listing the valid ones.
+* Token ids (CONVENTIONS §10): in an eager call an id outside the vocabulary is a ValueError naming the first
+  bad position and value; lists are TypeErrors; empty batches and sequences are ValueErrors; bool ids are
+  refused and uint8 accepted — the same rules in both packages. Under jit the ids cannot be read: an
+  out-of-range id embeds to zeros and nothing turns NaN.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn import hf as jhf
+from jaxattn import model as jm
+from jaxattn.spec.remat import REMAT_POLICIES
+
+torch = pytest.importorskip("torch")
+from benchmarks.twins import jitted, twin_models  # noqa: E402
+from torchref import model as tm  # noqa: E402
+from torchref.config import ModelConfig  # noqa: E402
+
+AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"}
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6  # fp32 rounding of one framework against itself
+
+
+@pytest.fixture(scope="module")
+def twins():
+    return twin_models(ModelConfig.preset("tiny"), seed=21)
+
+
+def _params_with_paths(model):
+    return jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param),
+                                                is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Logical axis names
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_param_has_logical_axis_names_of_its_rank(tied, tmp_path):
+    cfg = ModelConfig.preset("tiny", tie_embeddings=tied)
+    tmodel, loaded = twin_models(cfg, seed=22)
+    jhf.save_pretrained(loaded, tmp_path / "ckpt")
+    models = {"init": jm.Llama(cfg, rngs=nnx.Rngs(0)), "from_state_dict": loaded,
+              "from_pretrained": jhf.from_pretrained(tmp_path / "ckpt"),
+              "eval_shape": nnx.eval_shape(lambda: jm.Llama(cfg, rngs=nnx.Rngs(0)))}
+    for how, model in models.items():
+        params = _params_with_paths(model)
+        assert len(params) == (11 if tied else 12), how
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+        for path, var in params:
+            name = path[-1].key
+            names = jm.PARAM_AXES[name]
+            assert len(names) == len(var.get_value().shape) and set(names) <= AXIS_NAMES, (how, name, names)
+            spec = specs
+            for p in path:
+                spec = spec[p.key]
+            pspec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+            assert isinstance(pspec, jax.sharding.PartitionSpec) and tuple(pspec) == names, (how, name, spec)
+    # the fused heads*head_dim axis is "heads" for q/o and "kv_heads" for k/v
+    assert jm.PARAM_AXES["wq"] == ("layers", "embed", "heads") and jm.PARAM_AXES["wk"][-1] == "kv_heads"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Remat
+# ------------------------------------------------------------------------------------------------------------
+
+def _batch(cfg, rng):
+    tok = rng.integers(0, cfg.vocab_size, (2, 12))
+    seg = np.repeat(np.array([[0] * 7 + [1] * 5]), 2, axis=0)
+    return tok, seg
+
+
+def _jax_loss(graphdef, rest, tok, seg):
+    def loss(params):
+        logits = nnx.merge(graphdef, params, rest)(tok[:, :-1], segment_ids=seg[:, :-1])
+        lp = jax.nn.log_softmax(logits, -1)
+        return -jnp.take_along_axis(lp, tok[:, 1:, None], -1).mean()
+    return loss
+
+
+@pytest.fixture(scope="module")
+def jax_grads_without_remat(twins):
+    _, jmodel = twins
+    tok, seg = (jnp.asarray(a, jnp.int32) for a in _batch(jmodel.config, np.random.default_rng(23)))
+    graphdef, params, rest = nnx.split(jmodel, nnx.Param, ...)
+    return tok, seg, params, jax.jit(jax.grad(_jax_loss(graphdef, rest, tok, seg)))(params)
+
+
+@pytest.mark.parametrize("name", [n for n in REMAT_POLICIES if n != "none"])
+def test_jax_remat_policies_give_the_same_gradients(twins, jax_grads_without_remat, name):
+    _, jmodel = twins
+    tok, seg, params, ref = jax_grads_without_remat
+    model = nnx.merge(*nnx.split(jmodel))  # a copy: the fixture's model keeps remat="none"
+    model.remat = name  # what a future jaxattn.remat.apply(model, name) sets
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    loss = _jax_loss(graphdef, rest, tok, seg)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    grads = jax.jit(jax.grad(loss))(params)
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=GRAD_RTOL,
+                                                         atol=GRAD_ATOL), grads, ref)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3  # not vacuous
+
+
+def _saved_residuals(jmodel, name, tok, seg):
+    model = nnx.merge(*nnx.split(jmodel))
+    model.remat = name
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(_jax_loss(graphdef, rest, tok, seg), params)
+    return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+
+
+def test_jax_remat_policies_change_what_is_saved(twins, jax_grads_without_remat):
+    """The per-layer residuals shrink none > save_dots > save_qkv_attn > full; the selective policy keeps the
+    k/v projections ([layers, B, S, n_kv_heads * head_dim]) and full keeps none of them."""
+    _, jmodel = twins
+    tok, seg, _, _ = jax_grads_without_remat
+    saved = {name: _saved_residuals(jmodel, name, tok, seg) for name in REMAT_POLICIES}
+    n = {name: len(lines) for name, lines in saved.items()}
+    assert n["none"] > n["save_dots"] > n["save_qkv_attn"] > n["full"], n
+    cfg = jmodel.config
+    kv = f"f32[{cfg.n_layers},2,11,{cfg.n_kv_heads * cfg.resolved_head_dim}]"
+    assert sum(kv in line for line in saved["save_qkv_attn"]) == 2, saved["save_qkv_attn"]  # k and v
+    assert not any(kv in line for line in saved["full"])
+
+
+def test_remat_names_are_tagged_in_the_jax_model(twins):
+    _, jmodel = twins
+    jaxpr = str(jax.make_jaxpr(lambda t: jmodel(t))(jnp.ones((1, 4), jnp.int32)))
+    for name in jm.REMAT_NAMES:
+        assert f"name={name}" in jaxpr, name
+
+
+def _torch_grads(tmodel, tok, seg):
+    tmodel.zero_grad(set_to_none=True)
+    logits = tmodel(torch.from_numpy(tok[:, :-1]), segment_ids=torch.from_numpy(seg[:, :-1]))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(tok[:, 1:]).flatten()).backward()
+    return {k: p.grad.clone() for k, p in tmodel.named_parameters()}
+
+
+def test_torch_remat_policies_give_the_same_gradients(twins):
+    tmodel, _ = twins
+    tok, seg = _batch(tmodel.config, np.random.default_rng(24))
+    ref = _torch_grads(tmodel, tok, seg)
+    try:
+        for name in ("full", "save_dots"):
+            tmodel.remat = name
+            grads = _torch_grads(tmodel, tok, seg)
+            for k, g in grads.items():
+                np.testing.assert_allclose(g.numpy(), ref[k].numpy(), rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                           err_msg=f"{name}: {k}")
+        tmodel.remat = "save_qkv_attn"
+        with pytest.raises(NotImplementedError, match="save_qkv_attn.*remat"):
+            _torch_grads(tmodel, tok, seg)
+    finally:
+        tmodel.remat = "none"
+
+
+def test_torch_full_remat_recomputes_each_layer(twins):
+    """With ``full`` each decoder layer's forward runs twice per training step (forward + recompute; a pre-hook,
+    since non-reentrant checkpointing stops recomputing once the saved tensors it needs are rebuilt)."""
+    tmodel, _ = twins
+    tok, seg = _batch(tmodel.config, np.random.default_rng(25))
+    calls = []
+    hook = tmodel.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        for name, want in (("none", 1), ("full", 2)):
+            calls.clear()
+            tmodel.remat = name
+            _torch_grads(tmodel, tok, seg)
+            assert len(calls) == want, name
+    finally:
+        hook.remove()
+        tmodel.remat = "none"
+
+
+def test_unknown_remat_name_is_a_value_error_in_both(twins):
+    tmodel, jmodel = twins
+    model = nnx.merge(*nnx.split(jmodel))
+    model.remat = "dots"
+    tmodel.remat = "dots"
+    try:
+        with pytest.raises(ValueError, match=r"Llama.remat='dots'.*none, full, save_dots, save_qkv_attn"):
+            model(jnp.ones((1, 4), jnp.int32))
+        with pytest.raises(ValueError, match=r"LlamaForCausalLM.remat='dots'.*none, full, save_dots, save_qkv_attn"):
+            tmodel(torch.ones((1, 4), dtype=torch.long))
+    finally:
+        tmodel.remat = "none"
+    assert tm.REMAT_POLICIES == jm.REMAT_POLICIES == REMAT_POLICIES
+
+
+def test_remat_setting_is_hashable_and_in_the_graphdef(twins):
+    """The remat name is static model state: it changes the graphdef (the jit cache key) and nothing else."""
+    _, jmodel = twins
+    model = nnx.merge(*nnx.split(jmodel))
+    g0, s0 = nnx.split(model)
+    model.remat = "full"
+    g1, s1 = nnx.split(model)
+    assert g0 != g1 and hash(g1) == hash(nnx.split(model)[0])
+    assert jax.tree.structure(s0) == jax.tree.structure(s1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Token ids and input rules, both packages
+# ------------------------------------------------------------------------------------------------------------
+
+def _both(twins, *arrays, np_dtype=np.int32, torch_dtype=None):
+    """(jax call, torch call) on the same integer arrays."""
+    tmodel, jmodel = twins
+    j = lambda: jmodel(*(None if a is None else jnp.asarray(a, np_dtype) for a in arrays))  # noqa: E731
+    t = lambda: tmodel(*(None if a is None else torch.from_numpy(np.asarray(a, np_dtype)).to(  # noqa: E731
+        torch_dtype or getattr(torch, np.dtype(np_dtype).name)) for a in arrays))
+    return j, t
+
+
+@pytest.mark.parametrize("bad, pos", [(256, (1, 2)), (-3, (0, 4)), (10 ** 6, (1, 0))])
+def test_eager_out_of_range_id_names_position_and_value(twins, bad, pos):
+    tok = np.random.default_rng(26).integers(0, 256, (2, 5))
+    tok[pos] = bad
+    if pos != (1, 0):
+        tok[1, 4] = bad  # a second bad id: the first one (row-major) is named
+    for call, arg in zip(_both(twins, tok), ("tokens", "input_ids")):
+        with pytest.raises(ValueError, match=rf"{arg} holds an id outside \[0, vocab_size=256\): {bad} at "
+                                             rf"position \({pos[0]}, {pos[1]}\)"):
+            with torch.no_grad():
+                call()
+
+
+def test_lists_are_type_errors_in_both(twins):
+    tmodel, jmodel = twins
+    tok = [[1, 2, 3]]
+    with pytest.raises(TypeError, match="tokens must be an integer array.*got list"):
+        jmodel(tok)
+    with pytest.raises(TypeError, match="input_ids must be an integer array.*got list"):
+        tmodel(tok)
+    with pytest.raises(TypeError, match="segment_ids must be an integer array.*got list"):
+        jmodel(jnp.asarray(tok), segment_ids=[[0, 0, 1]])
+    with pytest.raises(TypeError, match="segment_ids must be an integer array.*got list"):
+        tmodel(torch.tensor(tok), segment_ids=[[0, 0, 1]])
+    with pytest.raises(TypeError, match="positions must be an integer array.*got list"):
+        tmodel(torch.tensor(tok), positions=[[0, 1, 2]])
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0), (4,)])
+def test_empty_or_1d_tokens_are_value_errors_in_both(twins, shape):
+    for call, arg in zip(_both(twins, np.zeros(shape, np.int32)), ("tokens", "input_ids")):
+        with pytest.raises(ValueError, match=rf"{arg} must be an int array \[batch >= 1, seq >= 1\]"):
+            call()
+
+
+def test_id_dtype_rules_are_the_same_in_both(twins):
+    tok = np.random.default_rng(27).integers(0, 256, (2, 6))
+    for call, arg in zip(_both(twins, tok, np_dtype=np.bool_), ("tokens", "input_ids")):
+        with pytest.raises(TypeError, match=rf"{arg} must have an integer dtype.*got bool"):
+            call()
+    with torch.no_grad():
+        j8, t8 = (f() for f in _both(twins, tok, np_dtype=np.uint8))
+        j32, t32 = (f() for f in _both(twins, tok, np_dtype=np.int32))
+    np.testing.assert_array_equal(np.asarray(j8), np.asarray(j32))
+    np.testing.assert_array_equal(t8.numpy(), t32.numpy())
+    assert float(np.abs(np.asarray(j8) - t8.numpy()).max()) <= 1e-4
+
+
+def test_under_jit_an_out_of_range_id_embeds_to_zeros_not_nan(twins):
+    """Inside jit the check cannot run: the bad id's embedding is a zero vector, nothing becomes NaN, and a
+    causal model's earlier positions are untouched."""
+    _, jmodel = twins
+    tok = np.random.default_rng(28).integers(1, 256, (1, 6)).astype(np.int32)  # no id 0: see below
+    bad = tok.copy()
+    bad[0, 3] = 256
+    fwd = jitted(jmodel)
+    out, ref = np.asarray(fwd(jnp.asarray(bad))), np.asarray(fwd(jnp.asarray(tok)))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[0, :3], ref[0, :3])
+    # what the bad position saw: a zero embedding (compare with a model whose row 0 is zeroed, fed id 0)
+    zeroed = nnx.merge(*nnx.split(jmodel))
+    jm.set_value(zeroed.embed, zeroed.embed[...].at[0].set(0.0))
+    as_zero = bad.copy()
+    as_zero[0, 3] = 0
+    np.testing.assert_allclose(out[0, 3], np.asarray(jitted(zeroed)(jnp.asarray(as_zero)))[0, 3], rtol=1e-6,
+                               atol=1e-6)
