@@ -21,6 +21,17 @@ The dispatcher is hand-written (no library has this one): the choice is made whe
 function already compiled by ``jax.jit`` keeps the backend chosen at its first trace — enter
 ``attention_backend(...)`` before the first call of the jitted function (or jit inside the context).
 The active preference is a ``contextvars.ContextVar``, so it is per thread / per asyncio task.
+
+The choice is made for the platform the trace *targets* (:func:`current_target`), not the host: on a CPU
+host, ``jax.jit(f).lower(lowering_platforms=("cuda",))`` cannot tell a trace it is for a GPU (jax hands the
+platforms to the lowering, after tracing), so say it explicitly, or give q a sharding over GPU devices
+(e.g. a deviceless H100 topology's, see :mod:`jaxattn.gpu_target`)::
+
+    with target_platform("gpu", compute_capability=(9, 0)):      # compile for an H100 from a CPU host
+        lowered = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
+
+The chosen backend runs inside ``target_platform(<that target>)``, so its kernels (e.g. ``flash``'s
+``interpret=None``) see the same target.
 """
 from __future__ import annotations
 
@@ -30,15 +41,19 @@ import importlib
 import warnings
 from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
-from ._common import AttnArgs, mask, normalize, platform_of
+from ._common import AttnArgs, Target, current_target, mask, normalize, platform_of, target_platform
 
 __all__ = [
     "BACKENDS", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
-    "current_backends", "default_backends", "dot_product_attention", "get_backend", "mask", "normalize",
+    "current_backends", "current_target", "default_backends", "dot_product_attention", "get_backend", "mask",
+    "normalize", "target_platform", "Target",
 ]
 
 BACKENDS: Tuple[str, ...] = ("flash", "mosaic", "cudnn", "chunked", "xla")
-_GPU_DEFAULT: Tuple[str, ...] = ("mosaic", "flash", "cudnn", "chunked", "xla")
+# CONVENTIONS §4: a backend enters the GPU default list only on evidence (its compiled `gpu` tests passed on a
+# real GPU and a committed record shows it correct).  Until then: jax's own cuDNN path, then our Pallas flash,
+# then the pure-JAX ones.  `mosaic` is opt-in (forward-only kernel, backward is an XLA recompute).
+_GPU_DEFAULT: Tuple[str, ...] = ("cudnn", "flash", "chunked", "xla")
 _CPU_DEFAULT: Tuple[str, ...] = ("xla",)
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
@@ -100,8 +115,9 @@ def current_backends() -> Optional[Tuple[str, ...]]:
 
 
 def default_backends(q=None) -> Tuple[str, ...]:
-    """Preference used when neither ``backend=`` nor ``attention_backend`` says anything: on a GPU
-    mosaic, flash, cudnn, then chunked and xla; elsewhere xla (interpreted Pallas kernels are for tests)."""
+    """Preference used when neither ``backend=`` nor ``attention_backend`` says anything, for the platform the
+    trace targets (:func:`current_target`): on a GPU ``cudnn, flash, chunked, xla`` (``mosaic`` is opt-in);
+    elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
     return _GPU_DEFAULT if platform_of(q) == "gpu" else _CPU_DEFAULT
 
 
@@ -167,14 +183,17 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     """
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
                      softcap=softcap)
-    names = _resolve(backend, q)
-    reasons: Dict[str, str] = {}
-    for name in names:
-        reason, mod = _decline_reason(name, q, k, v, args)
-        if reason is None:
-            return mod.attention(q, k, v, args)
-        reasons[name] = reason
-    raise AttentionBackendError(reasons, _describe(q, k, args))
+    target = current_target(q)
+    with target_platform(target.platform, compute_capability=target.compute_capability,
+                         device_kind=target.device_kind):
+        names = _resolve(backend, q)
+        reasons: Dict[str, str] = {}
+        for name in names:
+            reason, mod = _decline_reason(name, q, k, v, args)
+            if reason is None:
+                return mod.attention(q, k, v, args)
+            reasons[name] = reason
+        raise AttentionBackendError(reasons, _describe(q, k, args))
 
 
 def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale=None, window=None,
@@ -183,4 +202,7 @@ def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
                      softcap=softcap)
     names = BACKENDS if backends is None else _check_names(backends, "backends")
-    return {name: _decline_reason(name, q, k, v, args)[0] for name in names}
+    target = current_target(q)
+    with target_platform(target.platform, compute_capability=target.compute_capability,
+                         device_kind=target.device_kind):
+        return {name: _decline_reason(name, q, k, v, args)[0] for name in names}

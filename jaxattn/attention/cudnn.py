@@ -4,8 +4,12 @@
 Nothing is hand-written here except ``supports()``, which declines, with a one-line reason, every call the
 jaxattn contract allows but this path cannot serve exactly:
 
-* no GPU / no cuDNN; float32 inputs (cuDNN flash attention takes fp16/bf16 only);
-* head_dim not a multiple of 8, or above 128 (pre-Hopper) / 256 (Hopper and later);
+* a target that is not a GPU (``jaxattn.attention.current_target``: a CPU host compiling for a GPU counts
+  as a GPU target); no cuDNN library (jax's wrapper asks cuDNN for its version when the call is traced, so an
+  ahead-of-time compile on a machine without the library would stop with "cuDNN not found": declined here);
+* float32 inputs (cuDNN flash attention takes fp16/bf16 only);
+* head_dim not a multiple of 8, or above 128 (pre-Hopper, or a deviceless compile: jax's wrapper asks the
+  live default backend whether it is Hopper) / 256 (Hopper and later);
 * ``softcap`` (no score modification in ``jax.nn.dot_product_attention``);
 * segment ids (no such argument in jax 0.10/0.11; a dense boolean mask would not be flash attention);
 * causal or window with ``Sq != Sk``: the jax wrapper's causal mask is top-left aligned (``jnp.tril`` in
@@ -16,11 +20,31 @@ jaxattn contract allows but this path cannot serve exactly:
 """
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import jax
 
 from ._common import AttnArgs, gpu_compute_capability, platform_of
 
-__all__ = ["supports", "attention"]
+__all__ = ["supports", "attention", "cudnn_version"]
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_version() -> Optional[int]:
+    """cuDNN's version as jax reads it (e.g. 91000 for 9.10.0), or None when the library is not found."""
+    try:
+        from jax._src.lib import cuda_versions  # what jax's cuDNN attention itself asks, at trace time
+        return None if cuda_versions is None else int(cuda_versions.cudnn_get_version())
+    except Exception:  # RuntimeError("cuDNN not found."), an ImportError on a jax that moved it, ...
+        return None
+
+
+def _live_cuda_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu" and "cuda" in str(jax.devices()[0].client.platform_version)
+    except Exception:  # pragma: no cover
+        return False
 
 
 def supports(q, k, v, args: AttnArgs):
@@ -30,11 +54,16 @@ def supports(q, k, v, args: AttnArgs):
     dt = str(q.dtype)
     if dt not in ("bfloat16", "float16"):
         return f"cuDNN flash attention takes bfloat16/float16 only (got {dt})"
+    if cudnn_version() is None:
+        return ("cuDNN library not found (jax's cuDNN attention reads its version when traced; install "
+                "the nvidia-cudnn-cu12 wheel, e.g. with jax[cuda12])")
     d = q.shape[-1]
     cc = gpu_compute_capability(q)
-    d_max = 256 if (cc is not None and cc >= (9, 0)) else 128
+    hopper = cc is not None and cc >= (9, 0) and _live_cuda_gpu()
+    d_max = 256 if hopper else 128
     if d % 8 or d > d_max:
-        return f"head_dim {d} not a multiple of 8 in [8, {d_max}] (compute capability {cc})"
+        return (f"head_dim {d} not a multiple of 8 in [8, {d_max}] (compute capability {cc}"
+                f"{'' if hopper or cc is None or cc < (9, 0) else '; 256 needs a live Hopper GPU: jax asks it'})")
     if args.softcap is not None:
         return "softcap is not supported by jax.nn.dot_product_attention"
     if args.has_segment_ids:

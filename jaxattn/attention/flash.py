@@ -608,12 +608,11 @@ def _run_bwd(q, k, v, out, lse, do, dlse, q_ids, kv_ids, *, cfg: _Cfg):
 
 
 # ----------------------------------------------------------------------------------------- public API
-def _resolve_interpret(interpret) -> bool:
+def _resolve_interpret(interpret, q=None) -> bool:
     """``interpret=None``: interpret unless the trace targets a GPU (``jaxattn.attention.target_platform``,
-    set by the dispatcher from q's sharding, or jax's default backend), so a deviceless GPU compile gets the
-    Triton kernel."""
+    q's devices or sharding, or jax's default backend), so a deviceless GPU compile gets the Triton kernel."""
     if interpret is None:
-        return platform_of() != "gpu"
+        return platform_of(q) != "gpu"
     if not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"interpret must be None or a bool, got {interpret!r} of type {type(interpret).__name__}")
     return bool(interpret)
@@ -625,7 +624,7 @@ def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, i
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret), poison)
+    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret, q), poison)
     return _run(q, k, v, args.q_segment_ids, args.kv_segment_ids, cfg=cfg, return_lse=bool(return_lse))
 
 
@@ -674,7 +673,7 @@ def flash_backward(q, k, v, out, lse, do, args: AttnArgs, *, dlse=None, block_si
                              f"got {tuple(getattr(x, 'shape', ()))}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
-    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret), False)
+    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret, q), False)
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     dq, dk, dv = _run_bwd(q, k, v, out, lse, do, dlse, args.q_segment_ids, args.kv_segment_ids, cfg=cfg)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

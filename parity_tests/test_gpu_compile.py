@@ -1,0 +1,216 @@
+"""Compiling for a GPU on a CPU host: the dispatcher follows the target, and (``gpu_compile`` marker, with the
+CUDA plugin: ``pip install -e '.[gpu-compile]'``) every kernel compiles for an H100 (sm_90a) within its limits.
+
+The first group needs no plugin: lowering with ``lowering_platforms=("cuda",)`` inside
+``target_platform("gpu", ...)`` must produce the Pallas Triton / Mosaic GPU custom calls.  The ``gpu_compile``
+group compiles deviceless for ``benchmarks/targets/h100.txtpb`` and reads ``ptxas -v`` / the SASS (figures
+"compiled for H100, not run").
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxattn import attention as attn
+from jaxattn import gpu_target
+from jaxattn.attention import cudnn
+
+CUSTOM_CALL = re.compile(r"custom_call @([\w$.]+)")
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "mosaic_gpu_v2"
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _custom_calls(fn, *args, grad=False):
+    if grad:
+        inner = fn
+        fn = jax.grad(lambda *a: inner(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return CUSTOM_CALL.findall(text)
+
+
+QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
+
+
+# ------------------------------------------------------------------------------------ no plugin needed
+def test_default_order_pinned():
+    """CONVENTIONS §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only."""
+    assert attn.default_backends() == ("xla",)
+    with attn.target_platform("gpu", compute_capability=(9, 0)):
+        assert attn.default_backends() == ("cudnn", "flash", "chunked", "xla")
+        assert "mosaic" not in attn.default_backends()
+    assert attn.default_backends() == ("xla",)
+
+
+def test_target_platform_context():
+    with attn.target_platform("cuda", compute_capability="sm_90a") as t:
+        assert t == attn.current_target() == attn.Target("gpu", (9, 0), None)
+        with attn.target_platform("cpu"):
+            assert attn.current_target().platform == "cpu"
+        assert attn.current_target().compute_capability == (9, 0)
+    with attn.target_platform("gpu", device_kind="NVIDIA H100 80GB HBM3"):
+        assert attn.current_target().compute_capability == (9, 0)
+    assert attn.current_target().platform == jax.default_backend()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(platform="metal"), "platform must be one of"),
+    (dict(platform="cpu", compute_capability=(9, 0)), "compute_capability is for platform 'gpu'"),
+    (dict(platform="gpu", compute_capability="nine"), "compute_capability must be"),
+])
+def test_target_platform_errors(kwargs, match):
+    platform = kwargs.pop("platform")
+    with pytest.raises(ValueError, match=match):
+        with attn.target_platform(platform, **kwargs):
+            pass
+
+
+def test_lowering_without_target_stays_on_cpu_path():
+    """Without a target, a trace on a CPU host cannot know lowering_platforms: flash runs interpreted."""
+    calls = _custom_calls(lambda q, k, v: attn.dot_product_attention(q, k, v, causal=True, backend="flash"), *QKV)
+    assert TRITON not in calls
+
+
+def test_lowering_for_cuda_picks_triton_flash():
+    f = lambda q, k, v: attn.dot_product_attention(q, k, v, causal=True, backend="flash")  # noqa: E731
+    with attn.target_platform("gpu", compute_capability=(9, 0)):
+        assert _custom_calls(f, *QKV).count(TRITON) == 1
+        assert _custom_calls(f, *QKV, grad=True).count(TRITON) == 3  # fwd, dkv, dq
+
+
+def test_lowering_for_cuda_picks_mosaic():
+    f = lambda q, k, v: attn.dot_product_attention(q, k, v, causal=True, backend="mosaic")  # noqa: E731
+    with attn.target_platform("gpu", compute_capability=(9, 0)):
+        assert MOSAIC in _custom_calls(f, *QKV)
+    with attn.target_platform("gpu", compute_capability=(8, 0)):
+        reasons = attn.available_backends(*QKV, causal=True, backends=("mosaic",))
+        assert "Hopper" in reasons["mosaic"]
+
+
+def test_default_dispatch_for_cuda():
+    """The default order on a GPU target: cudnn when its library is present, else flash (Triton)."""
+    f = lambda q, k, v: attn.dot_product_attention(q, k, v, causal=True)  # noqa: E731
+    with attn.target_platform("gpu", compute_capability=(9, 0)):
+        calls = _custom_calls(f, *QKV)
+    if cudnn.cudnn_version() is None:
+        assert calls == [TRITON]
+    else:
+        assert calls and TRITON not in calls
+
+
+@pytest.mark.skipif(cudnn.cudnn_version() is not None, reason="the cuDNN library is installed here")
+def test_cudnn_declines_cleanly_without_library():
+    """jax's cuDNN attention reads cuDNN's version at trace time ("cuDNN not found"): a reason, no exception."""
+    with attn.target_platform("gpu", compute_capability=(9, 0)):
+        reason = attn.available_backends(*QKV, causal=True, backends=("cudnn",))["cudnn"]
+        assert reason is not None and "cuDNN library not found" in reason
+        with pytest.raises(attn.AttentionBackendError, match="cuDNN library not found"):
+            attn.dot_product_attention(*QKV, causal=True, backend="cudnn")
+
+
+# ------------------------------------------------------------------------------------ deviceless compile
+_REASON = gpu_target.unavailable_reason()
+needs_plugin = pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
+
+FLASH_CASES = [(d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
+MOSAIC_CASES = [(d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
+# Measured with this gate's shapes (see benchmarks/results/h100-compiled/report.md): the default bf16/fp16
+# configs that still spill. Another task fixes the kernels; these marks then flip to XPASS (strict) and go.
+KNOWN_SPILLS = {
+    ("flash", 64, "bf16"): "flash_bwd_dkv D=64 bf16: 255 registers, spills 212/264 B (stores/loads)",
+    ("flash", 64, "fp16"): "flash_bwd_dkv D=64 fp16: 255 registers, spills (same config as bf16)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _devices():
+    from benchmarks.compile import target_config
+    return gpu_target.devices(target_config("h100"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(impl, d, dt):
+    from benchmarks import compile as bc
+    fn = bc.compile_flash if impl == "flash" else bc.compile_mosaic
+    return fn(_devices(), d, bc.DTYPES[dt], bc.GATE_SHAPE)
+
+
+def _all_cases():
+    return [("flash",) + c for c in FLASH_CASES] + [("mosaic",) + c for c in MOSAIC_CASES]
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_target_read_from_sharding():
+    """q placed on the deviceless H100 (NamedSharding): the trace sees a GPU target without any context."""
+    seen = {}
+
+    def f(q):
+        seen["target"] = attn.current_target(q)
+        return q
+
+    jax.jit(f).trace(gpu_target.place(_sds((2, 8)), _devices()))
+    assert seen["target"].platform == "gpu"
+    assert seen["target"].compute_capability == (9, 0)
+    assert "H100" in seen["target"].device_kind
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+@pytest.mark.parametrize("impl, d, dt", _all_cases())
+def test_kernel_compiles_within_h100_limits(impl, d, dt):
+    from benchmarks.kernel_stats import H100_LIMITS
+    recs = _kernels(impl, d, dt)
+    expected = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv") if impl == "flash" else ("mosaic_fwd",)
+    assert sorted(recs) == sorted(expected)
+    for name, r in recs.items():
+        assert r["registers"] is not None and r["registers"] <= H100_LIMITS["max_regs_per_thread"], (name, r)
+        assert r["registers"] * r["threads"] <= H100_LIMITS["registers"], (name, r)
+        assert 0 < r["smem_bytes"] <= H100_LIMITS["smem_per_block"], (name, r)
+        assert r["blocks_per_sm"] >= 1, (name, r)
+
+
+def _spill_params():
+    out = []
+    for impl, d, dt in _all_cases():
+        if dt == "fp32":
+            continue
+        marks = [pytest.mark.gpu_compile, needs_plugin]
+        if (impl, d, dt) in KNOWN_SPILLS:
+            marks.append(pytest.mark.xfail(strict=True, reason=f"known spill: {KNOWN_SPILLS[impl, d, dt]}"))
+        out.append(pytest.param(impl, d, dt, marks=marks, id=f"{impl}-{d}-{dt}"))
+    return out
+
+
+@pytest.mark.parametrize("impl, d, dt", _spill_params())
+def test_default_configs_do_not_spill(impl, d, dt):
+    spills = {n: (r["spill_stores"], r["spill_loads"]) for n, r in _kernels(impl, d, dt).items()
+              if r["spill_stores"] or r["spill_loads"]}
+    assert not spills, f"spill bytes (stores, loads) per kernel: {spills}"
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_bf16_flash_fwd_d128_uses_wgmma():
+    r = _kernels("flash", 128, "bf16")["flash_fwd"]
+    if r["sass"] is not None:
+        assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, r["sass"]
+    else:  # no cuobjdump/nvdisasm here: the PTX says it
+        assert r["ptx_counts"]["wgmma"] > 0 and r["ptx_counts"]["mma.sync"] == 0, r["ptx_counts"]
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_1b_train_step_compiles():
+    """The full 1b preset's bf16 train step (flash attention), from ShapeDtypeStructs: about 15 s on 2 cores."""
+    from benchmarks import compile as bc
+    (rec,) = bc.program_records(_devices(), [("1b", "train_step", 1, 1024, {})], "h100", log=lambda *a: None)
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["flash_kernels"] == ["flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
+    assert 0 < rec["peak"] < 80 * 2**30  # fits in an H100's memory
+    assert rec["layers_counted_by_xla"] == 1 and 0.9 < rec["flops_ratio_dense"] < 1.5, rec
