@@ -10,7 +10,7 @@ _EXPORTS = {
     "from_pretrained": "hf", "save_pretrained": "hf", "dot_product_attention": "attention",
 }
 
-_SUBMODULES = ("config", "model", "hf", "attention", "precision", "train")
+_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "train")
 
 
 def __getattr__(name):

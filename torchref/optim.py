@@ -1,0 +1,212 @@
+"""Optimizers for the training CLI's ``--optimizer`` choices, with a ``LambdaLR`` schedule (twin of ``jaxattn.optim``).
+
+    optimizer, scheduler = build(model, "adamw", 3e-4, weight_decay=0.1, schedule="cosine", warmup=100, steps=10_000)
+    ...; metrics = step(batch); step_scheduler(scheduler, skipped=bool(metrics["skipped"]))
+
+Names, defaults, the schedules (``spec.optim.lr_factor``, also the ``LambdaLR`` multiplier here) and the
+weight-decay rule (by parameter NAME: two param groups, norm weights and biases without decay) are
+``jaxattn.spec.optim``'s, shared with JAX.
+
+Skipped steps: ``scheduler.last_epoch`` must count APPLIED optimizer updates, as optax's ``count`` does (a JAX
+step that skips a non-finite fp16 update keeps the old optimizer state, count included). ``GradScaler.step``
+skips ``optimizer.step()`` but a loop that calls ``scheduler.step()`` unconditionally would still advance the
+schedule; call :func:`step_scheduler` instead, which steps it only when the update was applied.
+
+* ``adamw``: ``torch.optim.AdamW`` (torch picks the for-loop or foreach implementation).
+* ``adamw_fused``: ``torch.optim.AdamW(fused=True)``: one fused kernel over all tensors (CPU kernel since torch
+  2.4, CUDA since 2.0).
+* ``adafactor``: ``torch.optim.Adafactor(lr, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0)``.
+* ``adamw8bit``: :class:`AdamW8bit`, written here: block-wise 8-bit AdamW, the same algorithm and rounding as
+  ``jaxattn.optim.scale_by_adam_8bit``. bitsandbytes' ``AdamW8bit`` is the same algorithm, but its CPU
+  quantiser (a table-driven binary search) does not always round to the NEAREST map entry (~0.1% of the
+  indices of one step, near midpoints), so it cannot be the bit-level twin of the JAX code; the parity tests
+  compare against it when it is installed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from jaxattn.spec import optim as spec
+from jaxattn.spec.optim import BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
+
+__all__ = ["build", "step_scheduler", "param_groups", "AdamW8bit", "state_bytes", "OPTIMIZER_NAMES",
+           "SCHEDULE_NAMES"]
+
+
+def _named(params_or_model: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params_or_model, torch.nn.Module):
+        return list(params_or_model.named_parameters())
+    if isinstance(params_or_model, Mapping):
+        items = list(params_or_model.items())
+    elif isinstance(params_or_model, Iterable) and not isinstance(params_or_model, torch.Tensor):
+        items = list(params_or_model)
+    else:
+        items = None
+    if not items or not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+                            and isinstance(i[1], torch.Tensor) for i in items):
+        raise TypeError("params_or_model must be an nn.Module, a dict name -> Parameter, or (name, Parameter) "
+                        "pairs such as model.named_parameters(): the no-decay rule goes by name; got "
+                        f"{type(params_or_model).__name__}")
+    return items
+
+
+def param_groups(params_or_model: Any, weight_decay: float) -> list[dict]:
+    """Two param groups by ``spec.optim.decays``: ``weight_decay`` for weights, 0 for norm weights and biases
+    (parameters with ``requires_grad=False`` are left out; empty groups are dropped)."""
+    named = [(n, p) for n, p in _named(params_or_model) if p.requires_grad]
+    decay = [p for n, p in named if spec.decays(n)]
+    no_decay = [p for n, p in named if not spec.decays(n)]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, skipped: bool) -> None:
+    """Advance ``scheduler`` only when this step's optimizer update was applied (optax's count rule)."""
+    if not skipped:
+        scheduler.step()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8-bit AdamW
+# ----------------------------------------------------------------------------------------------------------------
+
+def _quantize(x: torch.Tensor, code: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest map entry to ``x / absmax`` per block, ties to the lower index (``spec.optim.quantize_blockwise``)."""
+    flat = x.reshape(-1)
+    n_blocks = -(-flat.numel() // block_size)
+    blocks = F.pad(flat, (0, n_blocks * block_size - flat.numel())).view(n_blocks, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    nonzero = (absmax > 0)[:, None]
+    normed = torch.where(nonzero, blocks / torch.where(nonzero, absmax[:, None], 1.0), 0.0)
+    idx = (torch.searchsorted(code, normed.contiguous(), right=True) - 1).clamp_(0, code.numel() - 2)
+    right_closer = (normed - code[idx + 1]).abs() < (normed - code[idx]).abs()
+    return (idx + right_closer).to(torch.uint8), absmax
+
+
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return (code[codes.long()] * absmax[:, None]).reshape(-1)[:like.numel()].view(like.shape)
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """Block-wise 8-bit AdamW (Dettmers et al. 2022; bitsandbytes' ``AdamW8bit`` with ``percentile_clipping=100``).
+
+    Per parameter with at least ``min_8bit_size`` elements: dequantise m and v, update them in float32, take
+    the direction ``u = (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) / (1 - b1^t)`` from these float32 values, apply
+    ``p <- p - lr * (u + wd * p)`` (optax.adamw's chain order), and store m and v back in 8 bits: per block of
+    ``block_size`` consecutive elements one float32 absmax, m on the signed and v on the unsigned dynamic map
+    (``spec.optim.quantization_map``), nearest entry, ties to the lower index. Smaller parameters keep float32
+    moments (same update). State per quantised element: 2 bytes + 8 bytes per block.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, *, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+        for arg, val in (("block_size", block_size), ("min_8bit_size", min_8bit_size)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{arg}={val!r} must be a positive int")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+            raise ValueError(f"lr={lr!r} must be a float >= 0")
+        spec.check_hparams("adamw8bit", 1.0, weight_decay, b1=betas[0], b2=betas[1], eps=eps)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.block_size, self.min_8bit_size = block_size, min_8bit_size
+        self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _codes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._maps:
+            self._maps[device] = tuple(torch.from_numpy(spec.quantization_map(s)).to(device) for s in (True, False))
+        return self._maps[device]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                code_m, code_v = self._codes(p.device)
+                state = self.state[p]
+                quantised = p.numel() >= self.min_8bit_size
+                if not state:
+                    state["step"] = 0
+                    if quantised:  # absmax 0: every code dequantises to 0
+                        n_blocks = -(-p.numel() // self.block_size)
+                        for k in ("m", "v"):
+                            state[f"{k}_codes"] = torch.zeros(n_blocks, self.block_size, dtype=torch.uint8,
+                                                              device=p.device)
+                            state[f"{k}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["step"] += 1
+                t = state["step"]
+                g = p.grad.float()
+                if quantised:
+                    m = _dequantize(state["m_codes"], state["m_absmax"], code_m, p)
+                    v = _dequantize(state["v_codes"], state["v_absmax"], code_v, p)
+                else:
+                    m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(g, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                u = m / (v.sqrt() / math.sqrt(1.0 - b2 ** t) + eps) / (1.0 - b1 ** t)
+                p32 = p.float()
+                p.copy_(p32 - lr * (u + wd * p32))
+                if quantised:
+                    state["m_codes"], state["m_absmax"] = _quantize(m, code_m, self.block_size)
+                    state["v_codes"], state["v_absmax"] = _quantize(v, code_v, self.block_size)
+        return loss
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# build
+# ----------------------------------------------------------------------------------------------------------------
+
+def build(params_or_model: Any, name: str, lr: Union[float, Callable[[int], float]],
+          weight_decay: float = spec.WEIGHT_DECAY_DEFAULT, *, schedule: str = "constant", warmup: int = 0,
+          steps: Optional[int] = None, min_lr_ratio: float = 0.0, b1: Optional[float] = None,
+          b2: Optional[float] = None, eps: Optional[float] = None
+          ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """``(optimizer, scheduler)`` for ``--optimizer name`` (one of ``OPTIMIZER_NAMES``).
+
+    ``params_or_model``: an ``nn.Module`` or named parameters (the decay rule needs names). ``lr``: the peak lr
+    (shaped by ``schedule``/``warmup``/``steps``/``min_lr_ratio`` through ``LambdaLR``) or a callable
+    ``applied_steps -> lr``. ``b1``/``b2``/``eps`` default to ``spec.optim.ADAMW_DEFAULTS`` (refused for
+    adafactor). Advance the scheduler with :func:`step_scheduler`. Bad values raise a ValueError naming them.
+    """
+    hp = spec.check_hparams(name, lr, weight_decay, schedule=schedule, warmup=warmup, steps=steps,
+                            min_lr_ratio=min_lr_ratio, b1=b1, b2=b2, eps=eps)
+    groups = param_groups(params_or_model, float(weight_decay))
+    if callable(lr):
+        base, factor = 1.0, (lambda step: float(lr(step)))
+    else:
+        kw = dict(schedule=schedule, warmup=int(warmup), steps=None if steps is None else int(steps),
+                  min_lr_ratio=float(min_lr_ratio))
+        base, factor = float(lr), (lambda step: float(spec.lr_factor(step, **kw)))
+    if name in ("adamw", "adamw_fused"):
+        opt = torch.optim.AdamW(groups, lr=base, betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
+                                weight_decay=float(weight_decay), fused=True if name == "adamw_fused" else None)
+    elif name == "adamw8bit":
+        opt = AdamW8bit(groups, lr=base, betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=float(weight_decay))
+    else:
+        d = spec.ADAFACTOR_DEFAULTS
+        opt = torch.optim.Adafactor(groups, lr=base, beta2_decay=-d["decay_rate"], eps=(None, d["min_param_scale"]),
+                                    d=d["clipping_threshold"], weight_decay=float(weight_decay))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's per-parameter state tensors (each storage counted once)."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                total += v.untyped_storage().nbytes()
+    return total
