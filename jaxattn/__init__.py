@@ -8,11 +8,11 @@ from importlib import import_module
 __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config", "Llama": "model",
-    "from_pretrained": "hf", "save_pretrained": "hf", "dot_product_attention": "attention",
+    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "gguf", "dot_product_attention": "attention",
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "train")
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "train")
 
 
 def __getattr__(name):

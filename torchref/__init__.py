@@ -7,10 +7,10 @@ from importlib import import_module
 __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config", "LlamaForCausalLM": "model",
-    "from_pretrained": "hf", "save_pretrained": "hf", "dot_product_attention": "attention",
+    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "gguf", "dot_product_attention": "attention",
 }
 
-_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "train")
+_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "train")
 
 
 def __getattr__(name):

@@ -1,0 +1,276 @@
+"""GGUF (llama.cpp) Llama files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer.
+
+Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.gguf`` and
+``torchref.gguf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
+dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/k projections is undone.
+
+    config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.decode(tok.encode("<|im_start|>user\\nHi")), tok.chat_template
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .hf_format import CheckpointError, check_state_shapes
+
+# llama.cpp tensor name -> Hugging Face Llama name (convert_hf_to_gguf.py's table, inverted).
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent when the embeddings are tied
+}
+LAYER_NAMES = {  # under "blk.{i}." -> under "model.layers.{i}."
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Rows of these were permuted by llama.cpp's converter (for its RoPE layout), grouped by this config field.
+PERMUTED = {"attn_q.weight": "n_heads", "attn_k.weight": "n_kv_heads"}
+
+# ModelConfig field <- "llama.<key>" (None = required)
+CONFIG_KEYS = (
+    ("n_layers", "block_count", None),
+    ("dim", "embedding_length", None),
+    ("n_heads", "attention.head_count", None),
+    ("n_kv_heads", "attention.head_count_kv", "n_heads"),
+    ("ffn_dim", "feed_forward_length", None),
+    ("max_seq_len", "context_length", None),
+    ("norm_eps", "attention.layer_norm_rms_epsilon", None),
+    ("rope_theta", "rope.freq_base", 10000.0),
+)
+
+# tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
+# "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
+PRE_TOKENIZERS = {
+    "default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2",
+    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2",
+}
+GGUF_READ_DTYPES = ("float32", "float16")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched as whole tokens in text
+
+
+class GGUFModel(NamedTuple):
+    config: ModelConfig
+    tensors: dict  # HF name -> np.ndarray
+    tokenizer: Optional["GGUFTokenizer"]
+
+
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """The file's BPE tokenizer (a ``tokenizers.Tokenizer``), its special ids and chat template."""
+    tokenizer: Any
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    add_bos: bool
+    chat_template: Optional[str]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``messages`` through the file's chat template (jinja2, sandboxed as ``transformers`` does)."""
+        if not self.chat_template:
+            raise ValueError("this GGUF file has no tokenizer.chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages,
+                                                          add_generation_prompt=add_generation_prompt)
+
+
+_REQUIRED = object()
+
+
+def _get(reader, key: str, where: str, default: Any = _REQUIRED) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{where} has no metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def _positive(value: Any, key: str, where: str, kind=int):
+    if isinstance(value, list):  # per-layer values (some architectures): one value only
+        if len(set(value)) != 1:
+            raise CheckpointError(f"{where}: {key}={value} varies per layer; only one value for all layers is "
+                                  f"supported")
+        value = value[0]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) or not value > 0:
+        raise CheckpointError(f"{where}: {key}={value!r} is invalid; expected a positive number")
+    if kind is int:
+        if int(value) != value:
+            raise CheckpointError(f"{where}: {key}={value!r} is invalid; expected a positive integer")
+        return int(value)
+    return float(str(np.float32(value)))  # the float32 in the file, shortest form: 1e-05, not 9.99999974e-06
+
+
+def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
+    kw: dict[str, Any] = {}
+    for field, key, default in CONFIG_KEYS:
+        full = f"{arch}.{key}"
+        value = _get(reader, full, where, _REQUIRED if default is None else None)
+        if value is None:
+            value = kw[default] if isinstance(default, str) else default
+        kw[field] = _positive(value, full, where, float if field in ("norm_eps", "rope_theta") else int)
+    head_dim = _get(reader, f"{arch}.attention.key_length", where, None)
+    head_dim = kw["dim"] // kw["n_heads"] if head_dim is None else _positive(head_dim, "key_length", where)
+    value_dim = _get(reader, f"{arch}.attention.value_length", where, None)
+    if value_dim is not None and value_dim != head_dim:
+        raise CheckpointError(f"{where}: {arch}.attention.value_length={value_dim} differs from key_length="
+                              f"{head_dim}; only equal query/key and value head sizes are supported")
+    rope_dim = _get(reader, f"{arch}.rope.dimension_count", where, None)
+    if rope_dim is not None and rope_dim != head_dim:
+        raise CheckpointError(f"{where}: {arch}.rope.dimension_count={rope_dim} but the head size is {head_dim}; "
+                              f"partial rotary embeddings are not supported")
+    scaling = _get(reader, f"{arch}.rope.scaling.type", where, "none")
+    if scaling != "none" or "rope_freqs.weight" in names:
+        what = (f"{arch}.rope.scaling.type={scaling!r}" if scaling != "none"
+                else "a rope_freqs.weight tensor (llama3 RoPE scaling stored as per-frequency factors)")
+        raise CheckpointError(f"{where} uses {what}: not supported; a GGUF file loads only without RoPE scaling "
+                              f"(rope.scaling.type absent or 'none', no rope_freqs.weight)")
+    experts = _get(reader, f"{arch}.expert_count", where, 0)
+    if experts:
+        raise CheckpointError(f"{where}: {arch}.expert_count={experts}: mixture-of-experts is not supported")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else _get(reader, f"{arch}.vocab_size", where, None)
+    if vocab is None:
+        raise CheckpointError(f"{where} has neither tokenizer.ggml.tokens nor {arch}.vocab_size")
+    return ModelConfig(vocab_size=int(vocab), head_dim=None if head_dim * kw["n_heads"] == kw["dim"] else head_dim,
+                       tie_embeddings="output.weight" not in names, **kw)
+
+
+def _hf_name(name: str) -> Optional[str]:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of a q/k projection ``[n_heads * head_dim, dim]`` (its RoPE layout)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
+    model = _get(reader, "tokenizer.ggml.model", where)
+    if model != "gpt2":
+        raise CheckpointError(f"{where}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' "
+                              f"(byte-level BPE) tokenizers load")
+    pre = _get(reader, "tokenizer.ggml.pre", where, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; known: "
+                              f"{sorted(PRE_TOKENIZERS)}")
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError as e:
+        raise ImportError("reading a GGUF tokenizer needs the `tokenizers` package (pip install tokenizers), "
+                          "or pass tokenizer=False") from e
+    tokens = _get(reader, "tokenizer.ggml.tokens", where)
+    merges = []
+    for m in _get(reader, "tokenizer.ggml.merges", where):
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges entry {m!r} is not two tokens split by a space")
+        merges.append(tuple(pair))
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (byte_level if PRE_TOKENIZERS[pre] == "gpt2" else
+                         pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]))
+    tok.decoder = decoders.ByteLevel()
+    types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
+    tok.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+                    for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
+    bos = _get(reader, "tokenizer.ggml.bos_token_id", where, None)
+    eos = _get(reader, "tokenizer.ggml.eos_token_id", where, None)
+    for key, i in (("bos_token_id", bos), ("eos_token_id", eos)):
+        if i is not None and not 0 <= i < len(tokens):
+            raise CheckpointError(f"{where}: tokenizer.ggml.{key}={i} is outside the vocabulary (0..{len(tokens) - 1})")
+    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", where, False))
+    if add_bos:
+        if bos is None:
+            raise CheckpointError(f"{where}: tokenizer.ggml.add_bos_token is true but bos_token_id is missing")
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                           special_tokens=[(tokens[bos], bos)])
+    return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos), add_bos,
+                         _get(reader, "tokenizer.chat_template", where, None))
+
+
+def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
+    """``(config, tensors, tokenizer)`` of a llama.cpp Llama file; tensors are HF-named ``dtype`` numpy arrays.
+
+    ``dtype`` is ``"float32"`` or ``"float16"`` (for bfloat16 read float32 and let the framework cast);
+    ``tokenizer=False`` skips the tokenizer (the third element is then None).
+    """
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("reading a GGUF file needs the `gguf` package (pip install gguf)") from e
+    if dtype not in GGUF_READ_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
+                         f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))")
+    path = os.fspath(path)
+    where = f"GGUF file {path!r}"
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where} does not exist or is not a file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{where} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, TypeError) as e:  # the reader's own errors do not name the file
+        raise CheckpointError(f"{where} cannot be parsed: {e}") from e
+    arch = _get(reader, "general.architecture", where)
+    if arch != "llama":
+        raise CheckpointError(f"{where}: general.architecture={arch!r} is not supported; only 'llama' loads")
+    by_name = {t.name: t for t in reader.tensors}
+    config = _read_config(reader, where, arch, set(by_name))
+    unknown = sorted(n for n in by_name if _hf_name(n) is None)
+    wanted = [*(n for n in GLOBAL_NAMES if n != "output.weight" or not config.tie_embeddings),
+              *(f"blk.{i}.{n}" for i in range(config.n_layers) for n in LAYER_NAMES)]
+    missing = [n for n in wanted if n not in by_name]
+    extra = sorted(set(by_name) - set(wanted) - set(unknown))  # e.g. blk.30.* beyond block_count
+    if missing or unknown or extra:
+        parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer Llama:"]
+        for title, items in (("missing", missing), ("unsupported", unknown), ("unexpected", extra)):
+            if items:
+                parts.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
+        raise CheckpointError("\n".join(parts))
+    shapes = {_hf_name(n): tuple(int(d) for d in reversed(by_name[n].shape)) for n in wanted}
+    check_state_shapes(config, shapes, where)  # before any dequantization
+    tensors = {}
+    for name in wanted:
+        t = by_name[name]
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise CheckpointError(f"{where}: tensor {name} has type {t.tensor_type.name}, which gguf "
+                                  f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
+        w = np.asarray(w).reshape(shapes[_hf_name(name)])
+        base = name.split(".", 2)[-1]
+        if base in PERMUTED:
+            w = unpermute_rows(w, getattr(config, PERMUTED[base]))
+        tensors[_hf_name(name)] = w.astype(dtype, copy=True)  # a copy: nothing points into the file's mmap
+    return GGUFModel(config, tensors, _build_tokenizer(reader, where) if tokenizer else None)
