@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 MEASURED = {"median_ms", "p10_ms", "p90_ms", "tflops", "tokens_per_s", "peak_mem_bytes", "mfu", "max_abs_diff",
-            "status", "reason", "impl", "framework", "iters"}
+            "status", "reason", "impl", "framework", "iters", "measured", "summary"}
 
 
 def _sync(out: Any) -> None:
@@ -217,6 +217,8 @@ def read_results(out_dir: str) -> dict[str, dict]:
 def _fmt(r: dict) -> str:
     if r.get("status", "ok") != "ok":
         return "—"
+    if "median_ms" not in r:  # an untimed record (e.g. the remat suite's bytes): its own summary
+        return str(r.get("summary", ""))
     s = f"{r['median_ms']:.3g} ms"
     if r.get("tflops"):
         s += f" ({r['tflops']:.3g} TF/s)"
@@ -237,7 +239,8 @@ def report_table(records: Iterable[dict]) -> str:
     head = "| " + " | ".join(keys + impls + ["torch/jax"]) + " |"
     lines = [head, "|" + "---|" * (len(keys) + len(impls) + 1)]
     for key, cells in rows.items():
-        best = {fw: min((c["median_ms"] for c in cells.values() if c["framework"] == fw and c.get("status", "ok") == "ok"),
+        best = {fw: min((c["median_ms"] for c in cells.values() if c["framework"] == fw and c.get("status", "ok") == "ok"
+                         and "median_ms" in c),
                         default=math.nan) for fw in ("jax", "torch")}
         ratio = best["torch"] / best["jax"] if best["jax"] == best["jax"] and best["torch"] == best["torch"] else math.nan
         vals = [str(v) for v in key] + [_fmt(cells[i]) if i in cells else "" for i in impls]

@@ -12,7 +12,7 @@ _EXPORTS = {
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "train")
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "remat", "train")
 
 
 def __getattr__(name):

@@ -13,7 +13,8 @@ are float32.
 Seams for outside code, nothing more (no mesh, no policy object): every ``nnx.Param`` carries logical axis
 names (``nnx.get_partition_spec(nnx.state(model))``, see :data:`PARAM_AXES`); the values a remat policy may keep
 are tagged with ``checkpoint_name`` (:data:`REMAT_NAMES`, MaxText's names); ``Llama.remat`` is a policy NAME
-(a static, hashable attribute in the graphdef) mapped to ``jax.checkpoint`` around the scanned layer body.
+(a static, hashable attribute in the graphdef, set by ``jaxattn.remat.apply``) that ``jaxattn.remat.wrap_layer``
+turns into ``jax.checkpoint`` around the scanned layer body.
 
 Token ids: an eager call (concrete ``tokens``) raises ValueError naming the first id outside ``[0, vocab)``.
 Under ``jit`` the ids are tracers and cannot be checked: an out-of-range id then embeds to a ZERO vector (the
@@ -32,8 +33,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .attention import dot_product_attention
 from .config import ModelConfig
+from .kv_cache import KVCache, cached_attention
+from .quant import QArray, matmul
 from .spec.batch import check_model_inputs, check_token_ids
-from .spec.remat import REMAT_POLICIES, check_remat
+from .remat import wrap_layer
+from .spec.remat import REMAT_POLICIES  # noqa: F401 - re-exported (Llama.remat values)
 
 LAYER_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm")
 
@@ -49,15 +53,6 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 REMAT_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_0", "mlpwi_1",
                                 "mlp_hidden", "decoder_layer_output")
 
-# Llama.remat name -> jax.checkpoint policy (None: no remat; "full" saves nothing).
-_REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_qkv_attn": jax.checkpoint_policies.save_only_these_names(
-        "query_proj", "key_proj", "value_proj", "attention_out"),
-}
-assert tuple(_REMAT) == REMAT_POLICIES
 
 try:  # an abstract value under jit / grad / vmap: its ids cannot be read
     from jax.core import Tracer as _Tracer
@@ -86,31 +81,42 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
-    """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm)."""
+def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
+    """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm).
+
+    ``kv = (k_cache, v_cache, lengths)``: this layer's KV cache (``jaxattn.kv_cache``); then returns
+    ``(out, (k_cache, v_cache))``. Matmuls go through ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
-    q = checkpoint_name(x @ p["wq"], "query_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
-    k = checkpoint_name(x @ p["wk"], "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
-    v = checkpoint_name(x @ p["wv"], "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    q = checkpoint_name(matmul(x, p["wq"]), "query_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
+    k = checkpoint_name(matmul(x, p["wk"]), "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, S, Hq, D]
+    if kv is None:
+        o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, S, Hq, D]
+    else:
+        o, kv = cached_attention(q, k, v, *kv)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]
-    return o @ p["wo"]
+    return matmul(o, p["wo"]) if kv is None else (matmul(o, p["wo"]), kv)
 
 
 def mlp_block(x, p):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = checkpoint_name(x @ p["w_gate"], "mlpwi_0")
-    up = checkpoint_name(x @ p["w_up"], "mlpwi_1")
-    return checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden") @ p["w_down"]
+    gate = checkpoint_name(matmul(x, p["w_gate"]), "mlpwi_0")
+    up = checkpoint_name(matmul(x, p["w_up"]), "mlpwi_1")
+    return matmul(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"), p["w_down"])
 
 
-def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None):
-    """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters."""
-    x = x + attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids)
+def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
+    """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters. With ``kv`` (this layer's
+    cache, see ``attention_block``) returns ``(x, (k_cache, v_cache))``."""
+    a = attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids, kv)
+    if kv is not None:
+        a, kv = a
+    x = x + a
     x = x + mlp_block(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
-    return checkpoint_name(x, "decoder_layer_output")
+    x = checkpoint_name(x, "decoder_layer_output")
+    return x if kv is None else (x, kv)
 
 
 def set_value(variable: nnx.Variable, value) -> None:
@@ -146,7 +152,9 @@ class Layers(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Llama-style causal LM. ``model(tokens, positions=None, segment_ids=None)`` -> float32 logits [B, S, V].
+    """Llama-style causal LM. ``model(tokens, positions=None, segment_ids=None)`` -> float32 logits [B, S, V];
+    ``model(tokens, cache=kv_cache)`` -> ``(logits, kv_cache')`` (``jaxattn.kv_cache``: positions default to the
+    cache's per-row lengths; inference only, no remat).
 
     ``tokens``, ``positions``, ``segment_ids``: integer arrays ``[B, S]`` (B, S >= 1) of a dtype in
     ``jaxattn.spec.dtypes.ID_DTYPES`` (bool refused). ``remat``: one of ``REMAT_POLICIES``, set from outside.
@@ -166,13 +174,17 @@ class Llama(nnx.Module):
         self.remat = "none"
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
-                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+                 segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None):
         cfg = self.config
         check_model_inputs(tokens, positions, segment_ids, arg="tokens")
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
             check_token_ids(tokens, cfg.vocab_size, arg="tokens")
-        policy = _REMAT[check_remat(self.remat, "Llama.remat")]
         b, s = tokens.shape
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache (rows are right-padded instead)")
+            cache.check_call((b, s))
+            positions = cache.positions(s) if positions is None else positions
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))
@@ -181,11 +193,23 @@ class Llama(nnx.Module):
         def layer(x, p):
             return decoder_layer(x, p, cos, sin, cfg, seg)
 
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)  # inside scan: CSE is safe
+        layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
         stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
         x = jnp.take(self.embed[...], jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
-        x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)
+        if cache is None:
+            x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)
+        else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
+            def cached_layer(h, xs):
+                p, kc, vc = xs
+                return decoder_layer(h, p, cos, sin, cfg, None, (kc, vc, cache.lengths))
+
+            x, (k, v) = jax.lax.scan(cached_layer, x, (stacked, cache.k, cache.v))
+            cache = KVCache(k, v, cache.lengths + s)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        if cfg.tie_embeddings:
+            logits = jnp.dot(x, self.embed[...].T.astype(x.dtype), preferred_element_type=jnp.float32)
+        elif isinstance(self.lm_head[...], QArray):  # int8 weight-only head (jaxattn.quant)
+            logits = matmul(x, self.lm_head[...]).astype(jnp.float32)
+        else:
+            logits = jnp.dot(x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return logits if cache is None else (logits, cache)

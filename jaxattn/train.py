@@ -46,8 +46,10 @@ from .model import _Tracer
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .precision import Policy, get_policy
 from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
+from .spec.grad_accum import check_accum_batch, check_grad_accum
 
-__all__ = ["TrainState", "make_train_step", "CHECK_IDS", "loss_fn", "loss_weights", "cross_entropy",
+__all__ = ["TrainState", "make_train_step", "CHECK_IDS", "loss_fn", "loss_weights", "loss_denominator",
+           "cross_entropy", "check_grad_accum", "check_accum_batch",
            "clip_by_global_norm", "global_norm", "BATCH_KEYS"]
 
 Batch = Mapping[str, jax.Array]
@@ -127,8 +129,10 @@ def loss_weights(batch: Batch) -> jax.Array:
     return w
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``.
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                  denominator: Optional[jax.Array] = None) -> jax.Array:
+    """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``; ``denominator``
+    replaces ``max(sum(w), 1)`` (gradient accumulation divides each microbatch by the WHOLE batch's weight).
 
     Targets with ``w == 0`` are dropped with ``where`` on the logits and the targets BEFORE the cross-entropy (a
     NaN logit or an out-of-range target there stays out of the loss and out of its gradient, where ``0 * nan``
@@ -136,16 +140,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> 
     keep = weights > 0
     logits = jnp.where(keep[..., None], logits.astype(jnp.float32), 0.0)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(keep, targets, 0))
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    if denominator is None:
+        denominator = jnp.maximum(jnp.sum(weights), 1.0)
+    return jnp.sum(nll * weights) / denominator
 
 
-def loss_fn(model: Callable[..., jax.Array], batch: Batch) -> jax.Array:
-    """Next-token loss of ``model`` on ``batch`` (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``)."""
+def loss_denominator(batch: Batch) -> jax.Array:
+    """float32 ``max(sum(loss_weights(batch)), 1)``: the number of real (loss-weighted) targets in ``batch``."""
+    return jnp.maximum(jnp.sum(loss_weights(batch)), 1.0)
+
+
+def loss_fn(model: Callable[..., jax.Array], batch: Batch, denominator: Optional[jax.Array] = None) -> jax.Array:
+    """Next-token loss of ``model`` on ``batch`` (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``);
+    ``denominator``: see :func:`cross_entropy`."""
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     logits = model(tokens[:, :-1], positions=None if pos is None else pos[:, :-1],
                    segment_ids=None if seg is None else seg[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch))
+    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -184,10 +196,29 @@ def _check_ids_in_jit(tokens: jax.Array, vocab: int) -> None:
                    value=tokens.reshape(-1)[first], row=row, col=col, n_bad=bad.sum())
 
 
+def _accumulated_grads(grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int):
+    """``(sum of grads, sum of losses)`` of ``grad_fn(params, microbatch, denominator)`` over ``grad_accum``
+    microbatches (consecutive row blocks of ``batch``), as ONE ``lax.scan`` (one compiled body). The denominator
+    is the WHOLE batch's target weight, so the sums equal the full batch's mean-token loss and its gradient."""
+    denominator = loss_denominator(batch)
+    if grad_accum == 1:
+        return grad_fn(params, batch, denominator)
+    micro = check_accum_batch(batch, grad_accum)
+    split = {k: v.reshape(grad_accum, micro, *v.shape[1:]) for k, v in batch.items() if v is not None}
+
+    def body(acc, mb):
+        grads, loss = grad_fn(params, mb, denominator)
+        return jax.tree.map(jnp.add, acc, (grads, loss)), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    return jax.lax.scan(body, zeros, split)[0]
+
+
 def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: optax.GradientTransformation,
-                policy: Policy, max_grad_norm: Optional[float], check_ids: bool = False
+                policy: Policy, max_grad_norm: Optional[float], check_ids: bool = False, grad_accum: int = 1
                 ) -> tuple[TrainState, Metrics]:
     check_batch(batch)
+    check_accum_batch(batch, grad_accum)
     ls = state.loss_scale
     if policy.uses_loss_scaling and isinstance(ls, NoOpLossScale):
         _warn_once(_FP16_NO_SCALE)
@@ -195,12 +226,12 @@ def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: 
     if vocab is not None:
         _check_ids_in_jit(batch["tokens"], vocab)
 
-    def scaled_loss(params):
+    def scaled_loss(params, mb, denominator):
         model = nnx.merge(graphdef, policy.cast_to_compute(params), state.rest)
-        loss = loss_fn(model, batch)
+        loss = loss_fn(model, mb, denominator)
         return ls.scale(loss), loss
 
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
+    grads, loss = _accumulated_grads(jax.grad(scaled_loss, has_aux=True), state.params, batch, grad_accum)
     finite = ls.all_finite(grads)  # on the SCALED gradients, like GradScaler's kernel
     grads = ls.unscale(grads)
     grad_norm = global_norm(grads)
@@ -221,7 +252,7 @@ CHECK_IDS = ("host", "jit", "off")
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
                     policy: Union[str, Policy] = "fp32", max_grad_norm: Optional[float] = None,
-                    donate: bool = True, check_ids: str = "host"
+                    donate: bool = True, check_ids: str = "host", grad_accum: int = 1
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
 
@@ -238,6 +269,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     one small device-to-host copy per step); ``"jit"`` (debug): checked INSIDE the compiled step with
     ``jax.experimental.checkify`` and raised after it, with donation off so the state passed in survives the
     error; ``"off"``: no check (an out-of-range id then embeds to zeros, see ``jaxattn.model``; never NaN).
+    ``grad_accum=k``: the batch (``[k * b, S+1]``) is split inside the step into ``k`` microbatches of ``b``
+    consecutive rows, run one after another in a ``lax.scan`` inside the ONE jitted step (one compile, one
+    microbatch's activations live at a time), their gradients summed before the unscale / clip / update. The
+    loss is normalised by the real (loss-weighted) targets of the WHOLE batch, so the step equals one step on
+    the full batch up to float rounding, whatever padding each microbatch holds. A ``k`` that does not divide
+    the batch is a ValueError naming both.
+
     ``step.jitted`` is the jitted pure function (no host-side checks; with ``"jit"`` it returns ``(error,
     (state, metrics))``), ``step.lower`` lowers it.
     """
@@ -248,12 +286,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         raise ValueError(f"max_grad_norm must be None or a positive float, got {max_grad_norm!r}")
     if check_ids not in CHECK_IDS:
         raise ValueError(f"check_ids={check_ids!r} is not valid; use one of {', '.join(map(repr, CHECK_IDS))}")
+    grad_accum = check_grad_accum(grad_accum)
     policy = get_policy(policy)
     max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
 
     def pure(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         return _train_step(graphdef, state, batch, tx=tx, policy=policy, max_grad_norm=max_grad_norm,
-                           check_ids=check_ids == "jit")
+                           check_ids=check_ids == "jit", grad_accum=grad_accum)
 
     if check_ids == "jit":
         jitted = jax.jit(checkify.checkify(pure, errors=checkify.user_checks))
@@ -263,6 +302,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         check_batch(batch)
+        check_accum_batch(batch, grad_accum)
         tokens = batch["tokens"]
         if check_ids == "host" and not isinstance(tokens, _Tracer):
             if not vocab:
@@ -280,3 +320,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     step.jitted = jitted
     step.lower = jitted.lower
     return step
+
+
+if __name__ == "__main__":
+    from .trainer import main
+    raise SystemExit(main())

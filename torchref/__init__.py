@@ -10,7 +10,7 @@ _EXPORTS = {
     "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "gguf", "dot_product_attention": "attention",
 }
 
-_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "train")
+_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "remat", "train")
 
 
 def __getattr__(name):

@@ -10,36 +10,25 @@ active ``sdpa_kernel`` backends). Logits are returned in float32.
 
 Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
 skipped while ``torch.compile`` traces). ``remat`` (one of ``jaxattn.spec.remat.REMAT_POLICIES``, set from
-outside) checkpoints each decoder layer in training: ``full`` with ``torch.utils.checkpoint.checkpoint(...,
-use_reentrant=False)``, ``save_dots`` with selective checkpointing that keeps the ``aten.mm`` outputs (the
-weight matmuls; SDPA's batched matmuls are not ``mm``). torch has no named tags: selective checkpointing works
-on op lists, and the JAX tags map to these ops: ``query_proj``/``key_proj``/``value_proj`` = the ``mm`` of
-``self_attn.{q,k,v}_proj``, ``attention_out`` = the SDPA output, ``mlpwi_0``/``mlpwi_1`` = the ``mm`` of
-``mlp.gate_proj``/``mlp.up_proj``, ``mlp_hidden`` = the ``mul`` after ``silu``, ``decoder_layer_output`` = the
-layer's last ``add``. ``save_qkv_attn`` needs per-module tags an op list cannot express: NotImplementedError.
+outside by ``torchref.remat.apply``) is how each decoder layer runs in training: ``torchref.remat.run_layer``
+(per-layer ``torch.utils.checkpoint``, selective checkpointing or ``save_on_cpu``; the op lists are there).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from jaxattn.spec.batch import check_model_inputs, check_token_ids
 from jaxattn.spec.remat import REMAT_POLICIES, check_remat
 
 from .attention import dot_product_attention
 from .config import ModelConfig
+from .remat import run_layer
 
 __all__ = ["LlamaForCausalLM", "REMAT_POLICIES"]
-
-
-def _save_mm(ctx, op, *args, **kwargs):
-    """Selective-checkpoint policy of ``save_dots``: keep matmul outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class RMSNorm(nn.Module):
@@ -80,14 +69,18 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, segment_ids=None):
+    def forward(self, x, cos, sin, segment_ids=None, kv=None):
+        """``kv``: this layer's view of a ``torchref.kv_cache.KVCache`` (written in place)."""
         b, s, _ = x.shape
         d = self.cfg.resolved_head_dim
         q = self.q_proj(x).view(b, s, self.cfg.n_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        if kv is None:
+            o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        else:
+            o = kv.attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.cfg.n_heads * d))
 
 
@@ -110,8 +103,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, segment_ids=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+    def forward(self, x, cos, sin, segment_ids=None, kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,7 +119,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V].
+    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V]. With
+    ``cache=`` a ``torchref.kv_cache.KVCache`` the call writes into it in place (positions default to its per-row
+    lengths, which then grow by S); inference only, no remat.
 
     Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
     (bool refused); ids other than int32/int64 are widened for the embedding lookup.
@@ -148,31 +143,30 @@ class LlamaForCausalLM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None, cache=None) -> torch.Tensor:
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
         if not torch.compiler.is_compiling():
             _check_ids(input_ids, self.config.vocab_size)
         remat = check_remat(self.remat, "LlamaForCausalLM.remat")
-        if remat == "save_qkv_attn":
-            raise NotImplementedError("LlamaForCausalLM.remat='save_qkv_attn' needs per-module tags that torch's "
-                                      "op-list selective checkpointing cannot express; planned with torchref/remat.py "
-                                      "(the remat issue). Use 'none', 'full' or 'save_dots'.")
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()
         b, s = input_ids.shape
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache (rows are right-padded instead)")
+            cache.check_call((b, s))
+            positions = cache.positions(s) if positions is None else positions
         if positions is None:
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
         cos, sin = rope_cos_sin(self.model.inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
-        use_ckpt = remat != "none" and torch.is_grad_enabled()
-        ctx_fn = (functools.partial(create_selective_checkpoint_contexts, _save_mm) if remat == "save_dots"
-                  else None)
-        for layer in self.model.layers:
-            if use_ckpt:
-                kw = {} if ctx_fn is None else {"context_fn": ctx_fn}
-                x = checkpoint(layer, x, cos, sin, segment_ids, use_reentrant=False, **kw)
+        for i, layer in enumerate(self.model.layers):
+            if cache is None:
+                x = run_layer(layer, remat, x, cos, sin, segment_ids)
             else:
-                x = layer(x, cos, sin, segment_ids)
+                x = layer(x, cos, sin, None, cache.layer(i))
+        if cache is not None:
+            cache.lengths += s
         return self.lm_head(self.model.norm(x)).float()
 
 

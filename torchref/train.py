@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from jaxattn.spec.batch import BATCH_KEYS, check_batch, check_token_ids
+from jaxattn.spec.grad_accum import check_accum_batch, check_grad_accum
 
 from .precision import Policy, get_policy
 
-__all__ = ["make_train_step", "loss_fn", "loss_weights", "cross_entropy", "BATCH_KEYS"]
+__all__ = ["make_train_step", "loss_fn", "loss_weights", "loss_denominator", "cross_entropy", "BATCH_KEYS"]
 
 _FP16_NO_SCALE = ("fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
                   "overflow to inf without it. Pass scaler=Policy.preset('fp16').make_grad_scaler(device) "
@@ -54,32 +55,43 @@ def loss_weights(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return w
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                  denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``; targets with ``w == 0``
     are dropped with ``where`` on the logits and targets first (a NaN logit or an out-of-range target there
-    stays out of the loss and its gradient, where ``0 * nan`` would not)."""
+    stays out of the loss and its gradient, where ``0 * nan`` would not). ``denominator`` replaces
+    ``max(sum(w), 1)`` (gradient accumulation divides each microbatch by the WHOLE batch's weight)."""
     keep = weights > 0
     logits = torch.where(keep[..., None], logits.float(), 0.0)
     targets = torch.where(keep, targets.long(), 0)
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    return (nll * weights.flatten()).sum() / weights.sum().clamp_min(1.0)
+    if denominator is None:
+        denominator = weights.sum().clamp_min(1.0)
+    return (nll * weights.flatten()).sum() / denominator
 
 
-def loss_fn(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, policy: Union[str, Policy] = "fp32"
-            ) -> torch.Tensor:
-    """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast)."""
+def loss_denominator(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """float32 ``max(sum(loss_weights(batch)), 1)``: the number of real (loss-weighted) targets in ``batch``."""
+    return loss_weights(batch).sum().clamp_min(1.0)
+
+
+def loss_fn(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, policy: Union[str, Policy] = "fp32",
+            denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
+    ``denominator``: see :func:`cross_entropy`."""
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     with policy.autocast(tokens.device.type):
         logits = model(tokens[:, :-1], positions=None if pos is None else pos[:, :-1],
                        segment_ids=None if seg is None else seg[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch))
+    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
 
 
 def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     policy: Union[str, Policy] = "fp32", scaler: Optional[torch.amp.GradScaler] = None,
-                    max_grad_norm: Optional[float] = None) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
+                    max_grad_norm: Optional[float] = None, grad_accum: int = 1
+                    ) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
     """``step(batch) -> metrics``: one training step, in place on ``model`` / ``optimizer`` / ``scaler``.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?, "segment_ids"?, "positions"?}`` (same shapes;
@@ -88,7 +100,13 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     global norm of the unscaled gradients before clipping), ``loss_scale`` (float32: the scale applied to this
     step's loss, 1 without a scaler), ``skipped`` (bool). A skipped step is read with GradScaler's public API:
     ``update()`` backs the scale off exactly when ``step()`` skipped (found a non-finite gradient).
+
+    ``grad_accum=k``: the batch (``[k * b, S+1]``) is split into ``k`` microbatches of ``b`` consecutive rows,
+    each forward + ``backward()`` in turn (gradients accumulate in ``.grad``), then one unscale / clip / step.
+    Each microbatch loss is divided by the real (loss-weighted) targets of the WHOLE batch, so the step equals
+    one step on the full batch up to float rounding; a ``k`` that does not divide the batch is a ValueError.
     """
+    grad_accum = check_grad_accum(grad_accum)
     policy = get_policy(policy)
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
@@ -103,18 +121,21 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 
     def step(batch: Mapping[str, torch.Tensor]) -> Metrics:
         check_batch(batch)
+        micro = check_accum_batch(batch, grad_accum)
         tokens = batch["tokens"]
         if vocab is not None and bool(((tokens < 0) | (tokens >= vocab)).any()):
             check_token_ids(tokens.detach().cpu(), vocab, arg="batch['tokens']")
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch, policy=policy)
+        denominator = loss_denominator(batch)
+        loss_scale = scaler.get_scale() if scaling else 1.0
+        loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        for i in range(grad_accum):
+            mb = {k: v if v is None else v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+            mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator)
+            (scaler.scale(mb_loss) if scaling else mb_loss).backward()
+            loss = loss + mb_loss.detach()
         if scaling:
-            loss_scale = scaler.get_scale()
-            scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-        else:
-            loss.backward()
-            loss_scale = 1.0
         if max_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         else:
@@ -131,3 +152,8 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 "loss_scale": torch.tensor(loss_scale, dtype=torch.float32), "skipped": torch.tensor(skipped)}
 
     return step
+
+
+if __name__ == "__main__":
+    from .trainer import main
+    raise SystemExit(main())

@@ -1,15 +1,24 @@
-"""Remat (activation checkpointing) policy names, shared by both twins (``Llama.remat`` / ``LlamaForCausalLM.remat``).
+"""Remat (activation checkpointing) policy names, shared by both twins (``jaxattn.remat`` / ``torchref.remat``).
 
     from jaxattn.spec.remat import check_remat
     check_remat("save_dots")    # -> "save_dots"; check_remat("dots") raises ValueError listing the names
 
-``none``: keep every activation; ``full``: recompute each decoder layer in the backward pass, keeping only its
-input; ``save_dots``: keep the outputs of the weight matmuls (no batch dims), recompute the rest;
-``save_qkv_attn``: keep the q/k/v projections and the attention output, recompute the rest.
+Each policy applies per decoder layer; what the backward pass finds saved for each layer:
+
+``none``: every activation. ``full``: only the layer's input; the layer is recomputed. ``save_dots``: the outputs
+of the weight matmuls (q/k/v, attention-out projection, gate/up/down; not attention's batched matmuls); the
+norms, RoPE, attention and SwiGLU are recomputed. ``save_qkv_attn``: the q/k/v projections and the attention
+output (torchtitan's selective AC); the rest is recomputed. ``offload``: activations kept in host memory instead
+of device memory (JAX: the :data:`OFFLOAD_NAMES` tags, the rest recomputed; torch: every saved tensor of the layer
+via ``save_on_cpu``, nothing recomputed).
 """
 from __future__ import annotations
 
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots", "save_qkv_attn")
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots", "save_qkv_attn", "offload")
+
+# checkpoint_name tags (jaxattn.model.REMAT_NAMES) kept by save_qkv_attn, and moved to host memory by offload.
+QKV_ATTN_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out")
+OFFLOAD_NAMES: tuple[str, ...] = QKV_ATTN_NAMES + ("mlpwi_0", "mlpwi_1", "mlp_hidden")
 
 
 def check_remat(name: object, arg: str = "remat") -> str:
