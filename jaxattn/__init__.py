@@ -12,7 +12,8 @@ _EXPORTS = {
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "remat", "train")
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf",
+               "remat", "data", "checkpoint", "seed", "trainer", "train")
 
 
 def __getattr__(name):

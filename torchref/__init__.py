@@ -10,7 +10,8 @@ _EXPORTS = {
     "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "gguf", "dot_product_attention": "attention",
 }
 
-_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "remat", "train")
+_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "remat", "data",
+               "checkpoint", "seed", "trainer", "train")
 
 
 def __getattr__(name):

@@ -1,0 +1,226 @@
+"""The training CLI's flag table, defined ONCE for ``python -m jaxattn.train`` and ``python -m torchref.train``.
+
+    args = parse_args(["--preset", "tiny", "--steps", "30"], framework="jax", attention_backends=("xla", ...))
+
+:data:`FLAGS` is one table; :func:`build_parser` turns it into an ``argparse`` parser for one framework (the
+shared flags are identical by construction, plus the framework-only ones: ``--mesh`` for JAX, ``--compile``,
+``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
+exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
+the flag, the value and what is accepted, before any model is built or compiled. Multi-device training
+(``--mesh`` with more than one device, ``--parallel`` under a multi-process ``torchrun``) is refused for now.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .config import PRESET_NAMES, ModelConfig
+from .data import PACKING, SYNTHETIC
+from .dtypes import PRECISION_PRESETS
+from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from .remat import REMAT_POLICIES
+
+__all__ = ["FLAGS", "FRAMEWORKS", "CLIError", "build_parser", "parse_args", "check_args", "model_config",
+           "MATMUL_PRECISIONS", "NOT_YET_DISTRIBUTED"]
+
+FRAMEWORKS = ("jax", "torch")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+PARALLEL = ("ddp", "fsdp", "tp")
+NOT_YET_DISTRIBUTED = ("multi-device training is not yet supported by this trainer (it is the distributed-training "
+                       "issue: jaxattn.sharding / torchref.parallel); run on a single device")
+
+
+class CLIError(ValueError):
+    """A bad command-line value (the message names the flag, the value and what is accepted)."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    help: str
+    type: Optional[Callable] = None
+    default: Any = None
+    choices: Optional[Sequence[str]] = None
+    action: Optional[str] = None
+    metavar: Optional[str] = None
+    frameworks: tuple[str, ...] = FRAMEWORKS
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--preset", "model size preset (ignored with --init/--config-json)", str, "tiny", PRESET_NAMES),
+    Flag("--config-json", "model config: our ModelConfig fields or a Hugging Face config.json", str, metavar="FILE"),
+    Flag("--init", "start from this Hugging Face Llama directory (config.json + safetensors; tokenizer.json "
+                   "there is used for text data)", str, metavar="HF_DIR"),
+    Flag("--data", "'synthetic', a text file, a folder of text files, or a pre-tokenized .npy", str, SYNTHETIC,
+         metavar="{synthetic|PATH}"),
+    Flag("--packing", "pack documents into full rows, or one document per row padded to a few bucket lengths",
+         str, "pack", PACKING),
+    Flag("--seq-len", "tokens per row the model sees", int, 128),
+    Flag("--batch-size", "rows per optimizer step (split into --grad-accum microbatches)", int, 8),
+    Flag("--grad-accum", "microbatches per optimizer step", int, 1),
+    Flag("--steps", "optimizer steps in all (a resumed run continues up to this)", int, 100),
+    Flag("--lr", "peak learning rate", float, 3e-4),
+    Flag("--warmup", "linear warmup steps", int, 0),
+    Flag("--schedule", "learning-rate schedule after warmup", str, "cosine", SCHEDULE_NAMES),
+    Flag("--optimizer", "optimizer", str, "adamw", OPTIMIZER_NAMES),
+    Flag("--weight-decay", "decoupled weight decay (not on norms and biases)", float, 0.1),
+    Flag("--clip-grad", "max global gradient norm; 0 turns clipping off", float, 1.0),
+    Flag("--precision", "mixed-precision preset (fp16 uses dynamic loss scaling)", str, "fp32",
+         tuple(PRECISION_PRESETS)),
+    Flag("--matmul-precision", "float32 matmul precision (torch's names; 'highest' = no TF32)", str, "highest",
+         MATMUL_PRECISIONS),
+    Flag("--remat", "activation checkpointing policy per layer", str, "none", REMAT_POLICIES),
+    Flag("--attention", "attention backends in order of preference, comma-separated (default: the framework's "
+                        "default order)", str, metavar="BACKEND[,BACKEND]"),
+    Flag("--seed", "seed of the model init, the data order and every other random choice", int, 0),
+    Flag("--deterministic", "deterministic kernels (torch.use_deterministic_algorithms; XLA deterministic GPU ops)",
+         action="store_true"),
+    Flag("--checkpoint-dir", "where training checkpoints go (and the final Hugging Face export, in final/)", str,
+         metavar="DIR"),
+    Flag("--checkpoint-every", "save a checkpoint every N steps (0: only at the end)", int, 0),
+    Flag("--keep-checkpoints", "checkpoints to keep (older ones of ours are deleted)", int, 3),
+    Flag("--resume", "continue from the latest checkpoint in --checkpoint-dir", action="store_true"),
+    Flag("--log-json", "write one JSON object per step to this file", str, metavar="PATH"),
+    Flag("--profile", "write a trace of a few steps here (opens in Perfetto / TensorBoard)", str, metavar="DIR"),
+    Flag("--no-progress", "no progress bar", action="store_true"),
+    Flag("--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2 (only a single device for now)", str,
+         metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
+    Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
+    Flag("--parallel", "parallelism under torchrun (only a single process for now)", str, None, PARALLEL,
+         frameworks=("torch",)),
+    Flag("--num-workers", "DataLoader worker processes", int, 1, frameworks=("torch",)),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors (unknown flag, not an int, bad choice) as a CLIError
+        raise CLIError(message)
+
+
+def build_parser(framework: str) -> argparse.ArgumentParser:
+    """The argparse parser of one trainer (``framework`` = ``"jax"`` or ``"torch"``)."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework={framework!r} is not known; use one of {FRAMEWORKS}")
+    prog = {"jax": "python -m jaxattn.train", "torch": "python -m torchref.train"}[framework]
+    p = _Parser(prog=prog, description=f"Train the Llama twin ({framework}); flags shared with the other twin.")
+    for f in FLAGS:
+        if framework not in f.frameworks:
+            continue
+        kw: dict[str, Any] = {"help": f.help}
+        if f.action:
+            kw["action"] = f.action
+        else:
+            kw.update(type=f.type, default=f.default)
+            if f.choices:
+                kw["choices"] = f.choices
+            if f.metavar:
+                kw["metavar"] = f.metavar
+        p.add_argument(f.name, **kw)
+    return p
+
+
+def _err(flag: str, value: Any, accepted: str) -> CLIError:
+    return CLIError(f"{flag} {value!r}: {accepted}")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig the flags ask for: ``--init``'s config.json, else ``--config-json``, else ``--preset``."""
+    if args.init is not None:
+        from .hf_format import read_config  # numpy only
+
+        try:
+            return ModelConfig.from_hf(read_config(args.init))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise _err("--init", args.init, f"not a Hugging Face Llama directory with a valid config.json ({e})")
+    if args.config_json is not None:
+        try:
+            with open(args.config_json) as f:
+                d = json.load(f)
+            return ModelConfig.from_hf(d) if "hidden_size" in d else ModelConfig(**d)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise _err("--config-json", args.config_json, f"needs a JSON file of ModelConfig fields or a Hugging "
+                       f"Face config.json ({type(e).__name__}: {e})")
+    return ModelConfig.preset(args.preset)
+
+
+def _mesh_devices(spec: str) -> int:
+    n = 1
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise _err("--mesh", spec, "expected comma-separated AXIS=N with N >= 1, e.g. data=2,fsdp=2,tensor=2")
+        n *= int(size)
+    return n
+
+
+def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
+    """Check every value and combination; returns the model config. Raises :class:`CLIError`."""
+    def positive(flag, v, zero_ok=False):
+        if v < 0 or (v == 0 and not zero_ok):
+            raise _err(flag, v, f"must be an integer >= {0 if zero_ok else 1}")
+
+    for flag in ("--seq-len", "--batch-size", "--grad-accum", "--steps", "--keep-checkpoints"):
+        positive(flag, getattr(args, flag[2:].replace("-", "_")))
+    for flag in ("--warmup", "--checkpoint-every", "--seed"):
+        positive(flag, getattr(args, flag[2:].replace("-", "_")), zero_ok=True)
+    if args.seed >= 2 ** 32:
+        raise _err("--seed", args.seed, "must be in [0, 2**32)")
+    if args.batch_size % args.grad_accum:
+        raise CLIError(f"--grad-accum {args.grad_accum} must divide --batch-size {args.batch_size} (the batch is "
+                       f"split into --grad-accum microbatches of equal size)")
+    if args.warmup > args.steps:
+        raise CLIError(f"--warmup {args.warmup} must not exceed --steps {args.steps}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise _err("--lr", args.lr, "must be a finite float > 0")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise _err("--weight-decay", args.weight_decay, "must be a finite float >= 0")
+    if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
+        raise _err("--clip-grad", args.clip_grad, "must be a finite float >= 0 (0 = no clipping)")
+    if args.attention is not None:
+        names = [n.strip() for n in args.attention.split(",")]
+        bad = [n for n in names if n not in attention_backends]
+        if bad or len(set(names)) != len(names):
+            raise _err("--attention", args.attention, f"expected comma-separated, non-repeated {framework} attention "
+                       f"backends from {', '.join(attention_backends)}")
+    if args.data != SYNTHETIC and not os.path.exists(args.data):
+        raise _err("--data", args.data, "no such file or folder; use 'synthetic', a text file, a folder of text "
+                   "files or a pre-tokenized .npy")
+    if args.init is not None and args.config_json is not None:
+        raise CLIError(f"--init {args.init!r} and --config-json {args.config_json!r}: give one of them (--init "
+                       f"carries its own config.json)")
+    if args.init is not None and not os.path.isdir(args.init):
+        raise _err("--init", args.init, "no such directory; expected a Hugging Face Llama directory")
+    if args.config_json is not None and not os.path.isfile(args.config_json):
+        raise _err("--config-json", args.config_json, "no such file")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        flag = "--resume" if args.resume else f"--checkpoint-every {args.checkpoint_every}"
+        raise CLIError(f"{flag} needs --checkpoint-dir DIR")
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise _err(flag, path, "exists and is not a directory")
+    if args.log_json is not None and os.path.isdir(args.log_json):
+        raise _err("--log-json", args.log_json, "is a directory; expected a file path")
+    if framework == "jax" and args.mesh is not None and _mesh_devices(args.mesh) > 1:
+        raise _err("--mesh", args.mesh, NOT_YET_DISTRIBUTED)
+    if framework == "torch":
+        if args.num_workers < 0:
+            raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
+        if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise _err("--parallel", args.parallel, NOT_YET_DISTRIBUTED)
+    config = model_config(args)
+    if args.seq_len > config.max_seq_len:
+        raise _err("--seq-len", args.seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}")
+    if args.packing == "bucket" and args.seq_len < 2:
+        raise _err("--seq-len", args.seq_len, "must be >= 2 with --packing bucket")
+    return config
+
+
+def parse_args(argv: Optional[Sequence[str]], framework: str, attention_backends: Sequence[str] = ()
+               ) -> tuple[argparse.Namespace, ModelConfig]:
+    """Parse and check ``argv``: ``(args, model_config)``; a bad value raises :class:`CLIError`."""
+    args = build_parser(framework).parse_args(argv)
+    return args, check_args(args, framework, attention_backends)

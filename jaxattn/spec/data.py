@@ -1,0 +1,267 @@
+"""The training data pipeline's numpy side, shared by both trainers: tokenize, pack or bucket, batch i.
+
+    ds = Dataset.from_source("notes.txt", seq_len=128, batch_size=8, seed=0, vocab_size=256)
+    batch = ds.batch(0)   # {"tokens": int32 [8, 129], "loss_mask", "segment_ids", "positions"} (spec.batch format)
+
+``batch(i)`` is a pure function of ``(source, seq_len, batch_size, seed, packing, i)``: both frameworks see the
+same batches in the same order, and resuming at step ``i`` needs nothing but ``i`` (the data position).
+``jaxattn.data`` adds the host->device prefetch, ``torchref.data`` a ``DataLoader``.
+
+Tokenizer: raw UTF-8 bytes, ids 0..255, NO special tokens (the ``tiny`` preset's vocabulary is exactly 256, so a
+BOS/EOS/PAD id would not fit). Document boundaries are carried by ``segment_ids`` instead of an EOS token:
+attention never crosses them and no target crosses them (``loss_weights``); ``positions`` restart at 0 at the
+start of every segment in a row. When the ``--init`` directory holds a ``tokenizer.json`` that one is used
+instead (``tokenizers`` library); its ids are checked against the model's vocabulary.
+
+Sources: ``synthetic`` (documents ``(a + b*t) mod vocab`` with random start ``a``, stride ``b`` in 1..7 and
+length: learnable, so the loss falls); a text file (one document); a folder (every file under it, sorted, one
+document each; ``.npy`` files inside are pre-tokenized); a ``.npy`` of ids (1-D: one document; 2-D: one document
+per row). Every epoch the documents are shuffled (seeded), then:
+
+* ``packing="pack"``: concatenated and cut into rows of ``seq_len + 1`` tokens (a document may continue into
+  the next row, as a new segment); the tail row is padded (``loss_mask`` 0, segment id 0). Every batch has the
+  same shape: one compile.
+* ``packing="bucket"``: one document (or a ``seq_len + 1`` chunk of a long one) per row, rows sorted by length
+  within windows of 8 batches, each batch padded to the smallest of :func:`bucket_lengths` that fits: a few
+  shapes, so JAX compiles once per bucket.
+
+Rows of an epoch are shuffled, batched by ``batch_size`` (the last batch wraps around to the epoch's first rows)
+and batch order within the epoch is shuffled. The seed of each random choice is ``[seed, purpose, epoch]``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from .batch import check_token_ids
+
+__all__ = ["PACKING", "SYNTHETIC", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "read_documents",
+           "bucket_lengths", "pack_rows", "Dataset"]
+
+PACKING: tuple[str, ...] = ("pack", "bucket")
+SYNTHETIC = "synthetic"
+TOKENIZER_FILE = "tokenizer.json"
+_WINDOW = 8  # bucket mode sorts rows by length within windows of this many batches
+_SHUFFLE, _SYNTH, _ORDER = 0, 1, 2  # RNG purposes
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; no special tokens (documents are separated by segment ids)."""
+
+    vocab_size = 256
+    name = "bytes"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` through the ``tokenizers`` library (no special tokens added on encode)."""
+
+    def __init__(self, file: str):
+        from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
+
+        self.tokenizer = Tokenizer.from_file(file)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.name = file
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def load_tokenizer(init_dir: Optional[str] = None) -> Union[ByteTokenizer, HFTokenizer]:
+    """``init_dir/tokenizer.json`` when there is one, else the byte tokenizer."""
+    if init_dir is not None and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
+        return HFTokenizer(os.path.join(init_dir, TOKENIZER_FILE))
+    return ByteTokenizer()
+
+
+def _npy_documents(file: str) -> list[np.ndarray]:
+    arr = np.load(file, allow_pickle=False)
+    if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
+        raise ValueError(f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
+                         f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}")
+    return [arr.astype(np.int64)] if arr.ndim == 1 else [row.astype(np.int64) for row in arr]
+
+
+def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
+    if file.endswith(".npy"):
+        return _npy_documents(file)
+    with open(file, "rb") as f:
+        raw = f.read()
+    if isinstance(tokenizer, ByteTokenizer):  # byte-level: any file's bytes, UTF-8 or not
+        return [np.frombuffer(raw, np.uint8).astype(np.int32)]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
+                         f"text files or pre-tokenized .npy") from None
+    return [tokenizer.encode(text)]
+
+
+def read_documents(source: str, tokenizer=None) -> list[np.ndarray]:
+    """The non-empty token-id documents of a text file, a folder or a ``.npy`` (see the module docstring)."""
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    if os.path.isdir(source):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs if not f.startswith("."))
+        if not files:
+            raise ValueError(f"--data {source!r} is a folder with no files; expected text files or .npy files")
+        docs = [doc for file in files for doc in _file_documents(file, tokenizer)]
+    elif os.path.isfile(source):
+        docs = _file_documents(source, tokenizer)
+    else:
+        raise ValueError(f"--data {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
+                         f"text files or a pre-tokenized .npy")
+    docs = [d for d in docs if d.size]
+    if not docs:
+        raise ValueError(f"--data {source!r} holds no tokens")
+    return docs
+
+
+def bucket_lengths(seq_len: int) -> tuple[int, ...]:
+    """Padded input lengths of bucket mode: ``seq_len / 8, / 4, / 2, seq_len`` (those >= 8, at least one)."""
+    return tuple(sorted({seq_len} | {seq_len // d for d in (2, 4, 8) if seq_len // d >= 8}))
+
+
+def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int) -> dict[str, np.ndarray]:
+    """Batch arrays for a token stream cut into ``rows`` rows of ``width`` (``doc``: document index per token;
+    -1 marks padding). Segment ids count from 1 within each row; positions restart at each segment start."""
+    n = rows * width
+    t = np.zeros(n, np.int32)
+    d = np.full(n, -1, np.int64)
+    t[:tokens.size], d[:tokens.size] = tokens, doc
+    t, d = t.reshape(rows, width), d.reshape(rows, width)
+    start = np.ones_like(d, bool)
+    start[:, 1:] = d[:, 1:] != d[:, :-1]
+    seg = np.cumsum(start, axis=1).astype(np.int32)
+    idx = np.broadcast_to(np.arange(width), (rows, width))
+    last_start = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
+    pad = d < 0
+    return {"tokens": t, "loss_mask": (~pad).astype(np.int32), "segment_ids": np.where(pad, 0, seg).astype(np.int32),
+            "positions": np.where(pad, 0, idx - last_start).astype(np.int32)}
+
+
+def pack_rows(docs: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
+    """Concatenate ``docs`` and cut into rows of ``width`` tokens (the tail row padded)."""
+    tokens = np.concatenate(docs)
+    doc = np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+    return _segments_to_rows(tokens, doc, -(-tokens.size // width), width)
+
+
+def _pad_rows(docs: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
+    """One document per row, right-padded to ``width``."""
+    out = {k: np.zeros((len(docs), width), np.int32) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    for r, d in enumerate(docs):
+        out["tokens"][r, :len(d)] = d
+        out["loss_mask"][r, :len(d)] = 1
+        out["segment_ids"][r, :len(d)] = 1
+        out["positions"][r, :len(d)] = np.arange(len(d))
+    return out
+
+
+def _rng(seed: int, purpose: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, purpose, index])
+
+
+class Dataset:
+    """Deterministic batches: :meth:`batch` ``(i)`` for any step ``i`` (see the module docstring)."""
+
+    def __init__(self, docs: Optional[list[np.ndarray]], *, seq_len: int, batch_size: int, seed: int = 0,
+                 packing: str = "pack", vocab_size: int = 256, name: str = SYNTHETIC):
+        if packing not in PACKING:
+            raise ValueError(f"--packing {packing!r} is not known; use one of {', '.join(PACKING)}")
+        self.docs, self.seq_len, self.batch_size, self.seed = docs, int(seq_len), int(batch_size), int(seed)
+        self.packing, self.vocab_size, self.name = packing, int(vocab_size), name
+        self.width = self.seq_len + 1  # tokens per row: inputs [:-1], targets [1:]
+        self.buckets = bucket_lengths(self.seq_len) if packing == "bucket" else (self.seq_len,)
+        self._epoch: Optional[tuple[int, Any]] = None
+        if docs is not None:
+            if packing == "bucket":  # long documents become chunks of at most one row
+                self.docs = [d[i:i + self.width] for d in docs for i in range(0, len(d), self.width)]
+                self.docs = [d for d in self.docs if len(d) >= 2]
+                if not self.docs:
+                    raise ValueError(f"--data {name!r}: no document has 2 tokens or more (needed for one target)")
+            for i, d in enumerate(self.docs):
+                check_token_ids(d, self.vocab_size, arg=f"--data {name!r} (tokenized document {i})")
+
+    @classmethod
+    def from_source(cls, source: str, *, seq_len: int, batch_size: int, seed: int = 0, packing: str = "pack",
+                    vocab_size: int = 256, tokenizer=None) -> "Dataset":
+        docs = None if source == SYNTHETIC else read_documents(source, tokenizer)
+        return cls(docs, seq_len=seq_len, batch_size=batch_size, seed=seed, packing=packing,
+                   vocab_size=vocab_size, name=source)
+
+    # -- one epoch of a finite source: rows and batch order --------------------------------------------------
+    def _build_epoch(self, epoch: int) -> tuple[list, np.ndarray]:
+        docs = [self.docs[j] for j in _rng(self.seed, _SHUFFLE, 2 * epoch).permutation(len(self.docs))]
+        b = self.batch_size
+        if self.packing == "pack":
+            rows = pack_rows(docs, self.width)
+            rows = {k: v[_rng(self.seed, _SHUFFLE, 2 * epoch + 1).permutation(len(v))] for k, v in rows.items()}
+            n = rows["tokens"].shape[0]
+            idx = np.arange(-(-n // b) * b) % n  # the last batch wraps around to the epoch's first rows
+            batches = [{k: v[idx[i:i + b]] for k, v in rows.items()} for i in range(0, idx.size, b)]
+        else:
+            idx = np.arange(-(-len(docs) // b) * b) % len(docs)
+            window = _WINDOW * b
+            for w in range(0, idx.size, window):  # sort by length within windows, then batch
+                idx[w:w + window] = sorted(idx[w:w + window], key=lambda j: len(docs[j]))
+            batches = []
+            for i in range(0, idx.size, b):
+                chunk = [docs[j] for j in idx[i:i + b]]
+                longest = max(len(d) for d in chunk) - 1
+                batches.append(_pad_rows(chunk, next(L for L in self.buckets if L >= longest) + 1))
+        return batches, _rng(self.seed, _ORDER, epoch).permutation(len(batches))
+
+    def batches_per_epoch(self) -> Optional[int]:
+        """Batches in one epoch of a finite source; None for ``synthetic`` (endless)."""
+        return None if self.docs is None else len(self._epoch_data(0)[0])
+
+    def _epoch_data(self, epoch: int):
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, self._build_epoch(epoch))
+        return self._epoch[1]
+
+    # -- synthetic ---------------------------------------------------------------------------------------------
+    def _synthetic_doc(self, rng: np.random.Generator, max_len: int) -> np.ndarray:
+        n = int(rng.integers(2, max_len + 1))
+        a, stride = int(rng.integers(0, self.vocab_size)), int(rng.integers(1, 8))
+        return ((a + stride * np.arange(n)) % self.vocab_size).astype(np.int32)
+
+    def _synthetic_batch(self, i: int) -> dict[str, np.ndarray]:
+        rng = _rng(self.seed, _SYNTH, i)
+        b, w = self.batch_size, self.width
+        if self.packing == "pack":
+            docs, total = [], 0
+            while total < b * w:
+                docs.append(self._synthetic_doc(rng, w))
+                total += len(docs[-1])
+            tokens = np.concatenate(docs)[:b * w]
+            doc = np.repeat(np.arange(len(docs)), [len(d) for d in docs])[:b * w]
+            return _segments_to_rows(tokens, doc, b, w)
+        chunk = [self._synthetic_doc(rng, w) for _ in range(b)]
+        longest = max(len(d) for d in chunk) - 1
+        return _pad_rows(chunk, next(L for L in self.buckets if L >= longest) + 1)
+
+    # -- the public access -------------------------------------------------------------------------------------
+    def batch(self, i: int) -> dict[str, np.ndarray]:
+        """Batch number ``i`` (``i`` = the data position: batches consumed so far)."""
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+            raise ValueError(f"batch index must be an int >= 0, got {i!r}")
+        if self.docs is None:
+            return self._synthetic_batch(int(i))
+        n = self.batches_per_epoch()
+        batches, order = self._epoch_data(int(i) // n)
+        return batches[order[int(i) % n]]
+
+    def tokens_in(self, batch: dict[str, np.ndarray]) -> int:
+        """Real (non-padding) input tokens of a batch, for tokens/s."""
+        return int(np.asarray(batch["loss_mask"])[:, :-1].sum())

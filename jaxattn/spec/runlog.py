@@ -1,0 +1,84 @@
+"""Per-step reporting shared by both trainers: the tqdm progress bar and the ``--log-json`` lines.
+
+    log = RunLog(total=100, start=0, path="run.jsonl", progress=True)
+    log.step(step=1, loss=5.5, grad_norm=1.2, lr=3e-4, loss_scale=1.0, skipped=False, tokens=1024, seconds=0.1,
+             peak_mem_bytes=123)
+    log.close()
+
+One JSON object per line with :data:`KEYS` (``step`` counts optimizer steps from 1). On ``--resume`` the log
+keeps the lines up to the resumed step and drops the later ones (lines a killed run wrote after its last
+checkpoint), so the file reads as one uninterrupted run. ``peak_mem_bytes`` is the device's peak allocation
+where the framework reports one (GPU), else the process's peak resident set size (CPU). ``tokens_per_s`` counts
+real (non-padding) input tokens over the step's wall time; step 1's time includes the compile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Optional
+
+__all__ = ["KEYS", "RunLog", "host_peak_rss_bytes", "read_log"]
+
+KEYS = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s", "peak_mem_bytes")
+
+
+def host_peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def read_log(path: str) -> list[dict]:
+    """The JSON objects of a ``--log-json`` file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class RunLog:
+    def __init__(self, total: int, start: int = 0, path: Optional[str] = None, progress: bool = True,
+                 desc: str = "train"):
+        self.file = None
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            kept = []
+            if start > 0 and os.path.exists(path):
+                kept = [r for r in read_log(path) if r.get("step", 0) <= start]
+            self.file = open(path, "w")
+            for r in kept:
+                self.file.write(json.dumps(r) + "\n")
+            self.file.flush()
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, disable=None)
+
+    def step(self, *, step: int, loss: float, grad_norm: float, lr: float, loss_scale: float, skipped: bool,
+             tokens: int, seconds: float, peak_mem_bytes: int) -> dict:
+        rec = {"step": int(step), "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(lr),
+               "loss_scale": float(loss_scale), "skipped": bool(skipped),
+               "tokens_per_s": float(tokens / seconds) if seconds > 0 else None,
+               "peak_mem_bytes": int(peak_mem_bytes)}
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.bar is not None:
+            tps = rec["tokens_per_s"]
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
+            self.bar.update(1)
+        return rec
+
+    def write(self, message: str) -> None:
+        """A line that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()

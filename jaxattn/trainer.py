@@ -1,0 +1,211 @@
+"""The JAX training loop behind ``python -m jaxattn.train`` (twin of ``torchref.trainer``; flags: ``spec.cli``).
+
+    python -m jaxattn.train --preset tiny --data README.md --steps 200 --log-json runs/jax.jsonl
+    summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], "compiles": 1, ...}
+
+Order of work: parse and check every flag, read the data, build the model, optimizer, step and checkpointer and
+restore a checkpoint (any bad value fails here, before a compile); then the loop. Each step dispatches the
+jitted ``make_train_step`` on a batch that ``prefetch_to_device`` already moved, and only THEN fetches the
+previous step's metrics (one step of lag keeps the host from stalling the device). The train step compiles once
+per batch shape: once with ``--packing pack``, once per bucket used with ``--packing bucket`` (``compiles`` in
+the summary, printed at the end). ``--profile DIR`` traces three steps after the first (``jax.profiler``, with
+a Perfetto trace). Checkpoints: ``jaxattn.checkpoint`` (orbax); at the end the model is exported with
+``save_pretrained`` to ``<checkpoint-dir>/final`` (a Hugging Face directory ``transformers`` loads).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from .spec import optim as spec_optim
+from .spec.cli import CLIError, parse_args
+from .spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
+from .spec.runlog import RunLog, host_peak_rss_bytes
+
+__all__ = ["main", "run", "prepare"]
+
+PROG = "python -m jaxattn.train"
+PROFILE_STEPS = 3
+
+
+def _peak_mem(device) -> int:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return host_peak_rss_bytes()
+
+
+class Run:
+    """Everything built from the flags, before any compile."""
+
+    def __init__(self, args, config):
+        import jax
+        from flax import nnx
+
+        from . import attention, hf, optim, remat
+        from .checkpoint import Checkpointer
+        from .model import Llama
+        from .precision import get_policy, set_matmul_precision
+        from .seed import seed_all
+        from .train import TrainState, make_train_step
+
+        self.args, self.config = args, config
+        set_matmul_precision(args.matmul_precision)
+        self.keys = seed_all(args.seed, deterministic=args.deterministic)
+        self.tokenizer = load_tokenizer(args.init)
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise CLIError(f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                           f"vocab_size is {config.vocab_size}")
+        self.data = Dataset.from_source(args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                                        packing=args.packing, vocab_size=config.vocab_size, tokenizer=self.tokenizer)
+        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        model = hf.from_pretrained(args.init) if args.init else Llama(config, rngs=nnx.Rngs(params=self.keys["params"]))
+        try:
+            remat.apply(model, args.remat)
+        except ValueError as e:
+            raise CLIError(f"--remat {args.remat!r}: {e}") from None
+        self.policy = get_policy(args.precision)
+        self.tx = optim.build(args.optimizer, args.lr, args.weight_decay, schedule=args.schedule,
+                              warmup=args.warmup, steps=args.steps)
+        self.graphdef, self.state = TrainState.create(model, self.tx, policy=self.policy)
+        self.step_fn = make_train_step(self.graphdef, self.tx, policy=self.policy,
+                                       max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+        self.rng = jax.random.key_data(self.keys["data"])
+        self.start, self.applied = 0, 0
+        self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        if args.resume:
+            self._resume()
+        # committed to the device like the step's outputs: an uncommitted input would give a second compile
+        self.device = jax.devices()[0]
+        self.state, self.rng = jax.device_put((self.state, self.rng), self.device)
+        self.attention = attention
+
+    def meta(self, step: int) -> dict:
+        from .seed import host_rng_state
+
+        return {"framework": "jax", "step": step, "data_position": step, "applied_updates": self.applied,
+                "host_rng": host_rng_state(), "model_config": self.config.to_hf(),
+                "flags": {k: v for k, v in vars(self.args).items()}}
+
+    def _resume(self) -> None:
+        from .seed import set_host_rng_state
+
+        step = self.ckpt.latest_step()
+        if step is None:
+            raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
+        tree, meta = self.ckpt.restore(step, {"train": self.state, "rng": self.rng})
+        if meta.get("model_config") != self.config.to_hf():
+            raise CLIError(f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
+                           f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
+        if step > self.args.steps:
+            raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
+        self.state, self.rng = tree["train"], tree["rng"]
+        self.start, self.applied = int(meta["data_position"]), int(meta["applied_updates"])
+        set_host_rng_state(meta["host_rng"])
+
+    def lr(self, applied: int) -> float:
+        a = self.args
+        return a.lr * float(spec_optim.lr_factor(applied, schedule=a.schedule, warmup=a.warmup, steps=a.steps))
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, {"train": self.state, "rng": self.rng}, self.meta(step))
+
+
+def prepare(argv: Optional[Sequence[str]]) -> Run:
+    """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
+    from .attention import BACKENDS
+
+    args, config = parse_args(argv, "jax", BACKENDS)
+    return Run(args, config)
+
+
+def _train(r: Run) -> dict[str, Any]:
+    import jax
+
+    from .data import prefetch_to_device
+
+    args = r.args
+    device = r.device
+    log = RunLog(args.steps, r.start, args.log_json, progress=not args.no_progress, desc="jax train")
+    losses: list[float] = []
+    profiling = False
+    prof_start = min(r.start + 1, args.steps - 1) if args.profile else -1
+    ctx = r.attention.attention_backend(*r.backends) if r.backends else contextlib.nullcontext()
+    pending = None
+    t_last = time.perf_counter()
+
+    def report(p) -> None:
+        nonlocal t_last
+        step, metrics, tokens = p
+        m = jax.device_get(metrics)
+        now = time.perf_counter()
+        skipped = bool(m["skipped"])
+        rec = log.step(step=step, loss=m["loss"], grad_norm=m["grad_norm"], lr=r.lr(r.applied),
+                       loss_scale=m["loss_scale"], skipped=skipped, tokens=tokens, seconds=now - t_last,
+                       peak_mem_bytes=_peak_mem(device))
+        t_last = now
+        r.applied += 0 if skipped else 1
+        losses.append(rec["loss"])
+
+    try:
+        with ctx:
+            batches = prefetch_to_device(r.data, r.start, args.steps, device=device, with_tokens=True)
+            for i, (batch, tokens) in enumerate(batches, r.start):
+                if i == prof_start:
+                    os.makedirs(args.profile, exist_ok=True)
+                    jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+                    profiling = True
+                r.state, metrics = r.step_fn(r.state, batch)
+                if pending is not None:
+                    report(pending)
+                pending = (i + 1, metrics, tokens)
+                if profiling and i + 1 >= prof_start + PROFILE_STEPS:
+                    jax.block_until_ready(r.state)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                if r.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
+                    report(pending)
+                    pending = None
+                    r.save(i + 1)
+            if pending is not None:
+                report(pending)
+        if profiling:
+            jax.block_until_ready(r.state)
+            jax.profiler.stop_trace()
+        compiles = r.step_fn.jitted._cache_size() if hasattr(r.step_fn.jitted, "_cache_size") else None
+        log.write(f"jax train: {args.steps - r.start} steps, train step compiled {compiles} time(s)"
+                  f" (packing={args.packing}, buckets={list(r.data.buckets)})")
+        out = {"losses": losses, "compiles": compiles, "start": r.start, "steps": args.steps}
+        if r.ckpt:
+            if r.ckpt.latest_step() != args.steps:
+                r.save(args.steps)
+            from .hf import save_pretrained
+
+            final = os.path.join(args.checkpoint_dir, "final")
+            save_pretrained(r.state.model(r.graphdef), final)
+            if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
+                shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+            out["final"] = final
+            r.ckpt.close()
+        return out
+    finally:
+        log.close()
+
+
+def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Train as the CLI would; returns ``{"losses", "compiles", "start", "steps", "final"?}``."""
+    return _train(prepare(argv))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        r = prepare(argv)
+    except (CLIError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    _train(r)
+    return 0

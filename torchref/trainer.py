@@ -1,0 +1,194 @@
+"""The torch training loop behind ``python -m torchref.train`` (twin of ``jaxattn.trainer``; flags: ``spec.cli``).
+
+    python -m torchref.train --preset tiny --data README.md --steps 200 --log-json runs/torch.jsonl
+    summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], ...}
+
+Order of work: parse and check every flag, read the data, build the model (``--init`` through
+``torchref.hf.from_pretrained``, else ``LlamaForCausalLM`` under the seeded RNG), apply remat and the precision
+policy, build optimizer + ``LambdaLR`` + ``GradScaler`` (enabled for fp16) and the step, restore a checkpoint
+(any bad value fails here, before ``torch.compile`` runs); then the loop over a ``DataLoader``. The scheduler
+advances only on applied steps (``torchref.optim.step_scheduler``, optax's rule). ``--profile DIR`` records
+three steps after the first with ``torch.profiler`` (a Chrome trace JSON per step window: Perfetto and
+TensorBoard open it). Checkpoints: ``torchref.checkpoint``; at the end the model is exported with
+``save_pretrained`` to ``<checkpoint-dir>/final``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from jaxattn.spec.cli import CLIError, parse_args
+from jaxattn.spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
+from jaxattn.spec.runlog import RunLog, host_peak_rss_bytes
+
+__all__ = ["main", "run", "prepare"]
+
+PROG = "python -m torchref.train"
+PROFILE_STEPS = 3
+
+
+def _peak_mem(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return host_peak_rss_bytes()
+
+
+class Run:
+    """Everything built from the flags, before any compile."""
+
+    def __init__(self, args, config):
+        from . import hf, optim, remat
+        from .checkpoint import Checkpointer
+        from .model import LlamaForCausalLM
+        from .precision import get_policy, set_matmul_precision
+        from .seed import seed_all
+        from .train import make_train_step
+
+        self.args, self.config = args, config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        set_matmul_precision(args.matmul_precision)
+        seed_all(args.seed, deterministic=args.deterministic)
+        self.tokenizer = load_tokenizer(args.init)
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise CLIError(f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                           f"vocab_size is {config.vocab_size}")
+        self.data = Dataset.from_source(args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                                        packing=args.packing, vocab_size=config.vocab_size, tokenizer=self.tokenizer)
+        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
+        model = model.to(self.device).train()
+        remat.apply(model, args.remat)
+        self.policy = get_policy(args.precision)
+        self.policy.cast_model(model)
+        self.model = model
+        self.optimizer, self.scheduler = optim.build(model, args.optimizer, args.lr, args.weight_decay,
+                                                     schedule=args.schedule, warmup=args.warmup, steps=args.steps)
+        self.scaler = self.policy.make_grad_scaler(self.device)
+        self.start = 0
+        self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        if args.resume:
+            self._resume()
+        self.compiled = torch.compile(model) if args.compile else model
+        self.step_fn = make_train_step(self.compiled, self.optimizer, policy=self.policy, scaler=self.scaler,
+                                       max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+
+    def _resume(self) -> None:
+        from .seed import set_rng_state
+
+        step = self.ckpt.latest_step()
+        if step is None:
+            raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
+        p = self.ckpt.load(step)
+        meta = p["meta"]
+        if meta.get("model_config") != self.config.to_hf():
+            raise CLIError(f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
+                           f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
+        if step > self.args.steps:
+            raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
+        self.model.load_state_dict(p["model"])
+        self.optimizer.load_state_dict(p["optimizer"])
+        self.scheduler.load_state_dict(p["scheduler"])
+        self.scaler.load_state_dict(p["scaler"])
+        set_rng_state(p["rng"])
+        self.start = int(meta["data_position"])
+
+    def save(self, step: int) -> None:
+        from .seed import rng_state
+
+        meta = {"framework": "torch", "step": step, "data_position": step, "model_config": self.config.to_hf(),
+                "flags": {k: v for k, v in vars(self.args).items()}}
+        self.ckpt.save(step, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                              "rng": rng_state(), "meta": meta})
+
+
+def prepare(argv: Optional[Sequence[str]]) -> Run:
+    """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
+    from .attention import BACKENDS
+
+    args, config = parse_args(argv, "torch", BACKENDS)
+    return Run(args, config)
+
+
+def _profiler(r: Run):
+    if not r.args.profile:
+        return contextlib.nullcontext(None)
+    os.makedirs(r.args.profile, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if r.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities,
+                                  schedule=torch.profiler.schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1),
+                                  on_trace_ready=torch.profiler.tensorboard_trace_handler(r.args.profile))
+
+
+def _train(r: Run) -> dict[str, Any]:
+    from .attention import attention_backend
+    from .data import loader
+    from .optim import step_scheduler
+
+    args = r.args
+    log = RunLog(args.steps, r.start, args.log_json, progress=not args.no_progress, desc="torch train")
+    losses: list[float] = []
+    ctx = attention_backend(*r.backends) if r.backends else contextlib.nullcontext()
+    cuda = r.device.type == "cuda"
+    batches = loader(r.data, r.start, args.steps, num_workers=args.num_workers, pin_memory=cuda)
+    try:
+        with ctx, _profiler(r) as prof:
+            t_last = time.perf_counter()
+            for i, host in enumerate(batches, r.start):
+                tokens = int(host["loss_mask"][:, :-1].sum())
+                batch = {k: v.to(r.device, non_blocking=True) for k, v in host.items()}
+                lr = r.scheduler.get_last_lr()[0]
+                m = r.step_fn(batch)
+                skipped = bool(m["skipped"])
+                step_scheduler(r.scheduler, skipped)
+                loss = float(m["loss"])  # synchronises
+                now = time.perf_counter()
+                rec = log.step(step=i + 1, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
+                               loss_scale=float(m["loss_scale"]), skipped=skipped, tokens=tokens,
+                               seconds=now - t_last, peak_mem_bytes=_peak_mem(r.device))
+                t_last = now
+                losses.append(rec["loss"])
+                if prof is not None:
+                    prof.step()
+                if r.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
+                    r.save(i + 1)
+                    t_last = time.perf_counter()
+        log.write(f"torch train: {args.steps - r.start} steps (packing={args.packing}, "
+                  f"compile={'on' if args.compile else 'off'})")
+        out = {"losses": losses, "compiles": None, "start": r.start, "steps": args.steps}
+        if r.ckpt:
+            if r.ckpt.latest_step() != args.steps:
+                r.save(args.steps)
+            from .hf import save_pretrained
+
+            final = os.path.join(args.checkpoint_dir, "final")
+            save_pretrained(r.model, final)
+            if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
+                shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+            out["final"] = final
+        return out
+    finally:
+        log.close()
+
+
+def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Train as the CLI would; returns ``{"losses", "start", "steps", "final"?}``."""
+    return _train(prepare(argv))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        r = prepare(argv)
+    except (CLIError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    _train(r)
+    return 0
