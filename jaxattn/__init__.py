@@ -13,7 +13,7 @@ _EXPORTS = {
 }
 
 _SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf",
-               "remat", "data", "checkpoint", "seed", "trainer", "train")
+               "remat", "data", "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "train")
 
 
 def __getattr__(name):

@@ -1,0 +1,133 @@
+"""Batched generation with a KV cache for ``jaxattn.model.Llama`` (twin of ``torchref/generate.py``).
+
+    out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=16)              # greedy, ragged prompts
+    for step in stream(model, [ids], 32, temperature=0.8, top_p=0.9):          # one list of B ids per step
+        ...
+    python -m jaxattn.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
+
+Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row). The model is split once
+(``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per power-of-two
+prompt length) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
+place where the backend supports donation). Sampling: ``temperature == 0`` is greedy (argmax); otherwise logits
+/ temperature, then top-k, then top-p (nucleus: the smallest set of most-likely tokens whose probability reaches
+``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)``: a fixed seed
+reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
+returned); finished rows keep feeding EOS until every row is done, their outputs discarded.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .kv_cache import KVCache
+from .spec.generate import (build_parser, cache_len, check_prompts, check_sampling, load_tokenizer, bucket,
+                            pad_prompts, prompt_ids, TextStream)
+
+
+def sample(logits: jax.Array, key, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> jax.Array:
+    """Token ids ``[B]`` from float32 logits ``[B, V]`` (greedy when ``temperature == 0``)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p  # the first token is always kept
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(graphdef, temperature: float, top_k, top_p):
+    """(prefill, decode) jitted pure functions of the model state for one sampling setting."""
+
+    def prefill(state, tokens, lengths, cache, key):
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+        return sample(last, key, temperature, top_k, top_p), cache.with_lengths(lengths)
+
+    def decode(state, token, cache, key):
+        logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
+        return sample(logits[:, 0], key, temperature, top_k, top_p), cache
+
+    return jax.jit(prefill), jax.jit(decode, donate_argnums=(2,))
+
+
+def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
+           max_len: Optional[int] = None) -> Iterator[list]:
+    """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
+    cfg = model.config
+    check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, cfg.vocab_size)
+    prompts = check_prompts(prompts, cfg.vocab_size)
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    t = cache_len(prompts, max_new_tokens, max_len)
+    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
+    graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
+    prefill, decode = _programs(graphdef, float(temperature), top_k, None if top_p is None else float(top_p))
+    cache = KVCache.init(cfg, len(prompts), t, dtype=model.embed[...].dtype)
+    key = jax.random.PRNGKey(seed)
+    token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.fold_in(key, 0))
+    done = np.zeros(len(prompts), bool)
+    for step in range(max_new_tokens):
+        if step:
+            token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
+        host = np.asarray(token)
+        yield [None if d else int(x) for x, d in zip(host, done)]
+        if eos_id is not None:
+            done |= host == eos_id
+            if done.all():
+                return
+            token = jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
+
+
+def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
+             max_len: Optional[int] = None) -> list[list[int]]:
+    """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
+    out = [[] for _ in prompts]
+    for step in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len):
+        for row, tok in zip(out, step):
+            if tok is not None:
+                row.append(tok)
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser("python -m jaxattn.generate").parse_args(argv)
+    from . import hf
+    from .config import ModelConfig
+    from .model import Llama
+
+    if args.init is not None:
+        model = hf.from_pretrained(args.init, dtype=args.dtype)
+    else:
+        model = Llama(ModelConfig.preset(args.preset), rngs=nnx.Rngs(args.seed))
+    if args.int8:
+        from .quant import quantize
+        model = quantize(model)
+    tok = load_tokenizer(args.init)
+    ids = prompt_ids(args, tok)
+    out = TextStream(tok)
+    for step in stream(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                       tok.eos_id):
+        if step[0] is not None and step[0] != tok.eos_id:
+            sys.stdout.write(out.push(step[0]))
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

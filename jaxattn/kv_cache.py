@@ -1,0 +1,93 @@
+"""Preallocated KV cache for ``jaxattn.model.Llama`` decoding (twin of ``torchref/kv_cache.py``).
+
+    cache = KVCache.init(model.config, batch=2, max_len=64)
+    logits, cache = model(prompt_tokens, cache=cache)         # prefill (right-padded prompts)
+    cache = cache.with_lengths(prompt_lengths)                 # the valid length of each row
+    logits, cache = model(next_tokens[:, None], cache=cache)  # one decode step, Sq = 1
+
+A pytree of static shapes: ``k``/``v`` ``[n_layers, B, max_len, Hkv, D]`` and ``lengths [B]`` int32 (tokens held
+per row), so the decode step compiles once and a prefill once per prompt length. Rows are RIGHT-padded: row ``b``
+holds its tokens at slots ``0 .. lengths[b] - 1`` and its positions are ``0, 1, ...`` exactly as when it runs alone.
+A model call with ``S`` tokens writes them at slots ``lengths[b] .. lengths[b] + S - 1`` of every row and returns
+the cache with ``lengths + S``.
+
+* ``S = 1`` (decode): the query attends over the whole cache through the attention contract with segment ids
+  ``(q_ids = 1, kv_ids = 1 for slots <= lengths[b], 0 for the empty ones)``.
+* ``S > 1`` (prefill): the cache must be EMPTY (``lengths == 0``; checked when ``lengths`` is concrete, it cannot
+  be under ``jit``); the tokens attend causally among themselves.
+The caller keeps ``lengths[b] + S <= max_len`` (``jaxattn.generate`` sizes the cache so); past it
+``dynamic_update_slice`` would clamp the write. A Pallas split-K (flash-decoding) kernel is not written yet:
+decode attention runs on the contract's backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attention import dot_product_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [n_layers, B, max_len, Hkv, D]
+    v: jax.Array  # [n_layers, B, max_len, Hkv, D]
+    lengths: jax.Array  # [B] int32: tokens held per row
+
+    @classmethod
+    def init(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        for name, val in (("batch", batch), ("max_len", max_len)):
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"KVCache.init: {name} must be an int >= 1, got {val!r}")
+        shape = (config.n_layers, batch, int(max_len), config.n_kv_heads, config.resolved_head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def with_lengths(self, lengths) -> "KVCache":
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32).reshape(self.lengths.shape))
+
+    def positions(self, s: int) -> jax.Array:
+        """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""
+        return self.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+
+    def check_call(self, tokens_shape) -> None:
+        """Shape checks of a model call with this cache (and, when concrete, the empty-cache rule of prefill)."""
+        b, s = tokens_shape
+        if b != self.batch:
+            raise ValueError(f"cache: tokens batch {b} != the cache's batch {self.batch}")
+        if s > self.max_len:
+            raise ValueError(f"cache: {s} tokens do not fit a cache of max_len {self.max_len}")
+        if s > 1:
+            try:
+                lengths = np.asarray(self.lengths)
+            except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+                return  # under jit: the caller's contract
+            if lengths.max() > 0:
+                raise ValueError(f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
+                                 f"lengths {lengths.tolist()}; decode one token per call")
+
+
+def cached_attention(q, k, v, k_cache, v_cache, lengths):
+    """One layer: write ``k``/``v`` ``[B, S, Hkv, D]`` into the layer's cache ``[B, T, Hkv, D]`` at slot
+    ``lengths[b]`` of each row, attend; returns ``(o [B, S, Hq, D], (k_cache, v_cache))``."""
+    write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=0))
+    k_cache = write(k_cache, k.astype(k_cache.dtype), lengths)
+    v_cache = write(v_cache, v.astype(v_cache.dtype), lengths)
+    b, s = q.shape[:2]
+    if s == 1:  # decode: every filled slot (including the one just written), none of the empty ones
+        kv_ids = (jnp.arange(k_cache.shape[1])[None, :] <= lengths[:, None]).astype(jnp.int32)
+        q_ids = jnp.ones((b, 1), jnp.int32)
+        o = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), segment_ids=(q_ids, kv_ids))
+    else:  # prefill of an empty cache: causal among the new tokens
+        o = dot_product_attention(q, k, v, causal=True)
+    return o, (k_cache, v_cache)

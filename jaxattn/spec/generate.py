@@ -1,0 +1,186 @@
+"""Framework-neutral parts of text generation, shared by ``jaxattn.generate`` and ``torchref.generate``: argument
+checks, prompt padding and cache sizing, tokenizer loading and the CLI (one flag table for both twins).
+
+    prompts = check_prompts([[1, 2, 3], [4]], vocab_size=256)      # ValueError naming a bad prompt / id
+    tok = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")         # GGUF metadata, tokenizer.json, or bytes
+
+Rows are RIGHT-padded (``pad_prompts``): each row keeps positions ``0 .. len - 1`` as when it runs alone; the
+KV caches track a length per row. Prefill lengths and cache lengths are rounded up to a power of two
+(:func:`bucket`) so a new prompt length rarely compiles a new program.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import numbers
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id=None, vocab_size=None) -> None:
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, numbers.Real) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
+    if eos_id is not None and vocab_size is not None and not 0 <= int(eos_id) < vocab_size:
+        raise ValueError(f"eos_id must be None or a token id in [0, {vocab_size}), got {eos_id!r}")
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """``prompts`` (a list of token-id lists, ragged) as lists of ints; ValueError for an empty list, an empty
+    prompt or an id outside ``[0, vocab_size)`` (naming the prompt, the position and the value)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            raise ValueError(f"prompts[{i}][{bad[0]}] = {int(ids[bad[0]])} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << (int(n) - 1).bit_length())
+
+
+def cache_len(prompts: list[list[int]], max_new_tokens: int, max_len: Optional[int]) -> int:
+    """Slots the KV cache needs (rounded up to a bucket, capped at ``max_len``); ValueError when the longest
+    prompt plus the new tokens do not fit ``max_len`` (the model's ``max_seq_len`` by default)."""
+    need = max(len(p) for p in prompts) + max_new_tokens - 1  # the last sampled token is never fed back
+    if need > max_len:
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise ValueError(f"prompts[{longest}] has {len(prompts[longest])} tokens; with max_new_tokens="
+                         f"{max_new_tokens} it needs {need} cache slots > max_len={max_len} (the model's "
+                         f"max_seq_len unless given): shorten the prompt or generate fewer tokens")
+    return min(bucket(need), max_len)
+
+
+def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ``tokens [B, length]`` int32 and ``lengths [B]`` int32."""
+    tokens = np.full((len(prompts), length), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    return tokens, np.asarray([len(p) for p in prompts], np.int32)
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """Raw UTF-8 bytes as token ids 0..255 (the training CLI's byte-level text), no special tokens."""
+    bos_id = eos_id = None
+    add_bos = False
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages, add_generation_prompt=True) -> str:
+        raise ValueError("--chat needs a chat template; the byte-level tokenizer has none")
+
+
+class HFDirTokenizer:
+    """``tokenizer.json`` of a Hugging Face model directory (``tokenizers``), its EOS id and chat template."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = {**_read_json(os.path.join(path, "config.json")), **_read_json(os.path.join(path, "generation_config.json"))}
+        eos = gen.get("eos_token_id")
+        self.eos_id = eos[0] if isinstance(eos, list) else eos
+        self.bos_id = gen.get("bos_token_id")
+        self.add_bos = False
+        self.chat_template = cfg.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages, add_generation_prompt=True) -> str:
+        if not self.chat_template:
+            raise ValueError("--chat: this checkpoint's tokenizer_config.json has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages,
+                                                          add_generation_prompt=add_generation_prompt)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_tokenizer(path: Optional[str]):
+    """The checkpoint's tokenizer: GGUF metadata, an HF directory's ``tokenizer.json``, else byte-level."""
+    if path is not None and str(path).endswith(".gguf") and os.path.isfile(path):
+        from .gguf import read_gguf
+
+        tok = read_gguf(path, tokenizer=True).tokenizer  # reads metadata and tensors; the CLI pays it once
+        return tok if tok is not None else ByteTokenizer()
+    if path is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFDirTokenizer(path)
+    return ByteTokenizer()
+
+
+class TextStream:
+    """Incremental detokenization: ``push(id)`` returns the new text (decodes the whole row, prints the suffix,
+    so a multi-byte character split over tokens is printed once it is complete)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        new, self.printed = text[len(self.printed):], text
+        return new
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """The generation CLI's flags (identical in ``python -m jaxattn.generate`` and ``python -m torchref.generate``)."""
+    p = argparse.ArgumentParser(prog=prog, description="Generate text with a Llama checkpoint, streaming tokens.")
+    p.add_argument("--init", default=None, help="HF Llama directory or .gguf file (default: random --preset weights)")
+    p.add_argument("--preset", default="tiny", help="model preset when --init is not given (byte-level tokens)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--int8", action="store_true", help="int8 weight-only quantization (quant.quantize)")
+    return p
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    text = tokenizer.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tokenizer.encode(text)
+    if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids = [tokenizer.bos_id] + ids
+    return ids

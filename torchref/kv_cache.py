@@ -1,0 +1,81 @@
+"""Preallocated (static) KV cache for ``torchref.model.LlamaForCausalLM`` decoding (twin of ``jaxattn/kv_cache.py``).
+
+    cache = KVCache(model.config, batch=2, max_len=64)
+    logits = model(prompt_ids, cache=cache)          # prefill (right-padded prompts); cache.lengths += S
+    cache.set_lengths(prompt_lengths)                 # the valid length of each row
+    logits = model(next_ids[:, None], cache=cache)   # one decode step, Sq = 1
+
+Fixed-shape tensors ``k``/``v`` ``[n_layers, B, Hkv, max_len, D]`` (the torch layout) and ``lengths [B]`` int64,
+updated IN PLACE (``index_put_`` / slice assignment), so ``torch.compile`` captures the decode step with static
+shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: rows are right-padded, a call with
+``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the cache with segment ids
+``(1, slot <= lengths[b])``, ``S > 1`` is a prefill of an empty cache (causal among the new tokens).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import dot_product_attention
+
+
+class KVCache:
+    def __init__(self, config, batch: int, max_len: int, dtype=torch.float32, device=None):
+        for name, val in (("batch", batch), ("max_len", max_len)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"KVCache: {name} must be an int >= 1, got {val!r}")
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.resolved_head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.slots = torch.arange(max_len, device=device)
+        self.rows = torch.arange(batch, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def set_lengths(self, lengths) -> "KVCache":
+        self.lengths.copy_(torch.as_tensor(lengths, dtype=torch.long).reshape(self.lengths.shape))
+        return self
+
+    def positions(self, s: int) -> torch.Tensor:
+        """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""
+        return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)[None, :]
+
+    def check_call(self, shape) -> None:
+        b, s = shape
+        if b != self.batch:
+            raise ValueError(f"cache: input_ids batch {b} != the cache's batch {self.batch}")
+        if s > self.max_len:
+            raise ValueError(f"cache: {s} tokens do not fit a cache of max_len {self.max_len}")
+        if s > 1 and not torch.compiler.is_compiling() and int(self.lengths.max()) > 0:
+            raise ValueError(f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
+                             f"lengths {self.lengths.tolist()}; decode one token per call")
+
+    def layer(self, i: int) -> "LayerKV":
+        return LayerKV(self, i)
+
+
+class LayerKV:
+    """Layer ``i``'s view of a :class:`KVCache`: ``attend(q, k, v)`` writes k/v and runs attention."""
+
+    def __init__(self, cache: KVCache, i: int):
+        self.cache, self.i = cache, i
+
+    def attend(self, q, k, v):
+        """q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``."""
+        c, s = self.cache, q.shape[2]
+        kc, vc = c.k[self.i], c.v[self.i]  # views [B, Hkv, T, D]
+        if s == 1:  # decode: write slot lengths[b] of each row, attend over every filled slot
+            kc[c.rows, :, c.lengths] = k[:, :, 0].to(kc.dtype)
+            vc[c.rows, :, c.lengths] = v[:, :, 0].to(vc.dtype)
+            kv_ids = (c.slots[None, :] <= c.lengths[:, None]).int()
+            q_ids = torch.ones(q.shape[0], 1, dtype=torch.int32, device=q.device)
+            return dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), segment_ids=(q_ids, kv_ids))
+        kc[:, :, :s] = k.to(kc.dtype)  # prefill of an empty cache
+        vc[:, :, :s] = v.to(vc.dtype)
+        return dot_product_attention(q, k, v, causal=True)

@@ -1,0 +1,85 @@
+"""int8 weight-only quantization for ``torchref.model.LlamaForCausalLM``, applied from outside (twin of
+``jaxattn/quant.py``).
+
+    qmodel = torchref.quant.quantize(model)       # a copy whose nn.Linear layers are Int8Linear
+
+Rule (identical to the JAX twin, so the int8 weights are bit-identical): per OUTPUT channel, symmetric,
+``scale = max|w| / 127`` over the input dim (1.0 for an all-zero row), ``q = clamp(round(w / scale), -127, 127)``
+(round-half-to-even), in float32. :class:`Int8Linear` keeps ``weight_int8 [out, in]`` int8 and ``scale [out]``
+float32 buffers and computes ``F.linear(x, q.to(x.dtype)) * scale`` (dequantized inside the matmul, scale on the
+output columns, as ``jaxattn.quant.matmul``). Quantized: the seven projections of every decoder layer and an
+untied ``lm_head``; the embedding (and so a tied head) and the norms stay in float, as torchao's
+``int8_weight_only`` (which replaces ``nn.Linear`` only).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8 [out, in], scale float32 [out])`` of a float ``[out, in]`` weight."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_weight: w must be a float tensor [out, in], got {w.dtype}{list(w.shape)}")
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
+    return q, scale[:, 0].contiguous()
+
+
+class Int8Linear(nn.Module):
+    """Bias-free ``nn.Linear`` with an int8 weight and per-output-channel float32 scales."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int8Linear: linear layers with a bias are not supported (Llama has none)")
+        q, scale = quantize_weight(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def quantize(model):
+    """A copy of ``model`` (a ``torchref.model.LlamaForCausalLM``) with :class:`Int8Linear` projections."""
+    from .model import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"quantize: model must be a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("quantize: model is already quantized")
+    out = copy.deepcopy(model)
+    for layer in out.model.layers:
+        for path in LAYER_LINEARS:
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, name, Int8Linear(getattr(parent, name)))
+    if not model.config.tie_embeddings:
+        out.lm_head = Int8Linear(out.lm_head)
+    return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and persistent buffers (int8 + scales for quantized layers); a tied
+    weight counts once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if n.split(".")[-1] in
+                                         ("weight_int8", "scale")]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
