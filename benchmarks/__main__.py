@@ -23,7 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from . import attention, common  # noqa: E402
 
-SUITES = ("model", "attention", "remat", "decode")
+SUITES = ("model", "attention", "remat", "decode", "plan")
 
 
 def main(argv=None) -> int:

@@ -252,8 +252,8 @@ CHECK_IDS = ("host", "jit", "off")
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
                     policy: Union[str, Policy] = "fp32", max_grad_norm: Optional[float] = None,
-                    donate: bool = True, check_ids: str = "host", grad_accum: int = 1
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+                    donate: bool = True, check_ids: str = "host", grad_accum: int = 1,
+                    shardings: Optional[tuple] = None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1], "positions"?: [B, S+1]}``
@@ -276,6 +276,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     the full batch up to float rounding, whatever padding each microbatch holds. A ``k`` that does not divide
     the batch is a ValueError naming both.
 
+    ``shardings=((state_sh, batch_sh), (state_sh, metrics_sh))``: the jit's in/out shardings (set by
+    ``jaxattn.sharding.make_sharded_train_step``; None: wherever the inputs are).
+
     ``step.jitted`` is the jitted pure function (no host-side checks; with ``"jit"`` it returns ``(error,
     (state, metrics))``), ``step.lower`` lowers it.
     """
@@ -294,10 +297,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         return _train_step(graphdef, state, batch, tx=tx, policy=policy, max_grad_norm=max_grad_norm,
                            check_ids=check_ids == "jit", grad_accum=grad_accum)
 
+    sh = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
     if check_ids == "jit":
-        jitted = jax.jit(checkify.checkify(pure, errors=checkify.user_checks))
+        sh = sh and {"in_shardings": sh["in_shardings"], "out_shardings": (None, sh["out_shardings"])}
+        jitted = jax.jit(checkify.checkify(pure, errors=checkify.user_checks), **sh)
     else:
-        jitted = jax.jit(pure, donate_argnums=(0,) if donate else ())
+        jitted = jax.jit(pure, donate_argnums=(0,) if donate else (), **sh)
     vocab: list[Optional[int]] = []  # read from the model's config on the first host check (one merge)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

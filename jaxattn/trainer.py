@@ -72,17 +72,47 @@ class Run:
         self.tx = optim.build(args.optimizer, args.lr, args.weight_decay, schedule=args.schedule,
                               warmup=args.warmup, steps=args.steps)
         self.graphdef, self.state = TrainState.create(model, self.tx, policy=self.policy)
-        self.step_fn = make_train_step(self.graphdef, self.tx, policy=self.policy,
-                                       max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+        step_kw = dict(policy=self.policy, max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+        self.mesh = self._mesh(args)
+        if self.mesh is None:
+            self.step_fn = make_train_step(self.graphdef, self.tx, **step_kw)
+        else:  # jaxattn.sharding: params + optimizer state sharded (ZeRO-3 / tensor parallel), batch over data axes
+            from .sharding import make_sharded_train_step
+
+            try:
+                self.step_fn, self.state = make_sharded_train_step(self.graphdef, self.tx, self.state, self.mesh,
+                                                                   batch_size=args.batch_size, **step_kw)
+            except ValueError as e:
+                raise CLIError(f"--mesh {args.mesh!r}: {e}") from None
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         if args.resume:
             self._resume()
         # committed to the device like the step's outputs: an uncommitted input would give a second compile
-        self.device = jax.devices()[0]
-        self.state, self.rng = jax.device_put((self.state, self.rng), self.device)
+        self.device = jax.devices()[0] if self.mesh is None else self.step_fn.batch_sharding
+        placement = self.device
+        if self.mesh is not None:  # the state as the step's in_shardings say, the rng replicated
+            placement = (self.step_fn.state_shardings, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        self.state, self.rng = jax.device_put((self.state, self.rng), placement)
         self.attention = attention
+
+    @staticmethod
+    def _mesh(args):
+        """The ``--mesh`` over all devices (None without the flag or with a 1-device mesh on one device)."""
+        if args.mesh is None:
+            return None
+        import jax
+
+        from .sharding import make_mesh, parse_mesh
+
+        try:
+            sizes = parse_mesh(args.mesh)
+            if jax.device_count() == 1 and all(n == 1 for n in sizes.values()):
+                return None
+            return make_mesh(args.mesh)
+        except ValueError as e:
+            raise CLIError(f"--{e}") from None  # "--mesh '...': ..."
 
     def meta(self, step: int) -> dict:
         from .seed import host_rng_state
@@ -129,7 +159,8 @@ def _train(r: Run) -> dict[str, Any]:
     from .data import prefetch_to_device
 
     args = r.args
-    device = r.device
+    device = r.device  # a device, or the batch's NamedSharding with --mesh
+    mem_device = device if r.mesh is None else r.mesh.devices.flat[0]
     log = RunLog(args.steps, r.start, args.log_json, progress=not args.no_progress, desc="jax train")
     losses: list[float] = []
     profiling = False
@@ -146,7 +177,7 @@ def _train(r: Run) -> dict[str, Any]:
         skipped = bool(m["skipped"])
         rec = log.step(step=step, loss=m["loss"], grad_norm=m["grad_norm"], lr=r.lr(r.applied),
                        loss_scale=m["loss_scale"], skipped=skipped, tokens=tokens, seconds=now - t_last,
-                       peak_mem_bytes=_peak_mem(device))
+                       peak_mem_bytes=_peak_mem(mem_device))
         t_last = now
         r.applied += 0 if skipped else 1
         losses.append(rec["loss"])

@@ -93,7 +93,7 @@ BAD = [
     (["--checkpoint-every", "5"], "both", r"--checkpoint-every 5 needs --checkpoint-dir DIR"),
     (["--checkpoint-every", "-5"], "both", r"--checkpoint-every -5: must be an integer >= 0"),
     (["--keep-checkpoints", "0"], "both", r"--keep-checkpoints 0: must be an integer >= 1"),
-    (["--mesh", "data=2,tensor=2"], "jax", r"--mesh 'data=2,tensor=2': multi-device training is not yet"),
+    (["--mesh", "data=2,pipe=2"], "jax", r"--mesh 'data=2,pipe=2': axis 'pipe' is unknown or repeated"),
     (["--mesh", "data"], "jax", r"--mesh 'data': expected comma-separated AXIS=N"),
     (["--mesh", "data=1"], "torch", r"unrecognized arguments: --mesh data=1"),
     (["--compile"], "jax", r"unrecognized arguments: --compile"),
@@ -116,8 +116,10 @@ def test_bad_flag_values_are_clear_errors_before_any_build(argv, frameworks, mes
 def test_parallel_refused_under_multi_process_torchrun(monkeypatch):
     parse_args(["--parallel", "ddp"], "torch", TORCH_BACKENDS)  # one process: accepted
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(CLIError, match=r"--parallel 'ddp': multi-device training is not yet"):
-        parse_args(["--parallel", "ddp"], "torch", TORCH_BACKENDS)
+    with pytest.raises(CLIError, match=r"--parallel 'ddp': checkpoints \(--checkpoint-dir\) and --profile of a "):
+        parse_args(["--parallel", "ddp", "--checkpoint-dir", "ck"], "torch", TORCH_BACKENDS)
+    with pytest.raises(CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp\}"):
+        parse_args([], "torch", TORCH_BACKENDS)
 
 
 def test_main_exits_2_with_the_message(tmp_path, capsys):

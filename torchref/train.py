@@ -119,14 +119,14 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    def step(batch: Mapping[str, torch.Tensor]) -> Metrics:
+    def step(batch: Mapping[str, torch.Tensor], denominator: Optional[torch.Tensor] = None) -> Metrics:
         check_batch(batch)
         micro = check_accum_batch(batch, grad_accum)
         tokens = batch["tokens"]
         if vocab is not None and bool(((tokens < 0) | (tokens >= vocab)).any()):
             check_token_ids(tokens.detach().cpu(), vocab, arg="batch['tokens']")
         optimizer.zero_grad(set_to_none=True)
-        denominator = loss_denominator(batch)
+        denominator = loss_denominator(batch) if denominator is None else denominator  # torchref.parallel: global
         loss_scale = scaler.get_scale() if scaling else 1.0
         loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for i in range(grad_accum):

@@ -67,6 +67,9 @@ class Run:
         self.policy = get_policy(args.precision)
         self.policy.cast_model(model)
         self.model = model
+        self.parallel, self.mesh, train_model = None, None, model
+        if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+            train_model = self._parallelize(args.parallel, model)
         self.optimizer, self.scheduler = optim.build(model, args.optimizer, args.lr, args.weight_decay,
                                                      schedule=args.schedule, warmup=args.warmup, steps=args.steps)
         self.scaler = self.policy.make_grad_scaler(self.device)
@@ -74,9 +77,48 @@ class Run:
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         if args.resume:
             self._resume()
-        self.compiled = torch.compile(model) if args.compile else model
+        self.compiled = torch.compile(train_model) if args.compile else train_model
         self.step_fn = make_train_step(self.compiled, self.optimizer, policy=self.policy, scaler=self.scaler,
                                        max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+
+    def _parallelize(self, mode: str, model):
+        """``torchref.parallel`` over all ranks; this rank keeps ``batch / dp`` rows of each batch."""
+        import torch.distributed as dist
+
+        from . import parallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+            model.to(self.device)
+        self.mesh = parallel.build_mesh(mode)
+        n = parallel.dp_size(mode, self.mesh)
+        if self.args.batch_size % (n * self.args.grad_accum):
+            raise CLIError(f"--batch-size {self.args.batch_size} must be divisible by the {n} data-parallel ranks "
+                           f"times --grad-accum {self.args.grad_accum} (--parallel {mode})")
+        self.parallel = mode
+        return parallel.parallelize(model, mode, self.mesh)
+
+    def denominator(self, host: dict):
+        """Data-parallel ranks divide their loss SUM by (the whole batch's real targets / dp), so the gradients
+        averaged by DDP/FSDP and the mean of the ranks' losses are the whole batch's mean-token ones even when the
+        ranks hold different numbers of targets (None: the step's own denominator)."""
+        if self.parallel is None:
+            return None
+        from .parallel import dp_size
+        from .train import loss_denominator
+
+        return loss_denominator(host).to(self.device) / dp_size(self.parallel, self.mesh)
+
+    def rows(self, host: dict) -> dict:
+        """This rank's rows of a host batch (all of them without --parallel or with tp)."""
+        if self.parallel is None:
+            return host
+        from .parallel import local_rows
+
+        return local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:
         from .seed import set_rng_state
@@ -134,7 +176,9 @@ def _train(r: Run) -> dict[str, Any]:
     from .optim import step_scheduler
 
     args = r.args
-    log = RunLog(args.steps, r.start, args.log_json, progress=not args.no_progress, desc="torch train")
+    rank0 = r.parallel is None or int(os.environ.get("RANK", "0")) == 0  # one log per run under torchrun
+    log = RunLog(args.steps, r.start, args.log_json if rank0 else None, progress=rank0 and not args.no_progress,
+                 desc="torch train")
     losses: list[float] = []
     ctx = attention_backend(*r.backends) if r.backends else contextlib.nullcontext()
     cuda = r.device.type == "cuda"
@@ -144,14 +188,16 @@ def _train(r: Run) -> dict[str, Any]:
             t_last = time.perf_counter()
             for i, host in enumerate(batches, r.start):
                 tokens = int(host["loss_mask"][:, :-1].sum())
+                denominator = r.denominator(host)
+                host = r.rows(host)  # --parallel under torchrun: this rank's rows
                 batch = {k: v.to(r.device, non_blocking=True) for k, v in host.items()}
                 lr = r.scheduler.get_last_lr()[0]
-                m = r.step_fn(batch)
+                m = r.step_fn(batch, denominator)
                 skipped = bool(m["skipped"])
                 step_scheduler(r.scheduler, skipped)
-                loss = float(m["loss"])  # synchronises
+                loss = float(m["loss"]) if r.parallel is None else _global_mean(m["loss"], r)  # synchronises
                 now = time.perf_counter()
-                rec = log.step(step=i + 1, loss=loss, grad_norm=float(m["grad_norm"]), lr=lr,
+                rec = log.step(step=i + 1, loss=loss, grad_norm=_scalar(m["grad_norm"]), lr=lr,
                                loss_scale=float(m["loss_scale"]), skipped=skipped, tokens=tokens,
                                seconds=now - t_last, peak_mem_bytes=_peak_mem(r.device))
                 t_last = now
@@ -177,6 +223,24 @@ def _train(r: Run) -> dict[str, Any]:
         return out
     finally:
         log.close()
+
+
+def _scalar(x: torch.Tensor) -> float:
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)  # a DTensor under --parallel tp/fsdp
+
+
+def _global_mean(loss: torch.Tensor, r: Run) -> float:
+    """The loss over the whole batch: the mean of the data-parallel ranks' losses (equal row blocks)."""
+    import torch.distributed as dist
+
+    from .parallel import dp_size
+
+    t = loss.detach().float().reshape(1).clone()
+    n = dp_size(r.parallel, r.mesh)
+    if n > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        t /= n
+    return float(t)
 
 
 def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:

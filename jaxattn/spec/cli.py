@@ -6,8 +6,8 @@
 shared flags are identical by construction, plus the framework-only ones: ``--mesh`` for JAX, ``--compile``,
 ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
 exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
-the flag, the value and what is accepted, before any model is built or compiled. Multi-device training
-(``--mesh`` with more than one device, ``--parallel`` under a multi-process ``torchrun``) is refused for now.
+the flag, the value and what is accepted, before any model is built or compiled. ``--parallel`` under a
+multi-process ``torchrun`` runs without checkpoints for now; ``--mesh`` is checked against the devices by ``jaxattn.trainer``.
 """
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-json", "write one JSON object per step to this file", str, metavar="PATH"),
     Flag("--profile", "write a trace of a few steps here (opens in Perfetto / TensorBoard)", str, metavar="DIR"),
     Flag("--no-progress", "no progress bar", action="store_true"),
-    Flag("--mesh", "device mesh, e.g. data=2,fsdp=2,tensor=2 (only a single device for now)", str,
+    Flag("--mesh", "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)", str,
          metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
     Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
-    Flag("--parallel", "parallelism under torchrun (only a single process for now)", str, None, PARALLEL,
+    Flag("--parallel", "parallelism under torchrun (torchref.parallel; no checkpoints yet)", str, None, PARALLEL,
          frameworks=("torch",)),
     Flag("--num-workers", "DataLoader worker processes", int, 1, frameworks=("torch",)),
 )
@@ -147,12 +147,19 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig.preset(args.preset)
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
 def _mesh_devices(spec: str) -> int:
-    n = 1
+    n, seen = 1, set()
     for part in spec.split(","):
         name, _, size = part.partition("=")
         if not name.strip() or not size.strip().isdigit() or int(size) < 1:
             raise _err("--mesh", spec, "expected comma-separated AXIS=N with N >= 1, e.g. data=2,fsdp=2,tensor=2")
+        if name.strip() not in MESH_AXES or name.strip() in seen:
+            raise _err("--mesh", spec, f"axis {name.strip()!r} is unknown or repeated; the axes are "
+                       f"{', '.join(MESH_AXES)}, each at most once")
+        seen.add(name.strip())
         n *= int(size)
     return n
 
@@ -204,13 +211,17 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
             raise _err(flag, path, "exists and is not a directory")
     if args.log_json is not None and os.path.isdir(args.log_json):
         raise _err("--log-json", args.log_json, "is a directory; expected a file path")
-    if framework == "jax" and args.mesh is not None and _mesh_devices(args.mesh) > 1:
-        raise _err("--mesh", args.mesh, NOT_YET_DISTRIBUTED)
+    if framework == "jax" and args.mesh is not None:
+        _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
     if framework == "torch":
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
-        if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise _err("--parallel", args.parallel, NOT_YET_DISTRIBUTED)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and args.parallel is None:
+            raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
+        if world > 1 and (args.checkpoint_dir is not None or args.profile is not None):
+            raise _err("--parallel", args.parallel, "checkpoints (--checkpoint-dir) and --profile of a multi-process "
+                       "run are not yet supported; train without them")
     config = model_config(args)
     if args.seq_len > config.max_seq_len:
         raise _err("--seq-len", args.seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}")

@@ -1,0 +1,132 @@
+"""Sharding plans checked by the compiler: the ``jaxattn.sharding`` train step compiled deviceless for 8 H100s
+(topology ``1x1x8``), per-device memory (``memory_analysis``) and the collectives in the compiled HLO.
+
+    python -m benchmarks run --suite plan            # records labelled "compiled for H100, not run"
+
+Each record: the mesh, per-device argument/output/temp/peak bytes, and per collective kind the number of ops
+and their result bytes in the HLO text. An op inside the scanned layer loop (a ``while`` body) appears ONCE
+in the text but runs ``n_layers`` times: ``*_in_loop`` counts those separately.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import gpu_target
+
+from .compile import LABEL, _memory, target_config
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8|f64|s64)\[([0-9,]*)\]")
+
+
+def _nbytes(dtype: str, dims: str) -> int:
+    n = _BYTES[dtype]
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
+def collectives(hlo: str) -> dict:
+    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop"}}`` from compiled HLO text (``-done`` halves of
+    async pairs are skipped; a ``-start`` counts its last result shape, the gathered / reduced buffer)."""
+    out = {k: {"ops": 0, "bytes": 0, "ops_in_loop": 0, "bytes_in_loop": 0} for k in COLLECTIVES}
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))  # the while loops' body computations
+    in_loop = False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a computation header
+            words = line.split()
+            name = words[1] if words[0] == "ENTRY" and len(words) > 1 else words[0] if words else ""
+            in_loop = name.lstrip("%") in bodies
+            continue
+        m = _OP.search(line)
+        if not m:
+            continue
+        shapes = _SHAPE.findall(m.group(1))
+        if not shapes:
+            continue
+        nbytes = _nbytes(*shapes[-1]) if m.group(3) else sum(_nbytes(*s) for s in shapes)
+        rec = out[m.group(2)]
+        rec["ops"] += 1
+        rec["bytes"] += nbytes
+        if in_loop:
+            rec["ops_in_loop"] += 1
+            rec["bytes_in_loop"] += nbytes
+    return out
+
+
+def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int = 4096, remat: str = "full"):
+    """Compile the bf16 AdamW train step of ``preset`` sharded by ``spec`` for ``devs``; returns a record."""
+    import optax
+    from flax import nnx
+
+    from jaxattn import remat as remat_mod
+    from jaxattn import sharding
+    from jaxattn.attention import attention_backend
+    from jaxattn.config import ModelConfig
+    from jaxattn.model import Llama
+    from jaxattn.train import TrainState, make_train_step
+
+    cfg = ModelConfig.preset(preset)
+    mesh = sharding.make_mesh(spec, devices=devs)
+    sharding.check_config(cfg, mesh)
+    sharding.check_batch_size(batch, mesh)
+    tx = optax.adamw(1e-4)
+
+    def build():
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+        remat_mod.apply(model, remat)
+        return TrainState.create(model, tx, policy="bf16")
+
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    remat_mod.apply(model, remat)
+    graphdef = nnx.split(model, nnx.Param, ...)[0]
+    state = jax.eval_shape(lambda: build()[1])
+    state_sh = sharding.state_shardings(state, mesh)
+    batch_sh = sharding.batch_sharding(mesh)
+    args = (jax.tree.map(lambda s, sub: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                                      sub), state_sh, state),
+            {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)})
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    step = make_train_step(graphdef, tx, policy="bf16", shardings=((state_sh, batch_sh), (state_sh, replicated)))
+    t0 = time.perf_counter()
+    with attention_backend("flash"):
+        _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
+    mem, coll = _memory(compiled), collectives(compiled.as_text())
+    summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
+        f"{k} {v['ops']} ops {v['bytes'] / 2**20:.1f} MiB ({v['ops_in_loop']} in loop x{cfg.n_layers})"
+        for k, v in coll.items() if v["ops"])
+    return dict(framework="jax", impl="sharding-plan", mesh=spec, preset=preset, kind="train_step", batch=batch,
+                seq=seq, precision="bf16", remat=remat, optimizer="adamw", attention="flash", devices=len(devs),
+                topology="1x1x8", label=LABEL.format(target="H100"), summary=summary,
+                measured={"compile_s": round(time.perf_counter() - t0, 1), "per_device_memory": mem,
+                          "collectives": coll, "n_layers": cfg.n_layers})
+
+
+def run(quick: bool = False) -> list:
+    """The plan suite: both :data:`PLANS` for ``1b`` at seq 4096 (quick: ``tiny`` at seq 128)."""
+    reason = gpu_target.unavailable_reason()
+    if reason is not None:
+        return [dict(framework="jax", impl="sharding-plan", mesh=p, status="skipped", reason=reason) for p in PLANS]
+    devs = gpu_target.devices(target_config("h100"), "1x1x8")
+    records = []
+    for spec in PLANS:
+        try:
+            rec = compile_plan(devs, spec, *(("tiny", 8, 128) if quick else ()))
+            rec["status"] = "ok"
+        except Exception as e:  # one failed plan does not hide the other
+            rec = dict(framework="jax", impl="sharding-plan", mesh=spec, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
+        print(f"  plan {spec}: {rec.get('status')} {rec.get('summary', rec.get('error'))}", flush=True)
+        records.append(rec)
+    if not quick and any(r.get("status") == "ok" for r in records):  # compiled figures live beside the others
+        from . import common
+        common.write_results(str(Path(__file__).resolve().parent / "results" / "h100-compiled"), "plan", records,
+                             common.env_info())
+    return records

@@ -1,0 +1,215 @@
+"""Data, FSDP (ZeRO-3) and Megatron tensor parallelism for the JAX Llama, applied from OUTSIDE the model
+(the twin of ``torchref.parallel``; torchtitan's ``parallelize.py`` split).
+
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (data, fsdp, tensor), auto axis types
+    graphdef, state = TrainState.create(model, tx)
+    step, state = make_sharded_train_step(graphdef, tx, state, mesh, batch_size=8)
+    state, metrics = step(state, batch)                         # one jax.jit with in/out shardings, donated state
+
+One visible order: (1) the model's logical axis names (``jaxattn.model.PARAM_AXES``, read from each
+``nnx.Param``'s ``out_sharding`` metadata) go through :data:`RULES` to mesh axes: Megatron tensor parallel splits
+q/k/v/gate/up by column (``heads``/``kv_heads``/``mlp`` on ``tensor``), o/down by row (the same names on their
+input dimension), the embedding and the LM head by ``vocab``; FSDP splits the other dimension (``embed`` on
+``fsdp``); the stacked ``layers`` axis is never split. (2) The optimizer state is sharded like its parameter
+(ZeRO-3): optax's ``mu``/``nu`` are maps over the params' ``nnx.Param`` leaves and carry the same names; a leaf
+whose shape does not fit its names (e.g. a factored Adafactor moment) and every scalar is replicated. (3) The
+batch is split over (``data``, ``fsdp``). (4) The step is ``jaxattn.train.make_train_step``'s jitted function
+with ``in_shardings``/``out_shardings`` — "pjit" is ``jax.jit`` with shardings today — and the state donated;
+XLA's SPMD partitioner inserts the collectives (all-gather of FSDP weights, reduce-scatter of their gradients,
+the all-reduces of the row-parallel matmuls). Every divisibility problem is a ValueError raised before a compile.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
+           "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "make_sharded_train_step",
+           "global_batch", "initialize_distributed"]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+# logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
+RULES: dict[str, Optional[str]] = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+                                   "mlp": "tensor", "head_dim": None, "layers": None}
+
+
+def parse_mesh(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` (or a dict) -> ``{"data": 2, "fsdp": 2, "tensor": 2}``; a missing axis is 1."""
+    if isinstance(spec, str):
+        sizes: dict[str, Any] = {}
+        for part in spec.split(","):
+            name, _, size = part.partition("=")
+            name, size = name.strip(), size.strip()
+            if not name or not size.isdigit() or name in sizes:
+                raise ValueError(f"mesh {spec!r}: expected comma-separated, non-repeated AXIS=N with AXIS in "
+                                 f"{MESH_AXES} and N >= 1, e.g. 'data=2,fsdp=2,tensor=2'")
+            sizes[name] = int(size)
+    elif isinstance(spec, Mapping):
+        sizes = dict(spec)
+    else:
+        raise TypeError(f"mesh must be a string like 'data=2,fsdp=2,tensor=2' or a dict, got {type(spec).__name__}")
+    unknown = [a for a in sizes if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh {spec!r}: unknown axis {unknown[0]!r}; the axes are {MESH_AXES}")
+    for a, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"mesh {spec!r}: axis {a!r} has size {n!r}; sizes are integers >= 1")
+    return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+
+
+def make_mesh(spec: Union[str, Mapping[str, int]], devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A ``Mesh`` with axes ``(data, fsdp, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis types
+    (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
+    sizes = parse_mesh(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {spec!r}: data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
+                         f"devices; the product of the axis sizes must equal the device count")
+    try:
+        from jax.sharding import AxisType
+        kw = {"axis_types": (AxisType.Auto,) * len(shape)}
+    except ImportError:  # pragma: no cover - a jax without axis types
+        kw = {}
+    try:
+        return jax.make_mesh(shape, MESH_AXES, devices=devices, **kw)
+    except TypeError:  # pragma: no cover - a jax.make_mesh without devices=/axis_types=
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, **kw)
+
+
+def logical_to_spec(names: Sequence[Optional[str]], rules: Mapping[str, Optional[str]] = RULES) -> P:
+    """Logical axis names -> ``PartitionSpec`` of mesh axes (an unknown name raises)."""
+    out = []
+    for n in names:
+        if n is not None and n not in rules:
+            raise ValueError(f"logical axis {n!r} has no sharding rule; known: {sorted(rules)}")
+        out.append(None if n is None else rules[n])
+    return P(*out)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    if axis is None:
+        return 1
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def check_config(config, mesh: Mesh) -> None:
+    """Heads, KV heads, FFN and vocab must divide by ``tensor``; ``dim`` by ``fsdp``. ValueError otherwise."""
+    t, f = mesh.shape["tensor"], mesh.shape["fsdp"]
+    for field, value, axis, n in (("n_heads", config.n_heads, "tensor", t), ("n_kv_heads", config.n_kv_heads,
+                                  "tensor", t), ("ffn_dim", config.ffn_dim, "tensor", t),
+                                  ("vocab_size", config.vocab_size, "tensor", t), ("dim", config.dim, "fsdp", f)):
+        if value % n:
+            raise ValueError(f"ModelConfig.{field}={value} is not divisible by the mesh axis {axis}={n}; use a "
+                             f"{axis} size that divides it (divisors <= 8: "
+                             f"{[d for d in range(1, 9) if value % d == 0]})")
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
+    """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp``."""
+    n = _axis_size(mesh, BATCH_AXES)
+    if batch_size % grad_accum or (batch_size // grad_accum) % n:
+        raise ValueError(f"batch_size={batch_size} (grad_accum={grad_accum}) is not divisible by the data axes "
+                         f"data*fsdp={n}: each (micro)batch's rows are split over (data, fsdp); use a multiple of "
+                         f"{n * grad_accum}")
+
+
+def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, Optional[str]]) -> NamedSharding:
+    replicated = NamedSharding(mesh, P())
+    if not isinstance(leaf, nnx.Variable):
+        return replicated
+    names = leaf.get_metadata().get("out_sharding") or leaf.get_metadata().get("sharding_names") \
+        or leaf.get_metadata().get("sharding")
+    shape = getattr(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value, "shape", ())
+    if not names or len(names) != len(shape):
+        return replicated  # no names, or a leaf that is not the param's shape (e.g. a factored moment)
+    spec = logical_to_spec(names, rules)
+    if any(dim % _axis_size(mesh, a) for dim, a in zip(shape, spec)):
+        return replicated
+    return NamedSharding(mesh, spec)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:
+    """A tree of ``NamedSharding`` (a prefix of ``state``: one per ``nnx.Variable`` or array leaf) for any pytree
+    holding the model's ``nnx.Param`` leaves: a ``TrainState`` (params, optimizer moments: ZeRO-3), an
+    ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated."""
+    return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over (``data``, ``fsdp``), the sequence replicated (a prefix for every array of a batch dict)."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def global_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
+    """A host batch (the SAME global batch on every process) as global arrays split by :func:`batch_sharding`:
+    each process fills only its own devices' rows (multi-process; one process may pass numpy directly)."""
+    sh = batch_sharding(mesh)
+    return {k: None if v is None else jax.make_array_from_callback(np.shape(v), sh, lambda idx, v=v: np.asarray(v)[idx])
+            for k, v in batch.items()}
+
+
+def initialize_distributed(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None) -> None:
+    """``jax.distributed.initialize`` from the arguments, else the environment (``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); on CPU with gloo collectives. Call before any other jax use."""
+    import os
+
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
+    if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if coordinator is None or num_processes is None or process_id is None:
+        raise ValueError(f"initialize_distributed needs coordinator, num_processes and process_id (or the "
+                         f"JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables); got "
+                         f"{coordinator!r}, {num_processes!r}, {process_id!r}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception:  # pragma: no cover - a jax without the option
+        pass
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:
+    """``state`` moved onto ``mesh`` with :func:`state_shardings`."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, batch_size: int,
+                            rules: Mapping[str, Optional[str]] = RULES, **step_kwargs):
+    """``(step, sharded_state)``: ``jaxattn.train.make_train_step`` jitted with the state's and the batch's
+    shardings (``in_shardings``/``out_shardings``: "pjit" is ``jax.jit`` with shardings today), the state
+    donated. ``step_kwargs`` go to ``make_train_step`` (policy, max_grad_norm, grad_accum, ...). Checks the mesh
+    against the model config and ``batch_size`` first (ValueError naming the value, no compile)."""
+    from .train import make_train_step
+
+    config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
+    if config is not None:
+        check_config(config, mesh)
+    check_batch_size(batch_size, mesh, step_kwargs.get("grad_accum", 1))
+    sh = state_shardings(state, mesh, rules)
+    inner = make_train_step(graphdef, tx, shardings=((sh, batch_sharding(mesh)), (sh, NamedSharding(mesh, P()))),
+                            **step_kwargs)
+
+    def step(state, batch):
+        check_batch_size(int(batch["tokens"].shape[0]), mesh, step_kwargs.get("grad_accum", 1))
+        if jax.process_count() == 1:
+            return inner(state, batch)
+        from .spec.batch import check_batch, check_token_ids  # multi-process: checks on the host copy, then
+        check_batch(batch)                                      # the global array built from every process's copy
+        if config is not None and step_kwargs.get("check_ids", "host") == "host":
+            check_token_ids(np.asarray(batch["tokens"]), config.vocab_size, arg="batch['tokens']")
+        return inner.jitted(state, global_batch(batch, mesh))
+
+    step.jitted, step.lower = inner.jitted, inner.lower
+    step.mesh, step.state_shardings, step.batch_sharding = mesh, sh, batch_sharding(mesh)
+    return step, jax.device_put(state, sh)

@@ -1,0 +1,62 @@
+"""Child of ``parity_tests/test_parallel.py``, run under ``torchrun`` (gloo, CPU): for each mode in argv[1]
+(comma-separated ``torchref.parallel.MODES``), train the tiny model for STEPS steps parallelized and in one
+process (every rank computes the reference itself, no collectives); rank 0 writes the losses to argv[2] (JSON)."""
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from jaxattn.spec.config import ModelConfig
+from torchref import parallel
+from torchref.model import LlamaForCausalLM
+from torchref.train import make_train_step
+
+STEPS, BATCH, SEQ = 3, 4, 16
+CFG = ModelConfig.preset("tiny", n_kv_heads=2)
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    return [{"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
+            for _ in range(STEPS)]
+
+
+def train(mode):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    mesh = None
+    if mode is not None:
+        mesh = parallel.build_mesh(mode)
+        model = parallel.parallelize(model, mode, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    step = make_train_step(model, opt, max_grad_norm=1.0)
+    losses, norms = [], []
+    for b in batches():
+        m = step(b if mode is None else parallel.local_rows(b, mode, mesh))
+        loss = m["loss"].detach().float().reshape(1)
+        if mode is not None and parallel.dp_size(mode, mesh) > 1:  # the mean over equal-size row blocks
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() != "gloo" else dist.ReduceOp.SUM)
+            if dist.get_backend() == "gloo":
+                loss /= parallel.dp_size(mode, mesh)
+        losses.append(float(loss))
+        gn = m["grad_norm"]
+        norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+    return losses, norms
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.use_deterministic_algorithms(True)
+    out = {"reference": train(None)}
+    for mode in sys.argv[1].split(","):
+        out[mode] = train(mode)
+    if dist.get_rank() == 0:
+        with open(sys.argv[2], "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""DDP, FSDP2 and Megatron tensor parallelism for the torch Llama, applied from OUTSIDE the model (torchtitan's
+``parallelize.py``; the twin of ``jaxattn.sharding``). Run under ``torchrun``:
+
+    dist.init_process_group("gloo")                              # "nccl" on GPUs
+    mesh = build_mesh("fsdp", tp=1)                              # or "tp", "ddp", "fsdp+tp" (2-D: dp x tp)
+    model = parallelize(LlamaForCausalLM(cfg), "fsdp", mesh)     # before building the optimizer
+    rows = local_rows(batch, "fsdp", mesh)                      # each data-parallel rank its rows
+
+One visible order, as in torchtitan: (1) tensor parallel on the ``tp`` mesh dimension — ``parallelize_module``
+with ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel`` on o/down, the embedding split by vocab
+(``RowwiseParallel``, replicated output) and the LM head by vocab (``ColwiseParallel``, replicated logits), and
+each attention module's head counts divided by ``tp`` (its local view of the config, torchtitan's
+``attn.n_heads //= tp``); (2) FSDP2: ``fully_shard`` on every decoder layer, then on the root, with a
+``MixedPrecisionPolicy`` (param dtype / reduce dtype), on the ``dp`` mesh dimension; or (3) DDP. The data
+parallel ranks each get ``batch / dp`` rows (:func:`local_rows`); TP ranks see the same rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "dp_size"]
+
+MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"parallel mode {mode!r} is not known; use one of {MODES}")
+
+
+def build_mesh(mode: str, tp: Optional[int] = None, device_type: Optional[str] = None):
+    """A ``DeviceMesh`` over all ranks: 1-D ``("dp",)`` for ddp/fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
+    fsdp+tp (``tp`` ranks per tensor-parallel group, default 2). Needs an initialised process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _check_mode(mode)
+    if not dist.is_initialized():
+        raise RuntimeError("torchref.parallel needs torch.distributed initialised (run under torchrun and call "
+                           "dist.init_process_group first)")
+    world = dist.get_world_size()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if mode == "fsdp+tp":
+        tp = 2 if tp is None else tp
+        if tp < 1 or world % tp:
+            raise ValueError(f"tp={tp} must divide the world size {world} for mode 'fsdp+tp'")
+        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("tp",) if mode == "tp" else ("dp",))
+
+
+def dp_size(mode: str, mesh) -> int:
+    """Number of data-parallel ranks (ranks that see different rows)."""
+    return 1 if mode == "tp" else mesh["dp"].size() if mode == "fsdp+tp" else mesh.size()
+
+
+def local_rows(batch: dict, mode: str, mesh) -> dict:
+    """This rank's rows of a global batch (consecutive blocks, rank order); ValueError if they do not divide."""
+    n = dp_size(mode, mesh)
+    rank = 0 if n == 1 else (mesh["dp"].get_local_rank() if mode == "fsdp+tp" else mesh.get_local_rank())
+    b = batch["tokens"].shape[0]
+    if b % n:
+        raise ValueError(f"batch size {b} is not divisible by the {n} data-parallel ranks ({mode})")
+    m = b // n
+    return {k: None if v is None else v[rank * m:(rank + 1) * m] for k, v in batch.items()}
+
+
+def _check_tp(cfg, tp: int) -> None:
+    for field in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        if getattr(cfg, field) % tp:
+            raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)} is not divisible by the tensor-parallel "
+                             f"size tp={tp}")
+
+
+def _apply_tp(model: nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg, tp = model.config, tp_mesh.size()
+    _check_tp(cfg, tp)
+    if cfg.tie_embeddings:
+        raise ValueError("tensor parallel with tie_embeddings=True is not supported (the embedding and the LM head "
+                         "are split on different dimensions)")
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    local = dataclasses.replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
+                                head_dim=cfg.resolved_head_dim)
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        })
+        layer.self_attn.cfg = local  # this rank's heads (torchtitan: attn.n_heads //= tp)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _replicate(norm, tp_mesh)
+    _replicate(model.model.norm, tp_mesh)
+
+
+def _replicate(module: nn.Module, mesh) -> None:
+    """Parameters as replicated DTensors (so every parameter is a DTensor on the TP mesh: the grad-norm and the
+    foreach optimizer need one kind), inputs wrapped as replicated DTensors, outputs back to local tensors. The
+    activations around a norm are already identical on every TP rank (a row-parallel all-reduce before, a
+    column-parallel input's all-reduce in the backward after), so its weight gradient is the full one."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs(mod, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()]) if isinstance(a, torch.Tensor)
+                     and not isinstance(a, DTensor) else a for a in args)
+
+    def outputs(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    distribute_module(module, mesh, input_fn=inputs, output_fn=outputs)
+
+
+def parallelize(model: nn.Module, mode: str, mesh, *, param_dtype: Optional[torch.dtype] = None,
+                reduce_dtype: Optional[torch.dtype] = torch.float32) -> nn.Module:
+    """Apply ``mode`` (one of :data:`MODES`) to ``model`` in place over ``mesh`` (:func:`build_mesh`); returns
+    the module to train (the DDP wrapper for ddp, ``model`` otherwise). Build the optimizer AFTER this."""
+    _check_mode(mode)
+    if mode in ("tp", "fsdp+tp"):
+        _apply_tp(model, mesh["tp"] if mode == "fsdp+tp" else mesh)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=None if mesh.device_type == "cpu" else [torch.cuda.current_device()])
+    if mode in ("fsdp", "fsdp+tp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dp_mesh = mesh["dp"] if mode == "fsdp+tp" else mesh
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    return model
