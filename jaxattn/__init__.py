@@ -12,8 +12,8 @@ _EXPORTS = {
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf",
-               "remat", "data", "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "train")
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "remat",
+               "data", "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "sharding", "train")
 
 
 def __getattr__(name):

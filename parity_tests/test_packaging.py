@@ -8,7 +8,8 @@ import pytest
 BLOCK = "import sys; sys.modules['{mod}'] = None\n"
 TORCHREF = ["torchref", "torchref.config", "torchref.model", "torchref.hf", "torchref.attention",
             "torchref.precision", "torchref.train", "torchref.remat", "torchref.optim", "torchref.gguf",
-            "torchref.data", "torchref.checkpoint", "torchref.seed", "torchref.trainer"]
+            "torchref.data", "torchref.checkpoint", "torchref.seed", "torchref.trainer", "torchref.kv_cache",
+            "torchref.generate", "torchref.quant", "torchref.parallel"]
 
 
 def _run(code: str, timeout: int = 300):
@@ -20,7 +21,8 @@ def _run(code: str, timeout: int = 300):
 @pytest.mark.parametrize("blocked, modules", [
     ("torch", ["jaxattn", "jaxattn.config", "jaxattn.model", "jaxattn.hf", "jaxattn.attention",
                "jaxattn.precision", "jaxattn.loss_scale", "jaxattn.train", "jaxattn.remat", "jaxattn.optim",
-               "jaxattn.gguf", "jaxattn.data", "jaxattn.checkpoint", "jaxattn.seed", "jaxattn.trainer"]),
+               "jaxattn.gguf", "jaxattn.data", "jaxattn.checkpoint", "jaxattn.seed", "jaxattn.trainer",
+               "jaxattn.kv_cache", "jaxattn.generate", "jaxattn.quant", "jaxattn.sharding"]),
     ("jax", TORCHREF),
 ])
 def test_import_without_the_other_framework(blocked, modules):
@@ -42,7 +44,7 @@ def test_spec_imports_without_either_framework():
     code = BLOCK.format(mod="torch") + BLOCK.format(mod="jax").replace("import sys; ", "")
     code += ("import jaxattn.spec, jaxattn.spec.config, jaxattn.spec.hf_format, jaxattn.spec.batch, "
              "jaxattn.spec.dtypes, jaxattn.spec.remat, jaxattn.spec.optim, jaxattn.spec.gguf, jaxattn.spec.data, "
-             "jaxattn.spec.cli, jaxattn.spec.runlog, jaxattn.spec.seed, jaxattn.spec.grad_accum\nprint(jaxattn.spec.ModelConfig.preset('tiny').dim, 'ok')\n")
+             "jaxattn.spec.cli, jaxattn.spec.runlog, jaxattn.spec.seed, jaxattn.spec.grad_accum, jaxattn.spec.generate\nprint(jaxattn.spec.ModelConfig.preset('tiny').dim, 'ok')\n")
     assert _run(code).split()[0] == "64"
 
 

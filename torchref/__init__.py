@@ -11,7 +11,7 @@ _EXPORTS = {
 }
 
 _SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "gguf", "remat", "data",
-               "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "train")
+               "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "parallel", "train")
 
 
 def __getattr__(name):
