@@ -2,6 +2,7 @@
 H100/H200 on a machine without a GPU ("deviceless") and report what the compiler made of them.
 
     python -m benchmarks compile --quick          # a few kernels + the tiny model, about 2 minutes on 2 cores
+    python -m benchmarks compile --search         # block-size search (benchmarks/block_search.py)
 
 Kernels (one record each): the flash forward / dq / dkv Pallas-Triton kernels at D 64/128/256 in bf16, fp16
 and fp32 (one fwd+bwd compile per (D, dtype)), the Mosaic GPU forward at D 64/128/256 in bf16/fp16: registers
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -354,6 +354,18 @@ def _tool_version(name: str) -> Optional[str]:
     return out.strip().splitlines()[-1] if out.strip() else None
 
 
+def _search_main(devs, args, info, out, t0) -> int:
+    from . import block_search
+    rows = block_search.search(devs, quick=args.quick, log=lambda *a: print(*a, flush=True))
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    if not any(r["passed"] for r in rows):
+        print("no candidate passed; no result written", file=sys.stderr)
+        return 1
+    info["timed_on"] = common.jax_device_name() if any("time" in r for r in rows) else None
+    print(block_search.write(out, rows, info))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks compile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -362,6 +374,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help="output directory (default benchmarks/results/<target>-compiled[-quick])")
     parser.add_argument("--skip-programs", action="store_true", help="kernels only")
+    parser.add_argument("--search", action="store_true",
+                        help="block-size search instead (benchmarks/block_search.py): deviceless resource filter "
+                             "of every candidate, then timings when a GPU is present; writes block_search.json/md")
     args = parser.parse_args(argv)
     reason = gpu_target.unavailable_reason()
     if reason is not None:
@@ -380,6 +395,8 @@ def main(argv=None) -> int:
                 plugin=gpu_target._version("jax-cuda12-plugin"), ptxas=_tool_version("ptxas"),
                 cuobjdump=_tool_version("cuobjdump"), label=LABEL.format(target=args.target.upper()))
     print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
+    if args.search:
+        return _search_main(devs, args, info, out, t0)
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
     kernels = kernel_records(devs, kernel_cases(args.quick), shape, args.target)
     programs = [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target)

@@ -4,7 +4,8 @@ FlashAttention-2: a forward kernel (online softmax; writes the output and the lo
 kernels, ``dkv`` (one key block; loops over the whole GQA query group, so K/V are never repeated) and
 ``dq``.  The full contract of CONVENTIONS §4: any ``Sq``/``Sk`` and head dim ``1..256`` (padded inside),
 bottom-right causal, ``(left, right)`` window, softcap, segment ids, GQA/MQA, LSE and its gradient; fp32
-accumulation, fp32 inputs at IEEE fp32 (no TF32).  :func:`flash_backward` is the backward on its own, for
+accumulation on the tensor cores, fp32 inputs as three TF32 passes (:func:`_dot_tf32x3`, fp32-class accuracy,
+measured against fp64 in the tests).  :func:`flash_backward` is the backward on its own, for
 a forward computed elsewhere (``mosaic`` uses it)::
 
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)   # q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]
@@ -75,7 +76,8 @@ class BlockSizes:
     ``block_q``/``block_k``: forward; ``block_q_dkv``/``block_k_dkv``: the dK/dV kernel (one key block
     per program, loops over query blocks); ``block_q_dq``/``block_k_dq``: the dQ kernel.  A block larger
     than the (power-of-two-rounded) sequence is shrunk to it at call time, so defaults work for S=1.
-    ``num_warps=None`` picks 4 for head_dim <= 64 else 8.
+    ``num_warps=None`` picks 4 for head_dim <= 64 else 8; ``num_warps_bwd``/``num_stages_bwd`` launch the dq
+    and dkv kernels (None: the forward's).
     """
 
     block_q: int = 64
@@ -86,6 +88,8 @@ class BlockSizes:
     block_k_dq: int = 32
     num_warps: Optional[int] = None
     num_stages: int = 2
+    num_warps_bwd: Optional[int] = None
+    num_stages_bwd: Optional[int] = None
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -93,33 +97,46 @@ class BlockSizes:
             if not _is_pow2(val) or val < _MIN_BLOCK or val > 1024:
                 raise ValueError(f"BlockSizes.{f} must be a power of two in [{_MIN_BLOCK}, 1024] (Triton "
                                  f"block dims are powers of two and tl.dot needs >= 16), got {val!r}")
-        if self.num_warps is not None and (isinstance(self.num_warps, bool)
-                                           or self.num_warps not in (1, 2, 4, 8, 16)):
-            raise ValueError(f"BlockSizes.num_warps must be None or one of (1, 2, 4, 8, 16), "
-                             f"got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not (
-                1 <= self.num_stages <= 8):
-            raise ValueError(f"BlockSizes.num_stages must be an int in [1, 8], got {self.num_stages!r}")
+        for f in ("num_warps", "num_warps_bwd"):
+            val = getattr(self, f)
+            if val is not None and (isinstance(val, bool) or val not in (1, 2, 4, 8, 16)):
+                raise ValueError(f"BlockSizes.{f} must be None or one of (1, 2, 4, 8, 16), got {val!r}")
+        for f in ("num_stages", "num_stages_bwd"):
+            val = getattr(self, f)
+            if val is None and f == "num_stages_bwd":
+                continue
+            if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 8:
+                raise ValueError(f"BlockSizes.{f} must be an int in [1, 8]"
+                                 f"{' or None' if f == 'num_stages_bwd' else ''}, got {val!r}")
 
     @classmethod
     def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
-        """Defaults per head dim / dtype, sized so the tiles fit in shared memory (fp32 tiles are twice
-        the bytes of bf16/fp16 ones, so fp32 halves the big blocks).  Not autotuned."""
+        """The :data:`_DEFAULTS` row of ``head_dim`` (rounded up to 64/128/256) and dtype width."""
         if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 1 <= head_dim <= _MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be an int in [1, {_MAX_HEAD_DIM}], got {head_dim!r}")
         wide = jnp.dtype(dtype).itemsize >= 4
-        dp = max(_MIN_BLOCK, _next_pow2(head_dim))
-        if dp <= 64:
-            bs = cls(128, 64, 32, 128, 128, 32, num_warps=4, num_stages=3)
-        elif dp <= 128:
-            bs = cls(128, 64, 32, 64, 64, 32, num_warps=8, num_stages=2)
-        else:
-            bs = cls(64, 32, 32, 32, 32, 32, num_warps=8, num_stages=2)
-        if wide:
-            bs = dataclasses.replace(bs, block_q=max(_MIN_BLOCK, bs.block_q // 2),
-                                     block_k_dkv=max(_MIN_BLOCK, bs.block_k_dkv // 2),
-                                     block_q_dq=max(_MIN_BLOCK, bs.block_q_dq // 2))
-        return bs
+        dp = max(64, _next_pow2(head_dim))
+        *blocks, warps, stages, warps_bwd, stages_bwd = _DEFAULTS[dp, "fp32" if wide else "16bit"]
+        return cls(*blocks, num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
+                   num_stages_bwd=stages_bwd)
+
+
+# Default BlockSizes per (head dim rounded up, dtype width).  FROM THE DEVICELESS FILTER, NOT FROM TIMINGS
+# (benchmarks/block_search.py -> results/h100-compiled/block_search.md, "compiled for H100, not run"), until a
+# GPU run (`python -m benchmarks compile --search` on one) says otherwise.  A row is the previous hand-picked
+# one where it passed the filter (no spill, fits an sm_90 SM, wgmma only for bf16/fp16), else the filter's
+# top-ranked survivor (largest tile, occupancy, stages) with warps/stages the two backward kernels share;
+# where no candidate passes (fp32 D=128 dkv, fp32 D=256), the one spilling the fewest bytes.
+#   fwd block_q, block_k | dkv block_q, block_k | dq block_q, block_k | fwd warps, stages | bwd warps, stages
+_DEFAULTS = {
+    (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3),  # bwd at 4 warps: dkv 255 regs, spilled
+    (128, "16bit"): (128, 64, 32, 64, 64, 32, 8, 2, 8, 2),   # unchanged
+    (256, "16bit"): (64, 32, 16, 64, 128, 32, 8, 2, 8, 2),   # dkv/dq were 32x32: M = 32 < 64, mma.sync;
+    # dkv 32x64 (the search's only survivor, 255 regs) spilled 24-28 B with GQA (the gate); 16x64: 225-240 regs
+    (64, "fp32"): (64, 64, 32, 64, 64, 64, 8, 2, 8, 2),      # TF32x3: no spill
+    (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1),     # dkv spills 44/32 B (least of 12)
+    (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1),     # 0.2-0.5 KB spills; every M >= 32 spilled KBs
+}
 
 
 # ----------------------------------------------------------------------------------------- static config
@@ -142,6 +159,8 @@ class _Cfg:
     block_k_dq: int
     num_warps: int
     num_stages: int
+    num_warps_bwd: int
+    num_stages_bwd: int
     interpret: bool
     poison: bool
 
@@ -170,22 +189,57 @@ def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret
     if args.causal:
         right = 0 if right is None else min(right, 0)
     dp = max(_MIN_BLOCK, _next_pow2(d))
+    warps = bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8)
     return _Cfg(
         sq=sq, sk=sk, groups=hq // hkv, scale=float(args.scale), left=left, right=right,
         softcap=None if args.softcap is None else float(args.softcap), has_seg=args.has_segment_ids,
         block_q=min(bs.block_q, cap_q), block_k=min(bs.block_k, cap_k),
         block_q_dkv=min(bs.block_q_dkv, cap_q), block_k_dkv=min(bs.block_k_dkv, cap_k),
         block_q_dq=min(bs.block_q_dq, cap_q), block_k_dq=min(bs.block_k_dq, cap_k),
-        num_warps=bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8),
-        num_stages=bs.num_stages, interpret=bool(interpret), poison=bool(poison))
+        num_warps=warps, num_stages=bs.num_stages,
+        num_warps_bwd=warps if bs.num_warps_bwd is None else bs.num_warps_bwd,
+        num_stages_bwd=bs.num_stages if bs.num_stages_bwd is None else bs.num_stages_bwd,
+        interpret=bool(interpret), poison=bool(poison))
 
 
 # ----------------------------------------------------------------------------------------- kernel pieces
 def _dot(a, b, contract_a: int, contract_b: int):
-    """fp32-accumulating 2-D matmul; fp32 operands use IEEE fp32 (no TF32)."""
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), precision=prec,
-                           preferred_element_type=jnp.float32)
+    """fp32-accumulating 2-D matmul on the tensor cores; fp32 operands go through :func:`_dot_tf32x3`."""
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    if a.dtype == jnp.float32:
+        return _dot_tf32x3(a, b, dims)
+    return lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+
+
+_TF32_MASK = np.int32(-(1 << 13))  # 0xFFFFE000: sign, exponent and the 10 mantissa bits TF32 keeps
+_TF32_HALF = np.int32(1 << 12)     # half a TF32 unit in the last place: add, then mask = round to nearest
+
+
+def _to_tf32(x):
+    """``x`` rounded to the nearest TF32 value (ties away from zero), kept in fp32; exact on the bits, so the
+    GPU and the CPU interpreter agree.  Only |x| within 2^-11 of fp32's max rounds up to inf."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return lax.bitcast_convert_type((bits + _TF32_HALF) & _TF32_MASK, jnp.float32)
+
+
+def _split_tf32(x):
+    """``(hi, lo)`` TF32 values with ``hi + lo = x`` to ~2^-22 relative (``lo`` = TF32 of the exact fp32
+    remainder ``x - hi``), so every TF32 tensor-core product of the pieces is exact."""
+    hi = _to_tf32(x)
+    return hi, _to_tf32(x - hi)
+
+
+def _dot_tf32x3(a, b, dims):
+    """fp32 matmul as three TF32 tensor-core passes (``hi*lo + lo*hi`` first, then ``hi*hi``: the 3-pass
+    split of cuBLAS/Triton "tf32x3"; the dropped ``lo*lo`` and the roundings leave ~2^-21 relative per product,
+    the order of fp32's own accumulation error: measured against fp64 in ``test_flash.py``).  IEEE fp32 (``Precision.HIGHEST``)
+    makes Triton emit scalar FMAs, which spilled KBs per thread on sm_90."""
+    (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+
+    def mm(x, y):  # DEFAULT on fp32 = TF32 in the Triton lowering; exact here as x, y are TF32 values
+        return lax.dot_general(x, y, dims, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+
+    return (mm(a_hi, b_lo) + mm(a_lo, b_hi)) + mm(a_hi, b_hi)
 
 
 def _scores(q, k, cfg: _Cfg):
@@ -197,15 +251,18 @@ def _scores(q, k, cfg: _Cfg):
     return cfg.softcap * t, t
 
 
-def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool):
-    """Visibility of a ``[bq, bk]`` tile (None when nothing can be masked)."""
+def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool, transposed: bool = False):
+    """Visibility of a ``[bq, bk]`` tile, or of its transpose ``[bk, bq]`` (None when nothing can be masked)."""
     m = None
 
     def _and(a, b):
         return b if a is None else jnp.logical_and(a, b)
 
-    qp = q_pos[:, None]
-    kp = k_pos[None, :]
+    qi, ki = (slice(None), None), (None, slice(None))
+    if transposed:
+        qi, ki = ki, qi
+    qp = q_pos[qi]
+    kp = k_pos[ki]
     off = cfg.sk - cfg.sq
     if k_padded:
         m = _and(m, kp < cfg.sk)
@@ -214,7 +271,7 @@ def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool):
     if cfg.left is not None:
         m = _and(m, kp >= qp + (off - cfg.left))
     if q_seg is not None:
-        m = _and(m, q_seg[:, None] == k_seg[None, :])
+        m = _and(m, q_seg[qi] == k_seg[ki])
     return m
 
 
@@ -364,6 +421,21 @@ def _bwd_tile(q, k, v, do, lse, delta, tmask, cfg: _Cfg):
     return p, ds
 
 
+def _bwd_tile_t(q, k, v, do, lse, delta, tmask_t, cfg: _Cfg):
+    """:func:`_bwd_tile` transposed, ``(p^T, ds^T)`` as ``[bk, bq]``: the dK/dV kernel computes ``k q^T`` and
+    ``v do^T`` so every dot has M = ``block_k_dkv`` (wgmma needs M >= 64 per warpgroup; FA2 §3.1.2 leaves the
+    operand order free)."""
+    s, t = _scores(k, q, cfg)
+    p = jnp.exp2(s * _LOG2E - (lse * _LOG2E)[None, :])
+    if tmask_t is not None:
+        p = jnp.where(tmask_t, p, 0.0)
+    dpv = _dot(v, do, 1, 1)
+    ds = p * (dpv - delta[None, :])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
 def _dkv_kernel(*refs, cfg: _Cfg):
     if cfg.has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
@@ -386,7 +458,7 @@ def _dkv_kernel(*refs, cfg: _Cfg):
             q0 = i * bq
             q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
             q_seg = qs_ref[pl.ds(q0, bq)] if cfg.has_seg else None
-            tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
+            tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded, transposed=True) if masked else None
 
             def compute(cc):
                 dk, dv = cc
@@ -394,9 +466,9 @@ def _dkv_kernel(*refs, cfg: _Cfg):
                 do = do_ref[pl.ds(q0, bq), g, :]
                 lse = lse_ref[g, pl.ds(q0, bq)]
                 delta = delta_ref[g, pl.ds(q0, bq)]
-                p, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
-                dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
-                dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+                p_t, ds_t = _bwd_tile_t(q, k, v, do, lse, delta, tmask, cfg)
+                dv = dv + _dot(p_t.astype(do.dtype), do, 1, 0)
+                dk = dk + _dot(ds_t.astype(q.dtype), q, 1, 0)
                 return dk, dv
 
             return _maybe_skip(tmask, cfg, compute, c)
@@ -468,7 +540,8 @@ def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, arg
     return pl.pallas_call(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
         input_output_aliases=aliases, interpret=cfg.interpret, name=name,
-        compiler_params=_triton_compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=(_triton_compiler_params(cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else
+                         _triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)),
     )(*args)
 
 

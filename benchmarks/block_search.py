@@ -1,0 +1,326 @@
+"""Block-size search for the ``flash`` kernels: a deviceless resource filter, then (on a GPU) timings.
+
+    python -m benchmarks compile --search [--quick]        # filter every (kernel, D, dtype); time if a GPU is here
+    python -m benchmarks.block_search --kernel flash_bwd_dkv --d 64 --dtype bf16
+
+Step 1, deviceless (``compiled for H100, not run``): each candidate :class:`~jaxattn.attention.flash.BlockSizes`
+of one kernel is compiled ALONE for the target (``jax.jit`` of that one ``pallas_call`` on ShapeDtypeStructs
+placed on the deviceless H100), and ``ptxas -v`` / ``cuobjdump -sass`` decide: it passes when it spills nothing,
+fits the SM (registers, shared memory, >= 1 block per SM) and, for bf16/fp16, uses wgmma only (HMMA = 0).
+Occupancy is reported, not used to rank: a GPU ranks.  Step 2, only when jax sees a GPU: every survivor is
+timed (median of ``common.time_fn``) through the public op with that ``block_sizes``; on a CPU host this step
+is skipped with a message, and the defaults in ``flash.py`` stay "from the deviceless filter".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxattn import gpu_target  # noqa: E402
+from jaxattn.attention import flash  # noqa: E402
+from jaxattn.attention._common import normalize  # noqa: E402
+
+from . import kernel_stats  # noqa: E402
+
+KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
+# The BlockSizes fields each kernel reads (its tile and its launch knobs).
+FIELDS = {"flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
+          "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
+          "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    b: int = 1
+    s: int = 4096
+    hq: int = 16
+    hkv: int = 16
+    causal: bool = True
+
+
+def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
+    """The values of the fields ``kernel`` reads (None-valued launch knobs resolved as the kernel sees them)."""
+    cfg = _cfg(bs, d, jnp.bfloat16, Shape(s=4096))
+    warps = cfg.num_warps if kernel == "flash_fwd" else cfg.num_warps_bwd
+    stages = cfg.num_stages if kernel == "flash_fwd" else cfg.num_stages_bwd
+    a, b = FIELDS[kernel][:2]
+    return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
+
+
+def _cfg(bs, d, dtype, shape: Shape):
+    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
+    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
+    return flash._make_cfg(q, k, normalize(q, k, k, causal=shape.causal), bs, interpret=False, poison=False)
+
+
+def _kernel_fn(kernel: str, cfg):
+    """A function of ShapeDtypeStructs that runs exactly one of the three ``pallas_call``s."""
+    if kernel == "flash_fwd":
+        return lambda q, k, v: flash._fwd_call(cfg, q, k, v, None, None)
+    call = flash._dkv_call if kernel == "flash_bwd_dkv" else flash._dq_call
+    return lambda q, k, v, do, lse, delta: call(cfg, q, k, v, do, lse, delta, None, None)
+
+
+def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: Shape = Shape(),
+                   workdir: Optional[str] = None) -> dict:
+    """Compile ``kernel`` alone with ``bs`` for the deviceless target ``devs``; its :mod:`kernel_stats`
+    record (registers, spills, smem, occupancy, SASS counts)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    cfg = _cfg(bs, d, dtype, shape)
+    dp = max(16, flash._next_pow2(d))
+    sds = jax.ShapeDtypeStruct
+    q = sds((shape.b, cfg.sq_pad, shape.hq, dp), dtype)
+    kv = sds((shape.b, cfg.sk_pad, shape.hkv, dp), dtype)
+    args = (q, kv, kv)
+    if kernel != "flash_fwd":
+        row = sds((shape.b, shape.hq, cfg.sq_pad), jnp.float32)
+        args += (q, row, row)
+    with tempfile.TemporaryDirectory(dir=workdir) as dump:
+        gpu_target.compile(_kernel_fn(kernel, cfg), *gpu_target.place(args, devs),
+                           compiler_options={"xla_dump_to": dump})
+        recs = kernel_stats.from_xla_dump(dump, names=(kernel,))
+    if kernel not in recs:
+        raise RuntimeError(f"{kernel} not found in the compiled program")
+    return recs[kernel]
+
+
+# ------------------------------------------------------------------------------------------------ candidates
+def candidates(kernel: str, d: int, dtype, quick: bool = False) -> List[flash.BlockSizes]:
+    """Candidate :class:`BlockSizes` for one kernel, varying only the fields it reads (the others keep the
+    defaults).  The M dimension of every dot (fwd ``block_q``, dq ``block_q_dq``, dkv ``block_k_dkv``) is >= 64
+    for bf16/fp16, wgmma's minimum; fp32 (TF32 passes) tries M in 32/64, N in 16/32/64, 8 warps, 1-2 stages.
+    ``quick``: a handful (2 tiles x 2 warp counts), for CI."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    wide = jnp.dtype(dtype).itemsize >= 4
+    if wide:  # fp32 tiles are twice the bytes and the TF32x3 split doubles the live operands: at 4 warps every
+        # tile spilled more than at 8 (first full pass, NOTES.md), and a 16-wide N often removes the spill
+        ms, ns, warps, stages = (32, 64), (16, 32, 64), (8,), (1, 2)
+        if d > 128:  # D=256: every M >= 32 spilled KBs or overflowed shared memory (first pass); 16 did not
+            ms, ns = (16, 32), (16, 32)
+    else:
+        ns = {"flash_fwd": (32, 64, 128), "flash_bwd_dq": (32, 64), "flash_bwd_dkv": (16, 32, 64)}[kernel]
+        ms, warps, stages = (64, 128), (4, 8), (2, 3)
+    if quick:
+        ms, ns, warps, stages = ms[-2:], ns[-1:], (4, 8), stages[-1:]
+    m_field, n_field, w_field, s_field = FIELDS[kernel]
+    if kernel == "flash_bwd_dkv":  # block_k_dkv is M; the query block streams (N of k q^T, K of dv/dk)
+        n_field, m_field = m_field, n_field
+    base = flash.BlockSizes.default(d, dtype)
+    out = []
+    for m, n, w, s in itertools.product(ms, ns, warps, stages):
+        out.append(dataclasses.replace(base, **{m_field: m, n_field: n, w_field: w, s_field: s}))
+    return list(dict.fromkeys(out))
+
+
+def verdict(rec: dict, dtype) -> Optional[str]:
+    """None when a compiled kernel passes the resource filter, else why not."""
+    from .kernel_stats import H100_LIMITS
+    if rec.get("spill_stores") or rec.get("spill_loads"):
+        return f"spills {rec['spill_stores']}/{rec['spill_loads']} B"
+    if rec.get("registers") is None or rec["registers"] > H100_LIMITS["max_regs_per_thread"]:
+        return f"registers {rec.get('registers')}"
+    if not rec.get("fits") or rec.get("blocks_per_sm", 0) < 1:
+        return f"does not fit an SM ({rec.get('limited_by')})"
+    if rec["smem_bytes"] > H100_LIMITS["smem_per_block"]:
+        return f"shared memory {rec['smem_bytes']} B"
+    sass = rec.get("sass")
+    if jnp.dtype(dtype).itemsize < 4 and sass is not None and (sass["HMMA"] or not sass["HGMMA"]):
+        return f"not wgmma-only (HGMMA {sass['HGMMA']}, HMMA {sass['HMMA']})"
+    return None
+
+
+def rank_key(row: dict):
+    """Order of the survivors when no GPU has timed them: the largest tile (arithmetic intensity per loaded
+    byte), then occupancy, then more pipeline stages, then fewer registers.  A placeholder for a timing."""
+    k = row["knobs"]
+    tile = [v for f, v in k.items() if f.startswith("block")]
+    return (-(tile[0] * tile[1]), -row["occupancy"], -k["num_stages"], row["registers"])
+
+
+def filter_kernel(devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: Shape = Shape(),
+                  log=print) -> List[dict]:
+    """Compile every candidate of one kernel; rows ``{knobs, block_sizes, registers, spills, smem, occupancy,
+    sass, verdict}``, passing rows first in :func:`rank_key` order."""
+    rows = []
+    for bs in cands:
+        row = {"kernel": kernel, "head_dim": d, "dtype": jnp.dtype(dtype).name, "knobs": _knobs(bs, kernel, d),
+               "block_sizes": dataclasses.asdict(bs)}
+        t0 = time.perf_counter()
+        try:
+            rec = compile_kernel(devs, kernel, d, dtype, bs, shape)
+        except Exception as e:  # a candidate Triton cannot compile is a rejected row, not the end of the search
+            row.update(verdict=f"compile error: {type(e).__name__}: {str(e)[:200]}", passed=False)
+            rows.append(row)
+            log(f"    {row['knobs']}: {row['verdict'][:120]}")
+            continue
+        why = verdict(rec, dtype)
+        row.update({k: rec.get(k) for k in ("registers", "spill_stores", "spill_loads", "smem_bytes", "threads",
+                                           "blocks_per_sm", "occupancy", "limited_by", "sass")},
+                   verdict=why or "pass", passed=why is None, compile_s=round(time.perf_counter() - t0, 1))
+        rows.append(row)
+        log(f"    {row['knobs']}: regs {rec['registers']} spill {rec['spill_stores']}/{rec['spill_loads']} "
+            f"smem {rec['smem_bytes']} occ {rec.get('occupancy', 0):.3f} -> {row['verdict']}")
+    passed = sorted((r for r in rows if r["passed"]), key=rank_key)
+    return passed + [r for r in rows if not r["passed"]]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def time_rows(rows: List[dict], shape: Shape = Shape(), iters: int = 20) -> List[dict]:
+    """On a GPU: the median time of each passing row's kernel alone (``common.timeit``, random inputs of
+    ``shape``), and its rank.  Without a GPU, returns ``rows`` unchanged (the caller says so)."""
+    from . import common
+    if not has_gpu():
+        return rows
+    for row in rows:
+        if not row["passed"]:
+            continue
+        d, dtype = row["head_dim"], jnp.dtype(row["dtype"])
+        bs = flash.BlockSizes(**row["block_sizes"])
+        cfg = _cfg(bs, d, dtype, shape)
+        key = jax.random.split(jax.random.PRNGKey(0), 4)
+        q = jax.random.normal(key[0], (shape.b, cfg.sq_pad, shape.hq, d), dtype)
+        kv = jax.random.normal(key[1], (shape.b, cfg.sk_pad, shape.hkv, d), dtype)
+        args = (q, kv, kv)
+        if row["kernel"] != "flash_fwd":
+            _, lse = flash._fwd_call(cfg, q, kv, kv, None, None)
+            delta = jax.random.normal(key[2], lse.shape, jnp.float32)
+            args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
+        fn = jax.jit(_kernel_fn(row["kernel"], cfg))
+        try:
+            row["time"] = common.timeit(fn, *args, iters=iters)
+        except Exception as e:  # pragma: no cover - GPU only
+            row["time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    timed = sorted((r for r in rows if "time" in r), key=lambda r: r["time"]["median_s"])
+    for i, r in enumerate(timed):
+        r["time_rank"] = i
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def cases(quick: bool = False):
+    """``[(kernel, D, dtype name)]`` searched: bf16 and fp32 (fp16 tiles are bf16's: same bytes, same dots)."""
+    ds, dts = ((64,), ("bf16",)) if quick else ((64, 128, 256), ("bf16", "fp32"))
+    return [(k, d, dt) for dt in dts for d in ds for k in KERNELS]
+
+
+def search(devs, quick: bool = False, shape: Shape = Shape(), log=print) -> List[dict]:
+    """Filter (deviceless) every case of :func:`cases`, then time the survivors when a GPU is present."""
+    from .compile import DTYPES
+    rows = []
+    for kernel, d, dt in cases(quick):
+        log(f"  {kernel} D={d} {dt}")
+        got = filter_kernel(devs, kernel, d, DTYPES[dt], candidates(kernel, d, DTYPES[dt], quick), shape, log)
+        rows += time_rows(got, shape)
+    if not has_gpu():
+        log("  no GPU here: timing skipped; the survivors are ranked by rank_key (tile, occupancy, stages), "
+            "not by speed")
+    return rows
+
+
+def table(rows: List[dict]) -> str:
+    """Markdown: per (kernel, D, dtype) the best surviving candidate and how many passed."""
+    lines = ["| kernel | D | dtype | candidates | pass | best (deviceless rank) | regs | smem B | occupancy | "
+             "HGMMA | HMMA | time ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
+    for (kernel, d, dt), rs in groups.items():
+        ok = [r for r in rs if r["passed"]]
+        best = min(ok, key=lambda r: r.get("time", {}).get("median_s", 0.0)) if any("time" in r for r in ok) \
+            else (ok[0] if ok else None)
+        note = ""
+        if best is None:  # nothing passes: show the least-spilling compiled candidate
+            spilled = [r for r in rs if r.get("registers") is not None]
+            if not spilled:
+                lines.append(f"| {kernel} | {d} | {dt} | {len(rs)} | 0 | none compiled | | | | | | |")
+                continue
+            best = min(spilled, key=lambda r: (r["spill_stores"] + r["spill_loads"], rank_key(r)))
+            note = f" (none passes; least spill {best['spill_stores']}/{best['spill_loads']} B)"
+        k = ", ".join(f"{f}={v}" for f, v in best["knobs"].items()) + note
+        sass = best.get("sass") or {}
+        t = best.get("time", {}).get("median_s")
+        lines.append(f"| {kernel} | {d} | {dt} | {len(rs)} | {len(ok)} | {k} | {best['registers']} | "
+                     f"{best['smem_bytes']:,} | {best['occupancy']:.3f} | {sass.get('HGMMA', 'n/a')} | "
+                     f"{sass.get('HMMA', 'n/a')} | {'' if t is None else f'{t * 1e3:.3f}'} |")
+    return "\n".join(lines)
+
+
+def write(out: str, rows: List[dict], info: dict) -> str:
+    """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype) searched now replace the
+    stored ones, the others stay, so a partial search never erases a finished one) and rewrite
+    ``block_search.md``; returns the markdown."""
+    from . import common
+    path = os.path.join(out, "block_search.json")
+    old = common.read_results(out).get("block_search", {}).get("records", []) if os.path.exists(path) else []
+    key = lambda r: (r["kernel"], r["head_dim"], r["dtype"])  # noqa: E731
+    now = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in now] + list(rows)
+    merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"]))
+    common.write_results(out, "block_search", merged, info)
+    timed = any("time" in r for r in merged)
+    text = (f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
+            "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.block_search "
+            "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
+            "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
+            + ("Best = the fastest timed survivor." if timed else
+               "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
+               "stages, fewer registers), not a speed.")
+            + " `BlockSizes.default` is chosen from these rows (see flash.py).\n\n" + table(merged) + "\n")
+    common.write_text_atomic(os.path.join(out, "block_search.md"), text)
+    return text
+
+
+def main(argv=None) -> int:
+    from .compile import DTYPES, target_config
+    p = argparse.ArgumentParser(prog="python -m benchmarks.block_search", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=KERNELS, action="append")
+    p.add_argument("--d", type=int, action="append")
+    p.add_argument("--dtype", choices=tuple(DTYPES), action="append")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--target", default="h100")
+    p.add_argument("--out", default=None, help="merge the rows into DIR/block_search.{json,md}")
+    args = p.parse_args(argv)
+    devs = gpu_target.devices(target_config(args.target))
+    rows = []
+    for kernel in args.kernel or KERNELS:
+        for d in args.d or (64, 128, 256):
+            for dt in args.dtype or ("bf16",):
+                print(f"  {kernel} D={d} {dt}", flush=True)
+                got = filter_kernel(devs, kernel, d, DTYPES[dt], candidates(kernel, d, DTYPES[dt], args.quick),
+                                    log=lambda *a: print(*a, flush=True))
+                rows += time_rows(got)
+    if not has_gpu():
+        print("no GPU here: timing skipped (deviceless filter only)")
+    print(table(rows))
+    if args.out:
+        from . import common
+        info = dict(common.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run",
+                    timed_on=common.jax_device_name() if any("time" in r for r in rows) else None)
+        write(args.out, rows, info)
+        print(f"merged into {args.out}/block_search.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
