@@ -1,9 +1,12 @@
-"""``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR]`` — measure both frameworks on this machine.
+"""``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR]`` — measure both frameworks on this machine;
+``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there.
 
 Suites: ``model`` (same Llama in both frameworks: logits parity, forward and forward+backward) and
 ``attention`` (every attention backend against torch SDPA and JAX's own kernels); ``all`` runs each. Results go
 to ``--out`` (default ``benchmarks/results/<device>/``, or ``.../<device>-quick/`` with ``--quick``): one JSON
 per suite, ``report.md`` and plots. ``--quick`` uses tiny shapes so a CPU pass takes a few minutes at most.
+``report`` re-runs nothing: it reads every ``<suite>.json`` in DIR (e.g. after merging runs or changing the
+report layout) and rewrites ``report.md`` (with the "JAX speed-up = torch time / JAX time" column) and the plots.
 
 A bad filter (``--impl`` name, ``--max-seq`` that keeps no shape) or an unwritable ``--out`` fails at once,
 before anything is measured; a suite that measures nothing exits non-zero and writes nothing. Each file is
@@ -39,12 +42,21 @@ def main(argv=None) -> int:
     run.add_argument("--max-seq", type=int, default=None,
                      help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)")
     run.add_argument("--out", default=None, help="output directory (default benchmarks/results/<device>[-quick])")
+    rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
+    rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
     sub.add_parser("compile", help="compile for an H100/H200 without a GPU (python -m benchmarks compile --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compile"]:  # its own flags: benchmarks/compile.py
         from .compile import main as compile_main
         return compile_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "report":
+        try:
+            written = common.rebuild_report(args.dir)
+        except ValueError as e:
+            rep.error(str(e))
+        print("\n".join(f"wrote {p}" for p in written))
+        return 0
 
     suites = list(SUITES) if not args.suite or "all" in args.suite else list(dict.fromkeys(args.suite))
     # Everything that can be wrong with the command line fails here, before jax/torch are imported or anything

@@ -115,17 +115,6 @@ def _jax_impls(quick: bool):
     return impls
 
 
-def _jax_mem(fn, *args) -> Optional[int]:
-    try:
-        ma = fn.lower(*args).compile().memory_analysis()
-        if ma is None:
-            return None
-        return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                   - getattr(ma, "alias_size_in_bytes", 0))
-    except Exception:
-        return None
-
-
 def _run_jax(records, quick, shape, iters, warmup, wanted=None):
     import jax
 
@@ -177,7 +166,7 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None):
                 continue
             fl = common.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             records.append(_record(name, "jax", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
-                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=_jax_mem(fn, *args),
+                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=common.jax_compiled_memory(fn, *args),
                                    **_kw(base)))
 
 

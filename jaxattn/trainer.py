@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from .spec import optim as spec_optim
 from .spec.cli import CLIError, parse_args
 from .spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
-from .spec.runlog import RunLog, host_peak_rss_bytes
+from .spec.runlog import RunLog
 
 __all__ = ["main", "run", "prepare"]
 
@@ -33,10 +33,9 @@ PROFILE_STEPS = 3
 
 
 def _peak_mem(device) -> int:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "peak_bytes_in_use" in stats:
-        return int(stats["peak_bytes_in_use"])
-    return host_peak_rss_bytes()
+    from .profiling import peak_memory_bytes
+
+    return peak_memory_bytes(device)  # device peak where the backend keeps stats, else host peak RSS
 
 
 class Run:
@@ -157,6 +156,7 @@ def _train(r: Run) -> dict[str, Any]:
     import jax
 
     from .data import prefetch_to_device
+    from .profiling import start_trace, stop_trace
 
     args = r.args
     device = r.device  # a device, or the batch's NamedSharding with --mesh
@@ -187,16 +187,14 @@ def _train(r: Run) -> dict[str, Any]:
             batches = prefetch_to_device(r.data, r.start, args.steps, device=device, with_tokens=True)
             for i, (batch, tokens) in enumerate(batches, r.start):
                 if i == prof_start:
-                    os.makedirs(args.profile, exist_ok=True)
-                    jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+                    start_trace(args.profile)
                     profiling = True
                 r.state, metrics = r.step_fn(r.state, batch)
                 if pending is not None:
                     report(pending)
                 pending = (i + 1, metrics, tokens)
                 if profiling and i + 1 >= prof_start + PROFILE_STEPS:
-                    jax.block_until_ready(r.state)
-                    jax.profiler.stop_trace()
+                    stop_trace(r.state)
                     profiling = False
                 if r.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                     report(pending)
@@ -205,8 +203,7 @@ def _train(r: Run) -> dict[str, Any]:
             if pending is not None:
                 report(pending)
         if profiling:
-            jax.block_until_ready(r.state)
-            jax.profiler.stop_trace()
+            stop_trace(r.state)
         compiles = r.step_fn.jitted._cache_size() if hasattr(r.step_fn.jitted, "_cache_size") else None
         log.write(f"jax train: {args.steps - r.start} steps, train step compiled {compiles} time(s)"
                   f" (packing={args.packing}, buckets={list(r.data.buckets)})")

@@ -31,7 +31,7 @@ def test_report_table_ratio():
             {"suite": "x", "S": 8, "pass": "fwd", "impl": "b", "framework": "torch", "median_ms": 3.0},
             {"suite": "x", "S": 8, "pass": "fwd", "impl": "c", "framework": "torch", "median_ms": 1.0, "status": "skipped"}]
     table = common.report_table(recs)
-    assert "1.50x" in table and "| S | pass | jax:a | torch:b | torch:c | torch/jax |" in table
+    assert "1.50x" in table and "| S | pass | jax:a | torch:b | torch:c | JAX speed-up = torch time / JAX time |" in table
 
 
 def test_timeit_rejects_bad_counts():
@@ -49,7 +49,7 @@ def test_main_job_model_suite(tmp_path):
     for r in recs:
         assert r["status"] == "ok" and r["iters"] >= 20 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0
-    assert "torch/jax" in (tmp_path / "report.md").read_text()
+    assert "JAX speed-up = torch time / JAX time" in (tmp_path / "report.md").read_text()
 
 
 # --------------------------------------------------------------------------------------------- bad command lines

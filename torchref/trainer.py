@@ -25,7 +25,7 @@ import torch
 
 from jaxattn.spec.cli import CLIError, parse_args
 from jaxattn.spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
-from jaxattn.spec.runlog import RunLog, host_peak_rss_bytes
+from jaxattn.spec.runlog import RunLog
 
 __all__ = ["main", "run", "prepare"]
 
@@ -34,9 +34,9 @@ PROFILE_STEPS = 3
 
 
 def _peak_mem(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return host_peak_rss_bytes()
+    from .profiling import peak_memory_bytes
+
+    return peak_memory_bytes(device)  # torch.cuda.max_memory_allocated on CUDA, else host peak RSS
 
 
 class Run:
@@ -161,13 +161,9 @@ def prepare(argv: Optional[Sequence[str]]) -> Run:
 def _profiler(r: Run):
     if not r.args.profile:
         return contextlib.nullcontext(None)
-    os.makedirs(r.args.profile, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if r.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities,
-                                  schedule=torch.profiler.schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1),
-                                  on_trace_ready=torch.profiler.tensorboard_trace_handler(r.args.profile))
+    from .profiling import profiler
+
+    return profiler(r.args.profile, wait=0, warmup=1, active=PROFILE_STEPS, cuda=r.device.type == "cuda")
 
 
 def _train(r: Run) -> dict[str, Any]:

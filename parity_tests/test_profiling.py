@@ -1,0 +1,168 @@
+"""The profiling twins (``jaxattn.profiling``, ``torchref.profiling``) and the neutral ``jaxattn.spec.timing``:
+traces are written and non-empty, memory snapshots are ordered and say where their numbers come from, timer
+medians are sane, synchronize passes nested pytrees / tensors through."""
+import gzip
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import profiling as jprof
+from jaxattn.spec import timing
+
+torch = pytest.importorskip("torch")
+from torchref import profiling as tprof  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------ spec.timing
+def test_summarize_and_percentile_on_known_values():
+    xs = [0.5, 0.1, 0.4, 0.2, 0.3]
+    s = timing.summarize(xs)
+    assert s == {"median_s": 0.3, "p10_s": 0.1, "p90_s": 0.5, "iters": 5}
+    assert timing.percentile(range(1, 101), 0.9) == 91 and timing.percentile([7.0], 0.5) == 7.0
+    with pytest.raises(ValueError, match="values is empty"):
+        timing.percentile([], 0.5)
+    with pytest.raises(ValueError, match=r"q must be in \[0, 1\], got 1.5"):
+        timing.percentile([1.0], 1.5)
+    with pytest.raises(ValueError, match="iters >= 1 .* got iters=0"):
+        timing.time_calls(lambda: None, iters=0)
+
+
+def test_time_calls_median_is_sane_and_syncs_every_call():
+    seen = []
+    stats = timing.time_calls(lambda d: time.sleep(d) or d, 0.002, warmup=2, iters=9, sync=seen.append)
+    assert len(seen) == 11 and all(x == 0.002 for x in seen)  # warm-up and timed calls are all synchronized
+    assert stats["iters"] == 9 and 0.002 <= stats["p10_s"] <= stats["median_s"] <= stats["p90_s"] < 0.2
+
+
+def test_step_timer_phases_in_order_with_medians():
+    synced = []
+    timer = timing.StepTimer(sync=lambda *a: synced.append(a), skip_first=1)
+    for _ in range(4):
+        with timer.phase("data"):
+            time.sleep(0.001)
+        with timer.phase("step") as ph:
+            ph.wait_on(time.sleep(0.004) or "out")
+    s = timer.summary()
+    assert list(s) == ["data", "step"] and s["data"]["iters"] == 3 == s["step"]["iters"]
+    assert 0.001 <= s["data"]["median_s"] < s["step"]["median_s"] < 0.2
+    assert synced.count(()) == 4 and synced.count(("out",)) == 4  # no wait_on: global sync; else the value
+    assert "data" in timer.report() and "share" in timer.report()
+    with pytest.raises(ValueError, match="skip_first must be an int >= 0, got -1"):
+        timing.StepTimer(skip_first=-1)
+
+
+# ------------------------------------------------------------------------------------------------ jax
+def test_jax_synchronize_nested_pytree():
+    x = jnp.arange(6.0).reshape(2, 3)
+    tree = {"a": [x * 2, (x + 1, None)], "b": 3, "c": np.ones(2)}
+    out = jprof.synchronize(tree)
+    assert out is tree or jax.tree.structure(out) == jax.tree.structure(tree)
+    np.testing.assert_array_equal(out["a"][0], np.arange(6.0).reshape(2, 3) * 2)
+    assert jprof.synchronize() is None  # all live arrays
+
+
+def test_jax_trace_writes_tensorboard_and_perfetto_files(tmp_path):
+    f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    with jprof.trace(str(tmp_path / "prof")) as d:
+        jprof.synchronize(f(x))
+    files = jprof.trace_files(d)
+    xplane = [p for p in files if p.endswith(".xplane.pb")]
+    perfetto = [p for p in files if p.endswith("perfetto_trace.json.gz")]
+    assert xplane and perfetto, files
+    assert all(os.path.getsize(p) > 0 for p in xplane + perfetto)
+    events = json.loads(gzip.open(perfetto[0]).read())
+    assert events  # a real Chrome/Perfetto trace document
+    with pytest.raises(ValueError, match="log_dir must be a directory path"):
+        jprof.start_trace("")
+
+
+def test_jax_timeit_and_step_timer():
+    f = jax.jit(lambda a: a @ a)
+    x = jnp.ones((32, 32))
+    s = jprof.timeit(f, x, warmup=1, iters=5)
+    assert s["iters"] == 5 and 0 < s["p10_s"] <= s["median_s"] <= s["p90_s"]
+    timer = jprof.StepTimer()
+    with timer.phase("matmul") as ph:
+        ph.wait_on(f(x))
+    assert timer.summary()["matmul"]["iters"] == 1
+
+
+def test_jax_memory_tracker_labels_order_and_sources():
+    f = jax.jit(lambda a: (a @ a.T).sum(0))
+    x = jnp.ones((128, 64), jnp.float32)
+    mem = jprof.MemoryTracker()
+    mem.snapshot("start")
+    snap = mem.snapshot("matmul", fn=f, args=(x,))
+    assert [s["label"] for s in mem.snapshots] == ["start", "matmul"]
+    assert [s["index"] for s in mem.snapshots] == [0, 1]
+    assert "compiled memory_analysis" in snap["source"] and "compiled" not in mem.snapshots[0]
+    comp = snap["compiled"]
+    assert comp["argument"] == 128 * 64 * 4 and comp["output"] == 128 * 4
+    assert comp["total"] == comp["argument"] + comp["output"] + comp["temp"] - comp["alias"]
+    if jprof.device_memory_stats() is None:  # CPU: no allocator stats; host RSS, labelled as such
+        assert "host RSS" in snap["source"] and snap["host_peak_rss_bytes"] > 0
+        assert jprof.peak_memory_bytes(host_fallback=False) is None
+    else:
+        assert snap["peak_bytes"] >= snap["bytes_in_use"] > 0
+    rep = mem.report().splitlines()
+    assert "start" in rep[2] and "matmul" in rep[3] and "compiled memory_analysis" in rep[3]
+    with pytest.raises(ValueError, match="label must be a non-empty str"):
+        mem.snapshot("")
+    with pytest.raises(TypeError, match="needs a jax.jit-ed function"):
+        jprof.compiled_memory(lambda a: a, x)
+
+
+# ------------------------------------------------------------------------------------------------ torch
+def test_torch_synchronize_returns_tensors_and_nests():
+    t = torch.randn(3, 4)
+    nest = {"a": [t, (t * 2, None)]}
+    assert tprof.synchronize(t) is t and tprof.synchronize(nest) is nest and tprof.synchronize() is None
+
+
+def test_torch_trace_writes_chrome_trace(tmp_path):
+    a = torch.randn(64, 64)
+    with tprof.trace(str(tmp_path / "prof")) as prof:
+        tprof.synchronize(torch.tanh(a @ a).sum())
+    path = tmp_path / "prof" / "trace.json"
+    assert path.stat().st_size > 0
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert any("mm" in str(n) for n in names), sorted(map(str, names))[:20]
+    assert "aten::mm" in prof.key_averages().table()
+
+
+def test_torch_step_window_profiler_writes_trace(tmp_path):
+    a = torch.randn(32, 32)
+    with tprof.profiler(str(tmp_path / "win"), wait=0, warmup=1, active=2) as prof:
+        for _ in range(4):
+            (a @ a).sum()
+            prof.step()
+    files = tprof.trace_files(str(tmp_path / "win"))
+    assert [f for f in files if f.endswith(".pt.trace.json") and os.path.getsize(f) > 0], files
+    with pytest.raises(ValueError, match="active must be an int >= 1, got 0"):
+        tprof.profiler(str(tmp_path / "bad"), active=0)
+
+
+def test_torch_timeit_step_timer_and_memory_tracker():
+    a = torch.randn(32, 32)
+    s = tprof.timeit(torch.mm, a, a, warmup=1, iters=5)
+    assert s["iters"] == 5 and 0 < s["p10_s"] <= s["median_s"] <= s["p90_s"]
+    timer = tprof.StepTimer()
+    with timer.phase("fwd") as ph:
+        ph.wait_on(a @ a)
+    assert timer.summary()["fwd"]["iters"] == 1
+    mem = tprof.MemoryTracker()
+    mem.snapshot("init")
+    snap = mem.snapshot("after mm")
+    assert [s["label"] for s in mem.snapshots] == ["init", "after mm"] and snap["index"] == 1
+    if mem.device.type == "cpu":
+        assert snap["source"] == "host RSS (resource.ru_maxrss)" and snap["host_peak_rss_bytes"] > 0
+        assert tprof.peak_memory_bytes(host_fallback=False) is None
+    else:
+        assert snap["source"] == "torch.cuda" and snap["peak_bytes"] >= snap["bytes_in_use"]
+    assert "after mm" in mem.report()
