@@ -7,7 +7,7 @@
   the same data and seed, fp32, adamw with warmup + cosine and clipping, the per-step losses of the two CLIs
   agree within 1e-4 for 30 steps (measured: ~1e-6), also with ``--grad-accum 2 --remat full``.
 * Same seed twice in a row: identical per-step losses in each framework (random init, synthetic data).
-* bf16 runs of both CLIs train (the loss falls); ``--packing bucket`` compiles the JAX step once per bucket
+* bf16 and fp16 runs of both CLIs train (the loss falls); ``--packing bucket`` compiles the JAX step once per bucket
   used; ``--profile`` writes a trace; ``--log-json`` has one object per step with the documented keys; the
   final ``save_pretrained`` export loads in ``transformers`` and gives torchref's logits.
 """
@@ -168,8 +168,10 @@ def test_same_seed_twice_gives_identical_losses(tmp_path):
     assert list((tmp_path / "torchref.trainer").rglob("*.pt.trace.json")), "no torch trace written"
 
 
-def test_bf16_runs_of_both_clis_train():
-    argv = ["--steps", "12", "--precision", "bf16", "--lr", "3e-3", "--data", "README.md"] + SMALL
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_runs_of_both_clis_train(precision):
+    """bf16 (autocast vs the JAX policy) and fp16 (+ GradScaler / DynamicLossScale) both train in both CLIs."""
+    argv = ["--steps", "12", "--precision", precision, "--lr", "3e-3", "--data", "README.md"] + SMALL
     jl, tl, _ = _both(argv)
     for losses in (jl, tl):
         assert np.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean() - 0.3
