@@ -183,3 +183,17 @@ def test_impl_names_cover_every_implementation():
     assert set(attention_suite.IMPLS) >= {f"sdpa:{n}" for n in attention_suite.TORCH_SDPA}
     with pytest.raises(ValueError, match="max_seq"):
         attention_suite.run(quick=True, max_seq=True)
+
+
+def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_when_asked(tmp_path, monkeypatch):
+    """`run` (= all suites, the README's main job) skips a suite whose records are all skipped for a machine reason
+    (`plan` without the gpu-compile extra) and still exits 0; asking for that suite by name exits 1; neither
+    writes a results file for it."""
+    import benchmarks.plan
+
+    skipped = [dict(framework="jax", impl="sharding-plan", mesh="fsdp=8", status="skipped", reason="no plugin")]
+    monkeypatch.setattr(benchmarks.plan, "run", lambda quick=False: skipped)
+    monkeypatch.setattr(cli, "SUITES", ("plan",))
+    assert cli.main(["run", "--quick", "--out", str(tmp_path / "all")]) == 0
+    assert cli.main(["run", "--suite", "plan", "--quick", "--out", str(tmp_path / "one")]) == 1
+    assert not list(tmp_path.rglob("plan.json"))

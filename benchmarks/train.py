@@ -1,0 +1,210 @@
+"""Train suite: one training step of the same Llama in both frameworks, each technique as a toggle from a baseline.
+
+    python -m benchmarks run --suite train [--quick]
+
+Baseline: fp32, remat ``none``, AdamW, grad_accum 1, default attention, torch eager. Each toggle changes ONE of
+those (:data:`TOGGLES`): ``bf16``, ``fp16`` (+ dynamic loss scale / GradScaler), ``remat_full``, ``attn_math``
+(jax ``xla`` / torch SDPA math), ``attn_fast`` (jax ``chunked`` / torch SDPA flash), ``torch_compile`` (torch
+only; JAX is always jitted), ``grad_accum2`` (same global batch in 2 microbatches), ``adamw8bit``. Model: the
+``tiny`` preset at B=4, S=128 with ``--quick``; ``125m`` at B=8, S=2048 otherwise (both frameworks built from
+the same weights, ``benchmarks.twins``).
+
+One record per (toggle, framework): ``median_ms`` / ``p10_ms`` / ``p90_ms`` of a whole step (median of 5 timed
+steps after warm-up with ``--quick``, 20 otherwise), ``tokens_per_s`` = B*S / median, ``peak_mem_bytes`` (torch:
+``max_memory_allocated`` on a GPU, None on CPU; JAX: XLA's ``memory_analysis`` total of the compiled step,
+on any backend) and ``mfu`` = (6*N + attention FLOPs per token) * tokens_per_s / peak (``benchmarks.peaks``;
+None on a CPU, the reason in ``measured.mfu_reason``). ``measured`` holds the first-step (compile) time
+``first_step_s``, the framework's own settings of the row, ``flops_per_token`` and where the memory came from.
+N counts every parameter but the input embedding (when untied); attention FLOPs are the FlashAttention
+convention (causal forward+backward = 3.5 x 2*B*H*S^2*D per layer, ``common.attention_flops``) per token.
+A toggle that fails or does not apply (e.g. flash SDPA on a CPU) is a ``skipped`` record with the reason.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Optional
+
+from . import common, peaks
+
+BASELINE = {"precision": "fp32", "remat": "none", "optimizer": "adamw", "grad_accum": 1, "attention": None,
+            "compile": False}
+# name -> changes from BASELINE; attention as {framework: backend name} (torch names are torchref.attention's,
+# "xla" = SDPA math, "flash" = SDPA flash).
+TOGGLES: dict[str, dict] = {
+    "baseline": {},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "remat_full": {"remat": "full"},
+    "attn_math": {"attention": {"jax": "xla", "torch": "xla"}},
+    "attn_fast": {"attention": {"jax": "chunked", "torch": "flash"}},
+    "torch_compile": {"compile": True},
+    "grad_accum2": {"grad_accum": 2},
+    "adamw8bit": {"optimizer": "adamw8bit"},
+}
+QUICK_COMPILE_LIMIT_S = 60.0
+LR = 1e-4
+
+
+def _shape(quick: bool):
+    return ("tiny", 4, 128) if quick else ("125m", 8, 2048)
+
+
+def flops_per_token(cfg, seq: int) -> tuple[float, int]:
+    """``(6*N + attention FLOPs per token, N)`` for one training step (forward + backward)."""
+    d, v, f, L = cfg.dim, cfg.vocab_size, cfg.ffn_dim, cfg.n_layers
+    hd = getattr(cfg, "head_dim", None) or d // cfg.n_heads
+    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * f + 2 * d
+    n = L * per_layer + d + v * d  # + final norm + head (tied: the head is the embedding, counted once)
+    attn = common.attention_flops(1, cfg.n_heads, seq, seq, hd, causal=True, backward=True) * L / seq
+    return 6.0 * n + attn, n
+
+
+def _settings(toggle: str, fw: str) -> dict:
+    s = {**BASELINE, **TOGGLES[toggle]}
+    att = s["attention"]
+    s["attention"] = "default" if att is None else att[fw]
+    return s
+
+
+# ------------------------------------------------------------------------------------------------------- JAX
+def _jax_step(tcfg, s: dict, tokens):
+    import jax.numpy as jnp
+
+    from jaxattn import optim, remat
+    from jaxattn.train import TrainState, make_train_step
+
+    from .twins import twin_models
+
+    jmodel = twin_models(tcfg, seed=0, perturb_norms=False)[1]
+    jmodel = remat.apply(jmodel, s["remat"])
+    tx = optim.build(s["optimizer"], LR, 0.1)
+    graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
+    step = make_train_step(graphdef, tx, policy=s["precision"], max_grad_norm=1.0, grad_accum=s["grad_accum"],
+                           check_ids="off")
+    return step, state, {"tokens": jnp.asarray(tokens)}
+
+
+def _jax_measure(tcfg, s, tokens, warmup, iters) -> dict:
+    import contextlib
+
+    from jaxattn.attention import attention_backend
+
+    ctx = attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
+    with ctx:
+        step, state, batch = _jax_step(tcfg, s, tokens)
+        box = [state]
+
+        def one():
+            box[0], m = step(box[0], batch)
+            return m["loss"]
+
+        t0 = time.perf_counter()
+        loss = one()
+        common._sync(loss)
+        first = time.perf_counter() - t0
+        t = common.timeit(one, warmup=warmup, iters=iters)
+        mem = common.jax_compiled_memory(step.jitted, box[0], batch)
+        loss = float(one())
+    return {"t": t, "first_step_s": first, "peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)",
+            "loss": loss}
+
+
+# ----------------------------------------------------------------------------------------------------- torch
+def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick) -> dict:
+    import contextlib
+
+    import torch
+
+    from torchref import attention as tattn
+    from torchref import optim, remat
+    from torchref.precision import get_policy
+    from torchref.train import make_train_step
+
+    from .twins import twin_models
+
+    model = twin_models(tcfg, seed=0, perturb_norms=False)[0].to(dev).train()
+    model = remat.apply(model, s["remat"])
+    opt = optim.build(model, s["optimizer"], LR, 0.1)[0]
+    policy = get_policy(s["precision"])
+    scaler = policy.make_grad_scaler(dev) if policy.uses_loss_scaling else None
+    runner = torch.compile(model) if s["compile"] else model
+    step = make_train_step(runner, opt, policy=policy, scaler=scaler, max_grad_norm=1.0, grad_accum=s["grad_accum"])
+    batch = {"tokens": torch.from_numpy(tokens).long().to(dev)}
+    ctx = tattn.attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
+    with ctx:
+        common.torch_reset_peak()
+        t0 = time.perf_counter()
+        loss = step(batch)["loss"]
+        common._sync(loss)
+        first = time.perf_counter() - t0
+        if s["compile"] and quick and first > QUICK_COMPILE_LIMIT_S:
+            raise _Skip(f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; "
+                        f"not timed in --quick")
+        t = common.timeit(lambda: step(batch)["loss"], warmup=warmup, iters=iters)
+        loss = float(step(batch)["loss"])
+    return {"t": t, "first_step_s": first, "peak_mem_bytes": common.torch_peak_memory(),
+            "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None, "loss": loss}
+
+
+class _Skip(Exception):
+    pass
+
+
+def run(quick: bool, toggles: Optional[list[str]] = None, log=print) -> list[dict]:
+    """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order)."""
+    import numpy as np
+    import torch
+
+    from torchref.config import ModelConfig as TConfig
+
+    names = list(TOGGLES) if toggles is None else list(toggles)
+    unknown = [n for n in names if n not in TOGGLES]
+    if unknown:
+        raise ValueError(f"unknown train toggle(s) {unknown}; choose from {list(TOGGLES)}")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    warmup, iters = (2, 5) if quick else (3, 20)
+    preset, b, seq = _shape(quick)
+    tcfg = TConfig.preset(preset)
+    fpt, n_params = flops_per_token(tcfg, seq)
+    peak, peak_reason = peaks.peak_flops(common.jax_device_name())
+    tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32)
+    records = []
+    for name in names:
+        for fw in ("jax", "torch"):
+            if name == "torch_compile" and fw == "jax":
+                continue  # JAX's step is always jitted: its baseline row is the compiled one
+            s = _settings(name, fw)
+            rec = {"suite": "train", "toggle": name, "preset": preset, "B": b, "S": seq, "framework": fw,
+                   "impl": "jaxattn" if fw == "jax" else "torchref"}
+            meas = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
+            try:
+                if fw == "jax":
+                    m = _jax_measure(tcfg, s, tokens, warmup, iters)
+                else:
+                    m = _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick)
+                t = m["t"]
+                tps = b * seq / t["median_s"]
+                rec.update(median_ms=1e3 * t["median_s"], p10_ms=1e3 * t["p10_s"], p90_ms=1e3 * t["p90_s"],
+                           iters=t["iters"], tokens_per_s=tps, peak_mem_bytes=m["peak_mem_bytes"],
+                           mfu=peaks.mfu(fpt, tps, peak), status="ok")
+                meas.update(first_step_s=round(m["first_step_s"], 3), mem_source=m["mem_source"],
+                            final_loss=m["loss"], mfu_reason=peak_reason)
+                log(f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
+                    f"first step {m['first_step_s']:.1f} s")
+            except _Skip as e:
+                rec.update(status="skipped", reason=str(e))
+                log(f"  train {name} {fw}: skipped, {e}")
+            except Exception as e:  # one toggle that fails is a record, not the end of the suite
+                rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
+                log(f"  train {name} {fw}: skipped, {rec['reason']}")
+            rec["measured"] = meas
+            records.append(rec)
+            gc.collect()
+            if fw == "jax":
+                import jax
+
+                jax.clear_caches()
+            elif dev == "cuda":
+                torch.cuda.empty_cache()
+    return records

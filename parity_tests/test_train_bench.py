@@ -1,0 +1,59 @@
+"""Smoke test of the train benchmark suite (``benchmarks/train.py``): the record format on a two-toggle subset
+of the --quick shapes, the MFU peak lookup, and the FLOPs count."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import common, peaks, train
+
+
+def test_peaks_table():
+    assert peaks.peak_flops("NVIDIA H100 80GB HBM3") == (989e12, None)
+    assert peaks.peak_flops("NVIDIA H200")[0] == 989e12
+    assert peaks.peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    peak, why = peaks.peak_flops("cpu (x86_64)")
+    assert peak is None and "CPU" in why
+    assert peaks.mfu(1e9, 1e3, None) is None
+    assert peaks.mfu(1e9, 1e3, 1e13) == pytest.approx(0.1)
+
+
+def test_flops_per_token_counts_params():
+    from torchref.config import ModelConfig
+    from torchref.model import LlamaForCausalLM
+
+    cfg = ModelConfig.preset("tiny")
+    fpt, n = train.flops_per_token(cfg, 128)
+    total = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    assert n == total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    assert fpt > 6 * n
+
+
+def test_unknown_toggle_is_refused():
+    with pytest.raises(ValueError, match="unknown train toggle"):
+        train.run(quick=True, toggles=["nope"])
+
+
+def test_quick_records_format(tmp_path):
+    records = train.run(quick=True, toggles=["baseline", "grad_accum2"], log=lambda *a: None)
+    assert [(r["toggle"], r["framework"]) for r in records] == [
+        ("baseline", "jax"), ("baseline", "torch"), ("grad_accum2", "jax"), ("grad_accum2", "torch")]
+    for r in records:
+        assert r["suite"] == "train" and r["status"] == "ok", r.get("reason")
+        assert r["iters"] >= 5 and r["median_ms"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["B"] * r["S"] / (r["median_ms"] / 1e3))
+        m = r["measured"]
+        assert m["first_step_s"] > 0 and math.isfinite(m["final_loss"])
+        assert m["grad_accum"] == (2 if r["toggle"] == "grad_accum2" else 1)
+        assert m["precision"] == "fp32" and m["remat"] == "none" and m["optimizer"] == "adamw"
+        if m["peak_flops"] is None:
+            assert r["mfu"] is None and m["mfu_reason"]
+        else:
+            assert 0 < r["mfu"] < 1
+    # the records go through the suite writer and the report table like every other suite
+    common.write_results(str(tmp_path), "train", records, {"jax_device": "test"})
+    assert json.loads((tmp_path / "train.json").read_text())["records"][0]["toggle"] == "baseline"
+    table = common.report_table(records)
+    assert "| baseline |" in table and "| grad_accum2 |" in table
