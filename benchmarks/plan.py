@@ -97,7 +97,7 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = make_train_step(graphdef, tx, policy="bf16", shardings=((state_sh, batch_sh), (state_sh, replicated)))
     t0 = time.perf_counter()
-    with attention_backend("flash"):
+    with attention_backend("flash"), sharding.activation_sharding(mesh):  # as make_sharded_train_step traces it
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
     mem, coll = _memory(compiled), collectives(compiled.as_text())
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(

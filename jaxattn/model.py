@@ -14,7 +14,9 @@ Seams for outside code, nothing more (no mesh, no policy object): every ``nnx.Pa
 names (``nnx.get_partition_spec(nnx.state(model))``, see :data:`PARAM_AXES`); the values a remat policy may keep
 are tagged with ``checkpoint_name`` (:data:`REMAT_NAMES`, MaxText's names); ``Llama.remat`` is a policy NAME
 (a static, hashable attribute in the graphdef, set by ``jaxattn.remat.apply``) that ``jaxattn.remat.wrap_layer``
-turns into ``jax.checkpoint`` around the scanned layer body.
+turns into ``jax.checkpoint`` around the scanned layer body; the hidden states (after the embedding and each
+layer) and the logits pass through :func:`constrain` with their logical axis names, a no-op unless
+``jaxattn.sharding.activation_sharding`` maps them to mesh axes while a step traces.
 
 Token ids: an eager call (concrete ``tokens``) raises ValueError naming the first id outside ``[0, vocab)``.
 Under ``jit`` the ids are tracers and cannot be checked: an out-of-range id then embeds to a ZERO vector (the
@@ -24,6 +26,7 @@ inside jit use ``jaxattn.train.make_train_step(..., check_ids="jit")`` (``jax.ex
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Optional
 
 import jax
@@ -49,9 +52,25 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_down": ("layers", "mlp", "embed"), "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
 }
 
+# Logical axis names of the activations the model constrains (see ``constrain``).
+ACT_AXES: tuple[str, ...] = ("batch", "seq", "embed")
+LOGITS_AXES: tuple[str, ...] = ("batch", "seq", "vocab")
+
 # checkpoint_name tags (MaxText's names) on the values a remat policy may keep.
 REMAT_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_0", "mlpwi_1",
                                 "mlp_hidden", "decoder_layer_output")
+
+
+# Activation sharding seam (MaxText / torchtitan style, no mesh here): ``None`` (a no-op) unless
+# ``jaxattn.sharding.activation_sharding(mesh)`` sets a ``(x, logical_axes) -> x`` that applies the constraint.
+ACTIVATION_CONSTRAINT: contextvars.ContextVar = contextvars.ContextVar("jaxattn_activation_constraint", default=None)
+
+
+def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+    """``x`` with a sharding constraint for its logical axis names (``("batch", "seq", "embed")``, ...) when
+    ``jaxattn.sharding`` activates its rules while the step is traced; else ``x`` unchanged."""
+    fn = ACTIVATION_CONSTRAINT.get()
+    return x if fn is None else fn(x, logical_axes)
 
 
 try:  # an abstract value under jit / grad / vmap: its ids cannot be read
@@ -196,8 +215,9 @@ class Llama(nnx.Module):
         layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
         stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
         x = jnp.take(self.embed[...], jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
+        x = constrain(x, ACT_AXES)
         if cache is None:
-            x, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)
+            x, _ = jax.lax.scan(lambda h, p: (constrain(layer(h, p), ACT_AXES), None), x, stacked)
         else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
             def cached_layer(h, xs):
                 p, kc, vc = xs
@@ -212,4 +232,5 @@ class Llama(nnx.Module):
             logits = matmul(x, self.lm_head[...]).astype(jnp.float32)
         else:
             logits = jnp.dot(x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = constrain(logits, LOGITS_AXES)
         return logits if cache is None else (logits, cache)

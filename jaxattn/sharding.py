@@ -16,10 +16,16 @@ whose shape does not fit its names (e.g. a factored Adafactor moment) and every 
 batch is split over (``data``, ``fsdp``). (4) The step is ``jaxattn.train.make_train_step``'s jitted function
 with ``in_shardings``/``out_shardings`` — "pjit" is ``jax.jit`` with shardings today — and the state donated;
 XLA's SPMD partitioner inserts the collectives (all-gather of FSDP weights, reduce-scatter of their gradients,
-the all-reduces of the row-parallel matmuls). Every divisibility problem is a ValueError raised before a compile.
+the all-reduces of the row-parallel matmuls). (5) Activations: the model calls ``jaxattn.model.constrain(x,
+logical_axes)`` on the hidden states (``batch, seq, embed``: after the embedding and each layer) and the logits
+(``batch, seq, vocab``), a no-op unless :func:`activation_sharding` (entered by the sharded step while it traces)
+maps them through :data:`ACTIVATION_RULES` to ``with_sharding_constraint``: rows on (data, fsdp), ``embed``
+whole (so FSDP all-gathers each layer's weights inside the loop instead of gathering activations / logits),
+``vocab`` on ``tensor``. Every divisibility problem is a ValueError raised before a compile.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
@@ -29,13 +35,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
            "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "make_sharded_train_step",
-           "global_batch", "initialize_distributed"]
+           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
 RULES: dict[str, Optional[str]] = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
                                    "mlp": "tensor", "head_dim": None, "layers": None}
+# logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole
+ACTIVATION_RULES: dict[str, Any] = {"batch": BATCH_AXES, "seq": None, "embed": None, "vocab": "tensor",
+                                    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "head_dim": None}
 
 
 def parse_mesh(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
@@ -179,6 +188,25 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES):
+    """While active (at TRACE time), ``jaxattn.model.constrain(x, names)`` applies
+    ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with ``spec`` from ``rules``; a dimension
+    its mesh axes do not divide stays unsplit. Outside it the hook is a no-op."""
+    from .model import ACTIVATION_CONSTRAINT
+
+    def constrain(x, names):
+        spec = logical_to_spec(names, rules)
+        spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    token = ACTIVATION_CONSTRAINT.set(constrain)
+    try:
+        yield
+    finally:
+        ACTIVATION_CONSTRAINT.reset(token)
+
+
 def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:
     """``state`` moved onto ``mesh`` with :func:`state_shardings`."""
     return jax.device_put(state, state_shardings(state, mesh, rules))
@@ -202,14 +230,20 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, 
 
     def step(state, batch):
         check_batch_size(int(batch["tokens"].shape[0]), mesh, step_kwargs.get("grad_accum", 1))
-        if jax.process_count() == 1:
-            return inner(state, batch)
-        from .spec.batch import check_batch, check_token_ids  # multi-process: checks on the host copy, then
-        check_batch(batch)                                      # the global array built from every process's copy
-        if config is not None and step_kwargs.get("check_ids", "host") == "host":
-            check_token_ids(np.asarray(batch["tokens"]), config.vocab_size, arg="batch['tokens']")
-        return inner.jitted(state, global_batch(batch, mesh))
+        with activation_sharding(mesh):  # the model's activation constraints, applied when the step traces
+            if jax.process_count() == 1:
+                return inner(state, batch)
+            from .spec.batch import check_batch, check_token_ids  # multi-process: checks on the host copy, then
+            check_batch(batch)                                  # the global array built from every process's copy
+            if config is not None and step_kwargs.get("check_ids", "host") == "host":
+                check_token_ids(np.asarray(batch["tokens"]), config.vocab_size, arg="batch['tokens']")
+            return inner.jitted(state, global_batch(batch, mesh))
 
-    step.jitted, step.lower = inner.jitted, inner.lower
+    def lower(*args, **kwargs):
+        with activation_sharding(mesh):
+            return inner.lower(*args, **kwargs)
+
+    # step.jitted is the raw jit: trace it under ``activation_sharding(mesh)`` (step / step.lower do)
+    step.jitted, step.lower = inner.jitted, lower
     step.mesh, step.state_shardings, step.batch_sharding = mesh, sh, batch_sharding(mesh)
     return step, jax.device_put(state, sh)

@@ -98,6 +98,31 @@ def test_adamw_cli_mesh_matches_single_device(tmp_path):
     assert out["compiles"] == 1
 
 
+def test_activation_constraints_applied_under_mesh_only():
+    """The model's ``constrain`` seam: the sharded step's lowered program constrains the hidden states to rows on
+    (data, fsdp) with ``embed`` whole and the float32 logits to (data, fsdp) x vocab on tensor; the plain step
+    (and the model outside ``activation_sharding``) has no constraint at all."""
+    import re
+
+    from jaxattn.model import constrain
+
+    tokens = {"tokens": np.zeros((BATCH, SEQ + 1), np.int32)}
+    graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
+    plain = make_train_step(graphdef, _tx()).lower(state, tokens).as_text()
+    assert not re.search(r"sharding_constraint|@Sharding", plain)
+    x = jax.numpy.ones((BATCH, SEQ, CFG.dim))
+    assert constrain(x, ("batch", "seq", "embed")) is x
+    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
+                                                   batch_size=BATCH)
+    text = step.lower(state, tokens).as_text()
+    lines = [ln for ln in text.splitlines() if re.search(r"sharding_constraint|@Sharding", ln)]
+    logits = f"tensor<{BATCH}x{SEQ}x{CFG.vocab_size}xf32>"
+    hidden = f"tensor<{BATCH}x{SEQ}x{CFG.dim}xf32>"
+    assert any(logits in ln and '[{"data", "fsdp"}, {}, {"tensor"}]' in ln for ln in lines), lines
+    assert any(hidden in ln and '[{"data", "fsdp"}, {}, {}]' in ln for ln in lines), lines
+    assert constrain(x, ("batch", "seq", "embed")) is x  # the context is gone after the step
+
+
 BAD_MESH = [
     ("data=4", r"data\*fsdp\*tensor = 4 but there are 8 devices"),
     ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('data', 'fsdp', 'tensor'\)"),
