@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
-from jaxattn.spec.cli import CLIError, parse_args
+from jaxattn.spec.cli import CLIError, cli_main, parse_args
 from jaxattn.spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
 from jaxattn.spec.runlog import RunLog
 
@@ -245,10 +244,4 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        r = prepare(argv)
-    except (CLIError, ValueError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    _train(r)
-    return 0
+    return cli_main(PROG, prepare, _train, argv)

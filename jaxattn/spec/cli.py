@@ -235,3 +235,18 @@ def parse_args(argv: Optional[Sequence[str]], framework: str, attention_backends
     """Parse and check ``argv``: ``(args, model_config)``; a bad value raises :class:`CLIError`."""
     args = build_parser(framework).parse_args(argv)
     return args, check_args(args, framework, attention_backends)
+
+
+def cli_main(prog: str, prepare: Callable[[Optional[Sequence[str]]], Any], train: Callable[[Any], Any],
+             argv: Optional[Sequence[str]] = None) -> int:
+    """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``) prints ``prog: error: ...`` and returns 2
+    before anything compiles; otherwise train and return 0."""
+    import sys
+
+    try:
+        run = prepare(argv)
+    except (CLIError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    train(run)
+    return 0
