@@ -21,7 +21,12 @@ from jaxattn import gpu_target
 from .compile import LABEL, _memory, target_config
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")  # --quick: the tiny preset, these two meshes
+# (preset, mesh, remat) compiled outside --quick: pure data parallel, ZeRO-3, 3-D and FSDP x TP for both presets,
+# and the 1b ZeRO-3 step with the cheaper selective policy
+GRID = tuple(("1b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2")) + (
+    ("1b", "fsdp=8", "save_qkv_attn"),) + tuple(
+    ("8b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8|f64|s64)\[([0-9,]*)\]")
@@ -62,6 +67,11 @@ def collectives(hlo: str) -> dict:
     return out
 
 
+def per_step(coll: dict, n_layers: int) -> dict:
+    """``{kind: bytes moved per train step}``: an op in a layer loop's body runs once per layer."""
+    return {k: v["bytes"] + (n_layers - 1) * v["bytes_in_loop"] for k, v in coll.items()}
+
+
 def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int = 4096, remat: str = "full"):
     """Compile the bf16 AdamW train step of ``preset`` sharded by ``spec`` for ``devs``; returns a record."""
     import optax
@@ -100,8 +110,10 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     with attention_backend("flash"), sharding.activation_sharding(mesh):  # as make_sharded_train_step traces it
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
     mem, coll = _memory(compiled), collectives(compiled.as_text())
+    for k, nbytes in per_step(coll, cfg.n_layers).items():
+        coll[k]["bytes_per_step"] = nbytes
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
-        f"{k} {v['ops']} ops {v['bytes'] / 2**20:.1f} MiB ({v['ops_in_loop']} in loop x{cfg.n_layers})"
+        f"{k} {v['ops']} ops ({v['ops_in_loop']} in loop x{cfg.n_layers}) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
         for k, v in coll.items() if v["ops"])
     return dict(framework="jax", impl="sharding-plan", mesh=spec, preset=preset, kind="train_step", batch=batch,
                 seq=seq, precision="bf16", remat=remat, optimizer="adamw", attention="flash", devices=len(devs),
@@ -111,19 +123,23 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
 
 
 def run(quick: bool = False) -> list:
-    """The plan suite: both :data:`PLANS` for ``1b`` at seq 4096 (quick: ``tiny`` at seq 128)."""
+    """The plan suite: :data:`GRID` at seq 4096, batch 8 (quick: ``tiny`` at seq 128 on :data:`PLANS`)."""
+    grid = tuple(("tiny", p, "full") for p in PLANS) if quick else GRID
     reason = gpu_target.unavailable_reason()
     if reason is not None:
-        return [dict(framework="jax", impl="sharding-plan", mesh=p, status="skipped", reason=reason) for p in PLANS]
+        return [dict(framework="jax", impl="sharding-plan", preset=pr, mesh=p, remat=rm, status="skipped",
+                     reason=reason) for pr, p, rm in grid]
     devs = gpu_target.devices(target_config("h100"), "1x1x8")
     records = []
-    for spec in PLANS:
+    for preset, spec, remat in grid:
         try:
-            rec = compile_plan(devs, spec, *(("tiny", 8, 128) if quick else ()))
+            rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat)
             rec["status"] = "ok"
-        except Exception as e:  # one failed plan does not hide the other
-            rec = dict(framework="jax", impl="sharding-plan", mesh=spec, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
-        print(f"  plan {spec}: {rec.get('status')} {rec.get('summary', rec.get('error'))}", flush=True)
+        except Exception as e:  # one failed plan does not hide the others
+            rec = dict(framework="jax", impl="sharding-plan", preset=preset, mesh=spec, remat=remat, status="error",
+                       error=f"{type(e).__name__}: {str(e)[:500]}")
+        print(f"  plan {preset} {spec} remat={remat}: {rec.get('status')} {rec.get('summary', rec.get('error'))}",
+              flush=True)
         records.append(rec)
     if not quick and any(r.get("status") == "ok" for r in records):  # compiled figures live beside the others
         from . import common

@@ -31,12 +31,17 @@ class _Failure:
 
 
 def prefetch_to_device(ds: Dataset, start: int, stop: int, *, size: int = 2, device: Optional[Any] = None,
-                       with_tokens: bool = False) -> Iterator[Any]:
-    """Batches ``start .. stop - 1`` of ``ds`` on ``device`` (default: the first device), ``size`` ahead;
-    ``with_tokens``: yield ``(batch, real input tokens)`` pairs (counted on the host, no device sync)."""
+                       with_tokens: bool = False, place: Optional[Any] = None) -> Iterator[Any]:
+    """Batches ``start .. stop - 1`` of ``ds`` on ``device`` (default: the first device; or a sharding), ``size``
+    ahead; ``with_tokens``: yield ``(batch, real input tokens)`` pairs (counted on the host, no device sync).
+    ``place(host_batch)`` replaces the ``device_put`` (e.g. ``lambda b: b`` keeps host batches for a
+    multi-process step that builds its global arrays itself)."""
     if size < 1:
         raise ValueError(f"size={size!r} must be >= 1 (batches in flight)")
     device = jax.devices()[0] if device is None else device
+    if place is None:
+        def place(host):
+            return jax.device_put(host, device)
     q: queue.Queue = queue.Queue(maxsize=size)
     stopped = threading.Event()
 
@@ -53,7 +58,7 @@ def prefetch_to_device(ds: Dataset, start: int, stop: int, *, size: int = 2, dev
         try:
             for i in range(start, stop):
                 host = ds.batch(i)
-                batch = jax.device_put(host, device)
+                batch = place(host)
                 if not put((batch, ds.tokens_in(host)) if with_tokens else batch):
                     return
             put(_END)

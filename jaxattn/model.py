@@ -16,7 +16,9 @@ are tagged with ``checkpoint_name`` (:data:`REMAT_NAMES`, MaxText's names); ``Ll
 (a static, hashable attribute in the graphdef, set by ``jaxattn.remat.apply``) that ``jaxattn.remat.wrap_layer``
 turns into ``jax.checkpoint`` around the scanned layer body; the hidden states (after the embedding and each
 layer) and the logits pass through :func:`constrain` with their logical axis names, a no-op unless
-``jaxattn.sharding.activation_sharding`` maps them to mesh axes while a step traces.
+``jaxattn.sharding.activation_sharding`` maps them to mesh axes while a step traces; attention runs through
+:func:`per_shard` (q/k/v by logical names), which that context turns into a ``shard_map`` so a kernel XLA cannot
+partition runs on each device's rows and heads.
 
 Token ids: an eager call (concrete ``tokens``) raises ValueError naming the first id outside ``[0, vocab)``.
 Under ``jit`` the ids are tracers and cannot be checked: an out-of-range id then embeds to a ZERO vector (the
@@ -55,6 +57,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 # Logical axis names of the activations the model constrains (see ``constrain``).
 ACT_AXES: tuple[str, ...] = ("batch", "seq", "embed")
 LOGITS_AXES: tuple[str, ...] = ("batch", "seq", "vocab")
+Q_AXES: tuple[str, ...] = ("batch", "seq", "heads", "head_dim")  # q and the attention output [B, S, Hq, D]
+KV_AXES: tuple[str, ...] = ("batch", "seq", "kv_heads", "head_dim")  # k, v [B, S, Hkv, D]
+SEGMENT_AXES: tuple[str, ...] = ("batch", "seq")
 
 # checkpoint_name tags (MaxText's names) on the values a remat policy may keep.
 REMAT_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_0", "mlpwi_1",
@@ -71,6 +76,19 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
     ``jaxattn.sharding`` activates its rules while the step is traced; else ``x`` unchanged."""
     fn = ACTIVATION_CONSTRAINT.get()
     return x if fn is None else fn(x, logical_axes)
+
+
+# Per-shard seam: ``None`` (call ``fn`` on the whole arrays) unless ``jaxattn.sharding.activation_sharding(mesh)``
+# sets a ``(fn, args, in_axes, out_axes) -> out`` that runs ``fn`` on each device's block (``shard_map``): for
+# kernels XLA's partitioner cannot split (a Pallas / Mosaic / cuDNN custom call would otherwise be gathered whole).
+PER_SHARD: contextvars.ContextVar = contextvars.ContextVar("jaxattn_per_shard", default=None)
+
+
+def per_shard(fn, args: tuple, in_axes: tuple, out_axes: tuple):
+    """``fn(*args)``; when ``jaxattn.sharding`` is active, run per device block of the logical axes ``in_axes``
+    (one tuple of names per arg, ``None`` for an arg that is ``None``) giving an output with ``out_axes``."""
+    hook = PER_SHARD.get()
+    return fn(*args) if hook is None else hook(fn, args, in_axes, out_axes)
 
 
 try:  # an abstract value under jit / grad / vmap: its ids cannot be read
@@ -100,6 +118,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
+def _self_attention(q, k, v, segment_ids):
+    return dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+
+
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm).
 
@@ -112,7 +134,8 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is None:
-        o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)  # [B, S, Hq, D]
+        o = per_shard(_self_attention, (q, k, v, segment_ids),  # [B, S, Hq, D]
+                      (Q_AXES, KV_AXES, KV_AXES, SEGMENT_AXES), Q_AXES)
     else:
         o, kv = cached_attention(q, k, v, *kv)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]

@@ -21,7 +21,9 @@ logical_axes)`` on the hidden states (``batch, seq, embed``: after the embedding
 (``batch, seq, vocab``), a no-op unless :func:`activation_sharding` (entered by the sharded step while it traces)
 maps them through :data:`ACTIVATION_RULES` to ``with_sharding_constraint``: rows on (data, fsdp), ``embed``
 whole (so FSDP all-gathers each layer's weights inside the loop instead of gathering activations / logits),
-``vocab`` on ``tensor``. Every divisibility problem is a ValueError raised before a compile.
+``vocab`` on ``tensor``; attention (``jaxattn.model.per_shard``) runs under ``shard_map`` on each device's rows
+(data, fsdp) and heads (tensor), so a Pallas kernel, which XLA cannot partition, is not gathered whole on every
+device. Every divisibility problem is a ValueError raised before a compile.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
            "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "make_sharded_train_step",
-           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding"]
+           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding", "per_shard_map"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -193,18 +195,66 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     """While active (at TRACE time), ``jaxattn.model.constrain(x, names)`` applies
     ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with ``spec`` from ``rules``; a dimension
     its mesh axes do not divide stays unsplit. Outside it the hook is a no-op."""
-    from .model import ACTIVATION_CONSTRAINT
+    from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 
     def constrain(x, names):
         spec = logical_to_spec(names, rules)
         spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    token = ACTIVATION_CONSTRAINT.set(constrain)
+    def local(fn, args, in_axes, out_axes):
+        return per_shard_map(fn, args, in_axes, out_axes, mesh, rules)
+
+    tokens = ACTIVATION_CONSTRAINT.set(constrain), PER_SHARD.set(local)
     try:
         yield
     finally:
-        ACTIVATION_CONSTRAINT.reset(token)
+        ACTIVATION_CONSTRAINT.reset(tokens[0])
+        PER_SHARD.reset(tokens[1])
+
+
+def _shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` without the replication check (a Pallas call has no rule for it); jax < 0.7 spelled it
+    ``jax.experimental.shard_map.shard_map(..., check_rep=)``."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def per_shard_map(fn, args: Sequence[Any], in_axes: Sequence[Any], out_axes: Sequence[Optional[str]], mesh: Mesh,
+                  rules: Mapping[str, Any] = ACTIVATION_RULES):
+    """``fn(*args)`` run on each device's block under ``shard_map``: arg ``i``'s dimensions split as its logical
+    names ``in_axes[i]`` say (through ``rules``), the output assembled by ``out_axes``. A mesh axis is used only if
+    it divides EVERY dimension named onto it (else that axis is dropped everywhere: q heads and kv heads must split
+    together or GQA's head groups would change), so the result always equals ``fn(*args)``. ``None`` args stay
+    ``None``."""
+    named = [(x, logical_to_spec(n, rules)) for x, n in zip(args, in_axes) if x is not None]
+    dropped = set()
+    for x, spec in named:
+        for leaf in jax.tree.leaves(x):
+            for d, a in zip(leaf.shape, spec):
+                if a is not None and d % _axis_size(mesh, a):
+                    dropped.update(a if isinstance(a, tuple) else (a,))
+
+    def keep(spec):
+        out = []
+        for a in spec:
+            axes = tuple(x for x in (a if isinstance(a, tuple) else (a,)) if x is not None and x not in dropped)
+            out.append(None if not axes else axes[0] if len(axes) == 1 and not isinstance(a, tuple) else axes)
+        return P(*out)
+
+    specs = [keep(s) for _, s in named]
+    out_spec = keep(logical_to_spec(out_axes, rules))
+    present = [i for i, x in enumerate(args) if x is not None]
+
+    def body(*blocks):
+        full = [None] * len(args)
+        for i, b in zip(present, blocks):
+            full[i] = b
+        return fn(*full)
+
+    return _shard_map(body, mesh, tuple(specs), out_spec)(*[args[i] for i in present])
 
 
 def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:

@@ -72,6 +72,8 @@ class Run:
         self.graphdef, self.state = TrainState.create(model, self.tx, policy=self.policy)
         step_kw = dict(policy=self.policy, max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
         self.mesh = self._mesh(args)
+        if jax.process_count() > 1:
+            self._check_processes_agree(args)
         if self.mesh is None:
             self.step_fn = make_train_step(self.graphdef, self.tx, **step_kw)
         else:  # jaxattn.sharding: params + optimizer state sharded (ZeRO-3 / tensor parallel), batch over data axes
@@ -85,14 +87,16 @@ class Run:
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
-        if args.resume:
-            self._resume()
-        # committed to the device like the step's outputs: an uncommitted input would give a second compile
+        # committed to the device like the step's outputs: an uncommitted input would give a second compile. Placed
+        # BEFORE a resume, so orbax restores onto these shardings (multi-process: a restored array committed to
+        # one local device cannot be moved onto a global sharding without cross-host transfers)
         self.device = jax.devices()[0] if self.mesh is None else self.step_fn.batch_sharding
         placement = self.device
         if self.mesh is not None:  # the state as the step's in_shardings say, the rng replicated
             placement = (self.step_fn.state_shardings, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self.state, self.rng = jax.device_put((self.state, self.rng), placement)
+        if args.resume:
+            self._resume()
         self.attention = attention
 
     @staticmethod
@@ -111,6 +115,24 @@ class Run:
             return make_mesh(args.mesh)
         except ValueError as e:
             raise CLIError(f"--{e}") from None  # "--mesh '...': ..."
+
+    @staticmethod
+    def _check_processes_agree(args) -> None:
+        """Every process must run the same flags (the mesh first): a CLIError before any compile otherwise."""
+        import hashlib
+        import json
+
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("process_id", "log_json", "no_progress")}
+        for what, value in (("--mesh", args.mesh), ("the flags", json.dumps(flags, default=str))):
+            digest = np.frombuffer(hashlib.sha256(str(value).encode()).digest()[:8], np.int64)
+            seen = multihost_utils.process_allgather(digest)
+            if not np.all(seen == seen[0]):
+                raise CLIError(f"the {np.asarray(seen).size} processes disagree on {what} (this is process "
+                               f"{args.process_id}, {what} = {value if what == '--mesh' else 'see its command line'}); "
+                               f"start every process with the same flags but --process-id")
 
     def meta(self, step: int) -> dict:
         from .seed import host_rng_state
@@ -148,7 +170,21 @@ def prepare(argv: Optional[Sequence[str]]) -> Run:
     from .attention import BACKENDS
 
     args, config = parse_args(argv, "jax", BACKENDS)
+    if args.coordinator is not None and args.num_processes > 1:
+        _join(args)
     return Run(args, config)
+
+
+def _join(args) -> None:
+    """``jax.distributed.initialize`` from the (checked) flags, once per process."""
+    import jax
+
+    from .sharding import initialize_distributed
+
+    joined = getattr(jax.distributed, "is_initialized", None)  # jax.process_count() would start the backend
+    if joined is not None and joined():
+        return  # already joined (e.g. a second in-process run)
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
 
 
 def _train(r: Run) -> dict[str, Any]:
@@ -159,8 +195,10 @@ def _train(r: Run) -> dict[str, Any]:
 
     args = r.args
     device = r.device  # a device, or the batch's NamedSharding with --mesh
-    mem_device = device if r.mesh is None else r.mesh.devices.flat[0]
-    log = RunLog(args.steps, r.start, args.log_json, progress=not args.no_progress, desc="jax train")
+    mem_device = device if r.mesh is None else jax.local_devices()[0]
+    lead = jax.process_index() == 0  # a multi-process run logs and exports from process 0
+    log = RunLog(args.steps, r.start, args.log_json if lead else None, progress=lead and not args.no_progress,
+                 desc="jax train")
     losses: list[float] = []
     profiling = False
     prof_start = min(r.start + 1, args.steps - 1) if args.profile else -1
@@ -183,7 +221,8 @@ def _train(r: Run) -> dict[str, Any]:
 
     try:
         with ctx:
-            batches = prefetch_to_device(r.data, r.start, args.steps, device=device, with_tokens=True)
+            batches = prefetch_to_device(r.data, r.start, args.steps, device=device, with_tokens=True,
+                                         place=(lambda b: b) if jax.process_count() > 1 else None)
             for i, (batch, tokens) in enumerate(batches, r.start):
                 if i == prof_start:
                     start_trace(args.profile)
@@ -213,9 +252,17 @@ def _train(r: Run) -> dict[str, Any]:
             from .hf import save_pretrained
 
             final = os.path.join(args.checkpoint_dir, "final")
-            save_pretrained(r.state.model(r.graphdef), final)
-            if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
-                shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+            model = r.state.model(r.graphdef)
+            if jax.process_count() > 1:  # every process takes part in the gather; process 0 writes
+                from flax import nnx
+                from jax.experimental import multihost_utils
+
+                gdef, weights = nnx.split(model)
+                model = nnx.merge(gdef, multihost_utils.process_allgather(weights, tiled=True))
+            if lead:
+                save_pretrained(model, final)
+                if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
+                    shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
             out["final"] = final
             r.ckpt.close()
         return out

@@ -123,6 +123,59 @@ def test_activation_constraints_applied_under_mesh_only():
     assert constrain(x, ("batch", "seq", "embed")) is x  # the context is gone after the step
 
 
+@pytest.mark.parametrize("name", ["2,2,2", "1,2,4"])
+def test_attention_runs_per_device_block_under_mesh(name, reference, monkeypatch):
+    """Attention goes through ``shard_map`` (``jaxattn.model.per_shard``): each device's kernel sees its own rows
+    (batch / (data*fsdp)) and heads (heads / tensor), never the gathered batch, so a Pallas kernel XLA cannot
+    partition is not replicated. With the ``flash`` Pallas kernel (interpreted on CPU) the sharded losses equal
+    the single-device XLA-attention losses of ``reference``."""
+    import jaxattn.model as jm
+    from jaxattn.attention import attention_backend
+
+    seen = []
+
+    def spy(q, k, v, segment_ids):
+        seen.append((q.shape, k.shape))
+        return jm.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+
+    monkeypatch.setattr(jm, "_self_attention", spy)
+    mesh = sharding.make_mesh(MESHES[name])
+    rows = BATCH // (mesh.shape["data"] * mesh.shape["fsdp"])
+    t = mesh.shape["tensor"]
+    graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
+    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=BATCH)
+    with attention_backend("flash"):
+        losses, _ = _run(step, state)
+    d = CFG.resolved_head_dim
+    assert seen and set(seen) == {((rows, SEQ, CFG.n_heads // t, d), (rows, SEQ, CFG.n_kv_heads // t, d))}, seen
+    np.testing.assert_allclose(losses, reference[0], rtol=0, atol=1e-5)
+    seen.clear()
+    x = jax.numpy.ones((2, SEQ, CFG.n_heads, d))
+    assert jm.per_shard(lambda a: a + 1, (x,), (jm.Q_AXES,), jm.Q_AXES).shape == x.shape
+
+
+def test_per_shard_map_drops_an_axis_that_does_not_divide():
+    """q heads (4) split on tensor=4 but kv heads (2) cannot: the tensor axis is dropped for BOTH (GQA's groups
+    stay whole) and the result still equals the unsharded call; rows still split over (data, fsdp)."""
+    import jaxattn.model as jm
+    from jaxattn.attention import dot_product_attention
+
+    mesh = sharding.make_mesh("fsdp=2,tensor=4")
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((4, 8, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((4, 8, 2, 16)).astype(np.float32) for _ in range(2))
+    shapes = []
+
+    def fn(q, k, v, seg):
+        shapes.append((q.shape, k.shape, seg))
+        return dot_product_attention(q, k, v, causal=True)
+
+    out = jax.jit(lambda q, k, v: sharding.per_shard_map(fn, (q, k, v, None), (jm.Q_AXES, jm.KV_AXES, jm.KV_AXES,
+                                                         jm.SEGMENT_AXES), jm.Q_AXES, mesh))(q, k, v)
+    assert shapes == [((2, 8, 4, 16), (2, 8, 2, 16), None)]
+    np.testing.assert_allclose(out, dot_product_attention(q, k, v, causal=True), rtol=0, atol=1e-6)
+
+
 BAD_MESH = [
     ("data=4", r"data\*fsdp\*tensor = 4 but there are 8 devices"),
     ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('data', 'fsdp', 'tensor'\)"),
@@ -210,3 +263,75 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     got = json.loads(out.read_text())
     assert (got["processes"], got["devices"], got["local"]) == (2, 8, 4)
     np.testing.assert_allclose(got["losses"], ref, rtol=0, atol=1e-5)
+
+
+
+def _launch(runs):
+    """Start ``python -m jaxattn.train`` once per ``(argv, extra_env)`` in ``runs``, all at once, 4 CPU devices
+    each; returns their ``(returncode, output)`` in order."""
+    import os
+    import subprocess
+    import sys
+
+    base = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")},
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxattn.train", *argv], env={**base, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv, env in runs]
+    return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+
+def _port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_cli_two_processes_train_resume_and_export_like_one_of_eight(tmp_path):
+    """``python -m jaxattn.train --mesh ... --coordinator/--num-processes/--process-id`` (2 processes x 4 CPU
+    devices, gloo): 2 steps with an orbax checkpoint per step, then ``--resume`` to step 3 configured by the
+    ``JAX_*`` variables instead, give the losses of one in-process run on 8 devices within 1e-5. Only process 0
+    writes the log and the Hugging Face export; the exported weights equal the 8-device run's (AdamW moves a
+    weight by at most lr per step, so an entry whose gradient is within rounding of zero may differ by up to
+    2 * lr * steps; all but a few entries agree to 1e-5)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxattn import trainer
+
+    common = ["--mesh", "data=2,fsdp=2,tensor=2", "--batch-size", "8", "--seq-len", "16", "--no-progress",
+              "--seed", "3", "--lr", "1e-3", "--schedule", "constant"]  # the same lr whatever --steps says
+    mp = common + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
+    port = _port()
+    first = _launch([(mp + ["--steps", "2", "--log-json", str(tmp_path / f"log{i}.jsonl"), "--coordinator",
+                            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], {})
+                     for i in (0, 1)])
+    assert all(rc == 0 for rc, _ in first), "\n".join(out[-3000:] for _, out in first)
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}", "JAX_NUM_PROCESSES": "2"}
+    second = _launch([(mp + ["--steps", "3", "--resume", "--log-json", str(tmp_path / f"log{i}.jsonl")],
+                       {**env, "JAX_PROCESS_ID": str(i)}) for i in (0, 1)])
+    assert all(rc == 0 for rc, _ in second), "\n".join(out[-3000:] for _, out in second)
+    ref = trainer.run(common + ["--steps", "3", "--checkpoint-dir", str(tmp_path / "ref")])
+    logs = [json.loads(line) for line in (tmp_path / "log0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2, 3]
+    assert not (tmp_path / "log1.jsonl").exists()  # only process 0 logs
+    np.testing.assert_allclose([r["loss"] for r in logs], ref["losses"], rtol=0, atol=1e-5)
+    got, want = load_file(str(tmp_path / "ck" / "final" / "model.safetensors")), \
+        load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        diff = np.abs(got[name] - want[name])
+        assert diff.max() <= 2 * 1e-3 * 3 and np.mean(diff > 1e-5) < 1e-3, (name, diff.max())
+
+
+def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
+    """Two processes started with different ``--mesh`` (same device count) both exit 2 with a message naming
+    ``--mesh``, before the train step compiles."""
+    port = _port()
+    meshes = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2")
+    runs = _launch([(["--mesh", m, "--steps", "1", "--no-progress", "--coordinator", f"127.0.0.1:{port}",
+                      "--num-processes", "2", "--process-id", str(i)], {}) for i, m in enumerate(meshes)])
+    for rc, out in runs:
+        assert rc == 2 and "processes disagree on --mesh" in out, out[-3000:]

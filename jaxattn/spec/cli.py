@@ -3,8 +3,9 @@
     args = parse_args(["--preset", "tiny", "--steps", "30"], framework="jax", attention_backends=("xla", ...))
 
 :data:`FLAGS` is one table; :func:`build_parser` turns it into an ``argparse`` parser for one framework (the
-shared flags are identical by construction, plus the framework-only ones: ``--mesh`` for JAX, ``--compile``,
-``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
+shared flags are identical by construction, plus the framework-only ones: ``--mesh`` and the multi-process
+``--coordinator/--num-processes/--process-id`` (or ``$JAX_COORDINATOR_ADDRESS/$JAX_NUM_PROCESSES/$JAX_PROCESS_ID``)
+for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
 exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
 the flag, the value and what is accepted, before any model is built or compiled. ``--parallel`` under a
 multi-process ``torchrun`` runs without checkpoints for now; ``--mesh`` is checked against the devices by ``jaxattn.trainer``.
@@ -89,6 +90,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-progress", "no progress bar", action="store_true"),
     Flag("--mesh", "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)", str,
          metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
+    Flag("--coordinator", "multi-process run: jax.distributed coordinator address (default: "
+                          "$JAX_COORDINATOR_ADDRESS)", str, metavar="HOST:PORT", frameworks=("jax",)),
+    Flag("--num-processes", "multi-process run: processes in all (default: $JAX_NUM_PROCESSES)", int,
+         frameworks=("jax",)),
+    Flag("--process-id", "multi-process run: this process's index (default: $JAX_PROCESS_ID)", int,
+         frameworks=("jax",)),
     Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
     Flag("--parallel", "parallelism under torchrun (torchref.parallel; no checkpoints yet)", str, None, PARALLEL,
          frameworks=("torch",)),
@@ -164,6 +171,41 @@ def _mesh_devices(spec: str) -> int:
     return n
 
 
+_PROCESS_ENV = (("coordinator", "JAX_COORDINATOR_ADDRESS"), ("num_processes", "JAX_NUM_PROCESSES"),
+                ("process_id", "JAX_PROCESS_ID"))
+
+
+def _check_processes(args: argparse.Namespace) -> None:
+    """``--coordinator/--num-processes/--process-id`` (each defaulting to its ``JAX_*`` variable): none, or all
+    three with a valid id; a multi-process run needs ``--mesh`` (the mesh spans every process's devices). The
+    resolved values are written back into ``args``."""
+    for attr, env in _PROCESS_ENV:
+        if getattr(args, attr) is None and os.environ.get(env):
+            value = os.environ[env]
+            if attr != "coordinator":
+                if not value.strip().isdigit():
+                    raise CLIError(f"${env}={value!r}: expected a non-negative integer")
+                value = int(value)
+            setattr(args, attr, value)
+    given = {f"--{a.replace('_', '-')}": getattr(args, a) for a, _ in _PROCESS_ENV}
+    if all(v is None for v in given.values()):
+        return
+    missing = [f for f, v in given.items() if v is None]
+    if missing:
+        raise CLIError(f"a multi-process run needs --coordinator, --num-processes and --process-id (or "
+                       f"$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); missing {', '.join(missing)}")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise _err("--coordinator", args.coordinator, "expected HOST:PORT, e.g. 10.0.0.1:1234")
+    if args.num_processes < 1:
+        raise _err("--num-processes", args.num_processes, "must be an integer >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        raise _err("--process-id", args.process_id, f"must be in [0, --num-processes {args.num_processes})")
+    if args.num_processes > 1 and args.mesh is None:
+        raise CLIError(f"--num-processes {args.num_processes}: a multi-process run needs --mesh (one mesh over every "
+                       f"process's devices, e.g. --mesh data=2,fsdp=2,tensor=2)")
+
+
 def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
     """Check every value and combination; returns the model config. Raises :class:`CLIError`."""
     def positive(flag, v, zero_ok=False):
@@ -213,6 +255,8 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         raise _err("--log-json", args.log_json, "is a directory; expected a file path")
     if framework == "jax" and args.mesh is not None:
         _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
+    if framework == "jax":
+        _check_processes(args)
     if framework == "torch":
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
