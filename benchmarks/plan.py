@@ -4,7 +4,7 @@
     python -m benchmarks run --suite plan            # records labelled "compiled for H100, not run"
 
 Each record: the mesh, per-device argument/output/temp/peak bytes, and per collective kind the number of ops
-and their result bytes in the HLO text. An op inside the scanned layer loop (a ``while`` body) appears ONCE
+and the full-buffer bytes they work on (``_volume``: gathered / pre-scatter sizes) in the HLO text. An op inside the scanned layer loop (a ``while`` body) appears ONCE
 in the text but runs ``n_layers`` times: ``*_in_loop`` counts those separately.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import gpu_target
 
@@ -39,9 +40,41 @@ def _nbytes(dtype: str, dims: str) -> int:
     return n
 
 
+def _group_size(line: str) -> int:
+    """Devices in one replica group of a collective's HLO line (``{{0,1},{2,3}}``, ``[4,2]<=[8]`` or
+    ``mesh['axis_0'=8,...] {'axis_0'}``); 1 when there is none."""
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = dict((k.strip("' "), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(",")))
+        return int(np.prod([sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip()]))
+    return 1
+
+
+def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
+    """Bytes of the FULL buffer a collective works on: the gathered result of an all-gather, the input of a
+    reduce-scatter (its result is one device's 1/group part), the buffer of an all-reduce / all-to-all /
+    permute. An async ``-start`` result is ``((inputs...), (outputs...), ...)``: its first half are the inputs."""
+    sizes = [_nbytes(*sh) for sh in shapes]
+    if start and kind in ("all-gather", "reduce-scatter"):
+        half = len(sizes) // 2
+        return sum(sizes[half:2 * half]) if kind == "all-gather" else sum(sizes[:half])
+    if start and kind == "collective-permute":
+        return sizes[0]
+    if kind == "reduce-scatter":
+        return sum(sizes) * _group_size(line)
+    return sum(sizes)
+
+
 def collectives(hlo: str) -> dict:
-    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop"}}`` from compiled HLO text (``-done`` halves of
-    async pairs are skipped; a ``-start`` counts its last result shape, the gathered / reduced buffer)."""
+    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop"}}`` from compiled HLO text: ``bytes`` is each
+    op's full-buffer size (:func:`_volume`), counted once per appearance in the text (``-done`` halves of async
+    pairs are skipped)."""
     out = {k: {"ops": 0, "bytes": 0, "ops_in_loop": 0, "bytes_in_loop": 0} for k in COLLECTIVES}
     bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))  # the while loops' body computations
     in_loop = False
@@ -57,7 +90,7 @@ def collectives(hlo: str) -> dict:
         shapes = _SHAPE.findall(m.group(1))
         if not shapes:
             continue
-        nbytes = _nbytes(*shapes[-1]) if m.group(3) else sum(_nbytes(*s) for s in shapes)
+        nbytes = _volume(m.group(2), bool(m.group(3)), shapes, line)
         rec = out[m.group(2)]
         rec["ops"] += 1
         rec["bytes"] += nbytes

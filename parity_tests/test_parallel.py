@@ -49,7 +49,8 @@ def test_bad_mode_and_tp_divisibility():
 
 
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow),
-                                  pytest.param("tp", marks=pytest.mark.slow)])
+                                  pytest.param("tp", marks=pytest.mark.slow),
+                                  pytest.param("fsdp+tp", marks=pytest.mark.slow)])
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     """``torchrun --nproc-per-node 2 -m torchref.train --parallel MODE`` logs the one-process losses within 1e-5
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
@@ -67,3 +68,39 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     np.testing.assert_allclose(losses, single, rtol=0, atol=1e-5)
+
+
+def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
+    """A ``--parallel fsdp`` run under ``torchrun`` (2 ranks) saves full state dicts by parameter name (rank 0
+    writes); ONE process resumes it to step 3 and matches a one-process run throughout (losses within 1e-5, the
+    exported weights within AdamW's rounding bound, see ``test_sharding``); ``--profile`` writes one trace per
+    rank; only rank 0 logs."""
+    from safetensors.numpy import load_file
+
+    from torchref import trainer
+
+    argv = ["--seq-len", "16", "--batch-size", "4", "--no-progress", "--schedule", "constant", "--lr", "1e-3"]
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--steps", "4",
+                           "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep-checkpoints", "2",
+                           "--profile", str(tmp_path / "prof"), *argv],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    parallel_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    traces = [f for f in os.listdir(tmp_path / "prof") if f.endswith(".pt.trace.json")]
+    assert len(traces) == 2, traces  # one per rank (tensorboard_trace_handler names them host_pid)
+    os.remove(ck / "torchref-step-00000004.pt")  # resume from step 2, in one process
+    resumed = trainer.run(["--steps", "4", "--resume", "--checkpoint-dir", str(ck), *argv])
+    ref = trainer.run(["--steps", "4", "--checkpoint-dir", str(tmp_path / "ref"), *argv])
+    assert resumed["start"] == 2
+    np.testing.assert_allclose(parallel_losses, ref["losses"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(resumed["losses"], ref["losses"][2:], rtol=0, atol=1e-5)
+    got, want = load_file(str(ck / "final" / "model.safetensors")), \
+        load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        diff = np.abs(got[name] - want[name])
+        assert diff.max() <= 2 * 1e-3 * 4 and np.mean(diff > 1e-5) < 1e-3, (name, diff.max())

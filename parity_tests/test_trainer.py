@@ -51,7 +51,7 @@ def test_one_flag_table_for_both_clis():
     jax_opts, torch_opts = _options(build_parser("jax")), _options(build_parser("torch"))
     shared = {f.name for f in FLAGS if len(f.frameworks) == 2}
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
-    assert set(jax_opts) - shared == {"--mesh"}
+    assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
     assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
     conventions = ("--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
                    "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
@@ -108,7 +108,7 @@ BAD = [
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"], "jax",
      r"--num-processes 2: a multi-process run needs --mesh"),
     (["--process-id", "0"], "torch", r"unrecognized arguments: --process-id 0"),
-    (["--parallel", "zero"], "torch", r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp\)"),
+    (["--parallel", "zero"], "torch", r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp\)"),
     (["--num-workers", "-1"], "torch", r"--num-workers -1: must be an integer >= 0"),
     (["--stpes", "3"], "both", r"unrecognized arguments: --stpes 3"),
 ]
@@ -124,12 +124,11 @@ def test_bad_flag_values_are_clear_errors_before_any_build(argv, frameworks, mes
         assert re.search(message, text), text
 
 
-def test_parallel_refused_under_multi_process_torchrun(monkeypatch):
+def test_torchrun_without_parallel_is_refused(monkeypatch):
     parse_args(["--parallel", "ddp"], "torch", TORCH_BACKENDS)  # one process: accepted
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(CLIError, match=r"--parallel 'ddp': checkpoints \(--checkpoint-dir\) and --profile of a "):
-        parse_args(["--parallel", "ddp", "--checkpoint-dir", "ck"], "torch", TORCH_BACKENDS)
-    with pytest.raises(CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp\}"):
+    parse_args(["--parallel", "fsdp+tp", "--checkpoint-dir", "ck", "--profile", "p"], "torch", TORCH_BACKENDS)
+    with pytest.raises(CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp\}"):
         parse_args([], "torch", TORCH_BACKENDS)
 
 

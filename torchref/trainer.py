@@ -9,8 +9,11 @@ policy, build optimizer + ``LambdaLR`` + ``GradScaler`` (enabled for fp16) and t
 (any bad value fails here, before ``torch.compile`` runs); then the loop over a ``DataLoader``. The scheduler
 advances only on applied steps (``torchref.optim.step_scheduler``, optax's rule). ``--profile DIR`` records
 three steps after the first with ``torch.profiler`` (a Chrome trace JSON per step window: Perfetto and
-TensorBoard open it). Checkpoints: ``torchref.checkpoint``; at the end the model is exported with
-``save_pretrained`` to ``<checkpoint-dir>/final``.
+TensorBoard open it; under ``torchrun`` each rank writes its own). Checkpoints: ``torchref.checkpoint`` holding the
+FULL (unsharded) model and optimizer state dicts keyed by parameter name (``torch.distributed.checkpoint``'s
+``get_state_dict`` / ``set_state_dict``), so a checkpoint of a ``--parallel`` run written by rank 0 resumes under
+any ``--parallel`` mode or in one process, and the other way round; at the end the model is exported with
+``save_pretrained`` to ``<checkpoint-dir>/final`` (rank 0).
 """
 from __future__ import annotations
 
@@ -132,21 +135,44 @@ class Run:
                            f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
         if step > self.args.steps:
             raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
-        self.model.load_state_dict(p["model"])
-        self.optimizer.load_state_dict(p["optimizer"])
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=p["model"], optim_state_dict=p["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(p["scheduler"])
         self.scaler.load_state_dict(p["scaler"])
         set_rng_state(p["rng"])
         self.start = int(meta["data_position"])
 
+    @property
+    def rank0(self) -> bool:
+        return self.parallel is None or int(os.environ.get("RANK", "0")) == 0
+
+    def full_state_dicts(self) -> tuple[dict, dict]:
+        """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
+        gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.model, self.optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def save(self, step: int) -> None:
         from .seed import rng_state
 
-        meta = {"framework": "torch", "step": step, "data_position": step, "model_config": self.config.to_hf(),
-                "flags": {k: v for k, v in vars(self.args).items()}}
-        self.ckpt.save(step, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                              "rng": rng_state(), "meta": meta})
+        model_sd, optim_sd = self.full_state_dicts()
+        if self.rank0:
+            meta = {"framework": "torch", "step": step, "data_position": step, "model_config": self.config.to_hf(),
+                    "flags": {k: v for k, v in vars(self.args).items()}}
+            self.ckpt.save(step, {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                                  "scaler": self.scaler.state_dict(), "rng": rng_state(), "meta": meta})
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Under ``--parallel``: wait until rank 0 has written (a checkpoint, the export)."""
+        if self.parallel is not None:
+            import torch.distributed as dist
+
+            dist.barrier()
 
 
 def prepare(argv: Optional[Sequence[str]]) -> Run:
@@ -171,7 +197,7 @@ def _train(r: Run) -> dict[str, Any]:
     from .optim import step_scheduler
 
     args = r.args
-    rank0 = r.parallel is None or int(os.environ.get("RANK", "0")) == 0  # one log per run under torchrun
+    rank0 = r.rank0  # one log per run under torchrun
     log = RunLog(args.steps, r.start, args.log_json if rank0 else None, progress=rank0 and not args.no_progress,
                  desc="torch train")
     losses: list[float] = []
@@ -211,9 +237,19 @@ def _train(r: Run) -> dict[str, Any]:
             from .hf import save_pretrained
 
             final = os.path.join(args.checkpoint_dir, "final")
-            save_pretrained(r.model, final)
-            if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
-                shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+            model = r.model
+            if r.parallel is not None:  # the gathered full weights in a plain model (rank 0)
+                from .model import LlamaForCausalLM
+
+                model_sd, _ = r.full_state_dicts()
+                if rank0:
+                    model = LlamaForCausalLM(r.config)
+                    model.load_state_dict(model_sd)
+            if rank0:
+                save_pretrained(model, final)
+                if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
+                    shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+            r.barrier()
             out["final"] = final
         return out
     finally:

@@ -7,8 +7,8 @@ shared flags are identical by construction, plus the framework-only ones: ``--me
 ``--coordinator/--num-processes/--process-id`` (or ``$JAX_COORDINATOR_ADDRESS/$JAX_NUM_PROCESSES/$JAX_PROCESS_ID``)
 for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
 exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
-the flag, the value and what is accepted, before any model is built or compiled. ``--parallel`` under a
-multi-process ``torchrun`` runs without checkpoints for now; ``--mesh`` is checked against the devices by ``jaxattn.trainer``.
+the flag, the value and what is accepted, before any model is built or compiled. ``--mesh`` is checked against the
+devices by ``jaxattn.trainer``, ``--parallel`` against the ranks by ``torchref.trainer``.
 """
 from __future__ import annotations
 
@@ -26,13 +26,11 @@ from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
 
 __all__ = ["FLAGS", "FRAMEWORKS", "CLIError", "build_parser", "parse_args", "check_args", "model_config",
-           "MATMUL_PRECISIONS", "NOT_YET_DISTRIBUTED"]
+           "MATMUL_PRECISIONS"]
 
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-PARALLEL = ("ddp", "fsdp", "tp")
-NOT_YET_DISTRIBUTED = ("multi-device training is not yet supported by this trainer (it is the distributed-training "
-                       "issue: jaxattn.sharding / torchref.parallel); run on a single device")
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")  # torchref.parallel.MODES
 
 
 class CLIError(ValueError):
@@ -97,7 +95,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--process-id", "multi-process run: this process's index (default: $JAX_PROCESS_ID)", int,
          frameworks=("jax",)),
     Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
-    Flag("--parallel", "parallelism under torchrun (torchref.parallel; no checkpoints yet)", str, None, PARALLEL,
+    Flag("--parallel", "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks)", str,
+         None, PARALLEL,
          frameworks=("torch",)),
     Flag("--num-workers", "DataLoader worker processes", int, 1, frameworks=("torch",)),
 )
@@ -263,9 +262,6 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and args.parallel is None:
             raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
-        if world > 1 and (args.checkpoint_dir is not None or args.profile is not None):
-            raise _err("--parallel", args.parallel, "checkpoints (--checkpoint-dir) and --profile of a multi-process "
-                       "run are not yet supported; train without them")
     config = model_config(args)
     if args.seq_len > config.max_seq_len:
         raise _err("--seq-len", args.seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}")

@@ -1,0 +1,71 @@
+"""``benchmarks/plan.py``: reading collectives out of compiled HLO, and the compiled sharded steps against the
+analytic traffic of each strategy (tiny preset, 8 H100s, deviceless; ``gpu_compile``).
+
+Buffer sizes per train step for N parameters and a bf16 compute copy (2 bytes each):
+* ``data=8``: one all-reduce of the gradients, N * 2 bytes (plus float32 scalars: the loss, the norm);
+* ``fsdp=8`` with ``remat full``: the weights all-gathered in the forward and again in the backward's
+  recomputed forward, <= 2 * N * 2 bytes (the embedding gather reads rows, not the whole table), and the
+  gradients reduce-scattered once, N * 2 bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks import plan
+from jaxattn import gpu_target
+
+# A compiled-HLO excerpt with the forms XLA writes: async combined all-gather / reduce-scatter starts whose
+# result is ((inputs...), (outputs...)), a sync reduce-scatter (result = one device's part), an all-reduce, and
+# a while body (the layer loop) holding one of them.
+HLO = """\
+%body.1 (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %all-gather-start.1 = ((bf16[8,64]{1,0}, bf16[8]{0}), (bf16[64,64]{1,0}, bf16[64]{0})) all-gather-start(%a, %b), replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done.1 = (bf16[64,64]{1,0}, bf16[64]{0}) all-gather-done(%all-gather-start.1)
+}
+
+ENTRY %main (x: f32[64,256]) -> f32[8,256] {
+  %w = (s32[], bf16[8,64]) while(%t), condition=%cond.1, body=%body.1
+  %reduce-scatter-start = ((f32[64,256]{1,0}), f32[8,256]{1,0}) reduce-scatter-start(%x), channel_id=1, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}
+  %reduce-scatter.2 = bf16[2,16]{1,0} reduce-scatter(%y), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %all-reduce.3 = f32[10]{0} all-reduce(%z), channel_id=3, replica_groups=[1,8]<=[8], to_apply=%add
+}
+"""
+
+
+def test_collectives_reads_full_buffer_sizes_and_loop_ops():
+    c = plan.collectives(HLO)
+    gathered = (64 * 64 + 64) * 2  # the outputs half of the start tuple
+    assert c["all-gather"] == {"ops": 1, "bytes": gathered, "ops_in_loop": 1, "bytes_in_loop": gathered}
+    # async: the input half (64*256 f32); sync: the part (2*16 bf16) times the group of 4
+    assert c["reduce-scatter"]["ops"] == 2 and c["reduce-scatter"]["ops_in_loop"] == 0
+    assert c["reduce-scatter"]["bytes"] == 64 * 256 * 4 + 2 * 16 * 2 * 4
+    assert c["all-reduce"]["bytes"] == 40
+    steps = plan.per_step(c, n_layers=16)
+    assert steps["all-gather"] == 16 * gathered and steps["all-reduce"] == 40
+
+
+_REASON = gpu_target.unavailable_reason()
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
+def test_compiled_plans_move_what_the_analysis_says():
+    import jax
+    from flax import nnx
+
+    from benchmarks.compile import target_config
+    from jaxattn.config import ModelConfig
+    from jaxattn.model import Llama
+
+    model = nnx.eval_shape(lambda: Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    devs = gpu_target.devices(target_config("h100"), "1x1x8")
+    got = {}
+    for spec in ("data=8", "fsdp=8"):
+        rec = plan.compile_plan(devs, spec, "tiny", 8, 128)
+        got[spec] = {k: v["bytes_per_step"] / n for k, v in rec["measured"]["collectives"].items()}
+    dp, fsdp = got["data=8"], got["fsdp=8"]
+    assert 2.0 <= dp["all-reduce"] <= 2.5 and dp["all-gather"] == dp["reduce-scatter"] == 0, dp
+    assert 2.0 <= fsdp["reduce-scatter"] <= 2.2, fsdp
+    assert 3.0 <= fsdp["all-gather"] <= 4.0, fsdp  # 2 gathers x 2 bytes, less the embedding table's rows
