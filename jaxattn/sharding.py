@@ -37,7 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
            "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "make_sharded_train_step",
-           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding", "per_shard_map"]
+           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding", "per_shard_map",
+           "offloaded", "offload_unavailable_reason"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -262,12 +263,41 @@ def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RUL
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
+def offload_unavailable_reason(mesh: Mesh) -> Optional[str]:
+    """None when every device of ``mesh`` has a ``pinned_host`` memory space, else why not."""
+    from .remat import offload_unavailable_reason as reason_for
+
+    for d in mesh.devices.flat:
+        reason = reason_for(d)
+        if reason is not None:
+            return reason
+    return None
+
+
+def offloaded(tx, device_shardings: Any, host_shardings: Any):
+    """``tx`` whose optimizer state lives in ``pinned_host`` memory between steps (ZeRO-Offload's idea, with XLA's
+    memory spaces): ``update`` brings the state to device memory, updates it there and sends it back, so the
+    device holds it only while the step runs. ``*_shardings``: prefix trees of the state's shardings."""
+    import optax
+
+    def update(updates, opt_state, params=None):
+        new_updates, new_state = tx.update(updates, jax.device_put(opt_state, device_shardings), params)
+        return new_updates, jax.device_put(new_state, host_shardings)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, batch_size: int,
-                            rules: Mapping[str, Optional[str]] = RULES, **step_kwargs):
+                            rules: Mapping[str, Optional[str]] = RULES, offload_optimizer: bool = False,
+                            **step_kwargs):
     """``(step, sharded_state)``: ``jaxattn.train.make_train_step`` jitted with the state's and the batch's
     shardings (``in_shardings``/``out_shardings``: "pjit" is ``jax.jit`` with shardings today), the state
-    donated. ``step_kwargs`` go to ``make_train_step`` (policy, max_grad_norm, grad_accum, ...). Checks the mesh
-    against the model config and ``batch_size`` first (ValueError naming the value, no compile)."""
+    donated. ``offload_optimizer``: the optimizer state is kept in host memory (``memory_kind="pinned_host"``,
+    :func:`offloaded`); a backend without that memory space is a ValueError. ``step_kwargs`` go to
+    ``make_train_step`` (policy, max_grad_norm, grad_accum, ...). Checks the mesh against the model config and
+    ``batch_size`` first (ValueError naming the value, no compile)."""
+    import dataclasses
+
     from .train import make_train_step
 
     config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
@@ -275,6 +305,14 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, 
         check_config(config, mesh)
     check_batch_size(batch_size, mesh, step_kwargs.get("grad_accum", 1))
     sh = state_shardings(state, mesh, rules)
+    if offload_optimizer:
+        reason = offload_unavailable_reason(mesh)
+        if reason is not None:
+            raise ValueError(f"offload_optimizer=True cannot be served on this backend: {reason}; keep the "
+                             f"optimizer state in device memory (offload_optimizer=False)")
+        host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), sh.opt_state)
+        tx = offloaded(tx, jax.tree.map(lambda s: s.with_memory_kind("device"), sh.opt_state), host)
+        sh = dataclasses.replace(sh, opt_state=host)
     inner = make_train_step(graphdef, tx, shardings=((sh, batch_sharding(mesh)), (sh, NamedSharding(mesh, P()))),
                             **step_kwargs)
 

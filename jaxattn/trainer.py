@@ -81,9 +81,11 @@ class Run:
 
             try:
                 self.step_fn, self.state = make_sharded_train_step(self.graphdef, self.tx, self.state, self.mesh,
-                                                                   batch_size=args.batch_size, **step_kw)
+                                                                   batch_size=args.batch_size,
+                                                                   offload_optimizer=args.offload_optimizer, **step_kw)
             except ValueError as e:
-                raise CLIError(f"--mesh {args.mesh!r}: {e}") from None
+                flag = "--offload-optimizer" if "offload_optimizer" in str(e) else f"--mesh {args.mesh!r}"
+                raise CLIError(f"{flag}: {e}") from None
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
@@ -110,7 +112,7 @@ class Run:
 
         try:
             sizes = parse_mesh(args.mesh)
-            if jax.device_count() == 1 and all(n == 1 for n in sizes.values()):
+            if jax.device_count() == 1 and all(n == 1 for n in sizes.values()) and not args.offload_optimizer:
                 return None
             return make_mesh(args.mesh)
         except ValueError as e:

@@ -335,3 +335,65 @@ def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
                       "--num-processes", "2", "--process-id", str(i)], {}) for i, m in enumerate(meshes)])
     for rc, out in runs:
         assert rc == 2 and "processes disagree on --mesh" in out, out[-3000:]
+
+
+def test_checkpoint_of_one_mesh_resumes_on_another(tmp_path):
+    """orbax restores a ``--mesh data=2,fsdp=2,tensor=2`` checkpoint onto ``--mesh fsdp=8`` (the restore target is
+    the new run's sharded state) and onto one device; both continue the uninterrupted run's losses within 1e-5."""
+    from jaxattn import trainer
+
+    flags = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--seed", "5", "--lr", "1e-3",
+             "--schedule", "constant"]
+    ref = trainer.run(flags + ["--steps", "3"])["losses"]
+    ck = str(tmp_path / "ck")
+    first = trainer.run(flags + ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "2", "--checkpoint-dir", ck,
+                                 "--keep-checkpoints", "5"])
+    np.testing.assert_allclose(first["losses"], ref[:2], rtol=0, atol=1e-5)
+    import shutil
+
+    shutil.copytree(ck, tmp_path / "ck1", ignore=shutil.ignore_patterns("final"))
+    resumed = trainer.run(flags + ["--mesh", "fsdp=8", "--steps", "3", "--resume", "--checkpoint-dir", ck])
+    single = trainer.run(flags + ["--steps", "3", "--resume", "--checkpoint-dir", str(tmp_path / "ck1")])
+    assert resumed["start"] == single["start"] == 2
+    np.testing.assert_allclose(resumed["losses"], ref[2:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(single["losses"], ref[2:], rtol=0, atol=1e-5)
+
+
+def test_optimizer_state_offloaded_to_pinned_host(reference):
+    """``offload_optimizer=True``: the optimizer moments live in ``pinned_host`` memory between steps (and stay
+    sharded like their parameters), the parameters in device memory, and the losses are the single-device ones."""
+    mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
+    graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
+    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=BATCH,
+                                                   offload_optimizer=True)
+    losses, state = _run(step, state)
+    np.testing.assert_allclose(losses, reference[0], rtol=0, atol=1e-5)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) >= 2]
+    assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
+    assert moments[0].sharding.spec != P()  # still sharded like its parameter
+
+
+def test_optimizer_offload_refused_without_pinned_host(monkeypatch):
+    import jaxattn.remat as remat
+
+    monkeypatch.setattr(remat, "offload_unavailable_reason", lambda d=None: f"{d} has memory spaces ['device']")
+    graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
+    with pytest.raises(ValueError, match=r"offload_optimizer=True cannot be served on this backend: .* \['device'\]"):
+        sharding.make_sharded_train_step(graphdef, _tx(), state, sharding.make_mesh("data=8"), batch_size=BATCH,
+                                         offload_optimizer=True)
+
+
+def test_cli_offload_optimizer_trains_like_device_state():
+    """``python -m jaxattn.train --mesh data=N --offload-optimizer``: the optimizer moments are placed in
+    ``pinned_host`` memory and the run logs the losses of the run without the flag."""
+    import jax as _jax
+
+    from jaxattn import trainer
+
+    flags = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--steps", "2"]
+    mesh = f"data={_jax.device_count()}"
+    plain = trainer.run(flags + ["--mesh", mesh])["losses"]
+    r = trainer.prepare(flags + ["--mesh", mesh, "--offload-optimizer"])
+    assert {x.sharding.memory_kind for x in _jax.tree.leaves(r.state.opt_state) if x.ndim >= 2} == {"pinned_host"}
+    np.testing.assert_allclose(trainer._train(r)["losses"], plain, rtol=0, atol=1e-6)

@@ -3,7 +3,7 @@
     args = parse_args(["--preset", "tiny", "--steps", "30"], framework="jax", attention_backends=("xla", ...))
 
 :data:`FLAGS` is one table; :func:`build_parser` turns it into an ``argparse`` parser for one framework (the
-shared flags are identical by construction, plus the framework-only ones: ``--mesh`` and the multi-process
+shared flags are identical by construction, plus the framework-only ones: ``--mesh``, ``--offload-optimizer`` and the multi-process
 ``--coordinator/--num-processes/--process-id`` (or ``$JAX_COORDINATOR_ADDRESS/$JAX_NUM_PROCESSES/$JAX_PROCESS_ID``)
 for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
 exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
@@ -88,6 +88,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-progress", "no progress bar", action="store_true"),
     Flag("--mesh", "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)", str,
          metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
+    Flag("--offload-optimizer", "keep the optimizer state in host memory between steps (pinned_host; needs --mesh, "
+                                "e.g. --mesh data=1 on one device)", action="store_true", frameworks=("jax",)),
     Flag("--coordinator", "multi-process run: jax.distributed coordinator address (default: "
                           "$JAX_COORDINATOR_ADDRESS)", str, metavar="HOST:PORT", frameworks=("jax",)),
     Flag("--num-processes", "multi-process run: processes in all (default: $JAX_NUM_PROCESSES)", int,
@@ -256,6 +258,9 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
     if framework == "jax":
         _check_processes(args)
+        if args.offload_optimizer and args.mesh is None:
+            raise CLIError("--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
+                           "device use --mesh data=1)")
     if framework == "torch":
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
