@@ -1,16 +1,24 @@
 """``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR]`` — measure both frameworks on this machine;
-``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there.
+``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there;
+``python -m benchmarks compile ...`` — compile for an H100/H200 without a GPU (its own flags, see ``--help``).
 
-Suites: ``model`` (same Llama in both frameworks: logits parity, forward and forward+backward) and
-``attention`` (every attention backend against torch SDPA and JAX's own kernels); ``all`` runs each. Results go
-to ``--out`` (default ``benchmarks/results/<device>/``, or ``.../<device>-quick/`` with ``--quick``): one JSON
-per suite, ``report.md`` and plots. ``--quick`` uses tiny shapes so a CPU pass takes a few minutes at most.
-``report`` re-runs nothing: it reads every ``<suite>.json`` in DIR (e.g. after merging runs or changing the
-report layout) and rewrites ``report.md`` (with the "JAX speed-up = torch time / JAX time" column) and the plots.
+Suites: ``model`` (same Llama in both frameworks: logits parity, forward and forward+backward), ``attention``
+(every attention backend against torch SDPA and JAX's own kernels), ``remat`` (memory per checkpoint policy),
+``decode`` (prefill and KV-cache decode), ``plan`` (sharded train step compiled for 8 H100s), ``train`` (one
+train step per technique toggle) and ``compile`` (what ``benchmarks compile`` measures: kernel registers,
+spills, shared memory and compiled program memory, "compiled for H100, not run"); ``all`` runs each, and skips
+with a note a suite this machine cannot serve (``plan`` and ``compile`` without the gpu-compile extra). Results
+go to ``--out`` (default ``benchmarks/results/<device>/``, or ``.../<device>-quick/`` with ``--quick``): one
+JSON per suite, ``report.md`` and plots (attention TFLOP/s per sequence length, train tokens/s per toggle,
+remat memory per policy, decode tokens/s per batch size, compiled kernels' registers/spills/shared memory).
+``--quick`` uses tiny shapes so a CPU pass takes a few minutes at most. ``report`` re-runs nothing: it reads
+every ``<suite>.json`` in DIR (e.g. after merging runs or changing the report layout) and rewrites
+``report.md`` (JAX and torch side by side, with the "JAX speed-up = torch time / JAX time" column, and the
+plots linked) and the plots; a directory written by ``benchmarks compile`` gets that report and its kernel plot.
 
 A bad filter (``--impl`` name, ``--max-seq`` that keeps no shape) or an unwritable ``--out`` fails at once,
 before anything is measured; a suite that measures nothing exits non-zero and writes nothing. Each file is
-replaced atomically, only by a complete result.
+replaced atomically, only by a complete result; a plot is drawn only from measured records.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from . import attention, common  # noqa: E402
 
-SUITES = ("model", "attention", "remat", "decode", "plan", "train")
+SUITES = ("model", "attention", "remat", "decode", "plan", "train", "compile")
 
 
 def main(argv=None) -> int:
@@ -101,9 +109,11 @@ def main(argv=None) -> int:
             continue
         results[suite] = records
         common.write_results(out, suite, records, info)
-        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{common.report_table(records)}", flush=True)
-        if suite == "attention":
-            common.plot_attention(out, records)
+        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{common.suite_table(suite, records)}",
+              flush=True)
+        plot = common.plot_suite(out, suite, records, info)
+        if plot:
+            print(f"plot: {plot.path}", flush=True)
     if results:
         print(f"\nreport: {common.write_report(out, results, info)}")
     return 1 if failed else 0

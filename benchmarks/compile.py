@@ -12,8 +12,10 @@ the SASS (``cuobjdump -sass``: HGMMA = wgmma, HMMA = mma.sync). Programs: the ji
 full train step (``jaxattn.train.make_train_step``, bf16 policy, flash attention) for ``tiny`` and ``1b``,
 built from ShapeDtypeStructs (``nnx.eval_shape``: the 1b model is never materialised): compiled memory
 (arguments, outputs, temporaries, peak) and XLA's cost analysis of the compiled module, beside the analytic
-FLOPs. Writes ``kernels.json``, ``programs.json`` and ``report.md`` under ``--out`` (default
-``benchmarks/results/<target>-compiled[-quick]/``). Every figure is "compiled for H100, not run".
+FLOPs. Writes ``kernels.json``, ``programs.json``, ``report.md`` and ``kernels.png`` (registers, spills and
+shared memory per kernel) under ``--out`` (default ``benchmarks/results/<target>-compiled[-quick]/``). Every
+figure is "compiled for H100, not run". The same measurements as a suite of ``python -m benchmarks run``:
+``--suite compile`` (:func:`run`; ``compile.json`` and ``compile_kernels.png`` beside the other suites).
 """
 from __future__ import annotations
 
@@ -291,7 +293,9 @@ def _mib(x) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def report(kernels: list, programs: list, info: dict) -> str:
+def report(kernels: list, programs: list, info: dict, plot: Optional[str] = None) -> str:
+    """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel and
+    program tables (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
     target = info["target"].upper()
     lines = [f"# Compiled for {target}, not run", "",
              f"Deviceless compile (`python -m benchmarks compile{' --quick' if info['quick'] else ''}`), jax "
@@ -300,15 +304,24 @@ def report(kernels: list, programs: list, info: dict) -> str:
              "spills from `ptxas -v --gpu-name=sm_90a` on the PTX XLA/Mosaic emitted; threads and shared "
              "memory from XLA's launch list (Mosaic: `.maxntid` and its planned allocation); occupancy = "
              "resident warps / 64 on the H100 limits (65536 regs, 228 KB smem, 2048 threads, 32 blocks per SM); "
-             "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.", "",
-             "## Kernels (compiled for {}, not run)".format(target), "",
+             "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.", ""]
+    lines += tables(kernels, programs, target)
+    if plot:
+        lines += [f"![kernels plot]({plot})", ""]
+    return "\n".join(lines)
+
+
+def tables(kernels: list, programs: list, target: str, level: str = "##") -> list:
+    """The markdown lines of the kernel and program tables, under ``level`` headings."""
+    lines = [f"{level} Kernels (compiled for {target}, not run)", "",
              "| impl | kernel | D | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | "
              "occupancy | HGMMA | HMMA | TMA | cp.async |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in kernels:
         if r.get("status") != "ok":
-            lines.append(f"| {r['impl']} | ERROR | {r['head_dim']} | {r['dtype']} | {r.get('error', '')[:80]} "
-                         "| | | | | | | | | | |")
+            why = r.get("error") or r.get("reason") or ""
+            lines.append(f"| {r['impl']} | {r.get('status', 'error').upper()} | {r['head_dim']} | {r['dtype']} | "
+                         f"{why[:80]} | | | | | | | | | | |")
             continue
         sass = r.get("sass") or {}
         ops = [sass.get(k, "n/a") for k in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")]
@@ -321,13 +334,15 @@ def report(kernels: list, programs: list, info: dict) -> str:
     shape = kernels[0] if kernels else {}
     lines += ["", f"Kernel shape: B={shape.get('B')}, S={shape.get('S')}, Hq={shape.get('Hq')}, "
               f"Hkv={shape.get('Hkv')}, causal={shape.get('causal')}; flash = one fwd+bwd compile per (D, dtype).",
-              "", f"## Programs (compiled for {target}, not run)", "",
+              "", f"{level} Programs (compiled for {target}, not run)", "",
               "| preset | program | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
               "XLA GFLOP | model GFLOP (all layers) | XLA / model (1 layer) | XLA / dense (1 layer) | XLA GB accessed |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in programs:
         if r.get("status") != "ok":
-            lines.append(f"| {r['preset']} | {r['kind']} | ERROR: {r.get('error', '')[:80]} | | | | | | | | | | | |")
+            why = r.get("error") or r.get("reason") or ""
+            lines.append(f"| {r['preset']} | {r['kind']} | {r.get('status', 'error').upper()}: {why[:80]} "
+                         "| | | | | | | | | | | |")
             continue
         lines.append(f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
                      f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
@@ -342,7 +357,39 @@ def report(kernels: list, programs: list, info: dict) -> str:
               "JSON), and `XLA / dense` (no attention) is the one to compare with 1.0; above 1.0 is the "
               "elementwise work (norms, RoPE, softmax of the loss, optimizer update). bf16 policy, flash "
               "attention, AdamW.", ""]
-    return "\n".join(lines)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------- the suite
+def run(quick: bool = False, target: str = "h100", log=print) -> list:
+    """The ``compile`` suite of ``python -m benchmarks run``: what ``python -m benchmarks compile`` measures
+    (``--quick``: its quick kernels at the small gate shape and the tiny programs), as one record list: kernel
+    records (``part`` "kernel": registers, spills, shared memory, ...) then program records (``part``
+    "program": compiled memory and FLOPs of the forward and the train step), each labelled "compiled for
+    H100, not run". Without the gpu-compile extra every record is ``skipped`` with the reason (``all`` then
+    skips the suite with a note)."""
+    kcases, pcases = kernel_cases(quick), program_cases(quick)
+    label = LABEL.format(target=target.upper())
+    reason = gpu_target.unavailable_reason()
+    if reason is not None:
+        return ([dict(part="kernel", framework="jax", impl=impl, head_dim=d, dtype=dt, label=label,
+                      status="skipped", reason=reason) for impl, d, dt in kcases]
+                + [dict(part="program", framework="jax", impl=kind, preset=preset, kind=kind, label=label,
+                        status="skipped", reason=reason) for preset, kind, _, _, _ in pcases])
+    devs = gpu_target.devices(target_config(target))
+    kernels = kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)
+    programs = program_records(devs, pcases, target, log=log)
+    return ([dict(r, part="kernel", framework="jax") for r in kernels]
+            + [dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs])
+
+
+def suite_tables(records: list) -> str:
+    """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records."""
+    label = next((r["label"] for r in records if r.get("label")), LABEL.format(target="H100"))
+    target = label.replace("compiled for ", "").replace(", not run", "")
+    kernels = [r for r in records if r.get("part") == "kernel"]
+    programs = [r for r in records if r.get("part") == "program"]
+    return "\n".join(tables(kernels, programs, target, level="###")).rstrip()
 
 
 def _tool_version(name: str) -> Optional[str]:
@@ -407,8 +454,10 @@ def main(argv=None) -> int:
     common.write_results(out, "kernels", kernels, info)
     if programs:
         common.write_results(out, "programs", programs, info)
-    common.write_text_atomic(os.path.join(out, "report.md"), report(kernels, programs, info))
-    print(report(kernels, programs, info))
+    plot = common.plot_suite(out, "kernels", kernels, info)
+    text = report(kernels, programs, info, os.path.basename(plot.path) if plot else None)
+    common.write_text_atomic(os.path.join(out, "report.md"), text)
+    print(text)
     print(f"wrote {out} in {info['wall_s']}s")
     failed = [r for r in kernels + programs if r.get("status") != "ok"]
     return 1 if failed else 0

@@ -8,7 +8,8 @@ of a ``prompt_len``-token batch (one call, empty cache) and one decode step (B n
 grows by one slot per timed call). JAX runs the jitted programs of ``jaxattn.generate`` (pure functions of the
 split state, cache donated); torch runs eagerly and, outside ``--quick``, the decode step under
 ``torch.compile``. Before timing, the fp32 twins' prefill logits must agree to 1e-4 (§7).
-``tokens_per_s``: prefill B*prompt_len / time, decode B / time.
+``tokens_per_s``: prefill B*prompt_len / time, decode B / time; ``device``: where that framework ran (jax's
+default backend; torch's model stays on the CPU, so on a GPU machine the torch rows are CPU numbers).
 """
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ def _torch_fns(tmodel, tokens, cache_len, compile_decode: bool):
 
 
 def run(quick: bool) -> list[dict]:
+    import jax
+
     from jaxattn.quant import weight_bytes
 
     batches = (1, 4) if quick else (1, 64)
@@ -150,6 +153,7 @@ def run(quick: bool) -> list[dict]:
             tmodel, jmodel = _build(cfg, tensors, weights)
             diff = _gate(tmodel, jmodel, rng.integers(0, cfg.vocab_size, (2, 16))) if weights == "fp32" else None
             wbytes = weight_bytes(jmodel)
+            devices = {"jax": jax.default_backend(), "torch": next(tmodel.parameters()).device.type}
             for b in batches:
                 tokens = rng.integers(0, cfg.vocab_size, (b, prompt_len)).astype(np.int64)
                 cache_len = prompt_len + steps
@@ -169,13 +173,14 @@ def run(quick: bool) -> list[dict]:
                         for pass_name, fn, ntok in timed:
                             t = common.timeit(fn, warmup=warmup, iters=iters)
                             records.append({**base, "pass": pass_name, "impl": impl, "framework": fw,
-                                            "median_ms": 1e3 * t["median_s"], "p10_ms": 1e3 * t["p10_s"],
-                                            "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],
+                                            "device": devices[fw], "median_ms": 1e3 * t["median_s"],
+                                            "p10_ms": 1e3 * t["p10_s"], "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],
                                             "tokens_per_s": ntok / t["median_s"], "max_abs_diff": diff,
                                             "peak_mem_bytes": None, "status": "ok"})
                             print(f"decode {name} {weights} B={b} {impl} {pass_name}: "
                                   f"{1e3 * t['median_s']:.3g} ms ({ntok / t['median_s']:.4g} tok/s)", flush=True)
                     except Exception as e:  # noqa: BLE001 - a backend that cannot run here is recorded, not fatal
                         records.append({**base, "pass": "decode", "impl": impl, "framework": fw,
-                                        "status": "skipped", "reason": f"{type(e).__name__}: {e}"[:300]})
+                                        "device": devices[fw], "status": "skipped",
+                                        "reason": f"{type(e).__name__}: {e}"[:300]})
     return records

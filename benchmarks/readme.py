@@ -54,6 +54,9 @@ def kernels_section() -> list[str]:
         out.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
                    f"{r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['smem_bytes']:,} | "
                    f"{r['occupancy']:.3f} | {sass.get('HGMMA', '—')} | {sass.get('HMMA', '—')} |")
+    png = os.path.join(RESULTS, "h100-compiled", "kernels.png")  # drawn from the same JSON by `benchmarks report`
+    if os.path.isfile(png):
+        out += ["", f"![registers, spills and shared memory per kernel, {COMPILED}]({os.path.relpath(png, ROOT)})"]
     return out
 
 
@@ -78,7 +81,7 @@ def plan_section() -> list[str]:
         return []
     out = [f"### Scaling plans on 8 H100s ({COMPILED})", "",
            f"From `{path}` (`python -m benchmarks run --suite plan`): per-device memory and the collectives of the "
-           "compiled sharded train step.", "",
+           "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).", "",
            "| mesh | preset | batch × seq | remat | peak GiB / device | all-gather / all-reduce / reduce-scatter GiB "
            "per step | fits 80 GB |", "|---|---|---|---|---|---|---|"]
     for r in d["records"]:
@@ -86,7 +89,8 @@ def plan_section() -> list[str]:
             continue
         m, c = r["measured"], r["measured"]["collectives"]
         peak = m["per_device_memory"]["peak"]
-        traffic = " / ".join(_gib(c[k]["bytes"]) for k in ("all-gather", "all-reduce", "reduce-scatter"))
+        traffic = " / ".join(_gib(c[k].get("bytes_per_step", c[k]["bytes"]))
+                             for k in ("all-gather", "all-reduce", "reduce-scatter"))
         out.append(f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {_gib(peak)} | "
                    f"{traffic} | {'yes' if peak < 80e9 else 'no'} |")
     return out

@@ -6,8 +6,14 @@ Baseline: fp32, remat ``none``, AdamW, grad_accum 1, default attention, torch ea
 those (:data:`TOGGLES`): ``bf16``, ``fp16`` (+ dynamic loss scale / GradScaler), ``remat_full``, ``attn_math``
 (jax ``xla`` / torch SDPA math), ``attn_fast`` (jax ``chunked`` / torch SDPA flash), ``torch_compile`` (torch
 only; JAX is always jitted), ``grad_accum2`` (same global batch in 2 microbatches), ``adamw8bit``. Model: the
-``tiny`` preset at B=4, S=128 with ``--quick``; ``125m`` at B=8, S=2048 otherwise (both frameworks built from
-the same weights, ``benchmarks.twins``).
+``tiny`` preset at B=4, S=128 with ``--quick``; ``1b`` (Llama-3.2-1B shape) at B=1, S=2048 otherwise (both
+frameworks built from the same fp32 weights, drawn once per run as ``benchmarks.twins`` draws them). The 1b
+shape is sized for one 80 GB GPU and ``gpu_session.sh``'s 10-minute call: fp32 AdamW state is ~20 GB, and at
+S=4096 the ``attn_math`` rows' S x S scores (about 34 GB kept for the backward in fp32) would not fit beside
+it. All torch rows run before all JAX rows (torch's cache is emptied after each row, while JAX's allocator
+keeps what it grew), and outside ``--quick`` a row not started within :data:`BUDGET_S` seconds is a
+``skipped`` record, so the suite ends, and writes its JSON, inside that call; records come back in toggle
+order, JAX before torch.
 
 One record per (toggle, framework): ``median_ms`` / ``p10_ms`` / ``p90_ms`` of a whole step (median of 5 timed
 steps after warm-up with ``--quick``, 20 otherwise), ``tokens_per_s`` = B*S / median, ``peak_mem_bytes`` (torch:
@@ -43,11 +49,39 @@ TOGGLES: dict[str, dict] = {
     "adamw8bit": {"optimizer": "adamw8bit"},
 }
 QUICK_COMPILE_LIMIT_S = 60.0
+BUDGET_S = 480.0  # outside --quick: rows not started by then are skipped (gpu_session.sh gives the suite 570 s)
 LR = 1e-4
 
 
 def _shape(quick: bool):
-    return ("tiny", 4, 128) if quick else ("125m", 8, 2048)
+    return ("tiny", 4, 128) if quick else ("1b", 1, 2048)
+
+
+def _weights(tcfg) -> dict:
+    """HF-named fp32 numpy tensors of the twin models (``benchmarks.twins.twin_models(seed=0,
+    perturb_norms=False)``), drawn once per run and copied into each row's models."""
+    from .twins import twin_models
+
+    tmodel = twin_models(tcfg, seed=0, perturb_norms=False)[0]
+    return {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
+
+
+def _jax_model(tcfg, weights: dict):
+    from jaxattn import hf as jhf
+
+    from .twins import jax_config
+
+    # copies: on a CPU jax may alias a numpy buffer, and the train step donates its state
+    return jhf.from_state_dict(jax_config(tcfg), {k: v.copy() for k, v in weights.items()})
+
+
+def _torch_model(tcfg, weights: dict):
+    import torch
+
+    from torchref import hf as thf
+
+    # copies: the optimizer updates the parameters in place, and on a CPU .to() would not copy
+    return thf.from_state_dict(tcfg, {k: torch.tensor(v) for k, v in weights.items()})
 
 
 def flops_per_token(cfg, seq: int) -> tuple[float, int]:
@@ -68,16 +102,13 @@ def _settings(toggle: str, fw: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- JAX
-def _jax_step(tcfg, s: dict, tokens):
+def _jax_step(tcfg, s: dict, tokens, weights: dict):
     import jax.numpy as jnp
 
     from jaxattn import optim, remat
     from jaxattn.train import TrainState, make_train_step
 
-    from .twins import twin_models
-
-    jmodel = twin_models(tcfg, seed=0, perturb_norms=False)[1]
-    jmodel = remat.apply(jmodel, s["remat"])
+    jmodel = remat.apply(_jax_model(tcfg, weights), s["remat"])
     tx = optim.build(s["optimizer"], LR, 0.1)
     graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
     step = make_train_step(graphdef, tx, policy=s["precision"], max_grad_norm=1.0, grad_accum=s["grad_accum"],
@@ -85,14 +116,14 @@ def _jax_step(tcfg, s: dict, tokens):
     return step, state, {"tokens": jnp.asarray(tokens)}
 
 
-def _jax_measure(tcfg, s, tokens, warmup, iters) -> dict:
+def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
     import contextlib
 
     from jaxattn.attention import attention_backend
 
     ctx = attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
     with ctx:
-        step, state, batch = _jax_step(tcfg, s, tokens)
+        step, state, batch = _jax_step(tcfg, s, tokens, weights)
         box = [state]
 
         def one():
@@ -111,7 +142,7 @@ def _jax_measure(tcfg, s, tokens, warmup, iters) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- torch
-def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick) -> dict:
+def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
     import contextlib
 
     import torch
@@ -121,9 +152,7 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick) -> dict:
     from torchref.precision import get_policy
     from torchref.train import make_train_step
 
-    from .twins import twin_models
-
-    model = twin_models(tcfg, seed=0, perturb_norms=False)[0].to(dev).train()
+    model = _torch_model(tcfg, weights).to(dev).train()
     model = remat.apply(model, s["remat"])
     opt = optim.build(model, s["optimizer"], LR, 0.1)[0]
     policy = get_policy(s["precision"])
@@ -151,8 +180,9 @@ class _Skip(Exception):
     pass
 
 
-def run(quick: bool, toggles: Optional[list[str]] = None, log=print) -> list[dict]:
-    """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order)."""
+def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: Optional[float] = None) -> list[dict]:
+    """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). ``budget_s``: rows
+    not started within it are skipped (default None with ``quick``, else :data:`BUDGET_S`)."""
     import numpy as np
     import torch
 
@@ -169,42 +199,48 @@ def run(quick: bool, toggles: Optional[list[str]] = None, log=print) -> list[dic
     fpt, n_params = flops_per_token(tcfg, seq)
     peak, peak_reason = peaks.peak_flops(common.jax_device_name())
     tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32)
+    weights = _weights(tcfg)
+    budget_s = None if quick else BUDGET_S if budget_s is None else budget_s
+    t_start = time.perf_counter()
     records = []
-    for name in names:
-        for fw in ("jax", "torch"):
-            if name == "torch_compile" and fw == "jax":
-                continue  # JAX's step is always jitted: its baseline row is the compiled one
-            s = _settings(name, fw)
-            rec = {"suite": "train", "toggle": name, "preset": preset, "B": b, "S": seq, "framework": fw,
-                   "impl": "jaxattn" if fw == "jax" else "torchref"}
-            meas = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
-            try:
-                if fw == "jax":
-                    m = _jax_measure(tcfg, s, tokens, warmup, iters)
-                else:
-                    m = _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick)
-                t = m["t"]
-                tps = b * seq / t["median_s"]
-                rec.update(median_ms=1e3 * t["median_s"], p10_ms=1e3 * t["p10_s"], p90_ms=1e3 * t["p90_s"],
-                           iters=t["iters"], tokens_per_s=tps, peak_mem_bytes=m["peak_mem_bytes"],
-                           mfu=peaks.mfu(fpt, tps, peak), status="ok")
-                meas.update(first_step_s=round(m["first_step_s"], 3), mem_source=m["mem_source"],
-                            final_loss=m["loss"], mfu_reason=peak_reason)
-                log(f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
-                    f"first step {m['first_step_s']:.1f} s")
-            except _Skip as e:
-                rec.update(status="skipped", reason=str(e))
-                log(f"  train {name} {fw}: skipped, {e}")
-            except Exception as e:  # one toggle that fails is a record, not the end of the suite
-                rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
-                log(f"  train {name} {fw}: skipped, {rec['reason']}")
-            rec["measured"] = meas
-            records.append(rec)
-            gc.collect()
+    # torch first: its cache is emptied after each row, JAX's allocator keeps what it grew (one GPU, both)
+    rows = [(name, fw) for fw in ("torch", "jax") for name in names
+            if not (name == "torch_compile" and fw == "jax")]  # JAX's step is always jitted
+    for name, fw in rows:
+        s = _settings(name, fw)
+        rec = {"suite": "train", "toggle": name, "preset": preset, "B": b, "S": seq, "framework": fw,
+               "impl": "jaxattn" if fw == "jax" else "torchref"}
+        meas = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
+        try:
+            spent = time.perf_counter() - t_start
+            if budget_s is not None and spent > budget_s:
+                raise _Skip(f"time budget spent ({spent:.0f} s > {budget_s:.0f} s); not run")
             if fw == "jax":
-                import jax
+                m = _jax_measure(tcfg, s, tokens, warmup, iters, weights)
+            else:
+                m = _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights)
+            t = m["t"]
+            tps = b * seq / t["median_s"]
+            rec.update(median_ms=1e3 * t["median_s"], p10_ms=1e3 * t["p10_s"], p90_ms=1e3 * t["p90_s"],
+                       iters=t["iters"], tokens_per_s=tps, peak_mem_bytes=m["peak_mem_bytes"],
+                       mfu=peaks.mfu(fpt, tps, peak), status="ok")
+            meas.update(first_step_s=round(m["first_step_s"], 3), mem_source=m["mem_source"],
+                        final_loss=m["loss"], mfu_reason=peak_reason)
+            log(f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
+                f"first step {m['first_step_s']:.1f} s")
+        except _Skip as e:
+            rec.update(status="skipped", reason=str(e))
+            log(f"  train {name} {fw}: skipped, {e}")
+        except Exception as e:  # one toggle that fails is a record, not the end of the suite
+            rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
+            log(f"  train {name} {fw}: skipped, {rec['reason']}")
+        rec["measured"] = meas
+        records.append(rec)
+        gc.collect()
+        if fw == "jax":
+            import jax
 
-                jax.clear_caches()
-            elif dev == "cuda":
-                torch.cuda.empty_cache()
-    return records
+            jax.clear_caches()
+        elif dev == "cuda":
+            torch.cuda.empty_cache()
+    return sorted(records, key=lambda r: (names.index(r["toggle"]), r["framework"] != "jax"))

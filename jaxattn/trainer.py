@@ -194,6 +194,7 @@ def _train(r: Run) -> dict[str, Any]:
 
     from .data import prefetch_to_device
     from .profiling import start_trace, stop_trace
+    from .spec.timing import StepTimer
 
     args = r.args
     device = r.device  # a device, or the batch's NamedSharding with --mesh
@@ -207,6 +208,7 @@ def _train(r: Run) -> dict[str, Any]:
     ctx = r.attention.attention_backend(*r.backends) if r.backends else contextlib.nullcontext()
     pending = None
     t_last = time.perf_counter()
+    timer = StepTimer(skip_first=1)  # phases timed on the host without extra syncs: the pipeline keeps its lag
 
     def report(p) -> None:
         nonlocal t_last
@@ -225,13 +227,17 @@ def _train(r: Run) -> dict[str, Any]:
         with ctx:
             batches = prefetch_to_device(r.data, r.start, args.steps, device=device, with_tokens=True,
                                          place=(lambda b: b) if jax.process_count() > 1 else None)
-            for i, (batch, tokens) in enumerate(batches, r.start):
+            for i in range(r.start, args.steps):
+                with timer.phase("data"):  # waiting for the prefetch thread
+                    batch, tokens = next(batches)
                 if i == prof_start:
                     start_trace(args.profile)
                     profiling = True
-                r.state, metrics = r.step_fn(r.state, batch)
+                with timer.phase("dispatch"):  # async: returns before the device finishes
+                    r.state, metrics = r.step_fn(r.state, batch)
                 if pending is not None:
-                    report(pending)
+                    with timer.phase("metrics"):  # fetching the PREVIOUS step's metrics: the device wait
+                        report(pending)
                 pending = (i + 1, metrics, tokens)
                 if profiling and i + 1 >= prof_start + PROFILE_STEPS:
                     stop_trace(r.state)
@@ -240,6 +246,7 @@ def _train(r: Run) -> dict[str, Any]:
                     report(pending)
                     pending = None
                     r.save(i + 1)
+            batches.close()  # stops the prefetch thread
             if pending is not None:
                 report(pending)
         if profiling:
@@ -247,7 +254,10 @@ def _train(r: Run) -> dict[str, Any]:
         compiles = r.step_fn.jitted._cache_size() if hasattr(r.step_fn.jitted, "_cache_size") else None
         log.write(f"jax train: {args.steps - r.start} steps, train step compiled {compiles} time(s)"
                   f" (packing={args.packing}, buckets={list(r.data.buckets)})")
-        out = {"losses": losses, "compiles": compiles, "start": r.start, "steps": args.steps}
+        if timer.summary():
+            log.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")
+        out = {"losses": losses, "compiles": compiles, "start": r.start, "steps": args.steps,
+               "phases": timer.summary()}
         if r.ckpt:
             if r.ckpt.latest_step() != args.steps:
                 r.save(args.steps)

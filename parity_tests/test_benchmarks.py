@@ -185,15 +185,53 @@ def test_impl_names_cover_every_implementation():
         attention_suite.run(quick=True, max_seq=True)
 
 
-def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_when_asked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("suite", ["plan", "compile"])
+def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_when_asked(tmp_path, monkeypatch, suite,
+                                                                                       capsys):
     """`run` (= all suites, the README's main job) skips a suite whose records are all skipped for a machine reason
-    (`plan` without the gpu-compile extra) and still exits 0; asking for that suite by name exits 1; neither
-    writes a results file for it."""
+    (`plan` and `compile` without the gpu-compile extra) with a note and still exits 0; asking for that suite by
+    name exits 1; neither writes a results file or a plot for it."""
+    import benchmarks.compile
     import benchmarks.plan
 
-    skipped = [dict(framework="jax", impl="sharding-plan", mesh="fsdp=8", status="skipped", reason="no plugin")]
-    monkeypatch.setattr(benchmarks.plan, "run", lambda quick=False: skipped)
-    monkeypatch.setattr(cli, "SUITES", ("plan",))
+    if suite == "plan":
+        skipped = [dict(framework="jax", impl="sharding-plan", mesh="fsdp=8", status="skipped", reason="no plugin")]
+        monkeypatch.setattr(benchmarks.plan, "run", lambda quick=False: skipped)
+    else:  # the real compile suite, on a machine where the CUDA plugin is "missing"
+        monkeypatch.setattr(benchmarks.compile.gpu_target, "unavailable_reason", lambda: "no plugin (test)")
+    monkeypatch.setattr(cli, "SUITES", (suite,))
     assert cli.main(["run", "--quick", "--out", str(tmp_path / "all")]) == 0
-    assert cli.main(["run", "--suite", "plan", "--quick", "--out", str(tmp_path / "one")]) == 1
-    assert not list(tmp_path.rglob("plan.json"))
+    assert f"note: suite {suite!r} skipped on this machine" in capsys.readouterr().out
+    assert cli.main(["run", "--suite", suite, "--quick", "--out", str(tmp_path / "one")]) == 1
+    assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob("*.png"))
+
+
+def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypatch):
+    """`run --suite compile` stores what `benchmarks compile` measures as one record list (kernel records, then
+    program records, each with its `part`), draws the kernel plot and gives report.md the compile tables and the
+    plot's link; the compiles themselves are faked here (the real ones are the gpu_compile tests')."""
+    import benchmarks.compile as bc
+
+    label = "compiled for H100, not run"
+    kernel = dict(impl="flash", head_dim=64, dtype="bf16", B=1, S=256, Hq=4, Hkv=2, causal=True, label=label,
+                  threads=128, stack=0, blocks_per_sm=2, occupancy=0.125, sass={"HGMMA": 8, "HMMA": 0}, status="ok")
+    kernels = [dict(kernel, kernel=k, registers=r, spill_stores=0, spill_loads=0, smem_bytes=65536)
+               for k, r in (("flash_fwd", 200), ("flash_bwd_dq", 100), ("flash_bwd_dkv", 170))]
+    program = dict(preset="tiny", kind="train_step", batch=2, seq=128, status="ok", compile_s=1.0, launches=9,
+                   argument=2**20, output=2**20, temp=2**21, peak=2**22, xla_flops=1e8, model_flops=2e8,
+                   flops_ratio=0.9, flops_ratio_dense=1.05, xla_bytes_accessed=1e7, label=label)
+    monkeypatch.setattr(bc.gpu_target, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(bc.gpu_target, "devices", lambda *a, **k: ["fake-h100"])
+    monkeypatch.setattr(bc, "kernel_records", lambda devs, cases, shape, target, log=print: kernels)
+    monkeypatch.setattr(bc, "program_records", lambda devs, cases, target, log=print: [program])
+    out = tmp_path / "out"
+    assert cli.main(["run", "--suite", "compile", "--quick", "--out", str(out)]) == 0
+    recs = json.loads((out / "compile.json").read_text())["records"]
+    assert [(r["part"], r["framework"], r.get("kernel", r.get("kind"))) for r in recs] == [
+        ("kernel", "jax", "flash_fwd"), ("kernel", "jax", "flash_bwd_dq"), ("kernel", "jax", "flash_bwd_dkv"),
+        ("program", "jax", "train_step")]
+    assert (out / "compile_kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "## compile" in report and "### Kernels (compiled for H100, not run)" in report
+    assert "| flash | `flash_bwd_dq` | 64 | bf16 | 128 | 100 | 0/0 |" in report and "| tiny | train_step | 2×128 |" in report
+    assert "![compile plot](compile_kernels.png)" in report

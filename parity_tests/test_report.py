@@ -1,7 +1,10 @@
 """``python -m benchmarks report DIR`` rebuilds ``report.md`` and the plots from the JSON already in DIR (running
 nothing), with the "JAX speed-up = torch time / JAX time" column; the attention plot gives each implementation
-one colour and marker in every panel and one legend that lists every series."""
+one colour and marker in every panel and one legend that lists every series; so does every other suite's plot
+(train, remat, decode, compiled kernels), drawn here from fresh random records."""
 import json
+import os
+import random
 
 import pytest
 
@@ -65,23 +68,18 @@ def test_report_refuses_dirs_without_timings(tmp_path):
         common.rebuild_report(str(tmp_path))
     with pytest.raises(ValueError, match="is not a directory"):
         common.rebuild_report(str(tmp_path / "nope"))
-    _write(tmp_path, "kernels", [{"kernel": "x"}], "2026-01-01T00:00:00Z")
-    with pytest.raises(ValueError, match="only deviceless-compile results \\(kernels.json\\)"):
+    _write(tmp_path, "plan", [{"mesh": "fsdp=8"}], "2026-01-01T00:00:00Z")
+    with pytest.raises(ValueError, match="only deviceless-compile results \\(plan.json\\) without kernels.json"):
         common.rebuild_report(str(tmp_path))
     assert not (tmp_path / "report.md").exists()
     with pytest.raises(SystemExit):
         cli.main(["report", str(tmp_path / "nope")])
 
 
-def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, monkeypatch):
-    import matplotlib.pyplot as plt
-
-    figs = []
-    real_close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig) or real_close(fig))
+def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, drawn):
     recs = json.loads((results / "attention.json").read_text())["records"]
     assert common.plot_attention(str(results), recs)
-    fig = figs[-1]
+    fig = drawn[-1]
     style = {}
     for ax in fig.axes:
         assert ax.get_legend() is None  # no per-panel legend that names only that panel's lines
@@ -92,3 +90,158 @@ def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, monkeyp
     assert len(fig.legends) == 1
     assert {t.get_text() for t in fig.legends[0].get_texts()} == set(style) == {
         "jax:chunked", "jax:xla", "torch:sdpa:math", "torch:sdpa:flash"}
+
+
+# --------------------------------------------------------------------------------------------- every suite's plot
+def _train_records(rng):
+    recs = []
+    for toggle in ("baseline", "bf16", "remat_full", "attn_fast", "torch_compile", "adamw8bit"):
+        for fw, impl in (("jax", "jaxattn"), ("torch", "torchref")):
+            if toggle == "torch_compile" and fw == "jax":
+                continue
+            r = {"suite": "train", "toggle": toggle, "preset": "1b", "B": 1, "S": 2048, "framework": fw, "impl": impl,
+                 "status": "ok", "median_ms": rng.uniform(50, 500), "tokens_per_s": rng.uniform(1e3, 3e4)}
+            if (toggle, fw) == ("attn_fast", "torch"):
+                r.update(status="skipped", reason="flash SDPA needs CUDA", median_ms=None, tokens_per_s=None)
+            recs.append(r)
+    return recs, {"jax:jaxattn", "torch:torchref"}
+
+
+def _remat_records(rng):
+    recs = []
+    for pol in ("none", "save_dots", "full"):
+        for fw, target in (("jax", "cpu"), ("jax", "h100"), ("torch", "cpu")):
+            m = ({"temp_bytes": rng.uniform(1, 9) * 2**30, "residual_bytes": rng.uniform(1, 9) * 2**30}
+                 if fw == "jax" else {"saved_bytes": rng.uniform(1, 9) * 2**30, "peak_mem_bytes": None})
+            recs.append({"suite": "remat", "framework": fw, "impl": pol, "target": target, "preset": "1b",
+                         "n_layers": 2, "B": 1, "S": 512, "status": "ok", "measured": m,
+                         **({"label": "compiled for H100, not run"} if target == "h100" else {})})
+    return recs, {"jax: XLA temp (cpu)", "jax: XLA temp (H100, compiled, not run)", "jax: saved residuals",
+                  "torch: saved for backward (cpu)"}
+
+
+def _decode_records(rng):
+    recs, labels = [], set()
+    for fw, impl in (("jax", "jaxattn"), ("torch", "torchref"), ("torch", "torchref+compile")):
+        for weights in ("fp32", "int8"):
+            labels.add(f"{fw}:{impl} {weights}")
+            for b in (1, 4, 64):
+                for pss in ("prefill", "decode"):
+                    recs.append({"suite": "decode", "model": "tiny", "weights": weights, "B": b, "prompt_len": 16,
+                                 "pass": pss, "impl": impl, "framework": fw, "status": "ok",
+                                 "median_ms": 1.0, "tokens_per_s": 10 ** rng.uniform(1, 5)})
+    return recs, labels
+
+
+def _kernel_records(rng, part=None):
+    recs = []
+    for impl, kernels, dtypes in (("flash", ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv"), ("bf16", "fp32")),
+                                  ("mosaic", ("mosaic_fwd",), ("bf16",))):
+        for d in (64, 128):
+            for dt in dtypes:
+                for k in kernels:
+                    recs.append({"impl": impl, "kernel": k, "head_dim": d, "dtype": dt, "B": 1, "S": 256, "Hq": 4,
+                                 "causal": True, "label": "compiled for H100, not run", "status": "ok",
+                                 "registers": rng.randint(64, 255), "spill_stores": rng.choice([0, 0, 96]),
+                                 "spill_loads": rng.choice([0, 64]), "smem_bytes": rng.randint(16, 200) * 1024,
+                                 **({"part": part, "framework": "jax"} if part else {})})
+    if part:  # the compile suite's program records ride along and are not kernels
+        recs.append({"part": "program", "framework": "jax", "impl": "train_step", "kind": "train_step",
+                     "preset": "tiny", "status": "ok", "peak": 123456, "label": "compiled for H100, not run"})
+    return recs, {"flash bf16", "flash fp32", "mosaic bf16"}
+
+
+def _attention_records(rng):
+    recs = [_attn(impl, fw, pss, s, True, rng.uniform(0.1, 10)) for impl, fw in (
+        ("flash", "jax"), ("xla", "jax"), ("sdpa:math", "torch")) for pss in ("fwd", "fwd_bwd") for s in (128, 512)]
+    return recs, {"jax:flash", "jax:xla", "torch:sdpa:math"}
+
+
+SYNTHETIC = {"train": _train_records, "remat": _remat_records, "decode": _decode_records,
+             "kernels": _kernel_records, "compile": lambda rng: _kernel_records(rng, part="kernel"),
+             "attention": _attention_records}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plot functions close (the last one is the one just written)."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig) or real_close(fig))
+    return figs
+
+
+@pytest.mark.parametrize("suite", sorted(SYNTHETIC))
+def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
+    """Fresh random records -> a valid PNG named for the suite, a legend naming every series, one colour (and
+    marker) per series in every panel, axis labels with units, a title naming the device, and "compiled, not
+    run" wherever H100-compiled figures are drawn."""
+    import matplotlib.image
+
+    seed = random.randrange(2**32)
+    records, expected = SYNTHETIC[suite](random.Random(seed))
+    plot = common.plot_suite(str(tmp_path), suite, records, {"jax_device": "Synthetic GPU 80GB",
+                                                              "target_device": "NVIDIA H100 80GB HBM3"})
+    assert plot is not None and plot.path == str(tmp_path / common.PLOT_FILES[suite]), seed
+    png = tmp_path / common.PLOT_FILES[suite]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(png))
+    assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 500
+    assert set(plot.labels) == expected, (seed, plot.labels)
+    fig = drawn[-1]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(plot.labels) and len(fig.legends) == 1
+    title = fig._suptitle.get_text().replace("\n", " ")  # wrapped to the figure's width
+    assert title.split() == plot.title.split()
+    if suite in ("kernels", "compile", "remat"):
+        assert "compiled, not run" in title, title
+    assert ("NVIDIA H100 80GB HBM3" if suite in ("kernels", "compile") else "Synthetic GPU 80GB") in title, title
+    style = {}
+    for ax in [a for a in fig.axes if a.get_visible()]:
+        assert ax.get_legend() is None  # one figure legend, none per panel
+        assert ax.get_xlabel() and ax.get_ylabel()
+        assert any(u in ax.get_ylabel() for u in ("tokens/s", "TFLOP/s", "GiB", "registers", "bytes", "KiB"))
+        got = [(line.get_label(), (line.get_color(), line.get_marker(), line.get_linestyle()))
+               for line in ax.get_lines() if not line.get_label().startswith("_")]
+        got += [(c.get_label(), (tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch()))
+                for c in ax.containers]
+        for label, st in got:
+            assert style.setdefault(label, st) == st, (label, seed)
+    assert set(style) == expected and len(set(style.values())) == len(style)  # distinct per series
+
+
+@pytest.mark.parametrize("suite", sorted(SYNTHETIC))
+def test_no_plot_from_skipped_only_or_empty_records(tmp_path, suite):
+    records, _ = SYNTHETIC[suite](random.Random())
+    skipped = [dict(r, status="skipped", reason="not here") for r in records]
+    assert common.plot_suite(str(tmp_path), suite, skipped, {}) is None
+    assert common.plot_suite(str(tmp_path), suite, [], {}) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
+    """`report` on a run directory links each suite's plot from report.md; on a `benchmarks compile` directory
+    it rewrites that command's report with the kernel plot."""
+    rng = random.Random()
+    for suite in ("train", "decode", "remat"):
+        _write(results, suite, SYNTHETIC[suite](rng)[0], "2026-01-03T00:00:00Z")
+    assert cli.main(["report", str(results)]) == 0
+    text = (results / "report.md").read_text()
+    for suite in ("attention", "train", "decode", "remat"):
+        assert f"]({common.PLOT_FILES[suite]})" in text and (results / common.PLOT_FILES[suite]).is_file()
+    assert "## model" in text and not (results / "model.png").exists()  # no plot asked for the model suite
+
+    compiled = tmp_path / "compiled"
+    compiled.mkdir()
+    env = {"jax_device": "cpu (synthetic)", "time_utc": "2026-01-01T00:00:00Z", "target": "h100", "quick": True,
+           "plugin": "0.0", "ptxas": "x", "target_device": "NVIDIA H100 80GB HBM3"}
+    recs = _kernel_records(rng)[0]
+    for r in recs:
+        r.update(threads=128, stack=0, blocks_per_sm=1, occupancy=0.125, sass=None)
+    (compiled / "kernels.json").write_text(json.dumps({"env": env, "suite": "kernels", "records": recs}))
+    written = common.rebuild_report(str(compiled))
+    assert sorted(os.path.basename(p) for p in written) == ["kernels.png", "report.md"]
+    text = (compiled / "report.md").read_text()
+    assert text.startswith("# Compiled for H100, not run") and "`flash_bwd_dkv`" in text
+    assert text.rstrip().endswith("![kernels plot](kernels.png)")

@@ -210,3 +210,17 @@ def test_final_export_loads_in_transformers(init_dir, tmp_path):
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         np.testing.assert_allclose(theirs(ids).logits.numpy(), ours(ids).numpy(), rtol=0, atol=1e-4)
+
+
+def test_both_trainers_report_a_step_time_breakdown():
+    """Both loops time the same phases with ``spec.timing.StepTimer`` (first step left out: compilation): data
+    (waiting for the loader), dispatch (the step call) and metrics (reading the loss back); no phase adds a sync."""
+    from jaxattn import trainer as jt
+    from torchref import trainer as tt
+
+    argv = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--no-progress"]
+    for out in (jt.run(argv), tt.run(argv + ["--num-workers", "0"])):
+        phases = out["phases"]
+        assert list(phases) == ["data", "dispatch", "metrics"], phases
+        assert phases["data"]["iters"] == phases["dispatch"]["iters"] == 3
+        assert all(v["median_s"] >= 0 and v["total_s"] > 0 for v in phases.values())

@@ -195,6 +195,7 @@ def _train(r: Run) -> dict[str, Any]:
     from .attention import attention_backend
     from .data import loader
     from .optim import step_scheduler
+    from jaxattn.spec.timing import StepTimer
 
     args = r.args
     rank0 = r.rank0  # one log per run under torchrun
@@ -204,19 +205,25 @@ def _train(r: Run) -> dict[str, Any]:
     ctx = attention_backend(*r.backends) if r.backends else contextlib.nullcontext()
     cuda = r.device.type == "cuda"
     batches = loader(r.data, r.start, args.steps, num_workers=args.num_workers, pin_memory=cuda)
+    timer = StepTimer(skip_first=1)  # the same phases as jaxattn.trainer, no extra syncs
     try:
         with ctx, _profiler(r) as prof:
             t_last = time.perf_counter()
-            for i, host in enumerate(batches, r.start):
-                tokens = int(host["loss_mask"][:, :-1].sum())
-                denominator = r.denominator(host)
-                host = r.rows(host)  # --parallel under torchrun: this rank's rows
-                batch = {k: v.to(r.device, non_blocking=True) for k, v in host.items()}
+            it = iter(batches)
+            for i in range(r.start, args.steps):
+                with timer.phase("data"):  # waiting for the DataLoader, then the host-to-device copy
+                    host = next(it)
+                    tokens = int(host["loss_mask"][:, :-1].sum())
+                    denominator = r.denominator(host)
+                    host = r.rows(host)  # --parallel under torchrun: this rank's rows
+                    batch = {k: v.to(r.device, non_blocking=True) for k, v in host.items()}
                 lr = r.scheduler.get_last_lr()[0]
-                m = r.step_fn(batch, denominator)
-                skipped = bool(m["skipped"])
-                step_scheduler(r.scheduler, skipped)
-                loss = float(m["loss"]) if r.parallel is None else _global_mean(m["loss"], r)  # synchronises
+                with timer.phase("dispatch"):  # forward + backward + optimizer (eager on CPU: the whole step)
+                    m = r.step_fn(batch, denominator)
+                with timer.phase("metrics"):  # reading the loss back waits for the device
+                    skipped = bool(m["skipped"])
+                    step_scheduler(r.scheduler, skipped)
+                    loss = float(m["loss"]) if r.parallel is None else _global_mean(m["loss"], r)
                 now = time.perf_counter()
                 rec = log.step(step=i + 1, loss=loss, grad_norm=_scalar(m["grad_norm"]), lr=lr,
                                loss_scale=float(m["loss_scale"]), skipped=skipped, tokens=tokens,
@@ -230,7 +237,10 @@ def _train(r: Run) -> dict[str, Any]:
                     t_last = time.perf_counter()
         log.write(f"torch train: {args.steps - r.start} steps (packing={args.packing}, "
                   f"compile={'on' if args.compile else 'off'})")
-        out = {"losses": losses, "compiles": None, "start": r.start, "steps": args.steps}
+        if timer.summary():
+            log.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")
+        out = {"losses": losses, "compiles": None, "start": r.start, "steps": args.steps,
+               "phases": timer.summary()}
         if r.ckpt:
             if r.ckpt.latest_step() != args.steps:
                 r.save(args.steps)
