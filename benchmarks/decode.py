@@ -8,11 +8,13 @@ of a ``prompt_len``-token batch (one call, empty cache) and one decode step (B n
 grows by one slot per timed call). JAX runs the jitted programs of ``jaxattn.generate`` (pure functions of the
 split state, cache donated); torch runs eagerly and, outside ``--quick``, the decode step under
 ``torch.compile``. Before timing, the fp32 twins' prefill logits must agree to 1e-4 (§7).
-``tokens_per_s``: prefill B*prompt_len / time, decode B / time; ``device``: where that framework ran (jax's
-default backend; torch's model stays on the CPU, so on a GPU machine the torch rows are CPU numbers).
+On a GPU, JAX also runs a ``jaxattn+flash_decode`` row: decode steps on our Pallas split-K kernel
+(``attention_backend("flash_decode", "flash")``). ``tokens_per_s``: prefill B*prompt_len / time, decode B / time;
+``device``: where that framework ran (jax's default backend; torch: CUDA when present, else the CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -62,6 +64,7 @@ def _build(cfg, tensors, weights: str):
 
     dtype = "bfloat16" if weights == "bf16" else None
     tmodel = thf.from_state_dict(cfg, {k: torch.from_numpy(v) for k, v in tensors.items()}, dtype=dtype).eval()
+    tmodel = tmodel.to("cuda" if torch.cuda.is_available() else "cpu")  # beside JAX's device
     jmodel = jhf.from_state_dict(jax_config(cfg), tensors, dtype=dtype)
     if weights == "int8":
         tmodel, jmodel = tq.quantize(tmodel), jq.quantize(jmodel)
@@ -79,8 +82,9 @@ def _gate(tmodel, jmodel, tokens):
     from .twins import jitted
 
     with jprec.matmul_precision("highest"), tprec.matmul_precision("highest"), torch.no_grad():
+        dev = next(tmodel.parameters()).device
         diff = float(np.abs(np.asarray(jitted(jmodel)(jnp.asarray(tokens, jnp.int32)))
-                            - tmodel(torch.from_numpy(tokens).long()).numpy()).max())
+                            - tmodel(torch.from_numpy(tokens).long().to(dev)).cpu().numpy()).max())
     if not diff <= LOGITS_TOL:
         raise AssertionError(f"JAX and torch logits differ by {diff:.3g} > {LOGITS_TOL}; not timing them")
     return diff
@@ -116,8 +120,9 @@ def _torch_fns(tmodel, tokens, cache_len, compile_decode: bool):
     from torchref.kv_cache import KVCache
 
     b = tokens.shape[0]
-    tok = torch.from_numpy(tokens).long()
-    cache = KVCache(tmodel.config, b, cache_len, dtype=tmodel.model.embed_tokens.weight.dtype)
+    weight = tmodel.model.embed_tokens.weight
+    tok = torch.from_numpy(tokens).long().to(weight.device)
+    cache = KVCache(tmodel.config, b, cache_len, dtype=weight.dtype, device=weight.device)
     step_fn = torch.compile(_decode_step, fullgraph=True) if compile_decode else _decode_step
 
     @torch.no_grad()
@@ -140,6 +145,7 @@ def _torch_fns(tmodel, tokens, cache_len, compile_decode: bool):
 def run(quick: bool) -> list[dict]:
     import jax
 
+    from jaxattn.attention import attention_backend
     from jaxattn.quant import weight_bytes
 
     batches = (1, 4) if quick else (1, 64)
@@ -159,14 +165,20 @@ def run(quick: bool) -> list[dict]:
                 cache_len = prompt_len + steps
                 impls = [("jax", "jaxattn", functools.partial(_jax_fns, jmodel, tokens, cache_len)),
                          ("torch", "torchref", functools.partial(_torch_fns, tmodel, tokens, cache_len, False))]
+                if devices["jax"] == "gpu":  # our split-K kernel for the decode steps (interpreted on a CPU: slow)
+                    impls.insert(1, ("jax", "jaxattn+flash_decode",
+                                     functools.partial(_jax_fns, jmodel, tokens, cache_len)))
                 if not quick:
                     impls.append(("torch", "torchref+compile",
                                   functools.partial(_torch_fns, tmodel, tokens, cache_len, True)))
                 base = {"suite": "decode", "model": name, "weights": weights, "B": b, "prompt_len": prompt_len,
                         "weight_MB": round(wbytes / 2 ** 20, 2)}
                 for fw, impl, make in impls:
+                    backends = ("flash_decode", "flash") if impl.endswith("flash_decode") else None
                     try:
-                        prefill, step = make()
+                        # programs are made and cached per active backend block (jaxattn.generate._programs)
+                        with attention_backend(*backends) if backends else contextlib.nullcontext():
+                            prefill, step = make()
                         timed = [("prefill", prefill, b * prompt_len), ("decode", step, b)]
                         if impl.endswith("compile"):
                             timed = timed[1:]  # only the decode step is compiled

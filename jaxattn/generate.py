@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .attention import attention_backend, current_backends
 from .kv_cache import KVCache
 from .spec.generate import (build_parser, cache_len, check_prompts, check_sampling, load_tokenizer, bucket,
                             pad_prompts, prompt_ids, TextStream)
@@ -48,9 +49,15 @@ def sample(logits: jax.Array, key, temperature: float, top_k: Optional[int], top
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.lru_cache(maxsize=32)
 def _programs(graphdef, temperature: float, top_k, top_p):
-    """(prefill, decode) jitted pure functions of the model state for one sampling setting."""
+    """(prefill, decode) jitted pure functions of the model state for one sampling setting, traced under the
+    attention backends active NOW (``attention_backend(...)``: part of the cache key, so entering another backend
+    block gives other programs instead of reusing the first trace)."""
+    return _programs_for(graphdef, temperature, top_k, top_p, current_backends())
+
+
+@functools.lru_cache(maxsize=32)
+def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
 
     def prefill(state, tokens, lengths, cache, key):
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
@@ -61,7 +68,16 @@ def _programs(graphdef, temperature: float, top_k, top_p):
         logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
         return sample(logits[:, 0], key, temperature, top_k, top_p), cache
 
-    return jax.jit(prefill), jax.jit(decode, donate_argnums=(2,))
+    def traced_under(fn):  # the programs trace lazily: re-enter the backends they were made for
+        @functools.wraps(fn)
+        def wrapped(*args):
+            if backends is None:
+                return fn(*args)
+            with attention_backend(*backends):
+                return fn(*args)
+        return wrapped
+
+    return jax.jit(traced_under(prefill)), jax.jit(traced_under(decode), donate_argnums=(2,))
 
 
 def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,

@@ -16,8 +16,15 @@ the cache with ``lengths + S``.
 * ``S > 1`` (prefill): the cache must be EMPTY (``lengths == 0``; checked when ``lengths`` is concrete, it cannot
   be under ``jit``); the tokens attend causally among themselves.
 The caller keeps ``lengths[b] + S <= max_len`` (``jaxattn.generate`` sizes the cache so); past it
-``dynamic_update_slice`` would clamp the write. A Pallas split-K (flash-decoding) kernel is not written yet:
-decode attention runs on the contract's backends.
+``dynamic_update_slice`` would clamp the write.
+
+Decode attention goes through the attention contract, so the active ``attention_backend`` picks the kernel; the
+default (``xla`` on CPU) is unchanged. ``with attention_backend("flash_decode", "flash"):`` sends each decode step
+to the Pallas split-K (flash-decoding) kernel, ``jaxattn.attention.decode``, and prefills it declines (more than
+64 query rows per kv head) to ``flash``: from the decode ids it takes each row's length (its key range is cut to
+the slots whose id matches) and splits that range over several programs per (row, kv head), so a long cache at
+batch 1 still fills the GPU. Enter the block before the decode step is first traced (``jaxattn.generate`` caches
+its jitted programs). It is forward only.
 """
 from __future__ import annotations
 

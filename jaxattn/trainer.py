@@ -169,9 +169,9 @@ class Run:
 
 def prepare(argv: Optional[Sequence[str]]) -> Run:
     """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
-    from .attention import BACKENDS
+    from .attention import BACKENDS, FORWARD_ONLY
 
-    args, config = parse_args(argv, "jax", BACKENDS)
+    args, config = parse_args(argv, "jax", tuple(b for b in BACKENDS if b not in FORWARD_ONLY))
     if args.coordinator is not None and args.num_processes > 1:
         _join(args)
     return Run(args, config)

@@ -224,3 +224,12 @@ def test_both_trainers_report_a_step_time_breakdown():
         assert list(phases) == ["data", "dispatch", "metrics"], phases
         assert phases["data"]["iters"] == phases["dispatch"]["iters"] == 3
         assert all(v["median_s"] >= 0 and v["total_s"] > 0 for v in phases.values())
+
+
+def test_forward_only_backend_not_offered_for_training():
+    """``flash_decode`` (the split-K decode kernel) has no gradient: the JAX trainer refuses it at parse time."""
+    from jaxattn import trainer as jt
+
+    with pytest.raises(CLIError, match=r"--attention 'flash_decode': expected .* jax attention backends from "
+                                       r"flash, mosaic, cudnn, chunked, xla"):
+        jt.prepare(["--attention", "flash_decode", "--steps", "1"])

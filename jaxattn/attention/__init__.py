@@ -11,11 +11,14 @@ Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is CONVENTIO
 
 Backends (torch twin in brackets): ``xla`` [MATH] plain jnp; ``chunked`` [EFFICIENT_ATTENTION] O(S)-memory
 pure JAX; ``flash`` [FLASH_ATTENTION] our Pallas kernel; ``mosaic`` Pallas Mosaic GPU (Hopper); ``cudnn``
-[CUDNN_ATTENTION] via ``jax.nn.dot_product_attention``.  Each backend module has ``supports(q, k, v, args)``
-returning None or a one-line reason, and ``attention(q, k, v, args)``.  Backend modules are imported
-lazily: a module that fails to import (e.g. Mosaic GPU on an old jax) only makes that backend decline, with
-the import error as its reason.  When no listed backend serves a call, :class:`AttentionBackendError` lists
-every backend tried and why it declined (what torch's ``SDPBackend.ERROR`` gestures at).
+[CUDNN_ATTENTION] via ``jax.nn.dot_product_attention``; ``flash_decode`` (module ``decode``) our Pallas
+split-K decode kernel (forward only, at most 64 query rows per kv head; opt-in: ``attention_backend(
+"flash_decode", "flash")`` sends KV-cache decode steps to it and the rest on).  Each backend module has
+``supports(q, k, v, args)`` returning None or a one-line reason, and ``attention(q, k, v, args)``.  Backend
+modules are imported lazily: a module that fails to import (e.g. Mosaic GPU on an old jax) only makes that
+backend decline, with the import error as its reason.  When no listed backend serves a call,
+:class:`AttentionBackendError` lists every backend tried and why it declined (what torch's ``SDPBackend.ERROR``
+gestures at).
 
 The dispatcher is hand-written (no library has this one): the choice is made when the call is traced, so a
 function already compiled by ``jax.jit`` keeps the backend chosen at its first trace — enter
@@ -44,12 +47,14 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 from ._common import AttnArgs, Target, current_target, mask, normalize, platform_of, target_platform
 
 __all__ = [
-    "BACKENDS", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
+    "BACKENDS", "FORWARD_ONLY", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
     "current_backends", "current_target", "default_backends", "dot_product_attention", "get_backend", "mask",
     "normalize", "target_platform", "Target",
 ]
 
-BACKENDS: Tuple[str, ...] = ("flash", "mosaic", "cudnn", "chunked", "xla")
+BACKENDS: Tuple[str, ...] = ("flash", "flash_decode", "mosaic", "cudnn", "chunked", "xla")
+_MODULE_OF: Dict[str, str] = {"flash_decode": "decode"}  # backend name -> module, where they differ
+FORWARD_ONLY: Tuple[str, ...] = ("flash_decode",)  # no gradient: not offered to the trainer's --attention
 # CONVENTIONS §4: a backend enters the GPU default list only on evidence (its compiled `gpu` tests passed on a
 # real GPU and a committed record shows it correct).  Until then: jax's own cuDNN path, then our Pallas flash,
 # then the pure-JAX ones.  `mosaic` is opt-in (forward-only kernel, backward is an XLA recompute).
@@ -123,20 +128,22 @@ def default_backends(q=None) -> Tuple[str, ...]:
 
 # --------------------------------------------------------------------------------------------- loading
 def get_backend(name: str):
-    """Import and return the backend module ``jaxattn.attention.<name>``; raises ``ImportError`` with the
-    original error when it cannot be imported (the dispatcher turns that into a decline reason)."""
+    """Import and return the backend module ``jaxattn.attention.<name>`` (for ``flash_decode``: ``decode``);
+    raises ``ImportError`` with the original error when it cannot be imported (the dispatcher turns that into a
+    decline reason)."""
     (name,) = _check_names((name,), "get_backend")
     if name in _MODULES:
         return _MODULES[name]
     if name in _IMPORT_ERRORS:
         raise ImportError(_IMPORT_ERRORS[name])
     try:
-        mod = importlib.import_module(f"{__name__}.{name}")
+        mod = importlib.import_module(f"{__name__}.{_MODULE_OF.get(name, name)}")
         for attr in ("supports", "attention"):
             if not callable(getattr(mod, attr, None)):
                 raise ImportError(f"module {mod.__name__} has no callable {attr}()")
     except Exception as e:  # any failure: ImportError, AttributeError in a moved jax API, ...
-        msg = f"import of {__name__}.{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        first = str(e).splitlines()[0] if str(e) else ""
+        msg = f"import of {__name__}.{_MODULE_OF.get(name, name)} failed: {type(e).__name__}: {first}"
         _IMPORT_ERRORS[name] = msg
         raise ImportError(msg) from e
     _MODULES[name] = mod
