@@ -237,7 +237,8 @@ class Llama(nnx.Module):
 
         layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
         stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
-        x = jnp.take(self.embed[...], jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
+        table = constrain(self.embed[...], PARAM_AXES["embed"])  # sharded runs: gathered over embed (FSDP-style)
+        x = jnp.take(table, jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
         x = constrain(x, ACT_AXES)
         if cache is None:
             x, _ = jax.lax.scan(lambda h, p: (constrain(layer(h, p), ACT_AXES), None), x, stacked)

@@ -100,7 +100,8 @@ def test_adamw_cli_mesh_matches_single_device(tmp_path):
 
 def test_activation_constraints_applied_under_mesh_only():
     """The model's ``constrain`` seam: the sharded step's lowered program constrains the hidden states to rows on
-    (data, fsdp) with ``embed`` whole and the float32 logits to (data, fsdp) x vocab on tensor; the plain step
+    (data, fsdp) with ``embed`` whole, the float32 logits to (data, fsdp) x vocab on tensor and the embedding
+    table to vocab on tensor (embed whole); the plain step
     (and the model outside ``activation_sharding``) has no constraint at all."""
     import re
 
@@ -120,6 +121,10 @@ def test_activation_constraints_applied_under_mesh_only():
     hidden = f"tensor<{BATCH}x{SEQ}x{CFG.dim}xf32>"
     assert any(logits in ln and '[{"data", "fsdp"}, {}, {"tensor"}]' in ln for ln in lines), lines
     assert any(hidden in ln and '[{"data", "fsdp"}, {}, {}]' in ln for ln in lines), lines
+    # the embedding table is gathered over fsdp before the lookup (vocab stays on tensor): without it XLA's
+    # partitioner falls back to replicating the lookup's gradient ("Involuntary full rematerialization")
+    table = f"tensor<{CFG.vocab_size}x{CFG.dim}xf32>"
+    assert any(table in ln and '[{"tensor"}, {}]' in ln for ln in lines), lines
     assert constrain(x, ("batch", "seq", "embed")) is x  # the context is gone after the step
 
 
