@@ -247,22 +247,36 @@ def _impl(r: dict) -> str:
     return f"{r.get('framework', '?')}:{r.get('impl', '?')}"
 
 
-def report_table(records: Iterable[dict]) -> str:
-    """Markdown table: one row per shape/pass, one column per implementation, and :data:`SPEEDUP_COLUMN`
-    (fastest torch time / fastest JAX time; > 1 means JAX is faster)."""
+def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, dict, float]]]:
+    """The rows of :func:`report_table`: ``(row keys, [(key values, {impl: record}, speed-up)])``, one row per
+    shape/pass (records agreeing on every non-:data:`MEASURED` key). Speed-up = :data:`SPEEDUP_COLUMN`: the
+    fastest ok torch ``median_ms`` over the fastest ok JAX one in that row (> 1: JAX is faster; for a
+    throughput row, the same tokens in both, it is JAX tokens/s over torch tokens/s); NaN unless both
+    frameworks timed that row. The one definition the report and the README (``benchmarks.readme``) use."""
     records = list(records)
-    impls = list(dict.fromkeys(_impl(r) for r in records))
     keys = [k for k in dict.fromkeys(k for r in records for k in r) if k not in MEASURED and k != "suite"]
     rows: dict[tuple, dict] = {}
     for r in records:
         rows.setdefault(tuple(r.get(k) for k in keys), {})[_impl(r)] = r
-    head = "| " + " | ".join(keys + impls + [SPEEDUP_COLUMN]) + " |"
-    lines = [head, "|" + "---|" * (len(keys) + len(impls) + 1)]
+    out = []
     for key, cells in rows.items():
         best = {fw: min((c["median_ms"] for c in cells.values() if c.get("framework") == fw
                          and c.get("status", "ok") == "ok" and isinstance(c.get("median_ms"), (int, float))),
                         default=math.nan) for fw in ("jax", "torch")}
         ratio = best["torch"] / best["jax"] if best["jax"] == best["jax"] and best["torch"] == best["torch"] else math.nan
+        out.append((key, cells, ratio))
+    return keys, out
+
+
+def report_table(records: Iterable[dict]) -> str:
+    """Markdown table: one row per shape/pass, one column per implementation, and :data:`SPEEDUP_COLUMN`
+    (fastest torch time / fastest JAX time; > 1 means JAX is faster), rows from :func:`speedup_rows`."""
+    records = list(records)
+    impls = list(dict.fromkeys(_impl(r) for r in records))
+    keys, rows = speedup_rows(records)
+    head = "| " + " | ".join(keys + impls + [SPEEDUP_COLUMN]) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + len(impls) + 1)]
+    for key, cells, ratio in rows:
         vals = ["" if v is None else str(v) for v in key] + [_fmt(cells[i]) if i in cells else "" for i in impls]
         lines.append("| " + " | ".join(vals + ["" if math.isnan(ratio) else f"{ratio:.2f}x"]) + " |")
     return "\n".join(lines)
@@ -325,7 +339,8 @@ def rebuild_report(out_dir: str) -> list[str]:
         raise ValueError(f"report: {out_dir!r} is not a directory; give a results directory holding <suite>.json "
                          f"files (e.g. benchmarks/results/<device>)")
     found = read_results(out_dir)
-    timed = {s: d for s, d in found.items() if s not in COMPILED_SUITES}
+    # a `run` directory's plan.json is one of its suites; beside kernels.json (a `compile` directory) it is not
+    timed = {s: d for s, d in found.items() if s not in COMPILED_SUITES or (s == "plan" and "kernels" not in found)}
     if not timed and "kernels" not in found:
         what = (f"only deviceless-compile results ({', '.join(s + '.json' for s in found)}) without kernels.json, "
                 f"whose reports their own commands write" if found else

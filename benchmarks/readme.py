@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,10 +111,85 @@ def train_example_section() -> list[str]:
             "shared 2-core CPU)."]
 
 
+QUICK = os.path.join(RESULTS, "cpu-quick")
+# What a suite without a JAX-vs-torch timed row measures (one line each; numbers still come from its JSON).
+UNPAIRED = {"remat": "bytes per remat policy (JAX compiled temporaries and saved residuals, torch bytes saved for "
+                     "the backward), no times",
+            "plan": "JAX only: a sharded train step compiled for 8 H100s (memory and collective bytes), no times",
+            "compile": "JAX only: Pallas kernels and programs compiled for an H100 (registers, spills, shared "
+                       "memory, compiled memory), no times"}
+
+
+def _speedup(records: list) -> tuple[list, list, list]:
+    """``(row keys, [(jax impls, torch impls)], speed-ups of the rows both frameworks timed)`` with the report's
+    one definition (``common.speedup_rows``: fastest torch median / fastest JAX median in a row)."""
+    from . import common
+
+    if {r.get("framework") for r in records} < {"jax", "torch"}:  # one framework (plan, compile): no pairs
+        return [], {}, []
+    keys, rows = common.speedup_rows(records)
+    ratios = [ratio for _, _, ratio in rows if not math.isnan(ratio)]
+    impls = {fw: list(dict.fromkeys(r.get("impl", "?") for r in records if r.get("framework") == fw
+                                    and r.get("status", "ok") == "ok" and isinstance(r.get("median_ms"), (int, float))))
+             for fw in ("jax", "torch")}
+    return keys, impls, ratios
+
+
+def _spread(records: list, framework: str) -> str:
+    """The widest p90/p10 of one framework's timed records: how much its times moved during the run."""
+    spreads = [r["p90_ms"] / r["p10_ms"] for r in records if r.get("framework") == framework
+               and r.get("status", "ok") == "ok" and (r.get("p10_ms") or 0) > 0 and r.get("p90_ms")]
+    return f"{max(spreads):.1f}×" if spreads else "—"
+
+
+def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
+    """A table of the committed ``python -m benchmarks run --quick`` results on a CPU: per suite the row keys, the
+    implementations, the number of rows both frameworks timed and the JAX speed-up (torch time / JAX time, as
+    ``report.md`` computes it) as median / min / max over those rows, with a link to the suite's plot."""
+    from . import common
+
+    found = common.read_results(results_dir) if os.path.isdir(results_dir) else {}
+    if not found:
+        return []
+    rel = os.path.relpath(results_dir, ROOT)
+    envs = [d.get("env") or {} for d in found.values()]
+
+    def distinct(key):
+        return ", ".join(dict.fromkeys(str(e.get(key)) for e in envs if e.get(key))) or "unknown"
+
+    times = sorted(str(e["time_utc"]) for e in envs if e.get("time_utc"))
+    when = ((f"in the run started {times[0]}" if times[0] == times[-1] else f"in runs started {times[0]} to "
+             f"{times[-1]}") if times else "at an unknown time")
+    out = ["### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)", "",
+           f"From `{rel}/*.json` (`python -m benchmarks run --quick`, full tables in `{rel}/report.md`): JAX on "
+           f"{distinct('jax_device')}, torch on {distinct('torch_device')}; jax {distinct('jax')}, torch "
+           f"{distinct('torch')}; measured {when} (UTC). Tiny shapes on a 2-core CPU shared with other jobs: "
+           "they show that both twins run and how they compare at these sizes on this CPU, nothing about a GPU. "
+           f"{common.SPEEDUP_NOTE} Median / min / max over the rows both frameworks timed; the widest p90/p10 of a "
+           "framework's timings shows how much other jobs moved them (— where the suite keeps no percentiles).", "",
+           "| suite | rows keyed by | JAX vs torch implementations | paired rows | JAX speed-up median / min / max "
+           "| widest p90/p10 JAX / torch | plot |", "|---|---|---|---|---|---|---|"]
+    unpaired = []
+    for suite, d in found.items():
+        keys, impls, ratios = _speedup(d["records"])
+        png = common.PLOT_FILES.get(suite)
+        link = f"[{png}]({rel}/{png})" if png and os.path.isfile(os.path.join(results_dir, png)) else "—"
+        if not ratios:
+            what = UNPAIRED.get(suite, "no row timed by both frameworks")
+            unpaired.append(f"- `{suite}`: {what}" + (f"; plot {link}" if link != "—" else "") + ".")
+            continue
+        out.append(f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
+                   f"{len(ratios)} | {statistics.median(ratios):.2f}× / {min(ratios):.2f}× / {max(ratios):.2f}× "
+                   f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} | {link} |")
+    if unpaired:
+        out += ["", "Not in the table (no JAX-vs-torch times):"] + unpaired
+    return out
+
+
 def render() -> str:
     parts = ["## Results (generated by `python -m benchmarks.readme` from committed JSON)", "",
              "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host.", ""]
-    for section in (train_example_section(), kernels_section(), programs_section(), plan_section()):
+    for section in (train_example_section(), cpu_quick_section(), kernels_section(), programs_section(), plan_section()):
         if section:
             parts += section + [""]
     return "\n".join(parts).rstrip() + "\n"

@@ -68,10 +68,15 @@ def test_report_refuses_dirs_without_timings(tmp_path):
         common.rebuild_report(str(tmp_path))
     with pytest.raises(ValueError, match="is not a directory"):
         common.rebuild_report(str(tmp_path / "nope"))
-    _write(tmp_path, "plan", [{"mesh": "fsdp=8"}], "2026-01-01T00:00:00Z")
-    with pytest.raises(ValueError, match="only deviceless-compile results \\(plan.json\\) without kernels.json"):
+    _write(tmp_path, "block_search", [{"impl": "flash"}], "2026-01-01T00:00:00Z")
+    with pytest.raises(ValueError, match="only deviceless-compile results \\(block_search.json\\) without kernels.json"):
         common.rebuild_report(str(tmp_path))
     assert not (tmp_path / "report.md").exists()
+    # a `run --suite plan` directory: its plan.json is a suite like the others, so its table is rebuilt
+    _write(tmp_path, "plan", [{"mesh": "fsdp=8", "impl": "sharding-plan", "framework": "jax", "status": "ok",
+                               "summary": "peak 1 GiB"}], "2026-01-01T00:00:00Z")
+    common.rebuild_report(str(tmp_path))
+    assert "## plan" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit):
         cli.main(["report", str(tmp_path / "nope")])
 
