@@ -92,7 +92,12 @@ def main(argv=None) -> int:
         run.error(str(e))
     print(f"device: {info['jax_device']} | jax {info['jax']} | torch {info['torch']} | out: {out}", flush=True)
     results, failed = {}, []
-    for suite in suites:
+    from tqdm import tqdm
+
+    # one step per suite on stderr (the suites print their rows on stdout); off when stderr is not a terminal
+    bar = tqdm(suites, desc="benchmarks", unit="suite", file=sys.stderr, disable=None, dynamic_ncols=True)
+    for suite in bar:
+        bar.set_postfix_str(suite)
         t0 = time.perf_counter()
         kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
         records = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick, **kwargs)
