@@ -235,3 +235,43 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     assert "## compile" in report and "### Kernels (compiled for H100, not run)" in report
     assert "| flash | `flash_bwd_dq` | 64 | bf16 | 128 | 100 | 0/0 |" in report and "| tiny | train_step | 2×128 |" in report
     assert "![compile plot](compile_kernels.png)" in report
+
+
+# ------------------------------------------------------------------------------------- decode: adaptive iterations
+def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_three():
+    """The decode suite's iteration rule (no model): as many timed calls as fit the budget, clamped to
+    [3, iters]; at least one warm-up; a slow first call (compilation) neither cuts the timed calls nor overruns
+    the cache (at most max(1, warmup) + iters calls). Times come from a fake clock the fake calls advance."""
+    from benchmarks import decode
+
+    rule = decode.adaptive_iters
+    assert rule(0.001, 10.0, 30) == 30  # fast: the cap
+    assert rule(2.0, 10.0, 30) == 5  # the budget: 5 calls of 2 s
+    assert rule(30.0, 10.0, 30) == rule(1e6, 10.0, 30) == 3  # slow: never fewer than 3
+    assert rule(0.0, 10.0, 30) == rule(float("nan"), 10.0, 30) == 30
+    with pytest.raises(ValueError, match="min_iters"):
+        rule(1.0, 10.0, 2)
+
+    def timed(durations, warmup=3, iters=30, budget_s=10.0):
+        clock, calls = [0.0], []
+
+        def fn():
+            calls.append(durations[min(len(calls), len(durations) - 1)])
+            clock[0] += calls[-1]
+
+        t = decode.timeit_budget(fn, warmup, iters, budget_s, sync=lambda _: None, clock=lambda: clock[0])
+        assert 1 <= t["warmup"] <= max(1, warmup) and t["warmup"] + t["iters"] == len(calls) <= max(1, warmup) + iters
+        return t, calls
+
+    t, calls = timed([0.001])  # fast calls: every warm-up and timed call
+    assert (t["warmup"], t["iters"]) == (3, 30) and t["median_s"] == pytest.approx(0.001)
+    t, calls = timed([0.001], warmup=0)  # always at least one warm-up
+    assert (t["warmup"], t["iters"]) == (1, 30)
+    t, calls = timed([2.0])  # 2 s calls: warm-ups until a quarter of the budget is spent, 5 timed = the 10 s budget
+    assert (t["warmup"], t["iters"]) == (2, 5) and sum(calls[2:]) <= 10.0
+    t, calls = timed([40.0])  # a 40 s prefill: 1 warm-up + 3 timed, however far over the budget
+    assert (t["warmup"], t["iters"]) == (1, 3) and t["median_s"] == 40.0
+    t, calls = timed([60.0, 0.01])  # compiled on the first call: it is the warm-up, the steps keep iters
+    assert (t["warmup"], t["iters"]) == (1, 30) and t["median_s"] == pytest.approx(0.01)
+    t, calls = timed([60.0, 20.0, 0.01])  # a recompile on the first timed call is outvoted by the median
+    assert t["iters"] == 30 and t["median_s"] == pytest.approx(0.01)
