@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from typing import Any, Optional, Sequence
 
 from .spec import optim as spec_optim
 from .spec.cli import CLIError, cli_main, parse_args
-from .spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
+from .spec.data import Dataset, copy_tokenizer, load_tokenizer
 from .spec.runlog import RunLog
 
 __all__ = ["main", "run", "prepare"]
@@ -254,10 +253,8 @@ def _train(r: Run) -> dict[str, Any]:
         compiles = r.step_fn.jitted._cache_size() if hasattr(r.step_fn.jitted, "_cache_size") else None
         log.write(f"jax train: {args.steps - r.start} steps, train step compiled {compiles} time(s)"
                   f" (packing={args.packing}, buckets={list(r.data.buckets)})")
-        if timer.summary():
-            log.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")
         out = {"losses": losses, "compiles": compiles, "start": r.start, "steps": args.steps,
-               "phases": timer.summary()}
+               "phases": log.breakdown(timer)}
         if r.ckpt:
             if r.ckpt.latest_step() != args.steps:
                 r.save(args.steps)
@@ -273,8 +270,7 @@ def _train(r: Run) -> dict[str, Any]:
                 model = nnx.merge(gdef, multihost_utils.process_allgather(weights, tiled=True))
             if lead:
                 save_pretrained(model, final)
-                if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
-                    shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+                copy_tokenizer(args.init, final)
             out["final"] = final
             r.ckpt.close()
         return out

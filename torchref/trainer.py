@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
 from jaxattn.spec.cli import CLIError, cli_main, parse_args
-from jaxattn.spec.data import TOKENIZER_FILE, Dataset, load_tokenizer
+from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer
 from jaxattn.spec.runlog import RunLog
 
 __all__ = ["main", "run", "prepare"]
@@ -237,10 +236,8 @@ def _train(r: Run) -> dict[str, Any]:
                     t_last = time.perf_counter()
         log.write(f"torch train: {args.steps - r.start} steps (packing={args.packing}, "
                   f"compile={'on' if args.compile else 'off'})")
-        if timer.summary():
-            log.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")
         out = {"losses": losses, "compiles": None, "start": r.start, "steps": args.steps,
-               "phases": timer.summary()}
+               "phases": log.breakdown(timer)}
         if r.ckpt:
             if r.ckpt.latest_step() != args.steps:
                 r.save(args.steps)
@@ -257,8 +254,7 @@ def _train(r: Run) -> dict[str, Any]:
                     model.load_state_dict(model_sd)
             if rank0:
                 save_pretrained(model, final)
-                if args.init and os.path.isfile(os.path.join(args.init, TOKENIZER_FILE)):
-                    shutil.copyfile(os.path.join(args.init, TOKENIZER_FILE), os.path.join(final, TOKENIZER_FILE))
+                copy_tokenizer(args.init, final)
             r.barrier()
             out["final"] = final
         return out

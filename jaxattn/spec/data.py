@@ -31,6 +31,7 @@ and batch order within the epoch is shuffled. The seed of each random choice is 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -43,6 +44,12 @@ __all__ = ["PACKING", "SYNTHETIC", "ByteTokenizer", "HFTokenizer", "load_tokeniz
 PACKING: tuple[str, ...] = ("pack", "bucket")
 SYNTHETIC = "synthetic"
 TOKENIZER_FILE = "tokenizer.json"
+
+
+def copy_tokenizer(init_dir: Optional[str], out_dir: str) -> None:
+    """Copy ``init_dir``'s ``tokenizer.json`` (if any) beside an exported model in ``out_dir``."""
+    if init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
+        shutil.copyfile(os.path.join(init_dir, TOKENIZER_FILE), os.path.join(out_dir, TOKENIZER_FILE))
 _WINDOW = 8  # bucket mode sorts rows by length within windows of this many batches
 _SHUFFLE, _SYNTH, _ORDER = 0, 1, 2  # RNG purposes
 

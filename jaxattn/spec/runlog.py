@@ -77,6 +77,13 @@ class RunLog:
         else:
             print(message, file=sys.stderr)
 
+    def breakdown(self, timer) -> dict:
+        """Write ``timer``'s phase table (a ``spec.timing.StepTimer``) and return its summary ({} if empty)."""
+        summary = timer.summary()
+        if summary:
+            self.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")
+        return summary
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
