@@ -44,13 +44,16 @@ def test_bad_mode_and_tp_divisibility():
 
     with pytest.raises(ValueError, match=r"parallel mode 'zero' is not known; use one of \('ddp', 'fsdp', 'tp'"):
         parallel.parallelize(torch.nn.Linear(2, 2), "zero", None)
+    with pytest.raises(ValueError, match=r"offload=True needs an FSDP mode \('fsdp', 'fsdp\+tp'\), got mode 'ddp'"):
+        parallel.parallelize(torch.nn.Linear(2, 2), "ddp", None, offload=True)
     with pytest.raises(ValueError, match=r"ModelConfig.n_kv_heads=2 is not divisible by the tensor-parallel size tp=4"):
         parallel._check_tp(ModelConfig.preset("tiny"), 4)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow),
                                   pytest.param("tp", marks=pytest.mark.slow),
-                                  pytest.param("fsdp+tp", marks=pytest.mark.slow)])
+                                  pytest.param("fsdp+tp", marks=pytest.mark.slow),
+                                  "fsdp --offload-optimizer"])
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     """``torchrun --nproc-per-node 2 -m torchref.train --parallel MODE`` logs the one-process losses within 1e-5
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
@@ -63,7 +66,7 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "torchref.train", "--parallel", mode, "--log-json", str(log), *argv],
+                           "-m", "torchref.train", "--parallel", *mode.split(), "--log-json", str(log), *argv],
                           env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]

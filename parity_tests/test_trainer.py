@@ -51,8 +51,7 @@ def test_one_flag_table_for_both_clis():
     jax_opts, torch_opts = _options(build_parser("jax")), _options(build_parser("torch"))
     shared = {f.name for f in FLAGS if len(f.frameworks) == 2}
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
-    assert set(jax_opts) - shared == {"--mesh", "--offload-optimizer", "--coordinator", "--num-processes",
-                                      "--process-id"}
+    assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
     assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
     conventions = ("--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
                    "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
@@ -110,6 +109,7 @@ BAD = [
      r"--num-processes 2: a multi-process run needs --mesh"),
     (["--process-id", "0"], "torch", r"unrecognized arguments: --process-id 0"),
     (["--offload-optimizer"], "jax", r"--offload-optimizer needs --mesh"),
+    (["--offload-optimizer", "--parallel", "ddp"], "torch", r"--offload-optimizer needs --parallel fsdp or fsdp\+tp"),
     (["--parallel", "zero"], "torch", r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp\)"),
     (["--num-workers", "-1"], "torch", r"--num-workers -1: must be an integer >= 0"),
     (["--stpes", "3"], "both", r"unrecognized arguments: --stpes 3"),

@@ -119,11 +119,19 @@ def _replicate(module: nn.Module, mesh) -> None:
     distribute_module(module, mesh, input_fn=inputs, output_fn=outputs)
 
 
+OFFLOAD_MODES = ("fsdp", "fsdp+tp")
+
+
 def parallelize(model: nn.Module, mode: str, mesh, *, param_dtype: Optional[torch.dtype] = None,
-                reduce_dtype: Optional[torch.dtype] = torch.float32) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = torch.float32, offload: bool = False) -> nn.Module:
     """Apply ``mode`` (one of :data:`MODES`) to ``model`` in place over ``mesh`` (:func:`build_mesh`); returns
-    the module to train (the DDP wrapper for ddp, ``model`` otherwise). Build the optimizer AFTER this."""
+    the module to train (the DDP wrapper for ddp, ``model`` otherwise). Build the optimizer AFTER this.
+    ``offload`` (fsdp modes): FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters, their gradients and so
+    the optimizer state and step on the CPU (the twin of ``jaxattn.sharding``'s ``offload_optimizer``, which
+    offloads only the optimizer state)."""
     _check_mode(mode)
+    if offload and mode not in OFFLOAD_MODES:
+        raise ValueError(f"offload=True needs an FSDP mode {OFFLOAD_MODES}, got mode {mode!r}")
     if mode in ("tp", "fsdp+tp"):
         _apply_tp(model, mesh["tp"] if mode == "fsdp+tp" else mesh)
     if mode == "ddp":
@@ -131,11 +139,13 @@ def parallelize(model: nn.Module, mode: str, mesh, *, param_dtype: Optional[torc
 
         return DDP(model, device_ids=None if mesh.device_type == "cpu" else [torch.cuda.current_device()])
     if mode in ("fsdp", "fsdp+tp"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         dp_mesh = mesh["dp"] if mode == "fsdp+tp" else mesh
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
+                  else OffloadPolicy())
         for layer in model.model.layers:
-            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=dp_mesh, **kw)
+        fully_shard(model, mesh=dp_mesh, **kw)
     return model

@@ -100,7 +100,7 @@ class Run:
             raise CLIError(f"--batch-size {self.args.batch_size} must be divisible by the {n} data-parallel ranks "
                            f"times --grad-accum {self.args.grad_accum} (--parallel {mode})")
         self.parallel = mode
-        return parallel.parallelize(model, mode, self.mesh)
+        return parallel.parallelize(model, mode, self.mesh, offload=self.args.offload_optimizer)
 
     def denominator(self, host: dict):
         """Data-parallel ranks divide their loss SUM by (the whole batch's real targets / dp), so the gradients

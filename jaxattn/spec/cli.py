@@ -3,7 +3,7 @@
     args = parse_args(["--preset", "tiny", "--steps", "30"], framework="jax", attention_backends=("xla", ...))
 
 :data:`FLAGS` is one table; :func:`build_parser` turns it into an ``argparse`` parser for one framework (the
-shared flags are identical by construction, plus the framework-only ones: ``--mesh``, ``--offload-optimizer`` and the multi-process
+shared flags are identical by construction, plus the framework-only ones: ``--mesh`` and the multi-process
 ``--coordinator/--num-processes/--process-id`` (or ``$JAX_COORDINATOR_ADDRESS/$JAX_NUM_PROCESSES/$JAX_PROCESS_ID``)
 for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
 exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
@@ -88,8 +88,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-progress", "no progress bar", action="store_true"),
     Flag("--mesh", "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)", str,
          metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
-    Flag("--offload-optimizer", "keep the optimizer state in host memory between steps (pinned_host; needs --mesh, "
-                                "e.g. --mesh data=1 on one device)", action="store_true", frameworks=("jax",)),
+    Flag("--offload-optimizer", "keep the optimizer state in host memory (JAX: pinned_host, needs --mesh, e.g. "
+                                "--mesh data=1 on one device; torch: FSDP2 CPUOffloadPolicy, needs --parallel fsdp or "
+                                "fsdp+tp, and moves the sharded parameters and gradients too)", action="store_true"),
     Flag("--coordinator", "multi-process run: jax.distributed coordinator address (default: "
                           "$JAX_COORDINATOR_ADDRESS)", str, metavar="HOST:PORT", frameworks=("jax",)),
     Flag("--num-processes", "multi-process run: processes in all (default: $JAX_NUM_PROCESSES)", int,
@@ -265,6 +266,9 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.offload_optimizer and args.parallel not in ("fsdp", "fsdp+tp"):
+            raise CLIError(f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
+                           f"CPUOffloadPolicy); got --parallel {args.parallel}")
         if world > 1 and args.parallel is None:
             raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
     config = model_config(args)
