@@ -293,13 +293,13 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_cli_two_processes_train_resume_and_export_like_one_of_eight(tmp_path):
-    """``python -m jaxattn.train --mesh ... --coordinator/--num-processes/--process-id`` (2 processes x 4 CPU
-    devices, gloo): 2 steps with an orbax checkpoint per step, then ``--resume`` to step 3 configured by the
-    ``JAX_*`` variables instead, give the losses of one in-process run on 8 devices within 1e-5. Only process 0
-    writes the log and the Hugging Face export; the exported weights equal the 8-device run's (AdamW moves a
-    weight by at most lr per step, so an entry whose gradient is within rounding of zero may differ by up to
-    2 * lr * steps; all but a few entries agree to 1e-5)."""
+def _two_process_cli(tmp_path, resume: bool):
+    """2 processes x 4 CPU devices (gloo) train 3 steps through the CLI; with ``resume``, 2 steps with an orbax
+    checkpoint per step first, then ``--resume`` to step 3 configured by the ``JAX_*`` variables instead of the
+    flags. Compared with one in-process run on 8 devices: losses within 1e-5; only process 0 writes the log and the
+    Hugging Face export, whose weights equal the 8-device run's (AdamW moves a weight by at most lr per step, so
+    an entry whose gradient is within rounding of zero may differ by up to 2 * lr * steps; all but a few entries
+    agree to 1e-5)."""
     import json
 
     from safetensors.numpy import load_file
@@ -310,14 +310,15 @@ def test_cli_two_processes_train_resume_and_export_like_one_of_eight(tmp_path):
               "--seed", "3", "--lr", "1e-3", "--schedule", "constant"]  # the same lr whatever --steps says
     mp = common + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     port = _port()
-    first = _launch([(mp + ["--steps", "2", "--log-json", str(tmp_path / f"log{i}.jsonl"), "--coordinator",
-                            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], {})
+    first = _launch([(mp + ["--steps", "2" if resume else "3", "--log-json", str(tmp_path / f"log{i}.jsonl"),
+                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], {})
                      for i in (0, 1)])
     assert all(rc == 0 for rc, _ in first), "\n".join(out[-3000:] for _, out in first)
-    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}", "JAX_NUM_PROCESSES": "2"}
-    second = _launch([(mp + ["--steps", "3", "--resume", "--log-json", str(tmp_path / f"log{i}.jsonl")],
-                       {**env, "JAX_PROCESS_ID": str(i)}) for i in (0, 1)])
-    assert all(rc == 0 for rc, _ in second), "\n".join(out[-3000:] for _, out in second)
+    if resume:
+        env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}", "JAX_NUM_PROCESSES": "2"}
+        second = _launch([(mp + ["--steps", "3", "--resume", "--log-json", str(tmp_path / f"log{i}.jsonl")],
+                           {**env, "JAX_PROCESS_ID": str(i)}) for i in (0, 1)])
+        assert all(rc == 0 for rc, _ in second), "\n".join(out[-3000:] for _, out in second)
     ref = trainer.run(common + ["--steps", "3", "--checkpoint-dir", str(tmp_path / "ref")])
     logs = [json.loads(line) for line in (tmp_path / "log0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 3]
@@ -329,6 +330,15 @@ def test_cli_two_processes_train_resume_and_export_like_one_of_eight(tmp_path):
     for name in want:
         diff = np.abs(got[name] - want[name])
         assert diff.max() <= 2 * 1e-3 * 3 and np.mean(diff > 1e-5) < 1e-3, (name, diff.max())
+
+
+def test_cli_two_processes_train_and_export_like_one_of_eight(tmp_path):
+    _two_process_cli(tmp_path, resume=False)
+
+
+@pytest.mark.slow
+def test_cli_two_processes_resume_like_one_of_eight(tmp_path):
+    _two_process_cli(tmp_path, resume=True)
 
 
 def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
