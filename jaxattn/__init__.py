@@ -8,12 +8,12 @@ from importlib import import_module
 __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config", "Llama": "model",
-    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "gguf", "dot_product_attention": "attention",
+    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "hf", "dot_product_attention": "attention",
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "gguf", "remat",
-               "data", "checkpoint", "seed", "trainer", "kv_cache", "generate", "quant", "sharding", "train")
+_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "remat",
+               "data", "checkpoint", "seed", "train_step", "kv_cache", "generate", "quant", "sharding", "train")
 
 
 def __getattr__(name):

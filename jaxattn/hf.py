@@ -1,10 +1,12 @@
-"""Hugging Face Llama checkpoints <-> ``jaxattn.model.Llama`` (twin of ``torchref/hf.py``).
+"""Checkpoints in and out of ``jaxattn.model.Llama``: Hugging Face directories and llama.cpp GGUF files (twin of
+``torchref/hf.py``).
 
-``from_pretrained(path, dtype=None)`` reads a directory written by ``transformers`` (or by either package here);
-``save_pretrained(model, path)`` writes one that ``transformers`` loads. HF stores linear weights ``[out, in]``;
-our model keeps ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly, so an fp32
-round trip is bit-exact. ``dtype=None`` keeps the dtype stored in the files; names are ``MODEL_DTYPES``.
-Saving writes into the directory crash-safely and touches only our files (``jaxattn.spec.hf_format``).
+``from_pretrained(path, dtype=None)`` reads a directory written by ``transformers`` (or by either package here), or a
+``.gguf`` file; ``save_pretrained(model, path)`` writes a directory ``transformers`` loads. The HF names, shapes and
+transposes come from the parameter table (``jaxattn.spec.params``): HF stores linear weights ``[out, in]``, our
+model ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly (an fp32 round trip is
+bit-exact). ``dtype=None`` keeps the stored dtype; names are ``MODEL_DTYPES``. Saving writes into the directory
+crash-safely and touches only our files (``jaxattn.spec.hf_format``).
 
     jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
@@ -18,19 +20,11 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from .spec import hf_format
+from .spec import hf_format, params
 from .spec.dtypes import MODEL_DTYPES, check_model_dtype
+from .spec.gguf import read_gguf
 from .config import ModelConfig
 from .model import Llama, set_value
-
-# (our stacked name, HF per-layer name, transposed?)
-_LAYER_MAP = (
-    ("wq", "self_attn.q_proj.weight", True), ("wk", "self_attn.k_proj.weight", True),
-    ("wv", "self_attn.v_proj.weight", True), ("wo", "self_attn.o_proj.weight", True),
-    ("w_gate", "mlp.gate_proj.weight", True), ("w_up", "mlp.up_proj.weight", True),
-    ("w_down", "mlp.down_proj.weight", True), ("attn_norm", "input_layernorm.weight", False),
-    ("mlp_norm", "post_attention_layernorm.weight", False),
-)
 
 
 def _resolve_dtype(dtype):
@@ -46,16 +40,18 @@ def _resolve_dtype(dtype):
     return dt
 
 
+def _owner(model: Llama, row: params.ParamRow):
+    return model.layers if row.per_layer else model
+
+
 def to_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """HF-named numpy arrays (``[out, in]`` layout); ``lm_head.weight`` only when embeddings are untied."""
-    cfg = model.config
-    out = {"model.embed_tokens.weight": np.asarray(model.embed[...]), "model.norm.weight": np.asarray(model.norm[...])}
-    for ours, theirs, transpose in _LAYER_MAP:
-        stacked = np.asarray(getattr(model.layers, ours)[...])
-        for i in range(cfg.n_layers):
-            out[f"model.layers.{i}.{theirs}"] = np.ascontiguousarray(stacked[i].T if transpose else stacked[i])
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(model.lm_head[...]).T)
+    out = {}
+    for row in params.rows(model.config):
+        value = np.asarray(getattr(_owner(model, row), row.name)[...])
+        for key, index in params.hf_keys(row, model.config):
+            w = value[index]
+            out[key] = np.ascontiguousarray(np.swapaxes(w, -1, -2) if row.transposed else w)
     return out
 
 
@@ -65,29 +61,34 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtyp
     hf_format.check_state_dtypes({k: v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
                                   for k, v in tensors.items()})
     dt = _resolve_dtype(dtype)
-
-    def arr(x):
-        x = jnp.asarray(np.asarray(x))
-        return x if dt is None else x.astype(dt)
-
-    # Build without running the random initialisers, then fill every parameter.
+    # Build without running the random initialisers, then fill every parameter (stacked per layer / expert).
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    set_value(model.embed, arr(tensors["model.embed_tokens.weight"]))
-    set_value(model.norm, arr(tensors["model.norm.weight"]))
-    for ours, theirs, transpose in _LAYER_MAP:
-        per_layer = [np.asarray(tensors[f"model.layers.{i}.{theirs}"]) for i in range(config.n_layers)]
-        set_value(getattr(model.layers, ours), arr(np.stack([p.T if transpose else p for p in per_layer])))
-    if not config.tie_embeddings:
-        set_value(model.lm_head, arr(np.asarray(tensors["lm_head.weight"]).T))
+    for row in params.rows(config):
+        keys = params.hf_keys(row, config)
+        first = np.asarray(tensors[keys[0][0]])
+        value = np.empty(row.jax_shape(config), dtype=first.dtype)
+        for key, index in keys:
+            w = np.asarray(tensors[key])
+            value[index] = np.swapaxes(w, -1, -2) if row.transposed else w
+        value = jnp.asarray(value)
+        set_value(getattr(_owner(model, row), row.name), value if dt is None else value.astype(dt))
     set_value(model.inv_freq, jnp.asarray(config.rope_inv_freq()))
     return model
+
+
+def from_gguf(path: str | os.PathLike, dtype=None) -> Llama:
+    """A ``Llama`` holding the dequantized weights of a llama.cpp GGUF file (read by ``jaxattn.spec.gguf``);
+    ``dtype=None`` keeps float32 (the dequantized values)."""
+    dt = _resolve_dtype(dtype)  # a bad dtype fails before the file is read
+    config, tensors, _ = read_gguf(path, "float16" if dt is not None and dt.name == "float16" else "float32",
+                                   tokenizer=False)
+    return from_state_dict(config, tensors, dtype=dtype)
 
 
 def from_pretrained(path: str | os.PathLike, dtype=None) -> Llama:
     """Load a Hugging Face Llama directory (``config.json`` + safetensors, single or sharded)."""
     _resolve_dtype(dtype)  # a bad dtype fails before any file is read
-    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file: see jaxattn/gguf.py
-        from .gguf import from_gguf
+    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file
         return from_gguf(path, dtype)
     hf_config, tensors = hf_format.read_checkpoint(path, safetensors.numpy.load_file)
     config = ModelConfig.from_hf(hf_config)

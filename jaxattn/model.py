@@ -40,19 +40,14 @@ from .attention import dot_product_attention
 from .config import ModelConfig
 from .kv_cache import KVCache, cached_attention
 from .quant import QArray, matmul
+from .spec import params
 from .spec.batch import check_model_inputs, check_token_ids
 from .remat import wrap_layer
-from .spec.remat import REMAT_POLICIES  # noqa: F401 - re-exported (Llama.remat values)
 
-LAYER_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm")
-
-# Logical axis names of every parameter (the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads").
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"), "norm": ("embed",), "lm_head": ("embed", "vocab"),
-    "wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
-    "wo": ("layers", "heads", "embed"), "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"), "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
-}
+# Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
+# the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
+LAYER_PARAMS: tuple[str, ...] = tuple(r.name for r in params.layer_rows())
+PARAM_AXES: dict[str, tuple[str, ...]] = {r.name: r.jax_axes for r in params.ROWS}
 
 # Logical axis names of the activations the model constrains (see ``constrain``).
 ACT_AXES: tuple[str, ...] = ("batch", "seq", "embed")
@@ -169,28 +164,25 @@ def set_value(variable: nnx.Variable, value) -> None:
         variable.value = value
 
 
-def param(init, name: str, key, shape, dtype) -> nnx.Param:
-    """``nnx.Param`` with the logical axis names ``PARAM_AXES[name]`` as its sharding metadata.
+def param(row: params.ParamRow, cfg: ModelConfig, rngs: nnx.Rngs, dtype) -> nnx.Param:
+    """The ``nnx.Param`` of a parameter-table row: its shape, ``normal(0.02)`` (norms: ones), and its logical axis
+    names as sharding metadata.
 
     ``nnx.with_partitioning`` stores them under the key the installed flax reads (``out_sharding`` on flax
     0.12.3+, ``sharding_names``/``sharding`` before), so ``nnx.get_partition_spec`` finds them on each;
     ``eager_sharding=False``: the model never shards itself (no mesh inside), ``jaxattn.sharding`` does it.
     """
-    return nnx.Param(nnx.with_partitioning(init, PARAM_AXES[name], eager_sharding=False)(key, shape, dtype))
+    init = nnx.initializers.ones if row.kind == "norm" else nnx.initializers.normal(0.02)
+    return nnx.Param(nnx.with_partitioning(init, row.jax_axes, eager_sharding=False)(
+        rngs.params(), row.jax_shape(cfg), dtype))
 
 
 class Layers(nnx.Module):
     """All decoder layers' parameters, stacked: each leaf has a leading ``n_layers`` axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        n, dim, d, f = cfg.n_layers, cfg.dim, cfg.resolved_head_dim, cfg.ffn_dim
-        normal, ones = nnx.initializers.normal(0.02), nnx.initializers.ones
-        shapes = {"wq": (dim, cfg.n_heads * d), "wk": (dim, cfg.n_kv_heads * d), "wv": (dim, cfg.n_kv_heads * d),
-                  "wo": (cfg.n_heads * d, dim), "w_gate": (dim, f), "w_up": (dim, f), "w_down": (f, dim),
-                  "attn_norm": (dim,), "mlp_norm": (dim,)}
-        for name in LAYER_PARAMS:
-            init = ones if name.endswith("norm") else normal
-            setattr(self, name, param(init, name, rngs.params(), (n, *shapes[name]), param_dtype))
+        for row in params.layer_rows(cfg):
+            setattr(self, row.name, param(row, cfg, rngs, param_dtype))
 
 
 class Llama(nnx.Module):
@@ -206,12 +198,10 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.config = config
-        normal, v, dim = nnx.initializers.normal(0.02), config.vocab_size, config.dim
-        self.embed = param(normal, "embed", rngs.params(), (v, dim), param_dtype)
+        self.embed = param(params.row("embed"), config, rngs, param_dtype)  # keys drawn in the table's order
         self.layers = Layers(config, rngs=rngs, param_dtype=param_dtype)
-        self.norm = param(nnx.initializers.ones, "norm", rngs.params(), (dim,), param_dtype)
-        if not config.tie_embeddings:
-            self.lm_head = param(normal, "lm_head", rngs.params(), (dim, v), param_dtype)
+        for row in params.global_rows(config)[1:]:  # norm, and lm_head when untied
+            setattr(self, row.name, param(row, config, rngs, param_dtype))
         self.inv_freq = nnx.Variable(jnp.asarray(config.rope_inv_freq()))  # constant, not a trained Param
         self.remat = "none"
 
@@ -236,7 +226,7 @@ class Llama(nnx.Module):
             return decoder_layer(x, p, cos, sin, cfg, seg)
 
         layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
-        stacked = {name: getattr(self.layers, name)[...] for name in LAYER_PARAMS}
+        stacked = {r.name: getattr(self.layers, r.name)[...] for r in params.layer_rows(cfg)}  # [n_layers, ...]
         table = constrain(self.embed[...], PARAM_AXES["embed"])  # sharded runs: gathered over embed (FSDP-style)
         x = jnp.take(table, jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
         x = constrain(x, ACT_AXES)

@@ -8,8 +8,9 @@ Rule (identical in both packages, so the int8 weights are bit-identical): per OU
 the model's ``[in, out]`` layout, ``scale`` float32 ``[1, out]``, both with the leading ``n_layers`` axis for the
 stacked layers); the model's matmuls go through :func:`matmul`, which dequantizes inside the matmul as
 ``(x @ q) * scale`` (the int8 weights are cast to ``x``'s dtype, the scale applied to the output columns).
-Quantized: the seven per-layer projections and an untied ``lm_head``; the embedding (and so a tied head) and the
-norms stay in float (torchao's int8 weight-only does the same: it replaces ``nn.Linear`` only).
+Quantized: the parameter table's quantizable rows (``jaxattn.spec.params``: every linear weight, so the seven per-layer
+projections and an untied ``lm_head``); the embedding (and so a tied head) and the norms stay in float (torchao's
+int8 weight-only does the same: it replaces ``nn.Linear`` only).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANT_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # Llama.layers; plus lm_head when untied
 
 
 @jax.tree_util.register_dataclass
@@ -76,22 +76,25 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
 
 def quantize(model):
-    """A copy of ``model`` (a ``jaxattn.model.Llama``) with int8 weight-only :class:`QArray` parameters."""
+    """A copy of ``model`` (a ``jaxattn.model.Llama``) with int8 weight-only :class:`QArray` parameters: the
+    parameter table's quantizable rows (``jaxattn.spec.params``: the linear weights, an untied head included)."""
     from flax import nnx
 
-    from .model import Llama, set_value
+    from .spec import params
+    from .spec.config import ModelConfig
 
-    if not isinstance(model, Llama):
+    if not isinstance(model, nnx.Module) or not isinstance(getattr(model, "config", None), ModelConfig):
         raise TypeError(f"quantize: model must be a jaxattn.model.Llama, got {type(model).__name__}")
     graphdef, state = nnx.split(model)
     out = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))  # an independent copy (arrays are immutable)
-    targets = [getattr(out.layers, n) for n in QUANT_PARAMS]
-    if not model.config.tie_embeddings:
-        targets.append(out.lm_head)
-    for var in targets:
-        if isinstance(var[...], QArray):
+    update: dict = {}
+    for row in params.quantizable_rows(model.config):
+        owner = out.layers if row.per_layer else out
+        w = getattr(owner, row.name)[...]
+        if isinstance(w, QArray):
             raise ValueError("quantize: model is already quantized")
-        set_value(var, quantize_array(var[...]))
+        (update.setdefault("layers", {}) if row.per_layer else update)[row.name] = quantize_array(w)
+    nnx.update(out, update)
     return out
 
 

@@ -15,12 +15,12 @@ pytest.importorskip("tokenizers")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from jaxattn.gguf import from_gguf as jax_from_gguf  # noqa: E402
+from jaxattn.hf import from_gguf as jax_from_gguf  # noqa: E402
 from jaxattn.spec.config import ModelConfig  # noqa: E402
 from jaxattn.spec.gguf import read_gguf  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.twins import hf_llama, jitted  # noqa: E402
-from torchref.gguf import from_gguf as torch_from_gguf  # noqa: E402
+from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
 
 LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -54,15 +54,29 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _to_gguf_name(hf: str) -> str:
-    from jaxattn.spec.gguf import GLOBAL_NAMES, LAYER_NAMES
+# llama.cpp's names (convert_hf_to_gguf.py), written out here as the oracle for the parameter table's GGUF column.
+GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+GGUF_LAYER = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+              "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
+              "post_attention_layernorm.weight": "ffn_norm.weight"}
 
-    inv = {v: k for k, v in GLOBAL_NAMES.items()}
-    if hf in inv:
-        return inv[hf]
+
+def _to_gguf_name(hf: str) -> str:
+    if hf in GGUF_GLOBAL:
+        return GGUF_GLOBAL[hf]
     _, _, i, rest = hf.split(".", 3)
-    layer_inv = {v: k for k, v in LAYER_NAMES.items()}
-    return f"blk.{i}.{layer_inv[rest]}"
+    return f"blk.{i}.{GGUF_LAYER[rest]}"
+
+
+def test_parameter_table_gguf_names_are_llama_cpp_names():
+    from jaxattn.spec import params
+
+    for tied in (False, True):
+        cfg = _config(tied)
+        assert params.gguf_names(cfg) == {_to_gguf_name(k): k for k in params.hf_shapes(cfg)}
 
 
 def _write_gguf(path, cfg, tensors, qtype=None, arch="llama", drop=(), extra_kv=None, tokenizer_model="gpt2",
@@ -178,7 +192,7 @@ def test_synthetic_tokenizer_and_dtypes(tmp_path):
     with pytest.raises(ValueError, match="dtype='bfloat16'.*float32, float16"):
         read_gguf(path, dtype="bfloat16")
     with pytest.raises(ValueError, match="dtype='int8'"):
-        torchref.gguf.from_gguf(path, dtype="int8")
+        torchref.hf.from_gguf(path, dtype="int8")
 
 
 def test_bad_files_name_the_file_and_key(tmp_path):

@@ -94,7 +94,10 @@ def test_unknown_remat_name_is_a_value_error_in_both(twins):
             tmodel(torch.ones((1, 4), dtype=torch.long))
     finally:
         tmodel.remat = "none"
-    assert tm.REMAT_POLICIES == jm.REMAT_POLICIES == REMAT_POLICIES
+    from jaxattn import remat as jremat
+    from torchref import remat as tremat
+
+    assert tremat.POLICIES == jremat.POLICIES == REMAT_POLICIES
 
 
 def test_remat_setting_is_hashable_and_in_the_graphdef(twins):

@@ -1,7 +1,9 @@
-"""Hugging Face Llama checkpoints <-> ``torchref.model.LlamaForCausalLM`` (twin of ``jaxattn/hf.py``).
+"""Checkpoints in and out of ``torchref.model.LlamaForCausalLM``: Hugging Face directories and llama.cpp GGUF files
+(twin of ``jaxattn/hf.py``).
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format, which is shared with the
-JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax). ``dtype=None`` keeps the
+JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a ``.gguf`` file is read
+and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the
 dtype stored in the files; names are ``MODEL_DTYPES``. The model is built on the ``meta`` device and the tensors
 are assigned, so loading a large checkpoint allocates its weights once. Saving writes into the directory
 crash-safely and touches only our files (see ``jaxattn.spec.hf_format``).
@@ -18,6 +20,7 @@ import safetensors.torch
 
 from jaxattn.spec import hf_format
 from jaxattn.spec.dtypes import MODEL_DTYPES, check_model_dtype
+from jaxattn.spec.gguf import read_gguf
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM
@@ -60,11 +63,18 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dt
     return model
 
 
+def from_gguf(path: str | os.PathLike, dtype=None) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` holding the dequantized weights of a llama.cpp GGUF file; ``dtype=None`` keeps
+    float32."""
+    dt = _resolve_dtype(dtype)  # a bad dtype fails before the file is read
+    config, tensors, _ = read_gguf(path, "float16" if dt == torch.float16 else "float32", tokenizer=False)
+    return from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()}, dtype=dtype)
+
+
 def from_pretrained(path: str | os.PathLike, dtype=None) -> LlamaForCausalLM:
     """Load a Hugging Face Llama directory (``config.json`` + safetensors, single or sharded)."""
     _resolve_dtype(dtype)  # a bad dtype fails before any file is read
-    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file: see torchref/gguf.py
-        from .gguf import from_gguf
+    if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file
         return from_gguf(path, dtype)
     hf_config, tensors = hf_format.read_checkpoint(path, safetensors.torch.load_file)
     config = ModelConfig.from_hf(hf_config)

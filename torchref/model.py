@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxattn.spec.batch import check_model_inputs, check_token_ids
-from jaxattn.spec.remat import REMAT_POLICIES, check_remat
+from jaxattn.spec.remat import check_remat
 
 from .attention import dot_product_attention
 from .config import ModelConfig
 from .remat import run_layer
 
-__all__ = ["LlamaForCausalLM", "REMAT_POLICIES"]
+__all__ = ["LlamaForCausalLM", "LlamaModel"]
 
 
 class RMSNorm(nn.Module):

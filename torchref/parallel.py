@@ -7,7 +7,7 @@
     rows = local_rows(batch, "fsdp", mesh)                      # each data-parallel rank its rows
 
 One visible order, as in torchtitan: (1) tensor parallel on the ``tp`` mesh dimension — ``parallelize_module``
-with ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel`` on o/down, the embedding split by vocab
+with the plan :func:`tp_plan` reads off the parameter table's logical axes: ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel`` on o/down, the embedding split by vocab
 (``RowwiseParallel``, replicated output) and the LM head by vocab (``ColwiseParallel``, replicated logits), and
 each attention module's head counts divided by ``tp`` (its local view of the config, torchtitan's
 ``attn.n_heads //= tp``); (2) FSDP2: ``fully_shard`` on every decoder layer, then on the root, with a
@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "dp_size"]
+from jaxattn.spec import params
+
+__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "dp_size", "tp_plan"]
 
 MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
 
@@ -69,10 +71,21 @@ def local_rows(batch: dict, mode: str, mesh) -> dict:
 
 
 def _check_tp(cfg, tp: int) -> None:
-    for field in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+    axes = {a for r in params.rows(cfg) for a in r.axes if a in params.TENSOR_PARALLEL_AXES}
+    for field in (params.AXIS_FIELDS[a] for a in params.TENSOR_PARALLEL_AXES if a in axes):
         if getattr(cfg, field) % tp:
             raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)} is not divisible by the tensor-parallel "
                              f"size tp={tp}")
+
+
+def tp_plan(cfg) -> tuple[dict, dict]:
+    """``(model_plan, layer_plan)``: module path -> ``"colwise"`` / ``"rowwise"`` / ``None`` (replicated), read
+    off the parameter table's logical axes (``jaxattn.spec.params.tp_style``: the same axes JAX's ``tensor`` mesh
+    axis splits). ``model_plan`` is under the model, ``layer_plan`` under each decoder layer."""
+    plan: tuple[dict, dict] = ({}, {})
+    for r in params.rows(cfg):
+        plan[r.per_layer][r.module] = params.tp_style(r)
+    return plan
 
 
 def _apply_tp(model: nn.Module, tp_mesh) -> None:
@@ -84,22 +97,22 @@ def _apply_tp(model: nn.Module, tp_mesh) -> None:
     if cfg.tie_embeddings:
         raise ValueError("tensor parallel with tie_embeddings=True is not supported (the embedding and the LM head "
                          "are split on different dimensions)")
-    parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
+    model_plan, layer_plan = tp_plan(cfg)
+    # the embedding and the head take and give whole (replicated) activations; inside a layer Megatron's pairs
+    # (column-parallel then row-parallel) keep the activations split between them
+    outer = {"colwise": ColwiseParallel(output_layouts=Replicate()),
+             "rowwise": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    inner = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    parallelize_module(model, tp_mesh, {m: outer[s] for m, s in model_plan.items() if s is not None})
     local = dataclasses.replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
                                 head_dim=cfg.resolved_head_dim)
     for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-        })
+        parallelize_module(layer, tp_mesh, {m: inner[s] for m, s in layer_plan.items() if s is not None})
         layer.self_attn.cfg = local  # this rank's heads (torchtitan: attn.n_heads //= tp)
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            _replicate(norm, tp_mesh)
-    _replicate(model.model.norm, tp_mesh)
+        for m in (m for m, s in layer_plan.items() if s is None):
+            _replicate(layer.get_submodule(m), tp_mesh)
+    for m in (m for m, s in model_plan.items() if s is None):
+        _replicate(model.get_submodule(m), tp_mesh)
 
 
 def _replicate(module: nn.Module, mesh) -> None:

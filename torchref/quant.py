@@ -7,9 +7,9 @@ Rule (identical to the JAX twin, so the int8 weights are bit-identical): per OUT
 ``scale = max|w| / 127`` over the input dim (1.0 for an all-zero row), ``q = clamp(round(w / scale), -127, 127)``
 (round-half-to-even), in float32. :class:`Int8Linear` keeps ``weight_int8 [out, in]`` int8 and ``scale [out]``
 float32 buffers and computes ``F.linear(x, q.to(x.dtype)) * scale`` (dequantized inside the matmul, scale on the
-output columns, as ``jaxattn.quant.matmul``). Quantized: the seven projections of every decoder layer and an
-untied ``lm_head``; the embedding (and so a tied head) and the norms stay in float, as torchao's
-``int8_weight_only`` (which replaces ``nn.Linear`` only).
+output columns, as ``jaxattn.quant.matmul``). Quantized: the parameter table's linear weights
+(``jaxattn.spec.params``: the seven projections of every decoder layer and an untied ``lm_head``); the embedding (and
+so a tied head) and the norms stay in float, as torchao's ``int8_weight_only`` (which replaces ``nn.Linear`` only).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+from jaxattn.spec import params
+
+from .model import LlamaForCausalLM
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,20 +56,16 @@ class Int8Linear(nn.Module):
 
 def quantize(model):
     """A copy of ``model`` (a ``torchref.model.LlamaForCausalLM``) with :class:`Int8Linear` projections."""
-    from .model import LlamaForCausalLM
-
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"quantize: model must be a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         raise ValueError("quantize: model is already quantized")
     out = copy.deepcopy(model)
-    for layer in out.model.layers:
-        for path in LAYER_LINEARS:
-            parent_name, name = path.split(".")
-            parent = getattr(layer, parent_name)
+    for row in params.quantizable_rows(model.config):  # the parameter table's linear weights
+        for root in (out.model.layers if row.per_layer else (out,)):
+            parent_path, _, name = row.module.rpartition(".")
+            parent = root.get_submodule(parent_path)
             setattr(parent, name, Int8Linear(getattr(parent, name)))
-    if not model.config.tie_embeddings:
-        out.lm_head = Int8Linear(out.lm_head)
     return out
 
 

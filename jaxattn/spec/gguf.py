@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) Llama files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer.
 
-Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.gguf`` and
-``torchref.gguf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
+Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
+``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
 dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/k projections is undone.
 
     config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -15,28 +15,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from . import params
 from .config import ModelConfig
 from .hf_format import CheckpointError, check_state_shapes
-
-# llama.cpp tensor name -> Hugging Face Llama name (convert_hf_to_gguf.py's table, inverted).
-GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",  # absent when the embeddings are tied
-}
-LAYER_NAMES = {  # under "blk.{i}." -> under "model.layers.{i}."
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# Rows of these were permuted by llama.cpp's converter (for its RoPE layout), grouped by this config field.
-PERMUTED = {"attn_q.weight": "n_heads", "attn_k.weight": "n_kv_heads"}
 
 # ModelConfig field <- "llama.<key>" (None = required)
 CONFIG_KEYS = (
@@ -155,15 +136,6 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
                        tie_embeddings="output.weight" not in names, **kw)
 
 
-def _hf_name(name: str) -> Optional[str]:
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    return None
-
-
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of a q/k projection ``[n_heads * head_dim, dim]`` (its RoPE layout)."""
     rows, cols = w.shape
@@ -247,30 +219,29 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
         raise CheckpointError(f"{where}: general.architecture={arch!r} is not supported; only 'llama' loads")
     by_name = {t.name: t for t in reader.tensors}
     config = _read_config(reader, where, arch, set(by_name))
-    unknown = sorted(n for n in by_name if _hf_name(n) is None)
-    wanted = [*(n for n in GLOBAL_NAMES if n != "output.weight" or not config.tie_embeddings),
-              *(f"blk.{i}.{n}" for i in range(config.n_layers) for n in LAYER_NAMES)]
-    missing = [n for n in wanted if n not in by_name]
-    extra = sorted(set(by_name) - set(wanted) - set(unknown))  # e.g. blk.30.* beyond block_count
+    names = params.gguf_names(config)  # GGUF name -> HF key, from the parameter table
+    unknown = sorted(n for n in by_name if params.match_gguf(n) is None)
+    missing = [n for n in names if n not in by_name]
+    extra = sorted(set(by_name) - set(names) - set(unknown))  # e.g. blk.30.* beyond block_count
     if missing or unknown or extra:
         parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer Llama:"]
         for title, items in (("missing", missing), ("unsupported", unknown), ("unexpected", extra)):
             if items:
                 parts.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
         raise CheckpointError("\n".join(parts))
-    shapes = {_hf_name(n): tuple(int(d) for d in reversed(by_name[n].shape)) for n in wanted}
+    shapes = {hf: tuple(int(d) for d in reversed(by_name[n].shape)) for n, hf in names.items()}
     check_state_shapes(config, shapes, where)  # before any dequantization
     tensors = {}
-    for name in wanted:
+    for name, hf in names.items():
         t = by_name[name]
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise CheckpointError(f"{where}: tensor {name} has type {t.tensor_type.name}, which gguf "
                                   f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
-        w = np.asarray(w).reshape(shapes[_hf_name(name)])
-        base = name.split(".", 2)[-1]
-        if base in PERMUTED:
-            w = unpermute_rows(w, getattr(config, PERMUTED[base]))
-        tensors[_hf_name(name)] = w.astype(dtype, copy=True)  # a copy: nothing points into the file's mmap
+        w = np.asarray(w).reshape(shapes[hf])
+        permute = params.match_gguf(name)[0].gguf_permute
+        if permute is not None:
+            w = unpermute_rows(w, getattr(config, permute))
+        tensors[hf] = w.astype(dtype, copy=True)  # a copy: nothing points into the file's mmap
     return GGUFModel(config, tensors, _build_tokenizer(reader, where) if tokenizer else None)

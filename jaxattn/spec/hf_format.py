@@ -36,11 +36,12 @@ import json
 import numbers
 import os
 import re
-import secrets
 import shutil
 import stat
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
+from . import params
+from .atomic import fsync_path, temp_name, write_bytes_atomic
 from .dtypes import MODEL_DTYPES
 
 try:
@@ -60,18 +61,6 @@ _OWNED = r"config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|mod
 _TEMP_RE = re.compile(rf"\.(?P<final>{_OWNED})\.tmp-\d+-[0-9a-f]+")  # shards an index may name mid-save
 _STAGING_RE = re.compile(r"\.save\.tmp-\d+-[0-9a-f]+")  # a save's private folder for its new files
 
-_LAYER_KEYS = {  # HF name -> (rows, cols) as functions of the config; None cols = 1-D
-    "self_attn.q_proj.weight": lambda c: (c.n_heads * c.resolved_head_dim, c.dim),
-    "self_attn.k_proj.weight": lambda c: (c.n_kv_heads * c.resolved_head_dim, c.dim),
-    "self_attn.v_proj.weight": lambda c: (c.n_kv_heads * c.resolved_head_dim, c.dim),
-    "self_attn.o_proj.weight": lambda c: (c.dim, c.n_heads * c.resolved_head_dim),
-    "mlp.gate_proj.weight": lambda c: (c.ffn_dim, c.dim),
-    "mlp.up_proj.weight": lambda c: (c.ffn_dim, c.dim),
-    "mlp.down_proj.weight": lambda c: (c.dim, c.ffn_dim),
-    "input_layernorm.weight": lambda c: (c.dim,),
-    "post_attention_layernorm.weight": lambda c: (c.dim,),
-}
-LAYER_KEYS = tuple(_LAYER_KEYS)
 
 
 class CheckpointError(ValueError):
@@ -81,14 +70,8 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------- checks
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape for ``cfg`` (``lm_head.weight`` only when embeddings are not tied)."""
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "model.norm.weight": (cfg.dim,)}
-    for i in range(cfg.n_layers):
-        for key, shape in _LAYER_KEYS.items():
-            shapes[f"model.layers.{i}.{key}"] = shape(cfg)
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
-    return shapes
+    """HF key -> shape for ``cfg`` (the parameter table's :func:`~jaxattn.spec.params.hf_shapes`)."""
+    return params.hf_shapes(cfg)
 
 
 def check_state_shapes(cfg, shapes: Mapping[str, Sequence[int]], where: str = "state dict") -> None:
