@@ -1,50 +1,46 @@
-"""Data, FSDP (ZeRO-3) and Megatron tensor parallelism for the JAX Llama, applied from OUTSIDE the model
-(the twin of ``torchref.parallel``; torchtitan's ``parallelize.py`` split).
+"""Data, FSDP (ZeRO-3) and Megatron tensor parallelism for the JAX Llama, applied from OUTSIDE the model (twin of
+``torchref.parallel``; torchtitan's ``parallelize.py`` split).
 
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (data, fsdp, tensor), auto axis types
-    graphdef, state = TrainState.create(model, tx)
-    step, state = make_sharded_train_step(graphdef, tx, state, mesh, batch_size=8)
-    state, metrics = step(state, batch)                         # one jax.jit with in/out shardings, donated state
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (data, fsdp, tensor)
+    tx, state, sharding = shard_train_state(graphdef, tx, state, mesh, batch_size=8)
+    step = make_train_step(graphdef, tx, sharding=sharding)       # one jax.jit with in/out shardings
 
-One visible order: (1) the model's logical axis names (``jaxattn.model.PARAM_AXES``, read from each
-``nnx.Param``'s ``out_sharding`` metadata) go through :data:`RULES` to mesh axes: Megatron tensor parallel splits
-q/k/v/gate/up by column (``heads``/``kv_heads``/``mlp`` on ``tensor``), o/down by row (the same names on their
-input dimension), the embedding and the LM head by ``vocab``; FSDP splits the other dimension (``embed`` on
-``fsdp``); the stacked ``layers`` axis is never split. (2) The optimizer state is sharded like its parameter
-(ZeRO-3): optax's ``mu``/``nu`` are maps over the params' ``nnx.Param`` leaves and carry the same names; a leaf
-whose shape does not fit its names (e.g. a factored Adafactor moment) and every scalar is replicated. (3) The
-batch is split over (``data``, ``fsdp``). (4) The step is ``jaxattn.train.make_train_step``'s jitted function
-with ``in_shardings``/``out_shardings`` — "pjit" is ``jax.jit`` with shardings today — and the state donated;
-XLA's SPMD partitioner inserts the collectives (all-gather of FSDP weights, reduce-scatter of their gradients,
-the all-reduces of the row-parallel matmuls). (5) Activations: the model calls ``jaxattn.model.constrain(x,
-logical_axes)`` on the hidden states (``batch, seq, embed``: after the embedding and each layer) and the logits
-(``batch, seq, vocab``), a no-op unless :func:`activation_sharding` (entered by the sharded step while it traces)
-maps them through :data:`ACTIVATION_RULES` to ``with_sharding_constraint``: rows on (data, fsdp), ``embed``
-whole (so FSDP all-gathers each layer's weights inside the loop instead of gathering activations / logits),
-``vocab`` on ``tensor``; attention (``jaxattn.model.per_shard``) runs under ``shard_map`` on each device's rows
-(data, fsdp) and heads (tensor), so a Pallas kernel, which XLA cannot partition, is not gathered whole on every
-device. Every divisibility problem is a ValueError raised before a compile.
+Parameters: their logical axis names (the parameter table's) go through :data:`RULES` to mesh axes — ``heads``,
+``kv_heads``, ``mlp``, ``vocab`` on ``tensor`` (Megatron: column- then row-parallel), ``embed`` on ``fsdp``,
+``layers`` never split; the optimizer state is sharded like its parameter (ZeRO-3), scalars and misfit leaves
+replicated; the batch splits over (data, fsdp). XLA's SPMD partitioner inserts the collectives. Activations: the
+model's ``constrain`` / ``per_shard`` seams become ``with_sharding_constraint`` / ``shard_map`` under
+:func:`activation_sharding` (hidden states keep ``embed`` whole, so FSDP gathers each layer's weights inside the
+loop; attention runs on each device's rows and heads, so a Pallas kernel is not gathered whole). Every
+divisibility problem is a ValueError before a compile.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .model import ACTIVATION_CONSTRAINT, PER_SHARD
+from . import remat
+from .spec import params
+
 __all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
-           "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "make_sharded_train_step",
+           "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "shard_train_state", "TrainSharding",
            "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding", "per_shard_map",
            "offloaded", "offload_unavailable_reason"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
-RULES: dict[str, Optional[str]] = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-                                   "mlp": "tensor", "head_dim": None, "layers": None}
+RULES: dict[str, Optional[str]] = {**{a: "tensor" for a in params.TENSOR_PARALLEL_AXES}, "embed": "fsdp",
+                                   "head_dim": None, "layers": None}
 # logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole
 ACTIVATION_RULES: dict[str, Any] = {"batch": BATCH_AXES, "seq": None, "embed": None, "vocab": "tensor",
                                     "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "head_dim": None}
@@ -112,11 +108,11 @@ def _axis_size(mesh: Mesh, axis) -> int:
 
 
 def check_config(config, mesh: Mesh) -> None:
-    """Heads, KV heads, FFN and vocab must divide by ``tensor``; ``dim`` by ``fsdp``. ValueError otherwise."""
-    t, f = mesh.shape["tensor"], mesh.shape["fsdp"]
-    for field, value, axis, n in (("n_heads", config.n_heads, "tensor", t), ("n_kv_heads", config.n_kv_heads,
-                                  "tensor", t), ("ffn_dim", config.ffn_dim, "tensor", t),
-                                  ("vocab_size", config.vocab_size, "tensor", t), ("dim", config.dim, "fsdp", f)):
+    """Every config size a split logical axis needs (``spec.params.AXIS_FIELDS``: heads, KV heads, FFN and vocab on
+    ``tensor``, ``dim`` on ``fsdp``) must divide by its mesh axis. ValueError otherwise."""
+    for logical, field in params.AXIS_FIELDS.items():
+        axis = RULES.get(logical)
+        value, n = getattr(config, field), mesh.shape[axis] if axis else 1
         if value % n:
             raise ValueError(f"ModelConfig.{field}={value} is not divisible by the mesh axis {axis}={n}; use a "
                              f"{axis} size that divides it (divisors <= 8: "
@@ -172,8 +168,6 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
                            process_id: Optional[int] = None) -> None:
     """``jax.distributed.initialize`` from the arguments, else the environment (``JAX_COORDINATOR_ADDRESS``,
     ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); on CPU with gloo collectives. Call before any other jax use."""
-    import os
-
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
     if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
@@ -196,8 +190,6 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     """While active (at TRACE time), ``jaxattn.model.constrain(x, names)`` applies
     ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with ``spec`` from ``rules``; a dimension
     its mesh axes do not divide stays unsplit. Outside it the hook is a no-op."""
-    from .model import ACTIVATION_CONSTRAINT, PER_SHARD
-
     def constrain(x, names):
         spec = logical_to_spec(names, rules)
         spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
@@ -265,10 +257,8 @@ def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RUL
 
 def offload_unavailable_reason(mesh: Mesh) -> Optional[str]:
     """None when every device of ``mesh`` has a ``pinned_host`` memory space, else why not."""
-    from .remat import offload_unavailable_reason as reason_for
-
     for d in mesh.devices.flat:
-        reason = reason_for(d)
+        reason = remat.offload_unavailable_reason(d)
         if reason is not None:
             return reason
     return None
@@ -278,8 +268,6 @@ def offloaded(tx, device_shardings: Any, host_shardings: Any):
     """``tx`` whose optimizer state lives in ``pinned_host`` memory between steps (ZeRO-Offload's idea, with XLA's
     memory spaces): ``update`` brings the state to device memory, updates it there and sends it back, so the
     device holds it only while the step runs. ``*_shardings``: prefix trees of the state's shardings."""
-    import optax
-
     def update(updates, opt_state, params=None):
         new_updates, new_state = tx.update(updates, jax.device_put(opt_state, device_shardings), params)
         return new_updates, jax.device_put(new_state, host_shardings)
@@ -287,23 +275,50 @@ def offloaded(tx, device_shardings: Any, host_shardings: Any):
     return optax.GradientTransformation(tx.init, update)
 
 
-def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, batch_size: int,
-                            rules: Mapping[str, Optional[str]] = RULES, offload_optimizer: bool = False,
-                            **step_kwargs):
-    """``(step, sharded_state)``: ``jaxattn.train.make_train_step`` jitted with the state's and the batch's
-    shardings (``in_shardings``/``out_shardings``: "pjit" is ``jax.jit`` with shardings today), the state
-    donated. ``offload_optimizer``: the optimizer state is kept in host memory (``memory_kind="pinned_host"``,
-    :func:`offloaded`); a backend without that memory space is a ValueError. ``step_kwargs`` go to
-    ``make_train_step`` (policy, max_grad_norm, grad_accum, ...). Checks the mesh against the model config and
-    ``batch_size`` first (ValueError naming the value, no compile)."""
-    import dataclasses
+@dataclasses.dataclass(frozen=True)
+class TrainSharding:
+    """How a train step is laid out on ``mesh``; ``jaxattn.train_step.make_train_step(..., sharding=...)`` reads it.
 
-    from .train import make_train_step
+    ``state``: a tree of ``NamedSharding`` for the ``TrainState`` (ZeRO-3; the optimizer state in ``pinned_host``
+    memory when offloaded); ``batch``: rows over (data, fsdp). The step is jitted with :attr:`in_shardings` /
+    :attr:`out_shardings`, checks a batch with :meth:`check_batch_size`, turns a host batch into a global array
+    with :meth:`place` (multi-process) and traces under :meth:`tracing` (the model's activation constraints)."""
 
+    mesh: Mesh
+    state: Any
+    batch: NamedSharding
+    grad_accum: int = 1
+
+    @property
+    def in_shardings(self) -> tuple:
+        return (self.state, self.batch)
+
+    @property
+    def out_shardings(self) -> tuple:
+        return (self.state, NamedSharding(self.mesh, P()))
+
+    def tracing(self):
+        return activation_sharding(self.mesh)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        check_batch_size(batch_size, self.mesh, self.grad_accum)
+
+    def place(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``batch`` itself in one process; across processes, the global arrays built from every process's copy."""
+        return batch if jax.process_count() == 1 else global_batch(batch, self.mesh)
+
+
+def shard_train_state(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, batch_size: int, grad_accum: int = 1,
+                      rules: Mapping[str, Optional[str]] = RULES, offload_optimizer: bool = False):
+    """``(tx, state, sharding)`` for ``make_train_step(graphdef, tx, sharding=sharding)``: the mesh checked against
+    the model config and ``batch_size`` (ValueError naming the value, before any compile), the state's shardings
+    (:func:`state_shardings`), ``state`` placed on them. ``offload_optimizer``: the optimizer state kept in host
+    memory (``memory_kind="pinned_host"``, ``tx`` wrapped by :func:`offloaded`); a backend without that memory
+    space is a ValueError."""
     config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
     if config is not None:
         check_config(config, mesh)
-    check_batch_size(batch_size, mesh, step_kwargs.get("grad_accum", 1))
+    check_batch_size(batch_size, mesh, grad_accum)
     sh = state_shardings(state, mesh, rules)
     if offload_optimizer:
         reason = offload_unavailable_reason(mesh)
@@ -313,25 +328,4 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, 
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), sh.opt_state)
         tx = offloaded(tx, jax.tree.map(lambda s: s.with_memory_kind("device"), sh.opt_state), host)
         sh = dataclasses.replace(sh, opt_state=host)
-    inner = make_train_step(graphdef, tx, shardings=((sh, batch_sharding(mesh)), (sh, NamedSharding(mesh, P()))),
-                            **step_kwargs)
-
-    def step(state, batch):
-        check_batch_size(int(batch["tokens"].shape[0]), mesh, step_kwargs.get("grad_accum", 1))
-        with activation_sharding(mesh):  # the model's activation constraints, applied when the step traces
-            if jax.process_count() == 1:
-                return inner(state, batch)
-            from .spec.batch import check_batch, check_token_ids  # multi-process: checks on the host copy, then
-            check_batch(batch)                                  # the global array built from every process's copy
-            if config is not None and step_kwargs.get("check_ids", "host") == "host":
-                check_token_ids(np.asarray(batch["tokens"]), config.vocab_size, arg="batch['tokens']")
-            return inner.jitted(state, global_batch(batch, mesh))
-
-    def lower(*args, **kwargs):
-        with activation_sharding(mesh):
-            return inner.lower(*args, **kwargs)
-
-    # step.jitted is the raw jit: trace it under ``activation_sharding(mesh)`` (step / step.lower do)
-    step.jitted, step.lower = inner.jitted, lower
-    step.mesh, step.state_shardings, step.batch_sharding = mesh, sh, batch_sharding(mesh)
-    return step, jax.device_put(state, sh)
+    return tx, jax.device_put(state, sh), TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum)

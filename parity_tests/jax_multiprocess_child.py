@@ -21,13 +21,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from jaxattn.config import ModelConfig  # noqa: E402
 from jaxattn.model import Llama  # noqa: E402
-from jaxattn.train import TrainState  # noqa: E402
+from jaxattn.train_step import TrainState, make_train_step  # noqa: E402
 
 cfg = ModelConfig.preset("tiny", n_kv_heads=4)
 tx = optax.adamw(1e-3)
 graphdef, state = TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx)
 mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
-step, state = sharding.make_sharded_train_step(graphdef, tx, state, mesh, batch_size=8)
+tx, state, sh = sharding.shard_train_state(graphdef, tx, state, mesh, batch_size=8)
+step = make_train_step(graphdef, tx, sharding=sh)
 rng = np.random.default_rng(0)
 losses = []
 for _ in range(3):

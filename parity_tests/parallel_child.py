@@ -11,7 +11,7 @@ import torch.distributed as dist
 from jaxattn.spec.config import ModelConfig
 from torchref import parallel
 from torchref.model import LlamaForCausalLM
-from torchref.train import make_train_step
+from torchref.train_step import make_train_step
 
 STEPS, BATCH, SEQ = 3, 4, 16
 CFG = ModelConfig.preset("tiny", n_kv_heads=2)

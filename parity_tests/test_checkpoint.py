@@ -21,8 +21,8 @@ import pytest
 from jaxattn.spec.runlog import read_log
 
 torch = pytest.importorskip("torch")
-from jaxattn import trainer as jtrainer  # noqa: E402
-from torchref import trainer as ttrainer  # noqa: E402
+from jaxattn import train as jtrainer  # noqa: E402
+from torchref import train as ttrainer  # noqa: E402
 from torchref.checkpoint import Checkpointer as TorchCheckpointer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,11 +22,11 @@ import pytest
 from flax import nnx
 
 from jaxattn import hf
-from jaxattn import train as jtrain
+from jaxattn import train_step as jtrain
 
 torch = pytest.importorskip("torch")
 from benchmarks.twins import twin_models  # noqa: E402
-from torchref import train as ttrain  # noqa: E402
+from torchref import train_step as ttrain  # noqa: E402
 from torchref.config import ModelConfig as TorchModelConfig  # noqa: E402
 
 HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-4, weight_decay=0.1)  # eps: see the module docstring

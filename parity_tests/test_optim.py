@@ -372,7 +372,7 @@ def _markov_batches(seed, n, b=8, s=33, vocab=256):
 
 
 def _jax_losses(name, batches, steps):
-    from jaxattn import train as jtrain
+    from jaxattn import train_step as jtrain
     tx = jopt.build(name, 1e-2, 0.1, schedule="cosine", warmup=steps // 10, steps=steps)
     graphdef, state = jtrain.TrainState.create(Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), tx)
     step = jtrain.make_train_step(graphdef, tx, max_grad_norm=1.0)
@@ -384,7 +384,7 @@ def _jax_losses(name, batches, steps):
 
 
 def _torch_losses(name, batches, steps):
-    from torchref import train as ttrain
+    from torchref import train_step as ttrain
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     opt, sched = topt.build(model, name, 1e-2, 0.1, schedule="cosine", warmup=steps // 10, steps=steps)

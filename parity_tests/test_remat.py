@@ -148,12 +148,12 @@ def test_torch_save_qkv_attn_keeps_q_k_v_and_the_attention_output(setup):
                 decisions.append((ctx.is_recompute, width))
             return out
 
-    orig = tremat._CONTEXT_FN["save_qkv_attn"]
-    tremat._CONTEXT_FN["save_qkv_attn"] = lambda: tremat.create_selective_checkpoint_contexts(Spy())
+    orig = tremat._RUNNERS["save_qkv_attn"]
+    tremat._RUNNERS["save_qkv_attn"] = tremat._selective(Spy)
     try:
         _torch_grads(tmodel, "save_qkv_attn", tok, seg)
     finally:
-        tremat._CONTEXT_FN["save_qkv_attn"] = orig
+        tremat._RUNNERS["save_qkv_attn"] = orig
     cfg, d = tmodel.config, tmodel.config.resolved_head_dim
     per_layer = [cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d, "sdpa"]
     fwd = [w for r, w in decisions if not r]

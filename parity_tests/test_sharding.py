@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxattn import sharding
 from jaxattn.config import ModelConfig
 from jaxattn.model import Llama
-from jaxattn.train import TrainState, make_train_step
+from jaxattn.train_step import TrainState, make_train_step
 
 CFG = ModelConfig.preset("tiny", n_kv_heads=4)  # 4 heads / 4 kv heads / ffn 160 / vocab 256 / dim 64
 BATCH, SEQ, STEPS = 8, 16, 3
@@ -30,6 +30,13 @@ MESHES = {"8,1,1": "data=8", "2,4,1": "data=2,fsdp=4", "2,2,2": "data=2,fsdp=2,t
 
 def _tx():
     return optax.sgd(0.5, momentum=0.9)
+
+
+def _sharded(graphdef, tx, state, mesh, *, batch_size, **kw):
+    """``(step, state)`` laid out on ``mesh``: ``shard_train_state`` hands its sharding to ``make_train_step``."""
+    tx, state, sh = sharding.shard_train_state(graphdef, tx, state, mesh, batch_size=batch_size,
+                                               offload_optimizer=kw.pop("offload_optimizer", False))
+    return make_train_step(graphdef, tx, sharding=sh, **kw), state
 
 
 def _batches():
@@ -57,7 +64,7 @@ def test_mesh_gives_single_device_losses_and_params(name, reference):
     ref_losses, ref_state = reference
     mesh = sharding.make_mesh(MESHES[name])
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
-    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=BATCH)
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH)
     losses, state = _run(step, state)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for (path, a), b in zip(jax.tree.leaves_with_path(ref_state.params), jax.tree.leaves(state.params)):
@@ -85,15 +92,15 @@ def test_mesh_gives_single_device_losses_and_params(name, reference):
 def test_adamw_cli_mesh_matches_single_device(tmp_path):
     """The JAX CLI with ``--mesh data=2,fsdp=2,tensor=2`` (AdamW, the default optimizer) gives the one-device
     losses within 1e-5, with the Adam moments sharded like the parameters."""
-    from jaxattn import trainer
+    from jaxattn import train as trainer
 
     argv = ["--preset", "tiny", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress",
             "--lr", "1e-3"]
     single = trainer.run(argv)["losses"]
-    r = trainer.prepare(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
+    r = trainer.Trainer.from_argv(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
     assert r.state.opt_state[0].mu["layers"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor")
     assert r.state.opt_state[0].nu["embed"][...].sharding.spec == P("tensor", "fsdp")
-    out = trainer._train(r)
+    out = r.fit()
     np.testing.assert_allclose(out["losses"], single, rtol=0, atol=1e-5)
     assert out["compiles"] == 1
 
@@ -113,7 +120,7 @@ def test_activation_constraints_applied_under_mesh_only():
     assert not re.search(r"sharding_constraint|@Sharding", plain)
     x = jax.numpy.ones((BATCH, SEQ, CFG.dim))
     assert constrain(x, ("batch", "seq", "embed")) is x
-    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
+    step, state = _sharded(graphdef, _tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
                                                    batch_size=BATCH)
     text = step.lower(state, tokens).as_text()
     lines = [ln for ln in text.splitlines() if re.search(r"sharding_constraint|@Sharding", ln)]
@@ -148,7 +155,7 @@ def test_attention_runs_per_device_block_under_mesh(name, reference, monkeypatch
     rows = BATCH // (mesh.shape["data"] * mesh.shape["fsdp"])
     t = mesh.shape["tensor"]
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
-    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=BATCH)
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH)
     with attention_backend("flash"):
         losses, _ = _run(step, state)
     d = CFG.resolved_head_dim
@@ -215,25 +222,25 @@ def test_bad_batch_raises_before_any_compile():
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
     graphdef, state = TrainState.create(Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), _tx())
     with pytest.raises(ValueError, match=r"batch_size=6 .* not divisible by the data axes data\*fsdp=4"):
-        sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=6)
+        _sharded(graphdef, _tx(), state, mesh, batch_size=6)
     with pytest.raises(ValueError, match=r"ModelConfig.n_kv_heads=2 is not divisible by the mesh axis tensor=4"):
-        sharding.make_sharded_train_step(graphdef, _tx(), state, sharding.make_mesh("data=2,tensor=4"), batch_size=8)
-    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=8)
+        _sharded(graphdef, _tx(), state, sharding.make_mesh("data=2,tensor=4"), batch_size=8)
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=8)
     with pytest.raises(ValueError, match=r"batch_size=2 .* not divisible by the data axes data\*fsdp=4"):
         step(state, {"tokens": np.zeros((2, 9), np.int32) + 1})
     assert step.jitted._cache_size() == 0
 
 
 def test_cli_mesh_errors_before_any_compile():
-    from jaxattn import trainer
+    from jaxattn import train as trainer
     from jaxattn.spec.cli import CLIError
 
     with pytest.raises(CLIError, match=r"--mesh 'data=2,fsdp=2': data\*fsdp\*tensor = 4 but there are 8 devices"):
-        trainer.prepare(["--mesh", "data=2,fsdp=2", "--steps", "1"])
+        trainer.Trainer.from_argv(["--mesh", "data=2,fsdp=2", "--steps", "1"])
     with pytest.raises(CLIError, match=r"--mesh 'data=8': batch_size=4 .* data\*fsdp=8"):
-        trainer.prepare(["--mesh", "data=8", "--batch-size", "4", "--steps", "1"])
+        trainer.Trainer.from_argv(["--mesh", "data=8", "--batch-size", "4", "--steps", "1"])
     with pytest.raises(CLIError, match=r"--mesh 'tensor=8': ModelConfig.n_heads=4 is not divisible"):
-        trainer.prepare(["--mesh", "tensor=8", "--steps", "1"])
+        trainer.Trainer.from_argv(["--mesh", "tensor=8", "--steps", "1"])
 
 
 @pytest.mark.slow
@@ -257,7 +264,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     tx = optax.adamw(1e-3)  # the same run in this process, 8 devices
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), tx)
-    step, state = sharding.make_sharded_train_step(graphdef, tx, state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
+    step, state = _sharded(graphdef, tx, state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
                                                    batch_size=8)
     rng, ref = np.random.default_rng(0), []
     for _ in range(3):
@@ -304,7 +311,7 @@ def _two_process_cli(tmp_path, resume: bool):
 
     from safetensors.numpy import load_file
 
-    from jaxattn import trainer
+    from jaxattn import train as trainer
 
     common = ["--mesh", "data=2,fsdp=2,tensor=2", "--batch-size", "8", "--seq-len", "16", "--no-progress",
               "--seed", "3", "--lr", "1e-3", "--schedule", "constant"]  # the same lr whatever --steps says
@@ -355,7 +362,7 @@ def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
 def test_checkpoint_of_one_mesh_resumes_on_another(tmp_path):
     """orbax restores a ``--mesh data=2,fsdp=2,tensor=2`` checkpoint onto ``--mesh fsdp=8`` (the restore target is
     the new run's sharded state) and onto one device; both continue the uninterrupted run's losses within 1e-5."""
-    from jaxattn import trainer
+    from jaxattn import train as trainer
 
     flags = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--seed", "5", "--lr", "1e-3",
              "--schedule", "constant"]
@@ -379,7 +386,7 @@ def test_optimizer_state_offloaded_to_pinned_host(reference):
     sharded like their parameters), the parameters in device memory, and the losses are the single-device ones."""
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
-    step, state = sharding.make_sharded_train_step(graphdef, _tx(), state, mesh, batch_size=BATCH,
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH,
                                                    offload_optimizer=True)
     losses, state = _run(step, state)
     np.testing.assert_allclose(losses, reference[0], rtol=0, atol=1e-5)
@@ -395,7 +402,7 @@ def test_optimizer_offload_refused_without_pinned_host(monkeypatch):
     monkeypatch.setattr(remat, "offload_unavailable_reason", lambda d=None: f"{d} has memory spaces ['device']")
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
     with pytest.raises(ValueError, match=r"offload_optimizer=True cannot be served on this backend: .* \['device'\]"):
-        sharding.make_sharded_train_step(graphdef, _tx(), state, sharding.make_mesh("data=8"), batch_size=BATCH,
+        _sharded(graphdef, _tx(), state, sharding.make_mesh("data=8"), batch_size=BATCH,
                                          offload_optimizer=True)
 
 
@@ -404,11 +411,11 @@ def test_cli_offload_optimizer_trains_like_device_state():
     ``pinned_host`` memory and the run logs the losses of the run without the flag."""
     import jax as _jax
 
-    from jaxattn import trainer
+    from jaxattn import train as trainer
 
     flags = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--steps", "2"]
     mesh = f"data={_jax.device_count()}"
     plain = trainer.run(flags + ["--mesh", mesh])["losses"]
-    r = trainer.prepare(flags + ["--mesh", mesh, "--offload-optimizer"])
+    r = trainer.Trainer.from_argv(flags + ["--mesh", mesh, "--offload-optimizer"])
     assert {x.sharding.memory_kind for x in _jax.tree.leaves(r.state.opt_state) if x.ndim >= 2} == {"pinned_host"}
-    np.testing.assert_allclose(trainer._train(r)["losses"], plain, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(r.fit()["losses"], plain, rtol=0, atol=1e-6)

@@ -18,13 +18,13 @@ import optax
 import pytest
 
 from jaxattn import hf
-from jaxattn import train as jtrain
+from jaxattn import train_step as jtrain
 from jaxattn.loss_scale import DynamicLossScale, NoOpLossScale
 from jaxattn.precision import Policy
 
 torch = pytest.importorskip("torch")
 from benchmarks.twins import twin_models  # noqa: E402
-from torchref import train as ttrain  # noqa: E402
+from torchref import train_step as ttrain  # noqa: E402
 from torchref.config import ModelConfig as TorchModelConfig  # noqa: E402
 from torchref.precision import Policy as TorchPolicy  # noqa: E402
 

@@ -23,8 +23,8 @@ from jaxattn.spec.cli import FLAGS, CLIError, build_parser, parse_args
 from jaxattn.spec.runlog import KEYS, read_log
 
 torch = pytest.importorskip("torch")
-from jaxattn import trainer as jtrainer  # noqa: E402
-from torchref import trainer as ttrainer  # noqa: E402
+from jaxattn import train as jtrainer  # noqa: E402
+from torchref import train as ttrainer  # noqa: E402
 
 JAX_BACKENDS = ("flash", "mosaic", "cudnn", "chunked", "xla")
 TORCH_BACKENDS = ("xla", "flash", "chunked", "cudnn")
@@ -176,8 +176,8 @@ def test_same_seed_twice_gives_identical_losses(tmp_path):
         extra = ["--num-workers", "0"] if fw is ttrainer else []
         first = fw.run(argv + extra + ["--profile", str(tmp_path / fw.__name__)])["losses"]
         assert first == fw.run(argv + extra)["losses"]
-    assert list((tmp_path / "jaxattn.trainer").rglob("*.xplane.pb")), "no JAX trace written"
-    assert list((tmp_path / "torchref.trainer").rglob("*.pt.trace.json")), "no torch trace written"
+    assert list((tmp_path / "jaxattn.train").rglob("*.xplane.pb")), "no JAX trace written"
+    assert list((tmp_path / "torchref.train").rglob("*.pt.trace.json")), "no torch trace written"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -215,8 +215,8 @@ def test_final_export_loads_in_transformers(init_dir, tmp_path):
 def test_both_trainers_report_a_step_time_breakdown():
     """Both loops time the same phases with ``spec.timing.StepTimer`` (first step left out: compilation): data
     (waiting for the loader), dispatch (the step call) and metrics (reading the loss back); no phase adds a sync."""
-    from jaxattn import trainer as jt
-    from torchref import trainer as tt
+    from jaxattn import train as jt
+    from torchref import train as tt
 
     argv = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--no-progress"]
     for out in (jt.run(argv), tt.run(argv + ["--num-workers", "0"])):
@@ -228,8 +228,8 @@ def test_both_trainers_report_a_step_time_breakdown():
 
 def test_forward_only_backend_not_offered_for_training():
     """``flash_decode`` (the split-K decode kernel) has no gradient: the JAX trainer refuses it at parse time."""
-    from jaxattn import trainer as jt
+    from jaxattn import train as jt
 
     with pytest.raises(CLIError, match=r"--attention 'flash_decode': expected .* jax attention backends from "
                                        r"flash, mosaic, cudnn, chunked, xla"):
-        jt.prepare(["--attention", "flash_decode", "--steps", "1"])
+        jt.Trainer.from_argv(["--attention", "flash_decode", "--steps", "1"])

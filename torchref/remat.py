@@ -13,8 +13,6 @@ pinned where CUDA is available; nothing is recomputed). Checkpointing acts only 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -66,24 +64,36 @@ class SaveQkvAttn:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _plain(layer, *args):
+    return layer(*args)
+
+
+def _full(layer, *args):
+    return checkpoint(layer, *args, use_reentrant=False)
+
+
 def _selective(policy_cls):
-    return create_selective_checkpoint_contexts(policy_cls())
+    def run(layer, *args):  # a fresh policy per layer call (SaveQkvAttn counts the layer's matmuls)
+        return checkpoint(layer, *args, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(policy_cls()))
+    return run
 
 
-_CONTEXT_FN = {"save_dots": functools.partial(_selective, SaveDots),
-               "save_qkv_attn": functools.partial(_selective, SaveQkvAttn)}
+def _offload(layer, *args):
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return layer(*args)
+
+
+# name -> how a decoder layer runs under it (the twin of jaxattn.remat's name -> jax.checkpoint policy table)
+_RUNNERS = {"none": _plain, "full": _full, "save_dots": _selective(SaveDots), "save_qkv_attn": _selective(SaveQkvAttn),
+            "offload": _offload}
+assert tuple(_RUNNERS) == REMAT_POLICIES
 
 
 def run_layer(layer: torch.nn.Module, policy: str, *args, arg: str = "remat"):
-    """``layer(*args)`` under the remat ``policy`` (plain call for ``none`` or when autograd is not recording)."""
+    """``layer(*args)`` under the remat ``policy`` (a plain call when autograd is not recording)."""
     policy = check_remat(policy, arg)
-    if policy == "none" or not torch.is_grad_enabled():
-        return layer(*args)
-    if policy == "offload":
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return layer(*args)
-    kw = {"context_fn": _CONTEXT_FN[policy]} if policy in _CONTEXT_FN else {}
-    return checkpoint(layer, *args, use_reentrant=False, **kw)
+    return _RUNNERS[policy](layer, *args) if torch.is_grad_enabled() else layer(*args)
 
 
 def apply(model: torch.nn.Module, policy: str) -> torch.nn.Module:

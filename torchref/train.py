@@ -1,159 +1,258 @@
-"""One training step for the PyTorch Llama, the twin of ``jaxattn.train.make_train_step``.
+"""``python -m torchref.train``: the torch training CLI and its :class:`Trainer` (twin of ``jaxattn.train``; the flags
+are ``jaxattn.spec.cli``'s, shared with JAX).
 
-    step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=3e-4), policy="bf16")
-    metrics = step({"tokens": tokens})                     # loss, grad_norm, loss_scale, skipped
+    python -m torchref.train --preset tiny --data README.md --steps 200 --log-json runs/torch.jsonl
+    summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], ...}
 
-The canonical ``torch.amp`` recipe: forward under ``torch.autocast`` (per the precision policy), loss = mean
-next-token cross-entropy in float32 over ``tokens[:, :-1] -> tokens[:, 1:]`` (weighted by the loss mask and by
-segment boundaries; masked targets dropped with ``where``), ``scaler.scale(loss).backward()``,
-``scaler.unscale_(optimizer)`` BEFORE clipping, ``torch.nn.utils.clip_grad_norm_``, ``scaler.step(optimizer)``
-(skipped on non-finite gradients), and ``scaler.update()``. Without a scaler (fp32 / bf16) it is the plain
-``backward`` / ``clip`` / ``step``. The batch format and the token-id rule are ``jaxattn.spec.batch``'s, checked
-before the forward.
-
-The optimizer is the caller's (e.g. ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``; see
-``parity_tests/test_train_step.py`` for why that equals ``optax.adamw`` with the same hyper-parameters).
+``Trainer(args, config)`` builds everything from checked flags: the model (``--init`` through
+``torchref.hf.from_pretrained``, else ``LlamaForCausalLM`` under the seeded RNG) with remat and the precision
+policy, ``--parallel`` under torchrun (``torchref.parallel``), optimizer + ``LambdaLR`` + ``GradScaler`` (enabled for
+fp16), the step of ``torchref.train_step``, a restored checkpoint — any bad value fails there, before
+``torch.compile`` runs. ``Trainer.fit()`` runs the loop over a ``DataLoader``; the scheduler advances only on applied
+steps (optax's rule). ``--profile DIR`` records three steps after the first with ``torch.profiler`` (a trace per
+rank). Checkpoints (``torchref.checkpoint``) hold FULL state dicts keyed by parameter name
+(``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``), so a ``--parallel`` run's checkpoint
+resumes under any mode or in one process; at the end rank 0 exports ``save_pretrained`` to
+``<checkpoint-dir>/final``.
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
-from typing import Optional, Union
+import contextlib
+import os
+import time
+from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.batch import BATCH_KEYS, check_batch, check_token_ids
-from jaxattn.spec.grad_accum import check_accum_batch, check_grad_accum
+from jaxattn.spec.cli import CLIError, cli_main, parse_args
+from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer
+from jaxattn.spec.runlog import RunLog
 
-from .precision import Policy, get_policy
+from . import hf, optim, parallel, remat
+from .attention import BACKENDS, attention_backend
+from .checkpoint import Checkpointer
+from .data import loader
+from .model import LlamaForCausalLM
+from .precision import get_policy, set_matmul_precision
+from .profiling import StepTimer, peak_memory_bytes, profiler
+from .seed import rng_state, seed_all, set_rng_state
+from .train_step import (BATCH_KEYS, cross_entropy, loss_denominator, loss_fn, loss_weights,  # noqa: F401
+                         make_train_step)
 
-__all__ = ["make_train_step", "loss_fn", "loss_weights", "loss_denominator", "cross_entropy", "BATCH_KEYS"]
+__all__ = ["Trainer", "main", "run", "make_train_step", "loss_fn"]
 
-_FP16_NO_SCALE = ("fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
-                  "overflow to inf without it. Pass scaler=Policy.preset('fp16').make_grad_scaler(device) "
-                  "(torch.amp.GradScaler), or train in bf16.")
-_warned: set[str] = set()
-Metrics = dict[str, torch.Tensor]
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def loss_weights(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """float32 ``[B, S-1]`` target weights: ``loss_mask[:, 1:]`` times "same segment as the previous token"."""
-    tokens = batch["tokens"]
-    w = torch.ones(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=tokens.device)
-    if batch.get("loss_mask") is not None:
-        w = w * batch["loss_mask"][:, 1:].float()
-    if batch.get("segment_ids") is not None:
-        seg = batch["segment_ids"]
-        w = w * (seg[:, 1:] == seg[:, :-1]).float()
-    return w
+PROG = "python -m torchref.train"
+PROFILE_STEPS = 3
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                  denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``; targets with ``w == 0``
-    are dropped with ``where`` on the logits and targets first (a NaN logit or an out-of-range target there
-    stays out of the loss and its gradient, where ``0 * nan`` would not). ``denominator`` replaces
-    ``max(sum(w), 1)`` (gradient accumulation divides each microbatch by the WHOLE batch's weight)."""
-    keep = weights > 0
-    logits = torch.where(keep[..., None], logits.float(), 0.0)
-    targets = torch.where(keep, targets.long(), 0)
-    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    if denominator is None:
-        denominator = weights.sum().clamp_min(1.0)
-    return (nll * weights.flatten()).sum() / denominator
+class Trainer:
+    """A training run built from checked flags; :meth:`fit` trains it. :meth:`from_argv` parses the flags first."""
+
+    def __init__(self, args, config):
+        self.args, self.config = args, config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        set_matmul_precision(args.matmul_precision)
+        seed_all(args.seed, deterministic=args.deterministic)
+        self.tokenizer = load_tokenizer(args.init)
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise CLIError(f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                           f"vocab_size is {config.vocab_size}")
+        self.data = Dataset.from_source(args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                                        packing=args.packing, vocab_size=config.vocab_size, tokenizer=self.tokenizer)
+        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
+        model = model.to(self.device).train()
+        remat.apply(model, args.remat)
+        self.policy = get_policy(args.precision)
+        self.policy.cast_model(model)
+        self.model = model
+        self.parallel, self.mesh, train_model = None, None, model
+        if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+            train_model = self._parallelize(args.parallel, model)
+        self.optimizer, self.scheduler = optim.build(model, args.optimizer, args.lr, args.weight_decay,
+                                                     schedule=args.schedule, warmup=args.warmup, steps=args.steps)
+        self.scaler = self.policy.make_grad_scaler(self.device)
+        self.start = 0
+        self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        if args.resume:
+            self._resume()
+        self.compiled = torch.compile(train_model) if args.compile else train_model
+        self.step_fn = make_train_step(self.compiled, self.optimizer, policy=self.policy, scaler=self.scaler,
+                                       max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+
+    @classmethod
+    def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "Trainer":
+        """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
+        args, config = parse_args(argv, "torch", BACKENDS)
+        return cls(args, config)
+
+    def _parallelize(self, mode: str, model):
+        """``torchref.parallel`` over all ranks; this rank keeps ``batch / dp`` rows of each batch."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+            model.to(self.device)
+        self.mesh = parallel.build_mesh(mode)
+        n = parallel.dp_size(mode, self.mesh)
+        if self.args.batch_size % (n * self.args.grad_accum):
+            raise CLIError(f"--batch-size {self.args.batch_size} must be divisible by the {n} data-parallel ranks "
+                           f"times --grad-accum {self.args.grad_accum} (--parallel {mode})")
+        self.parallel = mode
+        return parallel.parallelize(model, mode, self.mesh, offload=self.args.offload_optimizer)
+
+    def denominator(self, host: dict):
+        """Data-parallel ranks divide their loss SUM by (the whole batch's real targets / dp), so the gradients
+        averaged by DDP/FSDP and the mean of the ranks' losses are the whole batch's mean-token ones even when the
+        ranks hold different numbers of targets (None: the step's own denominator)."""
+        if self.parallel is None:
+            return None
+        return loss_denominator(host).to(self.device) / parallel.dp_size(self.parallel, self.mesh)
+
+    def rows(self, host: dict) -> dict:
+        """This rank's rows of a host batch (all of them without --parallel or with tp)."""
+        return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
+
+    def _resume(self) -> None:
+        step = self.ckpt.latest_step()
+        if step is None:
+            raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
+        p = self.ckpt.load(step)
+        meta = p["meta"]
+        if meta.get("model_config") != self.config.to_hf():
+            raise CLIError(f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
+                           f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
+        if step > self.args.steps:
+            raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
+        set_state_dict(self.model, self.optimizer, model_state_dict=p["model"], optim_state_dict=p["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(p["scheduler"])
+        self.scaler.load_state_dict(p["scaler"])
+        set_rng_state(p["rng"])
+        self.start = int(meta["data_position"])
+
+    @property
+    def rank0(self) -> bool:
+        return self.parallel is None or int(os.environ.get("RANK", "0")) == 0
+
+    def full_state_dicts(self) -> tuple[dict, dict]:
+        """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
+        gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts."""
+        return get_state_dict(self.model, self.optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save(self, step: int) -> None:
+        model_sd, optim_sd = self.full_state_dicts()
+        if self.rank0:
+            meta = {"framework": "torch", "step": step, "data_position": step, "model_config": self.config.to_hf(),
+                    "flags": {k: v for k, v in vars(self.args).items()}}
+            self.ckpt.save(step, {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                                  "scaler": self.scaler.state_dict(), "rng": rng_state(), "meta": meta})
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Under ``--parallel``: wait until rank 0 has written (a checkpoint, the export)."""
+        if self.parallel is not None:
+            dist.barrier()
+
+    def _profiler(self):
+        if not self.args.profile:
+            return contextlib.nullcontext(None)
+        return profiler(self.args.profile, wait=0, warmup=1, active=PROFILE_STEPS, cuda=self.device.type == "cuda")
+
+    def fit(self) -> dict[str, Any]:
+        """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
+        "final"?}``."""
+        args = self.args
+        rank0 = self.rank0  # one log per run under torchrun
+        log = RunLog(args.steps, self.start, args.log_json if rank0 else None, progress=rank0 and not args.no_progress,
+                     desc="torch train")
+        losses: list[float] = []
+        ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
+        batches = loader(self.data, self.start, args.steps, num_workers=args.num_workers,
+                         pin_memory=self.device.type == "cuda")
+        timer = StepTimer(skip_first=1)  # the same phases as jaxattn.train, no extra syncs
+        try:
+            with ctx, self._profiler() as prof:
+                t_last = time.perf_counter()
+                it = iter(batches)
+                for i in range(self.start, args.steps):
+                    with timer.phase("data"):  # waiting for the DataLoader, then the host-to-device copy
+                        host = next(it)
+                        tokens = int(host["loss_mask"][:, :-1].sum())
+                        denominator = self.denominator(host)
+                        host = self.rows(host)  # --parallel under torchrun: this rank's rows
+                        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+                    lr = self.scheduler.get_last_lr()[0]
+                    with timer.phase("dispatch"):  # forward + backward + optimizer (eager on CPU: the whole step)
+                        m = self.step_fn(batch, denominator)
+                    with timer.phase("metrics"):  # reading the loss back waits for the device
+                        skipped = bool(m["skipped"])
+                        optim.step_scheduler(self.scheduler, skipped)
+                        loss = float(m["loss"]) if self.parallel is None else self._global_mean(m["loss"])
+                    now = time.perf_counter()
+                    rec = log.step(step=i + 1, loss=loss, grad_norm=_scalar(m["grad_norm"]), lr=lr,
+                                   loss_scale=float(m["loss_scale"]), skipped=skipped, tokens=tokens,
+                                   seconds=now - t_last, peak_mem_bytes=peak_memory_bytes(self.device))
+                    t_last = now
+                    losses.append(rec["loss"])
+                    if prof is not None:
+                        prof.step()
+                    if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
+                        self.save(i + 1)
+                        t_last = time.perf_counter()
+            log.write(f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
+                      f"compile={'on' if args.compile else 'off'})")
+            out = {"losses": losses, "compiles": None, "start": self.start, "steps": args.steps,
+                   "phases": log.breakdown(timer)}
+            if self.ckpt:
+                out["final"] = self._finish(rank0)
+            return out
+        finally:
+            log.close()
+
+    def _finish(self, rank0: bool) -> str:
+        """The last checkpoint (if the loop did not just write it) and the Hugging Face export in ``final/``."""
+        if self.ckpt.latest_step() != self.args.steps:
+            self.save(self.args.steps)
+        final = os.path.join(self.args.checkpoint_dir, "final")
+        model = self.model
+        if self.parallel is not None:  # the gathered full weights in a plain model (rank 0)
+            model_sd, _ = self.full_state_dicts()
+            if rank0:
+                model = LlamaForCausalLM(self.config)
+                model.load_state_dict(model_sd)
+        if rank0:
+            hf.save_pretrained(model, final)
+            copy_tokenizer(self.args.init, final)
+        self.barrier()
+        return final
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        """The loss over the whole batch: the mean of the data-parallel ranks' losses (equal row blocks)."""
+        t = loss.detach().float().reshape(1).clone()
+        n = parallel.dp_size(self.parallel, self.mesh)
+        if n > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            t /= n
+        return float(t)
 
 
-def loss_denominator(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """float32 ``max(sum(loss_weights(batch)), 1)``: the number of real (loss-weighted) targets in ``batch``."""
-    return loss_weights(batch).sum().clamp_min(1.0)
+def _scalar(x: torch.Tensor) -> float:
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)  # a DTensor under --parallel tp/fsdp
 
 
-def loss_fn(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, policy: Union[str, Policy] = "fp32",
-            denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
-    ``denominator``: see :func:`cross_entropy`."""
-    policy = get_policy(policy)
-    tokens = batch["tokens"]
-    pos, seg = batch.get("positions"), batch.get("segment_ids")
-    with policy.autocast(tokens.device.type):
-        logits = model(tokens[:, :-1], positions=None if pos is None else pos[:, :-1],
-                       segment_ids=None if seg is None else seg[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
+def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Train as the CLI would; returns :meth:`Trainer.fit`'s summary."""
+    return Trainer.from_argv(argv).fit()
 
 
-def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    policy: Union[str, Policy] = "fp32", scaler: Optional[torch.amp.GradScaler] = None,
-                    max_grad_norm: Optional[float] = None, grad_accum: int = 1
-                    ) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
-    """``step(batch) -> metrics``: one training step, in place on ``model`` / ``optimizer`` / ``scaler``.
-
-    ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?, "segment_ids"?, "positions"?}`` (same shapes;
-    ``jaxattn.spec.batch``); ids outside ``[0, vocab)`` raise ValueError naming the first one. ``metrics``, each
-    a 0-d tensor as in ``jaxattn.train.make_train_step``: ``loss`` (float32, unscaled), ``grad_norm`` (float32:
-    global norm of the unscaled gradients before clipping), ``loss_scale`` (float32: the scale applied to this
-    step's loss, 1 without a scaler), ``skipped`` (bool). A skipped step is read with GradScaler's public API:
-    ``update()`` backs the scale off exactly when ``step()`` skipped (found a non-finite gradient).
-
-    ``grad_accum=k``: the batch (``[k * b, S+1]``) is split into ``k`` microbatches of ``b`` consecutive rows,
-    each forward + ``backward()`` in turn (gradients accumulate in ``.grad``), then one unscale / clip / step.
-    Each microbatch loss is divided by the real (loss-weighted) targets of the WHOLE batch, so the step equals
-    one step on the full batch up to float rounding; a ``k`` that does not divide the batch is a ValueError.
-    """
-    grad_accum = check_grad_accum(grad_accum)
-    policy = get_policy(policy)
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or a positive float, got {max_grad_norm!r}")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler must be None or a torch.amp.GradScaler, got {type(scaler).__name__}")
-    scaling = scaler is not None and scaler.is_enabled()
-    if policy.uses_loss_scaling and not scaling:
-        _warn_once(_FP16_NO_SCALE)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-
-    def step(batch: Mapping[str, torch.Tensor], denominator: Optional[torch.Tensor] = None) -> Metrics:
-        check_batch(batch)
-        micro = check_accum_batch(batch, grad_accum)
-        tokens = batch["tokens"]
-        if vocab is not None and bool(((tokens < 0) | (tokens >= vocab)).any()):
-            check_token_ids(tokens.detach().cpu(), vocab, arg="batch['tokens']")
-        optimizer.zero_grad(set_to_none=True)
-        denominator = loss_denominator(batch) if denominator is None else denominator  # torchref.parallel: global
-        loss_scale = scaler.get_scale() if scaling else 1.0
-        loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
-        for i in range(grad_accum):
-            mb = {k: v if v is None else v[i * micro:(i + 1) * micro] for k, v in batch.items()}
-            mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator)
-            (scaler.scale(mb_loss) if scaling else mb_loss).backward()
-            loss = loss + mb_loss.detach()
-        if scaling:
-            scaler.unscale_(optimizer)
-        if max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        else:
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        if scaling:
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.get_scale() < loss_scale  # backoff < 1: the scale shrinks exactly on a skipped step
-        else:
-            optimizer.step()
-            skipped = False
-        return {"loss": loss.detach(), "grad_norm": grad_norm.detach().float(),
-                "loss_scale": torch.tensor(loss_scale, dtype=torch.float32), "skipped": torch.tensor(skipped)}
-
-    return step
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return cli_main(PROG, Trainer.from_argv, Trainer.fit, argv)
 
 
 if __name__ == "__main__":
-    from .trainer import main
     raise SystemExit(main())
