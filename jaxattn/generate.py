@@ -26,9 +26,12 @@ import numpy as np
 from flax import nnx
 
 from .attention import attention_backend, current_backends
+from . import hf
+from .config import ModelConfig
 from .kv_cache import KVCache
-from .spec.generate import (build_parser, cache_len, check_prompts, check_sampling, load_tokenizer, bucket,
-                            pad_prompts, prompt_ids, TextStream)
+from .model import Llama
+from .quant import quantize
+from .spec.generate import build_parser, collect, emit, load_tokenizer, prepare, print_stream, prompt_ids
 
 
 def sample(logits: jax.Array, key, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> jax.Array:
@@ -85,26 +88,20 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
            max_len: Optional[int] = None) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
-    check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, cfg.vocab_size)
-    prompts = check_prompts(prompts, cfg.vocab_size)
-    max_len = cfg.max_seq_len if max_len is None else max_len
-    t = cache_len(prompts, max_new_tokens, max_len)
-    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
+    tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
     prefill, decode = _programs(graphdef, float(temperature), top_k, None if top_p is None else float(top_p))
-    cache = KVCache.init(cfg, len(prompts), t, dtype=model.embed[...].dtype)
+    cache = KVCache.init(cfg, len(tokens), t, dtype=model.embed[...].dtype)
     key = jax.random.PRNGKey(seed)
     token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.fold_in(key, 0))
-    done = np.zeros(len(prompts), bool)
+    done = np.zeros(len(tokens), bool)
     for step in range(max_new_tokens):
         if step:
             token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
-        host = np.asarray(token)
-        yield [None if d else int(x) for x, d in zip(host, done)]
+        yield emit(np.asarray(token), done, eos_id)
+        if done.all():
+            return
         if eos_id is not None:
-            done |= host == eos_id
-            if done.all():
-                return
             token = jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
 
 
@@ -112,36 +109,21 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
              top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
              max_len: Optional[int] = None) -> list[list[int]]:
     """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
-    out = [[] for _ in prompts]
-    for step in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len):
-        for row, tok in zip(out, step):
-            if tok is not None:
-                row.append(tok)
-    return out
+    return collect(stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len),
+                   len(prompts))
 
 
 def main(argv=None) -> int:
     args = build_parser("python -m jaxattn.generate").parse_args(argv)
-    from . import hf
-    from .config import ModelConfig
-    from .model import Llama
-
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
         model = Llama(ModelConfig.preset(args.preset), rngs=nnx.Rngs(args.seed))
     if args.int8:
-        from .quant import quantize
         model = quantize(model)
     tok = load_tokenizer(args.init)
-    ids = prompt_ids(args, tok)
-    out = TextStream(tok)
-    for step in stream(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                       tok.eos_id):
-        if step[0] is not None and step[0] != tok.eos_id:
-            sys.stdout.write(out.push(step[0]))
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+    print_stream(stream(model, [prompt_ids(args, tok)], args.max_new_tokens, args.temperature, args.top_k,
+                        args.top_p, args.seed, tok.eos_id), tok)
     return 0
 
 

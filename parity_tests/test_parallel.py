@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 pytest.importorskip("torch")
+
+from parity_tests.twins import jsonl_losses, torchrun  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
 
@@ -19,12 +19,7 @@ MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel") / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(HERE, "parallel_child.py"), ",".join(MODES), str(out)],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(os.path.join(HERE, "parallel_child.py"), ",".join(MODES), str(out))
     return json.loads(out.read_text())
 
 
@@ -57,20 +52,14 @@ def test_bad_mode_and_tp_divisibility():
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     """``torchrun --nproc-per-node 2 -m torchref.train --parallel MODE`` logs the one-process losses within 1e-5
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
-    the WHOLE batch's count / dp — ``torchref.trainer.Run.denominator``)."""
-    from torchref import trainer
+    the WHOLE batch's count / dp — ``torchref.train.Trainer.denominator``)."""
+    from torchref import train as trainer
 
     argv = ["--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress"]
     single = trainer.run(argv)["losses"]
     log = tmp_path / "log.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "torchref.train", "--parallel", *mode.split(), "--log-json", str(log), *argv],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    np.testing.assert_allclose(losses, single, rtol=0, atol=1e-5)
+    torchrun("-m", "torchref.train", "--parallel", *mode.split(), "--log-json", str(log), *argv)
+    np.testing.assert_allclose(jsonl_losses(log), single, rtol=0, atol=1e-5)
 
 
 def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
@@ -80,19 +69,14 @@ def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
     rank; only rank 0 logs."""
     from safetensors.numpy import load_file
 
-    from torchref import trainer
+    from torchref import train as trainer
 
     argv = ["--seq-len", "16", "--batch-size", "4", "--no-progress", "--schedule", "constant", "--lr", "1e-3"]
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--steps", "4",
-                           "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep-checkpoints", "2",
-                           "--profile", str(tmp_path / "prof"), *argv],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    parallel_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    torchrun("-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--steps", "4",
+             "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep-checkpoints", "2",
+             "--profile", str(tmp_path / "prof"), *argv)
+    parallel_losses = jsonl_losses(log)
     traces = [f for f in os.listdir(tmp_path / "prof") if f.endswith(".pt.trace.json")]
     assert len(traces) == 2, traces  # one per rank (tensorboard_trace_handler names them host_pid)
     os.remove(ck / "torchref-step-00000004.pt")  # resume from step 2, in one process
@@ -114,7 +98,7 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     devices, in this process) and ``torchrun --nproc-per-node 2 -m torchref.train --parallel fsdp+tp`` (dp=1 x
     tp=2) log the same losses at the training tolerance (fp32, §7's 1e-4 for a full-model forward)."""
     from benchmarks.twins import twin_models
-    from jaxattn import trainer as jt
+    from jaxattn import train as jt
     from torchref.config import ModelConfig
     from torchref.hf import save_pretrained
 
@@ -123,13 +107,8 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     argv = ["--init", str(init), "--data", "README.md", "--steps", "4", "--seq-len", "16", "--batch-size", "4",
             "--lr", "3e-3", "--no-progress"]
     log = tmp_path / "torch.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    torch_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    torchrun("-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv)
+    torch_losses = jsonl_losses(log)
     jax_losses = jt.run(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])["losses"]
     assert len(torch_losses) == len(jax_losses) == 4
     np.testing.assert_allclose(jax_losses, torch_losses, rtol=0, atol=1e-4)

@@ -5,7 +5,7 @@ import numpy as np
 
 from benchmarks.twins import jax_config, jitted, twin_models
 
-__all__ = ["jax_config", "jitted", "twin_models", "layer_params", "tokens"]
+__all__ = ["jax_config", "jitted", "twin_models", "layer_params", "tokens", "torchrun", "jsonl_losses"]
 
 
 def layer_params(jmodel, i: int = 0) -> dict:
@@ -52,3 +52,27 @@ def hf_llama(config, tensors: dict):
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: int = 300):
+    """``torchrun --standalone --nproc-per-node NPROC ARGS`` (one thread per rank, no XLA flags: the ranks are
+    torch-only) from the repository root; asserts it exits 0, showing the tail of its output if not."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def jsonl_losses(path) -> list[float]:
+    """The ``loss`` of every line of a trainer's ``--log-json`` file."""
+    import json
+
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from typing import Any, Optional
 
 import torch
 
+from jaxattn.spec.atomic import atomic_path, temp_pid
+
 __all__ = ["Checkpointer", "PREFIX"]
 
 PREFIX = "torchref-step-"
-_FINAL = re.compile(rf"^{PREFIX}(\d{{8}})\.pt$")
-_TEMP = re.compile(rf"^\.{PREFIX}\d{{8}}\.pt\.tmp-(\d+)-[0-9a-f]+$")
+_FINAL = re.compile(rf"{PREFIX}(\d{{8}})\.pt")
 
 
 def _alive(pid: int) -> bool:
@@ -36,19 +36,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -66,7 +53,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         if not os.path.isdir(self.directory):
             return []
-        return sorted(int(m.group(1)) for m in map(_FINAL.match, os.listdir(self.directory)) if m)
+        return sorted(int(m.group(1)) for m in map(_FINAL.fullmatch, os.listdir(self.directory)) if m)
 
     def latest_step(self) -> Optional[int]:
         steps = self.all_steps()
@@ -75,18 +62,8 @@ class Checkpointer:
     def save(self, step: int, payload: dict[str, Any]) -> str:
         os.makedirs(self.directory, exist_ok=True)
         final = self.path(step)
-        tmp = os.path.join(self.directory, f".{os.path.basename(final)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)  # the commit
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.directory)
+        with atomic_path(final) as tmp:  # fsync + os.replace: the commit
+            torch.save(payload, tmp)
         self._prune()
         return final
 
@@ -94,8 +71,8 @@ class Checkpointer:
         for step in self.all_steps()[:-self.keep]:
             os.unlink(self.path(step))
         for name in os.listdir(self.directory):
-            m = _TEMP.match(name)
-            if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            pid = temp_pid(name, _FINAL.pattern)
+            if pid is not None and pid != os.getpid() and not _alive(pid):
                 os.unlink(os.path.join(self.directory, name))
 
     def load(self, step: int, map_location: Any = "cpu") -> dict[str, Any]:

@@ -17,12 +17,16 @@ from __future__ import annotations
 import sys
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
-from jaxattn.spec.generate import (build_parser, bucket, cache_len, check_prompts, check_sampling, load_tokenizer,
-                                   pad_prompts, prompt_ids, TextStream)
+from jaxattn.spec.generate import build_parser, collect, emit, load_tokenizer, prepare, print_stream, prompt_ids
 
+from . import hf
+from .config import ModelConfig
 from .kv_cache import KVCache
+from .model import LlamaForCausalLM
+from .quant import quantize
 
 
 def sample(logits: torch.Tensor, generator: Optional[torch.Generator], temperature: float,
@@ -53,52 +57,39 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
            max_len: Optional[int] = None, compile: bool = False) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
-    check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, cfg.vocab_size)
-    prompts = check_prompts(prompts, cfg.vocab_size)
-    max_len = cfg.max_seq_len if max_len is None else max_len
-    t = cache_len(prompts, max_new_tokens, max_len)
-    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
+    tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     device = model.model.embed_tokens.weight.device
-    cache = KVCache(cfg, len(prompts), t, dtype=model.model.embed_tokens.weight.dtype, device=device)
+    b = len(tokens)
+    cache = KVCache(cfg, b, t, dtype=model.model.embed_tokens.weight.dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
     lengths = torch.from_numpy(lengths).long().to(device)
     logits = model(torch.from_numpy(tokens).long().to(device), cache=cache)
     cache.set_lengths(lengths)
-    token = sample(logits[torch.arange(len(prompts), device=device), lengths - 1], gen, temperature, top_k, top_p)
+    token = sample(logits[torch.arange(b, device=device), lengths - 1], gen, temperature, top_k, top_p)
     step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
-    done = torch.zeros(len(prompts), dtype=torch.bool)
+    done = np.zeros(b, bool)
     for step in range(max_new_tokens):
         if step:
             token = sample(step_fn(model, token, cache), gen, temperature, top_k, top_p)
-        host = token.cpu()
-        yield [None if d else int(x) for x, d in zip(host.tolist(), done.tolist())]
+        yield emit(token.cpu().numpy(), done, eos_id)
+        if done.all():
+            return
         if eos_id is not None:
-            done |= host == eos_id
-            if bool(done.all()):
-                return
-            token = torch.where(done.to(device), torch.full_like(token, eos_id), token)
+            token = torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
 
 
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
              max_len: Optional[int] = None, compile: bool = False) -> list[list[int]]:
     """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
-    out = [[] for _ in prompts]
-    for step in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile):
-        for row, tok in zip(out, step):
-            if tok is not None:
-                row.append(tok)
-    return out
+    return collect(stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile),
+                   len(prompts))
 
 
 def main(argv=None) -> int:
     parser = build_parser("python -m torchref.generate")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     args = parser.parse_args(argv)
-    from . import hf
-    from .config import ModelConfig
-    from .model import LlamaForCausalLM
-
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
@@ -106,17 +97,10 @@ def main(argv=None) -> int:
         model = LlamaForCausalLM(ModelConfig.preset(args.preset))
     model.eval()
     if args.int8:
-        from .quant import quantize
         model = quantize(model)
     tok = load_tokenizer(args.init)
-    ids = prompt_ids(args, tok)
-    out = TextStream(tok)
-    for step in stream(model, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                       tok.eos_id, compile=args.compile):
-        if step[0] is not None and step[0] != tok.eos_id:
-            sys.stdout.write(out.push(step[0]))
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+    print_stream(stream(model, [prompt_ids(args, tok)], args.max_new_tokens, args.temperature, args.top_k,
+                        args.top_p, args.seed, tok.eos_id, compile=args.compile), tok)
     return 0
 
 

@@ -77,6 +77,49 @@ def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple
     return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
+def prepare(prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: Optional[int], config
+            ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
+    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots)``."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
+    prompts = check_prompts(prompts, config.vocab_size)
+    t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
+    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
+    return tokens, lengths, t
+
+
+def emit(host: np.ndarray, done: np.ndarray, eos_id: Optional[int]) -> list:
+    """One step's ids as ``stream`` yields them (None for a row that stopped before this step); marks in ``done``
+    (updated in place) the rows that emitted ``eos_id`` now."""
+    ids = [None if d else int(x) for x, d in zip(host, done)]
+    if eos_id is not None:
+        done |= np.asarray(host) == eos_id
+    return ids
+
+
+def collect(steps, n_rows: int) -> list[list[int]]:
+    """``generate``'s result from ``stream``'s steps: the new ids of each row (a row that hit EOS ends with it)."""
+    out = [[] for _ in range(n_rows)]
+    for step in steps:
+        for row, tok in zip(out, step):
+            if tok is not None:
+                row.append(tok)
+    return out
+
+
+def print_stream(steps, tokenizer, file=None) -> None:
+    """The CLIs' output: each new token's text as soon as it is complete (EOS not printed), then a newline."""
+    import sys
+
+    file = sys.stdout if file is None else file
+    out = TextStream(tokenizer)
+    for step in steps:
+        if step[0] is not None and step[0] != tokenizer.eos_id:
+            file.write(out.push(step[0]))
+            file.flush()
+    file.write("\n")
+
+
 # ------------------------------------------------------------------------------------------- tokenizers
 class ByteTokenizer:
     """Raw UTF-8 bytes as token ids 0..255 (the training CLI's byte-level text), no special tokens."""

@@ -302,24 +302,6 @@ def _dir_lock(path: str, exclusive: bool):
             os.close(fd)
 
 
-def _fsync(file: str) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(file) else 0)
-    try:
-        fd = os.open(file, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # directories cannot be fsynced on every platform
-        pass
-    finally:
-        os.close(fd)
-
-
-def _temp_name(final: str) -> str:
-    return f".{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def _prepare_dir(path) -> str:
     """Create ``path`` (and parents) with umask permissions; clear errors for "", files and read-only dirs."""
     p = os.fspath(path)
@@ -360,13 +342,6 @@ def _recover(path: str) -> _Live:
     return live
 
 
-def _write_bytes(file: str, data: bytes) -> None:
-    with open(file, "xb") as f:  # a new file: umask permissions
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
@@ -385,12 +360,12 @@ def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, objec
     join = lambda name: os.path.join(path, name)  # noqa: E731
     config_bytes = _json_bytes(hf_config)
     sha = hashlib.sha256(config_bytes).hexdigest()
-    stage = join(f".save.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    stage = join(temp_name("save"))  # ".save.tmp-<pid>-<hex>"
     os.mkdir(stage)
     staged = lambda name: os.path.join(stage, name)  # noqa: E731
 
     # 1. every new file in the staging folder, fsynced, with the permissions a new file gets (umask)
-    _write_bytes(staged(CONFIG_NAME), config_bytes)
+    write_bytes_atomic(staged(CONFIG_NAME), config_bytes)
     mode = stat.S_IMODE(os.stat(staged(CONFIG_NAME)).st_mode)
     finals = [SINGLE_FILE] if len(shards) == 1 else [shard_name(i, len(shards)) for i in range(1, len(shards) + 1)]
     for final, names in zip(finals, shards):
@@ -398,12 +373,12 @@ def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, objec
         save_file({k: tensors[k] for k in names}, staged(final), meta)
         if stat.S_IMODE(os.stat(staged(final)).st_mode) != mode:
             os.chmod(staged(final), mode)
-        _fsync(staged(final))
+        fsync_path(staged(final))
     total = sum(sizes[k] for names in shards for k in names)
 
     def move_index(files: list[str]) -> None:  # stage an index naming ``files`` and rename it in
         weight_map = {k: f for f, names in zip(files, shards) for k in names}
-        _write_bytes(staged(INDEX_FILE), _json_bytes(_index(weight_map, total, sha)))
+        write_bytes_atomic(staged(INDEX_FILE), _json_bytes(_index(weight_map, total, sha)))
         os.replace(staged(INDEX_FILE), join(INDEX_FILE))
 
     if len(shards) == 1:
@@ -413,10 +388,10 @@ def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, objec
         new_files = {*finals, INDEX_FILE}
         if live.kind == "index" and live.files & set(finals):
             # 2'. the shard names are live: commit an index naming temp names first, then link them into place
-            temps = [_temp_name(f) for f in finals]
+            temps = [temp_name(f) for f in finals]
             for tmp, final in zip(temps, finals):
                 os.replace(staged(final), join(tmp))
-            _fsync(path)
+            fsync_path(path)
             move_index(temps)  # 3. commit
             os.replace(staged(CONFIG_NAME), join(CONFIG_NAME))  # 4.
             for tmp, final in zip(temps, finals):
@@ -425,18 +400,18 @@ def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, objec
                     os.link(join(tmp), link)
                 except OSError:  # no hard links on this filesystem: copy
                     shutil.copyfile(join(tmp), link)
-                    _fsync(link)
+                    fsync_path(link)
                 os.replace(link, join(final))
         else:
             for final in finals:  # 2. names nothing live references
                 os.replace(staged(final), join(final))
-        _fsync(path)
+        fsync_path(path)
         move_index(finals)  # 3. commit (unless model.safetensors exists)
         if os.path.lexists(join(SINGLE_FILE)):
             os.unlink(join(SINGLE_FILE))  # 3. commit when the old checkpoint was a single file
     if os.path.lexists(staged(CONFIG_NAME)):
         os.replace(staged(CONFIG_NAME), join(CONFIG_NAME))  # 4.
-    _fsync(path)
+    fsync_path(path)
     for name in os.listdir(path):  # 5. stale weight files and temp files of ours
         owned = name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(name) or _TEMP_RE.fullmatch(name)
         if owned and name not in new_files:
