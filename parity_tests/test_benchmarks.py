@@ -276,3 +276,96 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
     assert (t["warmup"], t["iters"]) == (1, 30) and t["median_s"] == pytest.approx(0.01)
     t, calls = timed([60.0, 20.0, 0.01])  # a recompile on the first timed call is outvoted by the median
     assert t["iters"] == 30 and t["median_s"] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------------------------- the package's import graph
+def _import_graph(root: str, package: str = "benchmarks") -> dict:
+    """``{module: {modules of package it imports}}`` from the source of every ``package/**/*.py`` under ``root``:
+    every ``import`` / ``from ... import`` anywhere in a module (top level and inside functions), absolute or
+    relative; ``from pkg import name`` counts as importing the module ``pkg.name`` when that is a module."""
+    import ast
+
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(root, package)):
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(dirpath, f), root)[:-3].split(os.sep)
+                mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(dirpath, f)
+    graph = {}
+    for name, path in mods.items():
+        here = name if path.endswith("__init__.py") else name.rpartition(".")[0]  # the package it lives in
+        deps = set()
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = node.module or ""
+                if node.level:
+                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                    src = base + ("." + src if src else "")
+                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t not in mods and "." in t:  # `import benchmarks.x.y` imports the module benchmarks.x.y
+                    t = t.rpartition(".")[0]
+                if t in mods and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def _find_cycle(graph: dict):
+    """One import cycle ``[a, b, ..., a]`` of ``graph``, or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        state[n] = "done"
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles_in_benchmarks():
+    """No module of ``benchmarks`` imports itself back through others (module level or inside functions), and the
+    report room depends on no other room: ``__main__`` -> suites / tools -> report."""
+    graph = _import_graph(ROOT)
+    assert {"benchmarks.__main__", "benchmarks.report.tables", "benchmarks.tools.compile"} <= set(graph)
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+    outside = {(m, d) for m, deps in graph.items() if m.startswith("benchmarks.report")
+               for d in deps if not d.startswith("benchmarks.report")}
+    assert not outside, f"the report room imports other rooms: {sorted(outside)}"
+
+
+def test_import_cycle_check_finds_a_cycle(tmp_path):
+    """The check above sees cycles through relative imports inside functions and through ``from pkg import mod``."""
+    pkg = tmp_path / "benchmarks"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("import benchmarks.a\ndef g():\n    pass\n")
+    (pkg / "d.py").write_text("from . import c\n")
+    graph = _import_graph(str(tmp_path))
+    assert graph["benchmarks.sub.b"] == {"benchmarks.c"} and graph["benchmarks.d"] == {"benchmarks.c"}
+    assert _find_cycle(graph) == ["benchmarks.a", "benchmarks.sub.b", "benchmarks.c", "benchmarks.a"]
+    (pkg / "c.py").write_text("def g():\n    pass\n")
+    assert _find_cycle(_import_graph(str(tmp_path))) is None

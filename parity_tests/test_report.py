@@ -251,3 +251,10 @@ def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
     text = (compiled / "report.md").read_text()
     assert text.startswith("# Compiled for H100, not run") and "`flash_bwd_dkv`" in text
     assert text.rstrip().endswith("![kernels plot](kernels.png)")
+
+
+def test_kernel_plot_limits_are_the_h100_limits():
+    """The reference lines of the kernel plot (the report room's own constants) are kernel_stats' H100 limits."""
+    from benchmarks.tools.kernel_stats import H100_LIMITS
+
+    assert plots.KERNEL_LIMITS == {k: H100_LIMITS[k] for k in plots.KERNEL_LIMITS}
