@@ -1,24 +1,16 @@
 """``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR]`` — measure both frameworks on this machine;
 ``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there;
-``python -m benchmarks compile ...`` — compile for an H100/H200 without a GPU (its own flags, see ``--help``).
+``python -m benchmarks compile ...`` — compile for an H100/H200 without a GPU (its own flags, see ``--help``);
+``python -m benchmarks readme [--check]`` — regenerate README.md's results section from the committed JSON;
+``python -m benchmarks train-example ...`` — the README's training example (both CLIs, loss curves).
 
-Suites: ``model`` (same Llama in both frameworks: logits parity, forward and forward+backward), ``attention``
-(every attention backend against torch SDPA and JAX's own kernels), ``remat`` (memory per checkpoint policy),
-``decode`` (prefill and KV-cache decode), ``plan`` (sharded train step compiled for 8 H100s), ``train`` (one
-train step per technique toggle) and ``compile`` (what ``benchmarks compile`` measures: kernel registers,
-spills, shared memory and compiled program memory, "compiled for H100, not run"); ``all`` runs each, and skips
-with a note a suite this machine cannot serve (``plan`` and ``compile`` without the gpu-compile extra). Results
-go to ``--out`` (default ``benchmarks/results/<device>/``, or ``.../<device>-quick/`` with ``--quick``): one
-JSON per suite, ``report.md`` and plots (attention TFLOP/s per sequence length, train tokens/s per toggle,
-remat memory per policy, decode tokens/s per batch size, compiled kernels' registers/spills/shared memory).
-``--quick`` uses tiny shapes so a CPU pass takes a few minutes at most. ``report`` re-runs nothing: it reads
-every ``<suite>.json`` in DIR (e.g. after merging runs or changing the report layout) and rewrites
-``report.md`` (JAX and torch side by side, with the "JAX speed-up = torch time / JAX time" column, and the
-plots linked) and the plots; a directory written by ``benchmarks compile`` gets that report and its kernel plot.
-
-A bad filter (``--impl`` name, ``--max-seq`` that keeps no shape) or an unwritable ``--out`` fails at once,
-before anything is measured; a suite that measures nothing exits non-zero and writes nothing. Each file is
-replaced atomically, only by a complete result; a plot is drawn only from measured records.
+Suites: ``model``, ``attention``, ``remat``, ``decode``, ``plan``, ``train``, ``compile`` (one module each in
+``benchmarks/suites/``); ``all`` runs each and skips with a note a suite this machine cannot serve (``plan`` and
+``compile`` without the gpu-compile extra). Results go to ``--out`` (default ``benchmarks/results/<device>/``, or
+``<device>-quick/`` with ``--quick``, tiny shapes for a CPU pass of a few minutes): one JSON per suite,
+``report.md`` (JAX and torch side by side, "JAX speed-up = torch time / JAX time") and plots. A bad filter or an
+unwritable ``--out`` fails before anything is measured; a suite that measures nothing exits non-zero and writes
+nothing; every file is replaced atomically, only by a complete result (more in benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -32,9 +24,14 @@ import time
 # SDPA runs out at long sequences. Must be set before jax is imported.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from . import attention, common  # noqa: E402
-
-SUITES = ("model", "attention", "remat", "decode", "plan", "train", "compile")
+from . import measure  # noqa: E402
+from .report import readme  # noqa: E402
+from .report.build import rebuild_report, write_report  # noqa: E402
+from .report.plots import plot_suite  # noqa: E402
+from .report.records import RESULTS_DIR, check_out_dir, write_results  # noqa: E402
+from .report.tables import suite_table  # noqa: E402
+from .suites import SUITES, attention  # noqa: E402
+from .tools import compile_tables, train_example  # noqa: E402, F401  (compile_tables: registers its tables)
 
 
 def main(argv=None) -> int:
@@ -53,14 +50,21 @@ def main(argv=None) -> int:
     rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
     rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
     sub.add_parser("compile", help="compile for an H100/H200 without a GPU (python -m benchmarks compile --help)")
+    sub.add_parser("readme", help="regenerate README.md's results section (python -m benchmarks readme --help)")
+    sub.add_parser("train-example", help="the README's training example (python -m benchmarks train-example --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compile"]:  # its own flags: benchmarks/compile.py
-        from .compile import main as compile_main
+    if argv[:1] == ["compile"]:  # its own flags: benchmarks/tools/compile.py, imported here because it imports jax
+        from .tools.compile import main as compile_main
+
         return compile_main(argv[1:])
+    if argv[:1] == ["readme"]:
+        return readme.main(argv[1:], prog="python -m benchmarks readme")
+    if argv[:1] == ["train-example"]:
+        return train_example.main(argv[1:], prog="python -m benchmarks train-example")
     args = parser.parse_args(argv)
     if args.command == "report":
         try:
-            written = common.rebuild_report(args.dir)
+            written = rebuild_report(args.dir)
         except ValueError as e:
             rep.error(str(e))
         print("\n".join(f"wrote {p}" for p in written))
@@ -78,16 +82,15 @@ def main(argv=None) -> int:
         run.error(str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq"))
     try:
         if args.out is not None:
-            common.check_out_dir(args.out)
+            check_out_dir(args.out)
     except ValueError as e:
         run.error(str(e))
 
-    info = common.env_info()
+    info = measure.env_info()
     info["quick"] = args.quick
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   common.device_slug(info) + ("-quick" if args.quick else ""))
+    out = args.out or str(RESULTS_DIR / (measure.device_slug(info) + ("-quick" if args.quick else "")))
     try:
-        out = common.check_out_dir(out)
+        out = check_out_dir(out)
     except ValueError as e:
         run.error(str(e))
     print(f"device: {info['jax_device']} | jax {info['jax']} | torch {info['torch']} | out: {out}", flush=True)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         bar.set_postfix_str(suite)
         t0 = time.perf_counter()
         kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
-        records = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick, **kwargs)
+        records = importlib.import_module(f"benchmarks.suites.{suite}").run(quick=args.quick, **kwargs)
         if not any(r.get("status", "ok") == "ok" for r in records):
             # never replace a result with an empty one or one made only of skips
             reasons = sorted({str(r.get("reason")) for r in records})
@@ -113,14 +116,14 @@ def main(argv=None) -> int:
                 print(f"note: suite {suite!r} skipped on this machine {why}", flush=True)
             continue
         results[suite] = records
-        common.write_results(out, suite, records, info)
-        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{common.suite_table(suite, records)}",
+        write_results(out, suite, records, info)
+        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{suite_table(suite, records)}",
               flush=True)
-        plot = common.plot_suite(out, suite, records, info)
+        plot = plot_suite(out, suite, records, info)
         if plot:
             print(f"plot: {plot.path}", flush=True)
     if results:
-        print(f"\nreport: {common.write_report(out, results, info)}")
+        print(f"\nreport: {write_report(out, results, info)}")
     return 1 if failed else 0
 
 

@@ -13,30 +13,31 @@ import pytest
 pytest.importorskip("torch")
 
 from benchmarks import __main__ as cli  # noqa: E402
-from benchmarks import attention as attention_suite  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import measure  # noqa: E402
+from benchmarks.report import records, tables  # noqa: E402
+from benchmarks.suites import attention as attention_suite  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flops_convention():
     # FlashAttention: forward 4*B*H*Sq*Sk*D, halved when causal; forward+backward 3.5x forward
-    assert common.attention_flops(2, 8, 1024, 1024, 128, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
-    assert common.attention_flops(2, 8, 1024, 1024, 128, causal=True) == 2 * 2 * 8 * 1024 * 1024 * 128
-    assert common.attention_flops(1, 1, 4, 4, 2, causal=False, backward=True) == 3.5 * 4 * 4 * 4 * 2
+    assert measure.attention_flops(2, 8, 1024, 1024, 128, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
+    assert measure.attention_flops(2, 8, 1024, 1024, 128, causal=True) == 2 * 2 * 8 * 1024 * 1024 * 128
+    assert measure.attention_flops(1, 1, 4, 4, 2, causal=False, backward=True) == 3.5 * 4 * 4 * 4 * 2
 
 
 def test_report_table_ratio():
     recs = [{"suite": "x", "S": 8, "pass": "fwd", "impl": "a", "framework": "jax", "median_ms": 2.0},
             {"suite": "x", "S": 8, "pass": "fwd", "impl": "b", "framework": "torch", "median_ms": 3.0},
             {"suite": "x", "S": 8, "pass": "fwd", "impl": "c", "framework": "torch", "median_ms": 1.0, "status": "skipped"}]
-    table = common.report_table(recs)
+    table = tables.report_table(recs)
     assert "1.50x" in table and "| S | pass | jax:a | torch:b | torch:c | JAX speed-up = torch time / JAX time |" in table
 
 
 def test_timeit_rejects_bad_counts():
     with pytest.raises(ValueError, match="iters"):
-        common.timeit(lambda: None, iters=0)
+        measure.timeit(lambda: None, iters=0)
 
 
 def test_main_job_model_suite(tmp_path):
@@ -103,7 +104,7 @@ def test_read_only_out_dir_fails_before_any_work(tmp_path, monkeypatch):
         return real_mkstemp(*a, dir=dir, **kw)
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-    monkeypatch.setattr(common, "env_info", lambda: pytest.fail("work started before --out was checked"))
+    monkeypatch.setattr(measure, "env_info", lambda: pytest.fail("work started before --out was checked"))
     with pytest.raises(SystemExit) as exc:
         cli.main(["run", "--suite", "model", "--quick", "--out", str(ro / "results")])
     assert exc.value.code != 0 and list(ro.iterdir()) == []
@@ -169,9 +170,9 @@ def test_completed_suite_replaces_atomically_and_report_keeps_other_suites(tmp_p
     assert "## attention" in report and "## model" in report and "2020-01-01" in report
     assert sorted(p.name for p in out.iterdir()) == ["attention.json", "model.json", "report.md"]  # no temp files
     with pytest.raises(ValueError, match="no records"):
-        common.write_results(str(out), "attention", [], {})
+        records.write_results(str(out), "attention", [], {})
     with pytest.raises(ZeroDivisionError):
-        with common.atomic_path(str(out / "model.json")) as tmp:
+        with records.atomic_path(str(out / "model.json")) as tmp:
             open(tmp, "w").write("partial")
             1 / 0
     assert json.loads((out / "model.json").read_text()) == model
@@ -191,14 +192,14 @@ def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_whe
     """`run` (= all suites, the README's main job) skips a suite whose records are all skipped for a machine reason
     (`plan` and `compile` without the gpu-compile extra) with a note and still exits 0; asking for that suite by
     name exits 1; neither writes a results file or a plot for it."""
-    import benchmarks.compile
-    import benchmarks.plan
+    import benchmarks.suites.compile
+    import benchmarks.suites.plan
 
     if suite == "plan":
         skipped = [dict(framework="jax", impl="sharding-plan", mesh="fsdp=8", status="skipped", reason="no plugin")]
-        monkeypatch.setattr(benchmarks.plan, "run", lambda quick=False: skipped)
+        monkeypatch.setattr(benchmarks.suites.plan, "run", lambda quick=False: skipped)
     else:  # the real compile suite, on a machine where the CUDA plugin is "missing"
-        monkeypatch.setattr(benchmarks.compile.gpu_target, "unavailable_reason", lambda: "no plugin (test)")
+        monkeypatch.setattr(benchmarks.suites.compile.gpu_target, "unavailable_reason", lambda: "no plugin (test)")
     monkeypatch.setattr(cli, "SUITES", (suite,))
     assert cli.main(["run", "--quick", "--out", str(tmp_path / "all")]) == 0
     assert f"note: suite {suite!r} skipped on this machine" in capsys.readouterr().out
@@ -210,7 +211,7 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     """`run --suite compile` stores what `benchmarks compile` measures as one record list (kernel records, then
     program records, each with its `part`), draws the kernel plot and gives report.md the compile tables and the
     plot's link; the compiles themselves are faked here (the real ones are the gpu_compile tests')."""
-    import benchmarks.compile as bc
+    import benchmarks.tools.compile as bc
 
     label = "compiled for H100, not run"
     kernel = dict(impl="flash", head_dim=64, dtype="bf16", B=1, S=256, Hq=4, Hkv=2, causal=True, label=label,
@@ -242,7 +243,7 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
     """The decode suite's iteration rule (no model): as many timed calls as fit the budget, clamped to
     [3, iters]; at least one warm-up; a slow first call (compilation) neither cuts the timed calls nor overruns
     the cache (at most max(1, warmup) + iters calls). Times come from a fake clock the fake calls advance."""
-    from benchmarks import decode
+    from benchmarks.suites import decode
 
     rule = decode.adaptive_iters
     assert rule(0.001, 10.0, 30) == 30  # fast: the cap
@@ -275,3 +276,96 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
     assert (t["warmup"], t["iters"]) == (1, 30) and t["median_s"] == pytest.approx(0.01)
     t, calls = timed([60.0, 20.0, 0.01])  # a recompile on the first timed call is outvoted by the median
     assert t["iters"] == 30 and t["median_s"] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------------------------- the package's import graph
+def _import_graph(root: str, package: str = "benchmarks") -> dict:
+    """``{module: {modules of package it imports}}`` from the source of every ``package/**/*.py`` under ``root``:
+    every ``import`` / ``from ... import`` anywhere in a module (top level and inside functions), absolute or
+    relative; ``from pkg import name`` counts as importing the module ``pkg.name`` when that is a module."""
+    import ast
+
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(root, package)):
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(dirpath, f), root)[:-3].split(os.sep)
+                mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(dirpath, f)
+    graph = {}
+    for name, path in mods.items():
+        here = name if path.endswith("__init__.py") else name.rpartition(".")[0]  # the package it lives in
+        deps = set()
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = node.module or ""
+                if node.level:
+                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                    src = base + ("." + src if src else "")
+                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t not in mods and "." in t:  # `import benchmarks.x.y` imports the module benchmarks.x.y
+                    t = t.rpartition(".")[0]
+                if t in mods and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def _find_cycle(graph: dict):
+    """One import cycle ``[a, b, ..., a]`` of ``graph``, or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        state[n] = "done"
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles_in_benchmarks():
+    """No module of ``benchmarks`` imports itself back through others (module level or inside functions), and the
+    report room depends on no other room: ``__main__`` -> suites / tools -> report."""
+    graph = _import_graph(ROOT)
+    assert {"benchmarks.__main__", "benchmarks.report.tables", "benchmarks.tools.compile"} <= set(graph)
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+    outside = {(m, d) for m, deps in graph.items() if m.startswith("benchmarks.report")
+               for d in deps if not d.startswith("benchmarks.report")}
+    assert not outside, f"the report room imports other rooms: {sorted(outside)}"
+
+
+def test_import_cycle_check_finds_a_cycle(tmp_path):
+    """The check above sees cycles through relative imports inside functions and through ``from pkg import mod``."""
+    pkg = tmp_path / "benchmarks"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("import benchmarks.a\ndef g():\n    pass\n")
+    (pkg / "d.py").write_text("from . import c\n")
+    graph = _import_graph(str(tmp_path))
+    assert graph["benchmarks.sub.b"] == {"benchmarks.c"} and graph["benchmarks.d"] == {"benchmarks.c"}
+    assert _find_cycle(graph) == ["benchmarks.a", "benchmarks.sub.b", "benchmarks.c", "benchmarks.a"]
+    (pkg / "c.py").write_text("def g():\n    pass\n")
+    assert _find_cycle(_import_graph(str(tmp_path))) is None

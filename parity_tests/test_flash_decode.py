@@ -392,8 +392,8 @@ def test_lowers_to_one_triton_kernel_for_cuda():
 def test_h100_compile_no_spills(path):
     """Deviceless compile for an H100 (bf16, B=8, Hq=32, Hkv=8, D=128, cache 4096): one ``flash_decode``
     Triton kernel within the SM's limits, no spills.  Figures "compiled for H100, not run" (benchmarks/NOTES.md)."""
-    from benchmarks import kernel_stats
-    from benchmarks.kernel_stats import H100_LIMITS
+    from benchmarks.tools import kernel_stats
+    from benchmarks.tools.kernel_stats import H100_LIMITS
     from jaxattn import gpu_target
 
     fn = (lambda q, k, v, n: DEC.flash_decode(q, k, v, n)) if path == "lengths" else _kv_cache_step

@@ -127,15 +127,16 @@ FP32_MAX_SPILL_BYTES = 1024
 
 @functools.lru_cache(maxsize=None)
 def _devices():
-    from benchmarks.compile import target_config
+    from benchmarks.tools.deviceless import target_config
     return gpu_target.devices(target_config("h100"))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(impl, d, dt):
-    from benchmarks import compile as bc
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools.deviceless import DTYPES, GATE_SHAPE
     fn = bc.compile_flash if impl == "flash" else bc.compile_mosaic
-    return fn(_devices(), d, bc.DTYPES[dt], bc.GATE_SHAPE)
+    return fn(_devices(), d, DTYPES[dt], GATE_SHAPE)
 
 
 def _all_cases():
@@ -167,7 +168,7 @@ def _params(dtypes):
 
 @pytest.mark.parametrize("impl, d, dt", _params(("bf16", "fp16", "fp32")))
 def test_kernel_compiles_within_h100_limits(impl, d, dt):
-    from benchmarks.kernel_stats import H100_LIMITS
+    from benchmarks.tools.kernel_stats import H100_LIMITS
     recs = _kernels(impl, d, dt)
     expected = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv") if impl == "flash" else ("mosaic_fwd",)
     assert sorted(recs) == sorted(expected)
@@ -222,7 +223,7 @@ def test_bf16_flash_fwd_d128_uses_wgmma():
 @needs_plugin
 def test_1b_train_step_compiles():
     """The full 1b preset's bf16 train step (flash attention), from ShapeDtypeStructs: about 15 s on 2 cores."""
-    from benchmarks import compile as bc
+    from benchmarks.tools import compile as bc
     (rec,) = bc.program_records(_devices(), [("1b", "train_step", 1, 1024, {})], "h100", log=lambda *a: None)
     assert rec["status"] == "ok", rec.get("error")
     assert rec["flash_kernels"] == ["flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
@@ -233,11 +234,11 @@ def test_1b_train_step_compiles():
 @pytest.mark.gpu_compile
 @needs_plugin
 def test_block_search_filter_rejects_the_old_dkv_spill_and_passes_the_default():
-    """The deviceless filter of benchmarks/block_search.py on 3 compiles (S=4096, as the search runs): the
+    """The deviceless filter of benchmarks/tools/block_search.py on 3 compiles (S=4096, as the search runs): the
     previous D=64 bf16 dkv launch (4 warps, 3 stages) spills and is rejected, the default passes, and the
     quick candidate set and the CPU timing step behave (no GPU: rows come back untimed)."""
     from jaxattn.attention import flash
-    from benchmarks import block_search as bsr
+    from benchmarks.tools import block_search as bsr
     default = flash.BlockSizes.default(64, jnp.bfloat16)
     old = flash.BlockSizes(128, 64, 32, 128, 128, 32, num_warps=4, num_stages=3)
     rows = bsr.filter_kernel(_devices(), "flash_bwd_dkv", 64, jnp.bfloat16, [old, default], log=lambda *a: None)

@@ -1,4 +1,4 @@
-"""``benchmarks/plan.py``: reading collectives out of compiled HLO, and the compiled sharded steps against the
+"""``benchmarks/suites/plan.py``: reading collectives out of compiled HLO, and the compiled sharded steps against the
 analytic traffic of each strategy (tiny preset, 8 H100s, deviceless; ``gpu_compile``).
 
 Buffer sizes per train step for N parameters, a bf16 compute copy (2 bytes each) and the V x D embedding table
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks import plan
+from benchmarks.suites import plan
 from jaxattn import gpu_target
 
 # A compiled-HLO excerpt with the forms XLA writes: async combined all-gather / reduce-scatter starts whose
@@ -56,7 +56,7 @@ def test_compiled_plans_move_what_the_analysis_says():
     import jax
     from flax import nnx
 
-    from benchmarks.compile import target_config
+    from benchmarks.tools.deviceless import target_config
     from jaxattn.config import ModelConfig
     from jaxattn.model import Llama
 

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from benchmarks import readme
+from benchmarks.report import readme
 
 
 def test_results_section_matches_the_committed_json():

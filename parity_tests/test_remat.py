@@ -4,7 +4,7 @@
   the same float ops; only rounding from a different fusion or op order can differ: rtol 1e-5, atol 1e-6), and
   torch equals JAX at the fp32 gradient tolerance (rtol = atol = 1e-3, CONVENTIONS §7) for every policy.
 * The policies really change what is kept for the backward pass: in JAX the saved residuals, in torch the bytes
-  the forward leaves alive (``benchmarks.remat.torch_saved_bytes``), shrink none > save_dots > save_qkv_attn >
+  the forward leaves alive (``benchmarks.suites.remat.torch_saved_bytes``), shrink none > save_dots > save_qkv_attn >
   full; torch's ``save_qkv_attn`` keeps exactly q/k/v and the attention output per layer call.
 * Bad input: an unknown policy is a ValueError listing the names (both ``apply`` functions, the model setting);
   ``offload`` on a device with no host memory space is a ValueError saying why and what else to use.
@@ -25,7 +25,7 @@ from jaxattn import remat as jremat
 from jaxattn.spec.remat import REMAT_POLICIES
 
 torch = pytest.importorskip("torch")
-from benchmarks.remat import torch_saved_bytes  # noqa: E402
+from benchmarks.suites.remat import torch_saved_bytes  # noqa: E402
 from benchmarks.twins import twin_models  # noqa: E402
 from torchref import remat as tremat  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
@@ -222,7 +222,7 @@ def test_offload_where_it_cannot_be_served_is_a_clear_error(setup):
 def test_benchmark_quick_run_smoke():
     """``python -m benchmarks run --suite remat --quick`` (about 100 s on 2 cores: 10 tiny compiles, CPU and
     deviceless H100 where the CUDA plugin is installed); the expected order holds in both frameworks."""
-    from benchmarks import remat as bremat
+    from benchmarks.suites import remat as bremat
 
     recs = bremat.run(quick=True, log=lambda *a: None)
     ok = [r for r in recs if r["status"] == "ok"]
@@ -237,8 +237,8 @@ def test_benchmark_quick_run_smoke():
 def test_benchmark_records_small_run():
     """The remat suite's record format and report cells on its fastest run (torch, two policies; the JAX
     compiles are in the slow smoke test above)."""
-    from benchmarks import common
-    from benchmarks import remat as bremat
+    from benchmarks.report import tables
+    from benchmarks.suites import remat as bremat
 
     recs = bremat.run(quick=True, policies=("none", "full"), frameworks=("torch",), log=lambda *a: None)
     assert [(r["framework"], r["impl"], r["status"]) for r in recs] == [("torch", "none", "ok"), ("torch", "full", "ok")]
@@ -247,7 +247,7 @@ def test_benchmark_records_small_run():
         assert m["bytes_ratio"] == (1.0 if r["impl"] == "none" else pytest.approx(m["bytes_ratio"]))
         assert m["flops"] > 0 and r["summary"].endswith("FLOPs")
     assert all(r["measured"]["bytes_ratio"] < 1.0 for r in recs if r["impl"] == "full")
-    table = common.report_table(recs)
+    table = tables.report_table(recs)
     assert "torch:full" in table and "torch:none" in table and "MiB" in table
     with pytest.raises(ValueError, match="unknown policies/targets"):
         bremat.run(quick=True, policies=("dots",))

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from benchmarks import __main__ as cli
-from benchmarks import common
+from benchmarks.report import plots
+from benchmarks.report.build import rebuild_report
 
 
 def _attn(impl, fw, pss, s, causal, ms, status="ok"):
@@ -65,17 +66,17 @@ def test_report_rebuilds_markdown_and_plot_from_json(results, capsys):
 
 def test_report_refuses_dirs_without_timings(tmp_path):
     with pytest.raises(ValueError, match="holds no benchmark JSON"):
-        common.rebuild_report(str(tmp_path))
+        rebuild_report(str(tmp_path))
     with pytest.raises(ValueError, match="is not a directory"):
-        common.rebuild_report(str(tmp_path / "nope"))
+        rebuild_report(str(tmp_path / "nope"))
     _write(tmp_path, "block_search", [{"impl": "flash"}], "2026-01-01T00:00:00Z")
     with pytest.raises(ValueError, match="only deviceless-compile results \\(block_search.json\\) without kernels.json"):
-        common.rebuild_report(str(tmp_path))
+        rebuild_report(str(tmp_path))
     assert not (tmp_path / "report.md").exists()
     # a `run --suite plan` directory: its plan.json is a suite like the others, so its table is rebuilt
     _write(tmp_path, "plan", [{"mesh": "fsdp=8", "impl": "sharding-plan", "framework": "jax", "status": "ok",
                                "summary": "peak 1 GiB"}], "2026-01-01T00:00:00Z")
-    common.rebuild_report(str(tmp_path))
+    rebuild_report(str(tmp_path))
     assert "## plan" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit):
         cli.main(["report", str(tmp_path / "nope")])
@@ -83,7 +84,7 @@ def test_report_refuses_dirs_without_timings(tmp_path):
 
 def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, drawn):
     recs = json.loads((results / "attention.json").read_text())["records"]
-    assert common.plot_attention(str(results), recs)
+    assert plots.plot_attention(str(results), recs)
     fig = drawn[-1]
     style = {}
     for ax in fig.axes:
@@ -187,10 +188,10 @@ def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
 
     seed = random.randrange(2**32)
     records, expected = SYNTHETIC[suite](random.Random(seed))
-    plot = common.plot_suite(str(tmp_path), suite, records, {"jax_device": "Synthetic GPU 80GB",
+    plot = plots.plot_suite(str(tmp_path), suite, records, {"jax_device": "Synthetic GPU 80GB",
                                                               "target_device": "NVIDIA H100 80GB HBM3"})
-    assert plot is not None and plot.path == str(tmp_path / common.PLOT_FILES[suite]), seed
-    png = tmp_path / common.PLOT_FILES[suite]
+    assert plot is not None and plot.path == str(tmp_path / plots.PLOT_FILES[suite]), seed
+    png = tmp_path / plots.PLOT_FILES[suite]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = matplotlib.image.imread(str(png))
     assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 500
@@ -220,8 +221,8 @@ def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
 def test_no_plot_from_skipped_only_or_empty_records(tmp_path, suite):
     records, _ = SYNTHETIC[suite](random.Random())
     skipped = [dict(r, status="skipped", reason="not here") for r in records]
-    assert common.plot_suite(str(tmp_path), suite, skipped, {}) is None
-    assert common.plot_suite(str(tmp_path), suite, [], {}) is None
+    assert plots.plot_suite(str(tmp_path), suite, skipped, {}) is None
+    assert plots.plot_suite(str(tmp_path), suite, [], {}) is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -234,7 +235,7 @@ def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
     assert cli.main(["report", str(results)]) == 0
     text = (results / "report.md").read_text()
     for suite in ("attention", "train", "decode", "remat"):
-        assert f"]({common.PLOT_FILES[suite]})" in text and (results / common.PLOT_FILES[suite]).is_file()
+        assert f"]({plots.PLOT_FILES[suite]})" in text and (results / plots.PLOT_FILES[suite]).is_file()
     assert "## model" in text and not (results / "model.png").exists()  # no plot asked for the model suite
 
     compiled = tmp_path / "compiled"
@@ -245,8 +246,15 @@ def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
     for r in recs:
         r.update(threads=128, stack=0, blocks_per_sm=1, occupancy=0.125, sass=None)
     (compiled / "kernels.json").write_text(json.dumps({"env": env, "suite": "kernels", "records": recs}))
-    written = common.rebuild_report(str(compiled))
+    written = rebuild_report(str(compiled))
     assert sorted(os.path.basename(p) for p in written) == ["kernels.png", "report.md"]
     text = (compiled / "report.md").read_text()
     assert text.startswith("# Compiled for H100, not run") and "`flash_bwd_dkv`" in text
     assert text.rstrip().endswith("![kernels plot](kernels.png)")
+
+
+def test_kernel_plot_limits_are_the_h100_limits():
+    """The reference lines of the kernel plot (the report room's own constants) are kernel_stats' H100 limits."""
+    from benchmarks.tools.kernel_stats import H100_LIMITS
+
+    assert plots.KERNEL_LIMITS == {k: H100_LIMITS[k] for k in plots.KERNEL_LIMITS}

@@ -1,4 +1,4 @@
-"""Smoke test of the train benchmark suite (``benchmarks/train.py``): the record format on a two-toggle subset
+"""Smoke test of the train benchmark suite (``benchmarks/suites/train.py``): the record format on a two-toggle subset
 of the --quick shapes, the MFU peak lookup, and the FLOPs count."""
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from benchmarks import common, peaks, train
+from benchmarks.report import records as result_files
+from benchmarks.report import tables
+from benchmarks.suites import peaks, train
 
 
 def test_peaks_table():
@@ -53,7 +55,7 @@ def test_quick_records_format(tmp_path):
         else:
             assert 0 < r["mfu"] < 1
     # the records go through the suite writer and the report table like every other suite
-    common.write_results(str(tmp_path), "train", records, {"jax_device": "test"})
+    result_files.write_results(str(tmp_path), "train", records, {"jax_device": "test"})
     assert json.loads((tmp_path / "train.json").read_text())["records"][0]["toggle"] == "baseline"
-    table = common.report_table(records)
+    table = tables.report_table(records)
     assert "| baseline |" in table and "| grad_accum2 |" in table

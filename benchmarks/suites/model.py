@@ -1,16 +1,14 @@
-"""Model suite: the same Llama (one set of weights) in both frameworks — parity check, then forward and
-forward+backward time side by side.
+"""Model suite: the same Llama (one set of weights, ``twins.twin_models``) in both frameworks: logits parity to
+1e-4 first, then forward and forward+backward time side by side.
 
-``benchmarks.twins.twin_models`` builds both (the torch state dict handed to ``jaxattn.hf.from_state_dict``),
-so both sides hold identical fp32 weights; the logits must agree to the fp32 full-model tolerance (1e-4) before
-anything is timed. JAX runs a pure jitted function of the split NNX state (flax's performance guide); torch runs
-eagerly.
+    records = run(quick=True)
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import common
+from .. import measure
+from ..twins import twin_models
 
 LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
 
@@ -30,8 +28,6 @@ def run(quick: bool) -> list[dict]:
     from jaxattn import precision as jprec
     from torchref import precision as tprec
     from torchref.config import ModelConfig as TConfig
-
-    from .twins import twin_models
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     iters, warmup = (20, 3) if quick else (30, 5)
@@ -80,9 +76,9 @@ def run(quick: bool) -> list[dict]:
                            ("torch", (("fwd", t_fwd, (t_tok,)), ("fwd_bwd", t_fwd_bwd, (t_tok,))))):
             for name, fn, args in passes:
                 if fw == "torch":
-                    common.torch_reset_peak()
-                t = common.timeit(fn, *args, warmup=warmup, iters=iters)
-                peak = common.jax_peak_memory() if fw == "jax" else common.torch_peak_memory()
+                    measure.torch_reset_peak()
+                t = measure.timeit(fn, *args, warmup=warmup, iters=iters)
+                peak = measure.jax_peak_memory() if fw == "jax" else measure.torch_peak_memory()
                 records.append({**base, "impl": "jaxattn" if fw == "jax" else "torchref", "framework": fw,
                                 "pass": name, "median_ms": 1e3 * t["median_s"], "p10_ms": 1e3 * t["p10_s"],
                                 "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],

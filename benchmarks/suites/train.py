@@ -1,37 +1,21 @@
 """Train suite: one training step of the same Llama in both frameworks, each technique as a toggle from a baseline.
 
-    python -m benchmarks run --suite train [--quick]
+    records = run(quick=True, toggles=["baseline", "bf16"])   # python -m benchmarks run --suite train [--quick]
 
-Baseline: fp32, remat ``none``, AdamW, grad_accum 1, default attention, torch eager. Each toggle changes ONE of
-those (:data:`TOGGLES`): ``bf16``, ``fp16`` (+ dynamic loss scale / GradScaler), ``remat_full``, ``attn_math``
-(jax ``xla`` / torch SDPA math), ``attn_fast`` (jax ``chunked`` / torch SDPA flash), ``torch_compile`` (torch
-only; JAX is always jitted), ``grad_accum2`` (same global batch in 2 microbatches), ``adamw8bit``. Model: the
-``tiny`` preset at B=4, S=128 with ``--quick``; ``1b`` (Llama-3.2-1B shape) at B=1, S=2048 otherwise (both
-frameworks built from the same fp32 weights, drawn once per run as ``benchmarks.twins`` draws them). The 1b
-shape is sized for one 80 GB GPU and ``gpu_session.sh``'s 10-minute call: fp32 AdamW state is ~20 GB, and at
-S=4096 the ``attn_math`` rows' S x S scores (about 34 GB kept for the backward in fp32) would not fit beside
-it. All torch rows run before all JAX rows (torch's cache is emptied after each row, while JAX's allocator
-keeps what it grew), and outside ``--quick`` a row not started within :data:`BUDGET_S` seconds is a
-``skipped`` record, so the suite ends, and writes its JSON, inside that call; records come back in toggle
-order, JAX before torch.
-
-One record per (toggle, framework): ``median_ms`` / ``p10_ms`` / ``p90_ms`` of a whole step (median of 5 timed
-steps after warm-up with ``--quick``, 20 otherwise), ``tokens_per_s`` = B*S / median, ``peak_mem_bytes`` (torch:
-``max_memory_allocated`` on a GPU, None on CPU; JAX: XLA's ``memory_analysis`` total of the compiled step,
-on any backend) and ``mfu`` = (6*N + attention FLOPs per token) * tokens_per_s / peak (``benchmarks.peaks``;
-None on a CPU, the reason in ``measured.mfu_reason``). ``measured`` holds the first-step (compile) time
-``first_step_s``, the framework's own settings of the row, ``flops_per_token`` and where the memory came from.
-N counts every parameter but the input embedding (when untied); attention FLOPs are the FlashAttention
-convention (causal forward+backward = 3.5 x 2*B*H*S^2*D per layer, ``common.attention_flops``) per token.
-A toggle that fails or does not apply (e.g. flash SDPA on a CPU) is a ``skipped`` record with the reason.
+Toggles, shapes, the time budget and the record fields (tokens/s, peak memory, MFU): benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Optional
 
-from . import common, peaks
+import numpy as np
+
+from .. import measure
+from ..twins import jax_config, twin_models
+from . import peaks
 
 BASELINE = {"precision": "fp32", "remat": "none", "optimizer": "adamw", "grad_accum": 1, "attention": None,
             "compile": False}
@@ -60,16 +44,12 @@ def _shape(quick: bool):
 def _weights(tcfg) -> dict:
     """HF-named fp32 numpy tensors of the twin models (``benchmarks.twins.twin_models(seed=0,
     perturb_norms=False)``), drawn once per run and copied into each row's models."""
-    from .twins import twin_models
-
     tmodel = twin_models(tcfg, seed=0, perturb_norms=False)[0]
     return {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
 
 
 def _jax_model(tcfg, weights: dict):
     from jaxattn import hf as jhf
-
-    from .twins import jax_config
 
     # copies: on a CPU jax may alias a numpy buffer, and the train step donates its state
     return jhf.from_state_dict(jax_config(tcfg), {k: v.copy() for k, v in weights.items()})
@@ -90,7 +70,7 @@ def flops_per_token(cfg, seq: int) -> tuple[float, int]:
     hd = getattr(cfg, "head_dim", None) or d // cfg.n_heads
     per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * f + 2 * d
     n = L * per_layer + d + v * d  # + final norm + head (tied: the head is the embedding, counted once)
-    attn = common.attention_flops(1, cfg.n_heads, seq, seq, hd, causal=True, backward=True) * L / seq
+    attn = measure.attention_flops(1, cfg.n_heads, seq, seq, hd, causal=True, backward=True) * L / seq
     return 6.0 * n + attn, n
 
 
@@ -117,8 +97,6 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
 
 
 def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
-    import contextlib
-
     from jaxattn.attention import attention_backend
 
     ctx = attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
@@ -132,10 +110,10 @@ def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
 
         t0 = time.perf_counter()
         loss = one()
-        common._sync(loss)
+        measure.sync(loss)
         first = time.perf_counter() - t0
-        t = common.timeit(one, warmup=warmup, iters=iters)
-        mem = common.jax_compiled_memory(step.jitted, box[0], batch)
+        t = measure.timeit(one, warmup=warmup, iters=iters)
+        mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
         loss = float(one())
     return {"t": t, "first_step_s": first, "peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)",
             "loss": loss}
@@ -143,8 +121,6 @@ def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
 
 # ----------------------------------------------------------------------------------------------------- torch
 def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
-    import contextlib
-
     import torch
 
     from torchref import attention as tattn
@@ -162,17 +138,17 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
     batch = {"tokens": torch.from_numpy(tokens).long().to(dev)}
     ctx = tattn.attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
     with ctx:
-        common.torch_reset_peak()
+        measure.torch_reset_peak()
         t0 = time.perf_counter()
         loss = step(batch)["loss"]
-        common._sync(loss)
+        measure.sync(loss)
         first = time.perf_counter() - t0
         if s["compile"] and quick and first > QUICK_COMPILE_LIMIT_S:
             raise _Skip(f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; "
                         f"not timed in --quick")
-        t = common.timeit(lambda: step(batch)["loss"], warmup=warmup, iters=iters)
+        t = measure.timeit(lambda: step(batch)["loss"], warmup=warmup, iters=iters)
         loss = float(step(batch)["loss"])
-    return {"t": t, "first_step_s": first, "peak_mem_bytes": common.torch_peak_memory(),
+    return {"t": t, "first_step_s": first, "peak_mem_bytes": measure.torch_peak_memory(),
             "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None, "loss": loss}
 
 
@@ -183,7 +159,6 @@ class _Skip(Exception):
 def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: Optional[float] = None) -> list[dict]:
     """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). ``budget_s``: rows
     not started within it are skipped (default None with ``quick``, else :data:`BUDGET_S`)."""
-    import numpy as np
     import torch
 
     from torchref.config import ModelConfig as TConfig
@@ -197,7 +172,7 @@ def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: O
     preset, b, seq = _shape(quick)
     tcfg = TConfig.preset(preset)
     fpt, n_params = flops_per_token(tcfg, seq)
-    peak, peak_reason = peaks.peak_flops(common.jax_device_name())
+    peak, peak_reason = peaks.peak_flops(measure.jax_device_name())
     tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32)
     weights = _weights(tcfg)
     budget_s = None if quick else BUDGET_S if budget_s is None else budget_s

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device calls for a session that has a GPU: compiled-kernel tests first, then the benchmark suites.
 # Run from the repository root on the GPU machine; writes under $OUT.
-#   bash benchmarks/gpu_session.sh                               # every step, in order
-#   bash benchmarks/gpu_session.sh tests attention model order   # only these steps
+#   bash benchmarks/tools/gpu_session.sh                               # every step, in order
+#   bash benchmarks/tools/gpu_session.sh tests attention model order   # only these steps
 # Steps: tests, attention, model, order (reads the tests log and attention.json of the same $OUT), train, decode.
 # Where a device call is limited to 10 minutes, give each call steps whose timeouts add up to less: e.g.
 # `tests attention order`, then `model`, then `train`, then `decode`. A suite killed by its timeout writes
@@ -33,7 +33,8 @@ if want tests; then
 fi
 # 2. benchmarks (split the attention sweep with --max-seq / --impl if one call cannot hold it)
 if want attention; then
-  timeout 300 python -m benchmarks run --suite attention --max-seq "${MAX_SEQ:-8192}" --out "$OUT/results" 2>&1 | tee "$OUT/bench_attention.log"
+  timeout 300 python -m benchmarks run --suite attention --max-seq "${MAX_SEQ:-8192}" --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_attention.log"
 fi
 if want model; then
   timeout 120 python -m benchmarks run --suite model --out "$OUT/results" 2>&1 | tee "$OUT/bench_model.log"
@@ -41,10 +42,11 @@ fi
 # 3. the default attention order by evidence (CONVENTIONS §4): advice printed, never applied by the script
 if want order; then
   for f in "$OUT"/results/*/attention.json; do
-    [ -e "$f" ] && python -m benchmarks.default_order --tests "$OUT/gpu_tests.log" --attention "$f" 2>&1 | tee "$OUT/default_order.txt"
+    [ -e "$f" ] && python -m benchmarks.tools.default_order --tests "$OUT/gpu_tests.log" --attention "$f" 2>&1 \
+      | tee "$OUT/default_order.txt"
   done
 fi
-# 4. train: one step of the 1b preset at B=1, S=2048 per technique toggle, torch and JAX (benchmarks/train.py;
+# 4. train: one step of the 1b preset at B=1, S=2048 per technique toggle, torch and JAX (benchmarks/suites/train.py;
 #    rows not started within its 480 s budget are recorded as skipped, so the suite ends inside this timeout)
 if want train; then
   timeout 570 python -m benchmarks run --suite train --out "$OUT/results" 2>&1 | tee "$OUT/bench_train.log"

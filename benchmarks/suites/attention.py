@@ -1,26 +1,8 @@
-"""Attention suite: every jaxattn attention backend against its peers, in one run, on one device.
+"""Attention suite: every jaxattn attention backend against its peers (JAX's own, torch SDPA), fwd and fwd+bwd.
 
-Implementations (``impl`` in each record):
+    records = run(quick=True, impls=["flash", "sdpa:flash"], max_seq=4096)
 
-* jax, ours: ``xla``, ``chunked``, ``flash``, ``mosaic``, ``cudnn`` through
-  ``jaxattn.attention.dot_product_attention(backend=...)`` (a backend that declines is recorded as skipped
-  with its reason);
-* jax, peers: ``jax.nn:xla`` and ``jax.nn:cudnn`` (``jax.nn.dot_product_attention(implementation=...)``),
-  ``pallas:mha`` (``jax.experimental.pallas.ops.gpu.attention.mha``, GPU only), ``tokamax`` where installed;
-* torch: ``sdpa:flash``, ``sdpa:efficient``, ``sdpa:cudnn``, ``sdpa:math`` (``F.scaled_dot_product_attention``
-  under ``sdpa_kernel``; on CPU only MATH and FLASH exist).
-
-Passes: ``fwd`` and ``fwd_bwd`` (forward + vjp w.r.t. q, k, v).  TFLOP/s uses the FlashAttention convention
-(``benchmarks.common.attention_flops``: fwd 4·B·H·Sq·Sk·D, halved when causal; fwd+bwd 3.5x fwd).
-Peak memory: torch reports ``torch.cuda.max_memory_allocated`` after a reset (None on CPU); jax reports XLA's
-buffer assignment for the compiled function (arguments + outputs + temporaries, from
-``compiled.memory_analysis()``), because jax's device ``peak_bytes_in_use`` cannot be reset between
-implementations.  Workspace allocated inside a custom call (cuDNN, Triton) may not be counted there.
-
-Shapes (full run, GPU): bf16, D in {64, 128}, H = 2048 / D heads, B·S = 16k tokens, S from 512 to 16k, causal
-and not (FlashAttention's benchmark grid).  Materialising implementations (ours ``xla``, ``jax.nn:xla``,
-``sdpa:math``) are skipped above S = 4096 with that reason.  ``quick=True`` (CPU smoke run): B=1, H=2, D=64,
-S in {128, 256}, fp32, and the interpreted Pallas ``flash`` kernel on only the smallest shape.
+Implementations, passes, TFLOP/s and memory conventions and the shapes: benchmarks/NOTES.md ("attention").
 """
 from __future__ import annotations
 
@@ -28,7 +10,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from . import common
+from .. import measure
 
 MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
 MAX_MATERIALISED_S = 4096
@@ -157,16 +139,17 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None):
                 args = (q, k, v, do)
             it = 3 if name == "flash" and quick else iters
             try:
-                t = common.timeit(fn, *args, warmup=1 if it == 3 else warmup, iters=it)
+                t = measure.timeit(fn, *args, warmup=1 if it == 3 else warmup, iters=it)
             except Exception as e:
                 records.append(_record(name, "jax", pss, status="skipped", reason=f"error: {_first_line(e)}",
                                        **_kw(base)))
                 if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
                     reason = f"error: {_first_line(e)}"
                 continue
-            fl = common.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            fl = measure.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             records.append(_record(name, "jax", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
-                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=common.jax_compiled_memory(fn, *args),
+                                   tflops=fl / t["median_s"] / 1e12,
+                                   peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
                                    **_kw(base)))
 
 
@@ -215,17 +198,17 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None):
                 records.append(_record(impl, "torch", pss, status="skipped", reason=reason, **_kw(base)))
                 continue
             try:
-                common.torch_reset_peak()
+                measure.torch_reset_peak()
                 grad_ctx = torch.no_grad() if pss == "fwd" else torch.enable_grad()
                 with grad_ctx:
-                    t = common.timeit(fn, *args, warmup=warmup, iters=iters)
+                    t = measure.timeit(fn, *args, warmup=warmup, iters=iters)
             except Exception as e:
                 records.append(_record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}",
                                        **_kw(base)))
                 continue
-            fl = common.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            fl = measure.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             records.append(_record(impl, "torch", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
-                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=common.torch_peak_memory(),
+                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=measure.torch_peak_memory(),
                                    **_kw(base)))
 
 

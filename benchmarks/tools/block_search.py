@@ -1,15 +1,10 @@
 """Block-size search for the ``flash`` kernels: a deviceless resource filter, then (on a GPU) timings.
 
     python -m benchmarks compile --search [--quick]        # filter every (kernel, D, dtype); time if a GPU is here
-    python -m benchmarks.block_search --kernel flash_bwd_dkv --d 64 --dtype bf16
+    python -m benchmarks.tools.block_search --kernel flash_bwd_dkv --d 64 --dtype bf16
 
-Step 1, deviceless (``compiled for H100, not run``): each candidate :class:`~jaxattn.attention.flash.BlockSizes`
-of one kernel is compiled ALONE for the target (``jax.jit`` of that one ``pallas_call`` on ShapeDtypeStructs
-placed on the deviceless H100), and ``ptxas -v`` / ``cuobjdump -sass`` decide: it passes when it spills nothing,
-fits the SM (registers, shared memory, >= 1 block per SM) and, for bf16/fp16, uses wgmma only (HMMA = 0).
-Occupancy is reported, not used to rank: a GPU ranks.  Step 2, only when jax sees a GPU: every survivor is
-timed (median of ``common.time_fn``) through the public op with that ``block_sizes``; on a CPU host this step
-is skipped with a message, and the defaults in ``flash.py`` stay "from the deviceless filter".
+A candidate ``BlockSizes`` of one kernel, compiled ALONE for the target, passes when it spills nothing, fits the
+SM and (bf16/fp16) uses wgmma only; on a GPU every survivor is then timed (details: benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -31,7 +26,11 @@ from jaxattn import gpu_target  # noqa: E402
 from jaxattn.attention import flash  # noqa: E402
 from jaxattn.attention._common import normalize  # noqa: E402
 
+from .. import measure  # noqa: E402
+from ..report.records import read_results, write_results, write_text_atomic  # noqa: E402
 from . import kernel_stats  # noqa: E402
+from .deviceless import DTYPES, AttnShape, target_config  # noqa: E402
+from .kernel_stats import H100_LIMITS  # noqa: E402
 
 KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
 # The BlockSizes fields each kernel reads (its tile and its launch knobs).
@@ -40,46 +39,39 @@ FIELDS = {"flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
           "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd")}
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    b: int = 1
-    s: int = 4096
-    hq: int = 16
-    hkv: int = 16
-    causal: bool = True
+def _kernel_callable(kernel: str, bs: flash.BlockSizes, d: int, dtype, shape: AttnShape):
+    """``(fn, cfg, padded head dim)`` for one of flash's three ``pallas_call``s with ``bs`` at ``shape``: ``fn``
+    of ShapeDtypeStructs / arrays runs exactly that kernel (``(q, k, v)`` for ``flash_fwd``, ``(q, k, v, do,
+    lse, delta)`` for the backward ones) on operands padded as ``cfg`` says (``sq_pad``, ``sk_pad``). The only
+    place that reaches into flash.py's private functions."""
+    # TODO(house): use flash's public block-search hook
+    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
+    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
+    cfg = flash._make_cfg(q, k, normalize(q, k, k, causal=shape.causal), bs, interpret=False, poison=False)
+    if kernel == "flash_fwd":
+        fn = lambda q, k, v: flash._fwd_call(cfg, q, k, v, None, None)  # noqa: E731
+    else:
+        call = flash._dkv_call if kernel == "flash_bwd_dkv" else flash._dq_call
+        fn = lambda q, k, v, do, lse, delta: call(cfg, q, k, v, do, lse, delta, None, None)  # noqa: E731
+    return fn, cfg, max(16, flash._next_pow2(d))
 
 
 def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
     """The values of the fields ``kernel`` reads (None-valued launch knobs resolved as the kernel sees them)."""
-    cfg = _cfg(bs, d, jnp.bfloat16, Shape(s=4096))
+    cfg = _kernel_callable(kernel, bs, d, jnp.bfloat16, AttnShape(s=4096))[1]
     warps = cfg.num_warps if kernel == "flash_fwd" else cfg.num_warps_bwd
     stages = cfg.num_stages if kernel == "flash_fwd" else cfg.num_stages_bwd
     a, b = FIELDS[kernel][:2]
     return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
 
 
-def _cfg(bs, d, dtype, shape: Shape):
-    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
-    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
-    return flash._make_cfg(q, k, normalize(q, k, k, causal=shape.causal), bs, interpret=False, poison=False)
-
-
-def _kernel_fn(kernel: str, cfg):
-    """A function of ShapeDtypeStructs that runs exactly one of the three ``pallas_call``s."""
-    if kernel == "flash_fwd":
-        return lambda q, k, v: flash._fwd_call(cfg, q, k, v, None, None)
-    call = flash._dkv_call if kernel == "flash_bwd_dkv" else flash._dq_call
-    return lambda q, k, v, do, lse, delta: call(cfg, q, k, v, do, lse, delta, None, None)
-
-
-def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: Shape = Shape(),
+def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: AttnShape = AttnShape(),
                    workdir: Optional[str] = None) -> dict:
     """Compile ``kernel`` alone with ``bs`` for the deviceless target ``devs``; its :mod:`kernel_stats`
     record (registers, spills, smem, occupancy, SASS counts)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    cfg = _cfg(bs, d, dtype, shape)
-    dp = max(16, flash._next_pow2(d))
+    fn, cfg, dp = _kernel_callable(kernel, bs, d, dtype, shape)
     sds = jax.ShapeDtypeStruct
     q = sds((shape.b, cfg.sq_pad, shape.hq, dp), dtype)
     kv = sds((shape.b, cfg.sk_pad, shape.hkv, dp), dtype)
@@ -88,7 +80,7 @@ def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape
         row = sds((shape.b, shape.hq, cfg.sq_pad), jnp.float32)
         args += (q, row, row)
     with tempfile.TemporaryDirectory(dir=workdir) as dump:
-        gpu_target.compile(_kernel_fn(kernel, cfg), *gpu_target.place(args, devs),
+        gpu_target.compile(fn, *gpu_target.place(args, devs),
                            compiler_options={"xla_dump_to": dump})
         recs = kernel_stats.from_xla_dump(dump, names=(kernel,))
     if kernel not in recs:
@@ -127,7 +119,6 @@ def candidates(kernel: str, d: int, dtype, quick: bool = False) -> List[flash.Bl
 
 def verdict(rec: dict, dtype) -> Optional[str]:
     """None when a compiled kernel passes the resource filter, else why not."""
-    from .kernel_stats import H100_LIMITS
     if rec.get("spill_stores") or rec.get("spill_loads"):
         return f"spills {rec['spill_stores']}/{rec['spill_loads']} B"
     if rec.get("registers") is None or rec["registers"] > H100_LIMITS["max_regs_per_thread"]:
@@ -150,7 +141,7 @@ def rank_key(row: dict):
     return (-(tile[0] * tile[1]), -row["occupancy"], -k["num_stages"], row["registers"])
 
 
-def filter_kernel(devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: Shape = Shape(),
+def filter_kernel(devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: AttnShape = AttnShape(),
                   log=print) -> List[dict]:
     """Compile every candidate of one kernel; rows ``{knobs, block_sizes, registers, spills, smem, occupancy,
     sass, verdict}``, passing rows first in :func:`rank_key` order."""
@@ -185,10 +176,9 @@ def has_gpu() -> bool:
         return False
 
 
-def time_rows(rows: List[dict], shape: Shape = Shape(), iters: int = 20) -> List[dict]:
-    """On a GPU: the median time of each passing row's kernel alone (``common.timeit``, random inputs of
+def time_rows(rows: List[dict], shape: AttnShape = AttnShape(), iters: int = 20) -> List[dict]:
+    """On a GPU: the median time of each passing row's kernel alone (``measure.timeit``, random inputs of
     ``shape``), and its rank.  Without a GPU, returns ``rows`` unchanged (the caller says so)."""
-    from . import common
     if not has_gpu():
         return rows
     for row in rows:
@@ -196,18 +186,18 @@ def time_rows(rows: List[dict], shape: Shape = Shape(), iters: int = 20) -> List
             continue
         d, dtype = row["head_dim"], jnp.dtype(row["dtype"])
         bs = flash.BlockSizes(**row["block_sizes"])
-        cfg = _cfg(bs, d, dtype, shape)
+        kernel_fn, cfg, _ = _kernel_callable(row["kernel"], bs, d, dtype, shape)
         key = jax.random.split(jax.random.PRNGKey(0), 4)
         q = jax.random.normal(key[0], (shape.b, cfg.sq_pad, shape.hq, d), dtype)
         kv = jax.random.normal(key[1], (shape.b, cfg.sk_pad, shape.hkv, d), dtype)
         args = (q, kv, kv)
         if row["kernel"] != "flash_fwd":
-            _, lse = flash._fwd_call(cfg, q, kv, kv, None, None)
+            _, lse = _kernel_callable("flash_fwd", bs, d, dtype, shape)[0](q, kv, kv)
             delta = jax.random.normal(key[2], lse.shape, jnp.float32)
             args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
-        fn = jax.jit(_kernel_fn(row["kernel"], cfg))
+        fn = jax.jit(kernel_fn)
         try:
-            row["time"] = common.timeit(fn, *args, iters=iters)
+            row["time"] = measure.timeit(fn, *args, iters=iters)
         except Exception as e:  # pragma: no cover - GPU only
             row["time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     timed = sorted((r for r in rows if "time" in r), key=lambda r: r["time"]["median_s"])
@@ -223,9 +213,8 @@ def cases(quick: bool = False):
     return [(k, d, dt) for dt in dts for d in ds for k in KERNELS]
 
 
-def search(devs, quick: bool = False, shape: Shape = Shape(), log=print) -> List[dict]:
+def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print) -> List[dict]:
     """Filter (deviceless) every case of :func:`cases`, then time the survivors when a GPU is present."""
-    from .compile import DTYPES
     rows = []
     for kernel, d, dt in cases(quick):
         log(f"  {kernel} D={d} {dt}")
@@ -269,30 +258,28 @@ def write(out: str, rows: List[dict], info: dict) -> str:
     """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype) searched now replace the
     stored ones, the others stay, so a partial search never erases a finished one) and rewrite
     ``block_search.md``; returns the markdown."""
-    from . import common
     path = os.path.join(out, "block_search.json")
-    old = common.read_results(out).get("block_search", {}).get("records", []) if os.path.exists(path) else []
+    old = read_results(out).get("block_search", {}).get("records", []) if os.path.exists(path) else []
     key = lambda r: (r["kernel"], r["head_dim"], r["dtype"])  # noqa: E731
     now = {key(r) for r in rows}
     merged = [r for r in old if key(r) not in now] + list(rows)
     merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"]))
-    common.write_results(out, "block_search", merged, info)
+    write_results(out, "block_search", merged, info)
     timed = any("time" in r for r in merged)
     text = (f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
-            "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.block_search "
+            "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.tools.block_search "
             "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
             "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
             + ("Best = the fastest timed survivor." if timed else
                "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
                "stages, fewer registers), not a speed.")
             + " `BlockSizes.default` is chosen from these rows (see flash.py).\n\n" + table(merged) + "\n")
-    common.write_text_atomic(os.path.join(out, "block_search.md"), text)
+    write_text_atomic(os.path.join(out, "block_search.md"), text)
     return text
 
 
 def main(argv=None) -> int:
-    from .compile import DTYPES, target_config
-    p = argparse.ArgumentParser(prog="python -m benchmarks.block_search", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.block_search", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", choices=KERNELS, action="append")
     p.add_argument("--d", type=int, action="append")
@@ -314,9 +301,8 @@ def main(argv=None) -> int:
         print("no GPU here: timing skipped (deviceless filter only)")
     print(table(rows))
     if args.out:
-        from . import common
-        info = dict(common.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run",
-                    timed_on=common.jax_device_name() if any("time" in r for r in rows) else None)
+        info = dict(measure.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run",
+                    timed_on=measure.jax_device_name() if any("time" in r for r in rows) else None)
         write(args.out, rows, info)
         print(f"merged into {args.out}/block_search.json")
     return 0

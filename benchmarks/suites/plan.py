@@ -1,17 +1,12 @@
-"""Sharding plans checked by the compiler: the ``jaxattn.sharding`` train step compiled deviceless for 8 H100s
-(topology ``1x1x8``), per-device memory (``memory_analysis``) and the collectives in the compiled HLO.
+"""Sharding plans checked by the compiler: the ``jaxattn.sharding`` train step compiled deviceless for 8 H100s,
+per-device memory and the collectives read out of the compiled HLO ("compiled for H100, not run").
 
-    python -m benchmarks run --suite plan            # records labelled "compiled for H100, not run"
-
-Each record: the mesh, per-device argument/output/temp/peak bytes, and per collective kind the number of ops
-and the full-buffer bytes they work on (``_volume``: gathered / pre-scatter sizes) in the HLO text. An op inside the scanned layer loop (a ``while`` body) appears ONCE
-in the text but runs ``n_layers`` times: ``*_in_loop`` counts those separately.
+    records = run(quick=True)                               # python -m benchmarks run --suite plan
 """
 from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +14,11 @@ import numpy as np
 
 from jaxattn import gpu_target
 
-from .compile import LABEL, _memory, target_config
+from .. import measure
+from ..report.records import RESULTS_DIR, write_results
+from ..tools.compile import memory_stats
+from ..tools.compile_tables import LABEL
+from ..tools.deviceless import target_config
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")  # --quick: the tiny preset, these two meshes
@@ -142,7 +141,7 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     t0 = time.perf_counter()
     with attention_backend("flash"), sharding.activation_sharding(mesh):  # as make_sharded_train_step traces it
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
-    mem, coll = _memory(compiled), collectives(compiled.as_text())
+    mem, coll = memory_stats(compiled), collectives(compiled.as_text())
     for k, nbytes in per_step(coll, cfg.n_layers).items():
         coll[k]["bytes_per_step"] = nbytes
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
@@ -175,7 +174,5 @@ def run(quick: bool = False) -> list:
               flush=True)
         records.append(rec)
     if not quick and any(r.get("status") == "ok" for r in records):  # compiled figures live beside the others
-        from . import common
-        common.write_results(str(Path(__file__).resolve().parent / "results" / "h100-compiled"), "plan", records,
-                             common.env_info())
+        write_results(str(RESULTS_DIR / "h100-compiled"), "plan", records, measure.env_info())
     return records

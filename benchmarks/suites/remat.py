@@ -1,30 +1,9 @@
 """Remat suite: what each activation-checkpointing policy keeps for the backward pass, and what it recomputes.
 
-    python -m benchmarks run --suite remat [--quick]
+    records = run(quick=True, policies=("none", "full"))    # python -m benchmarks run --suite remat [--quick]
 
-One record per (framework, target, shape, policy), ``impl`` = the policy; ``measured`` holds the numbers and
-their ratio to ``none`` (``bytes_ratio``, ``flops_ratio``: the recompute cost); ``summary`` is the table cell.
-
-* JAX: the bf16 train step (``jaxattn.train.make_train_step``, AdamW) compiled, never run, from
-  ShapeDtypeStructs (``nnx.eval_shape``: the 1b model is never materialised): ``memory_analysis()`` temp bytes
-  (the step's peak scratch: activations, but also logits and optimizer temporaries, whichever is larger),
-  ``residual_bytes`` (``jax.ad_checkpoint.saved_residuals`` of the bf16 loss, parameters excluded: what the
-  forward keeps for the backward, the twin of torch's count) and ``cost_analysis()`` FLOPs, on the CPU backend and deviceless for
-  an H100 (``jaxattn.gpu_target``; flash attention; "compiled for H100, not run"; skipped with the reason where
-  the CUDA plugin is missing; ``offload`` there puts the tags in the H100's ``pinned_host`` space, counted in
-  ``host_temp_bytes``). XLA's cost analysis counts the layer scan's body once, so FLOPs ratios are per
-  layer + head, which is what remat changes.
-* torch: the bf16 (autocast) train step's forward + backward run on this machine: the bytes of tensor storages
-  created by the forward and still alive when it returns (what autograd, checkpoint frames and selective-
-  checkpoint caches keep for the backward; parameters excluded), counted with a ``TorchDispatchMode``;
-  FLOPs of forward + backward (recompute included) with ``torch.utils.flop_counter.FlopCounterMode``; on a GPU
-  also ``torch.cuda.max_memory_allocated`` of the step. The 1b shape is too big for torch on CPU: its rows use
-  the 1b layer shape with ``n_layers=2`` and seq 512 (JAX is compiled at that shape too, for a like-for-like row).
-  On CPU host and device memory are one, so ``offload`` saves nothing there; on a GPU the offloaded copies are
-  on the host and not counted.
-
-Expected order of bytes: none > save_dots > save_qkv_attn > full; ``order_holds`` in each ``none`` record says
-whether it does.
+JAX: the bf16 train step compiled (CPU and deviceless H100), never run; torch: the step run here, bytes kept for
+the backward counted. What is measured and how: benchmarks/NOTES.md ("remat").
 """
 from __future__ import annotations
 
@@ -32,7 +11,11 @@ import gc
 import time
 import weakref
 
-from . import common
+import numpy as np
+
+from .. import measure
+from ..tools.compile import cost_stats, memory_stats
+from ..tools.deviceless import target_config
 
 ORDER = ("none", "save_dots", "save_qkv_attn", "full")
 LABEL = "compiled for H100, not run"
@@ -132,9 +115,7 @@ def jax_residual_bytes(cfg, policy: str, batch: int, seq: int) -> int:
 
 
 def _jax_record(compiled, base: dict, t0: float) -> dict:
-    from .compile import _cost, _memory
-
-    mem, cost = _memory(compiled), _cost(compiled)
+    mem, cost = memory_stats(compiled), cost_stats(compiled)
     host = compiled.memory_analysis()
     m = {"temp_bytes": mem["temp"], "argument_bytes": mem["argument"], "output_bytes": mem["output"],
          "host_temp_bytes": int(getattr(host, "host_temp_size_in_bytes", 0) or 0), "flops": cost["xla_flops"],
@@ -155,7 +136,6 @@ def _jax_records(cases, policies, targets, log) -> list:
         why = gpu_target.unavailable_reason()
         if why is None:
             try:
-                from .compile import target_config
                 devs = gpu_target.devices(target_config("h100"))
             except Exception as e:  # a plugin that is installed but does not start
                 why = f"{type(e).__name__}: {e}"
@@ -245,7 +225,6 @@ def torch_saved_bytes(model, batch, policy: str = "bf16") -> dict:
 
 
 def _torch_records(cases, policies, log) -> list:
-    import numpy as np
     import torch
 
     from torchref import remat
@@ -266,10 +245,10 @@ def _torch_records(cases, policies, log) -> list:
                         n_layers=cfg.n_layers, B=b, S=s, dtype="bf16")
             t0 = time.perf_counter()
             remat.apply(model, policy)
-            common.torch_reset_peak()
+            measure.torch_reset_peak()
             out = torch_saved_bytes(model, {"tokens": tokens})
             m = {"saved_bytes": out["saved_bytes"].get(dev, 0), "saved_bytes_by_device": out["saved_bytes"],
-                 "flops": out["flops"], "peak_mem_bytes": common.torch_peak_memory(),
+                 "flops": out["flops"], "peak_mem_bytes": measure.torch_peak_memory(),
                  "run_s": round(time.perf_counter() - t0, 1)}
             records.append(dict(base, status="ok", measured=m))
             log(f"  torch {dev} {preset} L={cfg.n_layers} B={b} S={s} {policy}: saved "

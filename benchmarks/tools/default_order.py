@@ -1,7 +1,7 @@
 """What the GPU default attention order should be, by evidence: reads the ``gpu`` test log and the attention
 suite's JSON from one GPU session and prints the order the measurements support beside the current one.
 
-    python -m benchmarks.default_order --tests out/gpu_tests.log --attention out/results/<device>/attention.json
+    python -m benchmarks.tools.default_order --tests out/gpu_tests.log --attention out/results/<device>/attention.json
 
 A backend may enter the default list only if its compiled ``gpu`` tests passed in that log (CONVENTIONS §4);
 among those, the order is by median time over the shapes every candidate ran (fwd+bwd first, then fwd).
@@ -47,7 +47,7 @@ def ranking(records: list) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.default_order", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.default_order", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tests", required=True, help="log of `pytest -m gpu -rA` from the GPU session")
     p.add_argument("--attention", required=True, help="attention.json written by the attention suite")

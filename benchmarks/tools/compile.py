@@ -1,21 +1,13 @@
-"""``python -m benchmarks compile [--target h100|h200] [--quick] [--out DIR]``: compile our GPU programs for an
-H100/H200 on a machine without a GPU ("deviceless") and report what the compiler made of them.
+"""``python -m benchmarks compile [--target h100|h200] [--quick] [--search] [--out DIR]``: compile our GPU programs
+for an H100/H200 on a machine without a GPU ("deviceless") and report what the compiler made of them.
 
     python -m benchmarks compile --quick          # a few kernels + the tiny model, about 2 minutes on 2 cores
-    python -m benchmarks compile --search         # block-size search (benchmarks/block_search.py)
 
-Kernels (one record each): the flash forward / dq / dkv Pallas-Triton kernels at D 64/128/256 in bf16, fp16
-and fp32 (one fwd+bwd compile per (D, dtype)), the Mosaic GPU forward at D 64/128/256 in bf16/fp16: registers
-and spills (``ptxas -v --gpu-name=sm_90a``), stack, shared memory and threads (XLA's launch list; Mosaic:
-``.maxntid`` and its planned shared memory), occupancy on the H100 limits, and the tensor-core instructions in
-the SASS (``cuobjdump -sass``: HGMMA = wgmma, HMMA = mma.sync). Programs: the jitted model forward and the
-full train step (``jaxattn.train.make_train_step``, bf16 policy, flash attention) for ``tiny`` and ``1b``,
-built from ShapeDtypeStructs (``nnx.eval_shape``: the 1b model is never materialised): compiled memory
-(arguments, outputs, temporaries, peak) and XLA's cost analysis of the compiled module, beside the analytic
-FLOPs. Writes ``kernels.json``, ``programs.json``, ``report.md`` and ``kernels.png`` (registers, spills and
-shared memory per kernel) under ``--out`` (default ``benchmarks/results/<target>-compiled[-quick]/``). Every
-figure is "compiled for H100, not run". The same measurements as a suite of ``python -m benchmarks run``:
-``--suite compile`` (:func:`run`; ``compile.json`` and ``compile_kernels.png`` beside the other suites).
+Kernels: the flash forward / dq / dkv and Mosaic forward kernels per head dim and dtype (registers, spills, shared
+memory, occupancy, tensor-core instructions); programs: the model forward and the bf16 train step (compiled
+memory, XLA's FLOPs beside the analytic count). Writes ``kernels.json``, ``programs.json``, ``report.md`` and
+``kernels.png`` under ``--out`` (default ``benchmarks/results/<target>-compiled[-quick]/``); ``--search`` runs
+the block-size search instead. Every figure is "compiled for H100, not run" (details: benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -23,10 +15,10 @@ import argparse
 import dataclasses
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin starts without a CUDA runtime
@@ -36,36 +28,17 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
 
-from . import common, kernel_stats  # noqa: E402
+from .. import measure  # noqa: E402
+from ..report.plots import plot_suite  # noqa: E402
+from ..report.records import RESULTS_DIR, check_out_dir, write_results, write_text_atomic  # noqa: E402
+from . import block_search, compile_tables, kernel_stats  # noqa: E402
+from .compile_tables import LABEL  # noqa: E402
+from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 
-TARGETS_DIR = Path(__file__).resolve().parent / "targets"
-TARGETS = ("h100", "h200")
-LABEL = "compiled for {target}, not run"
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
 
-def target_config(name: str) -> str:
-    """Text of ``benchmarks/targets/<name>.txtpb`` (name in :data:`TARGETS`)."""
-    if name not in TARGETS:
-        raise ValueError(f"unknown target {name!r}; choose one of {TARGETS}")
-    return (TARGETS_DIR / f"{name}.txtpb").read_text()
-
-
-# ------------------------------------------------------------------------------------------------- shapes
-@dataclasses.dataclass(frozen=True)
-class AttnShape:
-    b: int = 1
-    s: int = 4096
-    hq: int = 16
-    hkv: int = 16
-    causal: bool = True
-
-
-BENCH_SHAPE = AttnShape()                          # the shape of the notes' peer comparison
-GATE_SHAPE = AttnShape(b=1, s=256, hq=4, hkv=2)   # small: the CI gate (block sizes are capped by S)
-
-
+# ------------------------------------------------------------------------------------------------- cases
 def kernel_cases(quick: bool):
     """``[(impl, D, dtype name)]``."""
     if quick:
@@ -180,7 +153,7 @@ def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
     n = matmul_params(cfg)
     train = kind == "train_step"
     dense = (6 if train else 2) * n * batch * seq
-    attn = cfg.n_layers * common.attention_flops(batch, cfg.n_heads, seq, seq, d, True, backward=train)
+    attn = cfg.n_layers * measure.attention_flops(batch, cfg.n_heads, seq, seq, d, True, backward=train)
     return {"matmul_params": n, "dense_flops": float(dense), "attention_flops": float(attn),
             "model_flops": float(dense + attn)}
 
@@ -221,7 +194,8 @@ def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides:
     return step.jitted, gpu_target.place((state, {"tokens": tokens}), devs), cfg
 
 
-def _memory(compiled) -> dict:
+def memory_stats(compiled) -> dict:
+    """Compiled memory of an executable: argument / output / alias / temp bytes and the peak."""
     m = compiled.memory_analysis()
     out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
     peak = getattr(m, "peak_memory_in_bytes", None)
@@ -230,7 +204,7 @@ def _memory(compiled) -> dict:
     return out
 
 
-def _cost(compiled) -> dict:
+def cost_stats(compiled) -> dict:
     """XLA's HLO cost analysis of the compiled GPU module. The deviceless executable does not implement
     ``cost_analysis()``, so the optimized module is analysed by the CPU client's HloCostAnalysis; custom
     calls (our Pallas kernels) count 0 FLOPs there."""
@@ -264,8 +238,8 @@ def program_records(devs, cases, target: str, log=print) -> list:
                                                        compiler_options={"xla_dump_to": dump})
                 launches = kernel_stats.xla_launches(dump)
             text = lowered.as_text()
-            rec = dict(base, status="ok", compile_s=round(time.perf_counter() - t0, 1), **_memory(compiled),
-                       **_cost(compiled), **analytic_flops(cfg, kind, batch, seq),
+            rec = dict(base, status="ok", compile_s=round(time.perf_counter() - t0, 1), **memory_stats(compiled),
+                       **cost_stats(compiled), **analytic_flops(cfg, kind, batch, seq),
                        launches=len(launches), flash_kernels=sorted({l["name"] for l in launches
                                                                     if l["name"].startswith("flash_")}),
                        triton_calls=text.count("__gpu$xla.gpu.triton"))
@@ -288,112 +262,7 @@ def program_records(devs, cases, target: str, log=print) -> list:
     return records
 
 
-# ------------------------------------------------------------------------------------------------- report
-def _mib(x) -> str:
-    return f"{x / 2**20:,.1f}"
-
-
-def report(kernels: list, programs: list, info: dict, plot: Optional[str] = None) -> str:
-    """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel and
-    program tables (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
-    target = info["target"].upper()
-    lines = [f"# Compiled for {target}, not run", "",
-             f"Deviceless compile (`python -m benchmarks compile{' --quick' if info['quick'] else ''}`), jax "
-             f"{info.get('jax')}, jax-cuda12-plugin {info.get('plugin')}, ptxas {info.get('ptxas')}; target "
-             f"`benchmarks/targets/{info['target']}.txtpb`. Nothing here ran on a GPU: no times. Registers and "
-             "spills from `ptxas -v --gpu-name=sm_90a` on the PTX XLA/Mosaic emitted; threads and shared "
-             "memory from XLA's launch list (Mosaic: `.maxntid` and its planned allocation); occupancy = "
-             "resident warps / 64 on the H100 limits (65536 regs, 228 KB smem, 2048 threads, 32 blocks per SM); "
-             "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.", ""]
-    lines += tables(kernels, programs, target)
-    if plot:
-        lines += [f"![kernels plot]({plot})", ""]
-    return "\n".join(lines)
-
-
-def tables(kernels: list, programs: list, target: str, level: str = "##") -> list:
-    """The markdown lines of the kernel and program tables, under ``level`` headings."""
-    lines = [f"{level} Kernels (compiled for {target}, not run)", "",
-             "| impl | kernel | D | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | "
-             "occupancy | HGMMA | HMMA | TMA | cp.async |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in kernels:
-        if r.get("status") != "ok":
-            why = r.get("error") or r.get("reason") or ""
-            lines.append(f"| {r['impl']} | {r.get('status', 'error').upper()} | {r['head_dim']} | {r['dtype']} | "
-                         f"{why[:80]} | | | | | | | | | | |")
-            continue
-        sass = r.get("sass") or {}
-        ops = [sass.get(k, "n/a") for k in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")]
-        spill = f"{r['spill_stores']}/{r['spill_loads']}"
-        if r["spill_stores"] or r["spill_loads"]:
-            spill = f"**{spill}**"
-        lines.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
-                     f"{r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | {r.get('blocks_per_sm')} | "
-                     f"{r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]} |")
-    shape = kernels[0] if kernels else {}
-    lines += ["", f"Kernel shape: B={shape.get('B')}, S={shape.get('S')}, Hq={shape.get('Hq')}, "
-              f"Hkv={shape.get('Hkv')}, causal={shape.get('causal')}; flash = one fwd+bwd compile per (D, dtype).",
-              "", f"{level} Programs (compiled for {target}, not run)", "",
-              "| preset | program | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
-              "XLA GFLOP | model GFLOP (all layers) | XLA / model (1 layer) | XLA / dense (1 layer) | XLA GB accessed |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in programs:
-        if r.get("status") != "ok":
-            why = r.get("error") or r.get("reason") or ""
-            lines.append(f"| {r['preset']} | {r['kind']} | {r.get('status', 'error').upper()}: {why[:80]} "
-                         "| | | | | | | | | | | |")
-            continue
-        lines.append(f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
-                     f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
-                     f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.1f} | {r['model_flops'] / 1e9:,.1f} | "
-                     f"{r['flops_ratio']:.3f} | {r['flops_ratio_dense']:.3f} | {r['xla_bytes_accessed'] / 1e9:,.2f} |")
-    lines += ["", "Model FLOPs = 6·N·tokens + attention fwd+bwd (train step) or 2·N·tokens + attention fwd "
-              "(forward), N = matmul parameters (layers + LM head, no embedding lookup); attention by the "
-              "FlashAttention convention, causal. XLA FLOPs: HloCostAnalysis of the compiled module (the "
-              "deviceless executable has no cost_analysis), which counts a while loop's body once, so the "
-              "layer scan counts as ONE layer, and our Pallas attention kernels (custom calls) as 0: the ratios "
-              "divide by the analytic FLOPs of the same one-layer program (`layers_counted_by_xla` in the "
-              "JSON), and `XLA / dense` (no attention) is the one to compare with 1.0; above 1.0 is the "
-              "elementwise work (norms, RoPE, softmax of the loss, optimizer update). bf16 policy, flash "
-              "attention, AdamW.", ""]
-    return lines
-
-
-# ------------------------------------------------------------------------------------------------- the suite
-def run(quick: bool = False, target: str = "h100", log=print) -> list:
-    """The ``compile`` suite of ``python -m benchmarks run``: what ``python -m benchmarks compile`` measures
-    (``--quick``: its quick kernels at the small gate shape and the tiny programs), as one record list: kernel
-    records (``part`` "kernel": registers, spills, shared memory, ...) then program records (``part``
-    "program": compiled memory and FLOPs of the forward and the train step), each labelled "compiled for
-    H100, not run". Without the gpu-compile extra every record is ``skipped`` with the reason (``all`` then
-    skips the suite with a note)."""
-    kcases, pcases = kernel_cases(quick), program_cases(quick)
-    label = LABEL.format(target=target.upper())
-    reason = gpu_target.unavailable_reason()
-    if reason is not None:
-        return ([dict(part="kernel", framework="jax", impl=impl, head_dim=d, dtype=dt, label=label,
-                      status="skipped", reason=reason) for impl, d, dt in kcases]
-                + [dict(part="program", framework="jax", impl=kind, preset=preset, kind=kind, label=label,
-                        status="skipped", reason=reason) for preset, kind, _, _, _ in pcases])
-    devs = gpu_target.devices(target_config(target))
-    kernels = kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)
-    programs = program_records(devs, pcases, target, log=log)
-    return ([dict(r, part="kernel", framework="jax") for r in kernels]
-            + [dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs])
-
-
-def suite_tables(records: list) -> str:
-    """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records."""
-    label = next((r["label"] for r in records if r.get("label")), LABEL.format(target="H100"))
-    target = label.replace("compiled for ", "").replace(", not run", "")
-    kernels = [r for r in records if r.get("part") == "kernel"]
-    programs = [r for r in records if r.get("part") == "program"]
-    return "\n".join(tables(kernels, programs, target, level="###")).rstrip()
-
-
 def _tool_version(name: str) -> Optional[str]:
-    import subprocess
     path = gpu_target.tool_path(name)
     if path is None:
         return None
@@ -402,13 +271,12 @@ def _tool_version(name: str) -> Optional[str]:
 
 
 def _search_main(devs, args, info, out, t0) -> int:
-    from . import block_search
     rows = block_search.search(devs, quick=args.quick, log=lambda *a: print(*a, flush=True))
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     if not any(r["passed"] for r in rows):
         print("no candidate passed; no result written", file=sys.stderr)
         return 1
-    info["timed_on"] = common.jax_device_name() if any("time" in r for r in rows) else None
+    info["timed_on"] = measure.jax_device_name() if any("time" in r for r in rows) else None
     print(block_search.write(out, rows, info))
     return 0
 
@@ -422,22 +290,21 @@ def main(argv=None) -> int:
                         help="output directory (default benchmarks/results/<target>-compiled[-quick])")
     parser.add_argument("--skip-programs", action="store_true", help="kernels only")
     parser.add_argument("--search", action="store_true",
-                        help="block-size search instead (benchmarks/block_search.py): deviceless resource filter "
+                        help="block-size search instead (benchmarks/tools/block_search.py): deviceless resource filter "
                              "of every candidate, then timings when a GPU is present; writes block_search.json/md")
     args = parser.parse_args(argv)
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a GPU here: {reason}")
-    out = args.out or str(Path(__file__).resolve().parent / "results" /
-                          f"{args.target}-compiled{'-quick' if args.quick else ''}")
+    out = args.out or str(RESULTS_DIR / f"{args.target}-compiled{'-quick' if args.quick else ''}")
     try:
-        out = common.check_out_dir(out)
+        out = check_out_dir(out)
     except ValueError as e:
         parser.error(str(e))
 
     t0 = time.perf_counter()
     devs = gpu_target.devices(target_config(args.target))
-    info = common.env_info()
+    info = measure.env_info()
     info.update(target=args.target, target_device=devs[0].device_kind, quick=args.quick,
                 plugin=gpu_target._version("jax-cuda12-plugin"), ptxas=_tool_version("ptxas"),
                 cuobjdump=_tool_version("cuobjdump"), label=LABEL.format(target=args.target.upper()))
@@ -451,12 +318,12 @@ def main(argv=None) -> int:
     if not any(r.get("status") == "ok" for r in kernels + programs):
         print("nothing compiled; no result written", file=sys.stderr)
         return 1
-    common.write_results(out, "kernels", kernels, info)
+    write_results(out, "kernels", kernels, info)
     if programs:
-        common.write_results(out, "programs", programs, info)
-    plot = common.plot_suite(out, "kernels", kernels, info)
-    text = report(kernels, programs, info, os.path.basename(plot.path) if plot else None)
-    common.write_text_atomic(os.path.join(out, "report.md"), text)
+        write_results(out, "programs", programs, info)
+    plot = plot_suite(out, "kernels", kernels, info)
+    text = compile_tables.report(kernels, programs, info, os.path.basename(plot.path) if plot else None)
+    write_text_atomic(os.path.join(out, "report.md"), text)
     print(text)
     print(f"wrote {out} in {info['wall_s']}s")
     failed = [r for r in kernels + programs if r.get("status") != "ok"]

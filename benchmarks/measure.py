@@ -1,0 +1,114 @@
+"""Measuring on this machine: synchronized timing, peak memory, FLOPs of attention, device and environment.
+
+    t = timeit(fn, x, warmup=3, iters=20)     # {"median_s", "p10_s", "p90_s", "iters"} (jaxattn.spec.timing)
+
+The loop and statistics are ``jaxattn.spec.timing``'s, the synchronisation and peak memory ``jaxattn.profiling``
+/ ``torchref.profiling``'s, so trainers and benchmarks time alike (CONVENTIONS §9; see benchmarks/NOTES.md).
+"""
+from __future__ import annotations
+
+import platform
+import re
+import sys
+import time
+from typing import Any, Callable, Optional
+
+from jaxattn.spec.timing import time_calls
+
+
+def sync(out: Any = None) -> None:
+    """Wait for device work behind ``out`` with each loaded framework's ``profiling.synchronize`` (jax arrays,
+    torch tensors, or pytrees of them); a framework that is not imported is not touched."""
+    if "jax" in sys.modules:
+        from jaxattn.profiling import synchronize as jax_sync
+
+        if out is not None:  # None: nothing of jax's to wait for (jax_sync() would wait on every live array)
+            jax_sync(out)
+    if "torch" in sys.modules:
+        from torchref.profiling import synchronize as torch_sync
+
+        torch_sync(out)
+
+
+def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> dict:
+    """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` synchronized calls after ``warmup`` calls
+    (``jaxattn.spec.timing.time_calls``, the loop both profiling modules use, closed by :func:`sync`)."""
+    return time_calls(fn, *args, warmup=warmup, iters=iters, sync=sync, **kwargs)
+
+
+def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool, backward: bool = False) -> float:
+    """FlashAttention convention: forward 4*B*H*Sq*Sk*D (halved when causal); forward+backward = 3.5x forward."""
+    f = 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
+    return f * 3.5 if backward else f
+
+
+def jax_device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        return f"cpu ({platform.processor() or platform.machine()})"
+    return getattr(d, "device_kind", d.platform)
+
+
+def jax_peak_memory() -> Optional[int]:
+    """Peak bytes in use on the first jax device since start (None where the backend keeps no stats, e.g. CPU)."""
+    from jaxattn.profiling import peak_memory_bytes
+
+    return peak_memory_bytes(host_fallback=False)
+
+
+def jax_compiled_memory(fn: Callable, *args) -> Optional[int]:
+    """Bytes XLA assigns to jitted ``fn`` at ``args`` (arguments + outputs + temporaries - aliased), or None."""
+    from jaxattn.profiling import compiled_memory
+
+    try:
+        ma = compiled_memory(fn, *args)
+    except Exception:  # a backend that cannot analyse (or lower) this function: no number, not a failure
+        return None
+    return None if ma is None else ma["total"]
+
+
+def torch_reset_peak() -> None:
+    from torchref.profiling import reset_peak_memory
+
+    reset_peak_memory()
+
+
+def torch_peak_memory() -> Optional[int]:
+    """``torch.cuda.max_memory_allocated`` since the last :func:`torch_reset_peak` (None on CPU)."""
+    from torchref.profiling import peak_memory_bytes
+
+    return peak_memory_bytes(host_fallback=False)
+
+
+def env_info() -> dict:
+    """Device name, host and library versions for a result file."""
+    info = {"python": platform.python_version(), "host": platform.node(), "time_utc": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for mod in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "numpy"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # not installed
+            info[mod] = None
+    try:
+        info["jax_device"] = jax_device_name()
+        import jax
+
+        info["jax_backend"] = jax.default_backend()
+    except Exception as e:  # pragma: no cover
+        info["jax_device"] = f"unavailable: {e}"
+    try:
+        import torch
+
+        info["torch_device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:
+        info["torch_device"] = None
+    return info
+
+
+def device_slug(info: dict) -> str:
+    """The results directory name of a device: ``"cpu"`` for any CPU, else the device name made path-safe."""
+    name = info.get("jax_device") or "unknown"
+    name = "cpu" if name.startswith("cpu") else name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()

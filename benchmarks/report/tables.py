@@ -1,0 +1,87 @@
+"""Markdown tables of result records: JAX and torch side by side with the speed-up column, per suite.
+
+    print(suite_table("model", records))   # report_table, or the table a suite/tool registered for itself
+
+A suite or tool whose records need their own layout contributes it with :func:`register_table` (the compile
+tables: ``benchmarks.tools.compile_tables``), so this room imports none of them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+from .records import impl_label
+
+# Record keys that are results, not row keys of the report table (``device``: where that framework ran, so JAX and
+# torch share a row even when they ran on different devices).
+MEASURED = {"median_ms", "p10_ms", "p90_ms", "tflops", "tokens_per_s", "peak_mem_bytes", "mfu", "max_abs_diff",
+            "status", "reason", "impl", "framework", "iters", "measured", "summary", "device"}
+SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
+SPEEDUP_NOTE = (f"**{SPEEDUP_COLUMN}**: the fastest torch median over the fastest JAX median in that row; "
+                "above 1.00x JAX is faster, below it torch is.")
+# suite name -> fn(records) -> markdown, for suites that keep their own tables (filled by register_table)
+SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {}
+
+
+def register_table(suite: str):
+    """Decorator: ``fn(records) -> markdown`` becomes :func:`suite_table`'s table of ``suite``."""
+    def register(fn: Callable[[list[dict]], str]) -> Callable[[list[dict]], str]:
+        SUITE_TABLES[suite] = fn
+        return fn
+
+    return register
+
+
+def _fmt(r: dict) -> str:
+    if r.get("status", "ok") != "ok":
+        return "—"
+    if "median_ms" not in r:  # an untimed record (e.g. the remat suite's bytes): its own summary
+        return str(r.get("summary", ""))
+    s = f"{r['median_ms']:.3g} ms"
+    if r.get("tflops"):
+        s += f" ({r['tflops']:.3g} TF/s)"
+    elif r.get("tokens_per_s"):
+        s += f" ({r['tokens_per_s']:.3g} tok/s)"
+    return s
+
+
+def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, dict, float]]]:
+    """The rows of :func:`report_table`: ``(row keys, [(key values, {impl: record}, speed-up)])``, one row per
+    shape/pass (records agreeing on every non-:data:`MEASURED` key). Speed-up = :data:`SPEEDUP_COLUMN`: the
+    fastest ok torch ``median_ms`` over the fastest ok JAX one in that row (> 1: JAX is faster; for a
+    throughput row, the same tokens in both, it is JAX tokens/s over torch tokens/s); NaN unless both
+    frameworks timed that row. The one definition the report and the README (``report.readme``) use."""
+    records = list(records)
+    keys = [k for k in dict.fromkeys(k for r in records for k in r) if k not in MEASURED and k != "suite"]
+    rows: dict[tuple, dict] = {}
+    for r in records:
+        rows.setdefault(tuple(r.get(k) for k in keys), {})[impl_label(r)] = r
+    out = []
+    for key, cells in rows.items():
+        best = {fw: min((c["median_ms"] for c in cells.values() if c.get("framework") == fw
+                         and c.get("status", "ok") == "ok" and isinstance(c.get("median_ms"), (int, float))),
+                        default=math.nan) for fw in ("jax", "torch")}
+        both = best["jax"] == best["jax"] and best["torch"] == best["torch"]  # neither is NaN
+        ratio = best["torch"] / best["jax"] if both else math.nan
+        out.append((key, cells, ratio))
+    return keys, out
+
+
+def report_table(records: Iterable[dict]) -> str:
+    """Markdown table: one row per shape/pass, one column per implementation, and :data:`SPEEDUP_COLUMN`
+    (fastest torch time / fastest JAX time; > 1 means JAX is faster), rows from :func:`speedup_rows`."""
+    records = list(records)
+    impls = list(dict.fromkeys(impl_label(r) for r in records))
+    keys, rows = speedup_rows(records)
+    head = "| " + " | ".join(keys + impls + [SPEEDUP_COLUMN]) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + len(impls) + 1)]
+    for key, cells, ratio in rows:
+        vals = ["" if v is None else str(v) for v in key] + [_fmt(cells[i]) if i in cells else "" for i in impls]
+        lines.append("| " + " | ".join(vals + ["" if math.isnan(ratio) else f"{ratio:.2f}x"]) + " |")
+    return "\n".join(lines)
+
+
+def suite_table(suite: str, records: list[dict]) -> str:
+    """The markdown table of one suite: the one it registered (:data:`SUITE_TABLES`, e.g. the ``compile``
+    suite's kernel and program tables), else :func:`report_table` (JAX and torch side by side)."""
+    return SUITE_TABLES.get(suite, report_table)(records)

@@ -1,0 +1,36 @@
+"""The ``compile`` suite: what ``python -m benchmarks compile`` measures, as one record list of a run.
+
+    records = run(quick=True)   # kernel records, then program records ("compiled for H100, not run")
+
+The measurements are the compile tool's (``benchmarks/tools/compile.py``), its report.md section the tool's
+tables (``benchmarks/tools/compile_tables.py``); without the gpu-compile extra every record is skipped.
+"""
+from __future__ import annotations
+
+from jaxattn import gpu_target
+
+from ..tools import compile as tc
+from ..tools.compile_tables import LABEL
+from ..tools.deviceless import BENCH_SHAPE, GATE_SHAPE, target_config
+
+
+def run(quick: bool = False, target: str = "h100", log=print) -> list:
+    """The ``compile`` suite of ``python -m benchmarks run``: what ``python -m benchmarks compile`` measures
+    (``--quick``: its quick kernels at the small gate shape and the tiny programs), as one record list: kernel
+    records (``part`` "kernel": registers, spills, shared memory, ...) then program records (``part``
+    "program": compiled memory and FLOPs of the forward and the train step), each labelled "compiled for
+    H100, not run". Without the gpu-compile extra every record is ``skipped`` with the reason (``all`` then
+    skips the suite with a note)."""
+    kcases, pcases = tc.kernel_cases(quick), tc.program_cases(quick)
+    label = LABEL.format(target=target.upper())
+    reason = gpu_target.unavailable_reason()
+    if reason is not None:
+        return ([dict(part="kernel", framework="jax", impl=impl, head_dim=d, dtype=dt, label=label,
+                      status="skipped", reason=reason) for impl, d, dt in kcases]
+                + [dict(part="program", framework="jax", impl=kind, preset=preset, kind=kind, label=label,
+                        status="skipped", reason=reason) for preset, kind, _, _, _ in pcases])
+    devs = gpu_target.devices(target_config(target))
+    kernels = tc.kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)
+    programs = tc.program_records(devs, pcases, target, log=log)
+    return ([dict(r, part="kernel", framework="jax") for r in kernels]
+            + [dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs])
