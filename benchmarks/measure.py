@@ -36,12 +36,6 @@ def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> d
     return time_calls(fn, *args, warmup=warmup, iters=iters, sync=sync, **kwargs)
 
 
-def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool, backward: bool = False) -> float:
-    """FlashAttention convention: forward 4*B*H*Sq*Sk*D (halved when causal); forward+backward = 3.5x forward."""
-    f = 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
-    return f * 3.5 if backward else f
-
-
 def jax_device_name() -> str:
     import jax
 

@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 
 from benchmarks import __main__ as cli  # noqa: E402
 from benchmarks import measure  # noqa: E402
+from jaxattn.spec.flops import attention_flops  # noqa: E402
 from benchmarks.report import records, tables  # noqa: E402
 from benchmarks.suites import attention as attention_suite  # noqa: E402
 
@@ -22,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_flops_convention():
     # FlashAttention: forward 4*B*H*Sq*Sk*D, halved when causal; forward+backward 3.5x forward
-    assert measure.attention_flops(2, 8, 1024, 1024, 128, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
-    assert measure.attention_flops(2, 8, 1024, 1024, 128, causal=True) == 2 * 2 * 8 * 1024 * 1024 * 128
-    assert measure.attention_flops(1, 1, 4, 4, 2, causal=False, backward=True) == 3.5 * 4 * 4 * 4 * 2
+    assert attention_flops(2, 8, 1024, 1024, 128, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
+    assert attention_flops(2, 8, 1024, 1024, 128, causal=True) == 2 * 2 * 8 * 1024 * 1024 * 128
+    assert attention_flops(1, 1, 4, 4, 2, causal=False, backward=True) == 3.5 * 4 * 4 * 4 * 2
 
 
 def test_report_table_ratio():

@@ -22,15 +22,20 @@ def test_peaks_table():
     assert peaks.mfu(1e9, 1e3, 1e13) == pytest.approx(0.1)
 
 
-def test_flops_per_token_counts_params():
+def test_flops_per_token_counts_matmul_params():
+    """One FLOP formula (``jaxattn.spec.flops``) for the train suite and the compile tool: 6·N per token for the N
+    parameters in a matmul (the model's parameters but the embedding lookup's table and the norms) + attention."""
+    from jaxattn.spec.flops import flops_per_token, model_flops
+    from jaxattn.spec.params import matmul_param_count
     from torchref.config import ModelConfig
     from torchref.model import LlamaForCausalLM
 
     cfg = ModelConfig.preset("tiny")
-    fpt, n = train.flops_per_token(cfg, 128)
-    total = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-    assert n == total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-    assert fpt > 6 * n
+    named = dict(LlamaForCausalLM(cfg).named_parameters())
+    n = sum(p.numel() for k, p in named.items() if not k.endswith("norm.weight") and "embed_tokens" not in k)
+    assert matmul_param_count(cfg) == n
+    fpt = flops_per_token(cfg, 128)
+    assert fpt > 6 * n and fpt == model_flops(cfg, 2, 128, train=True)["model_flops"] / 256
 
 
 def test_unknown_toggle_is_refused():

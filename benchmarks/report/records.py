@@ -7,11 +7,12 @@ A record is a flat dict; every file is written to a temporary file beside it and
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from jaxattn.spec.atomic import atomic_path, write_text_atomic  # noqa: F401 - the benchmarks' writes
 
 # The committed results: benchmarks/results/<device>[-quick]/, <target>-compiled/, train-example/.
 RESULTS_DIR = Path(os.path.abspath(__file__)).parent.parent / "results"
@@ -46,35 +47,6 @@ def check_out_dir(out_dir: str) -> str:
     except OSError as e:
         raise ValueError(f"--out {out_dir!r} is not writable: cannot create a file in {probe} "
                          f"({e.strerror or e}); pick a writable directory") from None
-    return path
-
-
-@contextlib.contextmanager
-def atomic_path(path: str):
-    """Yields a temporary path beside ``path``; when the block completes it is fsynced and moved onto ``path``
-    (``os.replace``, with the umask's permissions); when the block raises it is removed and ``path`` is left
-    untouched."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def write_text_atomic(path: str, text: str) -> str:
-    with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
-            f.write(text)
     return path
 
 

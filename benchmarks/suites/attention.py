@@ -10,6 +10,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from jaxattn.spec.flops import attention_flops
+
 from .. import measure
 
 MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
@@ -146,7 +148,7 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None):
                 if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
                     reason = f"error: {_first_line(e)}"
                 continue
-            fl = measure.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             records.append(_record(name, "jax", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
                                    tflops=fl / t["median_s"] / 1e12,
                                    peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
@@ -206,7 +208,7 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None):
                 records.append(_record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}",
                                        **_kw(base)))
                 continue
-            fl = measure.attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             records.append(_record(impl, "torch", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
                                    tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=measure.torch_peak_memory(),
                                    **_kw(base)))

@@ -114,7 +114,7 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     from jaxattn.attention import attention_backend
     from jaxattn.config import ModelConfig
     from jaxattn.model import Llama
-    from jaxattn.train import TrainState, make_train_step
+    from jaxattn.train_step import TrainState, make_train_step
 
     cfg = ModelConfig.preset(preset)
     mesh = sharding.make_mesh(spec, devices=devs)
@@ -136,10 +136,10 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     args = (jax.tree.map(lambda s, sub: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                                       sub), state_sh, state),
             {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)})
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    step = make_train_step(graphdef, tx, policy="bf16", shardings=((state_sh, batch_sh), (state_sh, replicated)))
+    plan = sharding.TrainSharding(mesh, state_sh, batch_sh)  # shard_train_state's, for an abstract state
+    step = make_train_step(graphdef, tx, policy="bf16", sharding=plan)
     t0 = time.perf_counter()
-    with attention_backend("flash"), sharding.activation_sharding(mesh):  # as make_sharded_train_step traces it
+    with attention_backend("flash"), plan.tracing():  # as the step traces itself
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
     mem, coll = memory_stats(compiled), collectives(compiled.as_text())
     for k, nbytes in per_step(coll, cfg.n_layers).items():

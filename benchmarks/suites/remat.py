@@ -76,7 +76,7 @@ def _jax_step(cfg, policy: str, batch: int, seq: int, device=None):
 
     from jaxattn import remat
     from jaxattn.model import Llama
-    from jaxattn.train import TrainState, make_train_step
+    from jaxattn.train_step import TrainState, make_train_step
 
     tx = optax.adamw(1e-4)
     model = remat.apply(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), policy, device=device)
@@ -100,7 +100,7 @@ def jax_residual_bytes(cfg, policy: str, batch: int, seq: int) -> int:
 
     from jaxattn import remat
     from jaxattn.model import Llama
-    from jaxattn.train import loss_fn
+    from jaxattn.train_step import loss_fn
 
     model = remat.apply(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), policy)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -189,7 +189,7 @@ def torch_saved_bytes(model, batch, policy: str = "bf16") -> dict:
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import FlopCounterMode
 
-    from torchref.train import loss_fn
+    from torchref.train_step import loss_fn
 
     class Created(TorchDispatchMode):
         def __init__(self):

@@ -13,6 +13,9 @@ from typing import Optional
 
 import numpy as np
 
+from jaxattn.spec.flops import flops_per_token
+from jaxattn.spec.params import matmul_param_count
+
 from .. import measure
 from ..twins import jax_config, twin_models
 from . import peaks
@@ -64,16 +67,6 @@ def _torch_model(tcfg, weights: dict):
     return thf.from_state_dict(tcfg, {k: torch.tensor(v) for k, v in weights.items()})
 
 
-def flops_per_token(cfg, seq: int) -> tuple[float, int]:
-    """``(6*N + attention FLOPs per token, N)`` for one training step (forward + backward)."""
-    d, v, f, L = cfg.dim, cfg.vocab_size, cfg.ffn_dim, cfg.n_layers
-    hd = getattr(cfg, "head_dim", None) or d // cfg.n_heads
-    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * f + 2 * d
-    n = L * per_layer + d + v * d  # + final norm + head (tied: the head is the embedding, counted once)
-    attn = measure.attention_flops(1, cfg.n_heads, seq, seq, hd, causal=True, backward=True) * L / seq
-    return 6.0 * n + attn, n
-
-
 def _settings(toggle: str, fw: str) -> dict:
     s = {**BASELINE, **TOGGLES[toggle]}
     att = s["attention"]
@@ -86,7 +79,7 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
     import jax.numpy as jnp
 
     from jaxattn import optim, remat
-    from jaxattn.train import TrainState, make_train_step
+    from jaxattn.train_step import TrainState, make_train_step
 
     jmodel = remat.apply(_jax_model(tcfg, weights), s["remat"])
     tx = optim.build(s["optimizer"], LR, 0.1)
@@ -126,7 +119,7 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
     from torchref import attention as tattn
     from torchref import optim, remat
     from torchref.precision import get_policy
-    from torchref.train import make_train_step
+    from torchref.train_step import make_train_step
 
     model = _torch_model(tcfg, weights).to(dev).train()
     model = remat.apply(model, s["remat"])
@@ -171,7 +164,7 @@ def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: O
     warmup, iters = (2, 5) if quick else (3, 20)
     preset, b, seq = _shape(quick)
     tcfg = TConfig.preset(preset)
-    fpt, n_params = flops_per_token(tcfg, seq)
+    fpt, n_params = flops_per_token(tcfg, seq), matmul_param_count(tcfg)
     peak, peak_reason = peaks.peak_flops(measure.jax_device_name())
     tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32)
     weights = _weights(tcfg)

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
+from jaxattn.spec.flops import model_flops  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
@@ -137,25 +138,9 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
 
 
 # ------------------------------------------------------------------------------------------------- programs
-def matmul_params(cfg) -> int:
-    """Parameters that take part in a matmul per token: every layer's projections and MLP, plus the LM head
-    (the embedding lookup does no FLOPs). The N of the 6·N·tokens rule."""
-    d = cfg.resolved_head_dim if hasattr(cfg, "resolved_head_dim") else (cfg.head_dim or cfg.dim // cfg.n_heads)
-    attn = cfg.dim * d * (cfg.n_heads + 2 * cfg.n_kv_heads) + cfg.n_heads * d * cfg.dim
-    mlp = 3 * cfg.dim * cfg.ffn_dim
-    return cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-
-
 def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
-    """Model FLOPs: 6·N·tokens + attention (fwd+bwd) for a train step, 2·N·tokens + attention (fwd) for a
-    forward; attention by the FlashAttention convention (causal halves it)."""
-    d = cfg.resolved_head_dim if hasattr(cfg, "resolved_head_dim") else (cfg.head_dim or cfg.dim // cfg.n_heads)
-    n = matmul_params(cfg)
-    train = kind == "train_step"
-    dense = (6 if train else 2) * n * batch * seq
-    attn = cfg.n_layers * measure.attention_flops(batch, cfg.n_heads, seq, seq, d, True, backward=train)
-    return {"matmul_params": n, "dense_flops": float(dense), "attention_flops": float(attn),
-            "model_flops": float(dense + attn)}
+    """Model FLOPs of a ``forward`` or a ``train_step`` (``jaxattn.spec.flops``: 6·N·tokens + attention)."""
+    return model_flops(cfg, batch, seq, train=kind == "train_step")
 
 
 def _abstract_model(cfg):
@@ -186,7 +171,7 @@ def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides:
     if kind != "train_step":
         raise ValueError(f"kind must be 'forward' or 'train_step', got {kind!r}")
     from jaxattn.model import Llama
-    from jaxattn.train import TrainState, make_train_step
+    from jaxattn.train_step import TrainState, make_train_step
     tx = optax.adamw(1e-4)
     graphdef = nnx.split(_abstract_model(cfg), nnx.Param, ...)[0]
     state = jax.eval_shape(lambda: TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx, policy="bf16")[1])
