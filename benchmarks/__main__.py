@@ -31,7 +31,7 @@ from .report.plots import plot_suite  # noqa: E402
 from .report.records import RESULTS_DIR, check_out_dir, write_results  # noqa: E402
 from .report.tables import suite_table  # noqa: E402
 from .suites import SUITES, attention  # noqa: E402
-from .tools import compile_tables, train_example  # noqa: E402, F401  (compile_tables: registers its tables)
+from .tools import train_example  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -2,14 +2,15 @@
 
     rebuild_report("benchmarks/results/cpu")   # python -m benchmarks report DIR: report.md + plots from the JSON
 
-A tool whose directory has its own report (``python -m benchmarks compile``: ``kernels.json``) contributes it
-with :func:`register_dir_report` (``benchmarks.tools.compile_tables``), so this room imports no tool.
+A tool's directory with its own report (``python -m benchmarks compile``: ``kernels.json``) gets it from
+:data:`DIR_REPORTS`.
 """
 from __future__ import annotations
 
 import os
 from typing import Callable, Iterable, Optional
 
+from . import compile_tables
 from .plots import PLOT_FILES, plot_suite
 from .records import impl_label, read_results, write_text_atomic
 from .tables import SPEEDUP_NOTE, suite_table
@@ -18,17 +19,7 @@ from .tables import SPEEDUP_NOTE, suite_table
 # their own report layout, not JAX-vs-torch timings; ``report`` leaves them to their own commands.
 COMPILED_SUITES = ("kernels", "programs", "plan", "block_search")
 # the JSON that marks a tool's directory -> fn(found results, plot file name or None) -> that tool's report.md
-DIR_REPORTS: dict[str, Callable[[dict, Optional[str]], str]] = {}
-
-
-def register_dir_report(marker: str):
-    """Decorator: ``fn(found, plot) -> markdown`` writes the report of a directory holding ``<marker>.json``
-    (``found``: :func:`~benchmarks.report.records.read_results` of it)."""
-    def register(fn: Callable[[dict, Optional[str]], str]) -> Callable[[dict, Optional[str]], str]:
-        DIR_REPORTS[marker] = fn
-        return fn
-
-    return register
+DIR_REPORTS: dict[str, Callable[[dict, Optional[str]], str]] = {"kernels": compile_tables.dir_report}
 
 
 def render_report(suites: list[tuple[str, list[dict], Optional[str]]], info: dict, generated_by: str,
@@ -86,9 +77,6 @@ def rebuild_report(out_dir: str) -> list[str]:
                 f"whose reports their own commands write" if found else
                 "no benchmark JSON (<suite>.json with records)")
         raise ValueError(f"report: {out_dir!r} holds {what}; nothing to rebuild")
-    if not timed and "kernels" not in DIR_REPORTS:
-        raise RuntimeError("report: no report registered for kernels.json; import benchmarks.tools.compile_tables "
-                           "(python -m benchmarks report does)")
     written = []
     for suite, d in (timed or {"kernels": found["kernels"]}).items():
         plot = plot_suite(out_dir, suite, d["records"], d.get("env") or {})

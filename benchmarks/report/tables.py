@@ -1,15 +1,13 @@
 """Markdown tables of result records: JAX and torch side by side with the speed-up column, per suite.
 
-    print(suite_table("model", records))   # report_table, or the table a suite/tool registered for itself
-
-A suite or tool whose records need their own layout contributes it with :func:`register_table` (the compile
-tables: ``benchmarks.tools.compile_tables``), so this room imports none of them.
+    print(suite_table("model", records))   # report_table, or the suite's own layout (SUITE_TABLES)
 """
 from __future__ import annotations
 
 import math
 from typing import Callable, Iterable
 
+from . import compile_tables
 from .records import impl_label
 
 # Record keys that are results, not row keys of the report table (``device``: where that framework ran, so JAX and
@@ -19,17 +17,8 @@ MEASURED = {"median_ms", "p10_ms", "p90_ms", "tflops", "tokens_per_s", "peak_mem
 SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
 SPEEDUP_NOTE = (f"**{SPEEDUP_COLUMN}**: the fastest torch median over the fastest JAX median in that row; "
                 "above 1.00x JAX is faster, below it torch is.")
-# suite name -> fn(records) -> markdown, for suites that keep their own tables (filled by register_table)
-SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {}
-
-
-def register_table(suite: str):
-    """Decorator: ``fn(records) -> markdown`` becomes :func:`suite_table`'s table of ``suite``."""
-    def register(fn: Callable[[list[dict]], str]) -> Callable[[list[dict]], str]:
-        SUITE_TABLES[suite] = fn
-        return fn
-
-    return register
+# suite name -> fn(records) -> markdown, for suites whose records need their own layout
+SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {"compile": compile_tables.suite_tables}
 
 
 def _fmt(r: dict) -> str:

@@ -3,14 +3,14 @@
     records = run(quick=True)   # kernel records, then program records ("compiled for H100, not run")
 
 The measurements are the compile tool's (``benchmarks/tools/compile.py``), its report.md section the tool's
-tables (``benchmarks/tools/compile_tables.py``); without the gpu-compile extra every record is skipped.
+tables (``benchmarks/report/compile_tables.py``); without the gpu-compile extra every record is skipped.
 """
 from __future__ import annotations
 
 from jaxattn import gpu_target
 
 from ..tools import compile as tc
-from ..tools.compile_tables import LABEL
+from ..report.compile_tables import LABEL
 from ..tools.deviceless import BENCH_SHAPE, GATE_SHAPE, target_config
 
 

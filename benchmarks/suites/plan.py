@@ -17,7 +17,7 @@ from jaxattn import gpu_target
 from .. import measure
 from ..report.records import RESULTS_DIR, write_results
 from ..tools.compile import memory_stats
-from ..tools.compile_tables import LABEL
+from ..report.compile_tables import LABEL
 from ..tools.deviceless import target_config
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

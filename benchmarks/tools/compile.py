@@ -32,8 +32,9 @@ from jaxattn.spec.flops import model_flops  # noqa: E402
 from .. import measure  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
 from ..report.records import RESULTS_DIR, check_out_dir, write_results, write_text_atomic  # noqa: E402
-from . import block_search, compile_tables, kernel_stats  # noqa: E402
-from .compile_tables import LABEL  # noqa: E402
+from ..report import compile_tables  # noqa: E402
+from . import block_search, kernel_stats  # noqa: E402
+from ..report.compile_tables import LABEL  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")

@@ -1,14 +1,11 @@
 """Markdown of the deviceless compile: ``report.md`` of ``python -m benchmarks compile`` and the kernel and
-program tables, also the ``compile`` suite's section of a run's ``report.md`` (registered with the report room).
+program tables, also the ``compile`` suite's section of a run's ``report.md``.
 
     text = report(kernels, programs, env, "kernels.png")   # what benchmarks/results/h100-compiled/report.md holds
 """
 from __future__ import annotations
 
 from typing import Optional
-
-from ..report.build import register_dir_report
-from ..report.tables import register_table
 
 LABEL = "compiled for {target}, not run"  # every figure of a deviceless compile carries it
 
@@ -85,7 +82,6 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
     return lines
 
 
-@register_table("compile")
 def suite_tables(records: list) -> str:
     """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records."""
     label = next((r["label"] for r in records if r.get("label")), LABEL.format(target="H100"))
@@ -95,7 +91,6 @@ def suite_tables(records: list) -> str:
     return "\n".join(tables(kernels, programs, target, level="###")).rstrip()
 
 
-@register_dir_report("kernels")
 def dir_report(found: dict, plot: Optional[str] = None) -> str:
     """:func:`report` of a ``python -m benchmarks compile`` directory from its JSON (``found``: ``{suite:
     {"env", "records"}}`` with ``kernels`` and maybe ``programs``); ``python -m benchmarks report DIR`` uses it."""
