@@ -1,10 +1,15 @@
-"""Test set-up shared by the whole suite (CONVENTIONS §8).
+"""Test set-up shared by the whole suite.
 
 * 8 host CPU devices, set before jax is imported, so sharding tests have a mesh to use.
 * Highest matmul precision on both sides (no TF32, no bf16 passes in fp32 matmuls).
 * ``gpu``-marked tests are skipped when jax sees no GPU.
+* Fresh random draws, replayable: a session seed (``$JAXATTN_TEST_SEED``, else drawn and printed in the header)
+  gives each test its own seed (the ``rng`` / ``seed`` fixtures, and torch's and numpy's global RNGs seeded with
+  it before every test); a failing test's report names the seed and the command that replays it.
 """
+import hashlib
 import os
+import secrets
 
 # With the gpu-compile extra installed, the CUDA plugin refuses to load on a machine without a CUDA runtime
 # unless told to skip its version check (the deviceless H100 compile needs the plugin, not a GPU).
@@ -37,6 +42,50 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+
+SESSION_SEED = int(os.environ.get("JAXATTN_TEST_SEED") or secrets.randbelow(2**31))
+
+
+def pytest_report_header(config):
+    return f"random draws: JAXATTN_TEST_SEED={SESSION_SEED}"
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of one test: the session seed and the test's id, hashed (stable under reordering and -k)."""
+    return int.from_bytes(hashlib.sha256(f"{SESSION_SEED}:{nodeid}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@pytest.fixture
+def seed(request) -> int:
+    return seed_of(request.node.nodeid)
+
+
+@pytest.fixture
+def rng(seed):
+    """A numpy Generator with this test's seed (fresh each session, replayable with its JAXATTN_TEST_SEED)."""
+    import numpy as np
+
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rngs(request):
+    import numpy as np
+
+    s = seed_of(request.node.nodeid)
+    np.random.seed(s)
+    if torch is not None:
+        torch.manual_seed(s)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("random draws", f"this test's seed {seed_of(item.nodeid)}; replay with "
+                                                f"JAXATTN_TEST_SEED={SESSION_SEED} python -m pytest '{item.nodeid}'"))
 
 
 def pytest_collection_modifyitems(config, items):
