@@ -44,7 +44,8 @@ def test_spec_imports_without_either_framework():
     code = BLOCK.format(mod="torch") + BLOCK.format(mod="jax").replace("import sys; ", "")
     code += ("import jaxattn.spec, jaxattn.spec.config, jaxattn.spec.hf_format, jaxattn.spec.batch, "
              "jaxattn.spec.dtypes, jaxattn.spec.remat, jaxattn.spec.optim, jaxattn.spec.gguf, jaxattn.spec.data, "
-             "jaxattn.spec.cli, jaxattn.spec.runlog, jaxattn.spec.seed, jaxattn.spec.grad_accum, jaxattn.spec.generate\nprint(jaxattn.spec.ModelConfig.preset('tiny').dim, 'ok')\n")
+             "jaxattn.spec.cli, jaxattn.spec.runlog, jaxattn.spec.seed, jaxattn.spec.grad_accum, "
+             "jaxattn.spec.generate, jaxattn.spec.attention\nprint(jaxattn.spec.ModelConfig.preset('tiny').dim, 'ok')\n")
     assert _run(code).split()[0] == "64"
 
 
