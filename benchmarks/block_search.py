@@ -29,7 +29,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
 from jaxattn.attention import flash  # noqa: E402
-from jaxattn.attention._common import normalize  # noqa: E402
 
 from . import kernel_stats  # noqa: E402
 
@@ -61,15 +60,12 @@ def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
 def _cfg(bs, d, dtype, shape: Shape):
     q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
     k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
-    return flash._make_cfg(q, k, normalize(q, k, k, causal=shape.causal), bs, interpret=False, poison=False)
+    return flash.kernel_callables(q, k, bs, causal=shape.causal)  # the three kernels, padded sizes, launch knobs
 
 
 def _kernel_fn(kernel: str, cfg):
     """A function of ShapeDtypeStructs that runs exactly one of the three ``pallas_call``s."""
-    if kernel == "flash_fwd":
-        return lambda q, k, v: flash._fwd_call(cfg, q, k, v, None, None)
-    call = flash._dkv_call if kernel == "flash_bwd_dkv" else flash._dq_call
-    return lambda q, k, v, do, lse, delta: call(cfg, q, k, v, do, lse, delta, None, None)
+    return cfg.calls[kernel]
 
 
 def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: Shape = Shape(),
@@ -79,7 +75,7 @@ def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     cfg = _cfg(bs, d, dtype, shape)
-    dp = max(16, flash._next_pow2(d))
+    dp = cfg.head_dim_pad
     sds = jax.ShapeDtypeStruct
     q = sds((shape.b, cfg.sq_pad, shape.hq, dp), dtype)
     kv = sds((shape.b, cfg.sk_pad, shape.hkv, dp), dtype)
@@ -202,7 +198,7 @@ def time_rows(rows: List[dict], shape: Shape = Shape(), iters: int = 20) -> List
         kv = jax.random.normal(key[1], (shape.b, cfg.sk_pad, shape.hkv, d), dtype)
         args = (q, kv, kv)
         if row["kernel"] != "flash_fwd":
-            _, lse = flash._fwd_call(cfg, q, kv, kv, None, None)
+            _, lse = cfg.calls["flash_fwd"](q, kv, kv)
             delta = jax.random.normal(key[2], lse.shape, jnp.float32)
             args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
         fn = jax.jit(_kernel_fn(row["kernel"], cfg))

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from ._common import AttnArgs, mask, normalize
+from .args import AttnArgs, mask, normalize
 
 __all__ = ["supports", "attention", "chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]
 
