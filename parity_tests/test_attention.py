@@ -1,7 +1,7 @@
 """Attention parity: jaxattn.attention backends and torchref.attention.
 
 Two oracles.  The JAX backends are compared with THE attention oracle, ``reference.attention_reference``
-(float32, ``Precision.HIGHEST``, built on ``_common.mask``) and its autodiff gradients; that oracle is in
+(float32, ``Precision.HIGHEST``, built on ``args.mask``) and its autodiff gradients; that oracle is in
 turn checked, case by case, against ``_ref``, written here independently of both packages (plain float64
 torch ops with the CONVENTIONS §4 visibility rule spelled out, autograd for dq/dk/dv), which is also the
 reference of the torch side.  Each case draws fresh normal inputs (never zeros) and compares, in JAX layout:
@@ -435,6 +435,39 @@ def test_unknown_backend_names(bad):
                 pass
     with pytest.raises(ValueError, match="unknown attention backend 'nope'.*'xla'"):
         attention_backend("nope").__enter__()
+
+
+def test_backend_table_drives_both_packages():
+    """One backend table (``jaxattn.spec.attention.BACKENDS``): the jax names, modules, forward-only set and the
+    torch SDPA mapping are read from it; a backend without a torch twin is refused by torchref, named."""
+    from torch.nn.attention import SDPBackend
+
+    from jaxattn.spec import attention as spec
+
+    assert attn.BACKENDS == tuple(b.name for b in spec.BACKENDS)
+    assert attn.FORWARD_ONLY == ("flash_decode",)
+    assert {n: getattr(SDPBackend, spec.backend(n).torch_twin) for n in tattn.BACKENDS} == tattn.SDPA_BACKENDS
+    assert tattn.SDPA_BACKENDS == {"xla": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                                   "chunked": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    for b in spec.BACKENDS:
+        assert attn.get_backend(b.name).__name__ == f"jaxattn.attention.{b.module}"
+        if b.torch_twin is None:
+            with pytest.raises(ValueError, match=rf"{b.name!r} \(.*\) has no torch twin; torch backends are"):
+                tattn.attention_backend(b.name).__enter__()
+
+
+def test_nothing_outside_flash_uses_its_private_names():
+    """Nothing outside flash.py (in jaxattn or benchmarks) reaches into ``flash._private`` names: the tiling helpers
+    are ``attention/tiling.py``'s, the block search uses ``flash.kernel_callables`` (import circles:
+    ``test_packaging.test_no_import_circles``)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(attn.__file__).parent
+    private = re.compile(r"\bflash\._[a-zA-Z]")
+    for f in [*root.parent.rglob("*.py"), *(root.parent.parent / "benchmarks").rglob("*.py")]:
+        if f != root / "flash.py":
+            assert not private.search(f.read_text()), f"{f} uses a private name of flash.py"
 
 
 def test_cudnn_declines_on_cpu_and_for_unsupported_features():

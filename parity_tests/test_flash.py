@@ -1,7 +1,7 @@
 """Parity tests of the Pallas flash-attention kernel (``jaxattn.attention.flash``).
 
 The kernel is compared with the one attention oracle, ``reference.attention_reference`` (plain ``jnp`` in
-float32 at ``Precision.HIGHEST``, full score matrix, ``_common.mask``): outputs, log-sum-exp and dq/dk/dv,
+float32 at ``Precision.HIGHEST``, full score matrix, ``args.mask``): outputs, log-sum-exp and dq/dk/dv,
 with random cotangents on BOTH the output and the LSE (so the LSE gradient path is checked too).
 ``flash_backward`` (the backward kernels called from outside, as ``mosaic`` does) is checked against the
 kernel's own VJP and the oracle.
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from jaxattn.attention import flash as F
-from jaxattn.attention._common import normalize
+from jaxattn.attention import normalize, tiling
 from jaxattn.attention.reference import attention_reference
 
 HI = jax.lax.Precision.HIGHEST
@@ -203,7 +203,7 @@ def _naive_low_precision(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
     bf16/fp16 (the baseline of the 2x rule)."""
     args = normalize(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap,
                      segment_ids=None if q_ids is None else (q_ids, kv_ids))
-    from jaxattn.attention._common import mask
+    from jaxattn.attention import mask
 
     def fn(q, k, v):
         dt = q.dtype
@@ -262,7 +262,7 @@ class _FlashSuite:
     * any head dim ``1..256``: D is zero-padded to a power of two >= 16 (Triton block dims are powers of
       two), which changes no dot product, and sliced back;
     * fp32 / bf16 / fp16 inputs, every matmul accumulates in fp32 on the tensor cores; fp32 inputs go
-      through three TF32 passes (``_dot_tf32x3``, bit-exact in interpret mode; accuracy against fp64 in
+      through three TF32 passes (``tiling.dot_tf32x3``, bit-exact in interpret mode; accuracy against fp64 in
       ``test_fp32_tf32x3_accuracy_against_fp64``);
     * causal (bottom-right) and windows ``(left, right)`` are applied with loop bounds, so key blocks
       (forward, dq) and query blocks (dkv) outside the band are never visited; the visited range is split,
@@ -361,7 +361,7 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
     causal they exclude every tile entirely above the diagonal, and the tiles the kernels run WITHOUT a
     mask (the fully visible interior) really are fully visible.  Checked exhaustively against the
     brute-force mask for a grid of lengths, windows and block sizes (pure Python, no kernel)."""
-    from jaxattn.attention._common import AttnArgs, mask
+    from jaxattn.attention import AttnArgs, mask
 
     for sq, sk, causal, window, bq, bk in itertools.product(
             (1, 17, 40, 64), (1, 23, 40, 64), (False, True), (None, (5, None), (3, 9), (0, 0), (40, 2)),
@@ -373,9 +373,9 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
         k = jnp.zeros((1, sk, 1, 32))
         cfg = F._make_cfg(q, k, args, F.BlockSizes(bq, bk, bq, bk, bq, bk), True, False)
         vis = np.asarray(mask(sq, sk, args))
-        for qb in range(F._cdiv(sq, bq)):
+        for qb in range(tiling.cdiv(sq, bq)):
             lo, hi = (int(x) for x in F._kv_block_range(qb * bq, bq, bk, cfg))
-            for kb in range(F._cdiv(sk, bk)):
+            for kb in range(tiling.cdiv(sk, bk)):
                 tile = vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
                 if tile.any():
                     assert lo <= kb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
@@ -386,9 +386,9 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
             for kb in range(max(u_lo, lo), min(u_hi, hi)):
                 assert (kb + 1) * bk <= sk and vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].all(), (
                     "unmasked tile is not fully visible", sq, sk, causal, window, bq, bk, qb, kb)
-        for kb in range(F._cdiv(sk, bk)):
+        for kb in range(tiling.cdiv(sk, bk)):
             lo, hi = (int(x) for x in F._q_block_range(kb * bk, bk, bq, cfg))
-            for qb in range(F._cdiv(sq, bq)):
+            for qb in range(tiling.cdiv(sq, bq)):
                 if vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].any():
                     assert lo <= qb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
             u_lo, u_hi = (int(x) for x in F._q_full_range(kb * bk, bk, bq, cfg))
@@ -580,12 +580,12 @@ def test_tf32x3_dot_is_fp32_class_and_one_pass_is_not():
     b = jnp.asarray(rng.standard_normal((128, 32)), jnp.float32)
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     norm = np.abs(np.asarray(a, np.float64)) @ np.abs(np.asarray(b, np.float64))  # error scale per entry
-    hi, lo = F._split_tf32(a)
-    assert np.all(np.asarray(F._to_tf32(hi)) == np.asarray(hi)) and np.all(np.asarray(F._to_tf32(lo)) == lo)
+    hi, lo = tiling.split_tf32(a)
+    assert np.all(np.asarray(tiling.to_tf32(hi)) == np.asarray(hi)) and np.all(np.asarray(tiling.to_tf32(lo)) == lo)
     np.testing.assert_array_less(np.abs(np.asarray(hi + lo, np.float64) - np.asarray(a, np.float64)),
                                  2.0 ** -21 * np.abs(np.asarray(a, np.float64)) + 1e-30)
-    three = np.max(np.abs(np.asarray(F._dot(a, b, 1, 0), np.float64) - exact) / norm)
-    one = np.max(np.abs(np.asarray(F._to_tf32(a) @ F._to_tf32(b), np.float64) - exact) / norm)
+    three = np.max(np.abs(np.asarray(tiling.dot(a, b, 1, 0), np.float64) - exact) / norm)
+    one = np.max(np.abs(np.asarray(tiling.to_tf32(a) @ tiling.to_tf32(b), np.float64) - exact) / norm)
     assert three <= 2.0 ** -20, three
     assert one > 2.0 ** -14, one
 
@@ -595,7 +595,7 @@ def test_fp32_tf32x3_accuracy_against_fp64(d, s):
     """fp32 inputs run as TF32x3 on the tensor cores.  Against a float64 oracle, out/dq/dk/dv must meet the
     project's fp32 bar (max-abs <= 1e-5 x scale, CONVENTIONS §7, here vs the exact answer) and stay within 8x
     the error of IEEE fp32 (the XLA reference at ``Precision.HIGHEST``).  Measured (interpret mode = the GPU's
-    arithmetic, see ``_split_tf32``): 0.6-3.1e-6, 0.6-4x the IEEE fp32 error; one TF32 pass is ~1e-3."""
+    arithmetic, see ``tiling.split_tf32``): 0.6-3.1e-6, 0.6-4x the IEEE fp32 error; one TF32 pass is ~1e-3."""
     rng = np.random.default_rng(d + s)
     q, k, v, do = (jnp.asarray(rng.standard_normal((1, s, 2, d)), jnp.float32) for _ in range(4))
 

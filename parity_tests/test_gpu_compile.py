@@ -40,11 +40,17 @@ QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
 
 # ------------------------------------------------------------------------------------ no plugin needed
 def test_default_order_pinned():
-    """CONVENTIONS §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only."""
-    assert attn.default_backends() == ("xla",)
+    """CONVENTIONS §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only.  The
+    dispatcher reads these orders from the backend table's ranks (``jaxattn.spec.attention.BACKENDS``)."""
+    from jaxattn.spec.attention import default_order
+
+    assert attn.default_backends() == ("xla",) == default_order("cpu")
     with attn.target_platform("gpu", compute_capability=(9, 0)):
         assert attn.default_backends() == ("cudnn", "flash", "chunked", "xla")
+        assert attn.default_backends() == default_order("gpu")
         assert "mosaic" not in attn.default_backends()
+    with attn.target_platform("tpu"):
+        assert attn.default_backends() == default_order("tpu") == ("xla",)
     assert attn.default_backends() == ("xla",)
 
 
@@ -120,7 +126,7 @@ needs_plugin = pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU c
 
 FLASH_CASES = [(d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
 MOSAIC_CASES = [(d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
-# fp32 runs as TF32x3 (three tensor-core passes, flash._dot_tf32x3); a kernel may spill a little at D=256
+# fp32 runs as TF32x3 (three tensor-core passes, tiling.dot_tf32x3); a kernel may spill a little at D=256
 # (measured in benchmarks/NOTES.md) but never the multi-KB of the old scalar-FMA IEEE path.
 FP32_MAX_SPILL_BYTES = 1024
 

@@ -47,7 +47,7 @@ import pytest
 
 from jaxattn.attention import flash as F
 from jaxattn.attention import mosaic as M
-from jaxattn.attention._common import normalize
+from jaxattn.attention import normalize
 from jaxattn.attention.reference import attention_reference
 
 

@@ -4,6 +4,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -69,48 +70,60 @@ def test_blocking_really_blocks():
 
 
 # ------------------------------------------------------------------------------------------------ import circles
-def import_graph(packages=("jaxattn", "torchref", "benchmarks")) -> dict[str, set[str]]:
-    """module -> the project modules it imports, at module level AND inside functions (a lazy import closes a
-    circle as surely as a top-level one), relative and absolute, read with ``ast`` (nothing is run). An import of
-    a package counts as an import of its ``__init__``; ``from pkg import mod`` of the submodule ``pkg.mod``."""
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for pkg in packages for p in (ROOT / pkg).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        is_pkg = path.name == "__init__.py"
-        base = name.split(".") if is_pkg else name.split(".")[:-1]
+def import_graph(root=ROOT, packages=("jaxattn", "torchref", "benchmarks")) -> dict[str, set[str]]:
+    """``{module: {project modules it imports}}`` from the source of every ``package/**/*.py`` under ``root``: every
+    ``import`` / ``from ... import`` anywhere in a module (top level AND inside functions: a lazy import closes a
+    circle as surely as a top-level one), absolute or relative; ``from pkg import name`` counts as importing the
+    module ``pkg.name`` when that is a module. Read with ``ast``: nothing is run."""
+    root = pathlib.Path(root)
+    mods = {}
+    for pkg in packages:
+        for path in (root / pkg).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in mods.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]  # the package it lives in
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
-                    if node.level else node.module
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in files else mod for a in node.names]
+                src = node.module or ""
+                if node.level:
+                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                    src = base + ("." + src if src else "")
+                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names]
             else:
                 continue
-            deps.update(t for t in targets if t in files and t != name)
+            for t in targets:
+                while t not in mods and "." in t:  # `import pkg.x.y` imports the module pkg.x.y
+                    t = t.rpartition(".")[0]
+                if t in mods and t != name:
+                    deps.add(t)
         graph[name] = deps
     return graph
 
 
-def find_cycle(graph: dict[str, set[str]]):
-    """One import circle as a list of modules, or None."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
+def find_cycle(graph: dict) -> Optional[list]:
+    """One import circle ``[a, b, ..., a]`` of ``graph``, or None. A module's import of its own parent package
+    is not an edge: Python runs the package's ``__init__`` before the module anyway."""
+    state, stack = {}, []
 
     def visit(n):
-        state[n] = 1
+        state[n] = "open"
         stack.append(n)
         for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
+            if n.startswith(m + "."):
+                continue
+            if state.get(m) == "open":
                 return stack[stack.index(m):] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
                     return found
+        state[n] = "done"
         stack.pop()
-        state[n] = 2
         return None
 
     for n in sorted(graph):
@@ -122,13 +135,30 @@ def find_cycle(graph: dict[str, set[str]]):
 
 
 def test_no_import_circles():
+    """No module of jaxattn, torchref or benchmarks imports itself back through others; the rooms of benchmarks
+    depend one way (``__main__`` -> suites / tools -> report: the report room imports no other room)."""
     graph = import_graph()
-    assert graph["jaxattn.train"] >= {"jaxattn.train_step", "jaxattn.sharding"}  # the reader sees imports
-    # __init__ files import their submodules lazily by name (import_module): not edges, so not circles
-    cycle = find_cycle({k: {d for d in v if not k.startswith(d + ".")} for k, v in graph.items()})
+    assert graph["jaxattn.train"] >= {"jaxattn.train_step", "jaxattn.sharding"}  # the reader sees the imports
+    assert {"benchmarks.__main__", "benchmarks.report.tables", "jaxattn.attention.flash"} <= set(graph)
+    cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+    outside = {(m, d) for m, deps in graph.items() if m.startswith("benchmarks.report")
+               for d in deps if d.startswith("benchmarks.") and not d.startswith("benchmarks.report")}
+    assert not outside, f"the report room imports other rooms: {sorted(outside)}"
 
 
-def test_the_circle_finder_finds_circles():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
+def test_the_circle_finder_finds_circles(tmp_path):
+    """The check above sees circles through relative imports inside functions and through ``from pkg import mod``."""
+    pkg = tmp_path / "benchmarks"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("import benchmarks.a\ndef g():\n    pass\n")
+    (pkg / "d.py").write_text("from . import c\n")
+    graph = import_graph(tmp_path, ("benchmarks",))
+    assert graph["benchmarks.sub.b"] == {"benchmarks.c"} and graph["benchmarks.d"] == {"benchmarks.c"}
+    assert find_cycle(graph) == ["benchmarks.a", "benchmarks.sub.b", "benchmarks.c", "benchmarks.a"]
+    (pkg / "c.py").write_text("def g():\n    pass\n")
+    assert find_cycle(import_graph(tmp_path, ("benchmarks",))) is None

@@ -10,13 +10,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from jaxattn.spec.attention import backend_names
 from jaxattn.spec.flops import attention_flops
 
 from .. import measure
 
 MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
 MAX_MATERIALISED_S = 4096
-JAX_OURS = ("flash", "mosaic", "cudnn", "chunked", "xla")
+JAX_OURS = backend_names(forward_only=False)  # the backend table's, minus forward-only flash_decode
 JAX_PEERS = ("jax.nn:xla", "jax.nn:cudnn", "pallas:mha", "tokamax")
 TORCH_SDPA = ("flash", "efficient", "cudnn", "math")
 IMPLS = JAX_OURS + JAX_PEERS + tuple(f"sdpa:{n}" for n in TORCH_SDPA)  # every `impl` a record can have

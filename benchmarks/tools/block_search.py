@@ -24,7 +24,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
 from jaxattn.attention import flash  # noqa: E402
-from jaxattn.attention._common import normalize  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report.records import read_results, write_results, write_text_atomic  # noqa: E402
@@ -39,26 +38,17 @@ FIELDS = {"flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
           "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd")}
 
 
-def _kernel_callable(kernel: str, bs: flash.BlockSizes, d: int, dtype, shape: AttnShape):
-    """``(fn, cfg, padded head dim)`` for one of flash's three ``pallas_call``s with ``bs`` at ``shape``: ``fn``
-    of ShapeDtypeStructs / arrays runs exactly that kernel (``(q, k, v)`` for ``flash_fwd``, ``(q, k, v, do,
-    lse, delta)`` for the backward ones) on operands padded as ``cfg`` says (``sq_pad``, ``sk_pad``). The only
-    place that reaches into flash.py's private functions."""
-    # TODO(house): use flash's public block-search hook
+def _kernels(bs: flash.BlockSizes, d: int, dtype, shape: AttnShape) -> flash.FlashKernels:
+    """flash's block-search hook at ``shape``: the three ``pallas_call``s (each runnable alone on operands padded
+    to ``sq_pad`` / ``sk_pad`` / ``head_dim_pad``) and the launch knobs ``bs`` resolves to."""
     q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
     k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
-    cfg = flash._make_cfg(q, k, normalize(q, k, k, causal=shape.causal), bs, interpret=False, poison=False)
-    if kernel == "flash_fwd":
-        fn = lambda q, k, v: flash._fwd_call(cfg, q, k, v, None, None)  # noqa: E731
-    else:
-        call = flash._dkv_call if kernel == "flash_bwd_dkv" else flash._dq_call
-        fn = lambda q, k, v, do, lse, delta: call(cfg, q, k, v, do, lse, delta, None, None)  # noqa: E731
-    return fn, cfg, max(16, flash._next_pow2(d))
+    return flash.kernel_callables(q, k, bs, causal=shape.causal)
 
 
 def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
     """The values of the fields ``kernel`` reads (None-valued launch knobs resolved as the kernel sees them)."""
-    cfg = _kernel_callable(kernel, bs, d, jnp.bfloat16, AttnShape(s=4096))[1]
+    cfg = _kernels(bs, d, jnp.bfloat16, AttnShape(s=4096))
     warps = cfg.num_warps if kernel == "flash_fwd" else cfg.num_warps_bwd
     stages = cfg.num_stages if kernel == "flash_fwd" else cfg.num_stages_bwd
     a, b = FIELDS[kernel][:2]
@@ -71,7 +61,8 @@ def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape
     record (registers, spills, smem, occupancy, SASS counts)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    fn, cfg, dp = _kernel_callable(kernel, bs, d, dtype, shape)
+    cfg = _kernels(bs, d, dtype, shape)
+    fn, dp = cfg.calls[kernel], cfg.head_dim_pad
     sds = jax.ShapeDtypeStruct
     q = sds((shape.b, cfg.sq_pad, shape.hq, dp), dtype)
     kv = sds((shape.b, cfg.sk_pad, shape.hkv, dp), dtype)
@@ -186,13 +177,14 @@ def time_rows(rows: List[dict], shape: AttnShape = AttnShape(), iters: int = 20)
             continue
         d, dtype = row["head_dim"], jnp.dtype(row["dtype"])
         bs = flash.BlockSizes(**row["block_sizes"])
-        kernel_fn, cfg, _ = _kernel_callable(row["kernel"], bs, d, dtype, shape)
+        cfg = _kernels(bs, d, dtype, shape)
+        kernel_fn = cfg.calls[row["kernel"]]
         key = jax.random.split(jax.random.PRNGKey(0), 4)
         q = jax.random.normal(key[0], (shape.b, cfg.sq_pad, shape.hq, d), dtype)
         kv = jax.random.normal(key[1], (shape.b, cfg.sk_pad, shape.hkv, d), dtype)
         args = (q, kv, kv)
         if row["kernel"] != "flash_fwd":
-            _, lse = _kernel_callable("flash_fwd", bs, d, dtype, shape)[0](q, kv, kv)
+            _, lse = cfg.calls["flash_fwd"](q, kv, kv)
             delta = jax.random.normal(key[2], lse.shape, jnp.float32)
             args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
         fn = jax.jit(kernel_fn)

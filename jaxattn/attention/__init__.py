@@ -9,12 +9,13 @@
 Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is CONVENTIONS §4 (bottom-right causal,
 ``(left, right)`` window, Gemma-2 softcap, segment ids, zeros for a query that sees no key).
 
-Backends (torch twin in brackets): ``xla`` [MATH] plain jnp; ``chunked`` [EFFICIENT_ATTENTION] O(S)-memory
-pure JAX; ``flash`` [FLASH_ATTENTION] our Pallas kernel; ``mosaic`` Pallas Mosaic GPU (Hopper); ``cudnn``
-[CUDNN_ATTENTION] via ``jax.nn.dot_product_attention``; ``flash_decode`` (module ``decode``) our Pallas
-split-K decode kernel (forward only, at most 64 query rows per kv head; opt-in: ``attention_backend(
-"flash_decode", "flash")`` sends KV-cache decode steps to it and the rest on).  Each backend module has
-``supports(q, k, v, args)`` returning None or a one-line reason, and ``attention(q, k, v, args)``.  Backend
+Backends (torch twin in brackets; the table is :data:`jaxattn.spec.attention.BACKENDS`, shared with torchref):
+``xla`` [MATH] plain jnp; ``chunked`` [EFFICIENT_ATTENTION] O(S)-memory pure JAX; ``flash`` [FLASH_ATTENTION]
+our Pallas kernel; ``mosaic`` Pallas Mosaic GPU (Hopper); ``cudnn`` [CUDNN_ATTENTION] via
+``jax.nn.dot_product_attention``; ``flash_decode`` (module ``decode``) our Pallas split-K decode kernel
+(forward only, at most 64 query rows per kv head; opt-in: ``attention_backend("flash_decode", "flash")`` sends
+KV-cache decode steps to it and the rest on).  Each backend module has ``supports(q, k, v, args)`` returning
+None or a one-line reason, and ``attention(q, k, v, args)``.  Backend
 modules are imported lazily: a module that fails to import (e.g. Mosaic GPU on an old jax) only makes that
 backend decline, with the import error as its reason.  When no listed backend serves a call,
 :class:`AttentionBackendError` lists every backend tried and why it declined (what torch's ``SDPBackend.ERROR``
@@ -33,8 +34,9 @@ platforms to the lowering, after tracing), so say it explicitly, or give q a sha
     with target_platform("gpu", compute_capability=(9, 0)):      # compile for an H100 from a CPU host
         lowered = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
-The chosen backend runs inside ``target_platform(<that target>)``, so its kernels (e.g. ``flash``'s
-``interpret=None``) see the same target.
+The target is worked out once per call; every ``supports()`` and the chosen backend run inside
+``target_platform(<that target>)``, so each reads that same :class:`Target` (one context-variable lookup, e.g.
+``flash``'s ``interpret=None``) instead of inspecting the arrays again.
 """
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ import importlib
 import warnings
 from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
-from ._common import AttnArgs, Target, current_target, mask, normalize, platform_of, target_platform
+from ..spec import attention as _spec
+from .args import AttnArgs, mask, normalize
+from .target import Target, current_target, platform_of, target_platform
 
 __all__ = [
     "BACKENDS", "FORWARD_ONLY", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
@@ -52,14 +56,11 @@ __all__ = [
     "normalize", "target_platform", "Target",
 ]
 
-BACKENDS: Tuple[str, ...] = ("flash", "flash_decode", "mosaic", "cudnn", "chunked", "xla")
-_MODULE_OF: Dict[str, str] = {"flash_decode": "decode"}  # backend name -> module, where they differ
-FORWARD_ONLY: Tuple[str, ...] = ("flash_decode",)  # no gradient: not offered to the trainer's --attention
-# CONVENTIONS §4: a backend enters the GPU default list only on evidence (its compiled `gpu` tests passed on a
-# real GPU and a committed record shows it correct).  Until then: jax's own cuDNN path, then our Pallas flash,
-# then the pure-JAX ones.  `mosaic` is opt-in (forward-only kernel, backward is an XLA recompute).
-_GPU_DEFAULT: Tuple[str, ...] = ("cudnn", "flash", "chunked", "xla")
-_CPU_DEFAULT: Tuple[str, ...] = ("xla",)
+# All read from the one backend table, jaxattn.spec.attention.BACKENDS (default ranks per platform included).
+BACKENDS: Tuple[str, ...] = _spec.backend_names()
+FORWARD_ONLY: Tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
+_MODULE_OF: Dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module
+_DEFAULT: Dict[str, Tuple[str, ...]] = {p: _spec.default_order(p) for p in _spec.PLATFORMS}
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
 _MODULES: Dict[str, object] = {}
@@ -78,24 +79,7 @@ class AttentionBackendError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------- names
 def _check_names(names, argname: str) -> Tuple[str, ...]:
-    if isinstance(names, str):
-        names = (names,)
-    try:
-        names = tuple(names)
-    except TypeError:
-        raise TypeError(f"{argname} must be a backend name or a sequence of names from {BACKENDS}, "
-                        f"got {names!r}") from None
-    if not names:
-        raise ValueError(f"{argname} must name at least one backend from {BACKENDS}, got an empty list")
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"{argname}: backend names must be strings from {BACKENDS}, got {n!r} "
-                            f"of type {type(n).__name__}")
-        if n not in BACKENDS:
-            raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {BACKENDS}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"{argname}: backend names must not repeat, got {names}")
-    return names
+    return _spec.check_backend_names(names, argname, "jax")
 
 
 @contextlib.contextmanager
@@ -121,9 +105,13 @@ def current_backends() -> Optional[Tuple[str, ...]]:
 
 def default_backends(q=None) -> Tuple[str, ...]:
     """Preference used when neither ``backend=`` nor ``attention_backend`` says anything, for the platform the
-    trace targets (:func:`current_target`): on a GPU ``cudnn, flash, chunked, xla`` (``mosaic`` is opt-in);
-    elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
-    return _GPU_DEFAULT if platform_of(q) == "gpu" else _CPU_DEFAULT
+    trace targets (:func:`current_target`), from the backend table's ranks: on a GPU ``cudnn, flash, chunked,
+    xla`` (``mosaic`` is opt-in); elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
+    return _default_for(platform_of(q))
+
+
+def _default_for(platform: str) -> Tuple[str, ...]:
+    return _DEFAULT.get(platform, _DEFAULT["cpu"])
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -137,13 +125,13 @@ def get_backend(name: str):
     if name in _IMPORT_ERRORS:
         raise ImportError(_IMPORT_ERRORS[name])
     try:
-        mod = importlib.import_module(f"{__name__}.{_MODULE_OF.get(name, name)}")
+        mod = importlib.import_module(f"{__name__}.{_MODULE_OF[name]}")
         for attr in ("supports", "attention"):
             if not callable(getattr(mod, attr, None)):
                 raise ImportError(f"module {mod.__name__} has no callable {attr}()")
     except Exception as e:  # any failure: ImportError, AttributeError in a moved jax API, ...
         first = str(e).splitlines()[0] if str(e) else ""
-        msg = f"import of {__name__}.{_MODULE_OF.get(name, name)} failed: {type(e).__name__}: {first}"
+        msg = f"import of {__name__}.{_MODULE_OF[name]} failed: {type(e).__name__}: {first}"
         _IMPORT_ERRORS[name] = msg
         raise ImportError(msg) from e
     _MODULES[name] = mod
@@ -165,17 +153,23 @@ def _decline_reason(name: str, q, k, v, args: AttnArgs) -> Tuple[Optional[str], 
     return reason, mod
 
 
-def _resolve(backend, q) -> Tuple[str, ...]:
+def _resolve(backend, target: Target) -> Tuple[str, ...]:
     if backend is not None:
         return _check_names(backend, "backend")
     active = _ACTIVE.get()
-    return active if active is not None else default_backends(q)
+    return active if active is not None else _default_for(target.platform)
 
 
-def _describe(q, k, args: AttnArgs) -> str:
+def _describe(q, k, args: AttnArgs, target: Target) -> str:
     return (f"q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)}, causal={args.causal}, "
             f"window={args.window}, softcap={args.softcap}, segment_ids={'yes' if args.has_segment_ids else 'no'}"
-            f", platform={platform_of(q)}")
+            f", platform={target.platform}")
+
+
+def _entered(target: Target):
+    """``target_platform`` of ``target``: what every supports() and kernel inside reads."""
+    return target_platform(target.platform, compute_capability=target.compute_capability,
+                           device_kind=target.device_kind)
 
 
 # --------------------------------------------------------------------------------------------- public op
@@ -190,17 +184,16 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     """
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
                      softcap=softcap)
-    target = current_target(q)
-    with target_platform(target.platform, compute_capability=target.compute_capability,
-                         device_kind=target.device_kind):
-        names = _resolve(backend, q)
+    target = current_target(q)  # once per call: the backends below read it from the context
+    with _entered(target):
+        names = _resolve(backend, target)
         reasons: Dict[str, str] = {}
         for name in names:
             reason, mod = _decline_reason(name, q, k, v, args)
             if reason is None:
                 return mod.attention(q, k, v, args)
             reasons[name] = reason
-        raise AttentionBackendError(reasons, _describe(q, k, args))
+        raise AttentionBackendError(reasons, _describe(q, k, args, target))
 
 
 def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale=None, window=None,
@@ -209,7 +202,5 @@ def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
                      softcap=softcap)
     names = BACKENDS if backends is None else _check_names(backends, "backends")
-    target = current_target(q)
-    with target_platform(target.platform, compute_capability=target.compute_capability,
-                         device_kind=target.device_kind):
+    with _entered(current_target(q)):
         return {name: _decline_reason(name, q, k, v, args)[0] for name in names}

@@ -17,7 +17,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from ._common import AttnArgs, mask, normalize
+from ..spec.attention import visible_bounds
+from .args import AttnArgs, mask, normalize
 
 __all__ = ["supports", "attention", "chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]
 
@@ -99,14 +100,11 @@ def _block_needed(cfg: _Cfg, q0, k0):
     q_first, q_last = q0 + shift, q0 + cfg.cq - 1 + shift  # absolute positions
     k_first, k_last = k0, k0 + cfg.ck - 1
     ok = jnp.asarray(True)
-    if cfg.causal:
-        ok = ok & (k_first <= q_last)
-    if cfg.window is not None:
-        left, right = cfg.window
-        if left is not None:
-            ok = ok & (k_last >= q_first - left)
-        if right is not None:
-            ok = ok & (k_first <= q_last + right)
+    left, right = visible_bounds(cfg.causal, cfg.window)
+    if left is not None:
+        ok = ok & (k_last >= q_first - left)
+    if right is not None:
+        ok = ok & (k_first <= q_last + right)
     return ok
 
 

@@ -25,7 +25,8 @@ from typing import Optional
 
 import jax
 
-from ._common import AttnArgs, gpu_compute_capability, platform_of
+from .args import AttnArgs
+from .target import current_target
 
 __all__ = ["supports", "attention", "cudnn_version"]
 
@@ -48,7 +49,8 @@ def _live_cuda_gpu() -> bool:
 
 
 def supports(q, k, v, args: AttnArgs):
-    plat = platform_of(q)
+    target = current_target(q)  # the dispatcher's target (one context-variable read)
+    plat = target.platform
     if plat != "gpu":
         return f"needs an NVIDIA GPU with cuDNN (found {plat})"
     dt = str(q.dtype)
@@ -58,7 +60,7 @@ def supports(q, k, v, args: AttnArgs):
         return ("cuDNN library not found (jax's cuDNN attention reads its version when traced; install "
                 "the nvidia-cudnn-cu12 wheel, e.g. with jax[cuda12])")
     d = q.shape[-1]
-    cc = gpu_compute_capability(q)
+    cc = target.compute_capability
     hopper = cc is not None and cc >= (9, 0) and _live_cuda_gpu()
     d_max = 256 if hopper else 128
     if d % 8 or d > d_max:

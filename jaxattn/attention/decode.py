@@ -1,30 +1,18 @@
-"""``flash_decode`` backend: a Pallas split-K ("flash-decoding") attention kernel for KV-cache decoding.
+"""``flash_decode`` backend: Pallas split-K ("flash-decoding") attention for KV-cache decode steps, forward only.
 
-Decoding has one (or a few) query tokens per row: the flash forward's grid ``(q blocks, B, Hq)`` is then
-``B * Hq`` programs, each streaming the whole cache, far too few to fill an H100's 132 SMs at batch 1.
-Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference") splits the keys
-too: grid ``(B, Hkv, num_splits)``; phase 1, each program runs FlashAttention-2's (Dao 2023) online softmax
-over its share of the keys and writes an unnormalised fp32 partial output with its running max ``m`` and sum
-``l``; phase 2 (``jnp``, one fused XLA reduction over the splits) merges them with the log-sum-exp rescale.
-GQA: one program holds the ``G = Hq // Hkv`` query heads (times ``Sq`` tokens) that share a kv head as the rows
-of its q block, padded to Triton's minimum of 16 rows, so each K/V tile is read once per kv head, not once per
-query head.
+Flash-Decoding (Dao, Haziza, Massa, Sizov 2023): grid ``(B, Hkv, num_splits)``; each program runs FA2's online
+softmax (Dao 2023, §3.1.1) over its share of one row's keys and writes an unnormalised fp32 partial (``acc``, max
+``m``, sum ``l``); one XLA reduction merges the splits by the log-sum-exp rescale.  The ``G = Hq // Hkv`` query
+heads (times ``Sq`` tokens) of a kv head are the rows of one program's q block (padded to 16), so each K/V tile
+is read once per kv head.
 
-Valid keys per row: ``lengths [B]`` (the KV cache's); a program visits only the key blocks below its row's
-length (the splits share that range evenly, so ragged rows stay balanced) and masks the tail block with masked
-loads (no copy of the cache for a length or cache size that is not a multiple of ``block_k``; a head dim that
-is not a power of two >= 16, or a cache of fewer than 16 slots, is zero-padded, which copies K/V).  A row with
-no visible key returns zeros.  Forward only: differentiating through it raises.  fp32 accumulation; fp32
-inputs take the flash kernel's three TF32 passes.  Scale and softcap as CONVENTIONS §4::
+Contract: q ``[B, Sq, Hq, D]`` with ``Sq * Hq/Hkv <= 64`` query rows per kv head, k/v ``[B, T, Hkv, D]``,
+``lengths [B]``: keys ``>= lengths[b]`` are invisible and query ``i`` sits at position ``lengths[b] - Sq + i``
+(its own key already written) for ``causal`` and ``window=(left, right)``; scale, softcap and segment ids as
+CONVENTIONS §4; a row with no visible key returns zeros; fp32 accumulation (fp32 inputs: three TF32 passes).
+Differentiating through it raises.  Opt-in backend: ``attention_backend("flash_decode", "flash")``::
 
     out = flash_decode(q, k_cache, v_cache, lengths)     # q [B, Sq, Hq, D], k/v [B, T, Hkv, D], lengths [B]
-
-Query ``i`` of row ``b`` sits at position ``lengths[b] - Sq + i`` (its own key already written), so
-``causal=True`` lets it see keys ``<= lengths[b] - Sq + i``; ``window=(left, right)`` is relative to that
-position.  As the ``flash_decode`` backend (``with attention_backend("flash_decode"):``) it serves the full
-contract for calls with ``Sq * Hq/Hkv <= 64`` query rows per kv head: segment ids are compared in the kernel
-and each row's visited key range is cut to the span of keys its queries can see (for the KV cache's decode ids,
-``slot <= length``, that is the row's length).
 """
 from __future__ import annotations
 
@@ -40,18 +28,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as _plt  # masked loads (load(ref, mask=, other=)): jax 0.10 and 0.11
 
-from . import flash as _flash
-from ._common import AttnArgs, normalize
+from ..spec.attention import visible_bounds
+from . import flash
+from .args import AttnArgs, normalize
+from .tiling import LN2, LOG2E, MIN_BLOCK, NEG, cdiv, dot, is_pow2, next_pow2, resolve_interpret, scores, \
+    triton_compiler_params
 
 __all__ = ["DecodeBlockSizes", "flash_decode", "flash_decode_reference", "num_splits_heuristic", "supports",
            "attention"]
 
-_MIN_BLOCK = _flash._MIN_BLOCK  # tl.dot needs every dimension >= 16
 _MAX_ROWS = 64                  # Sq * G query rows per kv head in one program (the fp32 accumulator's registers)
 _MAX_SPLITS = 128               # FA2's cap on splits
 _NUM_SMS = 132                  # H100 SXM: the split heuristic's target
-_CTAS_PER_SM = 2                # FA2 counts 2 resident 128-thread CTAs per SM ("num_sm * 2"); this kernel at its
-                                # defaults fits 5 in bf16, 2 in fp32 (deviceless compile, benchmarks/NOTES.md)
+_CTAS_PER_SM = 2                # FA2 counts 2 resident 128-thread CTAs per SM ("num_sm * 2"), see benchmarks/NOTES.md
 
 
 def _is_int(x) -> bool:
@@ -76,8 +65,8 @@ class DecodeBlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not _flash._is_pow2(self.block_k) or not _MIN_BLOCK <= self.block_k <= 1024:
-            raise ValueError(f"DecodeBlockSizes.block_k must be a power of two in [{_MIN_BLOCK}, 1024] (Triton "
+        if not is_pow2(self.block_k) or not MIN_BLOCK <= self.block_k <= 1024:
+            raise ValueError(f"DecodeBlockSizes.block_k must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
                              f"block dims are powers of two and tl.dot needs >= 16), got {self.block_k!r}")
         if self.num_splits is not None and (not _is_int(self.num_splits) or not 1 <= self.num_splits <= 1024):
             raise ValueError(f"DecodeBlockSizes.num_splits must be None (heuristic) or an int in [1, 1024], "
@@ -98,7 +87,7 @@ def num_splits_heuristic(programs: int, n_blocks: int, slots: int = _NUM_SMS * _
         return 1
     max_splits = max(1, min(max_splits, slots, n_blocks))
     eligible = [s for s in range(1, max_splits + 1)
-                if s == 1 or _flash._cdiv(n_blocks, s) != _flash._cdiv(n_blocks, s - 1)]
+                if s == 1 or cdiv(n_blocks, s) != cdiv(n_blocks, s - 1)]
     eff = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in eligible}
     best = max(eff.values())
     return next(s for s in eligible if eff[s] >= 0.85 * best)
@@ -129,17 +118,13 @@ def _make_cfg(q, k, args: AttnArgs, bs: Optional[DecodeBlockSizes], interpret: b
     b, sq, hq, _ = q.shape
     t, hkv = k.shape[1], k.shape[2]
     bs = DecodeBlockSizes() if bs is None else bs
-    t = max(t, _MIN_BLOCK)
+    t = max(t, MIN_BLOCK)
     block_k = min(bs.block_k, 1 << (t.bit_length() - 1))  # <= t: a block_k slice fits the cache's ref
     splits = bs.num_splits
     if splits is None:
-        splits = num_splits_heuristic(b * hkv, _flash._cdiv(t, block_k))
-    left = right = None
-    if args.window is not None:
-        left, right = args.window
-    if args.causal:
-        right = 0 if right is None else min(right, 0)
-    return _Cfg(sq=sq, groups=hq // hkv, rows=max(_MIN_BLOCK, _flash._next_pow2(sq * (hq // hkv))), t=t,
+        splits = num_splits_heuristic(b * hkv, cdiv(t, block_k))
+    left, right = visible_bounds(args.causal, args.window)
+    return _Cfg(sq=sq, groups=hq // hkv, rows=max(MIN_BLOCK, next_pow2(sq * (hq // hkv))), t=t,
                 scale=float(args.scale), softcap=None if args.softcap is None else float(args.softcap),
                 left=left, right=right, has_seg=args.has_segment_ids, block_k=block_k, num_splits=int(splits),
                 num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=bool(interpret), poison=bool(poison))
@@ -149,7 +134,7 @@ def _make_cfg(q, k, args: AttnArgs, bs: Optional[DecodeBlockSizes], interpret: b
 def _decode_kernel(*refs, cfg: _Cfg):
     """Phase 1, one program = (batch row, kv head, split): FA2's online softmax over this split's key blocks.
     q rows are ``i * G + g`` (query token i, head g of the group); writes unnormalised acc, max m (log2
-    units) and sum l; an empty split writes (0, _NEG, 0), which the merge weights by exactly 0."""
+    units) and sum l; an empty split writes (0, NEG, 0), which the merge weights by exactly 0."""
     if cfg.has_seg:
         q_ref, k_ref, v_ref, lo_ref, hi_ref, len_ref, qs_ref, ks_ref, o_ref, m_ref, l_ref = refs
     else:
@@ -187,16 +172,16 @@ def _decode_kernel(*refs, cfg: _Cfg):
         if cfg.has_seg:
             k_seg = _plt.load(ks_ref.at[pl.ds(k0, bk)], mask=valid, other=jnp.zeros((), ks_ref.dtype))
             vis = jnp.logical_and(vis, q_seg[:, None] == k_seg[None, :])
-        s, _ = _flash._scores(q, k, cfg)  # softcap(scale * q k^T), fp32
-        s = jnp.where(vis, s * _flash._LOG2E, _flash._NEG)
+        s, _ = scores(q, k, cfg.scale, cfg.softcap)  # softcap(scale * q k^T), fp32
+        s = jnp.where(vis, s * LOG2E, NEG)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_prev - m_new)
         p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)  # a fully masked row would get p = 1 otherwise
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _flash._dot(p.astype(pv_dtype), v, 1, 0)
+        acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)
         return acc, m_new, l_new
 
-    init = (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), _flash._NEG, jnp.float32),
+    init = (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(start, end, body, init)
     if rows == cfg.sq * cfg.groups:
@@ -244,7 +229,7 @@ def _decode_call(cfg: _Cfg, q, k, v, lo, hi, kv_len, q_ids, kv_ids):
     return pl.pallas_call(
         kernel, grid=(b, hkv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
         input_output_aliases=aliases, interpret=cfg.interpret, name="flash_decode",
-        compiler_params=_flash._triton_compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
     )(*args)
 
 
@@ -272,12 +257,12 @@ def _merge(o, m, l):
     """Phase 2: ``m* = max_s m_s``, ``out = sum_s 2^(m_s - m*) o_s / sum_s 2^(m_s - m*) l_s`` (m in log2
     units); zeros and LSE ``-inf`` for a row whose splits saw no key (every l_s == 0)."""
     m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp2(m - m_max)  # empty splits: m_s = _NEG -> weight 0 (or 1 with l_s = 0 when all are empty)
+    w = jnp.exp2(m - m_max)  # empty splits: m_s = NEG -> weight 0 (or 1 with l_s = 0 when all are empty)
     lsum = jnp.sum(w * l, axis=2)
     seen = lsum > 0.0
     l_safe = jnp.where(seen, lsum, 1.0)
     out = jnp.sum(w[..., None] * o, axis=2) / l_safe[..., None]
-    lse = jnp.where(seen, m_max[:, :, 0] * _flash._LN2 + jnp.log(l_safe), -jnp.inf)
+    lse = jnp.where(seen, m_max[:, :, 0] * LN2 + jnp.log(l_safe), -jnp.inf)
     return out, lse
 
 
@@ -286,7 +271,7 @@ def _run(q, k, v, kv_len, q_ids, kv_ids, *, cfg: _Cfg, return_lse: bool):
     b, sq, hq, d = q.shape
     t0, hkv = k.shape[1], k.shape[2]
     g, rows = cfg.groups, cfg.rows
-    dp = max(_MIN_BLOCK, _flash._next_pow2(d))
+    dp = max(MIN_BLOCK, next_pow2(d))
     kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, t0)
     # Visited key range per row: [0, kv_len), cut by the window's left edge and by the segment ids.
     lo = jnp.zeros((b,), jnp.int32)
@@ -362,7 +347,7 @@ def _from_args(q, k, v, args: AttnArgs, kv_len=None, *, return_lse=False, block_
         raise ValueError(reason)
     b, t = q.shape[0], k.shape[1]
     kv_len = jnp.full((b,), t, jnp.int32) if kv_len is None else _check_lengths(kv_len, b, t)
-    cfg = _make_cfg(q, k, args, block_sizes, _flash._resolve_interpret(interpret, q), poison)
+    cfg = _make_cfg(q, k, args, block_sizes, resolve_interpret(interpret, q), poison)
     return _run(q, k, v, kv_len, args.q_segment_ids, args.kv_segment_ids, cfg=cfg, return_lse=bool(return_lse))
 
 
@@ -398,9 +383,7 @@ def flash_decode_reference(q, k, v, lengths=None, *, causal=False, window=None, 
     j = jnp.arange(t)[None, None, :]
     i_abs = (jnp.clip(lengths, 0, t)[:, None] - sq + jnp.arange(sq)[None, :])[:, :, None]  # [B, Sq, 1]
     vis = j < jnp.clip(lengths, 0, t)[:, None, None]
-    left, right = args.window if args.window is not None else (None, None)
-    if args.causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = visible_bounds(args.causal, args.window)
     if right is not None:
         vis = vis & (j <= i_abs + right)
     if left is not None:
@@ -427,7 +410,7 @@ def supports(q, k, v, args: AttnArgs):
     reason = _check_rows(q, k)
     if reason is not None:
         return reason
-    reason = _flash.supports(q, k, v, args)
+    reason = flash.supports(q, k, v, args)
     return None if reason is None else f"the Triton kernels decline: {reason}"
 
 

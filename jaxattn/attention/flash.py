@@ -1,15 +1,15 @@
 """``flash`` backend: our Pallas flash-attention kernels (Triton lowering on NVIDIA GPUs, interpreted on CPU).
 
-FlashAttention-2: a forward kernel (online softmax; writes the output and the log-sum-exp) and two backward
-kernels, ``dkv`` (one key block; loops over the whole GQA query group, so K/V are never repeated) and
-``dq``.  The full contract of CONVENTIONS §4: any ``Sq``/``Sk`` and head dim ``1..256`` (padded inside),
-bottom-right causal, ``(left, right)`` window, softcap, segment ids, GQA/MQA, LSE and its gradient; fp32
-accumulation on the tensor cores, fp32 inputs as three TF32 passes (:func:`_dot_tf32x3`, fp32-class accuracy,
-measured against fp64 in the tests).  :func:`flash_backward` is the backward on its own, for
-a forward computed elsewhere (``mosaic`` uses it)::
+FlashAttention-2 (Dao 2023; forward §3.1.1 / Alg. 1, backward §3.1.2 / Alg. 2): a forward kernel (online
+softmax; writes the output and the log-sum-exp) and two backward kernels, ``dkv`` (one key block; loops over
+the whole GQA query group, so K/V are never repeated) and ``dq``.  The full contract of CONVENTIONS §4: any
+``Sq``/``Sk`` and head dim ``1..256`` (padded inside), bottom-right causal, ``(left, right)`` window, softcap,
+segment ids, GQA/MQA, LSE and its gradient; fp32 accumulation, fp32 inputs as three TF32 passes
+(:func:`jaxattn.attention.tiling.dot_tf32x3`).  :func:`flash_backward` is the backward on its own, for a forward
+computed elsewhere (``mosaic`` uses it); :func:`kernel_callables` hands out each kernel alone, for the block
+search (``benchmarks/block_search.py``)::
 
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)   # q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D]
-    dq, dk, dv = flash_backward(q, k, v, out, lse, do, normalize(q, k, v, causal=True))
 
 How padding, loop bounds, the masked/unmasked tile split and segment-id tile skipping work is written out,
 and checked, in ``parity_tests/test_flash.py``.
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,45 +26,14 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import AttnArgs, gpu_compute_capability, normalize, platform_of
+from ..spec.attention import visible_bounds
+from .args import MAX_HEAD_DIM, AttnArgs, normalize
+from .target import Target, current_target
+from .tiling import (LN2, LOG2E, MIN_BLOCK, NEG, cdiv, dot, is_pow2, next_pow2, plt, resolve_interpret, scores,
+                     tile_mask, triton_compiler_params)
 
-try:  # the Triton-specific Pallas module; its compiler-params class was renamed across jax versions
-    from jax.experimental.pallas import triton as _plt
-except Exception:  # pragma: no cover - very old / stripped jax
-    _plt = None
-
-__all__ = ["BlockSizes", "flash_attention", "flash_backward", "supports", "attention"]
-
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity" for the running max
-_MAX_HEAD_DIM = 256
-_MIN_BLOCK = 16  # Triton's tl.dot needs every dimension >= 16
-
-
-def _triton_compiler_params(num_warps: int, num_stages: int):
-    """``CompilerParams`` for the Triton lowering: ``jax.experimental.pallas.triton.CompilerParams`` on
-    jax >= 0.6 (0.10 and 0.11 included), ``TritonCompilerParams`` in older releases."""
-    candidates = []
-    if _plt is not None:
-        candidates += [getattr(_plt, "CompilerParams", None), getattr(_plt, "TritonCompilerParams", None)]
-    candidates += [getattr(pl, "TritonCompilerParams", None), getattr(pl, "GPUCompilerParams", None)]
-    for cls in candidates:
-        if cls is not None:
-            return cls(num_warps=num_warps, num_stages=num_stages)
-    return None
-
-
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["BlockSizes", "FlashKernels", "flash_attention", "flash_backward", "kernel_callables", "supports",
+           "attention"]
 
 
 # ----------------------------------------------------------------------------------------- block sizes
@@ -94,8 +62,8 @@ class BlockSizes:
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
             val = getattr(self, f)
-            if not _is_pow2(val) or val < _MIN_BLOCK or val > 1024:
-                raise ValueError(f"BlockSizes.{f} must be a power of two in [{_MIN_BLOCK}, 1024] (Triton "
+            if not is_pow2(val) or val < MIN_BLOCK or val > 1024:
+                raise ValueError(f"BlockSizes.{f} must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
                                  f"block dims are powers of two and tl.dot needs >= 16), got {val!r}")
         for f in ("num_warps", "num_warps_bwd"):
             val = getattr(self, f)
@@ -112,30 +80,26 @@ class BlockSizes:
     @classmethod
     def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
         """The :data:`_DEFAULTS` row of ``head_dim`` (rounded up to 64/128/256) and dtype width."""
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 1 <= head_dim <= _MAX_HEAD_DIM:
-            raise ValueError(f"head_dim must be an int in [1, {_MAX_HEAD_DIM}], got {head_dim!r}")
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be an int in [1, {MAX_HEAD_DIM}], got {head_dim!r}")
         wide = jnp.dtype(dtype).itemsize >= 4
-        dp = max(64, _next_pow2(head_dim))
+        dp = max(64, next_pow2(head_dim))
         *blocks, warps, stages, warps_bwd, stages_bwd = _DEFAULTS[dp, "fp32" if wide else "16bit"]
         return cls(*blocks, num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
                    num_stages_bwd=stages_bwd)
 
 
-# Default BlockSizes per (head dim rounded up, dtype width).  FROM THE DEVICELESS FILTER, NOT FROM TIMINGS
-# (benchmarks/block_search.py -> results/h100-compiled/block_search.md, "compiled for H100, not run"), until a
-# GPU run (`python -m benchmarks compile --search` on one) says otherwise.  A row is the previous hand-picked
-# one where it passed the filter (no spill, fits an sm_90 SM, wgmma only for bf16/fp16), else the filter's
-# top-ranked survivor (largest tile, occupancy, stages) with warps/stages the two backward kernels share;
-# where no candidate passes (fp32 D=128 dkv, fp32 D=256), the one spilling the fewest bytes.
+# Default BlockSizes per (head dim rounded up, dtype width), from the deviceless filter of
+# benchmarks/block_search.py ("compiled for H100, not run"), not from timings; how each row was chosen:
+# benchmarks/NOTES.md, "attention kernels: history".
 #   fwd block_q, block_k | dkv block_q, block_k | dq block_q, block_k | fwd warps, stages | bwd warps, stages
 _DEFAULTS = {
-    (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3),  # bwd at 4 warps: dkv 255 regs, spilled
-    (128, "16bit"): (128, 64, 32, 64, 64, 32, 8, 2, 8, 2),   # unchanged
-    (256, "16bit"): (64, 32, 16, 64, 128, 32, 8, 2, 8, 2),   # dkv/dq were 32x32: M = 32 < 64, mma.sync;
-    # dkv 32x64 (the search's only survivor, 255 regs) spilled 24-28 B with GQA (the gate); 16x64: 225-240 regs
-    (64, "fp32"): (64, 64, 32, 64, 64, 64, 8, 2, 8, 2),      # TF32x3: no spill
-    (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1),     # dkv spills 44/32 B (least of 12)
-    (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1),     # 0.2-0.5 KB spills; every M >= 32 spilled KBs
+    (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3),
+    (128, "16bit"): (128, 64, 32, 64, 64, 32, 8, 2, 8, 2),
+    (256, "16bit"): (64, 32, 16, 64, 128, 32, 8, 2, 8, 2),
+    (64, "fp32"): (64, 64, 32, 64, 64, 64, 8, 2, 8, 2),
+    (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1),
+    (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1),
 }
 
 
@@ -174,21 +138,17 @@ class _Cfg:
 
 
 def _round_up(n: int, m: int) -> int:
-    return _cdiv(n, m) * m
+    return cdiv(n, m) * m
 
 
 def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret: bool, poison: bool):
     _, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = BlockSizes.default(d, q.dtype) if block_sizes is None else block_sizes
-    cap_q = max(_MIN_BLOCK, _next_pow2(sq))
-    cap_k = max(_MIN_BLOCK, _next_pow2(sk))
-    left = right = None
-    if args.window is not None:
-        left, right = args.window
-    if args.causal:
-        right = 0 if right is None else min(right, 0)
-    dp = max(_MIN_BLOCK, _next_pow2(d))
+    cap_q = max(MIN_BLOCK, next_pow2(sq))
+    cap_k = max(MIN_BLOCK, next_pow2(sk))
+    left, right = visible_bounds(args.causal, args.window)
+    dp = max(MIN_BLOCK, next_pow2(d))
     warps = bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8)
     return _Cfg(
         sq=sq, sk=sk, groups=hq // hkv, scale=float(args.scale), left=left, right=right,
@@ -203,82 +163,25 @@ def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret
 
 
 # ----------------------------------------------------------------------------------------- kernel pieces
-def _dot(a, b, contract_a: int, contract_b: int):
-    """fp32-accumulating 2-D matmul on the tensor cores; fp32 operands go through :func:`_dot_tf32x3`."""
-    dims = (((contract_a,), (contract_b,)), ((), ()))
-    if a.dtype == jnp.float32:
-        return _dot_tf32x3(a, b, dims)
-    return lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-
-
-_TF32_MASK = np.int32(-(1 << 13))  # 0xFFFFE000: sign, exponent and the 10 mantissa bits TF32 keeps
-_TF32_HALF = np.int32(1 << 12)     # half a TF32 unit in the last place: add, then mask = round to nearest
-
-
-def _to_tf32(x):
-    """``x`` rounded to the nearest TF32 value (ties away from zero), kept in fp32; exact on the bits, so the
-    GPU and the CPU interpreter agree.  Only |x| within 2^-11 of fp32's max rounds up to inf."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return lax.bitcast_convert_type((bits + _TF32_HALF) & _TF32_MASK, jnp.float32)
-
-
-def _split_tf32(x):
-    """``(hi, lo)`` TF32 values with ``hi + lo = x`` to ~2^-22 relative (``lo`` = TF32 of the exact fp32
-    remainder ``x - hi``), so every TF32 tensor-core product of the pieces is exact."""
-    hi = _to_tf32(x)
-    return hi, _to_tf32(x - hi)
-
-
-def _dot_tf32x3(a, b, dims):
-    """fp32 matmul as three TF32 tensor-core passes (``hi*lo + lo*hi`` first, then ``hi*hi``: the 3-pass
-    split of cuBLAS/Triton "tf32x3"; the dropped ``lo*lo`` and the roundings leave ~2^-21 relative per product,
-    the order of fp32's own accumulation error: measured against fp64 in ``test_flash.py``).  IEEE fp32 (``Precision.HIGHEST``)
-    makes Triton emit scalar FMAs, which spilled KBs per thread on sm_90."""
-    (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
-
-    def mm(x, y):  # DEFAULT on fp32 = TF32 in the Triton lowering; exact here as x, y are TF32 values
-        return lax.dot_general(x, y, dims, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-
-    return (mm(a_hi, b_lo) + mm(a_lo, b_hi)) + mm(a_hi, b_hi)
-
-
 def _scores(q, k, cfg: _Cfg):
     """``softcap(scale * q k^T)`` in fp32 and ``tanh`` (for the backward) or None."""
-    s = _dot(q, k, 1, 1) * cfg.scale
-    if cfg.softcap is None:
-        return s, None
-    t = jnp.tanh(s / cfg.softcap)
-    return cfg.softcap * t, t
+    return scores(q, k, cfg.scale, cfg.softcap)
 
 
 def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool, transposed: bool = False):
     """Visibility of a ``[bq, bk]`` tile, or of its transpose ``[bk, bq]`` (None when nothing can be masked)."""
-    m = None
-
-    def _and(a, b):
-        return b if a is None else jnp.logical_and(a, b)
-
     qi, ki = (slice(None), None), (None, slice(None))
     if transposed:
         qi, ki = ki, qi
-    qp = q_pos[qi]
-    kp = k_pos[ki]
-    off = cfg.sk - cfg.sq
-    if k_padded:
-        m = _and(m, kp < cfg.sk)
-    if cfg.right is not None:
-        m = _and(m, kp <= qp + (off + cfg.right))
-    if cfg.left is not None:
-        m = _and(m, kp >= qp + (off - cfg.left))
-    if q_seg is not None:
-        m = _and(m, q_seg[qi] == k_seg[ki])
-    return m
+    return tile_mask(q_pos[qi], k_pos[ki], shift=cfg.sk - cfg.sq, left=cfg.left, right=cfg.right,
+                     k_len=cfg.sk if k_padded else None, q_seg=None if q_seg is None else q_seg[qi],
+                     k_seg=None if k_seg is None else k_seg[ki])
 
 
 def _kv_block_range(q0, bq: int, bk: int, cfg: _Cfg):
     """Key blocks ``[lo, hi)`` that can hold a key visible to some query in ``[q0, q0 + bq)``."""
     off = cfg.sk - cfg.sq
-    nk = _cdiv(cfg.sk, bk)  # blocks made only of padding are never visited
+    nk = cdiv(cfg.sk, bk)  # blocks made only of padding are never visited
     lo = jnp.int32(0)
     hi = jnp.int32(nk)
     if cfg.left is not None:
@@ -293,7 +196,7 @@ def _kv_block_range(q0, bq: int, bk: int, cfg: _Cfg):
 def _q_block_range(k0, bk: int, bq: int, cfg: _Cfg):
     """Query blocks ``[lo, hi)`` holding a query that can see a key in ``[k0, k0 + bk)``."""
     off = cfg.sk - cfg.sq
-    nq = _cdiv(cfg.sq, bq)
+    nq = cdiv(cfg.sq, bq)
     lo = jnp.int32(0)
     hi = jnp.int32(nq)
     if cfg.right is not None:  # i + off + right >= j  ->  i >= j - right - off
@@ -323,7 +226,7 @@ def _q_full_range(k0, bk: int, bq: int, cfg: _Cfg):
     """Query blocks ``[u_lo, u_hi)`` that see EVERY key of ``[k0, k0 + bk)`` (no mask needed)."""
     off = cfg.sk - cfg.sq
     u_lo = jnp.int32(0)
-    u_hi = jnp.int32(_cdiv(cfg.sq, bq))
+    u_hi = jnp.int32(cdiv(cfg.sq, bq))
     if cfg.right is not None:  # first row of the block must see the last key: qb*bq >= k0+bk-1-off-right
         u_lo = lax.div(jnp.maximum(k0 + (bk - 1 - off - cfg.right), 0) + (bq - 1), bq).astype(jnp.int32)
     if cfg.left is not None:  # last row must see the first key: qb*bq + bq - 1 <= k0 + left - off
@@ -350,10 +253,10 @@ def _any(m):
     return jnp.max(jnp.max(m.astype(jnp.int32), axis=1), axis=0) > 0
 
 
-def _maybe_skip(tile_mask, cfg: _Cfg, compute, carry):
+def _maybe_skip(tmask, cfg: _Cfg, compute, carry):
     """Run ``compute(carry)`` unless segment ids make the whole tile invisible."""
-    if cfg.has_seg and tile_mask is not None:
-        return lax.cond(_any(tile_mask), compute, lambda c: c, carry)
+    if cfg.has_seg and tmask is not None:
+        return lax.cond(_any(tmask), compute, lambda c: c, carry)
     return compute(carry)
 
 
@@ -383,38 +286,38 @@ def _fwd_kernel(*refs, cfg: _Cfg):
             k = k_ref[pl.ds(k0, bk), :]
             v = v_ref[pl.ds(k0, bk), :]
             s, _ = _scores(q, k, cfg)
-            s = s * _LOG2E
+            s = s * LOG2E
             if tmask is not None:
-                s = jnp.where(tmask, s, _NEG)
+                s = jnp.where(tmask, s, NEG)
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
             alpha = jnp.exp2(m_prev - m_new)
             p = jnp.exp2(s - m_new[:, None])
-            if tmask is not None:  # a fully masked row has m_new == _NEG and would get p == 1
+            if tmask is not None:  # a fully masked row has m_new == NEG and would get p == 1
                 p = jnp.where(tmask, p, 0.0)
             l_new = alpha * l_prev + jnp.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.astype(pv_dtype), v, 1, 0)
+            acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)
             return acc, m_new, l_new
 
         return _maybe_skip(tmask, cfg, compute, carry)
 
     lo, hi = _kv_block_range(q0, bq, bk, cfg)
-    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
+    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
     full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
     acc, m, l = _split_loop(lo, hi, full, body, init)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+    lse_ref[...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
 
 
 def _bwd_tile(q, k, v, do, lse, delta, tmask, cfg: _Cfg):
     """Shared backward algebra of one tile: returns ``(p, ds)`` with ds = dL/d(scaled, uncapped s)."""
     s, t = _scores(q, k, cfg)
-    p = jnp.exp2(s * _LOG2E - (lse * _LOG2E)[:, None])  # rows that see no key carry lse = +inf: p = 0
+    p = jnp.exp2(s * LOG2E - (lse * LOG2E)[:, None])  # rows that see no key carry lse = +inf: p = 0
     if tmask is not None:  # masked entries contribute exactly 0
         p = jnp.where(tmask, p, 0.0)
-    dpv = _dot(do, v, 1, 1)
+    dpv = dot(do, v, 1, 1)
     ds = p * (dpv - delta[:, None])
     if t is not None:
         ds = ds * (1.0 - t * t)
@@ -426,10 +329,10 @@ def _bwd_tile_t(q, k, v, do, lse, delta, tmask_t, cfg: _Cfg):
     ``v do^T`` so every dot has M = ``block_k_dkv`` (wgmma needs M >= 64 per warpgroup; FA2 §3.1.2 leaves the
     operand order free)."""
     s, t = _scores(k, q, cfg)
-    p = jnp.exp2(s * _LOG2E - (lse * _LOG2E)[None, :])
+    p = jnp.exp2(s * LOG2E - (lse * LOG2E)[None, :])
     if tmask_t is not None:
         p = jnp.where(tmask_t, p, 0.0)
-    dpv = _dot(v, do, 1, 1)
+    dpv = dot(v, do, 1, 1)
     ds = p * (dpv - delta[None, :])
     if t is not None:
         ds = ds * (1.0 - t * t)
@@ -467,8 +370,8 @@ def _dkv_kernel(*refs, cfg: _Cfg):
                 lse = lse_ref[g, pl.ds(q0, bq)]
                 delta = delta_ref[g, pl.ds(q0, bq)]
                 p_t, ds_t = _bwd_tile_t(q, k, v, do, lse, delta, tmask, cfg)
-                dv = dv + _dot(p_t.astype(do.dtype), do, 1, 0)
-                dk = dk + _dot(ds_t.astype(q.dtype), q, 1, 0)
+                dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
+                dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
                 return dk, dv
 
             return _maybe_skip(tmask, cfg, compute, c)
@@ -508,7 +411,7 @@ def _dq_kernel(*refs, cfg: _Cfg):
             k = k_ref[pl.ds(k0, bk), :]
             v = v_ref[pl.ds(k0, bk), :]
             _, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
-            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
         return _maybe_skip(tmask, cfg, compute, carry)
 
@@ -540,8 +443,8 @@ def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, arg
     return pl.pallas_call(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
         input_output_aliases=aliases, interpret=cfg.interpret, name=name,
-        compiler_params=(_triton_compiler_params(cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else
-                         _triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)),
+        compiler_params=(triton_compiler_params(cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else
+                         triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)),
     )(*args)
 
 
@@ -649,7 +552,7 @@ def _pad_rows(x, n: int, dp: int):
 
 
 def _pad_inputs(cfg: _Cfg, q, k, v, q_ids, kv_ids):
-    dp = max(_MIN_BLOCK, _next_pow2(q.shape[-1]))
+    dp = max(MIN_BLOCK, next_pow2(q.shape[-1]))
     qp, kp, vp = _pad_rows(q, cfg.sq_pad, dp), _pad_rows(k, cfg.sk_pad, dp), _pad_rows(v, cfg.sk_pad, dp)
     if not cfg.has_seg:
         return qp, kp, vp, None, None
@@ -681,23 +584,13 @@ def _run_bwd(q, k, v, out, lse, do, dlse, q_ids, kv_ids, *, cfg: _Cfg):
 
 
 # ----------------------------------------------------------------------------------------- public API
-def _resolve_interpret(interpret, q=None) -> bool:
-    """``interpret=None``: interpret unless the trace targets a GPU (``jaxattn.attention.target_platform``,
-    q's devices or sharding, or jax's default backend), so a deviceless GPU compile gets the Triton kernel."""
-    if interpret is None:
-        return platform_of(q) != "gpu"
-    if not isinstance(interpret, (bool, np.bool_)):
-        raise TypeError(f"interpret must be None or a bool, got {interpret!r} of type {type(interpret).__name__}")
-    return bool(interpret)
-
-
 def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, interpret=None,
                poison=False):
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret, q), poison)
+    cfg = _make_cfg(q, k, args, block_sizes, resolve_interpret(interpret, q), poison)
     return _run(q, k, v, args.q_segment_ids, args.kv_segment_ids, cfg=cfg, return_lse=bool(return_lse))
 
 
@@ -746,30 +639,79 @@ def flash_backward(q, k, v, out, lse, do, args: AttnArgs, *, dlse=None, block_si
                              f"got {tuple(getattr(x, 'shape', ()))}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
-    cfg = _make_cfg(q, k, args, block_sizes, _resolve_interpret(interpret, q), False)
+    cfg = _make_cfg(q, k, args, block_sizes, resolve_interpret(interpret, q), False)
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     dq, dk, dv = _run_bwd(q, k, v, out, lse, do, dlse, args.q_segment_ids, args.kv_segment_ids, cfg=cfg)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+# ----------------------------------------------------------------------------------------- block search
+@dataclasses.dataclass(frozen=True)
+class FlashKernels:
+    """The three ``pallas_call``s of one call, each callable on its own (``benchmarks/block_search.py`` compiles
+    and times one kernel at a time).  They take PADDED arrays: q/do ``[B, sq_pad, Hq, head_dim_pad]``, k/v
+    ``[B, sk_pad, Hkv, head_dim_pad]``, lse/delta ``[B, Hq, sq_pad]`` float32 (no segment ids)::
+
+        calls["flash_fwd"](q, k, v) -> (out, lse)
+        calls["flash_bwd_dq"](q, k, v, do, lse, delta) -> dq
+        calls["flash_bwd_dkv"](q, k, v, do, lse, delta) -> (dk, dv)
+
+    ``num_warps``/``num_stages`` launch the forward, ``num_warps_bwd``/``num_stages_bwd`` the two backward
+    kernels, as resolved from the :class:`BlockSizes` (None fields filled)."""
+
+    calls: Dict[str, Callable]
+    sq_pad: int
+    sk_pad: int
+    head_dim_pad: int
+    num_warps: int
+    num_stages: int
+    num_warps_bwd: int
+    num_stages_bwd: int
+
+
+def kernel_callables(q, k, block_sizes: Optional[BlockSizes] = None, *, causal: bool = False,
+                     interpret: Optional[bool] = False) -> FlashKernels:
+    """:class:`FlashKernels` for q ``[B, Sq, Hq, D]`` and k/v ``[B, Sk, Hkv, D]`` (arrays or ShapeDtypeStructs)
+    with ``block_sizes`` (default :meth:`BlockSizes.default`); ``interpret=False`` gives the Triton kernels (a
+    GPU or deviceless GPU compile), None follows the target as :func:`flash_attention` does."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
+    cfg = _make_cfg(q, k, normalize(q, k, k, causal=causal), block_sizes, resolve_interpret(interpret, q), False)
+
+    def fwd(q, k, v):
+        return _fwd_call(cfg, q, k, v, None, None)
+
+    def dq(q, k, v, do, lse, delta):
+        return _dq_call(cfg, q, k, v, do, lse, delta, None, None)
+
+    def dkv(q, k, v, do, lse, delta):
+        return _dkv_call(cfg, q, k, v, do, lse, delta, None, None)
+
+    return FlashKernels(calls={"flash_fwd": fwd, "flash_bwd_dq": dq, "flash_bwd_dkv": dkv}, sq_pad=cfg.sq_pad,
+                        sk_pad=cfg.sk_pad, head_dim_pad=max(MIN_BLOCK, next_pow2(q.shape[-1])),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, num_warps_bwd=cfg.num_warps_bwd,
+                        num_stages_bwd=cfg.num_stages_bwd)
+
+
 # ----------------------------------------------------------------------------------------- backend API
-def supports(q, k, v, args: AttnArgs):
+def supports(q, k, v, args: AttnArgs, *, target: Optional[Target] = None):
     """None when this kernel can serve the call, else a one-line reason.
 
     Serves NVIDIA GPUs (Triton lowering; bf16 needs compute capability >= 8.0) and CPU (interpret mode,
-    slow: meant for tests); declines other platforms and head dims > 256."""
+    slow: meant for tests); declines other platforms and head dims > 256.  ``target``: the
+    :class:`~jaxattn.attention.Target` to decide for (default: :func:`current_target` of q, read once)."""
     d = q.shape[-1]
-    if d > _MAX_HEAD_DIM:
-        return f"head_dim {d} > {_MAX_HEAD_DIM}"
-    plat = platform_of(q)  # the platform the trace targets (a target_platform block, q's sharding, ...)
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d} > {MAX_HEAD_DIM}"
+    target = current_target(q) if target is None else target  # a target_platform block, q's sharding, ...
+    plat = target.platform
     if plat == "cpu":
         return None
     if plat != "gpu":
         return f"the Triton lowering needs an NVIDIA GPU (found {plat})"
-    if _plt is None:
+    if plt is None:
         return "jax.experimental.pallas.triton is not importable in this jax"
-    from ._common import current_target
-    kind = str(current_target(q).device_kind or "")
+    kind = str(target.device_kind or "")
     version = ""
     if jax.default_backend() == "gpu":  # a live GPU: its client tells CUDA from ROCm
         try:
@@ -778,7 +720,7 @@ def supports(q, k, v, args: AttnArgs):
             version = ""
     if "rocm" in version.lower() or "amd" in kind.lower() or "instinct" in kind.lower():
         return f"the Triton lowering here targets NVIDIA GPUs (found {kind or version})"
-    cc = gpu_compute_capability(q)
+    cc = target.compute_capability
     if cc is not None and cc < (8, 0) and q.dtype == jnp.bfloat16:
         return f"bfloat16 needs compute capability >= 8.0 (found {cc[0]}.{cc[1]})"
     return None

@@ -1,11 +1,12 @@
 """``mosaic`` backend: flash attention for Hopper GPUs (Pallas Mosaic GPU forward, flash Pallas backward).
 
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16 or fp16, ``D`` in ``HEAD_DIMS``; bottom-right causal,
-GQA/MQA, any sequence length (padded inside; a row that sees no key gives zeros).  The forward is an
-FA3-style kernel (wgmma + TMA, two consumer warpgroups in ping-pong and a producer warpgroup streaming K/V)
-that saves ``out`` and the log-sum-exp; the backward is ``jaxattn.attention.flash``'s Pallas backward
-kernels (``dq`` and the in-kernel-GQA ``dkv``, via :func:`flash.flash_backward`), so a training step on
-Hopper runs Pallas kernels both ways.  No segment ids, window or softcap (``supports`` declines)::
+GQA/MQA, any sequence length (padded inside; a row that sees no key gives zeros).  The forward is a
+FlashAttention-3 kernel (Shah et al. 2024, §3.1: wgmma + TMA, two consumer warpgroups in ping-pong and a
+producer warpgroup streaming K/V) that saves ``out`` and the log-sum-exp; the backward is
+:func:`jaxattn.attention.flash.flash_backward` (the ``dq`` and in-kernel-GQA ``dkv`` Pallas kernels), so a
+training step on Hopper runs Pallas kernels both ways.  No segment ids, window or softcap (``supports``
+declines)::
 
     out = mosaic_attention(q, k, v, causal=True)            # needs a Hopper GPU
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -26,15 +26,15 @@ import numpy as np
 from jax import lax
 
 from . import flash
-from ._common import AttnArgs, gpu_compute_capability, normalize, platform_of
+from .args import AttnArgs, normalize
+from .target import Target, current_target
+from .tiling import LN2, LOG2E, cdiv, tile_mask
 
 __all__ = ["HEAD_DIMS", "MosaicBlockSizes", "supports", "attention", "mosaic_attention"]
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _IMPLS = ("mosaic", "interpret", "emulate")
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite "minus infinity" for the running max (log2 units): no inf - inf = NaN
 _L_MIN = 1e-30  # clamp for the softmax denominator: an empty row gives 0 / 1e-30 = 0
 _SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on H100/H200
@@ -97,12 +97,12 @@ def _mosaic_import_error() -> Optional[str]:
     return None
 
 
-def _device_reason(x=None) -> Optional[str]:
-    """None when the device running ``x`` (or the default device) is a Hopper GPU (compute capability 9.x)."""
-    plat = platform_of(x)
+def _device_reason(target: Target) -> Optional[str]:
+    """None when ``target`` (:func:`current_target`) is a Hopper GPU (compute capability 9.x)."""
+    plat = target.platform
     if plat != "gpu":
         return f"needs a Hopper GPU (compute capability 9.x), found platform {plat!r}"
-    cc = gpu_compute_capability(x)
+    cc = target.compute_capability
     if cc is None:
         return "needs a Hopper GPU (compute capability 9.x), found a GPU of unknown compute capability"
     if cc[0] != 9:
@@ -154,11 +154,12 @@ def supports(q, k, v, args: AttnArgs) -> Optional[str]:
     compute capability 9.x, causal on a CUDA runtime with the known ptxas bug, and a call whose backward
     the flash kernels decline.
     """
+    target = current_target(q)  # read once, handed to the flash backward's check
     limit = _limit(q, args)
-    reason = (limit[1] if limit else None) or _mosaic_import_error() or _device_reason(q) \
+    reason = (limit[1] if limit else None) or _mosaic_import_error() or _device_reason(target) \
         or _cuda_causal_reason(args.causal)
     if reason is None:
-        bwd = flash.supports(q, k, v, args)
+        bwd = flash.supports(q, k, v, args, target=target)
         reason = None if bwd is None else f"its backward (the flash kernels) declines: {bwd}"
     return reason
 
@@ -198,13 +199,6 @@ def _validate(q, k, v, causal, scale, block_sizes, *, allow_fp32: bool):
 
 # ------------------------------------------------------------------------------------------ tile math
 # Shared by the Mosaic kernel and the jnp emulation: only ops that Mosaic GPU lowers on register arrays.
-def _cdiv(a, b: int):
-    if isinstance(a, (int, np.integer)):
-        return -(-int(a) // b)
-    a = jnp.asarray(a)
-    return lax.div(a + jnp.asarray(b - 1, a.dtype), jnp.asarray(b, a.dtype))
-
-
 def _rem(a, b: int):
     return lax.rem(a, jnp.asarray(b, jnp.asarray(a).dtype))
 
@@ -213,25 +207,24 @@ def _kv_bounds(q_base, rows: int, *, sq: int, sk: int, block_kv: int, causal: bo
     """(steps, full) for query rows ``[q_base, q_base + rows)``: kv blocks ``[0, steps)`` hold every key
     any of these rows may see, blocks ``[0, full)`` are visible to all of them without a mask.
     ``q_base`` may be a traced int32 scalar."""
-    nkv = _cdiv(sk, block_kv)
+    nkv = cdiv(sk, block_kv)
     if not causal:
         return nkv, sk // block_kv  # only the last block can hold padded keys
     offset = sk - sq  # bottom-right: row i sees keys j <= i + offset
     hi = jnp.maximum(q_base + (rows + offset), 0)  # exclusive end of the keys the last row sees
-    steps = jnp.minimum(_cdiv(hi, block_kv), nkv)
+    steps = jnp.minimum(cdiv(hi, block_kv), nkv)
     lo = jnp.maximum(q_base + (offset + 1), 0)  # exclusive end of the keys the first row sees
     full = jnp.minimum(lax.div(lo, jnp.asarray(block_kv, lo.dtype)), steps)
     return steps, full
 
 
 def _tile_mask(iota, q_start, kv_start, shape, *, sq: int, sk: int, causal: bool):
-    """Visibility of a ``shape = (rows, block_kv)`` score tile. With causal the bottom-right mask already
-    hides padded keys from every real query row, so one comparison suffices either way."""
-    kv_ids = iota(shape, 1) + kv_start
+    """Visibility of a ``shape = (rows, block_kv)`` score tile (:func:`tiling.tile_mask`). With causal the
+    bottom-right mask already hides padded keys from every real query row, so one comparison suffices."""
+    kv_pos = iota(shape, 1) + kv_start
     if causal:
-        q_ids = iota(shape, 0) + (q_start + (sk - sq))
-        return kv_ids <= q_ids
-    return kv_ids < sk
+        return tile_mask(iota(shape, 0) + (q_start + (sk - sq)), kv_pos, right=0)  # q_pos: absolute positions
+    return tile_mask(None, kv_pos, k_len=sk)
 
 
 def _softmax_update(qk, m_i, l_i, acc, c: float, dtype):
@@ -249,7 +242,7 @@ def _finalize(acc, m_i, l_i):
     """out = acc / l and lse (log2 units); rows that saw no key give 0 and about -1e30."""
     l_safe = jnp.maximum(l_i, _L_MIN)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    lse2 = m_i + jnp.log(l_safe) * (1.0 / _LN2)
+    lse2 = m_i + jnp.log(l_safe) * (1.0 / LN2)
     return out, lse2
 
 
@@ -285,7 +278,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
     group = hq // hkv
     bq, bkv, mcs = cfg.block_q, cfg.block_kv, cfg.max_concurrent_steps
     dtype = qp.dtype
-    c = scale * _LOG2E
+    c = scale * LOG2E
     bounds = functools.partial(_kv_bounds, sq=sq, sk=sk, block_kv=bkv, causal=causal)
     tmask = functools.partial(_tile_mask, sq=sq, sk=sk, causal=causal)
 
@@ -463,7 +456,7 @@ def _emulated_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg):
     group = hq // hkv
     bq, bkv = cfg.block_q, cfg.block_kv
     dtype = qp.dtype
-    c = scale * _LOG2E
+    c = scale * LOG2E
     iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
 
     def one(bi, h, qi):
@@ -501,8 +494,8 @@ def _forward(q, k, v, causal, scale, cfg, impl):
     (natural log, -inf for rows that see no key)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    sqp = _cdiv(sq, 2 * cfg.block_q) * 2 * cfg.block_q
-    skp = _cdiv(sk, cfg.block_kv) * cfg.block_kv
+    sqp = cdiv(sq, 2 * cfg.block_q) * 2 * cfg.block_q
+    skp = cdiv(sk, cfg.block_kv) * cfg.block_kv
     qp = jnp.pad(q, ((0, 0), (0, sqp - sq), (0, 0), (0, 0))) if sqp != sq else q
     pad_kv = ((0, 0), (0, skp - sk), (0, 0), (0, 0))
     kp = jnp.pad(k, pad_kv) if skp != sk else k
@@ -514,7 +507,7 @@ def _forward(q, k, v, causal, scale, cfg, impl):
         out, lse2 = _mosaic_forward_padded(qp, kp, vp, interpret=(impl == "interpret"), **kw)
     out = out[:, :sq]
     lse2 = lse2[:, :, :sq]
-    lse = jnp.where(lse2 > 0.5 * _M_INIT, lse2 * _LN2, -jnp.inf)
+    lse = jnp.where(lse2 > 0.5 * _M_INIT, lse2 * LN2, -jnp.inf)
     return out, lse
 
 
@@ -561,7 +554,7 @@ def mosaic_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = 
     backward is the flash Pallas kernels).  Raises ValueError/TypeError for bad inputs and RuntimeError
     when no Hopper GPU is present."""
     args, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=False)
-    reason = _mosaic_import_error() or _device_reason(q)
+    reason = _mosaic_import_error() or _device_reason(current_target(q))
     if reason is not None:
         raise RuntimeError(f"mosaic_attention cannot run here: {reason}")
     return _attention_vjp(q, k, v, args.causal, float(args.scale), cfg, "mosaic")[0]

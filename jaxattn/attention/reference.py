@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import mask, normalize
+from .args import mask, normalize
 
 __all__ = ["attention_reference"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._common import AttnArgs, mask
+from .args import AttnArgs, mask
 
 __all__ = ["supports", "attention"]
 

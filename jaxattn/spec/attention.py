@@ -1,0 +1,310 @@
+"""The attention contract (CONVENTIONS §4) and the backend table, shared by both twins (no jax, no torch).
+
+``jaxattn.attention.normalize`` and ``torchref.attention.dot_product_attention`` both check a call with
+:func:`check_call`: each side only says how to read an array (``describe(x) -> (shape, dtype name)`` or None)
+and which layout it uses, so the two packages accept the same calls and raise the same messages::
+
+    from jaxattn.spec.attention import check_call
+    c = check_call(q, k, v, causal=True, window=(128, None), layout="bshd", describe=describe)
+    c.window  # (128, 0): with causal the right side is 0
+
+:data:`BACKENDS` is the one backend table: the JAX dispatcher's names, modules, forward-only set and default
+orders, and torchref's SDPA mapping, are all read from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["BACKENDS", "Backend", "PLATFORMS", "LAYOUTS", "Layout", "Call", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
+           "backend_names", "torch_backend_names", "backend", "default_order", "check_backend_names",
+           "check_call", "check_window", "visible_bounds"]
+
+PLATFORMS: Tuple[str, ...] = ("cpu", "gpu", "tpu")
+
+
+# --------------------------------------------------------------------------------------------- backends
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One attention backend.
+
+    * ``name``: what ``backend=`` / ``attention_backend(...)`` take.
+    * ``module``: its module in ``jaxattn.attention``.
+    * ``torch_twin``: the ``torch.nn.attention.SDPBackend`` member serving the same name in torchref, or
+      None (no torch twin: torchref refuses the name).
+    * ``forward_only``: no backward (never offered to training).
+    * ``default_rank``: ``((platform, rank), ...)``: position in that platform's default order (0 first);
+      a platform not listed leaves the backend opt-in there.  Pass a dict; it is stored as sorted pairs.
+    * ``title``: a few words for messages.
+    """
+
+    name: str
+    module: str
+    torch_twin: Optional[str]
+    forward_only: bool = False
+    default_rank: Any = ()
+    title: str = ""
+
+    def __post_init__(self):
+        ranks = dict(self.default_rank)
+        bad = sorted(set(ranks) - set(PLATFORMS))
+        if bad:
+            raise ValueError(f"Backend {self.name!r}: default_rank platforms must be in {PLATFORMS}, got {bad}")
+        object.__setattr__(self, "default_rank", tuple(sorted(ranks.items())))
+
+    def rank(self, platform: str) -> Optional[int]:
+        """Position in ``platform``'s default order, or None (opt-in there)."""
+        return dict(self.default_rank).get(platform)
+
+
+# CONVENTIONS §4: a backend enters a GPU default only on evidence (its compiled `gpu` tests passed on a real GPU
+# and a committed record shows it correct); `mosaic` (forward-only kernel, XLA-recompute backward) is opt-in.
+# A TPU row (e.g. `splash`) adds its name here with a "tpu" rank.
+BACKENDS: Tuple[Backend, ...] = (
+    Backend("flash", "flash", "FLASH_ATTENTION", default_rank={"gpu": 1}, title="Pallas flash attention"),
+    Backend("flash_decode", "decode", None, forward_only=True, title="Pallas split-K decode"),
+    Backend("mosaic", "mosaic", None, title="Pallas Mosaic GPU"),
+    Backend("cudnn", "cudnn", "CUDNN_ATTENTION", default_rank={"gpu": 0}, title="cuDNN fused attention"),
+    Backend("chunked", "chunked", "EFFICIENT_ATTENTION", default_rank={"gpu": 2}, title="O(S)-memory JAX"),
+    Backend("xla", "xla", "MATH", default_rank={"gpu": 3, "cpu": 0, "tpu": 0}, title="plain math"),
+)
+_BY_NAME: Dict[str, Backend] = {b.name: b for b in BACKENDS}
+
+
+def backend(name: str) -> Backend:
+    """The :data:`BACKENDS` row of ``name`` (KeyError when there is none)."""
+    return _BY_NAME[name]
+
+
+def backend_names(*, forward_only: Optional[bool] = None) -> Tuple[str, ...]:
+    """Every backend name in table order; ``forward_only=False`` drops the forward-only ones."""
+    return tuple(b.name for b in BACKENDS if forward_only is None or b.forward_only == forward_only)
+
+
+def torch_backend_names() -> Tuple[str, ...]:
+    """The names torchref serves (a torch twin), in table order."""
+    return tuple(b.name for b in BACKENDS if b.torch_twin is not None)
+
+
+def default_order(platform: str) -> Tuple[str, ...]:
+    """Default backend order on ``platform`` ("cpu", "gpu", "tpu"): the ranked rows, by rank."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    ranked = [(b.rank(platform), b.name) for b in BACKENDS if b.rank(platform) is not None]
+    return tuple(name for _, name in sorted(ranked))
+
+
+def check_backend_names(names, argname: str, framework: str = "jax") -> Tuple[str, ...]:
+    """``names`` (one name or a sequence) as a tuple, checked against the backends of ``framework``
+    ("jax": every row; "torch": the rows with a torch twin).  Unknown, repeated, non-string or no names raise,
+    listing the valid ones; a backend without a torch twin is named as such on the torch side."""
+    valid = backend_names() if framework == "jax" else torch_backend_names()
+    given = names
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{argname} must be a backend name or a sequence of names from {valid}, "
+                        f"got {given!r} of type {type(given).__name__}") from None
+    if not names:
+        raise ValueError(f"{argname} must name at least one backend from {valid}, got an empty list")
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{argname}: backend names must be strings from {valid}, got {n!r} "
+                            f"of type {type(n).__name__}")
+        if n not in valid:
+            if n in _BY_NAME:  # a jax backend without a torch twin
+                raise ValueError(f"{argname}: {n!r} ({_BY_NAME[n].title}) has no torch twin; "
+                                 f"torch backends are {valid}")
+            raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {valid}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argname}: backend names must not repeat, got {names}")
+    return names
+
+
+# --------------------------------------------------------------------------------------------- the call
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+_INT_DTYPE = re.compile(r"u?int\d+")  # any signed/unsigned integer dtype name (bool is not one)
+
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one framework lays out and names its arrays in messages."""
+
+    tag: str        # "bshd" (JAX) / "bhsd" (torch)
+    q: str          # "[B, Sq, Hq, D]"
+    kv: str         # "[B, Sk, Hkv, D]"
+    name: str       # "the JAX layout"
+    array: str      # "an array with .shape and .dtype": what a non-array input should have been
+    ids: str        # "an integer array": what segment ids are
+
+
+LAYOUTS: Dict[str, Layout] = {
+    "bshd": Layout("bshd", "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", "the JAX layout", "an array with .shape and .dtype",
+                   "an integer array"),
+    "bhsd": Layout("bhsd", "[B, Hq, Sq, D]", "[B, Hkv, Sk, D]", "the torch layout", "a torch.Tensor",
+                   "an integer torch.Tensor"),
+}
+
+
+class Call(NamedTuple):
+    """A checked call, defaults filled.  ``segments``: "none", "shared" (one ``[B, S]`` array: ``q_ids`` is
+    ``kv_ids``) or "pair"; ``q_ids``/``kv_ids`` are the caller's own arrays (or None)."""
+
+    causal: bool
+    scale: float
+    window: Window
+    softcap: Optional[float]
+    segments: str
+    q_ids: Any
+    kv_ids: Any
+
+
+Describe = Callable[[Any], Optional[Tuple[Tuple[int, ...], str]]]
+
+
+def _described(name: str, x, describe: Describe, layout: Layout) -> Tuple[Tuple[int, ...], str]:
+    got = describe(x)
+    if got is None:
+        raise TypeError(f"{name} must be {layout.array}, got {type(x).__name__}")
+    shape, dtype = got
+    return tuple(shape), str(dtype)
+
+
+def _positive_float(name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive finite Python/NumPy number or None, got {value!r} "
+                        f"of type {type(value).__name__} (an array or a traced value is not accepted: it must "
+                        f"be static)")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    return value
+
+
+def _check_ids(name: str, ids, batch: int, length: int, length_name: str, describe: Describe, layout: Layout):
+    shape, dtype = _described(name, ids, describe, layout)
+    if not _INT_DTYPE.fullmatch(dtype):
+        raise TypeError(f"{name} must have an integer dtype, got {dtype} "
+                        f"(accepted: any signed/unsigned integer dtype)")
+    if shape != (batch, length):
+        raise ValueError(f"{name} must have shape (B, {length_name}) = {(batch, length)}, got {shape}")
+    return ids
+
+
+def check_window(window, causal: bool) -> Window:
+    """``window`` as ``(left, right)`` (None = unbounded side), or None when it restricts nothing beyond
+    ``causal``; with ``causal`` the right side is 0."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be None or a (left, right) pair of non-negative ints or None, "
+                         f"got {window!r}")
+    sides = []
+    for side_name, w in zip(("left", "right"), window):
+        if w is None:
+            sides.append(None)
+            continue
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window {side_name} side must be a non-negative int or None, got {w!r} "
+                            f"of type {type(w).__name__} (window={window!r})")
+        if w < 0:
+            raise ValueError(f"window {side_name} side must be >= 0 or None, got {w} (window={window!r})")
+        sides.append(int(w))
+    left, right = sides
+    if causal:
+        right = 0
+    if left is None and (right is None or causal):
+        return None  # restricts nothing beyond what `causal` already does
+    return (left, right)
+
+
+def visible_bounds(causal: bool, window: Window) -> Tuple[Optional[int], Optional[int]]:
+    """``(left, right)`` such that key j is visible to query i iff ``i_abs - left <= j <= i_abs + right``
+    (``i_abs = i + Sk - Sq``; None: unbounded side): the window's sides, the right one cut to 0 by ``causal``."""
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None,
+               layout: str, describe: Describe) -> Call:
+    """Check one attention call and return its :class:`Call`.
+
+    ``layout``: "bshd" (q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``) or "bhsd" (q ``[B, Hq, Sq, D]``).
+    ``describe(x)``: ``(shape, dtype name)`` of an array of the caller's framework, None for anything else.
+    q, k, v share one dtype in :data:`SUPPORTED_DTYPES`; ``Hq % Hkv == 0``; ``1 <= D <= 256``;
+    ``segment_ids`` is None, an integer ``[B, S]`` array (needs ``Sq == Sk``) or a pair ``(q_ids [B, Sq],
+    kv_ids [B, Sk])``.  Raises ``TypeError`` / ``ValueError`` naming the argument, the value and what is
+    accepted (CONVENTIONS §10)."""
+    lay = LAYOUTS[layout]
+    qs, ks, vs = (_described(n, x, describe, lay) for n, x in (("q", q), ("k", k), ("v", v)))
+    for name, (s, _) in (("q", qs), ("k", ks), ("v", vs)):
+        if len(s) != 4:
+            want = lay.q if name == "q" else lay.kv
+            raise ValueError(f"{name} must have rank 4 {want} ({lay.name}), got shape {s} (rank {len(s)})")
+    dts = {"q": qs[1], "k": ks[1], "v": vs[1]}
+    for n, d in dts.items():
+        if d not in SUPPORTED_DTYPES:
+            raise TypeError(f"{n} dtype must be one of {SUPPORTED_DTYPES}, got {d}")
+    if len(set(dts.values())) != 1:
+        raise TypeError(f"q, k, v must share one dtype, got q={dts['q']}, k={dts['k']}, v={dts['v']} "
+                        f"(cast them to a common dtype in {SUPPORTED_DTYPES})")
+    qs, ks, vs = qs[0], ks[0], vs[0]
+    if ks != vs:
+        raise ValueError(f"k and v must have the same shape {lay.kv}, got k {ks} and v {vs}")
+    if lay.tag == "bshd":
+        (b, sq, hq, d), (bk, sk, hkv, dk) = qs, ks
+    else:
+        (b, hq, sq, d), (bk, hkv, sk, dk) = qs, ks
+    if bk != b:
+        raise ValueError(f"batch size of k/v ({bk}, shape {ks}) must equal batch size of q ({b}, shape {qs})")
+    if dk != d:
+        raise ValueError(f"head_dim of k/v ({dk}, shape {ks}) must equal head_dim of q ({d}, shape {qs})")
+    for n, val in (("batch size B", b), ("query length Sq", sq), ("key length Sk", sk),
+                   ("query heads Hq", hq), ("kv heads Hkv", hkv), ("head_dim D", d)):
+        if val < 1:
+            raise ValueError(f"{n} must be >= 1, got {val} (q shape {qs}, k shape {ks})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim D={d} is too large: accepted 1 <= D <= {MAX_HEAD_DIM} (q shape {qs})")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of kv heads Hkv={hkv} (GQA/MQA); "
+                         f"q shape {qs}, k shape {ks}")
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r} of type {type(causal).__name__}")
+    causal = bool(causal)
+
+    if segment_ids is None:
+        form, q_ids, kv_ids = "none", None, None
+    elif isinstance(segment_ids, (tuple, list)):
+        if not all(describe(x) is not None for x in segment_ids):
+            raise TypeError(f"segment_ids must be {lay.ids} [B, S] or a pair (q_ids [B, Sq], kv_ids [B, Sk]) "
+                            f"of them, got a {type(segment_ids).__name__} of "
+                            f"{sorted({type(x).__name__ for x in segment_ids})}")
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids as a sequence must be a pair (q_ids [B, Sq], kv_ids [B, Sk]), "
+                             f"got {len(segment_ids)} elements")
+        form = "pair"
+        q_ids = _check_ids("segment_ids[0] (q_ids)", segment_ids[0], b, sq, "Sq", describe, lay)
+        kv_ids = _check_ids("segment_ids[1] (kv_ids)", segment_ids[1], b, sk, "Sk", describe, lay)
+    else:
+        if sq != sk:
+            raise ValueError(f"segment_ids as one [B, S] array needs Sq == Sk (self-attention), got Sq={sq}, "
+                             f"Sk={sk}; pass a pair (q_ids [B, Sq], kv_ids [B, Sk]) instead")
+        form = "shared"
+        q_ids = kv_ids = _check_ids("segment_ids", segment_ids, b, sq, "S", describe, lay)
+
+    scale = 1.0 / math.sqrt(d) if scale is None else _positive_float("scale", scale)
+    softcap = None if softcap is None else _positive_float("softcap", softcap)
+    return Call(causal, scale, check_window(window, causal), softcap, form, q_ids, kv_ids)
