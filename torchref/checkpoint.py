@@ -62,8 +62,8 @@ class Checkpointer:
     def save(self, step: int, payload: dict[str, Any]) -> str:
         os.makedirs(self.directory, exist_ok=True)
         final = self.path(step)
-        with atomic_path(final) as tmp:  # fsync + os.replace: the commit
-            torch.save(payload, tmp)
+        with atomic_path(final) as tmp, open(tmp, "wb") as f:  # then fsync + os.replace: the commit
+            torch.save(payload, f)
         self._prune()
         return final
 
