@@ -12,6 +12,7 @@ Suites: ``model``, ``attention``, ``remat``, ``decode``, ``plan``, ``train``, ``
 unwritable ``--out`` fails before anything is measured; a suite that measures nothing exits non-zero and writes
 nothing; every file is replaced atomically, only by a complete result (more in benchmarks/NOTES.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,17 +36,27 @@ from .tools import train_example  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run benchmark suites and write JSON + report.md")
-    run.add_argument("--suite", action="append", choices=SUITES + ("all",),
-                     help="suite to run (repeatable; default: all)")
+    run.add_argument(
+        "--suite", action="append", choices=SUITES + ("all",), help="suite to run (repeatable; default: all)"
+    )
     run.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    run.add_argument("--impl", action="append", default=None,
-                     help="attention suite: keep only these implementations (repeatable, e.g. flash, sdpa:flash)")
-    run.add_argument("--max-seq", type=int, default=None,
-                     help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)")
+    run.add_argument(
+        "--impl",
+        action="append",
+        default=None,
+        help="attention suite: keep only these implementations (repeatable, e.g. flash, sdpa:flash)",
+    )
+    run.add_argument(
+        "--max-seq",
+        type=int,
+        default=None,
+        help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)",
+    )
     run.add_argument("--out", default=None, help="output directory (default benchmarks/results/<device>[-quick])")
     rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
     rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
@@ -109,16 +120,18 @@ def main(argv=None) -> int:
             reasons = sorted({str(r.get("reason")) for r in records})
             why = f"({len(records)} records, all skipped" + (f": {'; '.join(reasons)[:500]}" if reasons else "") + ")"
             if explicit or not records or any(r.get("status") == "error" for r in records):
-                print(f"error: suite {suite!r} measured nothing {why}; nothing written for it", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"error: suite {suite!r} measured nothing {why}; nothing written for it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 failed.append(suite)
             else:  # part of `all` and not servable on this machine (e.g. `plan` without the gpu-compile extra)
                 print(f"note: suite {suite!r} skipped on this machine {why}", flush=True)
             continue
         results[suite] = records
         write_results(out, suite, records, info)
-        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{suite_table(suite, records)}",
-              flush=True)
+        print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{suite_table(suite, records)}", flush=True)
         plot = plot_suite(out, suite, records, info)
         if plot:
             print(f"plot: {plot.path}", flush=True)

@@ -3,15 +3,17 @@
     t = timeit(fn, x, warmup=3, iters=20)     # {"median_s", "p10_s", "p90_s", "iters"} (jaxattn.spec.timing)
 
 The loop and statistics are ``jaxattn.spec.timing``'s, the synchronisation and peak memory ``jaxattn.profiling``
-/ ``torchref.profiling``'s, so trainers and benchmarks time alike (CONVENTIONS §9; see benchmarks/NOTES.md).
+/ ``torchref.profiling``'s, so trainers and benchmarks time alike (design §9; see benchmarks/NOTES.md).
 """
+
 from __future__ import annotations
 
 import platform
 import re
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from jaxattn.spec.timing import time_calls
 
@@ -45,14 +47,14 @@ def jax_device_name() -> str:
     return getattr(d, "device_kind", d.platform)
 
 
-def jax_peak_memory() -> Optional[int]:
+def jax_peak_memory() -> int | None:
     """Peak bytes in use on the first jax device since start (None where the backend keeps no stats, e.g. CPU)."""
     from jaxattn.profiling import peak_memory_bytes
 
     return peak_memory_bytes(host_fallback=False)
 
 
-def jax_compiled_memory(fn: Callable, *args) -> Optional[int]:
+def jax_compiled_memory(fn: Callable, *args) -> int | None:
     """Bytes XLA assigns to jitted ``fn`` at ``args`` (arguments + outputs + temporaries - aliased), or None."""
     from jaxattn.profiling import compiled_memory
 
@@ -69,7 +71,7 @@ def torch_reset_peak() -> None:
     reset_peak_memory()
 
 
-def torch_peak_memory() -> Optional[int]:
+def torch_peak_memory() -> int | None:
     """``torch.cuda.max_memory_allocated`` since the last :func:`torch_reset_peak` (None on CPU)."""
     from torchref.profiling import peak_memory_bytes
 
@@ -78,8 +80,11 @@ def torch_peak_memory() -> Optional[int]:
 
 def env_info() -> dict:
     """Device name, host and library versions for a result file."""
-    info = {"python": platform.python_version(), "host": platform.node(), "time_utc": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    info = {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     for mod in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "numpy"):
         try:
             info[mod] = __import__(mod).__version__

@@ -2,6 +2,7 @@
 
 The generator is ``benchmarks/report/readme.py``; this module only runs it.
 """
+
 import sys
 
 from .report.readme import main

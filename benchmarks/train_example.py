@@ -2,6 +2,7 @@
 
 The example is ``benchmarks/tools/train_example.py``; this module only runs it.
 """
+
 import sys
 
 from .tools.train_example import main

@@ -8,6 +8,7 @@ only ``jaxattn.spec``, and the benchmarks (an installed package) must not import
 tests can import ``benchmarks``. The torch model is built first and its state dict is handed to
 ``jaxattn.hf.from_state_dict``, so both sides hold the very same numbers.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,17 +3,40 @@
 Public names and submodules are imported lazily so that ``import jaxattn`` is cheap and the framework-neutral
 subpackage ``jaxattn.spec`` (the only part ``torchref`` imports) can be used without initialising jax.
 """
+
 from importlib import import_module
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "ModelConfig": "config", "Llama": "model",
-    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "hf", "dot_product_attention": "attention",
+    "ModelConfig": "config",
+    "Llama": "model",
+    "from_pretrained": "hf",
+    "save_pretrained": "hf",
+    "from_gguf": "hf",
+    "dot_product_attention": "attention",
     "attention_backend": "attention",
 }
 
-_SUBMODULES = ("spec", "config", "model", "hf", "attention", "precision", "loss_scale", "optim", "remat",
-               "data", "checkpoint", "seed", "train_step", "kv_cache", "generate", "quant", "sharding", "train")
+_SUBMODULES = (
+    "spec",
+    "config",
+    "model",
+    "hf",
+    "attention",
+    "precision",
+    "loss_scale",
+    "optim",
+    "remat",
+    "data",
+    "checkpoint",
+    "seed",
+    "train_step",
+    "kv_cache",
+    "generate",
+    "quant",
+    "sharding",
+    "train",
+)
 
 
 def __getattr__(name):

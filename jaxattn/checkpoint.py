@@ -12,10 +12,11 @@ previous checkpoints intact and the half-written one invisible (its temporary di
 manager). ``keep`` = ``max_to_keep``: orbax deletes only its own older step directories, never other files.
 Saves are synchronous (the step waits for the write).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -26,8 +27,12 @@ ORBAX_VERSION = getattr(ocp, "__version__", "unknown")
 
 
 def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-                        if hasattr(x, "shape") else x, tree)
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+        ),
+        tree,
+    )
 
 
 class Checkpointer:
@@ -37,11 +42,12 @@ class Checkpointer:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         self.manager.reload()
         return self.manager.latest_step()
 
@@ -50,14 +56,19 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, tree: Any, meta: dict) -> None:
-        self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                            meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """``(tree, meta)`` of ``step``; ``like`` is a tree of the same structure (arrays or shape structs)."""
-        out = self.manager.restore(int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like)),
-                                                                     meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()),
+        )
         return out["state"], out["meta"]
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ mirrored module name of ``torchref.config``.
     from jaxattn.config import ModelConfig
     cfg = ModelConfig.preset("tiny")
 """
+
 from .spec.config import PRESET_NAMES, ModelConfig
 
 __all__ = ["ModelConfig", "PRESET_NAMES"]

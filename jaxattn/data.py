@@ -9,18 +9,28 @@ The thread builds batch ``i + 1`` (and ``i + 2`` with ``size=2``) and starts its
 device runs step ``i`` (flax's ``prefetch_to_device`` idea, for one device; ``device_put`` is asynchronous, so the
 copy overlaps compute). Each batch's dict holds int32 ``tokens``, ``loss_mask``, ``segment_ids``, ``positions``.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
 from .spec.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
 
-__all__ = ["Dataset", "prefetch_to_device", "load_tokenizer", "ByteTokenizer", "HFTokenizer", "bucket_lengths",
-           "PACKING", "SYNTHETIC"]
+__all__ = [
+    "Dataset",
+    "prefetch_to_device",
+    "load_tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "bucket_lengths",
+    "PACKING",
+    "SYNTHETIC",
+]
 
 _END = object()
 
@@ -30,8 +40,16 @@ class _Failure:
         self.exc = exc
 
 
-def prefetch_to_device(ds: Dataset, start: int, stop: int, *, size: int = 2, device: Optional[Any] = None,
-                       with_tokens: bool = False, place: Optional[Any] = None) -> Iterator[Any]:
+def prefetch_to_device(
+    ds: Dataset,
+    start: int,
+    stop: int,
+    *,
+    size: int = 2,
+    device: Any | None = None,
+    with_tokens: bool = False,
+    place: Any | None = None,
+) -> Iterator[Any]:
     """Batches ``start .. stop - 1`` of ``ds`` on ``device`` (default: the first device; or a sharding), ``size``
     ahead; ``with_tokens``: yield ``(batch, real input tokens)`` pairs (counted on the host, no device sync).
     ``place(host_batch)`` replaces the ``device_put`` (e.g. ``lambda b: b`` keeps host batches for a
@@ -40,8 +58,10 @@ def prefetch_to_device(ds: Dataset, start: int, stop: int, *, size: int = 2, dev
         raise ValueError(f"size={size!r} must be >= 1 (batches in flight)")
     device = jax.devices()[0] if device is None else device
     if place is None:
+
         def place(host):
             return jax.device_put(host, device)
+
     q: queue.Queue = queue.Queue(maxsize=size)
     stopped = threading.Event()
 

@@ -14,19 +14,20 @@ place where the backend supports donation). Sampling: ``temperature == 0`` is gr
 reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
 returned); finished rows keep feeding EOS until every row is done, their outputs discarded.
 """
+
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import attention_backend, current_backends
 from . import hf
+from .attention import attention_backend, current_backends
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import Llama
@@ -34,7 +35,7 @@ from .quant import quantize
 from .spec.generate import build_parser, collect, emit, load_tokenizer, prepare, print_stream, prompt_ids
 
 
-def sample(logits: jax.Array, key, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> jax.Array:
+def sample(logits: jax.Array, key, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
     """Token ids ``[B]`` from float32 logits ``[B, V]`` (greedy when ``temperature == 0``)."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -78,14 +79,23 @@ def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
                 return fn(*args)
             with attention_backend(*backends):
                 return fn(*args)
+
         return wrapped
 
     return jax.jit(traced_under(prefill)), jax.jit(traced_under(decode), donate_argnums=(2,))
 
 
-def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
-           top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
-           max_len: Optional[int] = None) -> Iterator[list]:
+def stream(
+    model,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    max_len: int | None = None,
+) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
     tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
@@ -105,12 +115,21 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
             token = jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
 
 
-def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
-             max_len: Optional[int] = None) -> list[list[int]]:
+def generate(
+    model,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    max_len: int | None = None,
+) -> list[list[int]]:
     """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
-    return collect(stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len),
-                   len(prompts))
+    return collect(
+        stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len), len(prompts)
+    )
 
 
 def main(argv=None) -> int:
@@ -122,8 +141,19 @@ def main(argv=None) -> int:
     if args.int8:
         model = quantize(model)
     tok = load_tokenizer(args.init)
-    print_stream(stream(model, [prompt_ids(args, tok)], args.max_new_tokens, args.temperature, args.top_k,
-                        args.top_p, args.seed, tok.eos_id), tok)
+    print_stream(
+        stream(
+            model,
+            [prompt_ids(args, tok)],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            tok.eos_id,
+        ),
+        tok,
+    )
     return 0
 
 

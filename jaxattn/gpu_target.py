@@ -18,6 +18,7 @@ The CUDA plugin refuses to start when no CUDA runtime is found unless ``JAX_SKIP
 set before jax starts its backends; :func:`devices` sets it and, when jax already started without it,
 re-runs the plugin's registration (it failed before registering anything, so this is safe).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,32 +26,43 @@ import importlib
 import importlib.metadata
 import os
 import shutil
-from typing import Any, Callable, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
-__all__ = ["PLUGIN_DISTRIBUTIONS", "unavailable_reason", "devices", "mesh", "place", "compile",
-           "compute_capability", "tool_path"]
+__all__ = [
+    "PLUGIN_DISTRIBUTIONS",
+    "unavailable_reason",
+    "devices",
+    "mesh",
+    "place",
+    "compile",
+    "compute_capability",
+    "tool_path",
+]
 
 PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 _SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 
 
-def _version(dist: str) -> Optional[str]:
+def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """None when a deviceless CUDA compile can work here, else why not (what to install)."""
     jaxlib_version = _version("jaxlib")
     for dist in PLUGIN_DISTRIBUTIONS:
         got = _version(dist)
         if got is None:
-            return (f"{dist} is not installed (pip install -e '.[gpu-compile]', or {dist}=={jaxlib_version} "
-                    f"to match jaxlib)")
+            return (
+                f"{dist} is not installed (pip install -e '.[gpu-compile]', or {dist}=={jaxlib_version} "
+                f"to match jaxlib)"
+            )
         if got != jaxlib_version:
             return f"{dist} {got} does not match jaxlib {jaxlib_version}: install {dist}=={jaxlib_version}"
     if tool_path("ptxas") is None:
@@ -58,14 +70,17 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def tool_path(name: str) -> Optional[str]:
+def tool_path(name: str) -> str | None:
     """Path of a CUDA tool (``ptxas``, ``cuobjdump``, ``nvdisasm``): from the NVIDIA pip wheels
     (``nvidia-cuda-nvcc-cu12`` -> ``nvidia/cuda_nvcc/bin``, ``nvidia-cuda-cuobjdump`` / ``-nvdisasm`` ->
     ``nvidia/cu13/bin``), else ``PATH``, else ``/usr/local/cuda/bin``; None when not found."""
     try:
         nvidia = importlib.import_module("nvidia")
-        roots = [os.path.join(p, sub, "bin") for p in nvidia.__path__
-                 for sub in ("cuda_nvcc", "cu13", "cuda_cuobjdump", "cuda_nvdisasm")]
+        roots = [
+            os.path.join(p, sub, "bin")
+            for p in nvidia.__path__
+            for sub in ("cuda_nvcc", "cu13", "cuda_cuobjdump", "cuda_nvdisasm")
+        ]
     except ImportError:
         roots = []
     for root in roots:
@@ -78,6 +93,7 @@ def tool_path(name: str) -> Optional[str]:
 def _register_cuda_plugin() -> None:
     os.environ.setdefault(_SKIP_CHECK, "1")
     from jax._src import xla_bridge as xb  # private: jax has no public "is this platform registered"
+
     xb._discover_and_register_pjrt_plugins()  # noqa: SLF001 - what jax does on first use
     if "cuda" in xb._topology_factories:  # noqa: SLF001
         return
@@ -91,27 +107,30 @@ def _register_cuda_plugin() -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _devices(target_config: str, topology: str) -> Tuple[Any, ...]:
+def _devices(target_config: str, topology: str) -> tuple[Any, ...]:
     _register_cuda_plugin()
     from jax.experimental import topologies
+
     topo = topologies.get_topology_desc("", "cuda", topology=topology, target_config=target_config)
     return tuple(topo.devices)
 
 
-def devices(target_config: str, topology: str = "1x1x1") -> Tuple[Any, ...]:
+def devices(target_config: str, topology: str = "1x1x1") -> tuple[Any, ...]:
     """The devices of a deviceless GPU topology: ``target_config`` is the text of a
     ``stream_executor.GpuTargetConfigProto`` (e.g. ``benchmarks/targets/h100.txtpb``), ``topology``
     ``"slices x hosts x devices"`` (``"1x1x8"`` for 8 GPUs in one host).  Cached per (text, topology)."""
     if not isinstance(target_config, str) or "gpu_device_info" not in target_config:
-        raise ValueError("target_config must be the text of a GpuTargetConfigProto (with a gpu_device_info "
-                         f"block), got {type(target_config).__name__} {str(target_config)[:60]!r}")
+        raise ValueError(
+            "target_config must be the text of a GpuTargetConfigProto (with a gpu_device_info "
+            f"block), got {type(target_config).__name__} {str(target_config)[:60]!r}"
+        )
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"cannot compile for a GPU without one: {reason}")
     return _devices(target_config, topology)
 
 
-def compute_capability(device) -> Optional[Tuple[int, int]]:
+def compute_capability(device) -> tuple[int, int] | None:
     """``(major, minor)`` of a (possibly deviceless) GPU device, or None."""
     cc = getattr(device, "compute_capability", None)
     try:
@@ -136,7 +155,7 @@ def place(tree, devs_or_sharding) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _first_device(args) -> Optional[Any]:
+def _first_device(args) -> Any | None:
     for leaf in jax.tree.leaves(args):
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
@@ -147,20 +166,29 @@ def _first_device(args) -> Optional[Any]:
     return None
 
 
-def compile(fn: Callable, *args, jit_kwargs: Optional[dict] = None, compiler_options: Optional[dict] = None,
-            jitted: Optional[Callable] = None):
+def compile(
+    fn: Callable,
+    *args,
+    jit_kwargs: dict | None = None,
+    compiler_options: dict | None = None,
+    jitted: Callable | None = None,
+):
     """Lower ``fn(*args)`` for CUDA and compile it for the devices ``args`` are placed on (see :func:`place`);
     returns ``(lowered, compiled)``.  ``jitted``: an already-jitted function to use instead of
     ``jax.jit(fn, **jit_kwargs)``.  ``compiler_options``: XLA flags for this compile only, e.g.
     ``{"xla_dump_to": DIR}`` to get every kernel's PTX.  Attention inside traces for the GPU."""
     from jaxattn.attention import target_platform
+
     dev = _first_device(args)
     if dev is None or getattr(dev, "platform", None) != "gpu":
-        raise ValueError("compile: place the arguments on the target's devices first (gpu_target.place(args, "
-                         f"gpu_target.devices(...))); found device {dev!r}")
+        raise ValueError(
+            "compile: place the arguments on the target's devices first (gpu_target.place(args, "
+            f"gpu_target.devices(...))); found device {dev!r}"
+        )
     f = jitted if jitted is not None else jax.jit(fn, **(jit_kwargs or {}))
-    with target_platform("gpu", compute_capability=compute_capability(dev),
-                         device_kind=getattr(dev, "device_kind", None)):
+    with target_platform(
+        "gpu", compute_capability=compute_capability(dev), device_kind=getattr(dev, "device_kind", None)
+    ):
         lowered = f.trace(*args).lower(lowering_platforms=("cuda",))
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     return lowered, compiled

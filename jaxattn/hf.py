@@ -10,21 +10,22 @@ crash-safely and touches only our files (``jaxattn.spec.hf_format``).
 
     jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
+
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from .config import ModelConfig
+from .model import Llama, set_value
 from .spec import hf_format, params
 from .spec.dtypes import MODEL_DTYPES, check_model_dtype
 from .spec.gguf import read_gguf
-from .config import ModelConfig
-from .model import Llama, set_value
 
 
 def _resolve_dtype(dtype):
@@ -58,8 +59,9 @@ def to_state_dict(model: Llama) -> dict[str, np.ndarray]:
 def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=None) -> Llama:
     """Build a ``Llama`` from HF-named arrays (numpy, or anything ``np.asarray`` takes); checks every key."""
     hf_format.check_state_shapes(config, {k: np.shape(v) for k, v in tensors.items()})
-    hf_format.check_state_dtypes({k: v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
-                                  for k, v in tensors.items()})
+    hf_format.check_state_dtypes(
+        {k: v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype for k, v in tensors.items()}
+    )
     dt = _resolve_dtype(dtype)
     # Build without running the random initialisers, then fill every parameter (stacked per layer / expert).
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
@@ -80,8 +82,9 @@ def from_gguf(path: str | os.PathLike, dtype=None) -> Llama:
     """A ``Llama`` holding the dequantized weights of a llama.cpp GGUF file (read by ``jaxattn.spec.gguf``);
     ``dtype=None`` keeps float32 (the dequantized values)."""
     dt = _resolve_dtype(dtype)  # a bad dtype fails before the file is read
-    config, tensors, _ = read_gguf(path, "float16" if dt is not None and dt.name == "float16" else "float32",
-                                   tokenizer=False)
+    config, tensors, _ = read_gguf(
+        path, "float16" if dt is not None and dt.name == "float16" else "float32", tokenizer=False
+    )
     return from_state_dict(config, tensors, dtype=dtype)
 
 
@@ -98,9 +101,12 @@ def from_pretrained(path: str | os.PathLike, dtype=None) -> Llama:
     return from_state_dict(config, tensors, dtype=dtype)
 
 
-def save_pretrained(model: Llama, path: str | os.PathLike,
-                    max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES,
-                    dtype: Optional[object] = None) -> str:
+def save_pretrained(
+    model: Llama,
+    path: str | os.PathLike,
+    max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES,
+    dtype: object | None = None,
+) -> str:
     """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
 
     Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.
@@ -118,5 +124,6 @@ def save_pretrained(model: Llama, path: str | os.PathLike,
     def save(subset, filename, metadata):
         safetensors.numpy.save_file(subset, filename, metadata=metadata)
 
-    return hf_format.write_checkpoint(path, hf_config, tensors, {k: v.nbytes for k, v in tensors.items()}, save,
-                                      max_shard_bytes)
+    return hf_format.write_checkpoint(
+        path, hf_config, tensors, {k: v.nbytes for k, v in tensors.items()}, save, max_shard_bytes
+    )

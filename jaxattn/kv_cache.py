@@ -26,6 +26,7 @@ the slots whose id matches) and splits that range over several programs per (row
 batch 1 still fills the GPU. Enter the block before the decode step is first traced (``jaxattn.generate`` caches
 its jitted programs). It is forward only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,7 @@ class KVCache:
     lengths: jax.Array  # [B] int32: tokens held per row
 
     @classmethod
-    def init(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+    def init(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         for name, val in (("batch", batch), ("max_len", max_len)):
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"KVCache.init: {name} must be an int >= 1, got {val!r}")
@@ -60,7 +61,7 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def with_lengths(self, lengths) -> "KVCache":
+    def with_lengths(self, lengths) -> KVCache:
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32).reshape(self.lengths.shape))
 
     def positions(self, s: int) -> jax.Array:
@@ -80,8 +81,10 @@ class KVCache:
             except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
                 return  # under jit: the caller's contract
             if lengths.max() > 0:
-                raise ValueError(f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
-                                 f"lengths {lengths.tolist()}; decode one token per call")
+                raise ValueError(
+                    f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
+                    f"lengths {lengths.tolist()}; decode one token per call"
+                )
 
 
 def cached_attention(q, k, v, k_cache, v_cache, lengths):

@@ -9,12 +9,13 @@ to and from ``GradScaler.state_dict()`` (``parity_tests/test_loss_scale.py`` che
     grads = ls.unscale(jax.grad(lambda p: ls.scale(loss(p)))(params))
     finite = all_finite(grads); ls = ls.update(finite)
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -66,11 +67,15 @@ def _concrete(x: Any, what: str) -> np.ndarray:
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
-_TRACER_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                  jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError)
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+)
 
 
-def _python_number(value: Any, what: str) -> Union[int, float]:
+def _python_number(value: Any, what: str) -> int | float:
     """The Python int/float held by ``value``: a Python or numpy number, or a 0-d (numpy, jax, torch) array.
 
     Bools (``True``, ``np.bool_``, bool arrays), strings, complex numbers and arrays with elements raise
@@ -87,8 +92,10 @@ def _python_number(value: Any, what: str) -> Union[int, float]:
         except _TRACER_ERRORS as e:
             raise TypeError(f"{what} needs a concrete value; call it outside jit (got a tracer)") from e
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{what} must be a number (Python or numpy int/float, or a 0-d array), got {value!r} "
-                        f"of type {type(value).__name__}")
+        raise TypeError(
+            f"{what} must be a number (Python or numpy int/float, or a 0-d array), got {value!r} "
+            f"of type {type(value).__name__}"
+        )
     return v
 
 
@@ -102,8 +109,10 @@ def _check_scale(value: Any, what: str) -> float:
     x = float(_python_number(value, what))
     f = _float32(x)
     if not (math.isfinite(f) and f > 0):
-        raise ValueError(f"{what} must be a finite float > 0 that float32 can hold (at most {_F32_MAX:.8g}), "
-                         f"got {value!r}" + ("" if not math.isfinite(x) or x <= 0 else f" (float32: {f})"))
+        raise ValueError(
+            f"{what} must be a finite float > 0 that float32 can hold (at most {_F32_MAX:.8g}), "
+            f"got {value!r}" + ("" if not math.isfinite(x) or x <= 0 else f" (float32: {f})")
+        )
     return x
 
 
@@ -111,8 +120,10 @@ def _check_growth_factor(value: Any, what: str) -> float:
     x = float(_python_number(value, what))
     f = _float32(x)
     if not (math.isfinite(f) and f > 1.0):
-        raise ValueError(f"{what} must be a finite float > 1.0 (in float32), got {value!r}"
-                         + ("" if not math.isfinite(x) or x <= 1.0 else f" (float32: {f})"))
+        raise ValueError(
+            f"{what} must be a finite float > 1.0 (in float32), got {value!r}"
+            + ("" if not math.isfinite(x) or x <= 1.0 else f" (float32: {f})")
+        )
     return x
 
 
@@ -120,8 +131,10 @@ def _check_backoff_factor(value: Any, what: str) -> float:
     x = float(_python_number(value, what))
     f = _float32(x)
     if not 0.0 < f < 1.0:
-        raise ValueError(f"{what} must be a float in (0, 1) (in float32), got {value!r}"
-                         + ("" if not 0.0 < x < 1.0 else f" (float32: {f})"))
+        raise ValueError(
+            f"{what} must be a float in (0, 1) (in float32), got {value!r}"
+            + ("" if not 0.0 < x < 1.0 else f" (float32: {f})")
+        )
     return x
 
 
@@ -171,15 +184,25 @@ class DynamicLossScale:
             object.__setattr__(self, "growth_tracker", jnp.asarray(self.growth_tracker, jnp.int32))
 
     @classmethod
-    def create(cls, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-               growth_interval: int = 2000) -> "DynamicLossScale":
+    def create(
+        cls,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> DynamicLossScale:
         """GradScaler's constructor defaults: init 2**16, growth 2.0, backoff 0.5, interval 2000.
 
         ``init_scale`` must be finite and > 0 in float32; ``growth_factor`` > 1; ``backoff_factor`` in (0, 1);
         ``growth_interval`` a positive int. Python/numpy numbers and 0-d arrays are accepted, bools are not."""
         scale = _check_scale(init_scale, "DynamicLossScale: init_scale")
-        return cls(loss_scale=jnp.asarray(scale, jnp.float32), growth_tracker=jnp.asarray(0, jnp.int32),
-                   growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+        return cls(
+            loss_scale=jnp.asarray(scale, jnp.float32),
+            growth_tracker=jnp.asarray(0, jnp.int32),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+        )
 
     # -- the four operations -----------------------------------------------------------------------------------
     def scale(self, loss: Any) -> Any:
@@ -200,7 +223,7 @@ class DynamicLossScale:
 
     all_finite = staticmethod(all_finite)
 
-    def update(self, grads_finite: Any) -> "DynamicLossScale":
+    def update(self, grads_finite: Any) -> DynamicLossScale:
         """The scale state after a step whose (scaled) gradients were finite or not (``_amp_update_scale_``)."""
         finite = jnp.asarray(grads_finite, dtype=bool)
         scale = self.loss_scale.astype(jnp.float32)
@@ -224,38 +247,54 @@ class DynamicLossScale:
         _growth_tracker``. Call it outside ``jit`` (it reads the values)."""
         scale = _concrete(self.loss_scale, "DynamicLossScale.state_dict()")
         tracker = _concrete(self.growth_tracker, "DynamicLossScale.state_dict()")
-        return {"scale": float(scale), "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
-                "_growth_tracker": int(tracker)}
+        return {
+            "scale": float(scale),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(tracker),
+        }
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, Any]) -> "DynamicLossScale":
+    def from_state_dict(cls, state_dict: Mapping[str, Any]) -> DynamicLossScale:
         """A loss scale from a ``state_dict()`` of this class or of ``torch.amp.GradScaler``.
 
         Values are checked as ``create`` checks them (scale finite and > 0 in float32, ...), and
         ``0 <= _growth_tracker < growth_interval`` (the only states GradScaler reaches)."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"loss-scale state_dict must be a mapping with keys {list(_STATE_KEYS)}, "
-                            f"got {type(state_dict).__name__}")
+            raise TypeError(
+                f"loss-scale state_dict must be a mapping with keys {list(_STATE_KEYS)}, "
+                f"got {type(state_dict).__name__}"
+            )
         if len(state_dict) == 0:
-            raise ValueError("loss-scale state_dict is empty, possibly because it was saved from a disabled "
-                             "GradScaler or a NoOpLossScale; expected keys " + ", ".join(_STATE_KEYS))
+            raise ValueError(
+                "loss-scale state_dict is empty, possibly because it was saved from a disabled "
+                "GradScaler or a NoOpLossScale; expected keys " + ", ".join(_STATE_KEYS)
+            )
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         unexpected = [k for k in state_dict if k not in _STATE_KEYS]
         if missing or unexpected:
-            raise ValueError(f"loss-scale state_dict: missing keys {missing}, unexpected keys {unexpected}; "
-                             f"expected exactly {list(_STATE_KEYS)}")
+            raise ValueError(
+                f"loss-scale state_dict: missing keys {missing}, unexpected keys {unexpected}; "
+                f"expected exactly {list(_STATE_KEYS)}"
+            )
         what = "loss-scale state_dict[{!r}]".format
         scale = _check_scale(state_dict["scale"], what("scale"))
         growth_factor = _check_growth_factor(state_dict["growth_factor"], what("growth_factor"))
         backoff_factor = _check_backoff_factor(state_dict["backoff_factor"], what("backoff_factor"))
         interval = _check_int(state_dict["growth_interval"], what("growth_interval"), 1, integral_float=True)
-        tracker = _check_int(state_dict["_growth_tracker"], what("_growth_tracker"), 0, interval - 1,
-                             integral_float=True)
-        return cls(loss_scale=jnp.asarray(scale, jnp.float32), growth_tracker=jnp.asarray(tracker, jnp.int32),
-                   growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=interval)
+        tracker = _check_int(
+            state_dict["_growth_tracker"], what("_growth_tracker"), 0, interval - 1, integral_float=True
+        )
+        return cls(
+            loss_scale=jnp.asarray(scale, jnp.float32),
+            growth_tracker=jnp.asarray(tracker, jnp.int32),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=interval,
+        )
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> "DynamicLossScale":
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> DynamicLossScale:
         """Returns the loss scale described by ``state_dict`` (immutable: the receiver is unchanged). Like
         GradScaler.load_state_dict, every field (factors and interval included) comes from the dict."""
         return type(self).from_state_dict(state_dict)
@@ -279,7 +318,7 @@ class NoOpLossScale:
 
     all_finite = staticmethod(all_finite)
 
-    def update(self, grads_finite: Any) -> "NoOpLossScale":
+    def update(self, grads_finite: Any) -> NoOpLossScale:
         return self
 
     @staticmethod
@@ -289,14 +328,15 @@ class NoOpLossScale:
     def state_dict(self) -> dict[str, Any]:
         return {}  # what a disabled GradScaler returns
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> "NoOpLossScale":
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> NoOpLossScale:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         if state_dict:
-            raise ValueError(f"NoOpLossScale has no state but got keys {sorted(state_dict)}; use "
-                             f"DynamicLossScale.from_state_dict for a GradScaler state")
+            raise ValueError(
+                f"NoOpLossScale has no state but got keys {sorted(state_dict)}; use "
+                f"DynamicLossScale.from_state_dict for a GradScaler state"
+            )
         return self
 
 
-LossScale = Union[DynamicLossScale, NoOpLossScale]
-
+LossScale = DynamicLossScale | NoOpLossScale

@@ -26,10 +26,10 @@ lookup is ``jnp.take(..., mode="fill", fill_value=0)``, never jnp's default NaN 
 no gradient, so a masked pad id (e.g. ``vocab_size``) cannot poison the loss or the parameters. To check ids
 inside jit use ``jaxattn.train.make_train_step(..., check_ids="jit")`` (``jax.experimental.checkify``).
 """
+
 from __future__ import annotations
 
 import contextvars
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +40,9 @@ from .attention import dot_product_attention
 from .config import ModelConfig
 from .kv_cache import KVCache, cached_attention
 from .quant import QArray, matmul
+from .remat import wrap_layer
 from .spec import params
 from .spec.batch import check_model_inputs, check_token_ids
-from .remat import wrap_layer
 
 # Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
@@ -57,8 +57,16 @@ KV_AXES: tuple[str, ...] = ("batch", "seq", "kv_heads", "head_dim")  # k, v [B, 
 SEGMENT_AXES: tuple[str, ...] = ("batch", "seq")
 
 # checkpoint_name tags (MaxText's names) on the values a remat policy may keep.
-REMAT_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_0", "mlpwi_1",
-                                "mlp_hidden", "decoder_layer_output")
+REMAT_NAMES: tuple[str, ...] = (
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "attention_out",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlp_hidden",
+    "decoder_layer_output",
+)
 
 
 # Activation sharding seam (MaxText / torchtitan style, no mesh here): ``None`` (a no-op) unless
@@ -129,8 +137,12 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is None:
-        o = per_shard(_self_attention, (q, k, v, segment_ids),  # [B, S, Hq, D]
-                      (Q_AXES, KV_AXES, KV_AXES, SEGMENT_AXES), Q_AXES)
+        o = per_shard(
+            _self_attention,
+            (q, k, v, segment_ids),  # [B, S, Hq, D]
+            (Q_AXES, KV_AXES, KV_AXES, SEGMENT_AXES),
+            Q_AXES,
+        )
     else:
         o, kv = cached_attention(q, k, v, *kv)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]
@@ -173,8 +185,9 @@ def param(row: params.ParamRow, cfg: ModelConfig, rngs: nnx.Rngs, dtype) -> nnx.
     ``eager_sharding=False``: the model never shards itself (no mesh inside), ``jaxattn.sharding`` does it.
     """
     init = nnx.initializers.ones if row.kind == "norm" else nnx.initializers.normal(0.02)
-    return nnx.Param(nnx.with_partitioning(init, row.jax_axes, eager_sharding=False)(
-        rngs.params(), row.jax_shape(cfg), dtype))
+    return nnx.Param(
+        nnx.with_partitioning(init, row.jax_axes, eager_sharding=False)(rngs.params(), row.jax_shape(cfg), dtype)
+    )
 
 
 class Layers(nnx.Module):
@@ -205,8 +218,13 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(config.rope_inv_freq()))  # constant, not a trained Param
         self.remat = "none"
 
-    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
-                 segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ):
         cfg = self.config
         check_model_inputs(tokens, positions, segment_ids, arg="tokens")
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
@@ -233,6 +251,7 @@ class Llama(nnx.Module):
         if cache is None:
             x, _ = jax.lax.scan(lambda h, p: (constrain(layer(h, p), ACT_AXES), None), x, stacked)
         else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
+
             def cached_layer(h, xs):
                 p, kc, vc = xs
                 return decoder_layer(h, p, cos, sin, cfg, None, (kc, vc, cache.lengths))

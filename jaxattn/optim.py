@@ -27,9 +27,11 @@ train step that skips a non-finite fp16 step keeps the old ``opt_state``, so the
 * ``adamw8bit``: block-wise 8-bit AdamW (Dettmers et al. 2022, bitsandbytes' ``AdamW8bit``): written here
   because no JAX library has one. See :func:`scale_by_adam_8bit`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +41,27 @@ import optax
 from .spec import optim as spec
 from .spec.optim import ADAFACTOR_DEFAULTS, BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
 
-__all__ = ["build", "lr_schedule", "decay_mask", "param_name", "scale_by_adam_8bit", "adamw8bit", "adafactor",
-           "ScaleByAdam8bitState", "state_bytes", "OPTIMIZER_NAMES", "SCHEDULE_NAMES"]
+__all__ = [
+    "build",
+    "lr_schedule",
+    "decay_mask",
+    "param_name",
+    "scale_by_adam_8bit",
+    "adamw8bit",
+    "adafactor",
+    "ScaleByAdam8bitState",
+    "state_bytes",
+    "OPTIMIZER_NAMES",
+    "SCHEDULE_NAMES",
+]
 
-LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
+LearningRate = float | Callable[[jax.Array], jax.Array]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Names, mask, schedule
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def param_name(path: tuple) -> str:
     """Dotted name of a pytree path (``nnx.State``'s ``('layers', 'wq', .value)`` -> ``layers.wq``)."""
@@ -67,12 +81,17 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: spec.decays(param_name(path)), params)
 
 
-def lr_schedule(lr: float, *, schedule: str = "constant", warmup: int = 0, steps: Optional[int] = None,
-             min_lr_ratio: float = 0.0) -> Callable[[jax.Array], jax.Array]:
+def lr_schedule(
+    lr: float, *, schedule: str = "constant", warmup: int = 0, steps: int | None = None, min_lr_ratio: float = 0.0
+) -> Callable[[jax.Array], jax.Array]:
     """``count -> lr * lr_factor(count)`` in float32 (the neutral definition through ``jnp``)."""
     spec.check_hparams("adamw", lr, 0.0, schedule=schedule, warmup=warmup, steps=steps, min_lr_ratio=min_lr_ratio)
-    kw = dict(schedule=schedule, warmup=int(warmup), steps=None if steps is None else int(steps),
-              min_lr_ratio=float(min_lr_ratio))
+    kw = dict(
+        schedule=schedule,
+        warmup=int(warmup),
+        steps=None if steps is None else int(steps),
+        min_lr_ratio=float(min_lr_ratio),
+    )
     return lambda count: jnp.float32(lr) * spec.lr_factor(count, xp=jnp, **kw).astype(jnp.float32)
 
 
@@ -80,12 +99,14 @@ def lr_schedule(lr: float, *, schedule: str = "constant", warmup: int = 0, steps
 # 8-bit AdamW
 # ----------------------------------------------------------------------------------------------------------------
 
+
 class ScaleByAdam8bitState(NamedTuple):
     """Every moment tree has the params' structure with one array per leaf (optax's convention, so
     ``nnx.Optimizer`` and sharding rules see ordinary leaves). A quantised leaf's moment is its codes, uint8
     ``[n_blocks, block_size]`` (indices into the map, the tail padded), with ``*_absmax`` float32 ``[n_blocks]``;
     dequantised value = ``map[codes] * absmax``. A small leaf's moment is float32 in the param's shape, and its
     ``*_absmax`` leaf is empty (shape ``(0,)``)."""
+
     count: jax.Array  # int32, applied updates
     mu: Any  # signed map
     mu_absmax: Any
@@ -111,9 +132,14 @@ def _dequantize(codes: jax.Array, absmax: jax.Array, code: jax.Array, shape: tup
     return (code[codes.astype(jnp.int32)] * absmax[:, None]).reshape(-1)[:size].reshape(shape)
 
 
-def scale_by_adam_8bit(b1: float = spec.ADAMW_DEFAULTS["b1"], b2: float = spec.ADAMW_DEFAULTS["b2"],
-                       eps: float = spec.ADAMW_DEFAULTS["eps"], *, block_size: int = BLOCK_SIZE,
-                       min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
+def scale_by_adam_8bit(
+    b1: float = spec.ADAMW_DEFAULTS["b1"],
+    b2: float = spec.ADAMW_DEFAULTS["b2"],
+    eps: float = spec.ADAMW_DEFAULTS["eps"],
+    *,
+    block_size: int = BLOCK_SIZE,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+) -> optax.GradientTransformation:
     """Adam's direction ``m_hat / (sqrt(v_hat) + eps)`` with the moments stored in 8 bits between steps.
 
     Per leaf with at least ``min_8bit_size`` elements: dequantise m and v, update them in float32
@@ -140,13 +166,17 @@ def scale_by_adam_8bit(b1: float = spec.ADAMW_DEFAULTS["b1"], b2: float = spec.A
             return jnp.zeros((-(-p.size // block_size) if p.size >= min_8bit_size else 0,), jnp.float32)
 
         # four separate trees: a train step donates the state, and a buffer may be donated only once
-        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), *(jax.tree.map(f, params)
-                                                                for f in (moment, absmax, moment, absmax)))
+        return ScaleByAdam8bitState(
+            jnp.zeros([], jnp.int32), *(jax.tree.map(f, params) for f in (moment, absmax, moment, absmax))
+        )
 
     def update_fn(updates, state, params=None):
         del params
-        count = optax.safe_increment(state.count) if hasattr(optax, "safe_increment") \
+        count = (
+            optax.safe_increment(state.count)
+            if hasattr(optax, "safe_increment")
             else optax.safe_int32_increment(state.count)
+        )
         t = count.astype(jnp.float32)
         c1 = 1.0 - jnp.float32(b1) ** t
         c2 = jnp.sqrt(1.0 - jnp.float32(b2) ** t)
@@ -170,22 +200,31 @@ def scale_by_adam_8bit(b1: float = spec.ADAMW_DEFAULTS["b1"], b2: float = spec.A
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adamw8bit(learning_rate: LearningRate, b1: float = spec.ADAMW_DEFAULTS["b1"],
-              b2: float = spec.ADAMW_DEFAULTS["b2"], eps: float = spec.ADAMW_DEFAULTS["eps"],
-              weight_decay: float = spec.WEIGHT_DECAY_DEFAULT, mask: Any = decay_mask,
-              **kwargs) -> optax.GradientTransformation:
+def adamw8bit(
+    learning_rate: LearningRate,
+    b1: float = spec.ADAMW_DEFAULTS["b1"],
+    b2: float = spec.ADAMW_DEFAULTS["b2"],
+    eps: float = spec.ADAMW_DEFAULTS["eps"],
+    weight_decay: float = spec.WEIGHT_DECAY_DEFAULT,
+    mask: Any = decay_mask,
+    **kwargs,
+) -> optax.GradientTransformation:
     """``optax.adamw``'s chain with the 8-bit moments: direction, ``+ wd * p`` (masked), ``* -lr``."""
-    return optax.chain(scale_by_adam_8bit(b1, b2, eps, **kwargs),
-                       optax.add_decayed_weights(weight_decay, mask),
-                       optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(
+        scale_by_adam_8bit(b1, b2, eps, **kwargs),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Adafactor
 # ----------------------------------------------------------------------------------------------------------------
 
-def adafactor(learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any = decay_mask,
-              min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
+
+def adafactor(
+    learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any = decay_mask, min_dim_size_to_factor: int = 128
+) -> optax.GradientTransformation:
     """torch.optim.Adafactor's update from optax's pieces (see the module docstring for what still differs).
 
     torch: ``p <- p (1 - lr wd) - min(lr, 1/sqrt(t)) max(1e-3, RMS(p)) U / max(1, RMS(U))``, U = g / sqrt(V).
@@ -200,31 +239,54 @@ def adafactor(learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any 
         optax.scale_by_param_block_rms(d["min_param_scale"]),
         optax.scale_by_schedule(rel),
         optax.add_decayed_weights(weight_decay, mask),
-        optax.scale_by_learning_rate(learning_rate))
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # build
 # ----------------------------------------------------------------------------------------------------------------
 
-def build(name: str, learning_rate: LearningRate, weight_decay: float = spec.WEIGHT_DECAY_DEFAULT, *,
-          schedule: str = "constant", warmup: int = 0, steps: Optional[int] = None, min_lr_ratio: float = 0.0,
-          b1: Optional[float] = None, b2: Optional[float] = None,
-          eps: Optional[float] = None) -> optax.GradientTransformation:
+
+def build(
+    name: str,
+    learning_rate: LearningRate,
+    weight_decay: float = spec.WEIGHT_DECAY_DEFAULT,
+    *,
+    schedule: str = "constant",
+    warmup: int = 0,
+    steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+    b1: float | None = None,
+    b2: float | None = None,
+    eps: float | None = None,
+) -> optax.GradientTransformation:
     """The optax transformation for ``--optimizer name`` (one of ``OPTIMIZER_NAMES``).
 
     ``learning_rate``: the peak lr (a float, shaped by ``schedule``/``warmup``/``steps``/``min_lr_ratio``) or
     an optax schedule ``count -> lr``. ``b1``/``b2``/``eps`` default to ``spec.optim.ADAMW_DEFAULTS`` and are
     refused for adafactor. Bad values raise a ValueError naming the argument.
     """
-    hp = spec.check_hparams(name, learning_rate, weight_decay, schedule=schedule, warmup=warmup, steps=steps,
-                            min_lr_ratio=min_lr_ratio, b1=b1, b2=b2, eps=eps)
-    lr = learning_rate if callable(learning_rate) else lr_schedule(
-        float(learning_rate), schedule=schedule, warmup=warmup, steps=steps, min_lr_ratio=min_lr_ratio)
+    hp = spec.check_hparams(
+        name,
+        learning_rate,
+        weight_decay,
+        schedule=schedule,
+        warmup=warmup,
+        steps=steps,
+        min_lr_ratio=min_lr_ratio,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+    )
+    lr = (
+        learning_rate
+        if callable(learning_rate)
+        else lr_schedule(float(learning_rate), schedule=schedule, warmup=warmup, steps=steps, min_lr_ratio=min_lr_ratio)
+    )
     wd = float(weight_decay)
     if name in ("adamw", "adamw_fused"):
-        return optax.adamw(lr, b1=hp["b1"], b2=hp["b2"], eps=hp["eps"], eps_root=0.0, weight_decay=wd,
-                           mask=decay_mask)
+        return optax.adamw(lr, b1=hp["b1"], b2=hp["b2"], eps=hp["eps"], eps_root=0.0, weight_decay=wd, mask=decay_mask)
     if name == "adamw8bit":
         return adamw8bit(lr, hp["b1"], hp["b2"], hp["eps"], weight_decay=wd)
     return adafactor(lr, weight_decay=wd)
@@ -232,5 +294,10 @@ def build(name: str, learning_rate: LearningRate, weight_decay: float = spec.WEI
 
 def state_bytes(opt_state: Any) -> int:
     """Bytes held by an optimizer state (every array leaf, counts included)."""
-    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(opt_state)
-                   if hasattr(x, "dtype")))
+    return int(
+        sum(
+            np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+            for x in jax.tree.leaves(opt_state)
+            if hasattr(x, "dtype")
+        )
+    )

@@ -24,32 +24,43 @@ Loss scaling lives in ``jaxattn.loss_scale`` (its names are re-exported here for
     The two packages do not round identically: autocast decides per op (matmuls in low precision, reductions
     and softmax in fp32, a float32 residual stream), the JAX policy casts the parameters so every op of the
     model runs in ``compute_dtype`` except where the model itself asks for float32 (RMSNorm statistics,
-    softmax, logits). Parity between them is therefore measured by the CONVENTIONS §7 low-precision rules
+    softmax, logits). Parity between them is therefore measured by the design §7 low-precision rules
     (2x a naive implementation's error; whole-model KL), not bit-for-bit.
 
 ``set_matmul_precision(name, ...)``
     Process-wide float32 matmul precision, mirroring ``torch.set_float32_matmul_precision``; see its docstring
     for the mapping table and where JAX has no exact twin.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loss_scale import (DynamicLossScale, LossScale, NoOpLossScale, all_finite, is_float_array as _is_float_array,
-                         select_tree)
+from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite, select_tree
+from .loss_scale import is_float_array as _is_float_array
 from .spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
 
 __all__ = [
-    "PRESETS", "Policy", "get_policy",
-    "MATMUL_PRECISIONS", "MatmulSettings", "get_matmul_settings", "set_matmul_precision", "matmul_precision",
-    "DynamicLossScale", "NoOpLossScale", "LossScale", "all_finite", "select_tree",
+    "PRESETS",
+    "Policy",
+    "get_policy",
+    "MATMUL_PRECISIONS",
+    "MatmulSettings",
+    "get_matmul_settings",
+    "set_matmul_precision",
+    "matmul_precision",
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "LossScale",
+    "all_finite",
+    "select_tree",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -67,11 +78,11 @@ def _as_float_dtype(value: Any, arg: str) -> np.dtype:
     try:
         dt = np.dtype(jnp.dtype(value))
     except TypeError as e:
-        raise TypeError(f"Policy.{arg} must be a floating dtype (one of float16, bfloat16, float32, float64), "
-                        f"got {value!r}") from e
+        raise TypeError(
+            f"Policy.{arg} must be a floating dtype (one of float16, bfloat16, float32, float64), got {value!r}"
+        ) from e
     if dt not in _FLOAT_DTYPES:
-        raise TypeError(f"Policy.{arg} must be a floating dtype (one of float16, bfloat16, float32, float64), "
-                        f"got {dt}")
+        raise TypeError(f"Policy.{arg} must be a floating dtype (one of float16, bfloat16, float32, float64), got {dt}")
     return dt
 
 
@@ -96,14 +107,14 @@ class Policy:
             object.__setattr__(self, f, _as_float_dtype(getattr(self, f), f))
 
     @classmethod
-    def preset(cls, name: str) -> "Policy":
+    def preset(cls, name: str) -> Policy:
         """The policy named ``name``, one of ``PRESETS`` (the same names as ``torchref.precision``)."""
         if not isinstance(name, str) or name not in _PRESET_DTYPES:
             raise ValueError(f"unknown precision preset name={name!r}; valid names: {', '.join(PRESETS)}")
         return cls(*_PRESET_DTYPES[name])
 
     @property
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         """The preset this policy equals, or ``None`` for a custom combination."""
         for n, dts in _PRESET_DTYPES.items():
             if (str(self.param_dtype), str(self.compute_dtype), str(self.output_dtype)) == dts:
@@ -124,22 +135,26 @@ class Policy:
     def cast_to_output(self, x: Any) -> Any:
         return _cast_floating(x, self.output_dtype)
 
-    def make_loss_scale(self, **kwargs: Any) -> "LossScale":
+    def make_loss_scale(self, **kwargs: Any) -> LossScale:
         """A fresh ``DynamicLossScale(**kwargs)`` for float16 compute, else ``NoOpLossScale()``."""
         if self.uses_loss_scaling:
             return DynamicLossScale.create(**kwargs)
         if kwargs:
-            raise ValueError(f"loss-scale options {sorted(kwargs)} only apply to float16 compute; this policy "
-                             f"computes in {self.compute_dtype}")
+            raise ValueError(
+                f"loss-scale options {sorted(kwargs)} only apply to float16 compute; this policy "
+                f"computes in {self.compute_dtype}"
+            )
         return NoOpLossScale()
 
     def __repr__(self) -> str:
         tag = f" ({self.name})" if self.name else ""
-        return (f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
-                f"output_dtype={self.output_dtype}){tag}")
+        return (
+            f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
+            f"output_dtype={self.output_dtype}){tag}"
+        )
 
 
-def get_policy(name: Union[str, Policy]) -> Policy:
+def get_policy(name: str | Policy) -> Policy:
     """``Policy.preset(name)``; a ``Policy`` passes through unchanged."""
     if isinstance(name, Policy):
         return name
@@ -165,19 +180,19 @@ class MatmulSettings:
     work.
     """
 
-    jax_default_matmul_precision: Optional[str]
+    jax_default_matmul_precision: str | None
 
     def restore(self) -> None:
         jax.config.update("jax_default_matmul_precision", self.jax_default_matmul_precision)
 
-    def __enter__(self) -> "MatmulSettings":
+    def __enter__(self) -> MatmulSettings:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
 
 
-def _global_matmul_precision() -> Optional[str]:
+def _global_matmul_precision() -> str | None:
     """The process-wide value (not a thread-local ``with jax.default_matmul_precision(...)`` override)."""
     getter = getattr(getattr(jax, "default_matmul_precision", None), "get_global", None)
     if callable(getter):
@@ -189,7 +204,7 @@ def get_matmul_settings() -> MatmulSettings:
     return MatmulSettings(jax_default_matmul_precision=_global_matmul_precision())
 
 
-def _check_reduction_flag(value: Optional[bool], arg: str) -> None:
+def _check_reduction_flag(value: bool | None, arg: str) -> None:
     if value is None or value is False:
         return
     if value is True:
@@ -199,12 +214,17 @@ def _check_reduction_flag(value: Optional[bool], arg: str) -> None:
             f"flag was removed from XLA; jaxlib lists it as reserved). XLA reduces in the accumulator type, which "
             f"is torch's {arg}=False. For low-precision accumulation in one matmul, pass "
             f"precision=jax.lax.DotAlgorithmPreset.F16_F16_F16 (or BF16_BF16_BF16) to that dot. Accepted: None "
-            f"(leave as is) or False.")
+            f"(leave as is) or False."
+        )
     raise TypeError(f"{arg} must be None or a bool, got {value!r}")
 
 
-def set_matmul_precision(name: str, *, allow_fp16_reduced_precision_reduction: Optional[bool] = None,
-                         allow_bf16_reduced_precision_reduction: Optional[bool] = None) -> MatmulSettings:
+def set_matmul_precision(
+    name: str,
+    *,
+    allow_fp16_reduced_precision_reduction: bool | None = None,
+    allow_bf16_reduced_precision_reduction: bool | None = None,
+) -> MatmulSettings:
     """Sets the float32 matmul precision process-wide, by torch's names; returns the previous settings.
 
     Mapping (``torchref.precision.set_matmul_precision`` sets the torch column)::
@@ -255,7 +275,7 @@ def set_matmul_precision(name: str, *, allow_fp16_reduced_precision_reduction: O
 
 
 @contextlib.contextmanager
-def matmul_precision(name: str, **flags: Optional[bool]) -> Iterator[MatmulSettings]:
+def matmul_precision(name: str, **flags: bool | None) -> Iterator[MatmulSettings]:
     """``with matmul_precision("high"): ...`` sets the flags and restores the previous ones on exit."""
     previous = set_matmul_precision(name, **flags)
     try:

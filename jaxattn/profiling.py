@@ -10,11 +10,13 @@ and the peak; the CPU backend keeps none, so a snapshot then reports XLA's buffe
 function (``compiled.memory_analysis()``: arguments + outputs + temporaries - aliased) and the process's peak
 resident set size. Every number carries its ``source``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -23,8 +25,21 @@ from .spec.runlog import host_peak_rss_bytes
 from .spec.timing import StepTimer as _StepTimer
 from .spec.timing import percentile, summarize, time_calls
 
-__all__ = ["trace", "trace_files", "start_trace", "stop_trace", "synchronize", "timeit", "StepTimer", "MemoryTracker",
-           "device_memory_stats", "peak_memory_bytes", "compiled_memory", "summarize", "percentile"]
+__all__ = [
+    "trace",
+    "trace_files",
+    "start_trace",
+    "stop_trace",
+    "synchronize",
+    "timeit",
+    "StepTimer",
+    "MemoryTracker",
+    "device_memory_stats",
+    "peak_memory_bytes",
+    "compiled_memory",
+    "summarize",
+    "percentile",
+]
 
 
 def synchronize(tree: Any = None) -> Any:
@@ -82,13 +97,13 @@ def _device(device=None):
     return jax.devices()[0] if device is None else device
 
 
-def device_memory_stats(device=None) -> Optional[dict]:
+def device_memory_stats(device=None) -> dict | None:
     """``device.memory_stats()`` (allocator statistics), or None where the backend keeps none (CPU)."""
     d = _device(device)
     return d.memory_stats() if hasattr(d, "memory_stats") else None
 
 
-def peak_memory_bytes(device=None, *, host_fallback: bool = True) -> Optional[int]:
+def peak_memory_bytes(device=None, *, host_fallback: bool = True) -> int | None:
     """Peak bytes in use on ``device`` since the process started (``peak_bytes_in_use``); where the backend keeps
     no statistics, the process's peak RSS (``host_fallback=True``) or None."""
     stats = device_memory_stats(device) or {}
@@ -97,7 +112,7 @@ def peak_memory_bytes(device=None, *, host_fallback: bool = True) -> Optional[in
     return host_peak_rss_bytes() if host_fallback else None
 
 
-def compiled_memory(fn: Callable, *args, **kwargs) -> Optional[dict]:
+def compiled_memory(fn: Callable, *args, **kwargs) -> dict | None:
     """XLA's buffer assignment for ``jax.jit``-ed ``fn`` at these arguments (compiles it; nothing runs):
     ``{"argument", "output", "temp", "alias", "total"}`` bytes, ``total = argument + output + temp - alias``.
     None when the backend gives no analysis. Workspace allocated inside a custom call may be missing."""
@@ -107,8 +122,12 @@ def compiled_memory(fn: Callable, *args, **kwargs) -> Optional[dict]:
     ma = lower(*args, **kwargs).compile().memory_analysis()
     if ma is None:
         return None
-    out = {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
-           "temp": int(ma.temp_size_in_bytes), "alias": int(getattr(ma, "alias_size_in_bytes", 0))}
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "alias": int(getattr(ma, "alias_size_in_bytes", 0)),
+    }
     out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
 
@@ -130,8 +149,7 @@ class MemoryTracker:
         self.device = _device(device)
         self.snapshots: list[dict] = []
 
-    def snapshot(self, label: str, fn: Optional[Callable] = None, args: tuple = (), kwargs: Optional[dict] = None
-                 ) -> dict:
+    def snapshot(self, label: str, fn: Callable | None = None, args: tuple = (), kwargs: dict | None = None) -> dict:
         if not isinstance(label, str) or not label:
             raise ValueError(f"snapshot label must be a non-empty str, got {label!r}")
         snap: dict[str, Any] = {"label": label, "index": len(self.snapshots)}
@@ -154,4 +172,3 @@ class MemoryTracker:
 
     def report(self) -> str:
         return format_memory_report(self.snapshots, f"memory on {self.device}")
-

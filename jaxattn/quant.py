@@ -12,6 +12,7 @@ Quantized: the parameter table's quantizable rows (``jaxattn.spec.params``: ever
 projections and an untied ``lm_head``); the embedding (and so a tied head) and the norms stay in float (torchao's
 int8 weight-only does the same: it replaces ``nn.Linear`` only).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
     """An int8 weight ``q [..., in, out]`` with per-output-channel float32 ``scale [..., 1, out]``."""
+
     q: jax.Array
     scale: jax.Array
 

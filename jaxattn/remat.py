@@ -9,34 +9,46 @@ policies keep the model's ``checkpoint_name`` tags (``jaxattn.model.REMAT_NAMES`
 the ``pinned_host`` memory space (``save_and_offload_only_these_names``) and recomputes the rest; it needs a
 backend with that memory space (CPU, GPU and TPU backends have one): :func:`offload_unavailable_reason`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from .spec.remat import OFFLOAD_NAMES, QKV_ATTN_NAMES, REMAT_POLICIES, check_remat
 
-__all__ = ["POLICIES", "OFFLOAD_NAMES", "QKV_ATTN_NAMES", "apply", "checkpoint_policy", "wrap_layer",
-           "offload_unavailable_reason"]
+__all__ = [
+    "POLICIES",
+    "OFFLOAD_NAMES",
+    "QKV_ATTN_NAMES",
+    "apply",
+    "checkpoint_policy",
+    "wrap_layer",
+    "offload_unavailable_reason",
+]
 
 POLICIES = REMAT_POLICIES
 _cp = jax.checkpoint_policies
 
 # name -> jax.checkpoint policy (None: no jax.checkpoint at all; "full" saves nothing but the layer input).
-_TABLE: dict[str, Optional[Callable]] = {
+_TABLE: dict[str, Callable | None] = {
     "none": None,
     "full": _cp.nothing_saveable,
     "save_dots": _cp.dots_with_no_batch_dims_saveable,  # weight matmuls; attention's batched dots are recomputed
     "save_qkv_attn": _cp.save_only_these_names(*QKV_ATTN_NAMES),
     "offload": _cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOAD_NAMES),
-        offload_src="device", offload_dst="pinned_host"),
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(OFFLOAD_NAMES),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 assert tuple(_TABLE) == REMAT_POLICIES
 
 
-def offload_unavailable_reason(device: Any = None) -> Optional[str]:
+def offload_unavailable_reason(device: Any = None) -> str | None:
     """None when ``device`` (default ``jax.devices()[0]``) has a ``pinned_host`` memory space to offload to,
     else why ``offload`` cannot be served there."""
     device = jax.devices()[0] if device is None else device
@@ -57,7 +69,7 @@ def _check_servable(policy: str, device: Any = None, arg: str = "policy") -> Non
             raise ValueError(f"{arg}='offload' cannot be served on this backend: {reason}; use one of {others}")
 
 
-def checkpoint_policy(name: str) -> Optional[Callable]:
+def checkpoint_policy(name: str) -> Callable | None:
     """The ``jax.checkpoint`` policy of a remat name (None for ``none``); ValueError for an unknown name."""
     return _TABLE[check_remat(name)]
 

@@ -9,6 +9,7 @@ same per-step losses on the same machine. ``deterministic=True`` also asks XLA f
 reductions (``--xla_gpu_deterministic_ops``, read when the backend starts: call this before the first jax op);
 CPU XLA is deterministic already.
 """
+
 from __future__ import annotations
 
 import os

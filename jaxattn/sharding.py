@@ -14,39 +14,72 @@ model's ``constrain`` / ``per_shard`` seams become ``with_sharding_constraint`` 
 loop; attention runs on each device's rows and heads, so a Pallas kernel is not gathered whole). Every
 divisibility problem is a ValueError before a compile.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 from . import remat
+from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 from .spec import params
 
-__all__ = ["MESH_AXES", "BATCH_AXES", "RULES", "parse_mesh", "make_mesh", "logical_to_spec", "check_config",
-           "check_batch_size", "state_shardings", "batch_sharding", "shard_state", "shard_train_state", "TrainSharding",
-           "global_batch", "initialize_distributed", "ACTIVATION_RULES", "activation_sharding", "per_shard_map",
-           "offloaded", "offload_unavailable_reason"]
+__all__ = [
+    "MESH_AXES",
+    "BATCH_AXES",
+    "RULES",
+    "parse_mesh",
+    "make_mesh",
+    "logical_to_spec",
+    "check_config",
+    "check_batch_size",
+    "state_shardings",
+    "batch_sharding",
+    "shard_state",
+    "shard_train_state",
+    "TrainSharding",
+    "global_batch",
+    "initialize_distributed",
+    "ACTIVATION_RULES",
+    "activation_sharding",
+    "per_shard_map",
+    "offloaded",
+    "offload_unavailable_reason",
+]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
-RULES: dict[str, Optional[str]] = {**{a: "tensor" for a in params.TENSOR_PARALLEL_AXES}, "embed": "fsdp",
-                                   "head_dim": None, "layers": None}
+RULES: dict[str, str | None] = {
+    **{a: "tensor" for a in params.TENSOR_PARALLEL_AXES},
+    "embed": "fsdp",
+    "head_dim": None,
+    "layers": None,
+}
 # logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole
-ACTIVATION_RULES: dict[str, Any] = {"batch": BATCH_AXES, "seq": None, "embed": None, "vocab": "tensor",
-                                    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "head_dim": None}
+ACTIVATION_RULES: dict[str, Any] = {
+    "batch": BATCH_AXES,
+    "seq": None,
+    "embed": None,
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+}
 
 
-def parse_mesh(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
     """``"data=2,fsdp=2,tensor=2"`` (or a dict) -> ``{"data": 2, "fsdp": 2, "tensor": 2}``; a missing axis is 1."""
     if isinstance(spec, str):
         sizes: dict[str, Any] = {}
@@ -54,8 +87,10 @@ def parse_mesh(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
             name, _, size = part.partition("=")
             name, size = name.strip(), size.strip()
             if not name or not size.isdigit() or name in sizes:
-                raise ValueError(f"mesh {spec!r}: expected comma-separated, non-repeated AXIS=N with AXIS in "
-                                 f"{MESH_AXES} and N >= 1, e.g. 'data=2,fsdp=2,tensor=2'")
+                raise ValueError(
+                    f"mesh {spec!r}: expected comma-separated, non-repeated AXIS=N with AXIS in "
+                    f"{MESH_AXES} and N >= 1, e.g. 'data=2,fsdp=2,tensor=2'"
+                )
             sizes[name] = int(size)
     elif isinstance(spec, Mapping):
         sizes = dict(spec)
@@ -70,17 +105,20 @@ def parse_mesh(spec: Union[str, Mapping[str, int]]) -> dict[str, int]:
     return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
 
 
-def make_mesh(spec: Union[str, Mapping[str, int]], devices: Optional[Sequence[Any]] = None) -> Mesh:
+def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
     """A ``Mesh`` with axes ``(data, fsdp, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis types
     (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
     sizes = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(sizes[a] for a in MESH_AXES)
     if int(np.prod(shape)) != len(devices):
-        raise ValueError(f"mesh {spec!r}: data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
-                         f"devices; the product of the axis sizes must equal the device count")
+        raise ValueError(
+            f"mesh {spec!r}: data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
+            f"devices; the product of the axis sizes must equal the device count"
+        )
     try:
         from jax.sharding import AxisType
+
         kw = {"axis_types": (AxisType.Auto,) * len(shape)}
     except ImportError:  # pragma: no cover - a jax without axis types
         kw = {}
@@ -90,7 +128,7 @@ def make_mesh(spec: Union[str, Mapping[str, int]], devices: Optional[Sequence[An
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, **kw)
 
 
-def logical_to_spec(names: Sequence[Optional[str]], rules: Mapping[str, Optional[str]] = RULES) -> P:
+def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, str | None] = RULES) -> P:
     """Logical axis names -> ``PartitionSpec`` of mesh axes (an unknown name raises)."""
     out = []
     for n in names:
@@ -114,26 +152,33 @@ def check_config(config, mesh: Mesh) -> None:
         axis = RULES.get(logical)
         value, n = getattr(config, field), mesh.shape[axis] if axis else 1
         if value % n:
-            raise ValueError(f"ModelConfig.{field}={value} is not divisible by the mesh axis {axis}={n}; use a "
-                             f"{axis} size that divides it (divisors <= 8: "
-                             f"{[d for d in range(1, 9) if value % d == 0]})")
+            raise ValueError(
+                f"ModelConfig.{field}={value} is not divisible by the mesh axis {axis}={n}; use a "
+                f"{axis} size that divides it (divisors <= 8: "
+                f"{[d for d in range(1, 9) if value % d == 0]})"
+            )
 
 
 def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
     """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp``."""
     n = _axis_size(mesh, BATCH_AXES)
     if batch_size % grad_accum or (batch_size // grad_accum) % n:
-        raise ValueError(f"batch_size={batch_size} (grad_accum={grad_accum}) is not divisible by the data axes "
-                         f"data*fsdp={n}: each (micro)batch's rows are split over (data, fsdp); use a multiple of "
-                         f"{n * grad_accum}")
+        raise ValueError(
+            f"batch_size={batch_size} (grad_accum={grad_accum}) is not divisible by the data axes "
+            f"data*fsdp={n}: each (micro)batch's rows are split over (data, fsdp); use a multiple of "
+            f"{n * grad_accum}"
+        )
 
 
-def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, Optional[str]]) -> NamedSharding:
+def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSharding:
     replicated = NamedSharding(mesh, P())
     if not isinstance(leaf, nnx.Variable):
         return replicated
-    names = leaf.get_metadata().get("out_sharding") or leaf.get_metadata().get("sharding_names") \
+    names = (
+        leaf.get_metadata().get("out_sharding")
+        or leaf.get_metadata().get("sharding_names")
         or leaf.get_metadata().get("sharding")
+    )
     shape = getattr(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value, "shape", ())
     if not names or len(names) != len(shape):
         return replicated  # no names, or a leaf that is not the param's shape (e.g. a factored moment)
@@ -143,12 +188,11 @@ def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, Optional[str]]) -> Name
     return NamedSharding(mesh, spec)
 
 
-def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:
+def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Any:
     """A tree of ``NamedSharding`` (a prefix of ``state``: one per ``nnx.Variable`` or array leaf) for any pytree
     holding the model's ``nnx.Param`` leaves: a ``TrainState`` (params, optimizer moments: ZeRO-3), an
     ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated."""
-    return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -160,12 +204,15 @@ def global_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
     """A host batch (the SAME global batch on every process) as global arrays split by :func:`batch_sharding`:
     each process fills only its own devices' rows (multi-process; one process may pass numpy directly)."""
     sh = batch_sharding(mesh)
-    return {k: None if v is None else jax.make_array_from_callback(np.shape(v), sh, lambda idx, v=v: np.asarray(v)[idx])
-            for k, v in batch.items()}
+    return {
+        k: None if v is None else jax.make_array_from_callback(np.shape(v), sh, lambda idx, v=v: np.asarray(v)[idx])
+        for k, v in batch.items()
+    }
 
 
-def initialize_distributed(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> None:
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """``jax.distributed.initialize`` from the arguments, else the environment (``JAX_COORDINATOR_ADDRESS``,
     ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); on CPU with gloo collectives. Call before any other jax use."""
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
@@ -173,9 +220,11 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
     if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
         process_id = int(os.environ["JAX_PROCESS_ID"])
     if coordinator is None or num_processes is None or process_id is None:
-        raise ValueError(f"initialize_distributed needs coordinator, num_processes and process_id (or the "
-                         f"JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables); got "
-                         f"{coordinator!r}, {num_processes!r}, {process_id!r}")
+        raise ValueError(
+            f"initialize_distributed needs coordinator, num_processes and process_id (or the "
+            f"JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables); got "
+            f"{coordinator!r}, {num_processes!r}, {process_id!r}"
+        )
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
     try:
@@ -190,6 +239,7 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     """While active (at TRACE time), ``jaxattn.model.constrain(x, names)`` applies
     ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with ``spec`` from ``rules``; a dimension
     its mesh axes do not divide stays unsplit. Outside it the hook is a no-op."""
+
     def constrain(x, names):
         spec = logical_to_spec(names, rules)
         spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
@@ -212,11 +262,18 @@ def _shard_map(fn, mesh: Mesh, in_specs, out_specs):
     if hasattr(jax, "shard_map"):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
+
     return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def per_shard_map(fn, args: Sequence[Any], in_axes: Sequence[Any], out_axes: Sequence[Optional[str]], mesh: Mesh,
-                  rules: Mapping[str, Any] = ACTIVATION_RULES):
+def per_shard_map(
+    fn,
+    args: Sequence[Any],
+    in_axes: Sequence[Any],
+    out_axes: Sequence[str | None],
+    mesh: Mesh,
+    rules: Mapping[str, Any] = ACTIVATION_RULES,
+):
     """``fn(*args)`` run on each device's block under ``shard_map``: arg ``i``'s dimensions split as its logical
     names ``in_axes[i]`` say (through ``rules``), the output assembled by ``out_axes``. A mesh axis is used only if
     it divides EVERY dimension named onto it (else that axis is dropped everywhere: q heads and kv heads must split
@@ -250,12 +307,12 @@ def per_shard_map(fn, args: Sequence[Any], in_axes: Sequence[Any], out_axes: Seq
     return _shard_map(body, mesh, tuple(specs), out_spec)(*[args[i] for i in present])
 
 
-def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, Optional[str]] = RULES) -> Any:
+def shard_state(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Any:
     """``state`` moved onto ``mesh`` with :func:`state_shardings`."""
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
-def offload_unavailable_reason(mesh: Mesh) -> Optional[str]:
+def offload_unavailable_reason(mesh: Mesh) -> str | None:
     """None when every device of ``mesh`` has a ``pinned_host`` memory space, else why not."""
     for d in mesh.devices.flat:
         reason = remat.offload_unavailable_reason(d)
@@ -268,6 +325,7 @@ def offloaded(tx, device_shardings: Any, host_shardings: Any):
     """``tx`` whose optimizer state lives in ``pinned_host`` memory between steps (ZeRO-Offload's idea, with XLA's
     memory spaces): ``update`` brings the state to device memory, updates it there and sends it back, so the
     device holds it only while the step runs. ``*_shardings``: prefix trees of the state's shardings."""
+
     def update(updates, opt_state, params=None):
         new_updates, new_state = tx.update(updates, jax.device_put(opt_state, device_shardings), params)
         return new_updates, jax.device_put(new_state, host_shardings)
@@ -308,8 +366,17 @@ class TrainSharding:
         return batch if jax.process_count() == 1 else global_batch(batch, self.mesh)
 
 
-def shard_train_state(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, batch_size: int, grad_accum: int = 1,
-                      rules: Mapping[str, Optional[str]] = RULES, offload_optimizer: bool = False):
+def shard_train_state(
+    graphdef: nnx.GraphDef,
+    tx,
+    state: Any,
+    mesh: Mesh,
+    *,
+    batch_size: int,
+    grad_accum: int = 1,
+    rules: Mapping[str, str | None] = RULES,
+    offload_optimizer: bool = False,
+):
     """``(tx, state, sharding)`` for ``make_train_step(graphdef, tx, sharding=sharding)``: the mesh checked against
     the model config and ``batch_size`` (ValueError naming the value, before any compile), the state's shardings
     (:func:`state_shardings`), ``state`` placed on them. ``offload_optimizer``: the optimizer state kept in host
@@ -323,8 +390,10 @@ def shard_train_state(graphdef: nnx.GraphDef, tx, state: Any, mesh: Mesh, *, bat
     if offload_optimizer:
         reason = offload_unavailable_reason(mesh)
         if reason is not None:
-            raise ValueError(f"offload_optimizer=True cannot be served on this backend: {reason}; keep the "
-                             f"optimizer state in device memory (offload_optimizer=False)")
+            raise ValueError(
+                f"offload_optimizer=True cannot be served on this backend: {reason}; keep the "
+                f"optimizer state in device memory (offload_optimizer=False)"
+            )
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), sh.opt_state)
         tx = offloaded(tx, jax.tree.map(lambda s: s.with_memory_kind("device"), sh.opt_state), host)
         sh = dataclasses.replace(sh, opt_state=host)

@@ -13,6 +13,7 @@ device). The step compiles once per batch shape (once with ``--packing pack``, o
 ``jaxattn.checkpoint`` (orbax); at the end the model is exported with ``save_pretrained`` to
 ``<checkpoint-dir>/final``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,8 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,9 +41,20 @@ from .spec import optim as spec_optim
 from .spec.cli import CLIError, cli_main, parse_args
 from .spec.data import Dataset, copy_tokenizer, load_tokenizer
 from .spec.runlog import RunLog
-from .train_step import (BATCH_KEYS, CHECK_IDS, TrainState, check_accum_batch, check_grad_accum,  # noqa: F401
-                         clip_by_global_norm, cross_entropy, global_norm, loss_denominator, loss_fn, loss_weights,
-                         make_train_step)
+from .train_step import (  # noqa: F401
+    BATCH_KEYS,
+    CHECK_IDS,
+    TrainState,
+    check_accum_batch,
+    check_grad_accum,
+    clip_by_global_norm,
+    cross_entropy,
+    global_norm,
+    loss_denominator,
+    loss_fn,
+    loss_weights,
+    make_train_step,
+)
 
 __all__ = ["Trainer", "main", "run", "TrainState", "make_train_step", "loss_fn"]
 
@@ -59,10 +72,19 @@ class Trainer:
         self.keys = seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)
         if self.tokenizer.vocab_size > config.vocab_size:
-            raise CLIError(f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
-                           f"vocab_size is {config.vocab_size}")
-        self.data = Dataset.from_source(args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                                        packing=args.packing, vocab_size=config.vocab_size, tokenizer=self.tokenizer)
+            raise CLIError(
+                f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                f"vocab_size is {config.vocab_size}"
+            )
+        self.data = Dataset.from_source(
+            args.data,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            packing=args.packing,
+            vocab_size=config.vocab_size,
+            tokenizer=self.tokenizer,
+        )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
         model = hf.from_pretrained(args.init) if args.init else Llama(config, rngs=nnx.Rngs(params=self.keys["params"]))
         try:
@@ -70,8 +92,9 @@ class Trainer:
         except ValueError as e:
             raise CLIError(f"--remat {args.remat!r}: {e}") from None
         self.policy = get_policy(args.precision)
-        self.tx = optim.build(args.optimizer, args.lr, args.weight_decay, schedule=args.schedule,
-                              warmup=args.warmup, steps=args.steps)
+        self.tx = optim.build(
+            args.optimizer, args.lr, args.weight_decay, schedule=args.schedule, warmup=args.warmup, steps=args.steps
+        )
         self.graphdef, self.state = TrainState.create(model, self.tx, policy=self.policy)
         self.mesh = self._mesh(args)
         if jax.process_count() > 1:
@@ -80,13 +103,25 @@ class Trainer:
         if self.mesh is not None:  # params + optimizer state sharded (ZeRO-3 / tensor parallel), batch over data axes
             try:
                 self.tx, self.state, sharding = shard_train_state(
-                    self.graphdef, self.tx, self.state, self.mesh, batch_size=args.batch_size,
-                    grad_accum=args.grad_accum, offload_optimizer=args.offload_optimizer)
+                    self.graphdef,
+                    self.tx,
+                    self.state,
+                    self.mesh,
+                    batch_size=args.batch_size,
+                    grad_accum=args.grad_accum,
+                    offload_optimizer=args.offload_optimizer,
+                )
             except ValueError as e:
                 flag = "--offload-optimizer" if "offload_optimizer" in str(e) else f"--mesh {args.mesh!r}"
                 raise CLIError(f"{flag}: {e}") from None
-        self.step_fn = make_train_step(self.graphdef, self.tx, policy=self.policy, max_grad_norm=args.clip_grad or None,
-                                       grad_accum=args.grad_accum, sharding=sharding)
+        self.step_fn = make_train_step(
+            self.graphdef,
+            self.tx,
+            policy=self.policy,
+            max_grad_norm=args.clip_grad or None,
+            grad_accum=args.grad_accum,
+            sharding=sharding,
+        )
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
@@ -103,7 +138,7 @@ class Trainer:
             self._resume()
 
     @classmethod
-    def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "Trainer":
+    def from_argv(cls, argv: Sequence[str] | None = None) -> Trainer:
         """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
         args, config = parse_args(argv, "jax", TRAIN_BACKENDS)
         if args.coordinator is not None and args.num_processes > 1:
@@ -133,14 +168,22 @@ class Trainer:
             digest = np.frombuffer(hashlib.sha256(str(value).encode()).digest()[:8], np.int64)
             seen = multihost_utils.process_allgather(digest)
             if not np.all(seen == seen[0]):
-                raise CLIError(f"the {np.asarray(seen).size} processes disagree on {what} (this is process "
-                               f"{args.process_id}, {what} = {value if what == '--mesh' else 'see its command line'}); "
-                               f"start every process with the same flags but --process-id")
+                raise CLIError(
+                    f"the {np.asarray(seen).size} processes disagree on {what} (this is process "
+                    f"{args.process_id}, {what} = {value if what == '--mesh' else 'see its command line'}); "
+                    f"start every process with the same flags but --process-id"
+                )
 
     def meta(self, step: int) -> dict:
-        return {"framework": "jax", "step": step, "data_position": step, "applied_updates": self.applied,
-                "host_rng": host_rng_state(), "model_config": self.config.to_hf(),
-                "flags": {k: v for k, v in vars(self.args).items()}}
+        return {
+            "framework": "jax",
+            "step": step,
+            "data_position": step,
+            "applied_updates": self.applied,
+            "host_rng": host_rng_state(),
+            "model_config": self.config.to_hf(),
+            "flags": {k: v for k, v in vars(self.args).items()},
+        }
 
     def _resume(self) -> None:
         step = self.ckpt.latest_step()
@@ -148,8 +191,10 @@ class Trainer:
             raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
         tree, meta = self.ckpt.restore(step, {"train": self.state, "rng": self.rng})
         if meta.get("model_config") != self.config.to_hf():
-            raise CLIError(f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
-                           f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
+            raise CLIError(
+                f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
+                f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})"
+            )
         if step > self.args.steps:
             raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
         self.state, self.rng = tree["train"], tree["rng"]
@@ -169,8 +214,13 @@ class Trainer:
         args = self.args
         mem_device = self.device if self.mesh is None else jax.local_devices()[0]
         lead = jax.process_index() == 0  # a multi-process run logs and exports from process 0
-        log = RunLog(args.steps, self.start, args.log_json if lead else None, progress=lead and not args.no_progress,
-                     desc="jax train")
+        log = RunLog(
+            args.steps,
+            self.start,
+            args.log_json if lead else None,
+            progress=lead and not args.no_progress,
+            desc="jax train",
+        )
         losses: list[float] = []
         profiling = False
         prof_start = min(self.start + 1, args.steps - 1) if args.profile else -1
@@ -185,17 +235,31 @@ class Trainer:
             m = jax.device_get(metrics)
             now = time.perf_counter()
             skipped = bool(m["skipped"])
-            rec = log.step(step=step, loss=m["loss"], grad_norm=m["grad_norm"], lr=self.lr(self.applied),
-                           loss_scale=m["loss_scale"], skipped=skipped, tokens=tokens, seconds=now - t_last,
-                           peak_mem_bytes=peak_memory_bytes(mem_device))
+            rec = log.step(
+                step=step,
+                loss=m["loss"],
+                grad_norm=m["grad_norm"],
+                lr=self.lr(self.applied),
+                loss_scale=m["loss_scale"],
+                skipped=skipped,
+                tokens=tokens,
+                seconds=now - t_last,
+                peak_mem_bytes=peak_memory_bytes(mem_device),
+            )
             t_last = now
             self.applied += 0 if skipped else 1
             losses.append(rec["loss"])
 
         try:
             with ctx:
-                batches = prefetch_to_device(self.data, self.start, args.steps, device=self.device, with_tokens=True,
-                                             place=(lambda b: b) if jax.process_count() > 1 else None)
+                batches = prefetch_to_device(
+                    self.data,
+                    self.start,
+                    args.steps,
+                    device=self.device,
+                    with_tokens=True,
+                    place=(lambda b: b) if jax.process_count() > 1 else None,
+                )
                 for i in range(self.start, args.steps):
                     with timer.phase("data"):  # waiting for the prefetch thread
                         batch, tokens = next(batches)
@@ -222,10 +286,17 @@ class Trainer:
                 stop_trace(self.state)
             jitted = self.step_fn.jitted
             compiles = jitted._cache_size() if hasattr(jitted, "_cache_size") else None
-            log.write(f"jax train: {args.steps - self.start} steps, train step compiled {compiles} time(s)"
-                      f" (packing={args.packing}, buckets={list(self.data.buckets)})")
-            out = {"losses": losses, "compiles": compiles, "start": self.start, "steps": args.steps,
-                   "phases": log.breakdown(timer)}
+            log.write(
+                f"jax train: {args.steps - self.start} steps, train step compiled {compiles} time(s)"
+                f" (packing={args.packing}, buckets={list(self.data.buckets)})"
+            )
+            out = {
+                "losses": losses,
+                "compiles": compiles,
+                "start": self.start,
+                "steps": args.steps,
+                "phases": log.breakdown(timer),
+            }
             if self.ckpt:
                 out["final"] = self._finish(lead)
             return out
@@ -258,12 +329,12 @@ def _join(args) -> None:
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
 
 
-def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train as the CLI would; returns :meth:`Trainer.fit`'s summary."""
     return Trainer.from_argv(argv).fit()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(PROG, Trainer.from_argv, Trainer.fit, argv)
 
 

@@ -30,12 +30,13 @@ On a skipped step the optax step count (and so an optax schedule) does not advan
 ``optimizer.step`` being skipped; a torch ``LRScheduler.step()`` called unconditionally by a loop WOULD advance.
 ``TrainState.step`` counts calls, skipped or not.
 """
+
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,22 +44,35 @@ import optax
 from flax import nnx, struct
 from jax.experimental import checkify
 
-from .model import _Tracer
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from .model import _Tracer
 from .precision import Policy, get_policy
 from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
 from .spec.grad_accum import check_accum_batch, check_grad_accum
 
-__all__ = ["TrainState", "make_train_step", "CHECK_IDS", "loss_fn", "loss_weights", "loss_denominator",
-           "cross_entropy", "check_grad_accum", "check_accum_batch",
-           "clip_by_global_norm", "global_norm", "BATCH_KEYS"]
+__all__ = [
+    "TrainState",
+    "make_train_step",
+    "CHECK_IDS",
+    "loss_fn",
+    "loss_weights",
+    "loss_denominator",
+    "cross_entropy",
+    "check_grad_accum",
+    "check_accum_batch",
+    "clip_by_global_norm",
+    "global_norm",
+    "BATCH_KEYS",
+]
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
-_FP16_NO_SCALE = ("fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
-                  "overflow to inf without it. Use Policy.preset('fp16').make_loss_scale() (a DynamicLossScale, "
-                  "torch.amp.GradScaler's rule) as TrainState.loss_scale, or train in bf16.")
+_FP16_NO_SCALE = (
+    "fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
+    "overflow to inf without it. Use Policy.preset('fp16').make_loss_scale() (a DynamicLossScale, "
+    "torch.amp.GradScaler's rule) as TrainState.loss_scale, or train in bf16."
+)
 _warned: set[str] = set()
 
 
@@ -82,12 +96,17 @@ class TrainState:
     params: nnx.State
     rest: nnx.State
     opt_state: optax.OptState
-    loss_scale: Union[DynamicLossScale, NoOpLossScale]
+    loss_scale: DynamicLossScale | NoOpLossScale
 
     @classmethod
-    def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *,
-               policy: Union[str, Policy] = "fp32",
-               loss_scale: Optional[LossScale] = None) -> tuple[nnx.GraphDef, "TrainState"]:
+    def create(
+        cls,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        policy: str | Policy = "fp32",
+        loss_scale: LossScale | None = None,
+    ) -> tuple[nnx.GraphDef, TrainState]:
         """Splits ``model`` once; returns ``(graphdef, state)``. Params are cast to ``policy.param_dtype``;
         ``loss_scale`` defaults to ``policy.make_loss_scale()`` (a DynamicLossScale for fp16)."""
         policy = get_policy(policy)
@@ -101,8 +120,9 @@ class TrainState:
             raise TypeError(f"loss_scale must be a DynamicLossScale or NoOpLossScale, got {type(loss_scale).__name__}")
         if policy.uses_loss_scaling and isinstance(loss_scale, NoOpLossScale):
             _warn_once(_FP16_NO_SCALE)
-        return graphdef, cls(step=jnp.asarray(0, jnp.int32), params=params, rest=rest,
-                             opt_state=tx.init(params), loss_scale=loss_scale)
+        return graphdef, cls(
+            step=jnp.asarray(0, jnp.int32), params=params, rest=rest, opt_state=tx.init(params), loss_scale=loss_scale
+        )
 
     def model(self, graphdef: nnx.GraphDef) -> nnx.Module:
         """The model with the current (master-dtype) parameters, e.g. for evaluation or checkpointing."""
@@ -112,6 +132,7 @@ class TrainState:
 # --------------------------------------------------------------------------------------------------------------
 # Loss
 # --------------------------------------------------------------------------------------------------------------
+
 
 def loss_weights(batch: Batch) -> jax.Array:
     """float32 ``[B, S-1]`` weights of the targets ``tokens[:, 1:]``.
@@ -130,8 +151,9 @@ def loss_weights(batch: Batch) -> jax.Array:
     return w
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                  denominator: Optional[jax.Array] = None) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array, denominator: jax.Array | None = None
+) -> jax.Array:
     """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``; ``denominator``
     replaces ``max(sum(w), 1)`` (gradient accumulation divides each microbatch by the WHOLE batch's weight).
 
@@ -151,13 +173,14 @@ def loss_denominator(batch: Batch) -> jax.Array:
     return jnp.maximum(jnp.sum(loss_weights(batch)), 1.0)
 
 
-def loss_fn(model: Callable[..., jax.Array], batch: Batch, denominator: Optional[jax.Array] = None) -> jax.Array:
+def loss_fn(model: Callable[..., jax.Array], batch: Batch, denominator: jax.Array | None = None) -> jax.Array:
     """Next-token loss of ``model`` on ``batch`` (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``);
     ``denominator``: see :func:`cross_entropy`."""
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
-    logits = model(tokens[:, :-1], positions=None if pos is None else pos[:, :-1],
-                   segment_ids=None if seg is None else seg[:, :-1])
+    logits = model(
+        tokens[:, :-1], positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1]
+    )
     return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
 
 
@@ -165,13 +188,14 @@ def loss_fn(model: Callable[..., jax.Array], batch: Batch, denominator: Optional
 # Clipping
 # --------------------------------------------------------------------------------------------------------------
 
+
 def global_norm(tree: Any) -> jax.Array:
     """L2 norm over all leaves, accumulated in float32."""
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
-def clip_by_global_norm(grads: Any, max_norm: float, norm: Optional[jax.Array] = None) -> Any:
+def clip_by_global_norm(grads: Any, max_norm: float, norm: jax.Array | None = None) -> Any:
     """``torch.nn.utils.clip_grad_norm_``: ``g * min(max_norm / (norm + 1e-6), 1)``."""
     norm = global_norm(grads) if norm is None else norm
     coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), 1.0)
@@ -182,7 +206,8 @@ def clip_by_global_norm(grads: Any, max_norm: float, norm: Optional[jax.Array] =
 # The step
 # --------------------------------------------------------------------------------------------------------------
 
-def _vocab_size(graphdef: nnx.GraphDef, state: TrainState) -> Optional[int]:
+
+def _vocab_size(graphdef: nnx.GraphDef, state: TrainState) -> int | None:
     config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
     return getattr(config, "vocab_size", None)
 
@@ -192,9 +217,14 @@ def _check_ids_in_jit(tokens: jax.Array, vocab: int) -> None:
     bad = (tokens < 0) | (tokens >= vocab)
     first = jnp.argmax(bad.reshape(-1))
     row, col = jnp.divmod(first, tokens.shape[1])
-    checkify.check(jnp.logical_not(bad.any()),
-                   token_id_error("batch['tokens']", vocab, "{value}", "({row}, {col})", "{n_bad}"),
-                   value=tokens.reshape(-1)[first], row=row, col=col, n_bad=bad.sum())
+    checkify.check(
+        jnp.logical_not(bad.any()),
+        token_id_error("batch['tokens']", vocab, "{value}", "({row}, {col})", "{n_bad}"),
+        value=tokens.reshape(-1)[first],
+        row=row,
+        col=col,
+        n_bad=bad.sum(),
+    )
 
 
 def _accumulated_grads(grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int):
@@ -215,9 +245,17 @@ def _accumulated_grads(grad_fn: Callable, params: nnx.State, batch: Batch, grad_
     return jax.lax.scan(body, zeros, split)[0]
 
 
-def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: optax.GradientTransformation,
-                policy: Policy, max_grad_norm: Optional[float], check_ids: bool = False, grad_accum: int = 1
-                ) -> tuple[TrainState, Metrics]:
+def _train_step(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    batch: Batch,
+    *,
+    tx: optax.GradientTransformation,
+    policy: Policy,
+    max_grad_norm: float | None,
+    check_ids: bool = False,
+    grad_accum: int = 1,
+) -> tuple[TrainState, Metrics]:
     check_batch(batch)
     check_accum_batch(batch, grad_accum)
     ls = state.loss_scale
@@ -242,8 +280,12 @@ def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: 
     new_params = optax.apply_updates(state.params, updates)
     params, opt_state = ls.select(finite, (new_params, new_opt_state), (state.params, state.opt_state))
     skipped = jnp.logical_not(finite) if ls.skips_nonfinite else jnp.asarray(False)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": ls.loss_scale.astype(jnp.float32),
-               "skipped": skipped}
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "loss_scale": ls.loss_scale.astype(jnp.float32),
+        "skipped": skipped,
+    }
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=ls.update(finite))
     return new_state, metrics
 
@@ -251,10 +293,17 @@ def _train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, *, tx: 
 CHECK_IDS = ("host", "jit", "off")
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
-                    policy: Union[str, Policy] = "fp32", max_grad_norm: Optional[float] = None,
-                    donate: bool = True, check_ids: str = "host", grad_accum: int = 1,
-                    sharding: Optional[Any] = None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    *,
+    policy: str | Policy = "fp32",
+    max_grad_norm: float | None = None,
+    donate: bool = True,
+    check_ids: str = "host",
+    grad_accum: int = 1,
+    sharding: Any | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1], "positions"?: [B, S+1]}``
@@ -286,8 +335,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     """
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0):
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+    ):
         raise ValueError(f"max_grad_norm must be None or a positive float, got {max_grad_norm!r}")
     if check_ids not in CHECK_IDS:
         raise ValueError(f"check_ids={check_ids!r} is not valid; use one of {', '.join(map(repr, CHECK_IDS))}")
@@ -296,8 +346,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
 
     def pure(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        return _train_step(graphdef, state, batch, tx=tx, policy=policy, max_grad_norm=max_grad_norm,
-                           check_ids=check_ids == "jit", grad_accum=grad_accum)
+        return _train_step(
+            graphdef,
+            state,
+            batch,
+            tx=tx,
+            policy=policy,
+            max_grad_norm=max_grad_norm,
+            check_ids=check_ids == "jit",
+            grad_accum=grad_accum,
+        )
 
     sh = {} if sharding is None else {"in_shardings": sharding.in_shardings, "out_shardings": sharding.out_shardings}
     if check_ids == "jit":
@@ -305,7 +363,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         jitted = jax.jit(checkify.checkify(pure, errors=checkify.user_checks), **sh)
     else:
         jitted = jax.jit(pure, donate_argnums=(0,) if donate else (), **sh)
-    vocab: list[Optional[int]] = []  # read from the model's config on the first host check (one merge)
+    vocab: list[int | None] = []  # read from the model's config on the first host check (one merge)
     tracing = contextlib.nullcontext if sharding is None else sharding.tracing
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

@@ -3,11 +3,11 @@
 * 8 host CPU devices, set before jax is imported, so sharding tests have a mesh to use.
 * Highest matmul precision on both sides (no TF32, no bf16 passes in fp32 matmuls).
 * ``gpu``-marked tests are skipped when jax sees no GPU.
-* A persistent XLA compilation cache for the session (and its subprocesses): each program compiles once.
 * Fresh random draws, replayable: a session seed (``$JAXATTN_TEST_SEED``, else drawn and printed in the header)
   gives each test its own seed (the ``rng`` / ``seed`` fixtures, and torch's and numpy's global RNGs seeded with
   it before every test); a failing test's report names the seed and the command that replays it.
 """
+
 import hashlib
 import os
 import secrets
@@ -15,16 +15,6 @@ import secrets
 # With the gpu-compile extra installed, the CUDA plugin refuses to load on a machine without a CUDA runtime
 # unless told to skip its version check (the deviceless H100 compile needs the plugin, not a GPU).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
-# One persistent XLA compilation cache per test session, shared with the subprocesses the tests start (the CLI
-# runs): the tiny model's train step and kernels are compiled once, not once per test. Set before jax imports;
-# a fresh directory per session, so no result depends on a previous run. JAXATTN_TEST_COMPILE_CACHE=0 turns it off.
-if os.environ.get("JAXATTN_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxattn-test-xla-cache-")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -95,8 +85,13 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
-        report.sections.append(("random draws", f"this test's seed {seed_of(item.nodeid)}; replay with "
-                                                f"JAXATTN_TEST_SEED={SESSION_SEED} python -m pytest '{item.nodeid}'"))
+        report.sections.append(
+            (
+                "random draws",
+                f"this test's seed {seed_of(item.nodeid)}; replay with "
+                f"JAXATTN_TEST_SEED={SESSION_SEED} python -m pytest '{item.nodeid}'",
+            )
+        )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """Child of ``parity_tests/test_sharding.py``'s multi-process test: ``python jax_multiprocess_child.py PORT PID
 NPROC OUT``. NPROC processes x (8 / NPROC) CPU devices train the tiny model 3 steps on the mesh
 data=2,fsdp=2,tensor=2 (``jaxattn.sharding``); process 0 writes the losses to OUT (JSON)."""
+
 import json
 import os
 import sys
@@ -36,5 +37,12 @@ for _ in range(3):
     losses.append(float(m["loss"]))
 if pid == 0:
     with open(out, "w") as f:
-        json.dump({"losses": losses, "devices": jax.device_count(), "local": jax.local_device_count(),
-                   "processes": jax.process_count()}, f)
+        json.dump(
+            {
+                "losses": losses,
+                "devices": jax.device_count(),
+                "local": jax.local_device_count(),
+                "processes": jax.process_count(),
+            },
+            f,
+        )

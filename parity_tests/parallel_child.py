@@ -1,6 +1,7 @@
 """Child of ``parity_tests/test_parallel.py``, run under ``torchrun`` (gloo, CPU): for each mode in argv[1]
 (comma-separated ``torchref.parallel.MODES``), train the tiny model for STEPS steps parallelized and in one
 process (every rank computes the reference itself, no collectives); rank 0 writes the losses to argv[2] (JSON)."""
+
 import json
 import sys
 
@@ -19,8 +20,10 @@ CFG = ModelConfig.preset("tiny", n_kv_heads=2)
 
 def batches():
     rng = np.random.default_rng(0)
-    return [{"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
-            for _ in range(STEPS)]
+    return [
+        {"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
+        for _ in range(STEPS)
+    ]
 
 
 def train(mode):

@@ -8,6 +8,7 @@ starts in a fraction of a second); ``torch``/``jax`` call the package's ``save_p
 through every transition: single -> sharded, sharded -> sharded with the same shard names, a config whose
 shapes change (tied embeddings), sharded -> single, single -> single with another config.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,14 @@ def spec_save(path, i: int) -> None:
 
     cfg, tensors, max_shard = variant(i)
     hf_config = {**cfg.to_hf(), "torch_dtype": "float32"}
-    hf_format.write_checkpoint(path, hf_config, tensors, {k: v.nbytes for k, v in tensors.items()},
-                               lambda sub, fn, meta: safetensors.numpy.save_file(sub, fn, metadata=meta), max_shard)
+    hf_format.write_checkpoint(
+        path,
+        hf_config,
+        tensors,
+        {k: v.nbytes for k, v in tensors.items()},
+        lambda sub, fn, meta: safetensors.numpy.save_file(sub, fn, metadata=meta),
+        max_shard,
+    )
 
 
 def _savers(mode: str):
@@ -58,11 +65,13 @@ def _savers(mode: str):
             import torch
 
             import torchref
+
             model = torchref.hf.from_state_dict(cfg, {k: torch.from_numpy(v) for k, v in tensors.items()})
             savers.append(lambda path, m=model, s=max_shard: torchref.save_pretrained(m, path, max_shard_bytes=s))
         elif mode == "jax":
             import jaxattn
             import jaxattn.hf
+
             model = jaxattn.hf.from_state_dict(cfg, tensors)
             savers.append(lambda path, m=model, s=max_shard: jaxattn.save_pretrained(m, path, max_shard_bytes=s))
         else:

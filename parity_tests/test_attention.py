@@ -3,12 +3,12 @@
 Two oracles.  The JAX backends are compared with THE attention oracle, ``reference.attention_reference``
 (float32, ``Precision.HIGHEST``, built on ``args.mask``) and its autodiff gradients; that oracle is in
 turn checked, case by case, against ``_ref``, written here independently of both packages (plain float64
-torch ops with the CONVENTIONS §4 visibility rule spelled out, autograd for dq/dk/dv), which is also the
+torch ops with the design §4 visibility rule spelled out, autograd for dq/dk/dv), which is also the
 reference of the torch side.  Each case draws fresh normal inputs (never zeros) and compares, in JAX layout:
 
 * jax ``xla`` and ``chunked`` (small chunks that do not divide S, so several chunks, padding and skipped
   blocks are exercised) and, when importable, ``flash`` through the dispatcher vs the oracle — outputs
-  max-abs ≤ 1e-5 and gradients rtol = atol = 1e-3 at fp32 (CONVENTIONS §7);
+  max-abs ≤ 1e-5 and gradients rtol = atol = 1e-3 at fp32 (design §7);
 * torchref ``xla`` (SDPA MATH) and ``flash`` (SDPA FLASH_ATTENTION, which has a CPU kernel) vs ``_ref`` at
   the same tolerances;
 * bf16: error vs the oracle ≤ 2 × the error of a naive all-bf16 implementation (flash-attn's rule).
@@ -16,6 +16,7 @@ reference of the torch side.  Each case draws fresh normal inputs (never zeros) 
 Plus the dispatcher (ordering, fallback, the error that lists every backend's reason, unknown names,
 import failures), bad inputs on both sides, and the O(S) memory of ``chunked``'s forward+backward.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,12 +29,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxattn.attention as attn  # noqa: E402
-from jaxattn.attention import (AttentionBackendError, attention_backend, available_backends,  # noqa: E402
-                               dot_product_attention, normalize)
+import torchref.attention as tattn  # noqa: E402
+from jaxattn.attention import (  # noqa: E402
+    AttentionBackendError,
+    attention_backend,
+    available_backends,
+    dot_product_attention,
+    normalize,
+)
 from jaxattn.attention import chunked as chunked_mod  # noqa: E402
 from jaxattn.attention import xla as xla_mod  # noqa: E402
 from jaxattn.attention.reference import attention_reference  # noqa: E402
-import torchref.attention as tattn  # noqa: E402
 
 OUT_ATOL = 1e-5
 GRAD_TOL = 1e-3
@@ -41,7 +47,7 @@ GRAD_TOL = 1e-3
 
 # --------------------------------------------------------------------------------------------- reference
 def _vis(b, sq, sk, causal, window, q_ids, kv_ids):
-    """CONVENTIONS §4 visibility [B, Sq, Sk], written out independently of both packages."""
+    """design §4 visibility [B, Sq, Sk], written out independently of both packages."""
     i_abs = (np.arange(sq) + sk - sq)[:, None]
     j = np.arange(sk)[None, :]
     vis = np.ones((b, sq, sk), bool)
@@ -85,8 +91,19 @@ def _ref(q, k, v, do, *, causal=False, q_ids=None, kv_ids=None, scale=None, wind
 def _oracle(q, k, v, do, *, causal=False, q_ids=None, kv_ids=None, scale=None, window=None, softcap=None):
     """``attention_reference`` (float32) and its autodiff gradients, float64 numpy out, like ``_ref``."""
     seg = None if q_ids is None else (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    fn = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=seg, scale=scale,  # noqa: E731
-                                             window=window, softcap=softcap)
+
+    def fn(q, k, v):
+        return attention_reference(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+        )
+
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     out, pull = jax.vjp(jax.jit(fn), f32(q), f32(k), f32(v))
     assert out.dtype == jnp.float32
@@ -170,11 +187,11 @@ def _check_fp32(got, ref, what):
 # (seed, B, Sq, Sk, Hq, Hkv, D, options) -- representative default cases
 DEFAULT_CASES = [
     (0, 1, 128, 128, 8, 2, 64, dict(causal=True)),
-    (1, 3, 17, 255, 4, 4, 32, dict(causal=True)),                      # bottom-right, Sq < Sk
-    (2, 1, 255, 17, 8, 1, 80, dict(causal=True)),                      # Sq > Sk: rows with no key
-    (3, 1, 128, 128, 4, 4, 128, dict(seg="pair", window=(16, 8))),    # dead rows from segment ids
+    (1, 3, 17, 255, 4, 4, 32, dict(causal=True)),  # bottom-right, Sq < Sk
+    (2, 1, 255, 17, 8, 1, 80, dict(causal=True)),  # Sq > Sk: rows with no key
+    (3, 1, 128, 128, 4, 4, 128, dict(seg="pair", window=(16, 8))),  # dead rows from segment ids
     (4, 3, 17, 17, 8, 2, 32, dict(seg="self", softcap=5.0, window=(4, None), causal=True)),
-    (5, 1, 1, 513, 8, 1, 64, dict(causal=True)),                       # decode step
+    (5, 1, 1, 513, 8, 1, 64, dict(causal=True)),  # decode step
     (6, 1, 128, 17, 4, 4, 32, dict(window=(None, 3), scale=0.3)),
 ]
 
@@ -222,8 +239,7 @@ def _run_fp32_case(case, jax_backends=("xla", "chunked"), torch_backends=("xla",
         chunks = dict(q_chunk_size=48, kv_chunk_size=40) if be == "chunked" else {}
         _check_fp32(_jax_run(be, q, k, v, do, q_ids, kv_ids, kw, **chunks), oracle, f"jax {be}")
     if "chunked" in jax_backends:  # default chunk sizes through the dispatcher too
-        _check_fp32(_jax_run("chunked", q, k, v, do, q_ids, kv_ids, kw), oracle,
-                    "jax chunked (default chunks)")
+        _check_fp32(_jax_run("chunked", q, k, v, do, q_ids, kv_ids, kw), oracle, "jax chunked (default chunks)")
     for be in torch_backends:
         if be == "flash" and kw.get("softcap") is not None:
             continue  # softcap is MATH-only by design (tested in test_torch_softcap_declines_fused)
@@ -300,10 +316,10 @@ def test_reference_lse_dtype_and_empty_rows(case):
     (torch.where(alive, lse64, torch.zeros_like(lse64)) * torch.tensor(dlse)).sum().backward()
 
     seg = None if q_ids is None else (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    opts = dict(causal=kw["causal"], window=kw["window"], softcap=kw["softcap"], scale=kw["scale"],
-                segment_ids=seg)
-    (out, lse), pull = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **opts, return_lse=True),
-                               *(jnp.asarray(x) for x in (q, k, v)))
+    opts = dict(causal=kw["causal"], window=kw["window"], softcap=kw["softcap"], scale=kw["scale"], segment_ids=seg)
+    (out, lse), pull = jax.vjp(
+        lambda q, k, v: attention_reference(q, k, v, **opts, return_lse=True), *(jnp.asarray(x) for x in (q, k, v))
+    )
     grads = pull((jnp.zeros_like(out), jnp.asarray(dlse, jnp.float32)))
     assert lse.shape == (b, hq, sq) and lse.dtype == jnp.float32
     lse, want = np.asarray(lse, np.float64), lse64.detach().numpy()
@@ -313,8 +329,7 @@ def test_reference_lse_dtype_and_empty_rows(case):
     for name, g, r in zip(("dq", "dk"), grads, (Q.grad, K.grad)):
         np.testing.assert_allclose(np.asarray(g), r.numpy(), rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
     dead = ~alive_np.transpose(0, 2, 1)  # [B, Sq, Hq]
-    o2, pull2 = jax.vjp(lambda q: attention_reference(q, jnp.asarray(k), jnp.asarray(v), **opts),
-                        jnp.asarray(q))
+    o2, pull2 = jax.vjp(lambda q: attention_reference(q, jnp.asarray(k), jnp.asarray(v), **opts), jnp.asarray(q))
     assert np.all(np.asarray(o2)[dead] == 0) and np.all(np.asarray(pull2(jnp.asarray(do))[0])[dead] == 0)
     bf = attention_reference(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), **opts)
     assert bf.dtype == jnp.float32
@@ -329,8 +344,11 @@ def _flash_or_skip():
         pytest.skip(f"flash backend not importable: {e}")
 
 
-@pytest.mark.parametrize("case", [(7, 1, 17, 17, 4, 2, 32, dict(causal=True)),
-                                  (8, 1, 33, 40, 4, 4, 32, dict(seg="pair", window=(8, 2)))], ids=_case_id)
+@pytest.mark.parametrize(
+    "case",
+    [(7, 1, 17, 17, 4, 2, 32, dict(causal=True)), (8, 1, 33, 40, 4, 4, 32, dict(seg="pair", window=(8, 2)))],
+    ids=_case_id,
+)
 def test_flash_through_dispatcher(case):
     """A few cases of the Pallas kernel (interpret mode on CPU) through the dispatcher; the kernel's own
     test file covers it in depth."""
@@ -413,6 +431,7 @@ def test_error_lists_every_reason(monkeypatch):
 
 def test_import_failure_declines_with_reason(monkeypatch):
     import sys
+
     monkeypatch.setattr(attn, "_MODULES", {})
     monkeypatch.setattr(attn, "_IMPORT_ERRORS", {})
     monkeypatch.setitem(sys.modules, "jaxattn.attention.mosaic", None)  # makes the import raise
@@ -447,8 +466,12 @@ def test_backend_table_drives_both_packages():
     assert attn.BACKENDS == tuple(b.name for b in spec.BACKENDS)
     assert attn.FORWARD_ONLY == ("flash_decode",)
     assert {n: getattr(SDPBackend, spec.backend(n).torch_twin) for n in tattn.BACKENDS} == tattn.SDPA_BACKENDS
-    assert tattn.SDPA_BACKENDS == {"xla": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
-                                   "chunked": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    assert tattn.SDPA_BACKENDS == {
+        "xla": SDPBackend.MATH,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "chunked": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
     for b in spec.BACKENDS:
         assert attn.get_backend(b.name).__name__ == f"jaxattn.attention.{b.module}"
         if b.torch_twin is None:
@@ -494,22 +517,52 @@ def _bad_jax_cases():
         ("dtype mix", (q, k.astype(jnp.bfloat16), v), {}, TypeError, r"share one dtype.*k=bfloat16"),
         ("int dtype", (q.astype(jnp.int32), k, v), {}, TypeError, r"q dtype must be one of.*int32"),
         ("gqa", (jnp.zeros((2, 8, 3, 16)), k, v), {}, ValueError, r"Hq=3 must be a multiple of kv heads Hkv=2"),
-        ("D too large", (jnp.ones((2, 8, 2, 300)), jnp.ones((2, 8, 2, 300)), jnp.ones((2, 8, 2, 300))), {},
-         ValueError, r"head_dim D=300 is too large.*256"),
+        (
+            "D too large",
+            (jnp.ones((2, 8, 2, 300)), jnp.ones((2, 8, 2, 300)), jnp.ones((2, 8, 2, 300))),
+            {},
+            ValueError,
+            r"head_dim D=300 is too large.*256",
+        ),
         ("k/v shape", (q, k, v[:, :5]), {}, ValueError, r"k and v must have the same shape"),
         ("head dims", (q, k[..., :8], v[..., :8]), {}, ValueError, r"head_dim of k/v \(8"),
-        ("seg shape", (q, k, v), dict(segment_ids=ids[:, :5]), ValueError,
-         r"segment_ids must have shape .*\(2, 8\).*\(2, 5\)"),
-        ("seg dtype", (q, k, v), dict(segment_ids=ids.astype(jnp.float32)), TypeError,
-         r"segment_ids must have an integer dtype.*float32"),
-        ("seg pair shape", (q, k, v), dict(segment_ids=(ids, ids[:1])), ValueError,
-         r"segment_ids\[1\] \(kv_ids\) must have shape"),
+        (
+            "seg shape",
+            (q, k, v),
+            dict(segment_ids=ids[:, :5]),
+            ValueError,
+            r"segment_ids must have shape .*\(2, 8\).*\(2, 5\)",
+        ),
+        (
+            "seg dtype",
+            (q, k, v),
+            dict(segment_ids=ids.astype(jnp.float32)),
+            TypeError,
+            r"segment_ids must have an integer dtype.*float32",
+        ),
+        (
+            "seg pair shape",
+            (q, k, v),
+            dict(segment_ids=(ids, ids[:1])),
+            ValueError,
+            r"segment_ids\[1\] \(kv_ids\) must have shape",
+        ),
         ("seg self Sq!=Sk", _qkv(sq=4, sk=8), dict(segment_ids=ids), ValueError, r"needs Sq == Sk.*Sq=4, Sk=8"),
-        ("window len", (q, k, v), dict(window=(1, 2, 3)), ValueError,
-         r"window must be None or a \(left, right\) pair.*\(1, 2, 3\)"),
+        (
+            "window len",
+            (q, k, v),
+            dict(window=(1, 2, 3)),
+            ValueError,
+            r"window must be None or a \(left, right\) pair.*\(1, 2, 3\)",
+        ),
         ("window neg", (q, k, v), dict(window=(-1, 2)), ValueError, r"window left side must be >= 0.*-1"),
-        ("window float", (q, k, v), dict(window=(1.5, None)), TypeError,
-         r"window left side must be a non-negative int.*1.5"),
+        (
+            "window float",
+            (q, k, v),
+            dict(window=(1.5, None)),
+            TypeError,
+            r"window left side must be a non-negative int.*1.5",
+        ),
         ("softcap zero", (q, k, v), dict(softcap=0.0), ValueError, r"softcap must be a positive finite number.*0.0"),
         ("softcap nan", (q, k, v), dict(softcap=float("nan")), ValueError, r"softcap must be a positive"),
         ("scale neg", (q, k, v), dict(scale=-1.0), ValueError, r"scale must be a positive finite number.*-1.0"),
@@ -596,8 +649,11 @@ def test_module_imports_no_torch_in_jaxattn():
     for f in [*root.glob("*.py"), pathlib.Path(tattn.__file__)]:
         banned = "jax" if f.name == "attention.py" and "torchref" in str(f) else "torch"
         for node in ast.walk(ast.parse(f.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             assert not any(n.split(".")[0] == banned for n in names), f"{f} imports {banned}"
 
 

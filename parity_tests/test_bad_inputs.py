@@ -1,19 +1,21 @@
 """Every bad input found by the reliability review, in one table run against both packages.
 
 Each row names the input, the packages it applies to, the exception type and fragments its message must hold
-(CONVENTIONS §10: the argument, the value, what is accepted), so a regression in either package shows here.
+(design §10: the argument, the value, what is accepted), so a regression in either package shows here.
 A second table lists inputs that must WORK (numpy scalars, uint8 ids, ``np.bool_`` flags, lazy submodules).
 
     pytest parity_tests/test_bad_inputs.py -k torch       # one package's rows
 """
+
 from __future__ import annotations
 
 import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +41,7 @@ VOCAB = 256  # the tiny preset
 
 
 # --------------------------------------------------------------------------------------------- the two sides
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(pkg: str):
     cfg = jconfig.ModelConfig.preset("tiny")
     if pkg == "jax":
@@ -149,6 +151,7 @@ def _scale_state(bad):
     def build(pkg, tmp_path):
         ls = DynamicLossScale.create()
         return lambda: ls.load_state_dict({**ls.state_dict(), "scale": bad}), ["state_dict['scale']", repr(bad)]
+
     return build
 
 
@@ -158,66 +161,146 @@ def _from_hf(key, value):
         if key == "rope_theta":
             hf.pop("rope_parameters")  # the legacy key alone, as in a transformers 4.x config.json
         return lambda: _config(pkg).from_hf(hf), [key, repr(value), "expected"]
+
     return build
 
 
 BAD = [
     # (a) saving: onto an existing file, to ""
     Bad("a-save-onto-file", BOTH, (ValueError, FileExistsError), _save_onto_file),
-    Bad("a-save-to-empty-path", BOTH, (ValueError, FileExistsError),
-        lambda pkg, tmp: (lambda: _hf(pkg).save_pretrained(_model(pkg), ""), ["''"])),
+    Bad(
+        "a-save-to-empty-path",
+        BOTH,
+        (ValueError, FileExistsError),
+        lambda pkg, tmp: (lambda: _hf(pkg).save_pretrained(_model(pkg), ""), ["''"]),
+    ),
     # (b) token ids outside the vocabulary in an eager call: position and value named
-    Bad("b-token-id-too-large", BOTH, ValueError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, np.array([[1, 2, VOCAB]], np.int32)),
-                          [f"outside [0, vocab_size={VOCAB}", str(VOCAB), "(0, 2)"])),
-    Bad("b-token-id-negative", BOTH, ValueError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, np.array([[1, -3, 2]], np.int32)),
-                          [f"outside [0, vocab_size={VOCAB}", "-3", "(0, 1)"])),
+    Bad(
+        "b-token-id-too-large",
+        BOTH,
+        ValueError,
+        lambda pkg, tmp: (
+            lambda: _call_model(pkg, np.array([[1, 2, VOCAB]], np.int32)),
+            [f"outside [0, vocab_size={VOCAB}", str(VOCAB), "(0, 2)"],
+        ),
+    ),
+    Bad(
+        "b-token-id-negative",
+        BOTH,
+        ValueError,
+        lambda pkg, tmp: (
+            lambda: _call_model(pkg, np.array([[1, -3, 2]], np.int32)),
+            [f"outside [0, vocab_size={VOCAB}", "-3", "(0, 1)"],
+        ),
+    ),
     # (c) a loss-scale state whose scale is not finite and > 0 in float32
-    *[Bad(f"c-loss-scale-{label}", ("jax",), ValueError, _scale_state(v))
-      for label, v in (("zero", 0.0), ("nan", float("nan")), ("inf", float("inf")), ("negative", -2.0),
-                       ("1e40", 1e40))],
+    *[
+        Bad(f"c-loss-scale-{label}", ("jax",), ValueError, _scale_state(v))
+        for label, v in (
+            ("zero", 0.0),
+            ("nan", float("nan")),
+            ("inf", float("inf")),
+            ("negative", -2.0),
+            ("1e40", 1e40),
+        )
+    ],
     # (d) benchmark filters that select nothing
-    Bad("d-bench-impl-nope", ("cli",), SystemExit,
-        lambda pkg, tmp: (lambda: _cli("--impl", "nope", "--out", str(tmp / "out")), ["--impl", "'nope'"])),
-    Bad("d-bench-max-seq-negative", ("cli",), SystemExit,
-        lambda pkg, tmp: (lambda: _cli("--max-seq", "-5", "--out", str(tmp / "out")), ["--max-seq", "-5"])),
+    Bad(
+        "d-bench-impl-nope",
+        ("cli",),
+        SystemExit,
+        lambda pkg, tmp: (lambda: _cli("--impl", "nope", "--out", str(tmp / "out")), ["--impl", "'nope'"]),
+    ),
+    Bad(
+        "d-bench-max-seq-negative",
+        ("cli",),
+        SystemExit,
+        lambda pkg, tmp: (lambda: _cli("--max-seq", "-5", "--out", str(tmp / "out")), ["--max-seq", "-5"]),
+    ),
     # (e) invalid JSON: the message names the file
     Bad("e-config-json-invalid", BOTH, ValueError, lambda pkg, tmp: _corrupt(pkg, tmp, "config.json")),
-    Bad("e-index-json-invalid", BOTH, ValueError,
-        lambda pkg, tmp: _corrupt(pkg, tmp, "model.safetensors.index.json", max_shard_bytes=50_000)),
+    Bad(
+        "e-index-json-invalid",
+        BOTH,
+        ValueError,
+        lambda pkg, tmp: _corrupt(pkg, tmp, "model.safetensors.index.json", max_shard_bytes=50_000),
+    ),
     # (f) config.json values of the wrong kind
     Bad("f-rms-norm-eps-str", BOTH, ValueError, _from_hf("rms_norm_eps", "abc")),
     Bad("f-rope-theta-null", BOTH, ValueError, _from_hf("rope_theta", None)),
     Bad("f-num-kv-heads-zero", BOTH, ValueError, _from_hf("num_key_value_heads", 0)),
     # (g) wrong argument types
-    Bad("g-backend-int", BOTH, TypeError, lambda pkg, tmp: (lambda: _attention(pkg, backend=3),
-                                                            ["backend", "3", "'xla'"])),
-    Bad("g-max-shard-bytes-str", BOTH, (TypeError, ValueError),
-        lambda pkg, tmp: (lambda: _hf(pkg).save_pretrained(_model(pkg), str(tmp / "c"), max_shard_bytes="1GB"),
-                          ["max_shard_bytes", "'1GB'"])),
+    Bad(
+        "g-backend-int",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, backend=3), ["backend", "3", "'xla'"]),
+    ),
+    Bad(
+        "g-max-shard-bytes-str",
+        BOTH,
+        (TypeError, ValueError),
+        lambda pkg, tmp: (
+            lambda: _hf(pkg).save_pretrained(_model(pkg), str(tmp / "c"), max_shard_bytes="1GB"),
+            ["max_shard_bytes", "'1GB'"],
+        ),
+    ),
     # (h) Python lists where arrays are expected
-    Bad("h-tokens-list", BOTH, TypeError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, [[1, 2, 3]]), [_tokens(pkg), "list"])),
-    Bad("h-segment-ids-list", BOTH, TypeError,
-        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[[0, 0, 1, 1]]), ["segment_ids", "list"])),
-    Bad("h-segment-ids-flat-list", BOTH, TypeError,
-        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[0, 0, 1, 1]), ["segment_ids", "list"])),
+    Bad(
+        "h-tokens-list",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, [[1, 2, 3]]), [_tokens(pkg), "list"]),
+    ),
+    Bad(
+        "h-segment-ids-list",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[[0, 0, 1, 1]]), ["segment_ids", "list"]),
+    ),
+    Bad(
+        "h-segment-ids-flat-list",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=[0, 0, 1, 1]), ["segment_ids", "list"]),
+    ),
     # (j) a checkpoint tensor of a dtype the model does not hold
     Bad("j-int32-tensor-in-checkpoint", BOTH, ValueError, _int32_tensor),
     # (k) bool ids are refused the same way in both (attention segment ids and model tokens)
-    Bad("k-bool-segment-ids", BOTH, TypeError,
-        lambda pkg, tmp: (lambda: _attention(pkg, segment_ids=np.zeros((1, 4), bool)),
-                          ["segment_ids", "integer dtype", "bool"])),
-    Bad("k-bool-tokens", BOTH, TypeError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 4), bool)), [_tokens(pkg), "bool"])),
-    Bad("k-causal-int", BOTH, TypeError, lambda pkg, tmp: (lambda: _attention(pkg, causal=1),
-                                                           ["causal must be a bool", "1"])),
+    Bad(
+        "k-bool-segment-ids",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (
+            lambda: _attention(pkg, segment_ids=np.zeros((1, 4), bool)),
+            ["segment_ids", "integer dtype", "bool"],
+        ),
+    ),
+    Bad(
+        "k-bool-tokens",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 4), bool)), [_tokens(pkg), "bool"]),
+    ),
+    Bad(
+        "k-causal-int",
+        BOTH,
+        TypeError,
+        lambda pkg, tmp: (lambda: _attention(pkg, causal=1), ["causal must be a bool", "1"]),
+    ),
     # (l) empty batch or sequence
-    Bad("l-seq-zero", BOTH, ValueError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 0), np.int32)), [_tokens(pkg)])),
-    Bad("l-batch-zero", BOTH, ValueError,
-        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((0, 4), np.int32)), [_tokens(pkg)])),
+    Bad(
+        "l-seq-zero",
+        BOTH,
+        ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((1, 0), np.int32)), [_tokens(pkg)]),
+    ),
+    Bad(
+        "l-batch-zero",
+        BOTH,
+        ValueError,
+        lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((0, 4), np.int32)), [_tokens(pkg)]),
+    ),
 ]
 
 
@@ -242,8 +325,12 @@ def test_bad_input(case, pkg, tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------- must work
 def _np_scalar_loss_scale(pkg):
-    ls = DynamicLossScale.create(init_scale=np.float32(2.0), growth_factor=np.float64(2.0),
-                                 backoff_factor=np.asarray(0.5), growth_interval=np.int64(10))
+    ls = DynamicLossScale.create(
+        init_scale=np.float32(2.0),
+        growth_factor=np.float64(2.0),
+        backoff_factor=np.asarray(0.5),
+        growth_interval=np.int64(10),
+    )
     assert ls.state_dict() == DynamicLossScale.create(2.0, 2.0, 0.5, 10).state_dict()
     sd = {k: np.asarray(v) for k, v in ls.state_dict().items()}
     assert DynamicLossScale.from_state_dict(sd).state_dict() == ls.state_dict()
@@ -268,9 +355,11 @@ def _kv_heads_null(pkg):
 
 
 def _lazy_submodules(pkg):
-    code = {"jax": "import jaxattn; jaxattn.attention.dot_product_attention; "
-                   "jaxattn.precision.DynamicLossScale; jaxattn.loss_scale.DynamicLossScale",
-            "torch": "import torchref; torchref.attention.dot_product_attention; torchref.precision"}[pkg]
+    code = {
+        "jax": "import jaxattn; jaxattn.attention.dot_product_attention; "
+        "jaxattn.precision.DynamicLossScale; jaxattn.loss_scale.DynamicLossScale",
+        "torch": "import torchref; torchref.attention.dot_product_attention; torchref.precision",
+    }[pkg]
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -284,8 +373,9 @@ GOOD = [
 ]
 
 
-@pytest.mark.parametrize("fn, pkg", [pytest.param(fn, pkg, id=f"{name}-{pkg}") for name, pkgs, fn in GOOD
-                                     for pkg in pkgs])
+@pytest.mark.parametrize(
+    "fn, pkg", [pytest.param(fn, pkg, id=f"{name}-{pkg}") for name, pkgs, fn in GOOD for pkg in pkgs]
+)
 def test_good_input(fn, pkg):
     fn(pkg)
 

@@ -1,5 +1,6 @@
 """The main job (``python -m benchmarks run --quick``) writes well-formed records; the FLOP convention and the
 side-by-side table are right; bad command lines fail before any work and never replace a result."""
+
 import json
 import os
 import re
@@ -14,9 +15,9 @@ pytest.importorskip("torch")
 
 from benchmarks import __main__ as cli  # noqa: E402
 from benchmarks import measure  # noqa: E402
-from jaxattn.spec.flops import attention_flops  # noqa: E402
 from benchmarks.report import records, tables  # noqa: E402
 from benchmarks.suites import attention as attention_suite  # noqa: E402
+from jaxattn.spec.flops import attention_flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +30,15 @@ def test_flops_convention():
 
 
 def test_report_table_ratio():
-    recs = [{"suite": "x", "S": 8, "pass": "fwd", "impl": "a", "framework": "jax", "median_ms": 2.0},
-            {"suite": "x", "S": 8, "pass": "fwd", "impl": "b", "framework": "torch", "median_ms": 3.0},
-            {"suite": "x", "S": 8, "pass": "fwd", "impl": "c", "framework": "torch", "median_ms": 1.0, "status": "skipped"}]
+    recs = [
+        {"suite": "x", "S": 8, "pass": "fwd", "impl": "a", "framework": "jax", "median_ms": 2.0},
+        {"suite": "x", "S": 8, "pass": "fwd", "impl": "b", "framework": "torch", "median_ms": 3.0},
+        {"suite": "x", "S": 8, "pass": "fwd", "impl": "c", "framework": "torch", "median_ms": 1.0, "status": "skipped"},
+    ]
     table = tables.report_table(recs)
-    assert "1.50x" in table and "| S | pass | jax:a | torch:b | torch:c | JAX speed-up = torch time / JAX time |" in table
+    assert (
+        "1.50x" in table and "| S | pass | jax:a | torch:b | torch:c | JAX speed-up = torch time / JAX time |" in table
+    )
 
 
 def test_timeit_rejects_bad_counts():
@@ -46,8 +51,12 @@ def test_main_job_model_suite(tmp_path):
     data = json.loads((tmp_path / "model.json").read_text())
     assert data["env"]["jax"] and data["env"]["torch"] and data["env"]["jax_device"]
     recs = data["records"]
-    assert {(r["framework"], r["pass"]) for r in recs} == {("jax", "fwd"), ("jax", "fwd_bwd"), ("torch", "fwd"),
-                                                            ("torch", "fwd_bwd")}
+    assert {(r["framework"], r["pass"]) for r in recs} == {
+        ("jax", "fwd"),
+        ("jax", "fwd_bwd"),
+        ("torch", "fwd"),
+        ("torch", "fwd_bwd"),
+    }
     for r in recs:
         assert r["status"] == "ok" and r["iters"] >= 20 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0
@@ -57,20 +66,34 @@ def test_main_job_model_suite(tmp_path):
 # --------------------------------------------------------------------------------------------- bad command lines
 def _cli(*argv, timeout=60):
     """``python -m benchmarks run ARGV`` in a subprocess: (returncode, stderr)."""
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", *argv], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     return r.returncode, r.stderr
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--impl", "nope"], r"--impl: unknown implementation\(s\) \['nope'\]; choose from \[.*'sdpa:flash'"),
-    (["--impl", "flash", "--impl", "sdpa:nope"], r"unknown implementation\(s\) \['sdpa:nope'\]"),
-    (["--max-seq", "-5"], r"--max-seq must be a positive int .*got -5"),
-    (["--max-seq", "0"], r"--max-seq must be a positive int"),
-    (["--quick", "--max-seq", "64"], r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 128"),
-    (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
-], ids=["impl-nope", "impl-sdpa-nope", "max-seq-negative", "max-seq-zero", "max-seq-below-shapes",
-        "filter-without-attention"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--impl", "nope"], r"--impl: unknown implementation\(s\) \['nope'\]; choose from \[.*'sdpa:flash'"),
+        (["--impl", "flash", "--impl", "sdpa:nope"], r"unknown implementation\(s\) \['sdpa:nope'\]"),
+        (["--max-seq", "-5"], r"--max-seq must be a positive int .*got -5"),
+        (["--max-seq", "0"], r"--max-seq must be a positive int"),
+        (
+            ["--quick", "--max-seq", "64"],
+            r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 128",
+        ),
+        (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
+    ],
+    ids=[
+        "impl-nope",
+        "impl-sdpa-nope",
+        "max-seq-negative",
+        "max-seq-zero",
+        "max-seq-below-shapes",
+        "filter-without-attention",
+    ],
+)
 def test_filter_that_selects_nothing_fails_fast_and_writes_nothing(tmp_path, argv, message):
     """Exit code != 0 with a message naming the flag, before jax/torch start (well under the timeout) and with
     nothing written to --out."""
@@ -125,8 +148,19 @@ def test_read_only_out_dir_by_mode(tmp_path):
 
 # --------------------------------------------------------------------------------------------- never a partial file
 def _fake_records(status="ok"):
-    return [{"suite": "attention", "impl": "xla", "framework": fw, "pass": "fwd", "S": 8, "median_ms": 1.0,
-             "status": status, "reason": None if status == "ok" else "declined: test"} for fw in ("jax", "torch")]
+    return [
+        {
+            "suite": "attention",
+            "impl": "xla",
+            "framework": fw,
+            "pass": "fwd",
+            "S": 8,
+            "median_ms": 1.0,
+            "status": status,
+            "reason": None if status == "ok" else "declined: test",
+        }
+        for fw in ("jax", "torch")
+    ]
 
 
 def _existing(out):
@@ -161,8 +195,11 @@ def test_existing_results_never_replaced_by_empty_or_partial(tmp_path, monkeypat
 def test_completed_suite_replaces_atomically_and_report_keeps_other_suites(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    model = {"env": {"time_utc": "2020-01-01T00:00:00Z"}, "suite": "model",
-             "records": [{"suite": "model", "impl": "nnx", "framework": "jax", "pass": "fwd", "median_ms": 3.0}]}
+    model = {
+        "env": {"time_utc": "2020-01-01T00:00:00Z"},
+        "suite": "model",
+        "records": [{"suite": "model", "impl": "nnx", "framework": "jax", "pass": "fwd", "median_ms": 3.0}],
+    }
     (out / "model.json").write_text(json.dumps(model))
     monkeypatch.setattr(attention_suite, "run", lambda quick, impls=None, max_seq=None: _fake_records())
     assert cli.main(["run", "--suite", "attention", "--quick", "--out", str(out)]) == 0
@@ -175,7 +212,7 @@ def test_completed_suite_replaces_atomically_and_report_keeps_other_suites(tmp_p
     with pytest.raises(ZeroDivisionError):
         with records.atomic_path(str(out / "model.json")) as tmp:
             open(tmp, "w").write("partial")
-            1 / 0
+            raise ZeroDivisionError("a crash mid-write")
     assert json.loads((out / "model.json").read_text()) == model
     assert sorted(p.name for p in out.iterdir()) == ["attention.json", "model.json", "report.md"]
 
@@ -188,8 +225,9 @@ def test_impl_names_cover_every_implementation():
 
 
 @pytest.mark.parametrize("suite", ["plan", "compile"])
-def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_when_asked(tmp_path, monkeypatch, suite,
-                                                                                       capsys):
+def test_a_suite_this_machine_cannot_serve_is_skipped_under_all_but_an_error_when_asked(
+    tmp_path, monkeypatch, suite, capsys
+):
     """`run` (= all suites, the README's main job) skips a suite whose records are all skipped for a machine reason
     (`plan` and `compile` without the gpu-compile extra) with a note and still exits 0; asking for that suite by
     name exits 1; neither writes a results file or a plot for it."""
@@ -215,13 +253,46 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     import benchmarks.tools.compile as bc
 
     label = "compiled for H100, not run"
-    kernel = dict(impl="flash", head_dim=64, dtype="bf16", B=1, S=256, Hq=4, Hkv=2, causal=True, label=label,
-                  threads=128, stack=0, blocks_per_sm=2, occupancy=0.125, sass={"HGMMA": 8, "HMMA": 0}, status="ok")
-    kernels = [dict(kernel, kernel=k, registers=r, spill_stores=0, spill_loads=0, smem_bytes=65536)
-               for k, r in (("flash_fwd", 200), ("flash_bwd_dq", 100), ("flash_bwd_dkv", 170))]
-    program = dict(preset="tiny", kind="train_step", batch=2, seq=128, status="ok", compile_s=1.0, launches=9,
-                   argument=2**20, output=2**20, temp=2**21, peak=2**22, xla_flops=1e8, model_flops=2e8,
-                   flops_ratio=0.9, flops_ratio_dense=1.05, xla_bytes_accessed=1e7, label=label)
+    kernel = dict(
+        impl="flash",
+        head_dim=64,
+        dtype="bf16",
+        B=1,
+        S=256,
+        Hq=4,
+        Hkv=2,
+        causal=True,
+        label=label,
+        threads=128,
+        stack=0,
+        blocks_per_sm=2,
+        occupancy=0.125,
+        sass={"HGMMA": 8, "HMMA": 0},
+        status="ok",
+    )
+    kernels = [
+        dict(kernel, kernel=k, registers=r, spill_stores=0, spill_loads=0, smem_bytes=65536)
+        for k, r in (("flash_fwd", 200), ("flash_bwd_dq", 100), ("flash_bwd_dkv", 170))
+    ]
+    program = dict(
+        preset="tiny",
+        kind="train_step",
+        batch=2,
+        seq=128,
+        status="ok",
+        compile_s=1.0,
+        launches=9,
+        argument=2**20,
+        output=2**20,
+        temp=2**21,
+        peak=2**22,
+        xla_flops=1e8,
+        model_flops=2e8,
+        flops_ratio=0.9,
+        flops_ratio_dense=1.05,
+        xla_bytes_accessed=1e7,
+        label=label,
+    )
     monkeypatch.setattr(bc.gpu_target, "unavailable_reason", lambda: None)
     monkeypatch.setattr(bc.gpu_target, "devices", lambda *a, **k: ["fake-h100"])
     monkeypatch.setattr(bc, "kernel_records", lambda devs, cases, shape, target, log=print: kernels)
@@ -230,12 +301,18 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     assert cli.main(["run", "--suite", "compile", "--quick", "--out", str(out)]) == 0
     recs = json.loads((out / "compile.json").read_text())["records"]
     assert [(r["part"], r["framework"], r.get("kernel", r.get("kind"))) for r in recs] == [
-        ("kernel", "jax", "flash_fwd"), ("kernel", "jax", "flash_bwd_dq"), ("kernel", "jax", "flash_bwd_dkv"),
-        ("program", "jax", "train_step")]
+        ("kernel", "jax", "flash_fwd"),
+        ("kernel", "jax", "flash_bwd_dq"),
+        ("kernel", "jax", "flash_bwd_dkv"),
+        ("program", "jax", "train_step"),
+    ]
     assert (out / "compile_kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "## compile" in report and "### Kernels (compiled for H100, not run)" in report
-    assert "| flash | `flash_bwd_dq` | 64 | bf16 | 128 | 100 | 0/0 |" in report and "| tiny | train_step | 2×128 |" in report
+    assert (
+        "| flash | `flash_bwd_dq` | 64 | bf16 | 128 | 100 | 0/0 |" in report
+        and "| tiny | train_step | 2×128 |" in report
+    )
     assert "![compile plot](compile_kernels.png)" in report
 
 

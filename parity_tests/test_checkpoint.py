@@ -2,11 +2,12 @@
 
 * SIGKILL: a CLI run (a subprocess, checkpoint every 5 steps) is killed with SIGKILL in the middle, then run
   again with ``--resume``: its per-step losses and grad norms are EXACTLY those of an uninterrupted run
-  (CONVENTIONS §7: same framework, deterministic, resume vs uninterrupted), and the log reads as one run.
+  (design §7: same framework, deterministic, resume vs uninterrupted), and the log reads as one run.
 * Crash safety of the writers: a write that dies before its commit leaves the previous checkpoints loadable
   and no new step visible; ``keep`` deletes only our own older checkpoints (a foreign file stays), and a dead
   process's temporary file is cleaned up; orbax ignores a half-written step directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,23 @@ from torchref.checkpoint import Checkpointer as TorchCheckpointer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY, KILL_AFTER = 16, 5, 7
-ARGS = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2",
-        "--data", "README.md", "--no-progress", "--seed", "3"]
+ARGS = [
+    "--steps",
+    str(STEPS),
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "2",
+    "--data",
+    "README.md",
+    "--no-progress",
+    "--seed",
+    "3",
+]
 
 
 def _lines(path) -> int:
@@ -42,11 +58,26 @@ def _lines(path) -> int:
 @pytest.mark.parametrize("module", ["jaxattn.train", "torchref.train"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, module):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", module, *ARGS, "--checkpoint-dir", str(ck), "--checkpoint-every", str(EVERY),
-           "--log-json", str(log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        *ARGS,
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        str(EVERY),
+        "--log-json",
+        str(log),
+    ]
     # the resumed run reuses the killed run's compiled step (jax's persistent cache; same HLO, same executable)
-    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {
+        **os.environ,
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     with open(tmp_path / "stderr.txt", "w") as err:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.time() + 240
@@ -70,7 +101,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, module):
     ref = read_log(tmp_path / "ref.jsonl")
     assert [r["loss"] for r in after] == reference["losses"]
     assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in ref]
-    assert [r["loss"] for r in killed] == reference["losses"][:len(killed)]
+    assert [r["loss"] for r in killed] == reference["losses"][: len(killed)]
 
 
 def test_torch_writer_crash_keeps_previous_checkpoint(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """ModelConfig twins: identical fields and defaults, presets, HF config.json interop, clear errors."""
+
 import dataclasses
 import re
 
@@ -8,16 +9,33 @@ import jaxattn.config as jc
 import torchref.config as tc
 
 PRESETS = ["tiny", "125m", "350m", "1b", "8b"]
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_fields_and_defaults_identical():
     jf = [(f.name, f.type, f.default) for f in dataclasses.fields(jc.ModelConfig)]
     tf = [(f.name, f.type, f.default) for f in dataclasses.fields(tc.ModelConfig)]
     assert jf == tf
-    assert [f[0] for f in jf] == ["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                                  "max_seq_len", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"]
+    assert [f[0] for f in jf] == [
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "ffn_dim",
+        "max_seq_len",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "tie_embeddings",
+    ]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -42,8 +60,19 @@ def test_param_count_of_presets_is_llama_shaped():
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
 def test_transformers_config_interop(mod):
     transformers = pytest.importorskip("transformers")
-    c = mod.ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, ffn_dim=96,
-                        max_seq_len=128, rope_theta=500000.0, rope_scaling=LLAMA3, tie_embeddings=True)
+    c = mod.ModelConfig(
+        vocab_size=64,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=32,
+        ffn_dim=96,
+        max_seq_len=128,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3,
+        tie_embeddings=True,
+    )
     hf = transformers.LlamaConfig(**c.to_hf())
     assert hf.head_dim == 32 and hf.num_key_value_heads == 1 and hf.tie_word_embeddings
     back = mod.ModelConfig.from_hf(hf.to_dict())
@@ -52,8 +81,14 @@ def test_transformers_config_interop(mod):
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
 def test_from_hf_reads_legacy_and_v5_rope_keys(mod):
-    base = {"vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 48}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+    }
     legacy = mod.ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3, "type": "llama3"}})
     v5 = mod.ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
     assert legacy == v5 and v5.rope_theta == 5e5 and v5.rope_scaling["factor"] == 8.0
@@ -62,19 +97,22 @@ def test_from_hf_reads_legacy_and_v5_rope_keys(mod):
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(dim=65, n_heads=4), "n_heads"),
-    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(ffn_dim=-4), "ffn_dim"),
-    (dict(n_layers=0), "n_layers"),
-    (dict(head_dim=0), "head_dim"),
-    (dict(head_dim=15), "head_dim"),
-    (dict(norm_eps=0.0), "norm_eps"),
-    (dict(rope_theta=-1.0), "rope_theta"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dim=65, n_heads=4), "n_heads"),
+        (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(ffn_dim=-4), "ffn_dim"),
+        (dict(n_layers=0), "n_layers"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(head_dim=15), "head_dim"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "rope_scaling"),
+    ],
+)
 def test_invalid_config_names_field(mod, kwargs, field):
     with pytest.raises(ValueError, match=field):
         mod.ModelConfig.preset("tiny", **kwargs)
@@ -96,25 +134,28 @@ def test_unknown_preset_and_unsupported_hf(mod):
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
-@pytest.mark.parametrize("key, value, accepted", [
-    ("rms_norm_eps", "abc", "positive finite number"),
-    ("rms_norm_eps", None, "positive finite number"),
-    ("rms_norm_eps", True, "positive finite number"),
-    ("rope_theta", None, "positive finite number"),
-    ("rope_theta", "1e4", "positive finite number"),
-    ("num_key_value_heads", 0, "positive int, or null/absent for num_attention_heads"),
-    ("num_key_value_heads", "2", "positive int"),
-    ("vocab_size", None, "positive int"),
-    ("hidden_size", 64.0, "positive int"),
-    ("num_hidden_layers", True, "positive int"),
-    ("intermediate_size", "160", "positive int"),
-    ("num_attention_heads", -4, "positive int"),
-    ("head_dim", 0, "positive int, or null/absent"),
-    ("max_position_embeddings", None, "positive int"),
-    ("tie_word_embeddings", "false", "true or false"),
-    ("tie_word_embeddings", None, "true or false"),
-    ("attention_bias", "no", "true or false"),
-])
+@pytest.mark.parametrize(
+    "key, value, accepted",
+    [
+        ("rms_norm_eps", "abc", "positive finite number"),
+        ("rms_norm_eps", None, "positive finite number"),
+        ("rms_norm_eps", True, "positive finite number"),
+        ("rope_theta", None, "positive finite number"),
+        ("rope_theta", "1e4", "positive finite number"),
+        ("num_key_value_heads", 0, "positive int, or null/absent for num_attention_heads"),
+        ("num_key_value_heads", "2", "positive int"),
+        ("vocab_size", None, "positive int"),
+        ("hidden_size", 64.0, "positive int"),
+        ("num_hidden_layers", True, "positive int"),
+        ("intermediate_size", "160", "positive int"),
+        ("num_attention_heads", -4, "positive int"),
+        ("head_dim", 0, "positive int, or null/absent"),
+        ("max_position_embeddings", None, "positive int"),
+        ("tie_word_embeddings", "false", "true or false"),
+        ("tie_word_embeddings", None, "true or false"),
+        ("attention_bias", "no", "true or false"),
+    ],
+)
 def test_from_hf_bad_value_names_key_value_and_accepted(mod, key, value, accepted):
     """A config.json value of the wrong kind gives a ValueError naming the key, the value and what is accepted
     (not Python's ``float()`` error, and never a silent fallback)."""
@@ -125,8 +166,13 @@ def test_from_hf_bad_value_names_key_value_and_accepted(mod, key, value, accepte
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
 def test_from_hf_null_or_missing_kv_heads_means_mha_and_rope_values_checked(mod):
-    base = {"vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-            "intermediate_size": 48}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+    }
     assert mod.ModelConfig.from_hf(base).n_kv_heads == 4  # HF semantics
     assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": None}).n_kv_heads == 4
     assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": 2}).n_kv_heads == 2

@@ -8,6 +8,7 @@
 * sources: text file, folder, ``.npy`` (1-D / 2-D), a ``tokenizer.json`` via ``tokenizers``; bad ids and bad
   sources are errors naming ``--data`` and the value.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def test_byte_tokenizer_round_trip():
 def test_pack_rows_segments_positions_and_padding():
     docs = [np.arange(1, 6), np.arange(10, 13), np.arange(20, 27)]  # 5 + 3 + 7 = 15 tokens, rows of 6
     rows = pack_rows(docs, 6)
-    np.testing.assert_array_equal(rows["tokens"], [[1, 2, 3, 4, 5, 10], [11, 12, 20, 21, 22, 23],
-                                                   [24, 25, 26, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        rows["tokens"], [[1, 2, 3, 4, 5, 10], [11, 12, 20, 21, 22, 23], [24, 25, 26, 0, 0, 0]]
+    )
     np.testing.assert_array_equal(rows["segment_ids"], [[1, 1, 1, 1, 1, 2], [1, 1, 2, 2, 2, 2], [1, 1, 1, 0, 0, 0]])
     np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 3, 4, 0], [0, 1, 0, 1, 2, 3], [0, 1, 2, 0, 0, 0]])
     np.testing.assert_array_equal(rows["loss_mask"], [[1] * 6, [1] * 6, [1, 1, 1, 0, 0, 0]])

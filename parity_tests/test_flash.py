@@ -9,7 +9,7 @@ kernel's own VJP and the oracle.
 * ``TestFlashInterpret`` runs the kernels in Pallas interpret mode on CPU (the very same kernel code);
   ``TestFlashGPU`` (marker ``gpu``, auto-skipped without a GPU) runs the same test methods compiled with
   the Triton lowering, plus larger shapes.
-* Tolerances (CONVENTIONS §7): fp32 outputs / LSE max-abs <= 1e-5 relative to the scale of the reference
+* Tolerances (design §7): fp32 outputs / LSE max-abs <= 1e-5 relative to the scale of the reference
   (``1e-5 * max(1, max|ref|)``; outputs are convex combinations of v ~ N(0, 1), so this is 1e-5 up to the
   magnitude of v); fp32 gradients ``rtol = atol = 1e-3``.  bf16/fp16: the kernel's max-abs error vs the
   fp32 reference must be <= 2x the error of a naive attention computed entirely in bf16/fp16 (scores,
@@ -26,12 +26,12 @@ kernel's own VJP and the oracle.
   key), window, softcap, sorted and unsorted segment ids with rows that see no key, bf16, fp16); the
   ``slow`` sweep draws random cases from the full cross product.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import random
-from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +55,10 @@ class Case:
     d: int
     dtype: str = "float32"
     causal: bool = False
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None
-    softcap: Optional[float] = None
-    segments: Optional[str] = None  # None | "packed" (sorted, with query rows that see no key) | "random"
-    blocks: Optional[Tuple[int, ...]] = None  # 6 block sizes, or None for BlockSizes.default
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    segments: str | None = None  # None | "packed" (sorted, with query rows that see no key) | "random"
+    blocks: tuple[int, ...] | None = None  # 6 block sizes, or None for BlockSizes.default
     seed: int = 0
 
     def __str__(self):
@@ -80,15 +80,15 @@ B16 = (16, 16, 16, 16, 16, 16)
 
 # Default run: every feature at least once, tiny enough for interpret mode on 2 cores.
 DEFAULT_CASES = [
-    Case(1, 128, 128, 4, 4, 64),                                             # aligned, MHA
-    Case(3, 17, 17, 8, 2, 80, causal=True, blocks=B16),                      # GQA, D pad, S % block
+    Case(1, 128, 128, 4, 4, 64),  # aligned, MHA
+    Case(3, 17, 17, 8, 2, 80, causal=True, blocks=B16),  # GQA, D pad, S % block
     Case(1, 255, 255, 8, 1, 32, causal=True, window=(40, None), blocks=(32, 16, 16, 32, 32, 16)),  # MQA
-    Case(1, 1, 513, 4, 4, 128, causal=True),                                 # decode: Sq = 1
+    Case(1, 1, 513, 4, 4, 128, causal=True),  # decode: Sq = 1
     Case(1, 513, 17, 8, 2, 32, causal=True, blocks=(16, 16, 64, 16, 32, 16)),  # Sq > Sk: rows see no key
     Case(3, 128, 128, 8, 2, 64, causal=True, segments="packed", blocks=(32, 32, 16, 32, 32, 16)),
-    Case(1, 17, 128, 4, 4, 32, segments="random", blocks=B16),               # unsorted ids
+    Case(1, 17, 128, 4, 4, 32, segments="random", blocks=B16),  # unsorted ids
     Case(1, 128, 255, 8, 1, 80, window=(20, 7), softcap=4.0, blocks=(32, 64, 32, 16, 16, 64)),
-    Case(1, 1, 1, 4, 4, 32, causal=True),                                    # S = 1 both
+    Case(1, 1, 1, 4, 4, 32, causal=True),  # S = 1 both
     Case(3, 128, 128, 8, 2, 64, dtype="bfloat16", causal=True, segments="packed", blocks=(32, 32, 32, 32, 32, 32)),
     Case(1, 17, 255, 4, 4, 128, dtype="float16", window=(30, 5), softcap=3.0),
     Case(1, 255, 255, 8, 1, 80, dtype="bfloat16", blocks=(64, 32, 32, 64, 32, 32)),
@@ -115,10 +115,23 @@ def _sweep_cases(n: int, seed: int):
         window = rng.choice([None, None, (rng.randint(0, 64), None if causal else rng.randint(0, 64))])
         segments = rng.choice([None, None, "packed", "random"])
         blocks = rng.choice([None, B16, tuple(rng.choice([16, 32, 64]) for _ in range(6))])
-        out.append(Case(rng.choice([1, 3]), sq, sk, hq, hkv, rng.choice([32, 64, 80, 128]),
-                        dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]), causal=causal,
-                        window=window, softcap=rng.choice([None, None, 5.0]), segments=segments,
-                        blocks=blocks, seed=idx + 1))
+        out.append(
+            Case(
+                rng.choice([1, 3]),
+                sq,
+                sk,
+                hq,
+                hkv,
+                rng.choice([32, 64, 80, 128]),
+                dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]),
+                causal=causal,
+                window=window,
+                softcap=rng.choice([None, None, 5.0]),
+                segments=segments,
+                blocks=blocks,
+                seed=idx + 1,
+            )
+        )
     return out
 
 
@@ -142,7 +155,7 @@ def _segment_ids(rng: np.random.Generator, case: Case):
             ids[bi] = np.searchsorted(cuts, np.arange(s), side="right")
         if case.sq >= 4:  # a run of queries whose document has no key at all
             lo = int(rng.integers(0, case.sq - 3))
-            q_ids[bi, lo:lo + 3] = 99
+            q_ids[bi, lo : lo + 3] = 99
     return jnp.asarray(q_ids), jnp.asarray(kv_ids)
 
 
@@ -163,8 +176,9 @@ def _inputs(case: Case):
 
 
 def _opts(case: Case, q_ids, kv_ids):
-    return dict(causal=case.causal, window=case.window, softcap=case.softcap, q_segment_ids=q_ids,
-                kv_segment_ids=kv_ids)
+    return dict(
+        causal=case.causal, window=case.window, softcap=case.softcap, q_segment_ids=q_ids, kv_segment_ids=kv_ids
+    )
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -179,8 +193,18 @@ def _run_kernel(case: Case, interpret: bool, q, k, v, do, dlse, q_ids, kv_ids):
 
     @jax.jit
     def go(q, k, v, do, dlse, q_ids, kv_ids):
-        fn = lambda q, k, v: F.flash_attention(q, k, v, **_opts(case, q_ids, kv_ids), return_lse=True,
-                                               block_sizes=bs, interpret=interpret, _poison_outputs=True)
+        def fn(q, k, v):
+            return F.flash_attention(
+                q,
+                k,
+                v,
+                **_opts(case, q_ids, kv_ids),
+                return_lse=True,
+                block_sizes=bs,
+                interpret=interpret,
+                _poison_outputs=True,
+            )
+
         return _vjp_all(fn, q, k, v, do, dlse)
 
     return go(q, k, v, do, dlse, q_ids, kv_ids)
@@ -190,19 +214,39 @@ def _run_reference(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
     @jax.jit
     def go(q, k, v, do, dlse, q_ids, kv_ids):
         seg = None if q_ids is None else (q_ids, kv_ids)
-        fn = lambda q, k, v: attention_reference(q, k, v, causal=case.causal, window=case.window,  # noqa: E731
-                                                 softcap=case.softcap, segment_ids=seg, return_lse=True)
+
+        def fn(q, k, v):
+            return attention_reference(
+                q,
+                k,
+                v,
+                causal=case.causal,
+                window=case.window,
+                softcap=case.softcap,
+                segment_ids=seg,
+                return_lse=True,
+            )
+
         return _vjp_all(fn, q, k, v, do, dlse)
 
-    f32 = lambda x: x.astype(jnp.float32)
+    def f32(x):
+        return x.astype(jnp.float32)
+
     return go(f32(q), f32(k), f32(v), f32(do), dlse, q_ids, kv_ids)
 
 
 def _naive_low_precision(case: Case, q, k, v, do, dlse, q_ids, kv_ids):
     """Attention written naively in the inputs' low dtype: scores, softmax, p@v and autodiff all in
     bf16/fp16 (the baseline of the 2x rule)."""
-    args = normalize(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap,
-                     segment_ids=None if q_ids is None else (q_ids, kv_ids))
+    args = normalize(
+        q,
+        k,
+        v,
+        causal=case.causal,
+        window=case.window,
+        softcap=case.softcap,
+        segment_ids=None if q_ids is None else (q_ids, kv_ids),
+    )
     from jaxattn.attention import mask
 
     def fn(q, k, v):
@@ -254,7 +298,7 @@ def pytest_generate_tests(metafunc):
 class _FlashSuite:
     """Kernel vs oracle for one case: out, LSE, dq/dk/dv; empty rows; poisoned buffers.
 
-    What the cases exercise (the kernel design, CONVENTIONS §4):
+    What the cases exercise (the kernel design, design §4):
 
     * any ``Sq``, ``Sk`` (1 included): sequences are zero-padded to a multiple of the blocks outside the
       kernel and padded keys are masked inside it (``key < Sk``); padded query rows are sliced away (their
@@ -364,8 +408,8 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
     from jaxattn.attention import AttnArgs, mask
 
     for sq, sk, causal, window, bq, bk in itertools.product(
-            (1, 17, 40, 64), (1, 23, 40, 64), (False, True), (None, (5, None), (3, 9), (0, 0), (40, 2)),
-            (16, 32), (16, 32)):
+        (1, 17, 40, 64), (1, 23, 40, 64), (False, True), (None, (5, None), (3, 9), (0, 0), (40, 2)), (16, 32), (16, 32)
+    ):
         if causal and window is not None:
             window = (window[0], 0)
         args = AttnArgs(causal=causal, window=window, scale=1.0)
@@ -376,7 +420,7 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
         for qb in range(tiling.cdiv(sq, bq)):
             lo, hi = (int(x) for x in F._kv_block_range(qb * bq, bq, bk, cfg))
             for kb in range(tiling.cdiv(sk, bk)):
-                tile = vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+                tile = vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk]
                 if tile.any():
                     assert lo <= kb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
                 elif causal and window is None and kb * bk > qb * bq + bq - 1 + sk - sq:
@@ -384,25 +428,46 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
             # tiles run without a mask must be fully visible and hold no padded key
             u_lo, u_hi = (int(x) for x in F._kv_full_range(qb * bq, bq, bk, cfg))
             for kb in range(max(u_lo, lo), min(u_hi, hi)):
-                assert (kb + 1) * bk <= sk and vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].all(), (
-                    "unmasked tile is not fully visible", sq, sk, causal, window, bq, bk, qb, kb)
+                assert (kb + 1) * bk <= sk and vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].all(), (
+                    "unmasked tile is not fully visible",
+                    sq,
+                    sk,
+                    causal,
+                    window,
+                    bq,
+                    bk,
+                    qb,
+                    kb,
+                )
         for kb in range(tiling.cdiv(sk, bk)):
             lo, hi = (int(x) for x in F._q_block_range(kb * bk, bk, bq, cfg))
             for qb in range(tiling.cdiv(sq, bq)):
-                if vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].any():
+                if vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].any():
                     assert lo <= qb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
             u_lo, u_hi = (int(x) for x in F._q_full_range(kb * bk, bk, bq, cfg))
             for qb in range(max(u_lo, lo), min(u_hi, hi)):
-                assert (kb + 1) * bk <= sk and vis[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk].all(), (
-                    "unmasked dkv tile is not fully visible", sq, sk, causal, window, bq, bk, qb, kb)
+                assert (kb + 1) * bk <= sk and vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].all(), (
+                    "unmasked dkv tile is not fully visible",
+                    sq,
+                    sk,
+                    causal,
+                    window,
+                    bq,
+                    bk,
+                    qb,
+                    kb,
+                )
 
 
 # ------------------------------------------------------------------------------------------------ lowering
-@pytest.mark.parametrize("dtype, hq, hkv, d, opts", [
-    (jnp.bfloat16, 8, 2, 80, dict(causal=True, window=(30, None), softcap=5.0, segments=True)),
-    (jnp.float32, 6, 2, 64, dict(causal=False, window=(7, 3), softcap=None, segments=False)),  # G = 3
-    (jnp.float16, 4, 1, 256, dict(causal=True, window=None, softcap=None, segments=True)),
-])
+@pytest.mark.parametrize(
+    "dtype, hq, hkv, d, opts",
+    [
+        (jnp.bfloat16, 8, 2, 80, dict(causal=True, window=(30, None), softcap=5.0, segments=True)),
+        (jnp.float32, 6, 2, 64, dict(causal=False, window=(7, 3), softcap=None, segments=False)),  # G = 3
+        (jnp.float16, 4, 1, 256, dict(causal=True, window=None, softcap=None, segments=True)),
+    ],
+)
 def test_triton_lowering_without_gpu(dtype, hq, hkv, d, opts):
     """Forward + backward lower through the Pallas *Triton* lowering (cross-platform lowering for
     "cuda" works on a CPU-only jaxlib): one Triton custom call each for forward, dkv and dq.  This
@@ -414,10 +479,21 @@ def test_triton_lowering_without_gpu(dtype, hq, hkv, d, opts):
     ids = (jnp.zeros((b, sq), jnp.int32), jnp.zeros((b, sk), jnp.int32)) if opts["segments"] else (None, None)
 
     def f(q, k, v):
-        fn = lambda q, k, v: F.flash_attention(
-            q, k, v, causal=opts["causal"], window=opts["window"], softcap=opts["softcap"],
-            q_segment_ids=ids[0], kv_segment_ids=ids[1], return_lse=True, interpret=False,
-            _poison_outputs=True)
+        def fn(q, k, v):
+            return F.flash_attention(
+                q,
+                k,
+                v,
+                causal=opts["causal"],
+                window=opts["window"],
+                softcap=opts["softcap"],
+                q_segment_ids=ids[0],
+                kv_segment_ids=ids[1],
+                return_lse=True,
+                interpret=False,
+                _poison_outputs=True,
+            )
+
         (o, l), pull = jax.vjp(fn, q, k, v)
         return o, l, pull((o, l))
 
@@ -428,9 +504,14 @@ def test_triton_lowering_without_gpu(dtype, hq, hkv, d, opts):
 # ------------------------------------------------------------------------------------------------ poison
 def test_poison_catches_unwritten_blocks():
     """A kernel that writes only its first grid block leaves NaN in the others when poisoned."""
-    cfg = F._make_cfg(jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16)), normalize(
-        jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16))),
-        F.BlockSizes(16, 16, 16, 16, 16, 16), True, True)
+    cfg = F._make_cfg(
+        jnp.zeros((1, 32, 1, 16)),
+        jnp.zeros((1, 32, 1, 16)),
+        normalize(jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16)), jnp.zeros((1, 32, 1, 16))),
+        F.BlockSizes(16, 16, 16, 16, 16, 16),
+        True,
+        True,
+    )
     from jax.experimental import pallas as pl
 
     def lazy_kernel(x_ref, o_ref):
@@ -440,25 +521,36 @@ def test_poison_catches_unwritten_blocks():
 
     x = jnp.ones((64, 16), jnp.float32)
     spec = pl.BlockSpec((16, 16), lambda i: (i, 0))
-    (y,) = F._call(lazy_kernel, cfg, name="lazy", grid=(4,), in_specs=[spec], out_specs=[spec],
-                   out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], args=[x])
+    (y,) = F._call(
+        lazy_kernel,
+        cfg,
+        name="lazy",
+        grid=(4,),
+        in_specs=[spec],
+        out_specs=[spec],
+        out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        args=[x],
+    )
     y = np.asarray(y)
     assert np.all(y[:16] == 1.0) and np.all(np.isnan(y[16:]))
 
 
 # ------------------------------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(block_q=48), ValueError, "block_q"),
-    (dict(block_k=8), ValueError, "block_k"),
-    (dict(block_q_dkv=0), ValueError, "block_q_dkv"),
-    (dict(block_k_dq=2048), ValueError, "block_k_dq"),
-    (dict(block_q=True), ValueError, "block_q"),
-    (dict(num_warps=3), ValueError, "num_warps"),
-    (dict(num_warps=True), ValueError, "num_warps"),
-    (dict(num_stages=0), ValueError, "num_stages"),
-    (dict(num_warps_bwd=6), ValueError, "num_warps_bwd"),
-    (dict(num_stages_bwd=9), ValueError, "num_stages_bwd"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(block_q=48), ValueError, "block_q"),
+        (dict(block_k=8), ValueError, "block_k"),
+        (dict(block_q_dkv=0), ValueError, "block_q_dkv"),
+        (dict(block_k_dq=2048), ValueError, "block_k_dq"),
+        (dict(block_q=True), ValueError, "block_q"),
+        (dict(num_warps=3), ValueError, "num_warps"),
+        (dict(num_warps=True), ValueError, "num_warps"),
+        (dict(num_stages=0), ValueError, "num_stages"),
+        (dict(num_warps_bwd=6), ValueError, "num_warps_bwd"),
+        (dict(num_stages_bwd=9), ValueError, "num_stages_bwd"),
+    ],
+)
 def test_block_sizes_rejects_bad_values(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         F.BlockSizes(**kwargs)
@@ -475,26 +567,35 @@ def test_block_sizes_default_is_valid_for_every_head_dim():
 
 def _qkv(sq=8, sk=8, hq=4, hkv=2, d=32, dt=jnp.float32):
     key = jax.random.PRNGKey(0)
-    return (jax.random.normal(key, (1, sq, hq, d), dt), jax.random.normal(key, (1, sk, hkv, d), dt),
-            jax.random.normal(key, (1, sk, hkv, d), dt))
+    return (
+        jax.random.normal(key, (1, sq, hq, d), dt),
+        jax.random.normal(key, (1, sk, hkv, d), dt),
+        jax.random.normal(key, (1, sk, hkv, d), dt),
+    )
 
 
-@pytest.mark.parametrize("make, kwargs, exc, words", [
-    (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, "kv_segment_ids"),
-    (lambda: _qkv(), dict(block_sizes={"block_q": 16}), TypeError, "block_sizes"),
-    (lambda: _qkv(), dict(interpret="yes"), TypeError, "interpret"),
-    (lambda: _qkv(), dict(return_lse="no"), TypeError, "return_lse"),
-    (lambda: _qkv(hq=3, hkv=2), {}, ValueError, "Hq"),
-    (lambda: _qkv(d=300), {}, ValueError, "head_dim"),
-    (lambda: tuple(x.astype(jnp.int32) for x in _qkv()), {}, TypeError, "dtype"),
-    (lambda: (_qkv()[0][0],) + _qkv()[1:], {}, ValueError, "rank 4"),
-    (lambda: _qkv(), dict(window=(-1, 0)), ValueError, "window"),
-    (lambda: _qkv(), dict(softcap=0.0), ValueError, "softcap"),
-    (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8)), kv_segment_ids=jnp.zeros((1, 8))), TypeError,
-     "integer"),
-    (lambda: _qkv(sq=8, sk=9), dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32),
-                                    kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, "kv_ids"),
-])
+@pytest.mark.parametrize(
+    "make, kwargs, exc, words",
+    [
+        (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, "kv_segment_ids"),
+        (lambda: _qkv(), dict(block_sizes={"block_q": 16}), TypeError, "block_sizes"),
+        (lambda: _qkv(), dict(interpret="yes"), TypeError, "interpret"),
+        (lambda: _qkv(), dict(return_lse="no"), TypeError, "return_lse"),
+        (lambda: _qkv(hq=3, hkv=2), {}, ValueError, "Hq"),
+        (lambda: _qkv(d=300), {}, ValueError, "head_dim"),
+        (lambda: tuple(x.astype(jnp.int32) for x in _qkv()), {}, TypeError, "dtype"),
+        (lambda: (_qkv()[0][0],) + _qkv()[1:], {}, ValueError, "rank 4"),
+        (lambda: _qkv(), dict(window=(-1, 0)), ValueError, "window"),
+        (lambda: _qkv(), dict(softcap=0.0), ValueError, "softcap"),
+        (lambda: _qkv(), dict(q_segment_ids=jnp.zeros((1, 8)), kv_segment_ids=jnp.zeros((1, 8))), TypeError, "integer"),
+        (
+            lambda: _qkv(sq=8, sk=9),
+            dict(q_segment_ids=jnp.zeros((1, 8), jnp.int32), kv_segment_ids=jnp.zeros((1, 8), jnp.int32)),
+            ValueError,
+            "kv_ids",
+        ),
+    ],
+)
 def test_flash_attention_rejects_bad_inputs(make, kwargs, exc, words):
     q, k, v = make()
     with pytest.raises(exc, match=words):
@@ -515,10 +616,14 @@ def test_supports_and_backend_entry_point():
 
 
 # ------------------------------------------------------------------------------------------------ flash_backward
-@pytest.mark.parametrize("case", [
-    Case(2, 37, 50, 6, 2, 64, causal=True, segments="packed", blocks=B16),  # G = 3, Sq < Sk, odd, ids
-    Case(1, 45, 20, 4, 1, 80, causal=True, blocks=(16, 16, 32, 16, 16, 32)),  # MQA, Sq > Sk: empty rows
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 37, 50, 6, 2, 64, causal=True, segments="packed", blocks=B16),  # G = 3, Sq < Sk, odd, ids
+        Case(1, 45, 20, 4, 1, 80, causal=True, blocks=(16, 16, 32, 16, 16, 32)),  # MQA, Sq > Sk: empty rows
+    ],
+    ids=str,
+)
 def test_flash_backward_from_outside_equals_the_vjp(case):
     """``flash_backward`` (the backward kernels fed an unpadded ``(out, lse)`` computed elsewhere, the way
     ``mosaic``'s custom VJP calls it) gives exactly the kernel's own VJP, LSE cotangent included, and so
@@ -568,8 +673,9 @@ def _attention_fp64(q, k, v, do, causal):
     p /= p.sum(-1, keepdims=True)
     o = p @ v
     ds = p * (do @ v.swapaxes(-1, -2) - (do * o).sum(-1, keepdims=True))
-    return tuple(x.transpose(0, 2, 1, 3) for x in (o, ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale,
-                                                  p.swapaxes(-1, -2) @ do))
+    return tuple(
+        x.transpose(0, 2, 1, 3) for x in (o, ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ do)
+    )
 
 
 def test_tf32x3_dot_is_fp32_class_and_one_pass_is_not():
@@ -582,18 +688,20 @@ def test_tf32x3_dot_is_fp32_class_and_one_pass_is_not():
     norm = np.abs(np.asarray(a, np.float64)) @ np.abs(np.asarray(b, np.float64))  # error scale per entry
     hi, lo = tiling.split_tf32(a)
     assert np.all(np.asarray(tiling.to_tf32(hi)) == np.asarray(hi)) and np.all(np.asarray(tiling.to_tf32(lo)) == lo)
-    np.testing.assert_array_less(np.abs(np.asarray(hi + lo, np.float64) - np.asarray(a, np.float64)),
-                                 2.0 ** -21 * np.abs(np.asarray(a, np.float64)) + 1e-30)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(hi + lo, np.float64) - np.asarray(a, np.float64)),
+        2.0**-21 * np.abs(np.asarray(a, np.float64)) + 1e-30,
+    )
     three = np.max(np.abs(np.asarray(tiling.dot(a, b, 1, 0), np.float64) - exact) / norm)
     one = np.max(np.abs(np.asarray(tiling.to_tf32(a) @ tiling.to_tf32(b), np.float64) - exact) / norm)
-    assert three <= 2.0 ** -20, three
-    assert one > 2.0 ** -14, one
+    assert three <= 2.0**-20, three
+    assert one > 2.0**-14, one
 
 
 @pytest.mark.parametrize("d, s", [(64, 200), (128, 130)])
 def test_fp32_tf32x3_accuracy_against_fp64(d, s):
     """fp32 inputs run as TF32x3 on the tensor cores.  Against a float64 oracle, out/dq/dk/dv must meet the
-    project's fp32 bar (max-abs <= 1e-5 x scale, CONVENTIONS §7, here vs the exact answer) and stay within 8x
+    project's fp32 bar (max-abs <= 1e-5 x scale, design §7, here vs the exact answer) and stay within 8x
     the error of IEEE fp32 (the XLA reference at ``Precision.HIGHEST``).  Measured (interpret mode = the GPU's
     arithmetic, see ``tiling.split_tf32``): 0.6-3.1e-6, 0.6-4x the IEEE fp32 error; one TF32 pass is ~1e-3."""
     rng = np.random.default_rng(d + s)

@@ -14,24 +14,24 @@ length``), which is what "keys at slots >= length are masked" means in the contr
   full row, one split and several (including more splits than a row has key blocks: empty splits), a cache
   shorter than 16 slots (padded to one 16-key block), a head dim that needs padding (24), softcap, fp32 and
   bf16.
-* Tolerances (CONVENTIONS §7): fp32 output and LSE max-abs <= ``1e-5 * max(1, max|ref|)``; bf16: error vs the
+* Tolerances (design §7): fp32 output and LSE max-abs <= ``1e-5 * max(1, max|ref|)``; bf16: error vs the
   fp32 oracle <= 2x the error of a naive attention computed entirely in bf16 plus half a bf16 ulp at the
   output's magnitude (the kernel rounds its fp32 result to bf16; see ``test_flash.py``); the LSE is fp32 by
   contract and held to the fp32 bar.
 * Beyond ``Sq = 1``: a few query tokens with ``causal`` (query i at ``length - Sq + i``; the oracle sees each
-  row's valid prefix rotated to the end of the cache), and the dispatcher path with the general contract (causal + window + softcap + unsorted
-  segment ids, ``Sq = 2``).
+  row's valid prefix rotated to the end of the cache), and the dispatcher path with the general contract (causal +
+  window + softcap + unsorted segment ids, ``Sq = 2``).
 * The backend in the model: ``cached_attention`` and greedy ``jaxattn.generate`` under
   ``attention_backend("flash_decode")`` match the default backend; gradients raise (forward only); bad block
   sizes, lengths and oversized calls raise or decline with the reason.
 * Deviceless H100 compile (``gpu_compile``, with the CUDA plugin, helpers from ``test_gpu_compile.py``): the
   bf16 kernel at B=8, Hq=32, Hkv=8, D=128, cache 4096 lowers to one Triton kernel without spills.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import tempfile
-from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -50,30 +50,37 @@ class Case:
     hq: int
     hkv: int
     d: int
-    t: int                       # cache slots
-    lengths: Tuple[int, ...]     # valid slots per row
+    t: int  # cache slots
+    lengths: tuple[int, ...]  # valid slots per row
     dtype: str = "float32"
     block_k: int = 16
-    num_splits: Optional[int] = None
-    softcap: Optional[float] = None
+    num_splits: int | None = None
+    softcap: float | None = None
     sq: int = 1
     seed: int = 0
 
     def __str__(self):
-        parts = [f"b{self.b}", f"h{self.hq}-{self.hkv}", f"d{self.d}", f"t{self.t}",
-                 "len" + "-".join(map(str, self.lengths)), self.dtype, f"bk{self.block_k}",
-                 f"split{self.num_splits or 'auto'}"]
+        parts = [
+            f"b{self.b}",
+            f"h{self.hq}-{self.hkv}",
+            f"d{self.d}",
+            f"t{self.t}",
+            "len" + "-".join(map(str, self.lengths)),
+            self.dtype,
+            f"bk{self.block_k}",
+            f"split{self.num_splits or 'auto'}",
+        ]
         if self.softcap is not None:
             parts.append(f"cap{self.softcap:g}")
         return "_".join(parts)
 
 
 DEFAULT_CASES = [
-    Case(3, 4, 4, 32, 37, (37, 0, 20), num_splits=1),                      # G = 1, one split
-    Case(3, 6, 2, 24, 53, (0, 53, 17), num_splits=3),                      # G = 3, D padded to 32
+    Case(3, 4, 4, 32, 37, (37, 0, 20), num_splits=1),  # G = 1, one split
+    Case(3, 6, 2, 24, 53, (0, 53, 17), num_splits=3),  # G = 3, D padded to 32
     # G = 4, heuristic splits (4 for 4 key blocks): row 0 has 1 block, so 3 of its splits are empty
     Case(4, 8, 2, 64, 100, (1, 100, 45, 0), block_k=32, softcap=3.0),
-    Case(3, 8, 2, 64, 77, (77, 0, 31), dtype="bfloat16", num_splits=3),    # bf16, G = 4
+    Case(3, 8, 2, 64, 77, (77, 0, 31), dtype="bfloat16", num_splits=3),  # bf16, G = 4
     Case(2, 6, 2, 32, 11, (11, 5), dtype="bfloat16", block_k=64, num_splits=4),  # cache < 16 slots, G = 3
 ]
 
@@ -109,7 +116,7 @@ def _naive_low_precision(q, k, v, seg, softcap):
     dt = q.dtype
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(b, sq, hkv, hq // hkv, d), k) * jnp.asarray(d ** -0.5, dt)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(b, sq, hkv, hq // hkv, d), k) * jnp.asarray(d**-0.5, dt)
     if softcap is not None:
         s = jnp.asarray(softcap, dt) * jnp.tanh(s / jnp.asarray(softcap, dt))
     vis = (seg[0][:, :, None] == seg[1][:, None, :])[:, None, None]
@@ -155,14 +162,27 @@ class _DecodeSuite:
     def test_parity(self, case: Case):
         q, k, v, lengths = _inputs(case)
         bs = DEC.DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        run = jax.jit(lambda q, k, v, n: DEC.flash_decode(q, k, v, n, softcap=case.softcap, return_lse=True,
-                                                          block_sizes=bs, interpret=self.INTERPRET,
-                                                          _poison_outputs=True))
+        run = jax.jit(
+            lambda q, k, v, n: DEC.flash_decode(
+                q,
+                k,
+                v,
+                n,
+                softcap=case.softcap,
+                return_lse=True,
+                block_sizes=bs,
+                interpret=self.INTERPRET,
+                _poison_outputs=True,
+            )
+        )
         out, lse = run(q, k, v, lengths)
         seg = _decode_ids(lengths, case.b, case.sq, case.t)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        r_out, r_lse = jax.jit(lambda q, k, v, seg: attention_reference(
-            f32(q), f32(k), f32(v), segment_ids=seg, softcap=case.softcap, return_lse=True))(q, k, v, seg)
+        r_out, r_lse = jax.jit(
+            lambda q, k, v, seg: attention_reference(
+                f32(q), f32(k), f32(v), segment_ids=seg, softcap=case.softcap, return_lse=True
+            )
+        )(q, k, v, seg)
 
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (case.b, case.hq, case.sq) and lse.dtype == jnp.float32
@@ -199,20 +219,35 @@ def test_few_query_tokens_causal_against_oracle():
     segment id.  A row shorter than Sq has queries that see no key (zeros), a length-0 row is all zeros."""
     b, sq, hq, hkv, d, t = 4, 4, 8, 2, 32, 41
     rng = np.random.default_rng(5)
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-               for s in ((b, sq, hq, d), (b, t, hkv, d), (b, t, hkv, d)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, sq, hq, d), (b, t, hkv, d), (b, t, hkv, d))
+    )
     lengths = jnp.asarray([41, 2, 0, 26], jnp.int32)
 
     @jax.jit
     def run(q, k, v, lengths):
-        out = DEC.flash_decode(q, k, v, lengths, causal=True, return_lse=True, _poison_outputs=True,
-                               block_sizes=DEC.DecodeBlockSizes(block_k=16, num_splits=2))
+        out = DEC.flash_decode(
+            q,
+            k,
+            v,
+            lengths,
+            causal=True,
+            return_lse=True,
+            _poison_outputs=True,
+            block_sizes=DEC.DecodeBlockSizes(block_k=16, num_splits=2),
+        )
         ref = DEC.flash_decode_reference(q, k, v, lengths, causal=True, return_lse=True)
         src = (jnp.arange(t)[None, :] + lengths[:, None] - t) % t  # slot j of the rotated row holds key src
         rot = jax.vmap(lambda x, i: x[i])
         kv_ids = (jnp.arange(t)[None, :] >= t - lengths[:, None]).astype(jnp.int32)
-        oracle = attention_reference(q, rot(k, src), rot(v, src), causal=True, return_lse=True,
-                                     segment_ids=(jnp.ones((b, sq), jnp.int32), kv_ids))
+        oracle = attention_reference(
+            q,
+            rot(k, src),
+            rot(v, src),
+            causal=True,
+            return_lse=True,
+            segment_ids=(jnp.ones((b, sq), jnp.int32), kv_ids),
+        )
         return out, ref, oracle
 
     (out, lse), (ref, ref_lse), (o_out, o_lse) = run(q, k, v, lengths)
@@ -229,8 +264,9 @@ def test_backend_serves_the_general_contract():
     that see no key), visibility aligned to the full key length as the contract says."""
     b, sq, hq, hkv, d, t = 2, 2, 6, 2, 32, 45
     rng = np.random.default_rng(6)
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-               for s in ((b, sq, hq, d), (b, t, hkv, d), (b, t, hkv, d)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, sq, hq, d), (b, t, hkv, d), (b, t, hkv, d))
+    )
     q_ids = jnp.asarray([[0, 1], [2, 7]], jnp.int32)  # id 7 appears in no key: that query sees nothing
     kv_ids = jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32)
     kw = dict(causal=True, window=(20, None), softcap=4.0, segment_ids=(q_ids, kv_ids))
@@ -243,10 +279,10 @@ def test_backend_serves_the_general_contract():
 
 def test_num_splits_heuristic():
     """FA2's rule on an H100 (2 x 132 CTA slots): split only when B * Hkv programs leave the GPU idle."""
-    assert DEC.num_splits_heuristic(8 * 8, 4096 // 64) == 4     # B=8, Hkv=8: 256 programs
-    assert DEC.num_splits_heuristic(1 * 8, 4096 // 64) == 32    # batch 1: 256 programs of 2 blocks
-    assert DEC.num_splits_heuristic(64 * 8, 4096 // 64) == 1    # enough programs already
-    assert DEC.num_splits_heuristic(1, 3) == 3                  # never more splits than key blocks
+    assert DEC.num_splits_heuristic(8 * 8, 4096 // 64) == 4  # B=8, Hkv=8: 256 programs
+    assert DEC.num_splits_heuristic(1 * 8, 4096 // 64) == 32  # batch 1: 256 programs of 2 blocks
+    assert DEC.num_splits_heuristic(64 * 8, 4096 // 64) == 1  # enough programs already
+    assert DEC.num_splits_heuristic(1, 3) == 3  # never more splits than key blocks
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -260,8 +296,9 @@ def test_kv_cache_decode_routes_through_the_kernel(monkeypatch):
     monkeypatch.setattr(DEC, "attention", lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng(7)
     b, hq, hkv, d, t = 3, 4, 2, 16, 29
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, 1, hq, d), (b, 1, hkv, d),
-                                                                            (b, 1, hkv, d)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, 1, hq, d), (b, 1, hkv, d), (b, 1, hkv, d))
+    )
     kc, vc = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32) for _ in range(2))
     lengths = jnp.asarray([0, 28, 13], jnp.int32)
     ref, _ = jax.jit(cached_attention)(q, k, v, kc, vc, lengths)
@@ -323,14 +360,17 @@ def test_gradient_raises_forward_only():
         jax.grad(lambda v: attn.dot_product_attention(q, k, v, backend="flash_decode").sum())(v)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(block_k=24), "block_k must be a power of two"),
-    (dict(block_k=8), "block_k must be a power of two"),
-    (dict(num_splits=0), "num_splits must be None"),
-    (dict(num_splits=2.0), "num_splits must be None"),
-    (dict(num_warps=3), "num_warps must be one of"),
-    (dict(num_stages=0), "num_stages must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_k=24), "block_k must be a power of two"),
+        (dict(block_k=8), "block_k must be a power of two"),
+        (dict(num_splits=0), "num_splits must be None"),
+        (dict(num_splits=2.0), "num_splits must be None"),
+        (dict(num_warps=3), "num_warps must be one of"),
+        (dict(num_stages=0), "num_stages must be an int"),
+    ],
+)
 def test_bad_block_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DEC.DecodeBlockSizes(**kwargs)
@@ -369,6 +409,7 @@ def _h100_args(devs=None):
     if devs is None:
         return q, kv, kv, n
     from jaxattn import gpu_target
+
     return gpu_target.place((q, kv, kv, n), devs)
 
 

@@ -20,7 +20,7 @@ from torchref import generate as tgen  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 from torchref.kv_cache import KVCache as TCache  # noqa: E402
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,9 @@ def twins():
     with torch.no_grad():
         tmodel.model.embed_tokens.weight.mul_(4.0)
         tmodel.lm_head.weight.mul_(4.0)
-    jmodel = jhf.from_state_dict(jax_config(tmodel.config),
-                                 {k: v.detach().numpy() for k, v in tmodel.state_dict().items()})
+    jmodel = jhf.from_state_dict(
+        jax_config(tmodel.config), {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
+    )
     return tmodel, jmodel
 
 
@@ -51,7 +52,7 @@ def test_cache_decode_equals_full_forward(twins, framework):
     plen = np.asarray([len(p) for p in prompts])
     padded = np.zeros((3, 8), np.int64)
     for i, p in enumerate(prompts):
-        padded[i, :len(p)] = p
+        padded[i, : len(p)] = p
     steps = []
     if framework == "jax":
         graphdef, state = nnx.split(jmodel)
@@ -61,7 +62,7 @@ def test_cache_decode_equals_full_forward(twins, framework):
         cache = cache.with_lengths(plen)
         steps.append(np.asarray(logits))
         for j in range(6):
-            logits, cache = call(state, jnp.asarray(cont[:, j:j + 1], jnp.int32), cache)
+            logits, cache = call(state, jnp.asarray(cont[:, j : j + 1], jnp.int32), cache)
             steps.append(np.asarray(logits))
         full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
     else:
@@ -70,12 +71,12 @@ def test_cache_decode_equals_full_forward(twins, framework):
             steps.append(tmodel(torch.from_numpy(padded), cache=cache).numpy())
             cache.set_lengths(plen)
             for j in range(6):
-                steps.append(tmodel(torch.from_numpy(cont[:, j:j + 1]), cache=cache).numpy())
+                steps.append(tmodel(torch.from_numpy(cont[:, j : j + 1]), cache=cache).numpy())
         full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
     assert np.asarray(cache.lengths).tolist() == (plen + 6).tolist()
     for i, p in enumerate(prompts):
         ref = full(np.concatenate([p, cont[i]]))
-        got = np.concatenate([steps[0][i, :len(p)]] + [s[i] for s in steps[1:]])
+        got = np.concatenate([steps[0][i, : len(p)]] + [s[i] for s in steps[1:]])
         np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
 
 
@@ -130,8 +131,8 @@ def test_eos_stops_a_row(twins, framework):
     free = gen.generate(model, prompts, 10)
     eos = free[0][3]
     out = gen.generate(model, prompts, 10, eos_id=eos)
-    assert out[0] == free[0][:free[0].index(eos) + 1]
-    assert out[1] == (free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1])
+    assert out[0] == free[0][: free[0].index(eos) + 1]
+    assert out[1] == (free[1][: free[1].index(eos) + 1] if eos in free[1] else free[1])
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
@@ -184,8 +185,12 @@ def _greedy_three_ways(smollm2, texts, n):
     hf, tmodel, jmodel, tok = smollm2
     prompts = [tok.encode(t) for t in texts]
     with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_id,
-                           pad_token_id=tok.eos_id)[0, len(p):].tolist() for p in prompts]
+        ref = [
+            hf.generate(
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     out_t = tgen.generate(tmodel, prompts, n, eos_id=tok.eos_id)
     out_j = jgen.generate(jmodel, prompts, n, eos_id=tok.eos_id)
     return tok, ref, out_t, out_j
@@ -233,5 +238,5 @@ def test_text_stream_waits_for_complete_utf8():
     from jaxattn.spec.generate import ByteTokenizer, TextStream
 
     s = TextStream(ByteTokenizer())
-    pieces = [s.push(b) for b in "aé€".encode("utf-8")]
+    pieces = [s.push(b) for b in "aé€".encode()]
     assert pieces == ["a", "", "é", "", "", "€"]

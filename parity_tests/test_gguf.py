@@ -22,7 +22,7 @@ from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.twins import hf_llama, jitted  # noqa: E402
 from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
@@ -36,8 +36,18 @@ def _vocab() -> list[str]:
 
 
 def _config(tied: bool) -> ModelConfig:
-    return ModelConfig(vocab_size=len(_vocab()), dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160,
-                       max_seq_len=128, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=tied)
+    return ModelConfig(
+        vocab_size=len(_vocab()),
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=160,
+        max_seq_len=128,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=tied,
+    )
 
 
 def _hf_tensors(cfg: ModelConfig, seed: int = 0) -> dict:
@@ -45,8 +55,10 @@ def _hf_tensors(cfg: ModelConfig, seed: int = 0) -> dict:
     from jaxattn.spec.hf_format import expected_shapes
 
     rng = np.random.default_rng(seed)
-    return {k: ((1 + 0.1 * rng.standard_normal(s)) if len(s) == 1 else 0.05 * rng.standard_normal(s)).astype(np.float32)
-            for k, s in expected_shapes(cfg).items()}
+    return {
+        k: ((1 + 0.1 * rng.standard_normal(s)) if len(s) == 1 else 0.05 * rng.standard_normal(s)).astype(np.float32)
+        for k, s in expected_shapes(cfg).items()
+    }
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -55,13 +67,22 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # llama.cpp's names (convert_hf_to_gguf.py), written out here as the oracle for the parameter table's GGUF column.
-GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-GGUF_LAYER = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-              "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
-              "post_attention_layernorm.weight": "ffn_norm.weight"}
+GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
 
 
 def _to_gguf_name(hf: str) -> str:
@@ -79,8 +100,9 @@ def test_parameter_table_gguf_names_are_llama_cpp_names():
         assert params.gguf_names(cfg) == {_to_gguf_name(k): k for k in params.hf_shapes(cfg)}
 
 
-def _write_gguf(path, cfg, tensors, qtype=None, arch="llama", drop=(), extra_kv=None, tokenizer_model="gpt2",
-                extra_tensors=None):
+def _write_gguf(
+    path, cfg, tensors, qtype=None, arch="llama", drop=(), extra_kv=None, tokenizer_model="gpt2", extra_tensors=None
+):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_seq_len)
@@ -213,10 +235,14 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     linear = _write_gguf(tmp_path / "linear.gguf", cfg, tensors, extra_kv={"llama.rope.scaling.type": "linear"})
     with pytest.raises(CheckpointError, match="rope.scaling.type='linear'.*not supported"):
         read_gguf(linear)
-    freqs = _write_gguf(tmp_path / "freqs.gguf", cfg, tensors, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    freqs = _write_gguf(
+        tmp_path / "freqs.gguf", cfg, tensors, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}
+    )
     with pytest.raises(CheckpointError, match="rope_freqs.weight"):
         read_gguf(freqs)
-    bias = _write_gguf(tmp_path / "bias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_q.bias": np.ones(64, np.float32)})
+    bias = _write_gguf(
+        tmp_path / "bias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_q.bias": np.ones(64, np.float32)}
+    )
     with pytest.raises(CheckpointError, match=r"unsupported \(1\): blk\.0\.attn_q\.bias"):
         read_gguf(bias)
     spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")
@@ -227,6 +253,7 @@ def test_bad_files_name_the_file_and_key(tmp_path):
 
 # ------------------------------------------------------------------------------------- the real model
 
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     return smollm2_gguf
@@ -234,8 +261,18 @@ def smollm2(smollm2_gguf):
 
 def test_smollm2_config_and_tokenizer(smollm2):
     _, config, _, tok = smollm2
-    assert config == ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
-                                 max_seq_len=8192, norm_eps=1e-5, rope_theta=1e5, tie_embeddings=True)
+    assert config == ModelConfig(
+        vocab_size=49152,
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        ffn_dim=1536,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+        rope_theta=1e5,
+        tie_embeddings=True,
+    )
     ids = tok.encode("<|im_start|>user\nThe capital of France is")
     assert ids[:2] == [1, 4093] and tok.decode(ids) == "<|im_start|>user\nThe capital of France is"
     assert "<|im_start|>" in tok.chat_template and tok.eos_id == 2
@@ -267,8 +304,13 @@ def test_smollm2_logits_match_transformers_and_say_paris(smollm2):
         hf32 = [hf(torch.from_numpy(ids)).logits.double().numpy() for ids in prompts]
         hf.double()
         hf64 = [hf(torch.from_numpy(ids), output_hidden_states=True) for ids in prompts]
-        twins = [(tmodel(torch.from_numpy(ids)).double().numpy(),
-                  np.asarray(jmodel(jnp.asarray(ids, jnp.int32)), np.float64)) for ids in prompts]
+        twins = [
+            (
+                tmodel(torch.from_numpy(ids)).double().numpy(),
+                np.asarray(jmodel(jnp.asarray(ids, jnp.int32)), np.float64),
+            )
+            for ids in prompts
+        ]
     for ids, r32, out, (out_t, out_j) in zip(prompts, hf32, hf64, twins):
         ref = out.logits.numpy()
         peak = np.abs(out.hidden_states[15][0].numpy()).max(-1)
@@ -296,5 +338,5 @@ def test_smollm2_greedy_chat_is_english(smollm2):
             if nxt == tok.eos_id:
                 break
             ids.append(nxt)
-    text = tok.decode(ids[len(prompt):], skip_special_tokens=True)
+    text = tok.decode(ids[len(prompt) :], skip_special_tokens=True)
     assert "Paris" in text and text.isascii() and len(text.split()) >= 3, text

@@ -6,6 +6,7 @@ The first group needs no plugin: lowering with ``lowering_platforms=("cuda",)`` 
 group compiles deviceless for ``benchmarks/targets/h100.txtpb`` and reads ``ptxas -v`` / the SASS (figures
 "compiled for H100, not run").
 """
+
 import dataclasses
 import functools
 import re
@@ -40,7 +41,7 @@ QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
 
 # ------------------------------------------------------------------------------------ no plugin needed
 def test_default_order_pinned():
-    """CONVENTIONS §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only.  The
+    """design §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only.  The
     dispatcher reads these orders from the backend table's ranks (``jaxattn.spec.attention.BACKENDS``)."""
     from jaxattn.spec.attention import default_order
 
@@ -65,11 +66,14 @@ def test_target_platform_context():
     assert attn.current_target().platform == jax.default_backend()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(platform="metal"), "platform must be one of"),
-    (dict(platform="cpu", compute_capability=(9, 0)), "compute_capability is for platform 'gpu'"),
-    (dict(platform="gpu", compute_capability="nine"), "compute_capability must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(platform="metal"), "platform must be one of"),
+        (dict(platform="cpu", compute_capability=(9, 0)), "compute_capability is for platform 'gpu'"),
+        (dict(platform="gpu", compute_capability="nine"), "compute_capability must be"),
+    ],
+)
 def test_target_platform_errors(kwargs, match):
     platform = kwargs.pop("platform")
     with pytest.raises(ValueError, match=match):
@@ -131,16 +135,18 @@ MOSAIC_CASES = [(d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
 FP32_MAX_SPILL_BYTES = 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _devices():
     from benchmarks.tools.deviceless import target_config
+
     return gpu_target.devices(target_config("h100"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels(impl, d, dt):
     from benchmarks.tools import compile as bc
     from benchmarks.tools.deviceless import DTYPES, GATE_SHAPE
+
     fn = bc.compile_flash if impl == "flash" else bc.compile_mosaic
     return fn(_devices(), d, DTYPES[dt], GATE_SHAPE)
 
@@ -167,14 +173,23 @@ def test_target_read_from_sharding():
 
 def _params(dtypes):
     # fp16 compiles the same kernels as bf16 with another element type: slow (-m slow), bf16 in the default run
-    return [pytest.param(impl, d, dt, id=f"{impl}-{d}-{dt}",
-                         marks=[pytest.mark.gpu_compile, needs_plugin] + ([pytest.mark.slow] if dt == "fp16" else []))
-            for impl, d, dt in _all_cases() if dt in dtypes]
+    return [
+        pytest.param(
+            impl,
+            d,
+            dt,
+            id=f"{impl}-{d}-{dt}",
+            marks=[pytest.mark.gpu_compile, needs_plugin] + ([pytest.mark.slow] if dt == "fp16" else []),
+        )
+        for impl, d, dt in _all_cases()
+        if dt in dtypes
+    ]
 
 
 @pytest.mark.parametrize("impl, d, dt", _params(("bf16", "fp16", "fp32")))
 def test_kernel_compiles_within_h100_limits(impl, d, dt):
     from benchmarks.tools.kernel_stats import H100_LIMITS
+
     recs = _kernels(impl, d, dt)
     expected = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv") if impl == "flash" else ("mosaic_fwd",)
     assert sorted(recs) == sorted(expected)
@@ -187,15 +202,21 @@ def test_kernel_compiles_within_h100_limits(impl, d, dt):
 
 @pytest.mark.parametrize("impl, d, dt", _params(("bf16", "fp16")))
 def test_default_configs_do_not_spill(impl, d, dt):
-    spills = {n: (r["spill_stores"], r["spill_loads"]) for n, r in _kernels(impl, d, dt).items()
-              if r["spill_stores"] or r["spill_loads"]}
+    spills = {
+        n: (r["spill_stores"], r["spill_loads"])
+        for n, r in _kernels(impl, d, dt).items()
+        if r["spill_stores"] or r["spill_loads"]
+    }
     assert not spills, f"spill bytes (stores, loads) per kernel: {spills}"
 
 
 @pytest.mark.parametrize("impl, d, dt", _params(("fp32",)))
 def test_fp32_default_configs_spill_less_than_a_kb(impl, d, dt):
-    spills = {n: (r["spill_stores"], r["spill_loads"]) for n, r in _kernels(impl, d, dt).items()
-              if max(r["spill_stores"], r["spill_loads"]) >= FP32_MAX_SPILL_BYTES}
+    spills = {
+        n: (r["spill_stores"], r["spill_loads"])
+        for n, r in _kernels(impl, d, dt).items()
+        if max(r["spill_stores"], r["spill_loads"]) >= FP32_MAX_SPILL_BYTES
+    }
     assert not spills, f"multi-KB spills (stores, loads) per kernel: {spills}"
 
 
@@ -230,6 +251,7 @@ def test_bf16_flash_fwd_d128_uses_wgmma():
 def test_1b_train_step_compiles():
     """The full 1b preset's bf16 train step (flash attention), from ShapeDtypeStructs: about 15 s on 2 cores."""
     from benchmarks.tools import compile as bc
+
     (rec,) = bc.program_records(_devices(), [("1b", "train_step", 1, 1024, {})], "h100", log=lambda *a: None)
     assert rec["status"] == "ok", rec.get("error")
     assert rec["flash_kernels"] == ["flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
@@ -243,8 +265,9 @@ def test_block_search_filter_rejects_the_old_dkv_spill_and_passes_the_default():
     """The deviceless filter of benchmarks/tools/block_search.py on 3 compiles (S=4096, as the search runs): the
     previous D=64 bf16 dkv launch (4 warps, 3 stages) spills and is rejected, the default passes, and the
     quick candidate set and the CPU timing step behave (no GPU: rows come back untimed)."""
-    from jaxattn.attention import flash
     from benchmarks.tools import block_search as bsr
+    from jaxattn.attention import flash
+
     default = flash.BlockSizes.default(64, jnp.bfloat16)
     old = flash.BlockSizes(128, 64, 32, 128, 128, 32, num_warps=4, num_stages=3)
     rows = bsr.filter_kernel(_devices(), "flash_bwd_dkv", 64, jnp.bfloat16, [old, default], log=lambda *a: None)
@@ -252,8 +275,14 @@ def test_block_search_filter_rejects_the_old_dkv_spill_and_passes_the_default():
     assert by[None]["verdict"].startswith("spills"), by[None]
     assert rows[0]["passed"] and rows[0]["block_sizes"] == dataclasses.asdict(default), rows[0]
     assert rows[0]["sass"] is None or rows[0]["sass"]["HMMA"] == 0
-    fwd = bsr.filter_kernel(_devices(), "flash_fwd", 64, jnp.bfloat16,
-                            bsr.candidates("flash_fwd", 64, jnp.bfloat16, quick=True)[:1], log=lambda *a: None)
+    fwd = bsr.filter_kernel(
+        _devices(),
+        "flash_fwd",
+        64,
+        jnp.bfloat16,
+        bsr.candidates("flash_fwd", 64, jnp.bfloat16, quick=True)[:1],
+        log=lambda *a: None,
+    )
     assert fwd[0]["passed"] and 0 < fwd[0]["occupancy"] <= 1, fwd[0]
     assert len(bsr.candidates("flash_bwd_dkv", 64, jnp.bfloat16, quick=True)) == 4
     if not bsr.has_gpu():

@@ -5,13 +5,14 @@ microbatches must divide their weighted NLL sums by the whole batch's weight, no
 means. With microbatches of different padding the naive average differs (asserted below, so the equality test
 can fail). Equal up to fp32 rounding (same framework: summation order of k partial gradients; rtol 1e-5,
 atol 1e-6): the loss, the grad norm and all parameters after one AdamW step, k microbatches of b rows vs one
-batch of k*b rows. torch vs JAX with accumulation: CONVENTIONS §7's "fp32 after optimizer steps" tolerance.
+batch of k*b rows. torch vs JAX with accumulation: design §7's "fp32 after optimizer steps" tolerance.
 
 AdamW's eps is 1e-4, not 1e-8: a first AdamW step moves each parameter by ``lr * g / (|g| + eps)``, whose
 slope ``lr * eps / (|g| + eps)**2`` is ``lr / eps`` at a near-zero gradient. With eps=1e-8 a last-bit rounding
 difference (from summing two microbatch gradients instead of one) in a gradient that cancels to ~1e-8 moved one
 k_proj weight by 1.4e-6 (measured) — AdamW's amplification, not accumulation. eps=1e-4 bounds the slope at 30.
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,7 +33,7 @@ from torchref.config import ModelConfig as TorchModelConfig  # noqa: E402
 HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-4, weight_decay=0.1)  # eps: see the module docstring
 TX = optax.adamw(HP["lr"], HP["b1"], HP["b2"], HP["eps"], weight_decay=HP["weight_decay"])
 SAME_RTOL, SAME_ATOL = 1e-5, 1e-6
-STEP_RTOL, STEP_ATOL = 1e-3, 2e-3  # CONVENTIONS §7, fp32 after optimizer steps
+STEP_RTOL, STEP_ATOL = 1e-3, 2e-3  # design §7, fp32 after optimizer steps
 K = 2
 
 
@@ -67,8 +68,10 @@ def jax_steps(twins):
     """{k: (graphdef, step)} for k = 1 and K, fp32, clipping on (the summed gradient is what gets clipped)."""
     _, jm = twins
     graphdef, _ = jtrain.TrainState.create(jm, TX, policy="fp32")
-    return {k: jtrain.make_train_step(graphdef, TX, policy="fp32", max_grad_norm=1.0, donate=False, grad_accum=k)
-            for k in (1, K)}
+    return {
+        k: jtrain.make_train_step(graphdef, TX, policy="fp32", max_grad_norm=1.0, donate=False, grad_accum=k)
+        for k in (1, K)
+    }
 
 
 def _jax_run(twins, jax_steps, k, batch):
@@ -80,12 +83,13 @@ def _jax_run(twins, jax_steps, k, batch):
 
 def _torch_run(twins, k, batch):
     import copy
+
     tm = copy.deepcopy(twins[0])
-    opt = torch.optim.AdamW(tm.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
-                            weight_decay=HP["weight_decay"])
+    opt = torch.optim.AdamW(
+        tm.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"], weight_decay=HP["weight_decay"]
+    )
     metrics = ttrain.make_train_step(tm, opt, policy="fp32", max_grad_norm=1.0, grad_accum=k)(_torch(batch))
-    return {n: p.detach().numpy().copy() for n, p in tm.state_dict().items()}, {m: float(v) for m, v in
-                                                                                  metrics.items()}
+    return {n: p.detach().numpy().copy() for n, p in tm.state_dict().items()}, {m: float(v) for m, v in metrics.items()}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ def test_naive_per_microbatch_average_would_differ(twins):
     loss = jax.jit(lambda st, b: jtrain.loss_fn(nnx.merge(graphdef, st), b))
     batch = _jax(_batch())
     full = float(loss(state, batch))
-    halves = [float(loss(state, {k: v[i * 2:(i + 1) * 2] for k, v in batch.items()})) for i in range(K)]
+    halves = [float(loss(state, {k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()})) for i in range(K)]
     assert abs(np.mean(halves) - full) > 100 * SAME_RTOL * full, (halves, full)
 
 
@@ -156,13 +160,16 @@ def test_torch_vs_jax_with_accumulation(twins, jax_results):
     assert changed > 1e-3  # the step moved the parameters: not vacuous
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (0, ValueError, r"grad_accum must be an int >= 1 \(microbatches per step\), got 0"),
-    (-2, ValueError, r"grad_accum must be an int >= 1 \(microbatches per step\), got -2"),
-    (1.5, TypeError, r"grad_accum must be an int >= 1 .*got 1.5 \(float\)"),
-    (True, TypeError, r"grad_accum must be an int >= 1 .*got True \(bool\)"),
-    ("2", TypeError, r"grad_accum must be an int >= 1 .*got '2' \(str\)"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (0, ValueError, r"grad_accum must be an int >= 1 \(microbatches per step\), got 0"),
+        (-2, ValueError, r"grad_accum must be an int >= 1 \(microbatches per step\), got -2"),
+        (1.5, TypeError, r"grad_accum must be an int >= 1 .*got 1.5 \(float\)"),
+        (True, TypeError, r"grad_accum must be an int >= 1 .*got True \(bool\)"),
+        ("2", TypeError, r"grad_accum must be an int >= 1 .*got '2' \(str\)"),
+    ],
+)
 def test_bad_grad_accum_is_a_clear_error_in_both(twins, bad, exc, match):
     tm, jm = twins
     graphdef, _ = jtrain.TrainState.create(jm, TX, policy="fp32")

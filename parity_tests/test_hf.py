@@ -2,6 +2,7 @@
 logits as transformers; save in one framework -> load in the other -> save again is bit-exact (fp32); bad
 checkpoints give errors that list what is wrong; an interrupted save leaves the previous checkpoint intact.
 """
+
 import json
 import os
 
@@ -25,15 +26,32 @@ LOGITS_TOL = 1e-4
 HF_CASES = {  # transformers LlamaConfig kwargs
     "gqa-untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    "mqa-headdim-llama3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24, rope_theta=500000.0,
-                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "mqa-headdim-llama3": dict(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
 }
 
 
 def _hf_dir(tmp_path, case, max_shard_size=None):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   max_position_embeddings=128, rms_norm_eps=1e-5, **HF_CASES[case])
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        **HF_CASES[case],
+    )
     torch.manual_seed(7)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # HF initialises norms to 1; randomise so a swapped norm is caught
@@ -126,8 +144,15 @@ def test_bad_checkpoints_list_every_problem(tmp_path, load):
     with pytest.raises(CheckpointError) as e:
         load(tmp_path / "bad")
     msg = str(e.value)
-    for needle in ("missing (2)", "model.layers.1.mlp.up_proj.weight", "lm_head.weight", "unexpected (1)",
-                   "q_proj.bias", "wrong shape (1)", "k_proj.weight: expected (32, 64), got (3, 3)"):
+    for needle in (
+        "missing (2)",
+        "model.layers.1.mlp.up_proj.weight",
+        "lm_head.weight",
+        "unexpected (1)",
+        "q_proj.bias",
+        "wrong shape (1)",
+        "k_proj.weight: expected (32, 64), got (3, 3)",
+    ):
         assert needle in msg
     with pytest.raises(FileNotFoundError, match="no config.json"):
         os.makedirs(tmp_path / "empty")

@@ -5,6 +5,7 @@ random (scaled) values the JAX side sees, with inf / -inf / NaN injected at rand
 the same skip decision, the same scale (bit-exact float32), the same growth tracker and the same unscaled
 gradients. State dicts move between the two mid-sequence and both continue identically.
 """
+
 from __future__ import annotations
 
 import jax
@@ -72,7 +73,7 @@ def _assert_same(step, t_skip, t_unscaled, t_scaler, j_skip, j_unscaled, j_ls, s
     sd_t, sd_j = t_scaler.state_dict(), j_ls.state_dict()
     assert sd_j == sd_t, f"step {step}: torch {sd_t} != jax {sd_j}"
     assert np.float32(sd_j["scale"]) == np.asarray(j_ls.loss_scale)  # float32 bit pattern round-trips
-    if scale_used > 2.0 ** 126:
+    if scale_used > 2.0**126:
         # 1/scale is a float32 subnormal: torch keeps it, XLA flushes subnormals to zero (FTZ), so the
         # unscaled gradients differ. Scale, tracker and skip decisions above still match exactly.
         return
@@ -132,22 +133,24 @@ def test_trajectory_matches_gradscaler_other_factors():
     is representable in float32 (the defaults 2.0 and 0.5, any power of two; most short decimals are NOT —
     e.g. 0.3 can differ by one float32 ulp of the scale), hence the factors chosen here.
     """
-    n_skips, n_growths = _run_both(120, seed=1, torch_kwargs=dict(init_scale=1024.0, growth_factor=4.0,
-                                                                  backoff_factor=0.25, growth_interval=3))
+    n_skips, n_growths = _run_both(
+        120, seed=1, torch_kwargs=dict(init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    )
     assert n_skips >= 5 and n_growths >= 5
 
 
 def test_growth_never_overflows_to_inf():
     """Near float32 max torch keeps the scale when growing would give inf, yet resets the tracker."""
-    n_skips, n_growths = _run_both(40, seed=2, torch_kwargs=dict(init_scale=2.0 ** 126, growth_interval=2))
+    n_skips, n_growths = _run_both(40, seed=2, torch_kwargs=dict(init_scale=2.0**126, growth_interval=2))
     assert n_growths >= 1
 
 
 @pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
 def test_state_dict_handover_mid_sequence(direction):
     """Hand the scaler state across frameworks at step 57 (tracker mid-interval); both continue identically."""
-    n_skips, n_growths = _run_both(150, seed=3, torch_kwargs=dict(growth_interval=7), handover_at=57,
-                                   direction=direction)
+    n_skips, n_growths = _run_both(
+        150, seed=3, torch_kwargs=dict(growth_interval=7), handover_at=57, direction=direction
+    )
     assert n_skips >= 5 and n_growths >= 3
 
 
@@ -175,8 +178,8 @@ def test_default_interval_sees_one_growth():
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(torch_scales, np.float32))
     assert ls_end.state_dict() == scaler.state_dict()
     # after the update of step 10 the scale is 2**14; steps 11..2010 are the 2000 finite ones
-    assert torch_scales[10] == 2.0 ** 14 and torch_scales[10 + 1999] == 2.0 ** 14
-    assert torch_scales[10 + 2000] == 2.0 ** 15  # the growth happened, exactly there
+    assert torch_scales[10] == 2.0**14 and torch_scales[10 + 1999] == 2.0**14
+    assert torch_scales[10 + 2000] == 2.0**15  # the growth happened, exactly there
 
 
 def test_state_dict_keys_and_errors():
@@ -217,22 +220,32 @@ def test_loss_scale_inside_jit_and_select():
         return ls.update(finite), ls.select(finite, new, old)
 
     ls1, kept = f(ls, {"g": jnp.asarray([1.0, jnp.nan])})
-    assert float(ls1.loss_scale) == 2.0 ** 15 and int(ls1.growth_tracker) == 0
+    assert float(ls1.loss_scale) == 2.0**15 and int(ls1.growth_tracker) == 0
     jax.tree.map(np.testing.assert_array_equal, kept, old)
     ls2, taken = f(ls, {"g": jnp.asarray([1.0, 2.0])})
-    assert float(ls2.loss_scale) == 2.0 ** 16 and int(ls2.growth_tracker) == 1
+    assert float(ls2.loss_scale) == 2.0**16 and int(ls2.growth_tracker) == 1
     jax.tree.map(np.testing.assert_array_equal, taken, new)
     assert bool(all_finite({"i": jnp.asarray([1, 2])}))  # integer leaves are ignored
     with pytest.raises(ValueError, match="scalar"):
         select_tree(jnp.asarray([True, False]), new, old)
     # fp16 gradients are unscaled in float32 and cast back (torch's opmath)
     g16 = {"g": jnp.asarray([3.0, 65504.0], jnp.float16)}
-    np.testing.assert_array_equal(np.asarray(ls.unscale(g16)["g"]),
-                                  (np.asarray([3.0, 65504.0], np.float32) / 65536.0).astype(np.float16))
+    np.testing.assert_array_equal(
+        np.asarray(ls.unscale(g16)["g"]), (np.asarray([3.0, 65504.0], np.float32) / 65536.0).astype(np.float16)
+    )
 
 
-BAD_SCALES = [0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e40, 1e-50, np.float64(1e40),
-              np.asarray(float("nan"))]
+BAD_SCALES = [
+    0.0,
+    -1.0,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e40,
+    1e-50,
+    np.float64(1e40),
+    np.asarray(float("nan")),
+]
 
 
 @pytest.mark.parametrize("bad", BAD_SCALES, ids=repr)
@@ -253,38 +266,73 @@ def test_numpy_scalars_and_0d_arrays_accepted_bools_refused():
     """Every numeric field takes numpy scalars and 0-d arrays (numpy, jax, torch) like Python numbers."""
     want = DynamicLossScale.create(init_scale=2.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
     variants = [
-        dict(init_scale=np.float32(2.0), growth_factor=np.float64(4.0), backoff_factor=np.float16(0.25),
-             growth_interval=np.int64(3)),
-        dict(init_scale=np.asarray(2.0), growth_factor=jnp.asarray(4.0), backoff_factor=torch.tensor(0.25),
-             growth_interval=np.asarray(3, np.int32)),
+        dict(
+            init_scale=np.float32(2.0),
+            growth_factor=np.float64(4.0),
+            backoff_factor=np.float16(0.25),
+            growth_interval=np.int64(3),
+        ),
+        dict(
+            init_scale=np.asarray(2.0),
+            growth_factor=jnp.asarray(4.0),
+            backoff_factor=torch.tensor(0.25),
+            growth_interval=np.asarray(3, np.int32),
+        ),
         dict(init_scale=2, growth_factor=np.int8(4), backoff_factor=0.25, growth_interval=np.uint16(3)),
     ]
     for kw in variants:
         got = DynamicLossScale.create(**kw)
         assert got.state_dict() == want.state_dict(), kw
         assert type(got.growth_factor) is float and type(got.growth_interval) is int
-    sd = {"scale": np.float32(2.0), "growth_factor": jnp.asarray(4.0), "backoff_factor": torch.tensor(0.25),
-          "growth_interval": np.int64(3), "_growth_tracker": torch.tensor(2)}
+    sd = {
+        "scale": np.float32(2.0),
+        "growth_factor": jnp.asarray(4.0),
+        "backoff_factor": torch.tensor(0.25),
+        "growth_interval": np.int64(3),
+        "_growth_tracker": torch.tensor(2),
+    }
     got = DynamicLossScale.from_state_dict(sd)
     assert got.state_dict() == {**want.state_dict(), "_growth_tracker": 2}
     assert [type(v) for v in got.state_dict().values()] == [float, float, float, int, int]
     # bools and bool arrays are refused everywhere (TypeError naming the field)
-    for field, bad in (("init_scale", True), ("growth_factor", np.bool_(True)), ("growth_interval", True),
-                       ("backoff_factor", np.asarray(False)), ("init_scale", "2.0"),
-                       ("init_scale", np.asarray([2.0]))):
+    for field, bad in (
+        ("init_scale", True),
+        ("growth_factor", np.bool_(True)),
+        ("growth_interval", True),
+        ("backoff_factor", np.asarray(False)),
+        ("init_scale", "2.0"),
+        ("init_scale", np.asarray([2.0])),
+    ):
         with pytest.raises(TypeError, match=field):
             DynamicLossScale.create(**{field: bad})
-    for key, bad in (("scale", True), ("growth_interval", np.bool_(True)), ("_growth_tracker", torch.tensor(True)),
-                     ("growth_factor", np.ones(2)), ("backoff_factor", None)):
+    for key, bad in (
+        ("scale", True),
+        ("growth_interval", np.bool_(True)),
+        ("_growth_tracker", torch.tensor(True)),
+        ("growth_factor", np.ones(2)),
+        ("backoff_factor", None),
+    ):
         with pytest.raises(TypeError, match=rf"state_dict\['{key}'\]"):
             DynamicLossScale.from_state_dict({**want.state_dict(), key: bad})
 
 
-@pytest.mark.parametrize("key, bad", [("growth_factor", 1.0), ("growth_factor", 1e40), ("growth_factor", float("nan")),
-                                      ("growth_factor", 1.00000001), ("backoff_factor", 0.0),
-                                      ("backoff_factor", 1.0), ("backoff_factor", 1e-50), ("growth_interval", 0),
-                                      ("growth_interval", 2 ** 31), ("growth_interval", 2.5),
-                                      ("_growth_tracker", -1), ("_growth_tracker", 2000)])
+@pytest.mark.parametrize(
+    "key, bad",
+    [
+        ("growth_factor", 1.0),
+        ("growth_factor", 1e40),
+        ("growth_factor", float("nan")),
+        ("growth_factor", 1.00000001),
+        ("backoff_factor", 0.0),
+        ("backoff_factor", 1.0),
+        ("backoff_factor", 1e-50),
+        ("growth_interval", 0),
+        ("growth_interval", 2**31),
+        ("growth_interval", 2.5),
+        ("_growth_tracker", -1),
+        ("_growth_tracker", 2000),
+    ],
+)
 def test_bad_state_dict_fields_refused(key, bad):
     """Factors are checked after rounding to float32 (1.00000001 -> 1.0 would never grow); the tracker must be
     in [0, growth_interval), the only states GradScaler reaches (it never grows from a tracker past it)."""
@@ -292,5 +340,9 @@ def test_bad_state_dict_fields_refused(key, bad):
     with pytest.raises((ValueError, TypeError), match=rf"state_dict\['{key}'\]"):
         ls.load_state_dict({**ls.state_dict(), key: bad})
     # a state dict that went through a float (e.g. JSON from another tool) still loads integral values
-    assert DynamicLossScale.from_state_dict({**ls.state_dict(), "growth_interval": 7.0,
-                                             "_growth_tracker": 3.0}).state_dict()["_growth_tracker"] == 3
+    assert (
+        DynamicLossScale.from_state_dict(
+            {**ls.state_dict(), "growth_interval": 7.0, "_growth_tracker": 3.0}
+        ).state_dict()["_growth_tracker"]
+        == 3
+    )

@@ -1,9 +1,10 @@
-"""fp32 parity of the Llama twins, module by module and end to end (CONVENTIONS §7: module max-abs <= 1e-5,
+"""fp32 parity of the Llama twins, module by module and end to end (design §7: module max-abs <= 1e-5,
 full-model logits <= 1e-4, gradients rtol = atol = 1e-3), plus agreement with ``transformers``' own Llama.
 
 Both sides run at highest matmul precision (conftest), RoPE tables are computed once in float64 numpy
 (``ModelConfig.rope_inv_freq``), and RMSNorm follows HF (float32 statistics, weight applied after the cast back).
 """
+
 import dataclasses
 
 import jax
@@ -22,9 +23,18 @@ MODULE_TOL, LOGITS_TOL, GRAD_TOL = 1e-5, 1e-4, 1e-3
 CONFIGS = {
     "tiny-gqa": ModelConfig.preset("tiny"),
     "mha-tied-headdim": ModelConfig.preset("tiny", n_heads=2, n_kv_heads=2, head_dim=24, tie_embeddings=True),
-    "mqa-llama3-rope": ModelConfig.preset("tiny", n_kv_heads=1, rope_theta=5e5, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)),
+    "mqa-llama3-rope": ModelConfig.preset(
+        "tiny",
+        n_kv_heads=1,
+        rope_theta=5e5,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
 }
 
 

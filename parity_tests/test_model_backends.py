@@ -5,6 +5,7 @@ JAX: the ``tiny`` model under ``attention_backend(name)`` for each backend that 
 full-model tolerance. torch: the same model under each SDPA backend available on CPU. Backends that cannot
 serve (``cudnn``/``mosaic`` without a GPU) must decline with a reason, never silently fall back.
 """
+
 import jax.numpy as jnp
 import numpy as np
 import pytest

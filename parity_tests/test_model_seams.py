@@ -5,13 +5,13 @@
 * Remat: ``Llama.remat`` / ``LlamaForCausalLM.remat`` is a policy name, static in the graphdef; every tag a
   policy may keep is in the JAX model, and an unknown name is a ValueError listing the valid ones (the
   policies' gradients and what they save: ``test_remat.py``).
-* Token ids (CONVENTIONS §10): in an eager call an id outside the vocabulary is a ValueError naming the first
+* Token ids (design §10): in an eager call an id outside the vocabulary is a ValueError naming the first
   bad position and value; lists are TypeErrors; empty batches and sequences are ValueErrors; bool ids are
   refused and uint8 accepted — the same rules in both packages. Under jit the ids cannot be read: an
   out-of-range id embeds to zeros and nothing turns NaN.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,6 @@ from jaxattn.spec.remat import REMAT_POLICIES
 
 torch = pytest.importorskip("torch")
 from benchmarks.twins import jitted, twin_models  # noqa: E402
-from torchref import model as tm  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 
 AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"}
@@ -37,22 +36,27 @@ def twins():
 
 
 def _params_with_paths(model):
-    return jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param),
-                                                is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return jax.tree_util.tree_flatten_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Logical axis names
 # ------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_param_has_logical_axis_names_of_its_rank(tied, tmp_path):
     cfg = ModelConfig.preset("tiny", tie_embeddings=tied)
     tmodel, loaded = twin_models(cfg, seed=22)
     jhf.save_pretrained(loaded, tmp_path / "ckpt")
-    models = {"init": jm.Llama(cfg, rngs=nnx.Rngs(0)), "from_state_dict": loaded,
-              "from_pretrained": jhf.from_pretrained(tmp_path / "ckpt"),
-              "eval_shape": nnx.eval_shape(lambda: jm.Llama(cfg, rngs=nnx.Rngs(0)))}
+    models = {
+        "init": jm.Llama(cfg, rngs=nnx.Rngs(0)),
+        "from_state_dict": loaded,
+        "from_pretrained": jhf.from_pretrained(tmp_path / "ckpt"),
+        "eval_shape": nnx.eval_shape(lambda: jm.Llama(cfg, rngs=nnx.Rngs(0))),
+    }
     for how, model in models.items():
         params = _params_with_paths(model)
         assert len(params) == (11 if tied else 12), how
@@ -74,6 +78,7 @@ def test_every_param_has_logical_axis_names_of_its_rank(tied, tmp_path):
 # Remat
 # ------------------------------------------------------------------------------------------------------------
 
+
 def test_remat_names_are_tagged_in_the_jax_model(twins):
     _, jmodel = twins
     jaxpr = str(jax.make_jaxpr(lambda t: jmodel(t))(jnp.ones((1, 4), jnp.int32)))
@@ -89,8 +94,11 @@ def test_unknown_remat_name_is_a_value_error_in_both(twins):
     try:
         with pytest.raises(ValueError, match=r"Llama.remat='dots'.*none, full, save_dots, save_qkv_attn, offload"):
             model(jnp.ones((1, 4), jnp.int32))
-        with pytest.raises(ValueError, match=r"LlamaForCausalLM.remat='dots'.*none, full, save_dots, save_qkv_attn, "
-                                             r"offload"):
+        with pytest.raises(
+            ValueError,
+            match=r"LlamaForCausalLM.remat='dots'.*none, full, save_dots, save_qkv_attn, "
+            r"offload",
+        ):
             tmodel(torch.ones((1, 4), dtype=torch.long))
     finally:
         tmodel.remat = "none"
@@ -115,24 +123,33 @@ def test_remat_setting_is_hashable_and_in_the_graphdef(twins):
 # Token ids and input rules, both packages
 # ------------------------------------------------------------------------------------------------------------
 
+
 def _both(twins, *arrays, np_dtype=np.int32, torch_dtype=None):
     """(jax call, torch call) on the same integer arrays."""
     tmodel, jmodel = twins
-    j = lambda: jmodel(*(None if a is None else jnp.asarray(a, np_dtype) for a in arrays))  # noqa: E731
-    t = lambda: tmodel(*(None if a is None else torch.from_numpy(np.asarray(a, np_dtype)).to(  # noqa: E731
-        torch_dtype or getattr(torch, np.dtype(np_dtype).name)) for a in arrays))
+    dtype = torch_dtype or getattr(torch, np.dtype(np_dtype).name)
+
+    def j():
+        return jmodel(*(None if a is None else jnp.asarray(a, np_dtype) for a in arrays))
+
+    def t():
+        return tmodel(*(None if a is None else torch.from_numpy(np.asarray(a, np_dtype)).to(dtype) for a in arrays))
+
     return j, t
 
 
-@pytest.mark.parametrize("bad, pos", [(256, (1, 2)), (-3, (0, 4)), (10 ** 6, (1, 0))])
+@pytest.mark.parametrize("bad, pos", [(256, (1, 2)), (-3, (0, 4)), (10**6, (1, 0))])
 def test_eager_out_of_range_id_names_position_and_value(twins, bad, pos):
     tok = np.random.default_rng(26).integers(0, 256, (2, 5))
     tok[pos] = bad
     if pos != (1, 0):
         tok[1, 4] = bad  # a second bad id: the first one (row-major) is named
     for call, arg in zip(_both(twins, tok), ("tokens", "input_ids")):
-        with pytest.raises(ValueError, match=rf"{arg} holds an id outside \[0, vocab_size=256\): {bad} at "
-                                             rf"position \({pos[0]}, {pos[1]}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{arg} holds an id outside \[0, vocab_size=256\): {bad} at "
+            rf"position \({pos[0]}, {pos[1]}\)",
+        ):
             with torch.no_grad():
                 call()
 
@@ -188,5 +205,4 @@ def test_under_jit_an_out_of_range_id_embeds_to_zeros_not_nan(twins):
     jm.set_value(zeroed.embed, zeroed.embed[...].at[0].set(0.0))
     as_zero = bad.copy()
     as_zero[0, 3] = 0
-    np.testing.assert_allclose(out[0, 3], np.asarray(jitted(zeroed)(jnp.asarray(as_zero)))[0, 3], rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(out[0, 3], np.asarray(jitted(zeroed)(jnp.asarray(as_zero)))[0, 3], rtol=1e-6, atol=1e-6)

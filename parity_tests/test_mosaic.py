@@ -34,10 +34,11 @@ Backward: the custom VJP saves ``out`` and the LSE and calls ``flash.flash_backw
 in-kernel-GQA dkv Pallas kernels; interpret mode on CPU), so the gradient tests here run the emulated
 forward + the flash backward kernels against the oracle's gradients, the LSE cotangent included.
 
-Tolerances (CONVENTIONS §7): fp32 forward max-abs <= 1e-5, fp32 grads rtol = atol = 1e-3; bf16/fp16 error
+Tolerances (design §7): fp32 forward max-abs <= 1e-5, fp32 grads rtol = atol = 1e-3; bf16/fp16 error
 vs the oracle <= 2x the error of a naive implementation in the same dtype (outputs and gradients).
 ``slow``: more interpreter configurations.
 """
+
 import math
 
 import jax
@@ -90,8 +91,14 @@ def _inputs(seed, b, sq, sk, hq, hkv, d, dtype):
 
 
 def _maxabs(a, b):
-    return float(np.max(np.abs(np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-                               - np.asarray(jnp.asarray(b, jnp.float32), np.float64))))
+    return float(
+        np.max(
+            np.abs(
+                np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+                - np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+            )
+        )
+    )
 
 
 def _grads(fn, q, k, v, do):
@@ -178,6 +185,7 @@ def test_block_sizes_validation():
 
 def dataclasses_FrozenError():
     import dataclasses
+
     return dataclasses.FrozenInstanceError
 
 
@@ -185,10 +193,12 @@ def dataclasses_FrozenError():
 # (b, sq, sk, hq, hkv, d, causal): padding on both sides, Sq != Sk both ways (bottom-right causal; Sq > Sk
 # gives rows that see no key), GQA 2 and MQA, several kv blocks so the masked/unmasked split is exercised.
 FP32_CASES = [
-    (2, 100, 70, 4, 2, 64, False),   # GQA 2, both sides padded, masked last kv block
-    (1, 70, 200, 4, 1, 64, True),    # MQA, Sq < Sk: unmasked + masked kv steps
-    (1, 150, 40, 2, 2, 128, True),   # Sq > Sk: the first 110 rows see no key
+    (2, 100, 70, 4, 2, 64, False),  # GQA 2, both sides padded, masked last kv block
+    (1, 70, 200, 4, 1, 64, True),  # MQA, Sq < Sk: unmasked + masked kv steps
+    (1, 150, 40, 2, 2, 128, True),  # Sq > Sk: the first 110 rows see no key
 ]
+
+
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", FP32_CASES)
 def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal):
     """Kernel tile math + padding/masking (emulated forward) + custom_vjp + the flash backward kernels
@@ -197,8 +207,19 @@ def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal):
     q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, hq, hkv, d, jnp.float32)
     scale = 0.7 / math.sqrt(d)
     cfg = M.MosaicBlockSizes(block_kv=64, backward=F.BlockSizes(16, 16, 16, 32, 32, 16))
-    fn = lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, scale=scale, block_sizes=cfg,  # noqa: E731
-                                             impl="emulate", return_lse=True)
+
+    def fn(q, k, v):
+        return M._mosaic_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            block_sizes=cfg,
+            impl="emulate",
+            return_lse=True,
+        )
+
     (out, lse), pull = jax.vjp(jax.jit(fn), q, k, v)
     dlse = jax.random.normal(jax.random.key(sq + sk), lse.shape, jnp.float32)
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)  # no cotangent on -inf rows
@@ -223,8 +244,13 @@ def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal):
             assert np.all(np.isfinite(np.asarray(x)))
 
 
-@pytest.mark.parametrize("dtype,causal", [(jnp.bfloat16, False),  # GQA, padded keys masked in the last block
-                                          (jnp.float16, True)])
+@pytest.mark.parametrize(
+    "dtype,causal",
+    [
+        (jnp.bfloat16, False),  # GQA, padded keys masked in the last block
+        (jnp.float16, True),
+    ],
+)
 def test_emulated_low_precision_two_x_rule(dtype, causal):
     """Emulated forward + flash backward kernels: outputs and grads, error vs the oracle <= 2x the error
     of naive attention in the same dtype."""
@@ -253,20 +279,18 @@ def _check_interpret_case(b, sq, sk, hq, hkv, d, causal, cfg=None, seed=5):
     scale = 1 / math.sqrt(d)
     M._INTERPRET_OPTIONS["detect_races"] = True
     try:
-        out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="interpret",
-                                       return_lse=True)
+        out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="interpret", return_lse=True)
         jax.block_until_ready((out, lse))
         assert not gpu_callbacks.get_races().races_found, "race between TMA and wgmma reads"
     finally:
         M._INTERPRET_OPTIONS.pop("detect_races", None)
-    e_out, e_lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="emulate",
-                                       return_lse=True)
+    e_out, e_lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="emulate", return_lse=True)
     r_out, r_lse = _ref(q, k, v, causal, scale)
     r_lse = np.asarray(r_lse, np.float64)
     out32 = np.asarray(out.astype(jnp.float32))
     assert not np.isnan(out32).any()
     assert _maxabs(out, r_out) <= 2 * _maxabs(_naive(q, k, v, causal, scale), r_out)
-    np.testing.assert_allclose(out32, np.asarray(e_out.astype(jnp.float32)), rtol=0, atol=2 ** -7)
+    np.testing.assert_allclose(out32, np.asarray(e_out.astype(jnp.float32)), rtol=0, atol=2**-7)
     lse = np.asarray(lse, np.float64)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
     fin = np.isfinite(r_lse)
@@ -281,15 +305,18 @@ def test_interpreted_kernel_causal_gqa_ragged():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", [
-    (1, 100, 100, 2, 1, 64, False),
-    (1, 300, 600, 2, 1, 64, True),
-    (1, 600, 300, 2, 1, 64, True),  # rows with no key; warpgroup 0 drains
-    (1, 333, 333, 2, 1, 128, True),
-    (1, 129, 700, 2, 1, 64, False),
-    (1, 200, 200, 2, 1, 256, True),
-    (2, 256, 256, 4, 2, 128, False),
-])
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,causal",
+    [
+        (1, 100, 100, 2, 1, 64, False),
+        (1, 300, 600, 2, 1, 64, True),
+        (1, 600, 300, 2, 1, 64, True),  # rows with no key; warpgroup 0 drains
+        (1, 333, 333, 2, 1, 128, True),
+        (1, 129, 700, 2, 1, 64, False),
+        (1, 200, 200, 2, 1, 256, True),
+        (2, 256, 256, 4, 2, 128, False),
+    ],
+)
 def test_interpreted_kernel_sweep(b, sq, sk, hq, hkv, d, causal):
     _check_interpret_case(b, sq, sk, hq, hkv, d, causal)
 
@@ -300,17 +327,21 @@ def _export_for_cuda(fn, *shapes):
     serialization-compatibility guarantee, so export's check for them is switched off (we only read
     the module, never store it)."""
     from jax import export
+
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*shapes).mlir_module()
 
 
-@pytest.mark.parametrize("sq,sk,d,causal,dtype", [
-    (1000, 1000, 128, True, jnp.bfloat16),
-    (300, 777, 64, False, jnp.float16),
-    (2048, 1000, 256, True, jnp.bfloat16),
-    (1, 4096, 64, True, jnp.float16),
-    (4096, 4096, 128, False, jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    "sq,sk,d,causal,dtype",
+    [
+        (1000, 1000, 128, True, jnp.bfloat16),
+        (300, 777, 64, False, jnp.float16),
+        (2048, 1000, 256, True, jnp.bfloat16),
+        (1, 4096, 64, True, jnp.float16),
+        (4096, 4096, 128, False, jnp.bfloat16),
+    ],
+)
 def test_real_kernel_lowers_for_cuda_on_cpu(sq, sk, d, causal, dtype):
     """Cross-platform export runs the real Pallas -> Mosaic GPU lowering (layouts, wgmma, TMA, mbarriers)
     without a GPU. Catches API/layout errors in the GPU-only code paths; ptxas and the run itself are not
@@ -318,7 +349,8 @@ def test_real_kernel_lowers_for_cuda_on_cpu(sq, sk, d, causal, dtype):
     q = jax.ShapeDtypeStruct((2, sq, 8, d), dtype)
     k = jax.ShapeDtypeStruct((2, sk, 2, d), dtype)
     txt = _export_for_cuda(
-        lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, impl="mosaic", return_lse=True), q, k, k)
+        lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, impl="mosaic", return_lse=True), q, k, k
+    )
     for needle in ("wgmma", "cp.async.bulk.tensor", "mbarrier"):
         assert needle in txt
 
@@ -332,6 +364,7 @@ def test_real_kernel_with_backward_lowers_for_cuda_on_cpu():
     def loss(q, k, v):
         out = M._mosaic_attention(q, k, v, causal=True, impl="mosaic")
         return jnp.sum(out.astype(jnp.float32) ** 2)
+
     txt = _export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
     assert "wgmma" in txt
     assert "flash_bwd_dkv" in txt and "flash_bwd_dq" in txt

@@ -1,9 +1,10 @@
 """``jaxattn.optim`` vs ``torchref.optim``: schedules, the weight-decay mask, N-step trajectories, 8-bit state.
 
 Trajectories run on random named parameter trees with fresh random gradients (no model) and are compared with
-CONVENTIONS §7's "fp32 after optimizer steps" tolerance (rtol 1e-3, atol 2e-3). Where the two sides still
+design §7's "fp32 after optimizer steps" tolerance (rtol 1e-3, atol 2e-3). Where the two sides still
 differ, the test's docstring says how and why.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,18 +31,27 @@ TOL = dict(rtol=1e-3, atol=2e-3)
 
 # name -> shape: weights with and without decay, quantised (>= 4096 elements) and float32-state (< 4096) leaves,
 # a size that is not a multiple of the 256-element block, and a 2-D norm like the JAX model's stacked norms.
-SHAPES = {"embed": (256, 96), "layers.wq": (96, 100), "layers.w_small": (48, 40), "layers.attn_norm": (2, 2100),
-          "norm": (96,), "head.bias": (77,)}
+SHAPES = {
+    "embed": (256, 96),
+    "layers.wq": (96, 100),
+    "layers.w_small": (48, 40),
+    "layers.attn_norm": (2, 2100),
+    "norm": (96,),
+    "head.bias": (77,),
+}
 
 
 def _tree(rng, scales=True, shapes=None):
     """Random leaves per ``shapes`` (default SHAPES); gradients get a per-leaf scale spread over 3 decades."""
-    return {k: (rng.standard_normal(s) * (10.0 ** rng.uniform(-2, 1) if scales else 1.0)).astype(np.float32)
-            for k, s in (shapes or SHAPES).items()}
+    return {
+        k: (rng.standard_normal(s) * (10.0 ** rng.uniform(-2, 1) if scales else 1.0)).astype(np.float32)
+        for k, s in (shapes or SHAPES).items()
+    }
 
 
-def _run_both(name, n_steps, seed, lr=1e-2, weight_decay=0.1, applied=None, torch_step_always=False,
-              shapes=None, **sched):
+def _run_both(
+    name, n_steps, seed, lr=1e-2, weight_decay=0.1, applied=None, torch_step_always=False, shapes=None, **sched
+):
     """Same init and gradients into ``torchref.optim.build`` and ``jaxattn.optim.build``; ``applied[i] = False``
     skips step i (torch: no optimizer.step(); JAX: keep the old params and opt_state, as the train step does)."""
     rng = np.random.default_rng(seed)
@@ -79,6 +89,7 @@ def _assert_close_and_moved(init, tp, jp):
 # ----------------------------------------------------------------------------------------------------------------
 # Schedules and the skipped-step rule
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("schedule", spec.SCHEDULE_NAMES)
 def test_schedule_values_equal(schedule, rng):
@@ -131,8 +142,9 @@ def test_skipped_steps_do_not_advance_the_schedule(seed):
     assert sched.last_epoch == sum(applied)
     # the usual loop (scheduler.step() on every call) with the same draws: the schedule runs ahead
     _, tp_ok, jp_ok, *_ = _run_both("adamw", len(applied), seed, applied=applied, **kw)
-    _, tp_bad, _, _, sched_bad, _ = _run_both("adamw", len(applied), seed, applied=applied, torch_step_always=True,
-                                              **kw)
+    _, tp_bad, _, _, sched_bad, _ = _run_both(
+        "adamw", len(applied), seed, applied=applied, torch_step_always=True, **kw
+    )
     assert sched_bad.last_epoch == len(applied)
     assert all(np.allclose(jp_ok[k], tp_ok[k].detach().numpy(), **TOL) for k in tp_ok)
     assert not all(np.allclose(jp_ok[k], tp_bad[k].detach().numpy(), **TOL) for k in tp_bad)
@@ -141,6 +153,7 @@ def test_skipped_steps_do_not_advance_the_schedule(seed):
 # ----------------------------------------------------------------------------------------------------------------
 # Weight-decay mask on the real models
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_decay_mask_same_parameters_by_hf_name():
     """Both sides decay the same parameters, compared by HF name: the JAX mask (computed on the ``nnx.State``
@@ -187,6 +200,7 @@ def test_nnx_optimizer_decays_only_by_name(name, seed):
 # Trajectories
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit"])
 def test_five_step_trajectory(name, seed):
     """5 steps, lr 1e-2 under a warmup + cosine schedule, weight decay 0.1 masked by name.
@@ -209,21 +223,25 @@ def test_five_step_trajectory(name, seed):
         if adam_state.mu[k].dtype == jnp.uint8:
             n_quantised += 1
             assert "m_codes" in st and st["m_codes"].dtype == torch.uint8
-            for pre, jc, ja, code in (("m", adam_state.mu[k], adam_state.mu_absmax[k], code_m),
-                                      ("v", adam_state.nu[k], adam_state.nu_absmax[k], code_v)):
+            for pre, jc, ja, code in (
+                ("m", adam_state.mu[k], adam_state.mu_absmax[k], code_m),
+                ("v", adam_state.nu[k], adam_state.nu_absmax[k], code_v),
+            ):
                 tc, ta, jc, ja = st[f"{pre}_codes"].numpy(), st[f"{pre}_absmax"].numpy(), np.asarray(jc), np.asarray(ja)
                 same = tc == jc
                 n_codes, n_diff = n_codes + same.size, n_diff + int((~same).sum())
                 np.testing.assert_allclose(ja, ta, rtol=1e-6, err_msg=k)
                 td = spec.dequantize_blockwise(tc, ta, code, SHAPES[k])
                 jd = spec.dequantize_blockwise(jc, ja, code, SHAPES[k])
-                agree = same.reshape(-1)[:td.size].reshape(td.shape)
-                np.testing.assert_allclose(jd[agree], td[agree], rtol=1e-6, atol=1e-6 * float(np.abs(td).max()),
-                                           err_msg=k)
+                agree = same.reshape(-1)[: td.size].reshape(td.shape)
+                np.testing.assert_allclose(
+                    jd[agree], td[agree], rtol=1e-6, atol=1e-6 * float(np.abs(td).max()), err_msg=k
+                )
         else:
             assert "exp_avg" in st and math.prod(SHAPES[k]) < spec.MIN_8BIT_SIZE
-            np.testing.assert_allclose(np.asarray(adam_state.mu[k]), st["exp_avg"].numpy(), rtol=1e-4, atol=1e-7,
-                                       err_msg=k)
+            np.testing.assert_allclose(
+                np.asarray(adam_state.mu[k]), st["exp_avg"].numpy(), rtol=1e-4, atol=1e-7, err_msg=k
+            )
     assert n_quantised == 3
     assert n_diff <= 1e-3 * n_codes, (n_diff, n_codes)
 
@@ -250,14 +268,16 @@ def test_adafactor_comparable_pieces(seed, rng):
     rows = np.asarray(fact.v_row["w"]).reshape(-1)
     cols = np.asarray(fact.v_col["w"]).reshape(-1)
     t_row, t_col = o.state[p]["row_var"].numpy().reshape(-1), o.state[p]["col_var"].numpy().reshape(-1)
-    np.testing.assert_allclose(np.sort(np.concatenate([rows, cols])), np.sort(np.concatenate([t_row, t_col])),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.sort(np.concatenate([rows, cols])), np.sort(np.concatenate([t_row, t_col])), rtol=1e-5
+    )
     np.testing.assert_allclose(t_row, (g * g).mean(axis=1), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # 8-bit quantisation and state size
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_quantizers_match_numpy_reference(rng):
     """JAX and torch quantisers = ``spec.quantize_blockwise`` code for code, on moments spanning 12 decades, a
@@ -276,10 +296,11 @@ def test_quantizers_match_numpy_reference(rng):
         np.testing.assert_array_equal(ta.numpy(), ref_a)
         back = spec.dequantize_blockwise(ref_c, ref_a, code, data.shape)
         assert np.all(back[256:512] == 0)
-        normed = np.where(np.repeat(ref_a, 256)[:data.size] > 0, data / np.repeat(np.maximum(ref_a, 1e-38), 256)
-                          [:data.size], 0)
+        normed = np.where(
+            np.repeat(ref_a, 256)[: data.size] > 0, data / np.repeat(np.maximum(ref_a, 1e-38), 256)[: data.size], 0
+        )
         gap = np.diff(code).max()
-        assert np.all(np.abs(back / np.repeat(np.maximum(ref_a, 1e-38), 256)[:data.size] - normed) <= gap / 2 + 1e-7)
+        assert np.all(np.abs(back / np.repeat(np.maximum(ref_a, 1e-38), 256)[: data.size] - normed) <= gap / 2 + 1e-7)
 
 
 def test_dynamic_map_matches_bitsandbytes():
@@ -301,9 +322,12 @@ def test_torch_adamw8bit_vs_bitsandbytes(rng):
     bnb = pytest.importorskip("bitsandbytes")
     init, grads = _tree(rng, scales=False), [_tree(rng) for _ in range(5)]
     sides = []
-    for make in (lambda g: topt.AdamW8bit(g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-                 lambda g: bnb.optim.AdamW8bit(g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                               min_8bit_size=spec.MIN_8BIT_SIZE)):
+    for make in (
+        lambda g: topt.AdamW8bit(g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        lambda g: bnb.optim.AdamW8bit(
+            g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, min_8bit_size=spec.MIN_8BIT_SIZE
+        ),
+    ):
         params = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
         opt = make(topt.param_groups(params, 0.1))
         for g in grads:
@@ -349,14 +373,17 @@ def test_state_bytes_per_parameter(rng):
     j_tiny = jopt.state_bytes(j_state) / n
     leaves = jax.tree.leaves(j_state)  # distinct buffers: a train step donates the state, each buffer once
     assert len({id(x) for x in leaves}) == len(leaves)
-    print(f"state bytes/param: 1024x1024 adamw torch {t32:.4f} jax {j32:.4f}; adamw8bit torch {t8:.4f} "
-          f"jax {j8:.4f}; tiny adamw8bit torch {t_tiny:.3f} jax {j_tiny:.3f}")
+    print(
+        f"state bytes/param: 1024x1024 adamw torch {t32:.4f} jax {j32:.4f}; adamw8bit torch {t8:.4f} "
+        f"jax {j8:.4f}; tiny adamw8bit torch {t_tiny:.3f} jax {j_tiny:.3f}"
+    )
     assert 2.0 < j_tiny < t_tiny < 4.0, (t_tiny, j_tiny)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # 8-bit vs 32-bit on the tiny model
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _markov_batches(seed, n, b=8, s=33, vocab=256):
     """Token streams from a fixed random Markov chain with 4 successors per token (loss floor ln 4 = 1.386)."""
@@ -374,6 +401,7 @@ def _markov_batches(seed, n, b=8, s=33, vocab=256):
 
 def _jax_losses(name, batches, steps):
     from jaxattn import train_step as jtrain
+
     tx = jopt.build(name, 1e-2, 0.1, schedule="cosine", warmup=steps // 10, steps=steps)
     graphdef, state = jtrain.TrainState.create(Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), tx)
     step = jtrain.make_train_step(graphdef, tx, max_grad_norm=1.0)
@@ -386,6 +414,7 @@ def _jax_losses(name, batches, steps):
 
 def _torch_losses(name, batches, steps):
     from torchref import train_step as ttrain
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     opt, sched = topt.build(model, name, 1e-2, 0.1, schedule="cosine", warmup=steps // 10, steps=steps)

@@ -1,10 +1,10 @@
 """The packages stand alone: jaxattn imports without torch, torchref without jax, torchref imports nothing of jaxattn
 but the framework-neutral ``jaxattn.spec`` subpackage, and no package has an import circle."""
+
 import ast
 import pathlib
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 
@@ -48,10 +48,12 @@ def test_import_without_the_other_framework(blocked, modules):
 
 def test_torchref_imports_only_the_neutral_subpackage_of_jaxattn():
     code = "import sys\n" + "".join(f"import {m}\n" for m in TORCHREF)
-    code += ("import torchref\nfor name in torchref.__all__: getattr(torchref, name)\n"
-             "bad = sorted(m for m in sys.modules if m.startswith('jaxattn') and m != 'jaxattn'"
-             " and not m.startswith('jaxattn.spec'))\n"
-             "assert not bad, bad\nassert 'jax' not in sys.modules\nprint('ok')\n")
+    code += (
+        "import torchref\nfor name in torchref.__all__: getattr(torchref, name)\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('jaxattn') and m != 'jaxattn'"
+        " and not m.startswith('jaxattn.spec'))\n"
+        "assert not bad, bad\nassert 'jax' not in sys.modules\nprint('ok')\n"
+    )
     _run(code)
 
 
@@ -64,8 +66,9 @@ def test_spec_imports_without_either_framework():
 
 def test_blocking_really_blocks():
     """The checks above can fail: importing a blocked module raises."""
-    res = subprocess.run([sys.executable, "-c", BLOCK.format(mod="torch") + "import torch"], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", BLOCK.format(mod="torch") + "import torch"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr
 
 
@@ -91,7 +94,7 @@ def import_graph(root=ROOT, packages=("jaxattn", "torchref", "benchmarks")) -> d
             elif isinstance(node, ast.ImportFrom):
                 src = node.module or ""
                 if node.level:
-                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                    base = ".".join(here.split(".")[: len(here.split(".")) - node.level + 1])
                     src = base + ("." + src if src else "")
                 targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names]
             else:
@@ -105,7 +108,7 @@ def import_graph(root=ROOT, packages=("jaxattn", "torchref", "benchmarks")) -> d
     return graph
 
 
-def find_cycle(graph: dict) -> Optional[list]:
+def find_cycle(graph: dict) -> list | None:
     """One import circle ``[a, b, ..., a]`` of ``graph``, or None. A module's import of its own parent package
     is not an edge: Python runs the package's ``__init__`` before the module anyway."""
     state, stack = {}, []
@@ -117,7 +120,7 @@ def find_cycle(graph: dict) -> Optional[list]:
             if n.startswith(m + "."):
                 continue
             if state.get(m) == "open":
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -142,8 +145,13 @@ def test_no_import_circles():
     assert {"benchmarks.__main__", "benchmarks.report.tables", "jaxattn.attention.flash"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
-    outside = {(m, d) for m, deps in graph.items() if m.startswith("benchmarks.report")
-               for d in deps if d.startswith("benchmarks.") and not d.startswith("benchmarks.report")}
+    outside = {
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith("benchmarks.report")
+        for d in deps
+        if d.startswith("benchmarks.") and not d.startswith("benchmarks.report")
+    }
     assert not outside, f"the report room imports other rooms: {sorted(outside)}"
 
 

@@ -1,10 +1,12 @@
 """``torchref.parallel`` under ``torchrun`` (2 processes, gloo, CPU): DDP, FSDP2, tensor parallel and FSDP+TP give
 the one-process losses and gradient norms within 1e-5 over 3 AdamW steps with clipping (one launch for all modes,
 ``parity_tests/parallel_child.py``). With 2 processes the 2-D ``fsdp+tp`` mesh is (dp=1, tp=2)."""
+
 from __future__ import annotations
 
 import json
 import os
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,7 @@ def test_parallel_mode_matches_one_process(mode, results):
 
 def test_bad_mode_and_tp_divisibility():
     import torch
+
     from jaxattn.spec.config import ModelConfig
     from torchref import parallel
 
@@ -45,10 +48,16 @@ def test_bad_mode_and_tp_divisibility():
         parallel._check_tp(ModelConfig.preset("tiny"), 4)
 
 
-@pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow),
-                                  pytest.param("tp", marks=pytest.mark.slow),
-                                  pytest.param("fsdp+tp", marks=pytest.mark.slow),
-                                  "fsdp --offload-optimizer"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "fsdp",
+        pytest.param("ddp", marks=pytest.mark.slow),
+        pytest.param("tp", marks=pytest.mark.slow),
+        pytest.param("fsdp+tp", marks=pytest.mark.slow),
+        "fsdp --offload-optimizer",
+    ],
+)
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     """``torchrun --nproc-per-node 2 -m torchref.train --parallel MODE`` logs the one-process losses within 1e-5
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
@@ -73,9 +82,25 @@ def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
 
     argv = ["--seq-len", "16", "--batch-size", "4", "--no-progress", "--schedule", "constant", "--lr", "1e-3"]
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
-    torchrun("-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--steps", "4",
-             "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep-checkpoints", "2",
-             "--profile", str(tmp_path / "prof"), *argv)
+    torchrun(
+        "-m",
+        "torchref.train",
+        "--parallel",
+        "fsdp",
+        "--log-json",
+        str(log),
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "2",
+        "--keep-checkpoints",
+        "2",
+        "--profile",
+        str(tmp_path / "prof"),
+        *argv,
+    )
     parallel_losses = jsonl_losses(log)
     traces = [f for f in os.listdir(tmp_path / "prof") if f.endswith(".pt.trace.json")]
     assert len(traces) == 2, traces  # one per rank (tensorboard_trace_handler names them host_pid)
@@ -85,8 +110,10 @@ def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
     assert resumed["start"] == 2
     np.testing.assert_allclose(parallel_losses, ref["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(resumed["losses"], ref["losses"][2:], rtol=0, atol=1e-5)
-    got, want = load_file(str(ck / "final" / "model.safetensors")), \
-        load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
+    got, want = (
+        load_file(str(ck / "final" / "model.safetensors")),
+        load_file(str(tmp_path / "ref" / "final" / "model.safetensors")),
+    )
     assert got.keys() == want.keys()
     for name in want:
         diff = np.abs(got[name] - want[name])
@@ -104,8 +131,21 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
 
     tm, _ = twin_models(ModelConfig.preset("tiny", n_kv_heads=2), seed=1)
     init = save_pretrained(tm, tmp_path / "init")
-    argv = ["--init", str(init), "--data", "README.md", "--steps", "4", "--seq-len", "16", "--batch-size", "4",
-            "--lr", "3e-3", "--no-progress"]
+    argv = [
+        "--init",
+        str(init),
+        "--data",
+        "README.md",
+        "--steps",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--no-progress",
+    ]
     log = tmp_path / "torch.jsonl"
     torchrun("-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv)
     torch_losses = jsonl_losses(log)

@@ -1,6 +1,7 @@
 """The parameter table (``jaxattn.spec.params``) against what derives from it, each checked against an oracle that
 does not read the table: transformers' own Llama (HF names and shapes), both built models, both int8 quantizers,
 Megatron's tensor-parallel plan written out by hand, and the parameter count of the torch model."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,10 @@ from jaxattn.spec.config import ModelConfig
 
 torch = pytest.importorskip("torch")
 
-CONFIGS = {"untied-gqa": ModelConfig.preset("tiny"),
-           "tied-mha-head_dim": ModelConfig.preset("tiny", n_kv_heads=4, head_dim=24, tie_embeddings=True)}
+CONFIGS = {
+    "untied-gqa": ModelConfig.preset("tiny"),
+    "tied-mha-head_dim": ModelConfig.preset("tiny", n_kv_heads=4, head_dim=24, tie_embeddings=True),
+}
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
@@ -69,14 +72,19 @@ def test_both_quantizers_quantize_exactly_the_quantizable_rows(cfg):
     want = {r.name for r in params.quantizable_rows(cfg)}
     assert want == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} | (set() if cfg.tie_embeddings else {"lm_head"})
     jq = jquant.quantize(Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32))
-    got = {r.name for r in params.rows(cfg)
-           if isinstance(getattr(jq.layers if r.per_layer else jq, r.name)[...], jquant.QArray)}
+    got = {
+        r.name
+        for r in params.rows(cfg)
+        if isinstance(getattr(jq.layers if r.per_layer else jq, r.name)[...], jquant.QArray)
+    }
     assert got == want
     tq = tquant.quantize(LlamaForCausalLM(cfg))
     int8 = {name for name, m in tq.named_modules() if isinstance(m, tquant.Int8Linear)}
     layer_modules = {r.module for r in params.quantizable_rows(cfg) if r.per_layer}
-    assert int8 == ({f"model.layers.{i}.{m}" for i in range(cfg.n_layers) for m in layer_modules}
-                    | ({"lm_head"} if not cfg.tie_embeddings else set()))
+    assert int8 == (
+        {f"model.layers.{i}.{m}" for i in range(cfg.n_layers) for m in layer_modules}
+        | ({"lm_head"} if not cfg.tie_embeddings else set())
+    )
 
 
 def test_torch_tp_plan_is_megatrons():
@@ -84,9 +92,17 @@ def test_torch_tp_plan_is_megatrons():
 
     model_plan, layer_plan = tp_plan(CONFIGS["untied-gqa"])
     assert model_plan == {"model.embed_tokens": "rowwise", "model.norm": None, "lm_head": "colwise"}
-    assert layer_plan == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-                          "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                          "mlp.down_proj": "rowwise", "input_layernorm": None, "post_attention_layernorm": None}
+    assert layer_plan == {
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+        "input_layernorm": None,
+        "post_attention_layernorm": None,
+    }
 
 
 def test_jax_sharding_rules_split_what_torch_tp_splits():
@@ -117,8 +133,14 @@ def test_gguf_name_matching():
 
 def test_a_new_row_reaches_every_derived_map():
     """What 'a new tensor is one row' means: a QK-norm row appears in the HF, GGUF and JAX maps at once."""
-    qk = params.ParamRow("q_norm", "model.layers.{i}.self_attn.q_norm.weight", "norm",
-                         lambda c: (c.resolved_head_dim,), ("head_dim",), "blk.{i}.attn_q_norm.weight")
+    qk = params.ParamRow(
+        "q_norm",
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "norm",
+        lambda c: (c.resolved_head_dim,),
+        ("head_dim",),
+        "blk.{i}.attn_q_norm.weight",
+    )
     cfg = CONFIGS["untied-gqa"]
     old = params.ROWS
     try:

@@ -9,6 +9,7 @@ Buffer sizes per train step for N parameters, a bf16 compute copy (2 bytes each)
   2 * 2 * (N - V*D) + 2 * V*D bytes; the gradients reduce-scattered in bf16 except the table's, which arrives
   in float32 (its lookup's scatter-add): 2 * (N - V*D) + 4 * V*D bytes.
 """
+
 from __future__ import annotations
 
 import numpy as np

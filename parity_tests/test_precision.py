@@ -2,7 +2,7 @@
 
 * Policy casts touch only floating leaves; the preset names and dtypes are identical in both packages.
 * ``set_matmul_precision`` really sets (and restores) torch's five flags and ``jax_default_matmul_precision``.
-* Low precision (CONVENTIONS §7): for the MLP and attention blocks in bf16 and fp16, the error of the
+* Low precision (design §7): for the MLP and attention blocks in bf16 and fp16, the error of the
   policy-driven JAX output (params cast by the policy) and of torch autocast, both against a float64 reference,
   is at most 2x the error of a naive low-precision implementation (the torch module cast wholesale to the low
   dtype). The bf16 whole model: per-token KL(p_torch_autocast || p_jax_policy) <= 0.02, on weights scaled up so
@@ -10,13 +10,13 @@
   would be vacuously small).
 * ``gpu``: the error of each matmul setting vs float64, both frameworks side by side (skipped without a GPU).
 """
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from jaxattn import precision as jp
@@ -31,16 +31,20 @@ from torchref import precision as tp  # noqa: E402
 
 def test_policy_casts_only_floating_leaves():
     rng = np.random.default_rng(0)
-    tree = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32), "ids": jnp.arange(3, dtype=jnp.int32),
-            "flag": jnp.asarray([True, False]), "h": jnp.asarray(rng.standard_normal(2), jnp.float16),
-            "none": None}
+    tree = {
+        "w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+        "ids": jnp.arange(3, dtype=jnp.int32),
+        "flag": jnp.asarray([True, False]),
+        "h": jnp.asarray(rng.standard_normal(2), jnp.float16),
+        "none": None,
+    }
     pol = jp.Policy.preset("bf16")
     low = pol.cast_to_compute(tree)
     assert low["w"].dtype == jnp.bfloat16 and low["h"].dtype == jnp.bfloat16
     assert low["ids"].dtype == jnp.int32 and low["flag"].dtype == jnp.bool_ and low["none"] is None
     back = pol.cast_to_param(low)
     assert back["w"].dtype == jnp.float32 and back["ids"].dtype == jnp.int32
-    np.testing.assert_allclose(np.asarray(back["w"]), np.asarray(tree["w"]), rtol=2 ** -8)
+    np.testing.assert_allclose(np.asarray(back["w"]), np.asarray(tree["w"]), rtol=2**-8)
     assert pol.cast_to_output(low["w"]).dtype == jnp.float32
     # an nnx.State (what the train step casts): Params cast, structure kept
     state = nnx.state(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.Param)
@@ -80,10 +84,16 @@ def test_preset_names_and_dtypes_identical_in_both_packages():
 # Matmul flags
 # ------------------------------------------------------------------------------------------------------------
 
+
 def _torch_flags():
     m = torch.backends.cuda.matmul
-    return (torch.get_float32_matmul_precision(), m.allow_tf32, torch.backends.cudnn.allow_tf32,
-            m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    return (
+        torch.get_float32_matmul_precision(),
+        m.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        m.allow_fp16_reduced_precision_reduction,
+        m.allow_bf16_reduced_precision_reduction,
+    )
 
 
 EXPECTED = {  # name -> (jax value, torch precision, matmul.allow_tf32, cudnn.allow_tf32)
@@ -98,9 +108,12 @@ def test_matmul_flags_are_set_and_restored(name):
     jax_before, torch_before = jax.config.jax_default_matmul_precision, _torch_flags()
     jax_val, t_prec, t_tf32, t_cudnn = EXPECTED[name]
     flip16 = not torch_before[3]
-    with jp.set_matmul_precision(name, allow_fp16_reduced_precision_reduction=False), \
-            tp.set_matmul_precision(name, allow_fp16_reduced_precision_reduction=flip16,
-                                    allow_bf16_reduced_precision_reduction=False):
+    with (
+        jp.set_matmul_precision(name, allow_fp16_reduced_precision_reduction=False),
+        tp.set_matmul_precision(
+            name, allow_fp16_reduced_precision_reduction=flip16, allow_bf16_reduced_precision_reduction=False
+        ),
+    ):
         assert jax.config.jax_default_matmul_precision == jax_val
         assert _torch_flags() == (t_prec, t_tf32, t_cudnn, flip16, False)
     assert jax.config.jax_default_matmul_precision == jax_before
@@ -138,6 +151,7 @@ LOW = {"bf16": (jnp.bfloat16, torch.bfloat16), "fp16": (jnp.float16, torch.float
 def _tiny_cfgs():
     from jaxattn.config import ModelConfig as JC
     from torchref.config import ModelConfig as TC
+
     return JC.preset("tiny"), TC.preset("tiny")
 
 
@@ -149,6 +163,7 @@ def _max_err(a, ref):
 def test_mlp_block_low_precision_2x_rule(low):
     from jaxattn.model import mlp_block
     from torchref.model import LlamaMLP
+
     jcfg, tcfg = _tiny_cfgs()
     torch.manual_seed(1)
     mod = LlamaMLP(tcfg)
@@ -162,11 +177,15 @@ def test_mlp_block_low_precision_2x_rule(low):
     naive = _clone(mod).to(tdt)(x.to(tdt)).detach().float().numpy()  # everything in the low dtype
     with tp.get_policy(low).autocast("cpu"):
         autocast = mod(x).detach().float().numpy()
-    p = {"w_gate": mod.gate_proj.weight.detach().numpy().T, "w_up": mod.up_proj.weight.detach().numpy().T,
-         "w_down": mod.down_proj.weight.detach().numpy().T}
+    p = {
+        "w_gate": mod.gate_proj.weight.detach().numpy().T,
+        "w_up": mod.up_proj.weight.detach().numpy().T,
+        "w_down": mod.down_proj.weight.detach().numpy().T,
+    }
     pol = jp.Policy.preset(low)
     out = jax.jit(lambda x, p: pol.cast_to_output(mlp_block(pol.cast_to_compute(x), pol.cast_to_compute(p))))(
-        jnp.asarray(x.numpy()), jax.tree.map(jnp.asarray, p))
+        jnp.asarray(x.numpy()), jax.tree.map(jnp.asarray, p)
+    )
     e_naive, e_jax, e_auto = _max_err(naive, ref), _max_err(out, ref), _max_err(autocast, ref)
     print(f"mlp {low}: naive {e_naive:.3e} jax policy {e_jax:.3e} torch autocast {e_auto:.3e}")
     assert e_naive > 0 and out.dtype == jnp.float32
@@ -176,8 +195,11 @@ def test_mlp_block_low_precision_2x_rule(low):
 
 @pytest.mark.parametrize("low", list(LOW))
 def test_attention_block_low_precision_2x_rule(low):
-    from jaxattn.model import attention_block, rope_cos_sin as j_rope
-    from torchref.model import LlamaAttention, rope_cos_sin as t_rope
+    from jaxattn.model import attention_block
+    from jaxattn.model import rope_cos_sin as j_rope
+    from torchref.model import LlamaAttention
+    from torchref.model import rope_cos_sin as t_rope
+
     jcfg, tcfg = _tiny_cfgs()
     torch.manual_seed(2)
     mod = LlamaAttention(tcfg)
@@ -199,8 +221,11 @@ def test_attention_block_low_precision_2x_rule(low):
     p = {k: jnp.asarray(v.detach().numpy().T) for k, v in p.items()}
     jcos, jsin = j_rope(jnp.asarray(jcfg.rope_inv_freq()), jnp.broadcast_to(jnp.arange(s), (b, s)))
     pol = jp.Policy.preset(low)
-    out = jax.jit(lambda x, p: pol.cast_to_output(
-        attention_block(pol.cast_to_compute(x), pol.cast_to_compute(p), jcos, jsin, jcfg)))(jnp.asarray(x.numpy()), p)
+    out = jax.jit(
+        lambda x, p: pol.cast_to_output(
+            attention_block(pol.cast_to_compute(x), pol.cast_to_compute(p), jcos, jsin, jcfg)
+        )
+    )(jnp.asarray(x.numpy()), p)
     e_naive, e_jax, e_auto = _max_err(naive, ref), _max_err(out, ref), _max_err(autocast, ref)
     print(f"attention {low}: naive {e_naive:.3e} jax policy {e_jax:.3e} torch autocast {e_auto:.3e}")
     assert e_naive > 0
@@ -210,8 +235,9 @@ def test_attention_block_low_precision_2x_rule(low):
 
 def _attention_ref64(x, mod, cos, sin, cfg):
     """float64 numpy causal GQA attention block with HF rotate_half RoPE (torchref's attention rejects float64)."""
-    w = {n: getattr(mod, n).weight.detach().numpy().astype(np.float64) for n in ("q_proj", "k_proj", "v_proj",
-                                                                                 "o_proj")}
+    w = {
+        n: getattr(mod, n).weight.detach().numpy().astype(np.float64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
     b, s, _ = x.shape
     d, hq, hk = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
     x = x.astype(np.float64)
@@ -221,7 +247,7 @@ def _attention_ref64(x, mod, cos, sin, cfg):
     cos, sin = cos.astype(np.float64), sin.astype(np.float64)  # [B, 1, S, D]
 
     def rope(t):
-        t1, t2 = t[..., : d // 2], t[..., d // 2:]
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
         return t * cos + np.concatenate([-t2, t1], -1) * sin
 
     q, k = rope(q), rope(k)
@@ -236,12 +262,14 @@ def _attention_ref64(x, mod, cos, sin, cfg):
 
 def _clone(mod):
     import copy
+
     return copy.deepcopy(mod)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # bf16 whole model: KL
 # ------------------------------------------------------------------------------------------------------------
+
 
 def _kl(p_logits, q_logits):
     lp = torch.log_softmax(torch.from_numpy(np.asarray(p_logits, np.float64)), -1)
@@ -252,6 +280,7 @@ def _kl(p_logits, q_logits):
 def test_bf16_model_kl_torch_autocast_vs_jax_policy():
     from jaxattn import hf
     from torchref.model import LlamaForCausalLM
+
     jcfg, tcfg = _tiny_cfgs()
     torch.manual_seed(3)
     tm = LlamaForCausalLM(tcfg)
@@ -287,6 +316,7 @@ def test_bf16_model_kl_torch_autocast_vs_jax_policy():
 # GPU: error of each matmul setting against float64, both frameworks side by side
 # ------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_matmul_precision_settings_error_on_gpu():
     """Relative error of a float32 [512x2048]@[2048x512] matmul at each setting, and of float16 matmuls with and
@@ -319,15 +349,21 @@ def test_matmul_precision_settings_error_on_gpu():
     a16, b16 = a.astype(np.float16), b.astype(np.float16)
     ref16 = a16.astype(np.float64) @ b16.astype(np.float64)
     s16 = np.abs(ref16).max()
-    j16 = np.abs(np.asarray(jax.jit(jnp.matmul)(ja.astype(jnp.float16), jb.astype(jnp.float16)), np.float64)
-                 - ref16).max() / s16
+    j16 = (
+        np.abs(
+            np.asarray(jax.jit(jnp.matmul)(ja.astype(jnp.float16), jb.astype(jnp.float16)), np.float64) - ref16
+        ).max()
+        / s16
+    )
     t16 = {}
     if torch_cuda:
         for flag in (True, False):
             with tp.matmul_precision("highest", allow_fp16_reduced_precision_reduction=flag):
                 t16[flag] = np.abs((ta.half() @ tb.half()).double().cpu().numpy() - ref16).max() / s16
-    rows.append(f"fp16 jax {j16:.3e}  torch reduced-precision-reduction on {t16.get(True, float('nan')):.3e} "
-                f"off {t16.get(False, float('nan')):.3e}")
+    rows.append(
+        f"fp16 jax {j16:.3e}  torch reduced-precision-reduction on {t16.get(True, float('nan')):.3e} "
+        f"off {t16.get(False, float('nan')):.3e}"
+    )
     print("\n" + "\n".join(rows))
     assert errs["highest"][0] < 1e-5
     assert j16 < 2e-3  # float16 output rounding (2**-11) dominates; float32 accumulation keeps it there

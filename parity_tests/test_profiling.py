@@ -1,6 +1,7 @@
 """The profiling twins (``jaxattn.profiling``, ``torchref.profiling``) and the neutral ``jaxattn.spec.timing``:
 traces are written and non-empty, memory snapshots are ordered and say where their numbers come from, timer
 medians are sane, synchronize passes nested pytrees / tensors through."""
+
 import gzip
 import json
 import os

@@ -3,6 +3,7 @@ int8 weights and scales, each weight is within half a quantization step, the qua
 other at the fp32 full-model tolerance, the error against fp32 is no worse than torchao's int8 weight-only (where
 torchao imports), the weight memory shrinks, and quantized models decode with the KV cache.
 """
+
 import copy
 
 import jax
@@ -19,10 +20,17 @@ from torchref import generate as tgen  # noqa: E402
 from torchref import quant as tq  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits: both twins run the same dequantized matmuls
+LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits: both twins run the same dequantized matmuls
 
-PAIRS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-         "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+PAIRS = {
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +103,10 @@ def test_no_worse_than_torchao(quantized):
 
 def test_weight_memory(quantized):
     tmodel, jmodel, qt, qj = quantized
-    for before, after in ((tq.weight_bytes(tmodel), tq.weight_bytes(qt)), (jq.weight_bytes(jmodel), jq.weight_bytes(qj))):
+    for before, after in (
+        (tq.weight_bytes(tmodel), tq.weight_bytes(qt)),
+        (jq.weight_bytes(jmodel), jq.weight_bytes(qj)),
+    ):
         cfg = tmodel.config
         embed = cfg.vocab_size * cfg.dim * 4
         norms = (2 * cfg.n_layers + 1) * cfg.dim * 4
@@ -147,9 +158,9 @@ def test_smollm2_int8_bit_identical_and_says_paris():
     """The real SmolLM2-135M (a dequantized Q4_1 grid, full of rounding ties): int8 weights bit-identical in both
     twins, int8 logits within 2e-4 of each other (fp32 noise floor of this model: 1.3e-4 between the fp32 twins,
     see test_gguf), and both write the fp32 model's greedy answer."""
-    from parity_tests.test_generate import _smollm2_path
     from jaxattn import hf as jhf
     from jaxattn.spec.gguf import read_gguf
+    from parity_tests.test_generate import _smollm2_path
     from torchref import hf as thf
 
     config, tensors, tok = read_gguf(_smollm2_path())
@@ -165,5 +176,6 @@ def test_smollm2_int8_bit_identical_and_says_paris():
     out_j = np.asarray(jitted(qj)(jnp.asarray([ids], jnp.int32)))
     assert np.abs(out_t - out_j).max() <= 2e-4
     text = tok.decode(tgen.generate(qt, [ids], 12, eos_id=tok.eos_id)[0])
-    assert "Paris" in text and jgen.generate(qj, [ids], 12, eos_id=tok.eos_id) == tgen.generate(qt, [ids], 12,
-                                                                                             eos_id=tok.eos_id)
+    assert "Paris" in text and jgen.generate(qj, [ids], 12, eos_id=tok.eos_id) == tgen.generate(
+        qt, [ids], 12, eos_id=tok.eos_id
+    )

@@ -1,4 +1,5 @@
 """README.md's results section is generated from the committed JSON (``python -m benchmarks.readme``), never typed."""
+
 import json
 import random
 import statistics
@@ -22,8 +23,14 @@ def test_splice_replaces_only_between_the_markers_and_needs_them():
 
 
 def _write_suite(tmp_path, suite, records, when):
-    env = {"jax_device": "cpu (x86_64)", "torch_device": "cpu", "jax": "9.9.1", "torch": "8.8.2+cpu",
-           "time_utc": when, "quick": True}
+    env = {
+        "jax_device": "cpu (x86_64)",
+        "torch_device": "cpu",
+        "jax": "9.9.1",
+        "torch": "8.8.2+cpu",
+        "time_utc": when,
+        "quick": True,
+    }
     (tmp_path / f"{suite}.json").write_text(json.dumps({"env": env, "suite": suite, "records": records}))
 
 
@@ -35,17 +42,37 @@ def test_cpu_quick_section_is_built_from_the_json_with_torch_over_jax_time(tmp_p
     for s in (64, 128, 256, 512, 1024, 2048):  # an even number of paired rows: the median is a mean of two
         jax_ms = [rng.uniform(1.0, 2.0), rng.uniform(1.0, 2.0)]  # two JAX impls: the fastest counts
         torch_ms = rng.uniform(2.5, 9.0)
-        recs += [dict(suite="model", S=s, **{"pass": "fwd"}, framework="jax", impl="a", median_ms=jax_ms[0],
-                      tokens_per_s=s / jax_ms[0]),
-                 dict(suite="model", S=s, **{"pass": "fwd"}, framework="jax", impl="b", median_ms=jax_ms[1]),
-                 dict(suite="model", S=s, **{"pass": "fwd"}, framework="torch", impl="ref", median_ms=torch_ms),
-                 dict(suite="model", S=s, **{"pass": "fwd"}, framework="torch", impl="slow", status="skipped",
-                      reason="not here")]
+        recs += [
+            dict(
+                suite="model",
+                S=s,
+                **{"pass": "fwd"},
+                framework="jax",
+                impl="a",
+                median_ms=jax_ms[0],
+                tokens_per_s=s / jax_ms[0],
+            ),
+            dict(suite="model", S=s, **{"pass": "fwd"}, framework="jax", impl="b", median_ms=jax_ms[1]),
+            dict(suite="model", S=s, **{"pass": "fwd"}, framework="torch", impl="ref", median_ms=torch_ms),
+            dict(
+                suite="model",
+                S=s,
+                **{"pass": "fwd"},
+                framework="torch",
+                impl="slow",
+                status="skipped",
+                reason="not here",
+            ),
+        ]
         expected.append(torch_ms / min(jax_ms))
     recs.append(dict(suite="model", S=4096, **{"pass": "fwd"}, framework="jax", impl="a", median_ms=0.5))  # unpaired
     _write_suite(tmp_path, "model", recs, "2031-01-02T03:04:05Z")
-    _write_suite(tmp_path, "plan", [dict(suite="plan", framework="jax", impl="fsdp", mesh="fsdp=8",
-                                         measured={"peak": 1})], "2031-01-02T03:09:00Z")
+    _write_suite(
+        tmp_path,
+        "plan",
+        [dict(suite="plan", framework="jax", impl="fsdp", mesh="fsdp=8", measured={"peak": 1})],
+        "2031-01-02T03:09:00Z",
+    )
     (tmp_path / "attention_tflops.png").write_bytes(b"")  # no attention JSON: not linked
     text = "\n".join(readme.cpu_quick_section(str(tmp_path)))
     row = next(line for line in text.splitlines() if line.startswith("| model |"))

@@ -2,13 +2,14 @@
 
 * Gradients with each policy equal the gradients without remat in the same framework (recomputation repeats
   the same float ops; only rounding from a different fusion or op order can differ: rtol 1e-5, atol 1e-6), and
-  torch equals JAX at the fp32 gradient tolerance (rtol = atol = 1e-3, CONVENTIONS §7) for every policy.
+  torch equals JAX at the fp32 gradient tolerance (rtol = atol = 1e-3, design §7) for every policy.
 * The policies really change what is kept for the backward pass: in JAX the saved residuals, in torch the bytes
   the forward leaves alive (``benchmarks.suites.remat.torch_saved_bytes``), shrink none > save_dots > save_qkv_attn >
   full; torch's ``save_qkv_attn`` keeps exactly q/k/v and the attention output per layer call.
 * Bad input: an unknown policy is a ValueError listing the names (both ``apply`` functions, the model setting);
   ``offload`` on a device with no host memory space is a ValueError saying why and what else to use.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from torchref import remat as tremat  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 
 SAME_RTOL, SAME_ATOL = 1e-5, 1e-6  # fp32 rounding of one framework against itself
-GRAD_TOL = 1e-3  # CONVENTIONS §7, fp32 gradients, torch vs JAX
+GRAD_TOL = 1e-3  # design §7, fp32 gradients, torch vs JAX
 POLICIES = [p for p in REMAT_POLICIES if p != "none"]
 
 
@@ -53,6 +54,7 @@ def _jax_loss(graphdef, rest, tok, seg):
         logits = nnx.merge(graphdef, params, rest)(tok[:, :-1], segment_ids=seg[:, :-1])
         lp = jax.nn.log_softmax(logits, -1)
         return -jnp.take_along_axis(lp, tok[:, 1:, None], -1).mean()
+
     return loss
 
 
@@ -104,7 +106,8 @@ def _saved_residuals(jmodel, name, tok, seg):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(
-            _jax_loss(graphdef, rest, jnp.asarray(tok, jnp.int32), jnp.asarray(seg, jnp.int32)), params)
+            _jax_loss(graphdef, rest, jnp.asarray(tok, jnp.int32), jnp.asarray(seg, jnp.int32)), params
+        )
     return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
 
 
@@ -200,6 +203,7 @@ class _DeviceWithoutHost:
     def addressable_memories(self):
         class M:
             kind = "device"
+
         return [M()]
 
     def __str__(self):
@@ -210,9 +214,12 @@ def test_offload_where_it_cannot_be_served_is_a_clear_error(setup):
     _, jmodel, _, _ = setup
     assert jremat.offload_unavailable_reason() is None  # jax's CPU backend has a pinned_host memory space
     model = nnx.merge(*nnx.split(jmodel))
-    with pytest.raises(ValueError, match=r"policy='offload' cannot be served on this backend: FakeDevice\(0\) has "
-                                         r"memory spaces \['device'\], no 'pinned_host'.*use one of none, full, "
-                                         r"save_dots, save_qkv_attn"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy='offload' cannot be served on this backend: FakeDevice\(0\) has "
+        r"memory spaces \['device'\], no 'pinned_host'.*use one of none, full, "
+        r"save_dots, save_qkv_attn",
+    ):
         jremat.apply(model, "offload", device=_DeviceWithoutHost())
     assert model.remat == "none"
     assert jremat.apply(model, "offload") is model and model.remat == "offload"
@@ -241,7 +248,10 @@ def test_benchmark_records_small_run():
     from benchmarks.suites import remat as bremat
 
     recs = bremat.run(quick=True, policies=("none", "full"), frameworks=("torch",), log=lambda *a: None)
-    assert [(r["framework"], r["impl"], r["status"]) for r in recs] == [("torch", "none", "ok"), ("torch", "full", "ok")]
+    assert [(r["framework"], r["impl"], r["status"]) for r in recs] == [
+        ("torch", "none", "ok"),
+        ("torch", "full", "ok"),
+    ]
     for r in recs:
         m = r["measured"]
         assert m["bytes_ratio"] == (1.0 if r["impl"] == "none" else pytest.approx(m["bytes_ratio"]))

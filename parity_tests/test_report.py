@@ -2,6 +2,7 @@
 nothing), with the "JAX speed-up = torch time / JAX time" column; the attention plot gives each implementation
 one colour and marker in every panel and one legend that lists every series; so does every other suite's plot
 (train, remat, decode, compiled kernels), drawn here from fresh random records."""
+
 import json
 import os
 import random
@@ -14,9 +15,25 @@ from benchmarks.report.build import rebuild_report
 
 
 def _attn(impl, fw, pss, s, causal, ms, status="ok"):
-    r = {"suite": "attention", "impl": impl, "framework": fw, "pass": pss, "dtype": "float32", "B": 1, "Hq": 2,
-         "Hkv": 2, "Sq": s, "Sk": s, "D": 64, "causal": causal, "median_ms": None, "tflops": None,
-         "peak_mem_bytes": None, "status": status, "reason": None if status == "ok" else "needs CUDA"}
+    r = {
+        "suite": "attention",
+        "impl": impl,
+        "framework": fw,
+        "pass": pss,
+        "dtype": "float32",
+        "B": 1,
+        "Hq": 2,
+        "Hkv": 2,
+        "Sq": s,
+        "Sk": s,
+        "D": 64,
+        "causal": causal,
+        "median_ms": None,
+        "tflops": None,
+        "peak_mem_bytes": None,
+        "status": status,
+        "reason": None if status == "ok" else "needs CUDA",
+    }
     if status == "ok":
         r.update(median_ms=ms, tflops=1.0 / ms, iters=20)
     return r
@@ -35,15 +52,44 @@ def results(tmp_path):
     for s in (128, 256):
         for pss in ("fwd", "fwd_bwd"):
             for causal in (False, True):
-                attn += [_attn("chunked", "jax", pss, s, causal, 2.0), _attn("xla", "jax", pss, s, causal, 4.0),
-                         _attn("sdpa:math", "torch", pss, s, causal, 3.0),
-                         _attn("sdpa:efficient", "torch", pss, s, causal, None, status="skipped")]
+                attn += [
+                    _attn("chunked", "jax", pss, s, causal, 2.0),
+                    _attn("xla", "jax", pss, s, causal, 4.0),
+                    _attn("sdpa:math", "torch", pss, s, causal, 3.0),
+                    _attn("sdpa:efficient", "torch", pss, s, causal, None, status="skipped"),
+                ]
     _write(tmp_path, "attention", attn, "2026-01-02T00:00:00Z")
-    _write(tmp_path, "model", [
-        {"suite": "model", "preset": "tiny", "B": 4, "S": 128, "impl": "jaxattn", "framework": "jax", "pass": "fwd",
-         "median_ms": 1.0, "tokens_per_s": 512000.0, "status": "ok"},
-        {"suite": "model", "preset": "tiny", "B": 4, "S": 128, "impl": "torchref", "framework": "torch",
-         "pass": "fwd", "median_ms": 2.5, "tokens_per_s": 204800.0, "status": "ok"}], "2026-01-01T00:00:00Z")
+    _write(
+        tmp_path,
+        "model",
+        [
+            {
+                "suite": "model",
+                "preset": "tiny",
+                "B": 4,
+                "S": 128,
+                "impl": "jaxattn",
+                "framework": "jax",
+                "pass": "fwd",
+                "median_ms": 1.0,
+                "tokens_per_s": 512000.0,
+                "status": "ok",
+            },
+            {
+                "suite": "model",
+                "preset": "tiny",
+                "B": 4,
+                "S": 128,
+                "impl": "torchref",
+                "framework": "torch",
+                "pass": "fwd",
+                "median_ms": 2.5,
+                "tokens_per_s": 204800.0,
+                "status": "ok",
+            },
+        ],
+        "2026-01-01T00:00:00Z",
+    )
     return tmp_path
 
 
@@ -70,12 +116,18 @@ def test_report_refuses_dirs_without_timings(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         rebuild_report(str(tmp_path / "nope"))
     _write(tmp_path, "block_search", [{"impl": "flash"}], "2026-01-01T00:00:00Z")
-    with pytest.raises(ValueError, match="only deviceless-compile results \\(block_search.json\\) without kernels.json"):
+    with pytest.raises(
+        ValueError, match="only deviceless-compile results \\(block_search.json\\) without kernels.json"
+    ):
         rebuild_report(str(tmp_path))
     assert not (tmp_path / "report.md").exists()
     # a `run --suite plan` directory: its plan.json is a suite like the others, so its table is rebuilt
-    _write(tmp_path, "plan", [{"mesh": "fsdp=8", "impl": "sharding-plan", "framework": "jax", "status": "ok",
-                               "summary": "peak 1 GiB"}], "2026-01-01T00:00:00Z")
+    _write(
+        tmp_path,
+        "plan",
+        [{"mesh": "fsdp=8", "impl": "sharding-plan", "framework": "jax", "status": "ok", "summary": "peak 1 GiB"}],
+        "2026-01-01T00:00:00Z",
+    )
     rebuild_report(str(tmp_path))
     assert "## plan" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit):
@@ -94,8 +146,11 @@ def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, drawn):
             assert style.setdefault(line.get_label(), got) == got, line.get_label()
     assert len(set(style.values())) == len(style) == 4  # distinct per implementation
     assert len(fig.legends) == 1
-    assert {t.get_text() for t in fig.legends[0].get_texts()} == set(style) == {
-        "jax:chunked", "jax:xla", "torch:sdpa:math", "torch:sdpa:flash"}
+    assert (
+        {t.get_text() for t in fig.legends[0].get_texts()}
+        == set(style)
+        == {"jax:chunked", "jax:xla", "torch:sdpa:math", "torch:sdpa:flash"}
+    )
 
 
 # --------------------------------------------------------------------------------------------- every suite's plot
@@ -105,8 +160,18 @@ def _train_records(rng):
         for fw, impl in (("jax", "jaxattn"), ("torch", "torchref")):
             if toggle == "torch_compile" and fw == "jax":
                 continue
-            r = {"suite": "train", "toggle": toggle, "preset": "1b", "B": 1, "S": 2048, "framework": fw, "impl": impl,
-                 "status": "ok", "median_ms": rng.uniform(50, 500), "tokens_per_s": rng.uniform(1e3, 3e4)}
+            r = {
+                "suite": "train",
+                "toggle": toggle,
+                "preset": "1b",
+                "B": 1,
+                "S": 2048,
+                "framework": fw,
+                "impl": impl,
+                "status": "ok",
+                "median_ms": rng.uniform(50, 500),
+                "tokens_per_s": rng.uniform(1e3, 3e4),
+            }
             if (toggle, fw) == ("attn_fast", "torch"):
                 r.update(status="skipped", reason="flash SDPA needs CUDA", median_ms=None, tokens_per_s=None)
             recs.append(r)
@@ -117,13 +182,32 @@ def _remat_records(rng):
     recs = []
     for pol in ("none", "save_dots", "full"):
         for fw, target in (("jax", "cpu"), ("jax", "h100"), ("torch", "cpu")):
-            m = ({"temp_bytes": rng.uniform(1, 9) * 2**30, "residual_bytes": rng.uniform(1, 9) * 2**30}
-                 if fw == "jax" else {"saved_bytes": rng.uniform(1, 9) * 2**30, "peak_mem_bytes": None})
-            recs.append({"suite": "remat", "framework": fw, "impl": pol, "target": target, "preset": "1b",
-                         "n_layers": 2, "B": 1, "S": 512, "status": "ok", "measured": m,
-                         **({"label": "compiled for H100, not run"} if target == "h100" else {})})
-    return recs, {"jax: XLA temp (cpu)", "jax: XLA temp (H100, compiled, not run)", "jax: saved residuals",
-                  "torch: saved for backward (cpu)"}
+            m = (
+                {"temp_bytes": rng.uniform(1, 9) * 2**30, "residual_bytes": rng.uniform(1, 9) * 2**30}
+                if fw == "jax"
+                else {"saved_bytes": rng.uniform(1, 9) * 2**30, "peak_mem_bytes": None}
+            )
+            recs.append(
+                {
+                    "suite": "remat",
+                    "framework": fw,
+                    "impl": pol,
+                    "target": target,
+                    "preset": "1b",
+                    "n_layers": 2,
+                    "B": 1,
+                    "S": 512,
+                    "status": "ok",
+                    "measured": m,
+                    **({"label": "compiled for H100, not run"} if target == "h100" else {}),
+                }
+            )
+    return recs, {
+        "jax: XLA temp (cpu)",
+        "jax: XLA temp (H100, compiled, not run)",
+        "jax: saved residuals",
+        "torch: saved for backward (cpu)",
+    }
 
 
 def _decode_records(rng):
@@ -133,39 +217,86 @@ def _decode_records(rng):
             labels.add(f"{fw}:{impl} {weights}")
             for b in (1, 4, 64):
                 for pss in ("prefill", "decode"):
-                    recs.append({"suite": "decode", "model": "tiny", "weights": weights, "B": b, "prompt_len": 16,
-                                 "pass": pss, "impl": impl, "framework": fw, "status": "ok",
-                                 "median_ms": 1.0, "tokens_per_s": 10 ** rng.uniform(1, 5)})
+                    recs.append(
+                        {
+                            "suite": "decode",
+                            "model": "tiny",
+                            "weights": weights,
+                            "B": b,
+                            "prompt_len": 16,
+                            "pass": pss,
+                            "impl": impl,
+                            "framework": fw,
+                            "status": "ok",
+                            "median_ms": 1.0,
+                            "tokens_per_s": 10 ** rng.uniform(1, 5),
+                        }
+                    )
     return recs, labels
 
 
 def _kernel_records(rng, part=None):
     recs = []
-    for impl, kernels, dtypes in (("flash", ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv"), ("bf16", "fp32")),
-                                  ("mosaic", ("mosaic_fwd",), ("bf16",))):
+    for impl, kernels, dtypes in (
+        ("flash", ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv"), ("bf16", "fp32")),
+        ("mosaic", ("mosaic_fwd",), ("bf16",)),
+    ):
         for d in (64, 128):
             for dt in dtypes:
                 for k in kernels:
-                    recs.append({"impl": impl, "kernel": k, "head_dim": d, "dtype": dt, "B": 1, "S": 256, "Hq": 4,
-                                 "causal": True, "label": "compiled for H100, not run", "status": "ok",
-                                 "registers": rng.randint(64, 255), "spill_stores": rng.choice([0, 0, 96]),
-                                 "spill_loads": rng.choice([0, 64]), "smem_bytes": rng.randint(16, 200) * 1024,
-                                 **({"part": part, "framework": "jax"} if part else {})})
+                    recs.append(
+                        {
+                            "impl": impl,
+                            "kernel": k,
+                            "head_dim": d,
+                            "dtype": dt,
+                            "B": 1,
+                            "S": 256,
+                            "Hq": 4,
+                            "causal": True,
+                            "label": "compiled for H100, not run",
+                            "status": "ok",
+                            "registers": rng.randint(64, 255),
+                            "spill_stores": rng.choice([0, 0, 96]),
+                            "spill_loads": rng.choice([0, 64]),
+                            "smem_bytes": rng.randint(16, 200) * 1024,
+                            **({"part": part, "framework": "jax"} if part else {}),
+                        }
+                    )
     if part:  # the compile suite's program records ride along and are not kernels
-        recs.append({"part": "program", "framework": "jax", "impl": "train_step", "kind": "train_step",
-                     "preset": "tiny", "status": "ok", "peak": 123456, "label": "compiled for H100, not run"})
+        recs.append(
+            {
+                "part": "program",
+                "framework": "jax",
+                "impl": "train_step",
+                "kind": "train_step",
+                "preset": "tiny",
+                "status": "ok",
+                "peak": 123456,
+                "label": "compiled for H100, not run",
+            }
+        )
     return recs, {"flash bf16", "flash fp32", "mosaic bf16"}
 
 
 def _attention_records(rng):
-    recs = [_attn(impl, fw, pss, s, True, rng.uniform(0.1, 10)) for impl, fw in (
-        ("flash", "jax"), ("xla", "jax"), ("sdpa:math", "torch")) for pss in ("fwd", "fwd_bwd") for s in (128, 512)]
+    recs = [
+        _attn(impl, fw, pss, s, True, rng.uniform(0.1, 10))
+        for impl, fw in (("flash", "jax"), ("xla", "jax"), ("sdpa:math", "torch"))
+        for pss in ("fwd", "fwd_bwd")
+        for s in (128, 512)
+    ]
     return recs, {"jax:flash", "jax:xla", "torch:sdpa:math"}
 
 
-SYNTHETIC = {"train": _train_records, "remat": _remat_records, "decode": _decode_records,
-             "kernels": _kernel_records, "compile": lambda rng: _kernel_records(rng, part="kernel"),
-             "attention": _attention_records}
+SYNTHETIC = {
+    "train": _train_records,
+    "remat": _remat_records,
+    "decode": _decode_records,
+    "kernels": _kernel_records,
+    "compile": lambda rng: _kernel_records(rng, part="kernel"),
+    "attention": _attention_records,
+}
 
 
 @pytest.fixture
@@ -188,8 +319,9 @@ def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
 
     seed = random.randrange(2**32)
     records, expected = SYNTHETIC[suite](random.Random(seed))
-    plot = plots.plot_suite(str(tmp_path), suite, records, {"jax_device": "Synthetic GPU 80GB",
-                                                              "target_device": "NVIDIA H100 80GB HBM3"})
+    plot = plots.plot_suite(
+        str(tmp_path), suite, records, {"jax_device": "Synthetic GPU 80GB", "target_device": "NVIDIA H100 80GB HBM3"}
+    )
     assert plot is not None and plot.path == str(tmp_path / plots.PLOT_FILES[suite]), seed
     png = tmp_path / plots.PLOT_FILES[suite]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -208,10 +340,12 @@ def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
         assert ax.get_legend() is None  # one figure legend, none per panel
         assert ax.get_xlabel() and ax.get_ylabel()
         assert any(u in ax.get_ylabel() for u in ("tokens/s", "TFLOP/s", "GiB", "registers", "bytes", "KiB"))
-        got = [(line.get_label(), (line.get_color(), line.get_marker(), line.get_linestyle()))
-               for line in ax.get_lines() if not line.get_label().startswith("_")]
-        got += [(c.get_label(), (tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch()))
-                for c in ax.containers]
+        got = [
+            (line.get_label(), (line.get_color(), line.get_marker(), line.get_linestyle()))
+            for line in ax.get_lines()
+            if not line.get_label().startswith("_")
+        ]
+        got += [(c.get_label(), (tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch())) for c in ax.containers]
         for label, st in got:
             assert style.setdefault(label, st) == st, (label, seed)
     assert set(style) == expected and len(set(style.values())) == len(style)  # distinct per series
@@ -240,8 +374,15 @@ def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
 
     compiled = tmp_path / "compiled"
     compiled.mkdir()
-    env = {"jax_device": "cpu (synthetic)", "time_utc": "2026-01-01T00:00:00Z", "target": "h100", "quick": True,
-           "plugin": "0.0", "ptxas": "x", "target_device": "NVIDIA H100 80GB HBM3"}
+    env = {
+        "jax_device": "cpu (synthetic)",
+        "time_utc": "2026-01-01T00:00:00Z",
+        "target": "h100",
+        "quick": True,
+        "plugin": "0.0",
+        "ptxas": "x",
+        "target_device": "NVIDIA H100 80GB HBM3",
+    }
     recs = _kernel_records(rng)[0]
     for r in recs:
         r.update(threads=128, stack=0, blocks_per_sm=1, occupancy=0.125, sass=None)

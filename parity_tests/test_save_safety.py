@@ -5,6 +5,7 @@ permissions come from the umask; every intermediate state of a save (snapshotted
 unlink), a SIGKILL at random instants and concurrent writers all leave a directory that loads as exactly the old
 or the new checkpoint. Loaders name the file behind a JSON error and refuse non-float tensors alike.
 """
+
 import contextlib
 import json
 import os
@@ -91,9 +92,15 @@ def _expected_files(i: int) -> set:
 def _add_foreign_files(d):
     """Files a user keeps beside a checkpoint; returns name -> bytes (folders as 'logs/...')."""
     os.makedirs(d / "logs" / "run1", exist_ok=True)
-    files = {"tokenizer.json": b'{"v": 1}', "logs/run1/events.txt": b"step 1\n", "train.py": b"print(1)\n",
-             ".hidden": b"x", "model.safetensors.bak": b"mine", "model-1-of-2.safetensors": b"not ours",
-             "pytorch_model.bin": b"old"}
+    files = {
+        "tokenizer.json": b'{"v": 1}',
+        "logs/run1/events.txt": b"step 1\n",
+        "train.py": b"print(1)\n",
+        ".hidden": b"x",
+        "model.safetensors.bak": b"mine",
+        "model-1-of-2.safetensors": b"not ours",
+        "pytorch_model.bin": b"old",
+    }
     for name, data in files.items():
         (d / name).write_bytes(data)
     return files
@@ -105,6 +112,7 @@ def _assert_foreign_intact(d, files):
 
 
 # ------------------------------------------------------------------------------------ directory semantics
+
 
 @pytest.mark.parametrize("pkg", list(PKGS))
 def test_unrelated_files_survive_and_stale_weights_go(tmp_path, pkg):
@@ -210,6 +218,7 @@ def test_permissions_follow_the_umask(tmp_path, pkg, umask):
 
 # ------------------------------------------------------------------------------------ crash safety
 
+
 @contextlib.contextmanager
 def _snapshot_every_step(monkeypatch, target, out):
     """Copy ``target`` to ``out/sNNN`` before every rename, link and unlink of a path inside it: the states a
@@ -226,6 +235,7 @@ def _snapshot_every_step(monkeypatch, target, out):
             if os.path.realpath(os.fspath(src)).startswith(target + os.sep):
                 snap()
             return real(src, *a, **k)
+
         return op
 
     with monkeypatch.context() as m:
@@ -264,8 +274,12 @@ def test_kill_between_commit_and_config_then_save_again(tmp_path, monkeypatch):
     spec_save(d, 3)  # tied embeddings ...
     with _snapshot_every_step(monkeypatch, d, tmp_path / "snaps") as snaps:
         spec_save(d, 4)  # ... to other weights and another rope_theta
-    stale = [s for s in snaps if _loads_as(s, [3, 4]) == 4 and
-             json.loads(open(os.path.join(s, "config.json")).read())["rope_theta"] != 40000.0]
+    stale = [
+        s
+        for s in snaps
+        if _loads_as(s, [3, 4]) == 4
+        and json.loads(open(os.path.join(s, "config.json")).read())["rope_theta"] != 40000.0
+    ]
     assert stale, "no snapshot caught the window between commit and config.json"
     crashed = tmp_path / "crashed"
     shutil.copytree(stale[0], crashed)
@@ -299,8 +313,13 @@ def _allowed(log) -> list[int]:
 
 def _spawn(mode: str, d, log, first: int):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "parity_tests.save_child", mode, str(d), str(log), str(first)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "parity_tests.save_child", mode, str(d), str(log), str(first)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _kill(proc) -> None:
@@ -403,6 +422,7 @@ def test_concurrent_writers_and_a_reader(tmp_path, pkg):
 
 # ------------------------------------------------------------------------------------ loader and argument errors
 
+
 @pytest.mark.parametrize("pkg", list(PKGS))
 def test_invalid_json_names_the_file(tmp_path, pkg):
     d = tmp_path / "ckpt"
@@ -412,14 +432,18 @@ def test_invalid_json_names_the_file(tmp_path, pkg):
         PKGS[pkg].from_pretrained(d)
     spec_save(d, 0)
     (d / "config.json").write_text("{'single': 'quotes'}")
-    with pytest.raises(CheckpointError, match=re.escape(f"{d / 'config.json'} is not valid JSON: Expecting property name")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{d / 'config.json'} is not valid JSON: Expecting property name")
+    ):
         PKGS[pkg].from_pretrained(d)
     (d / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="config.json must hold a JSON object, got list"):
         PKGS[pkg].from_pretrained(d)
     spec_save(d, 0)  # a save repairs the directory
     (d / hf_format.SINGLE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
-    with pytest.raises(CheckpointError, match=re.escape(f"{d / hf_format.SINGLE_FILE} is not a readable safetensors file")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{d / hf_format.SINGLE_FILE} is not a readable safetensors file")
+    ):
         PKGS[pkg].from_pretrained(d)
 
 
@@ -432,8 +456,10 @@ def test_non_float_tensors_are_refused(tmp_path, pkg):
     os.makedirs(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg.to_hf()))
     safetensors_numpy.save_file(tensors, str(tmp_path / "ckpt" / hf_format.SINGLE_FILE))
-    want = ("unsupported dtype (2): model.embed_tokens.weight: int32, model.norm.weight: float64; "
-            "a checkpoint holds float32, bfloat16, float16")
+    want = (
+        "unsupported dtype (2): model.embed_tokens.weight: int32, model.norm.weight: float64; "
+        "a checkpoint holds float32, bfloat16, float16"
+    )
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint '{tmp_path / 'ckpt'}' has tensors of {want}")):
         PKGS[pkg].from_pretrained(tmp_path / "ckpt")
     sd = tensors if pkg == "jax" else {k: torch.from_numpy(v) for k, v in tensors.items()}
@@ -442,8 +468,9 @@ def test_non_float_tensors_are_refused(tmp_path, pkg):
 
 
 @pytest.mark.parametrize("pkg", list(PKGS))
-@pytest.mark.parametrize("bad,err", [("1GB", TypeError), (True, TypeError), (1.5, TypeError), (0, ValueError),
-                                     (-5, ValueError)])
+@pytest.mark.parametrize(
+    "bad,err", [("1GB", TypeError), (True, TypeError), (1.5, TypeError), (0, ValueError), (-5, ValueError)]
+)
 def test_max_shard_bytes_must_be_a_positive_int(tmp_path, pkg, bad, err):
     with pytest.raises(err, match=re.escape(f"max_shard_bytes={bad!r} is not supported; use a positive int")):
         _save(pkg, 0, tmp_path / "x", max_shard_bytes=bad)

@@ -8,6 +8,7 @@ flip sign between the two reduction orders and move a weight by up to ``2 * lr``
 The AdamW run (the CLI's default) checks losses within 1e-5 and that ``mu``/``nu`` are sharded like the params.
 The tensor=4 meshes use ``ModelConfig.preset("tiny", n_kv_heads=4)``: tiny's 2 KV heads do not divide by 4.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,8 +25,7 @@ from jaxattn.train_step import TrainState, make_train_step
 
 CFG = ModelConfig.preset("tiny", n_kv_heads=4)  # 4 heads / 4 kv heads / ffn 160 / vocab 256 / dim 64
 BATCH, SEQ, STEPS = 8, 16, 3
-MESHES = {"8,1,1": "data=8", "2,4,1": "data=2,fsdp=4", "2,2,2": "data=2,fsdp=2,tensor=2",
-          "1,2,4": "fsdp=2,tensor=4"}
+MESHES = {"8,1,1": "data=8", "2,4,1": "data=2,fsdp=4", "2,2,2": "data=2,fsdp=2,tensor=2", "1,2,4": "fsdp=2,tensor=4"}
 
 
 def _tx():
@@ -34,8 +34,9 @@ def _tx():
 
 def _sharded(graphdef, tx, state, mesh, *, batch_size, **kw):
     """``(step, state)`` laid out on ``mesh``: ``shard_train_state`` hands its sharding to ``make_train_step``."""
-    tx, state, sh = sharding.shard_train_state(graphdef, tx, state, mesh, batch_size=batch_size,
-                                               offload_optimizer=kw.pop("offload_optimizer", False))
+    tx, state, sh = sharding.shard_train_state(
+        graphdef, tx, state, mesh, batch_size=batch_size, offload_optimizer=kw.pop("offload_optimizer", False)
+    )
     return make_train_step(graphdef, tx, sharding=sh, **kw), state
 
 
@@ -94,8 +95,7 @@ def test_adamw_cli_mesh_matches_single_device(tmp_path):
     losses within 1e-5, with the Adam moments sharded like the parameters."""
     from jaxattn import train as trainer
 
-    argv = ["--preset", "tiny", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress",
-            "--lr", "1e-3"]
+    argv = ["--preset", "tiny", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--lr", "1e-3"]
     single = trainer.run(argv)["losses"]
     r = trainer.Trainer.from_argv(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
     assert r.state.opt_state[0].mu["layers"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor")
@@ -120,8 +120,7 @@ def test_activation_constraints_applied_under_mesh_only():
     assert not re.search(r"sharding_constraint|@Sharding", plain)
     x = jax.numpy.ones((BATCH, SEQ, CFG.dim))
     assert constrain(x, ("batch", "seq", "embed")) is x
-    step, state = _sharded(graphdef, _tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
-                                                   batch_size=BATCH)
+    step, state = _sharded(graphdef, _tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch_size=BATCH)
     text = step.lower(state, tokens).as_text()
     lines = [ln for ln in text.splitlines() if re.search(r"sharding_constraint|@Sharding", ln)]
     logits = f"tensor<{BATCH}x{SEQ}x{CFG.vocab_size}xf32>"
@@ -182,8 +181,11 @@ def test_per_shard_map_drops_an_axis_that_does_not_divide():
         shapes.append((q.shape, k.shape, seg))
         return dot_product_attention(q, k, v, causal=True)
 
-    out = jax.jit(lambda q, k, v: sharding.per_shard_map(fn, (q, k, v, None), (jm.Q_AXES, jm.KV_AXES, jm.KV_AXES,
-                                                         jm.SEGMENT_AXES), jm.Q_AXES, mesh))(q, k, v)
+    out = jax.jit(
+        lambda q, k, v: sharding.per_shard_map(
+            fn, (q, k, v, None), (jm.Q_AXES, jm.KV_AXES, jm.KV_AXES, jm.SEGMENT_AXES), jm.Q_AXES, mesh
+        )
+    )(q, k, v)
     assert shapes == [((2, 8, 4, 16), (2, 8, 2, 16), None)]
     np.testing.assert_allclose(out, dot_product_attention(q, k, v, causal=True), rtol=0, atol=1e-6)
 
@@ -260,12 +262,19 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_multiprocess_child.py")
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, child, port, str(pid), "2", str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, child, port, str(pid), "2", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
     tx = optax.adamw(1e-3)  # the same run in this process, 8 devices
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), tx)
-    step, state = _sharded(graphdef, tx, state, sharding.make_mesh("data=2,fsdp=2,tensor=2"),
-                                                   batch_size=8)
+    step, state = _sharded(graphdef, tx, state, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch_size=8)
     rng, ref = np.random.default_rng(0), []
     for _ in range(3):
         state, m = step(state, {"tokens": rng.integers(0, CFG.vocab_size, (8, 17)).astype(np.int32)})
@@ -277,7 +286,6 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     np.testing.assert_allclose(got["losses"], ref, rtol=0, atol=1e-5)
 
 
-
 def _launch(runs):
     """Start ``python -m jaxattn.train`` once per ``(argv, extra_env)`` in ``runs``, all at once, 4 CPU devices
     each; returns their ``(returncode, output)`` in order."""
@@ -285,10 +293,24 @@ def _launch(runs):
     import subprocess
     import sys
 
-    base = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")},
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxattn.train", *argv], env={**base, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv, env in runs]
+    base = {
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+        },
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxattn.train", *argv],
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv, env in runs
+    ]
     return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
 
@@ -313,26 +335,66 @@ def _two_process_cli(tmp_path, resume: bool):
 
     from jaxattn import train as trainer
 
-    common = ["--mesh", "data=2,fsdp=2,tensor=2", "--batch-size", "8", "--seq-len", "16", "--no-progress",
-              "--seed", "3", "--lr", "1e-3", "--schedule", "constant"]  # the same lr whatever --steps says
+    common = [
+        "--mesh",
+        "data=2,fsdp=2,tensor=2",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--seed",
+        "3",
+        "--lr",
+        "1e-3",
+        "--schedule",
+        "constant",
+    ]  # the same lr whatever --steps says
     mp = common + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     port = _port()
-    first = _launch([(mp + ["--steps", "2" if resume else "3", "--log-json", str(tmp_path / f"log{i}.jsonl"),
-                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], {})
-                     for i in (0, 1)])
+    first = _launch(
+        [
+            (
+                mp
+                + [
+                    "--steps",
+                    "2" if resume else "3",
+                    "--log-json",
+                    str(tmp_path / f"log{i}.jsonl"),
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                {},
+            )
+            for i in (0, 1)
+        ]
+    )
     assert all(rc == 0 for rc, _ in first), "\n".join(out[-3000:] for _, out in first)
     if resume:
         env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}", "JAX_NUM_PROCESSES": "2"}
-        second = _launch([(mp + ["--steps", "3", "--resume", "--log-json", str(tmp_path / f"log{i}.jsonl")],
-                           {**env, "JAX_PROCESS_ID": str(i)}) for i in (0, 1)])
+        second = _launch(
+            [
+                (
+                    mp + ["--steps", "3", "--resume", "--log-json", str(tmp_path / f"log{i}.jsonl")],
+                    {**env, "JAX_PROCESS_ID": str(i)},
+                )
+                for i in (0, 1)
+            ]
+        )
         assert all(rc == 0 for rc, _ in second), "\n".join(out[-3000:] for _, out in second)
     ref = trainer.run(common + ["--steps", "3", "--checkpoint-dir", str(tmp_path / "ref")])
     logs = [json.loads(line) for line in (tmp_path / "log0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 3]
     assert not (tmp_path / "log1.jsonl").exists()  # only process 0 logs
     np.testing.assert_allclose([r["loss"] for r in logs], ref["losses"], rtol=0, atol=1e-5)
-    got, want = load_file(str(tmp_path / "ck" / "final" / "model.safetensors")), \
-        load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
+    got, want = (
+        load_file(str(tmp_path / "ck" / "final" / "model.safetensors")),
+        load_file(str(tmp_path / "ref" / "final" / "model.safetensors")),
+    )
     assert got.keys() == want.keys()
     for name in want:
         diff = np.abs(got[name] - want[name])
@@ -353,8 +415,27 @@ def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
     ``--mesh``, before the train step compiles."""
     port = _port()
     meshes = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2")
-    runs = _launch([(["--mesh", m, "--steps", "1", "--no-progress", "--coordinator", f"127.0.0.1:{port}",
-                      "--num-processes", "2", "--process-id", str(i)], {}) for i, m in enumerate(meshes)])
+    runs = _launch(
+        [
+            (
+                [
+                    "--mesh",
+                    m,
+                    "--steps",
+                    "1",
+                    "--no-progress",
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                {},
+            )
+            for i, m in enumerate(meshes)
+        ]
+    )
     for rc, out in runs:
         assert rc == 2 and "processes disagree on --mesh" in out, out[-3000:]
 
@@ -364,12 +445,24 @@ def test_checkpoint_of_one_mesh_resumes_on_another(tmp_path):
     the new run's sharded state) and onto one device; both continue the uninterrupted run's losses within 1e-5."""
     from jaxattn import train as trainer
 
-    flags = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--seed", "5", "--lr", "1e-3",
-             "--schedule", "constant"]
+    flags = [
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--seed",
+        "5",
+        "--lr",
+        "1e-3",
+        "--schedule",
+        "constant",
+    ]
     ref = trainer.run(flags + ["--steps", "3"])["losses"]
     ck = str(tmp_path / "ck")
-    first = trainer.run(flags + ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "2", "--checkpoint-dir", ck,
-                                 "--keep-checkpoints", "5"])
+    first = trainer.run(
+        flags + ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "2", "--checkpoint-dir", ck, "--keep-checkpoints", "5"]
+    )
     np.testing.assert_allclose(first["losses"], ref[:2], rtol=0, atol=1e-5)
     import shutil
 
@@ -386,8 +479,7 @@ def test_optimizer_state_offloaded_to_pinned_host(reference):
     sharded like their parameters), the parameters in device memory, and the losses are the single-device ones."""
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
-    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH,
-                                                   offload_optimizer=True)
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH, offload_optimizer=True)
     losses, state = _run(step, state)
     np.testing.assert_allclose(losses, reference[0], rtol=0, atol=1e-5)
     moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) >= 2]
@@ -402,8 +494,7 @@ def test_optimizer_offload_refused_without_pinned_host(monkeypatch):
     monkeypatch.setattr(remat, "offload_unavailable_reason", lambda d=None: f"{d} has memory spaces ['device']")
     graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
     with pytest.raises(ValueError, match=r"offload_optimizer=True cannot be served on this backend: .* \['device'\]"):
-        _sharded(graphdef, _tx(), state, sharding.make_mesh("data=8"), batch_size=BATCH,
-                                         offload_optimizer=True)
+        _sharded(graphdef, _tx(), state, sharding.make_mesh("data=8"), batch_size=BATCH, offload_optimizer=True)
 
 
 def test_cli_offload_optimizer_trains_like_device_state():

@@ -1,5 +1,6 @@
 """Smoke test of the train benchmark suite (``benchmarks/suites/train.py``): the record format on a two-toggle subset
 of the --quick shapes, the MFU peak lookup, and the FLOPs count."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,11 @@ def test_unknown_toggle_is_refused():
 def test_quick_records_format(tmp_path):
     records = train.run(quick=True, toggles=["baseline", "grad_accum2"], log=lambda *a: None)
     assert [(r["toggle"], r["framework"]) for r in records] == [
-        ("baseline", "jax"), ("baseline", "torch"), ("grad_accum2", "jax"), ("grad_accum2", "torch")]
+        ("baseline", "jax"),
+        ("baseline", "torch"),
+        ("grad_accum2", "jax"),
+        ("grad_accum2", "torch"),
+    ]
     for r in records:
         assert r["suite"] == "train" and r["status"] == "ok", r.get("reason")
         assert r["iters"] >= 5 and r["median_ms"] > 0

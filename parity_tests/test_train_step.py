@@ -1,12 +1,13 @@
 """``jaxattn.train.make_train_step`` vs ``torchref.train.make_train_step`` from identical weights (tiny, CPU).
 
 * fp32: losses, grad norms and all parameters after 3 AdamW steps (clipping on, loss mask and packed segments
-  on) agree within CONVENTIONS §7's "fp32 after optimizer steps" tolerance (rtol 1e-3, atol 2e-3).
+  on) agree within design §7's "fp32 after optimizer steps" tolerance (rtol 1e-3, atol 2e-3).
 * fp16: a step whose scaled loss overflows (scale 2**126) is skipped in BOTH frameworks: params and optimizer
   state bit-for-bit unchanged, scale halved, growth tracker reset, and the two scalers' state dicts equal.
 * token ids: an id outside the vocabulary is a ValueError naming it in both steps (host check; checkify inside
   jit on request), and a masked out-of-range pad id can no longer turn the parameters into NaN.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -36,8 +37,9 @@ VOCAB = 256
 def _twins(seed=0):
     """(torch model, torch AdamW, jax model, optax AdamW) with identical weights and hyper-parameters."""
     tm, jm = twin_models(TorchModelConfig.preset("tiny"), seed=seed)
-    topt = torch.optim.AdamW(tm.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
-                             weight_decay=HP["weight_decay"])
+    topt = torch.optim.AdamW(
+        tm.parameters(), lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"], weight_decay=HP["weight_decay"]
+    )
     return tm, topt, jm, TX
 
 
@@ -91,8 +93,9 @@ def test_fp32_step_parity_three_adamw_steps(fp32_step):
         state, jm_ = step_fn(state, _to_jax(batch))
         tm_ = t_step(_to_torch(batch))
         _check_metric_types(jm_, tm_)
-        np.testing.assert_allclose(float(jm_["loss"]), float(tm_["loss"]), rtol=1e-3, atol=2e-3,
-                                   err_msg=f"loss at step {step}")
+        np.testing.assert_allclose(
+            float(jm_["loss"]), float(tm_["loss"]), rtol=1e-3, atol=2e-3, err_msg=f"loss at step {step}"
+        )
         np.testing.assert_allclose(float(jm_["grad_norm"]), float(tm_["grad_norm"]), rtol=1e-3, atol=1e-3)
         assert float(jm_["grad_norm"]) > 1.0  # the clip really acted (norm above max_norm)
         assert not bool(jm_["skipped"]) and not bool(tm_["skipped"])
@@ -137,9 +140,10 @@ def test_loss_weights_mask_and_segments():
 def test_fp16_overflow_step_is_skipped_in_both():
     tm, topt, jm, tx = _twins(seed=1)
     policy = "fp16"
-    graphdef, state = jtrain.TrainState.create(jm, tx, policy=policy,
-                                               loss_scale=DynamicLossScale.create(init_scale=2.0 ** 8))
-    scaler = TorchPolicy.preset(policy).make_grad_scaler("cpu", init_scale=2.0 ** 8)
+    graphdef, state = jtrain.TrainState.create(
+        jm, tx, policy=policy, loss_scale=DynamicLossScale.create(init_scale=2.0**8)
+    )
+    scaler = TorchPolicy.preset(policy).make_grad_scaler("cpu", init_scale=2.0**8)
     j_step = jtrain.make_train_step(graphdef, tx, policy=policy, max_grad_norm=1.0)
     t_step = ttrain.make_train_step(tm, topt, policy=policy, scaler=scaler, max_grad_norm=1.0)
     rng = np.random.default_rng(2)
@@ -149,28 +153,30 @@ def test_fp16_overflow_step_is_skipped_in_both():
     tm_ = t_step(_to_torch(batch))
     _check_metric_types(jm_, tm_)
     assert not bool(jm_["skipped"]) and not bool(tm_["skipped"])
-    assert float(jm_["loss_scale"]) == float(tm_["loss_scale"]) == 2.0 ** 8
+    assert float(jm_["loss_scale"]) == float(tm_["loss_scale"]) == 2.0**8
     assert state.loss_scale.state_dict() == scaler.state_dict()  # tracker 1 on both sides
     # force an overflow: the scaled float32 loss is ~5.5 * 2**126 > float32 max
-    sd = dict(scaler.state_dict(), scale=2.0 ** 126)
+    sd = dict(scaler.state_dict(), scale=2.0**126)
     scaler.load_state_dict(sd)
     state = state.replace(loss_scale=DynamicLossScale.from_state_dict(sd))
     j_before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     t_params = {k: v.detach().clone() for k, v in tm.state_dict().items()}
-    t_opt = {id_: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-             for id_, s in enumerate(topt.state.values())}
+    t_opt = {
+        id_: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        for id_, s in enumerate(topt.state.values())
+    }
     batch = _batch(rng)
     state, jm_ = j_step(state, _to_jax(batch))
     tm_ = t_step(_to_torch(batch))
     assert bool(jm_["skipped"]) and bool(tm_["skipped"])
-    assert float(jm_["loss_scale"]) == float(tm_["loss_scale"]) == 2.0 ** 126
+    assert float(jm_["loss_scale"]) == float(tm_["loss_scale"]) == 2.0**126
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (state.params, state.opt_state)), j_before)
     for k, v in tm.state_dict().items():
         assert torch.equal(v, t_params[k]), k
     for id_, s in enumerate(topt.state.values()):
         for k, v in s.items():
             assert torch.equal(v, t_opt[id_][k]) if torch.is_tensor(v) else v == t_opt[id_][k], k
-    expected = dict(sd, scale=2.0 ** 125, _growth_tracker=0)
+    expected = dict(sd, scale=2.0**125, _growth_tracker=0)
     assert state.loss_scale.state_dict() == scaler.state_dict() == expected
     assert int(state.opt_state[0].count) == 1  # AdamW's step count did not advance either
     assert int(state.step) == 2
@@ -208,8 +214,9 @@ def test_bf16_policies_keep_param_dtypes():
         graphdef, state = jtrain.TrainState.create(jm, tx, policy=name)
         new, m = jax.eval_shape(jtrain.make_train_step(graphdef, tx, policy=name), state, batch)
         assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype(want)}, name
-        assert {x.dtype for x in jax.tree.leaves(new.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} \
-            == {jnp.dtype(want)}, name
+        assert {x.dtype for x in jax.tree.leaves(new.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} == {
+            jnp.dtype(want)
+        }, name
         assert m["loss"].dtype == jnp.float32 and isinstance(new.loss_scale, NoOpLossScale)
     # the bf16 policy's traced forward really contains bf16 matmuls
     graphdef, state = jtrain.TrainState.create(jm, tx, policy="bf16")
@@ -221,8 +228,9 @@ def test_bf16_policies_keep_param_dtypes():
     topt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
     mt = ttrain.make_train_step(tm, topt, policy="bf16-pure")(_to_torch(_batch(np.random.default_rng(4))))
     assert np.isfinite(float(mt["loss"])) and {p.dtype for p in tm.parameters()} == {torch.bfloat16}
-    assert {v.dtype for s in topt.state.values() for v in s.values() if v.is_floating_point() and v.ndim} \
-        == {torch.bfloat16}
+    assert {v.dtype for s in topt.state.values() for v in s.values() if v.is_floating_point() and v.ndim} == {
+        torch.bfloat16
+    }
 
 
 def test_bad_inputs_raise():
@@ -252,8 +260,10 @@ def test_bad_inputs_raise():
         jtrain.make_train_step(graphdef, tx, check_ids=True)
     with pytest.raises(TypeError, match="GradScaler"):
         ttrain.make_train_step(tm, topt, scaler="dynamic")
-    for tokens, step in ((jnp.zeros((2, 1), jnp.int32), lambda b: j_step(state, b)),
-                         (torch.zeros((2, 1), dtype=torch.int64), t_step)):
+    for tokens, step in (
+        (jnp.zeros((2, 1), jnp.int32), lambda b: j_step(state, b)),
+        (torch.zeros((2, 1), dtype=torch.int64), t_step),
+    ):
         with pytest.raises(ValueError, match="seq >= 2"):
             step({"tokens": tokens})
     for bad, step in (([[1, 2, 3]], lambda b: j_step(state, b)), ([[1, 2, 3]], t_step)):
@@ -269,6 +279,7 @@ def test_bad_inputs_raise():
 # ------------------------------------------------------------------------------------------------------------
 # Token ids
 # ------------------------------------------------------------------------------------------------------------
+
 
 def _padded(rng, pad_id):
     """A right-padded batch: row 1's last 4 tokens are ``pad_id``, masked out of the loss."""
@@ -314,8 +325,11 @@ def test_masked_out_of_range_pad_ids_cannot_poison_the_params(fp32_step):
     assert np.isfinite(float(m_bad["loss"])) and np.isfinite(float(m_bad["grad_norm"]))
     np.testing.assert_allclose(float(m_bad["loss"]), float(m_ok["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(m_bad["grad_norm"]), float(m_ok["grad_norm"]), rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
-                 s_bad.params, s_ok.params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+        s_bad.params,
+        s_ok.params,
+    )
 
 
 def test_cross_entropy_drops_nan_at_masked_targets_in_both():
@@ -350,8 +364,11 @@ def test_checkify_reports_bad_ids_from_inside_jit():
     graphdef, state = jtrain.TrainState.create(jm, tx)
     step = jtrain.make_train_step(graphdef, tx, max_grad_norm=1.0, check_ids="jit")
     batch = _to_jax(_padded(np.random.default_rng(9), VOCAB + 5))
-    with pytest.raises(ValueError, match=r"id outside \[0, vocab_size=256\): 261 at position \(1, 13\) "
-                                         r"\(4 bad ids in all\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"id outside \[0, vocab_size=256\): 261 at position \(1, 13\) "
+        r"\(4 bad ids in all\)",
+    ):
         step(state, batch)
     new, m = step(state, _to_jax(_padded(np.random.default_rng(9), 0)))  # the same state is still usable
     assert int(new.step) == 1 and np.isfinite(float(m["loss"]))

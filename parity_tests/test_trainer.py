@@ -11,6 +11,7 @@
   used; ``--profile`` writes a trace; ``--log-json`` has one object per step with the documented keys; the
   final ``save_pretrained`` export loads in ``transformers`` and gives torchref's logits.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,11 @@ def init_dir(tmp_path_factory):
 
 
 def _options(parser):
-    return {a.option_strings[0]: (a.default, a.choices, a.help, type(a).__name__)
-            for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    return {
+        a.option_strings[0]: (a.default, a.choices, a.help, type(a).__name__)
+        for a in parser._actions
+        if a.option_strings and a.option_strings[0] != "-h"
+    }
 
 
 def test_one_flag_table_for_both_clis():
@@ -53,9 +57,11 @@ def test_one_flag_table_for_both_clis():
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
     assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
     assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
-    conventions = ("--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
-                   "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
-                   "--checkpoint-dir --checkpoint-every --resume --log-json --profile").split()
+    conventions = (
+        "--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
+        "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
+        "--checkpoint-dir --checkpoint-every --resume --log-json --profile"
+    ).split()
     assert set(conventions) <= shared
 
 
@@ -84,7 +90,7 @@ BAD = [
     (["--attention", "mosaic"], "torch", r"--attention 'mosaic': expected .*torch attention backends from xla"),
     (["--preset", "2b"], "both", r"--preset: invalid choice: '2b'"),
     (["--seed", "-1"], "both", r"--seed -1: must be an integer >= 0"),
-    (["--seed", str(2 ** 32)], "both", r"--seed 4294967296: must be in \[0, 2\*\*32\)"),
+    (["--seed", str(2**32)], "both", r"--seed 4294967296: must be in \[0, 2\*\*32\)"),
     (["--data", "/no/such/file.txt"], "both", r"--data '/no/such/file.txt': no such file or folder"),
     (["--packing", "zip"], "both", r"--packing: invalid choice: 'zip' \(choose from pack, bucket\)"),
     (["--init", "/no/such/dir"], "both", r"--init '/no/such/dir': no such directory"),
@@ -97,16 +103,32 @@ BAD = [
     (["--mesh", "data"], "jax", r"--mesh 'data': expected comma-separated AXIS=N"),
     (["--mesh", "data=1"], "torch", r"unrecognized arguments: --mesh data=1"),
     (["--compile"], "jax", r"unrecognized arguments: --compile"),
-    (["--coordinator", "h:1"], "jax", r"multi-process run needs --coordinator, --num-processes and --process-id .*"
-     r"missing --num-processes, --process-id"),
-    (["--coordinator", "h", "--num-processes", "2", "--process-id", "0", "--mesh", "data=8"], "jax",
-     r"--coordinator 'h': expected HOST:PORT"),
-    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "--mesh", "data=8"], "jax",
-     r"--process-id 2: must be in \[0, --num-processes 2\)"),
-    (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "jax",
-     r"--num-processes 0: must be an integer >= 1"),
-    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"], "jax",
-     r"--num-processes 2: a multi-process run needs --mesh"),
+    (
+        ["--coordinator", "h:1"],
+        "jax",
+        r"multi-process run needs --coordinator, --num-processes and --process-id .*"
+        r"missing --num-processes, --process-id",
+    ),
+    (
+        ["--coordinator", "h", "--num-processes", "2", "--process-id", "0", "--mesh", "data=8"],
+        "jax",
+        r"--coordinator 'h': expected HOST:PORT",
+    ),
+    (
+        ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "--mesh", "data=8"],
+        "jax",
+        r"--process-id 2: must be in \[0, --num-processes 2\)",
+    ),
+    (
+        ["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"],
+        "jax",
+        r"--num-processes 0: must be an integer >= 1",
+    ),
+    (
+        ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"],
+        "jax",
+        r"--num-processes 2: a multi-process run needs --mesh",
+    ),
     (["--process-id", "0"], "torch", r"unrecognized arguments: --process-id 0"),
     (["--offload-optimizer"], "jax", r"--offload-optimizer needs --mesh"),
     (["--offload-optimizer", "--parallel", "ddp"], "torch", r"--offload-optimizer needs --parallel fsdp or fsdp\+tp"),
@@ -118,7 +140,7 @@ BAD = [
 
 @pytest.mark.parametrize("argv,frameworks,message", BAD, ids=[" ".join(b[0])[:40] for b in BAD])
 def test_bad_flag_values_are_clear_errors_before_any_build(argv, frameworks, message):
-    for fw in (("jax", "torch") if frameworks == "both" else (frameworks,)):
+    for fw in ("jax", "torch") if frameworks == "both" else (frameworks,):
         with pytest.raises(CLIError) as e:
             parse_args(argv, fw, JAX_BACKENDS if fw == "jax" else TORCH_BACKENDS)
         # argparse quotes the choices from Python 3.12.8 on ("choose from 'a', 'b'"), older versions do not
@@ -138,10 +160,12 @@ def test_main_exits_2_with_the_message(tmp_path, capsys):
     bad_cfg = tmp_path / "c.json"
     bad_cfg.write_text(json.dumps({"dim": 64, "colour": "red"}))
     np.save(tmp_path / "ids.npy", np.array([1, 2, 999]))
-    cases = [(["--lr", "-1"], r"error: --lr -1.0: must be a finite float > 0"),
-             (["--config-json", str(bad_cfg)], r"error: --config-json .*c\.json.*colour"),
-             (["--data", str(tmp_path / "ids.npy")], r"error: --data .*ids\.npy.*vocab_size=256.*999"),
-             (["--resume", "--checkpoint-dir", str(tmp_path / "empty")], r"error: --resume: no checkpoint")]
+    cases = [
+        (["--lr", "-1"], r"error: --lr -1.0: must be a finite float > 0"),
+        (["--config-json", str(bad_cfg)], r"error: --config-json .*c\.json.*colour"),
+        (["--data", str(tmp_path / "ids.npy")], r"error: --data .*ids\.npy.*vocab_size=256.*999"),
+        (["--resume", "--checkpoint-dir", str(tmp_path / "empty")], r"error: --resume: no checkpoint"),
+    ]
     for main, prog in ((jtrainer.main, "jaxattn.train"), (ttrainer.main, "torchref.train")):
         for argv, message in cases:
             assert main(argv + SMALL) == 2
@@ -159,8 +183,28 @@ def _both(argv):
 def test_cross_framework_losses_agree_over_30_steps(init_dir, tmp_path, extra):
     """Twin CLIs from one --init checkpoint, README.md as byte-level text, fp32: max |loss_jax - loss_torch| over
     30 steps <= 1e-4 (a per-step loss is a full-model forward, so 1e-4 is the §7 fp32 logits rule)."""
-    argv = ["--init", str(init_dir), "--data", "README.md", "--steps", "30", "--lr", "3e-3", "--warmup", "3",
-            "--precision", "fp32", "--optimizer", "adamw", "--seed", "0"] + SMALL + extra
+    argv = (
+        [
+            "--init",
+            str(init_dir),
+            "--data",
+            "README.md",
+            "--steps",
+            "30",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "3",
+            "--precision",
+            "fp32",
+            "--optimizer",
+            "adamw",
+            "--seed",
+            "0",
+        ]
+        + SMALL
+        + extra
+    )
     jl, tl, _ = _both(argv + ["--log-json", str(tmp_path / "log.jsonl")])
     assert len(jl) == len(tl) == 30
     np.testing.assert_allclose(jl, tl, rtol=0, atol=1e-4)
@@ -230,6 +274,9 @@ def test_forward_only_backend_not_offered_for_training():
     """``flash_decode`` (the split-K decode kernel) has no gradient: the JAX trainer refuses it at parse time."""
     from jaxattn import train as jt
 
-    with pytest.raises(CLIError, match=r"--attention 'flash_decode': expected .* jax attention backends from "
-                                       r"flash, mosaic, cudnn, chunked, xla"):
+    with pytest.raises(
+        CLIError,
+        match=r"--attention 'flash_decode': expected .* jax attention backends from "
+        r"flash, mosaic, cudnn, chunked, xla",
+    ):
         jt.Trainer.from_argv(["--attention", "flash_decode", "--steps", "1"])

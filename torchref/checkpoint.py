@@ -12,11 +12,12 @@ previous checkpoints whole and the new one either complete or absent. ``keep``: 
 are ever deleted (older steps beyond ``keep``, and temporary files of processes that no longer run); other
 files in the directory are left alone. Files are loaded with ``weights_only=True``.
 """
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class Checkpointer:
             return []
         return sorted(int(m.group(1)) for m in map(_FINAL.fullmatch, os.listdir(self.directory)) if m)
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -68,7 +69,7 @@ class Checkpointer:
         return final
 
     def _prune(self) -> None:
-        for step in self.all_steps()[:-self.keep]:
+        for step in self.all_steps()[: -self.keep]:
             os.unlink(self.path(step))
         for name in os.listdir(self.directory):
             pid = temp_pid(name, _FINAL.pattern)
@@ -78,8 +79,9 @@ class Checkpointer:
     def load(self, step: int, map_location: Any = "cpu") -> dict[str, Any]:
         path = self.path(step)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory!r} (have steps "
-                                    f"{self.all_steps()})")
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory!r} (have steps {self.all_steps()})"
+            )
         return torch.load(path, map_location=map_location, weights_only=True)
 
     def close(self) -> None:

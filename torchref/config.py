@@ -4,6 +4,7 @@ import); this is the mirrored module name of ``jaxattn.config``.
     from torchref.config import ModelConfig
     cfg = ModelConfig.preset("tiny")
 """
+
 from jaxattn.spec.config import PRESET_NAMES, ModelConfig
 
 __all__ = ["ModelConfig", "PRESET_NAMES"]

@@ -8,6 +8,7 @@ through a ``torch.utils.data.DataLoader`` (worker processes, pinned memory).
 Each DataLoader item is one whole batch (``batch_size=None``: the numpy side already batches, packs and pads),
 so the batches are exactly those of the JAX trainer for the same seed, in the same order.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,8 +18,17 @@ from torch.utils.data import DataLoader
 
 from jaxattn.spec.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
 
-__all__ = ["Dataset", "BatchDataset", "loader", "load_tokenizer", "ByteTokenizer", "HFTokenizer",
-           "bucket_lengths", "PACKING", "SYNTHETIC"]
+__all__ = [
+    "Dataset",
+    "BatchDataset",
+    "loader",
+    "load_tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "bucket_lengths",
+    "PACKING",
+    "SYNTHETIC",
+]
 
 
 class BatchDataset(torch.utils.data.Dataset):
@@ -37,6 +47,13 @@ def loader(ds: Dataset, start: int, stop: int, *, num_workers: int = 1, pin_memo
         raise ValueError(f"num_workers={num_workers!r} must be >= 0")
     # fork is unsafe once a multithreaded runtime (jax, in a process that loaded both twins) is up
     context = "spawn" if num_workers and "jax" in sys.modules else None
-    return DataLoader(BatchDataset(ds), batch_size=None, sampler=range(start, stop), num_workers=num_workers,
-                      pin_memory=pin_memory, prefetch_factor=2 if num_workers else None,
-                      persistent_workers=False, multiprocessing_context=context)
+    return DataLoader(
+        BatchDataset(ds),
+        batch_size=None,
+        sampler=range(start, stop),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=2 if num_workers else None,
+        persistent_workers=False,
+        multiprocessing_context=context,
+    )

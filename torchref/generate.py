@@ -12,10 +12,11 @@ greedy at ``temperature == 0``, else temperature -> top-k -> top-p -> ``torch.mu
 per row at ``eos_id``. ``compile=True`` runs the decode step under ``torch.compile`` (the cache is a set of
 fixed-shape tensors updated in place, so the step has static shapes).
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -29,8 +30,9 @@ from .model import LlamaForCausalLM
 from .quant import quantize
 
 
-def sample(logits: torch.Tensor, generator: Optional[torch.Generator], temperature: float,
-           top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, generator: torch.Generator | None, temperature: float, top_k: int | None, top_p: float | None
+) -> torch.Tensor:
     """Token ids ``[B]`` from float32 logits ``[B, V]`` (greedy when ``temperature == 0``)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -52,9 +54,18 @@ def _decode_step(model, token, cache):
 
 
 @torch.no_grad()
-def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
-           top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
-           max_len: Optional[int] = None, compile: bool = False) -> Iterator[list]:
+def stream(
+    model,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    max_len: int | None = None,
+    compile: bool = False,
+) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
     tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
@@ -78,12 +89,22 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
             token = torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
 
 
-def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, seed: int = 0, eos_id: Optional[int] = None,
-             max_len: Optional[int] = None, compile: bool = False) -> list[list[int]]:
+def generate(
+    model,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+    max_len: int | None = None,
+    compile: bool = False,
+) -> list[list[int]]:
     """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
-    return collect(stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile),
-                   len(prompts))
+    return collect(
+        stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile), len(prompts)
+    )
 
 
 def main(argv=None) -> int:
@@ -99,8 +120,20 @@ def main(argv=None) -> int:
     if args.int8:
         model = quantize(model)
     tok = load_tokenizer(args.init)
-    print_stream(stream(model, [prompt_ids(args, tok)], args.max_new_tokens, args.temperature, args.top_k,
-                        args.top_p, args.seed, tok.eos_id, compile=args.compile), tok)
+    print_stream(
+        stream(
+            model,
+            [prompt_ids(args, tok)],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            tok.eos_id,
+            compile=args.compile,
+        ),
+        tok,
+    )
     return 0
 
 

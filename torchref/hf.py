@@ -10,13 +10,14 @@ crash-safely and touches only our files (see ``jaxattn.spec.hf_format``).
 
     torchref.hf.save_pretrained(model, "ckpt"); model = torchref.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
+
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
-import torch
 import safetensors.torch
+import torch
 
 from jaxattn.spec import hf_format
 from jaxattn.spec.dtypes import MODEL_DTYPES, check_model_dtype
@@ -26,7 +27,7 @@ from .config import ModelConfig
 from .model import LlamaForCausalLM
 
 
-def _resolve_dtype(dtype) -> Optional[torch.dtype]:
+def _resolve_dtype(dtype) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
@@ -84,8 +85,12 @@ def from_pretrained(path: str | os.PathLike, dtype=None) -> LlamaForCausalLM:
     return from_state_dict(config, tensors, dtype=dtype)
 
 
-def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike,
-                    max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES, dtype=None) -> str:
+def save_pretrained(
+    model: LlamaForCausalLM,
+    path: str | os.PathLike,
+    max_shard_bytes: int = hf_format.DEFAULT_MAX_SHARD_BYTES,
+    dtype=None,
+) -> str:
     """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
 
     Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.

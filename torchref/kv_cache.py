@@ -11,6 +11,7 @@ shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: 
 ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the cache with segment ids
 ``(1, slot <= lengths[b])``, ``S > 1`` is a prefill of an empty cache (causal among the new tokens).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def set_lengths(self, lengths) -> "KVCache":
+    def set_lengths(self, lengths) -> KVCache:
         self.lengths.copy_(torch.as_tensor(lengths, dtype=torch.long).reshape(self.lengths.shape))
         return self
 
@@ -53,10 +54,12 @@ class KVCache:
         if s > self.max_len:
             raise ValueError(f"cache: {s} tokens do not fit a cache of max_len {self.max_len}")
         if s > 1 and not torch.compiler.is_compiling() and int(self.lengths.max()) > 0:
-            raise ValueError(f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
-                             f"lengths {self.lengths.tolist()}; decode one token per call")
+            raise ValueError(
+                f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
+                f"lengths {self.lengths.tolist()}; decode one token per call"
+            )
 
-    def layer(self, i: int) -> "LayerKV":
+    def layer(self, i: int) -> LayerKV:
         return LayerKV(self, i)
 
 

@@ -13,9 +13,8 @@ skipped while ``torch.compile`` traces). ``remat`` (one of ``jaxattn.spec.remat.
 outside by ``torchref.remat.apply``) is how each decoder layer runs in training: ``torchref.remat.run_layer``
 (per-layer ``torch.utils.checkpoint``, selective checkpointing or ``save_on_cpu``; the op lists are there).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
@@ -142,8 +141,13 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
         if not torch.compiler.is_compiling():
             _check_ids(input_ids, self.config.vocab_size)

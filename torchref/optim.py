@@ -22,11 +22,12 @@ schedule; call :func:`step_scheduler` instead, which steps it only when the upda
   indices of one step, near midpoints), so it cannot be the bit-level twin of the JAX code; the parity tests
   compare against it when it is installed.
 """
+
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,7 @@ import torch.nn.functional as F
 from jaxattn.spec import optim as spec
 from jaxattn.spec.optim import BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
 
-__all__ = ["build", "step_scheduler", "param_groups", "AdamW8bit", "state_bytes", "OPTIMIZER_NAMES",
-           "SCHEDULE_NAMES"]
+__all__ = ["build", "step_scheduler", "param_groups", "AdamW8bit", "state_bytes", "OPTIMIZER_NAMES", "SCHEDULE_NAMES"]
 
 
 def _named(params_or_model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -47,11 +47,14 @@ def _named(params_or_model: Any) -> list[tuple[str, torch.Tensor]]:
         items = list(params_or_model)
     else:
         items = None
-    if not items or not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
-                            and isinstance(i[1], torch.Tensor) for i in items):
-        raise TypeError("params_or_model must be an nn.Module, a dict name -> Parameter, or (name, Parameter) "
-                        "pairs such as model.named_parameters(): the no-decay rule goes by name; got "
-                        f"{type(params_or_model).__name__}")
+    if not items or not all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], torch.Tensor) for i in items
+    ):
+        raise TypeError(
+            "params_or_model must be an nn.Module, a dict name -> Parameter, or (name, Parameter) "
+            "pairs such as model.named_parameters(): the no-decay rule goes by name; got "
+            f"{type(params_or_model).__name__}"
+        )
     return items
 
 
@@ -61,8 +64,11 @@ def param_groups(params_or_model: Any, weight_decay: float) -> list[dict]:
     named = [(n, p) for n, p in _named(params_or_model) if p.requires_grad]
     decay = [p for n, p in named if spec.decays(n)]
     no_decay = [p for n, p in named if not spec.decays(n)]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, skipped: bool) -> None:
@@ -74,6 +80,7 @@ def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, skipped: boo
 # ----------------------------------------------------------------------------------------------------------------
 # 8-bit AdamW
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _quantize(x: torch.Tensor, code: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest map entry to ``x / absmax`` per block, ties to the lower index (``spec.optim.quantize_blockwise``)."""
@@ -89,7 +96,7 @@ def _quantize(x: torch.Tensor, code: torch.Tensor, block_size: int) -> tuple[tor
 
 
 def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return (code[codes.long()] * absmax[:, None]).reshape(-1)[:like.numel()].view(like.shape)
+    return (code[codes.long()] * absmax[:, None]).reshape(-1)[: like.numel()].view(like.shape)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -103,8 +110,17 @@ class AdamW8bit(torch.optim.Optimizer):
     moments (same update). State per quantised element: 2 bytes + 8 bytes per block.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, *, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        *,
+        block_size: int = BLOCK_SIZE,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+    ):
         for arg, val in (("block_size", block_size), ("min_8bit_size", min_8bit_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{arg}={val!r} must be a positive int")
@@ -121,7 +137,7 @@ class AdamW8bit(torch.optim.Optimizer):
         return self._maps[device]
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None):
+    def step(self, closure: Callable[[], Any] | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -139,8 +155,9 @@ class AdamW8bit(torch.optim.Optimizer):
                     if quantised:  # absmax 0: every code dequantises to 0
                         n_blocks = -(-p.numel() // self.block_size)
                         for k in ("m", "v"):
-                            state[f"{k}_codes"] = torch.zeros(n_blocks, self.block_size, dtype=torch.uint8,
-                                                              device=p.device)
+                            state[f"{k}_codes"] = torch.zeros(
+                                n_blocks, self.block_size, dtype=torch.uint8, device=p.device
+                            )
                             state[f"{k}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
                     else:
                         state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -155,7 +172,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(g, alpha=1.0 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                u = m / (v.sqrt() / math.sqrt(1.0 - b2 ** t) + eps) / (1.0 - b1 ** t)
+                u = m / (v.sqrt() / math.sqrt(1.0 - b2**t) + eps) / (1.0 - b1**t)
                 p32 = p.float()
                 p.copy_(p32 - lr * (u + wd * p32))
                 if quantised:
@@ -168,11 +185,21 @@ class AdamW8bit(torch.optim.Optimizer):
 # build
 # ----------------------------------------------------------------------------------------------------------------
 
-def build(params_or_model: Any, name: str, lr: Union[float, Callable[[int], float]],
-          weight_decay: float = spec.WEIGHT_DECAY_DEFAULT, *, schedule: str = "constant", warmup: int = 0,
-          steps: Optional[int] = None, min_lr_ratio: float = 0.0, b1: Optional[float] = None,
-          b2: Optional[float] = None, eps: Optional[float] = None
-          ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+
+def build(
+    params_or_model: Any,
+    name: str,
+    lr: float | Callable[[int], float],
+    weight_decay: float = spec.WEIGHT_DECAY_DEFAULT,
+    *,
+    schedule: str = "constant",
+    warmup: int = 0,
+    steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+    b1: float | None = None,
+    b2: float | None = None,
+    eps: float | None = None,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """``(optimizer, scheduler)`` for ``--optimizer name`` (one of ``OPTIMIZER_NAMES``).
 
     ``params_or_model``: an ``nn.Module`` or named parameters (the decay rule needs names). ``lr``: the peak lr
@@ -180,24 +207,50 @@ def build(params_or_model: Any, name: str, lr: Union[float, Callable[[int], floa
     ``applied_steps -> lr``. ``b1``/``b2``/``eps`` default to ``spec.optim.ADAMW_DEFAULTS`` (refused for
     adafactor). Advance the scheduler with :func:`step_scheduler`. Bad values raise a ValueError naming them.
     """
-    hp = spec.check_hparams(name, lr, weight_decay, schedule=schedule, warmup=warmup, steps=steps,
-                            min_lr_ratio=min_lr_ratio, b1=b1, b2=b2, eps=eps)
+    hp = spec.check_hparams(
+        name,
+        lr,
+        weight_decay,
+        schedule=schedule,
+        warmup=warmup,
+        steps=steps,
+        min_lr_ratio=min_lr_ratio,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+    )
     groups = param_groups(params_or_model, float(weight_decay))
     if callable(lr):
         base, factor = 1.0, (lambda step: float(lr(step)))
     else:
-        kw = dict(schedule=schedule, warmup=int(warmup), steps=None if steps is None else int(steps),
-                  min_lr_ratio=float(min_lr_ratio))
+        kw = dict(
+            schedule=schedule,
+            warmup=int(warmup),
+            steps=None if steps is None else int(steps),
+            min_lr_ratio=float(min_lr_ratio),
+        )
         base, factor = float(lr), (lambda step: float(spec.lr_factor(step, **kw)))
     if name in ("adamw", "adamw_fused"):
-        opt = torch.optim.AdamW(groups, lr=base, betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
-                                weight_decay=float(weight_decay), fused=True if name == "adamw_fused" else None)
+        opt = torch.optim.AdamW(
+            groups,
+            lr=base,
+            betas=(hp["b1"], hp["b2"]),
+            eps=hp["eps"],
+            weight_decay=float(weight_decay),
+            fused=True if name == "adamw_fused" else None,
+        )
     elif name == "adamw8bit":
         opt = AdamW8bit(groups, lr=base, betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=float(weight_decay))
     else:
         d = spec.ADAFACTOR_DEFAULTS
-        opt = torch.optim.Adafactor(groups, lr=base, beta2_decay=-d["decay_rate"], eps=(None, d["min_param_scale"]),
-                                    d=d["clipping_threshold"], weight_decay=float(weight_decay))
+        opt = torch.optim.Adafactor(
+            groups,
+            lr=base,
+            beta2_decay=-d["decay_rate"],
+            eps=(None, d["min_param_scale"]),
+            d=d["clipping_threshold"],
+            weight_decay=float(weight_decay),
+        )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 

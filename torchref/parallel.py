@@ -7,17 +7,16 @@
     rows = local_rows(batch, "fsdp", mesh)                      # each data-parallel rank its rows
 
 One visible order, as in torchtitan: (1) tensor parallel on the ``tp`` mesh dimension — ``parallelize_module``
-with the plan :func:`tp_plan` reads off the parameter table's logical axes: ``ColwiseParallel`` on q/k/v/gate/up, ``RowwiseParallel`` on o/down, the embedding split by vocab
-(``RowwiseParallel``, replicated output) and the LM head by vocab (``ColwiseParallel``, replicated logits), and
-each attention module's head counts divided by ``tp`` (its local view of the config, torchtitan's
-``attn.n_heads //= tp``); (2) FSDP2: ``fully_shard`` on every decoder layer, then on the root, with a
-``MixedPrecisionPolicy`` (param dtype / reduce dtype), on the ``dp`` mesh dimension; or (3) DDP. The data
-parallel ranks each get ``batch / dp`` rows (:func:`local_rows`); TP ranks see the same rows.
+with the plan :func:`tp_plan` reads off the parameter table's logical axes (column-parallel q/k/v/gate/up, row-parallel
+o/down, the embedding and the LM head split by vocab with replicated activations), each attention module's head
+counts divided by ``tp`` (torchtitan's ``attn.n_heads //= tp``); (2) FSDP2: ``fully_shard`` on every decoder layer,
+then on the root, with a ``MixedPrecisionPolicy``, on the ``dp`` mesh dimension; or (3) DDP. The data-parallel
+ranks each get ``batch / dp`` rows (:func:`local_rows`); TP ranks see the same rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,15 +34,17 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"parallel mode {mode!r} is not known; use one of {MODES}")
 
 
-def build_mesh(mode: str, tp: Optional[int] = None, device_type: Optional[str] = None):
+def build_mesh(mode: str, tp: int | None = None, device_type: str | None = None):
     """A ``DeviceMesh`` over all ranks: 1-D ``("dp",)`` for ddp/fsdp, ``("tp",)`` for tp, ``("dp", "tp")`` for
     fsdp+tp (``tp`` ranks per tensor-parallel group, default 2). Needs an initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _check_mode(mode)
     if not dist.is_initialized():
-        raise RuntimeError("torchref.parallel needs torch.distributed initialised (run under torchrun and call "
-                           "dist.init_process_group first)")
+        raise RuntimeError(
+            "torchref.parallel needs torch.distributed initialised (run under torchrun and call "
+            "dist.init_process_group first)"
+        )
     world = dist.get_world_size()
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if mode == "fsdp+tp":
@@ -67,15 +68,16 @@ def local_rows(batch: dict, mode: str, mesh) -> dict:
     if b % n:
         raise ValueError(f"batch size {b} is not divisible by the {n} data-parallel ranks ({mode})")
     m = b // n
-    return {k: None if v is None else v[rank * m:(rank + 1) * m] for k, v in batch.items()}
+    return {k: None if v is None else v[rank * m : (rank + 1) * m] for k, v in batch.items()}
 
 
 def _check_tp(cfg, tp: int) -> None:
     axes = {a for r in params.rows(cfg) for a in r.axes if a in params.TENSOR_PARALLEL_AXES}
     for field in (params.AXIS_FIELDS[a] for a in params.TENSOR_PARALLEL_AXES if a in axes):
         if getattr(cfg, field) % tp:
-            raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)} is not divisible by the tensor-parallel "
-                             f"size tp={tp}")
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(cfg, field)} is not divisible by the tensor-parallel size tp={tp}"
+            )
 
 
 def tp_plan(cfg) -> tuple[dict, dict]:
@@ -95,17 +97,22 @@ def _apply_tp(model: nn.Module, tp_mesh) -> None:
     cfg, tp = model.config, tp_mesh.size()
     _check_tp(cfg, tp)
     if cfg.tie_embeddings:
-        raise ValueError("tensor parallel with tie_embeddings=True is not supported (the embedding and the LM head "
-                         "are split on different dimensions)")
+        raise ValueError(
+            "tensor parallel with tie_embeddings=True is not supported (the embedding and the LM head "
+            "are split on different dimensions)"
+        )
     model_plan, layer_plan = tp_plan(cfg)
     # the embedding and the head take and give whole (replicated) activations; inside a layer Megatron's pairs
     # (column-parallel then row-parallel) keep the activations split between them
-    outer = {"colwise": ColwiseParallel(output_layouts=Replicate()),
-             "rowwise": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    outer = {
+        "colwise": ColwiseParallel(output_layouts=Replicate()),
+        "rowwise": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
     inner = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
     parallelize_module(model, tp_mesh, {m: outer[s] for m, s in model_plan.items() if s is not None})
-    local = dataclasses.replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
-                                head_dim=cfg.resolved_head_dim)
+    local = dataclasses.replace(
+        cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp, head_dim=cfg.resolved_head_dim
+    )
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {m: inner[s] for m, s in layer_plan.items() if s is not None})
         layer.self_attn.cfg = local  # this rank's heads (torchtitan: attn.n_heads //= tp)
@@ -123,8 +130,12 @@ def _replicate(module: nn.Module, mesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def inputs(mod, args, mesh):
-        return tuple(DTensor.from_local(a, mesh, [Replicate()]) if isinstance(a, torch.Tensor)
-                     and not isinstance(a, DTensor) else a for a in args)
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()])
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
 
     def outputs(mod, out, mesh):
         return out.to_local() if isinstance(out, DTensor) else out
@@ -135,8 +146,15 @@ def _replicate(module: nn.Module, mesh) -> None:
 OFFLOAD_MODES = ("fsdp", "fsdp+tp")
 
 
-def parallelize(model: nn.Module, mode: str, mesh, *, param_dtype: Optional[torch.dtype] = None,
-                reduce_dtype: Optional[torch.dtype] = torch.float32, offload: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mode: str,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    offload: bool = False,
+) -> nn.Module:
     """Apply ``mode`` (one of :data:`MODES`) to ``model`` in place over ``mesh`` (:func:`build_mesh`); returns
     the module to train (the DDP wrapper for ddp, ``model`` otherwise). Build the optimizer AFTER this.
     ``offload`` (fsdp modes): FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters, their gradients and so
@@ -155,9 +173,10 @@ def parallelize(model: nn.Module, mode: str, mesh, *, param_dtype: Optional[torc
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         dp_mesh = mesh["dp"] if mode == "fsdp+tp" else mesh
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload
-                  else OffloadPolicy())
+        kw = dict(
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
+        )
         for layer in model.model.layers:
             fully_shard(layer, mesh=dp_mesh, **kw)
         fully_shard(model, mesh=dp_mesh, **kw)

@@ -15,31 +15,41 @@ preset        params     compute     output    what it does here
 ============  =========  ==========  ========  ===================================================================
 
 Autocast is per-op (matmuls in the low dtype, reductions/softmax in float32, residual stream float32), while
-the JAX policy casts the parameters; the parity tests compare them by CONVENTIONS §7's low-precision rules.
+the JAX policy casts the parameters; the parity tests compare them by design §7's low-precision rules.
 
 ``set_matmul_precision(name, ...)`` sets ``torch.set_float32_matmul_precision``, ``cuda.matmul.allow_tf32``
 (through the former), ``cudnn.allow_tf32`` and the two ``allow_*_reduced_precision_reduction`` flags, and
 returns the previous settings (usable as a context manager). See ``jaxattn.precision.set_matmul_precision`` for
 the mapping table and the places where JAX has no exact twin.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
 from jaxattn.spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
 
-__all__ = ["PRESETS", "Policy", "get_policy", "MATMUL_PRECISIONS", "MatmulSettings", "get_matmul_settings",
-           "set_matmul_precision", "matmul_precision"]
+__all__ = [
+    "PRESETS",
+    "Policy",
+    "get_policy",
+    "MATMUL_PRECISIONS",
+    "MatmulSettings",
+    "get_matmul_settings",
+    "set_matmul_precision",
+    "matmul_precision",
+]
 
 PRESETS: tuple[str, ...] = tuple(PRECISION_PRESETS)
 
 _PRESET_DTYPES: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
-    name: tuple(getattr(torch, d) for d in dts) for name, dts in PRECISION_PRESETS.items()}
+    name: tuple(getattr(torch, d) for d in dts) for name, dts in PRECISION_PRESETS.items()
+}
 
 _DTYPE_NAMES = {name: getattr(torch, name) for name in POLICY_DTYPES}
 _FLOAT_DTYPES = tuple(_DTYPE_NAMES.values())
@@ -49,8 +59,9 @@ def _as_float_dtype(value: Any, arg: str) -> torch.dtype:
     if isinstance(value, str) and value in _DTYPE_NAMES:
         value = _DTYPE_NAMES[value]
     if value not in _FLOAT_DTYPES:
-        raise TypeError(f"Policy.{arg} must be a floating torch dtype (float16, bfloat16, float32, float64), "
-                        f"got {value!r}")
+        raise TypeError(
+            f"Policy.{arg} must be a floating torch dtype (float16, bfloat16, float32, float64), got {value!r}"
+        )
     return value
 
 
@@ -71,20 +82,20 @@ class Policy:
             object.__setattr__(self, f, _as_float_dtype(getattr(self, f), f))
 
     @classmethod
-    def preset(cls, name: str) -> "Policy":
+    def preset(cls, name: str) -> Policy:
         if not isinstance(name, str) or name not in _PRESET_DTYPES:
             raise ValueError(f"unknown precision preset name={name!r}; valid names: {', '.join(PRESETS)}")
         return cls(*_PRESET_DTYPES[name])
 
     @property
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         for n, dts in _PRESET_DTYPES.items():
             if (self.param_dtype, self.compute_dtype, self.output_dtype) == dts:
                 return n
         return None
 
     @property
-    def autocast_dtype(self) -> Optional[torch.dtype]:
+    def autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype, or ``None`` when the model runs in its parameters' dtype."""
         return None if self.compute_dtype == self.param_dtype else self.compute_dtype
 
@@ -92,7 +103,7 @@ class Policy:
     def uses_loss_scaling(self) -> bool:
         return self.compute_dtype == torch.float16
 
-    def autocast(self, device_type: Union[str, torch.device] = "cuda") -> contextlib.AbstractContextManager:
+    def autocast(self, device_type: str | torch.device = "cuda") -> contextlib.AbstractContextManager:
         """``torch.autocast(device_type, dtype=compute_dtype)``, or a null context when no autocast is needed."""
         if isinstance(device_type, torch.device):
             device_type = device_type.type
@@ -111,7 +122,7 @@ class Policy:
     def cast_to_output(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.output_dtype) if x.is_floating_point() else x
 
-    def make_grad_scaler(self, device: Union[str, torch.device] = "cuda", **kwargs: Any) -> "torch.amp.GradScaler":
+    def make_grad_scaler(self, device: str | torch.device = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
         """``torch.amp.GradScaler(device, enabled=<float16 compute>, **kwargs)``."""
         if isinstance(device, torch.device):
             device = device.type
@@ -119,11 +130,13 @@ class Policy:
 
     def __repr__(self) -> str:
         tag = f" ({self.name})" if self.name else ""
-        return (f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
-                f"output_dtype={self.output_dtype}){tag}")
+        return (
+            f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
+            f"output_dtype={self.output_dtype}){tag}"
+        )
 
 
-def get_policy(name: Union[str, Policy]) -> Policy:
+def get_policy(name: str | Policy) -> Policy:
     if isinstance(name, Policy):
         return name
     return Policy.preset(name)
@@ -136,7 +149,7 @@ def get_policy(name: Union[str, Policy]) -> Policy:
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
 
 
-def _matmul_fp32_state() -> tuple[Optional[str], Optional[str]]:
+def _matmul_fp32_state() -> tuple[str | None, str | None]:
     """(float32 matmul precision name or None, new-API cuda.matmul.fp32_precision or None)."""
     try:
         name = torch.get_float32_matmul_precision()
@@ -150,8 +163,8 @@ def _matmul_fp32_state() -> tuple[Optional[str], Optional[str]]:
 class MatmulSettings:
     """Snapshot of torch's process-wide matmul flags; ``restore()`` (or leaving a ``with``) puts them back."""
 
-    float32_matmul_precision: Optional[str]
-    cuda_matmul_fp32_precision: Optional[str]  # only used when the legacy name could not be read
+    float32_matmul_precision: str | None
+    cuda_matmul_fp32_precision: str | None  # only used when the legacy name could not be read
     cudnn_allow_tf32: bool
     allow_fp16_reduced_precision_reduction: bool
     allow_bf16_reduced_precision_reduction: bool
@@ -166,7 +179,7 @@ class MatmulSettings:
         elif self.cuda_matmul_fp32_precision is not None:
             m.fp32_precision = self.cuda_matmul_fp32_precision
 
-    def __enter__(self) -> "MatmulSettings":
+    def __enter__(self) -> MatmulSettings:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -176,19 +189,26 @@ class MatmulSettings:
 def get_matmul_settings() -> MatmulSettings:
     m = torch.backends.cuda.matmul
     name, new = _matmul_fp32_state()
-    return MatmulSettings(float32_matmul_precision=name, cuda_matmul_fp32_precision=new,
-                          cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
-                          allow_fp16_reduced_precision_reduction=bool(m.allow_fp16_reduced_precision_reduction),
-                          allow_bf16_reduced_precision_reduction=bool(m.allow_bf16_reduced_precision_reduction))
+    return MatmulSettings(
+        float32_matmul_precision=name,
+        cuda_matmul_fp32_precision=new,
+        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        allow_fp16_reduced_precision_reduction=bool(m.allow_fp16_reduced_precision_reduction),
+        allow_bf16_reduced_precision_reduction=bool(m.allow_bf16_reduced_precision_reduction),
+    )
 
 
-def _check_flag(value: Optional[bool], arg: str) -> None:
+def _check_flag(value: bool | None, arg: str) -> None:
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"{arg} must be None or a bool, got {value!r}")
 
 
-def set_matmul_precision(name: str, *, allow_fp16_reduced_precision_reduction: Optional[bool] = None,
-                         allow_bf16_reduced_precision_reduction: Optional[bool] = None) -> MatmulSettings:
+def set_matmul_precision(
+    name: str,
+    *,
+    allow_fp16_reduced_precision_reduction: bool | None = None,
+    allow_bf16_reduced_precision_reduction: bool | None = None,
+) -> MatmulSettings:
     """Sets torch's float32 matmul precision and related flags; returns the previous settings.
 
     ============  ==========================================  ==================  =======================
@@ -221,7 +241,7 @@ def set_matmul_precision(name: str, *, allow_fp16_reduced_precision_reduction: O
 
 
 @contextlib.contextmanager
-def matmul_precision(name: str, **flags: Optional[bool]) -> Iterator[MatmulSettings]:
+def matmul_precision(name: str, **flags: bool | None) -> Iterator[MatmulSettings]:
     """``with matmul_precision("high"): ...`` sets the flags and restores the previous ones on exit."""
     previous = set_matmul_precision(name, **flags)
     try:

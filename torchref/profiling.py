@@ -9,11 +9,13 @@ Memory: on CUDA ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (``so
 CPU keeps no allocator statistics, so a snapshot there reports the process's peak resident set size
 (``"host RSS (resource.ru_maxrss)"``), which includes Python and everything else in the process.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,8 +24,19 @@ from jaxattn.spec.runlog import host_peak_rss_bytes
 from jaxattn.spec.timing import StepTimer as _StepTimer
 from jaxattn.spec.timing import percentile, summarize, time_calls
 
-__all__ = ["trace", "trace_files", "profiler", "synchronize", "timeit", "StepTimer", "MemoryTracker", "reset_peak_memory",
-           "peak_memory_bytes", "summarize", "percentile"]
+__all__ = [
+    "trace",
+    "trace_files",
+    "profiler",
+    "synchronize",
+    "timeit",
+    "StepTimer",
+    "MemoryTracker",
+    "reset_peak_memory",
+    "peak_memory_bytes",
+    "summarize",
+    "percentile",
+]
 
 
 def synchronize(out: Any = None) -> Any:
@@ -34,14 +47,14 @@ def synchronize(out: Any = None) -> Any:
     return out
 
 
-def _activities(cuda: Optional[bool]):
+def _activities(cuda: bool | None):
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda if cuda is not None else torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     return acts
 
 
-def profiler(log_dir: str, *, wait: int = 0, warmup: int = 1, active: int = 3, cuda: Optional[bool] = None):
+def profiler(log_dir: str, *, wait: int = 0, warmup: int = 1, active: int = 3, cuda: bool | None = None):
     """A ``torch.profiler.profile`` over a step window: call ``prof.step()`` after each step; steps
     ``wait + warmup .. + active`` are recorded and written to ``log_dir`` as a Chrome trace
     (``tensorboard_trace_handler``: ``<host>_<pid>.<ts>.pt.trace.json``)."""
@@ -51,13 +64,15 @@ def profiler(log_dir: str, *, wait: int = 0, warmup: int = 1, active: int = 3, c
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     os.makedirs(log_dir, exist_ok=True)
-    return torch.profiler.profile(activities=_activities(cuda),
-                                  schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                                  on_trace_ready=torch.profiler.tensorboard_trace_handler(str(log_dir)))
+    return torch.profiler.profile(
+        activities=_activities(cuda),
+        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(log_dir)),
+    )
 
 
 @contextlib.contextmanager
-def trace(log_dir: str, *, cuda: Optional[bool] = None, record_shapes: bool = True):
+def trace(log_dir: str, *, cuda: bool | None = None, record_shapes: bool = True):
     """Trace the whole block with ``torch.profiler`` and write ``<log_dir>/trace.json`` (Chrome trace format:
     ui.perfetto.dev, chrome://tracing and TensorBoard open it). Queued CUDA work is waited for before it stops.
     Yields the ``profile`` object (``prof.key_averages().table()`` for a summary)."""
@@ -95,7 +110,7 @@ def reset_peak_memory(device=None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_bytes(device=None, *, host_fallback: bool = True) -> Optional[int]:
+def peak_memory_bytes(device=None, *, host_fallback: bool = True) -> int | None:
     """``torch.cuda.max_memory_allocated`` on a CUDA device; else the process's peak RSS (``host_fallback``) or
     None."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,8 +131,9 @@ class MemoryTracker:
     (``source="torch.cuda"``) or ``host_peak_rss_bytes`` (``"host RSS (resource.ru_maxrss)"`` on CPU)."""
 
     def __init__(self, device=None):
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.snapshots: list[dict] = []
 
     def snapshot(self, label: str) -> dict:

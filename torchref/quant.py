@@ -11,6 +11,7 @@ output columns, as ``jaxattn.quant.matmul``). Quantized: the parameter table's l
 (``jaxattn.spec.params``: the seven projections of every decoder layer and an untied ``lm_head``); the embedding (and
 so a tied head) and the norms stay in float, as torchao's ``int8_weight_only`` (which replaces ``nn.Linear`` only).
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,7 +63,7 @@ def quantize(model):
         raise ValueError("quantize: model is already quantized")
     out = copy.deepcopy(model)
     for row in params.quantizable_rows(model.config):  # the parameter table's linear weights
-        for root in (out.model.layers if row.per_layer else (out,)):
+        for root in out.model.layers if row.per_layer else (out,):
             parent_path, _, name = row.module.rpartition(".")
             parent = root.get_submodule(parent_path)
             setattr(parent, name, Int8Linear(getattr(parent, name)))
@@ -73,8 +74,9 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and persistent buffers (int8 + scales for quantized layers); a tied
     weight counts once."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if n.split(".")[-1] in
-                                         ("weight_int8", "scale")]:
+    for t in list(model.parameters()) + [
+        b for n, b in model.named_buffers() if n.split(".")[-1] in ("weight_int8", "scale")
+    ]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())

@@ -11,6 +11,7 @@ policies see aten ops, not names — :class:`SaveDots`, :class:`SaveQkvAttn` say
 pinned where CUDA is available; nothing is recomputed). Checkpointing acts only while autograd records
 (``torch.is_grad_enabled()``); the state_dict keys are unchanged (no wrapper modules).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,17 @@ _aten = torch.ops.aten
 
 # The fused SDPA kernels: one op whose first output is the attention output (JAX's "attention_out" tag). SDPA's
 # MATH backend is a composite of bmm/softmax ops, none of which is the attention output as one op.
-SDPA_OPS = tuple(getattr(_aten, name).default for name in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_aten, name))
+SDPA_OPS = tuple(
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(_aten, name)
+)
 
 
 class SaveDots:
@@ -74,8 +82,10 @@ def _full(layer, *args):
 
 def _selective(policy_cls):
     def run(layer, *args):  # a fresh policy per layer call (SaveQkvAttn counts the layer's matmuls)
-        return checkpoint(layer, *args, use_reentrant=False,
-                          context_fn=lambda: create_selective_checkpoint_contexts(policy_cls()))
+        return checkpoint(
+            layer, *args, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy_cls())
+        )
+
     return run
 
 
@@ -85,8 +95,13 @@ def _offload(layer, *args):
 
 
 # name -> how a decoder layer runs under it (the twin of jaxattn.remat's name -> jax.checkpoint policy table)
-_RUNNERS = {"none": _plain, "full": _full, "save_dots": _selective(SaveDots), "save_qkv_attn": _selective(SaveQkvAttn),
-            "offload": _offload}
+_RUNNERS = {
+    "none": _plain,
+    "full": _full,
+    "save_dots": _selective(SaveDots),
+    "save_qkv_attn": _selective(SaveQkvAttn),
+    "offload": _offload,
+}
 assert tuple(_RUNNERS) == REMAT_POLICIES
 
 
@@ -101,7 +116,8 @@ def apply(model: torch.nn.Module, policy: str) -> torch.nn.Module:
     an unknown name, listing :data:`POLICIES`."""
     check_remat(policy, "policy")
     if not hasattr(model, "remat"):
-        raise TypeError(f"model must have a 'remat' setting (a torchref.model.LlamaForCausalLM), got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"model must have a 'remat' setting (a torchref.model.LlamaForCausalLM), got {type(model).__name__}"
+        )
     model.remat = policy
     return model

@@ -7,6 +7,7 @@
 implementation raises), ``cudnn.deterministic = True``, ``cudnn.benchmark = False`` and
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (needed by cuBLAS for deterministic GEMMs, set before the first CUDA call).
 """
+
 from __future__ import annotations
 
 import os

@@ -15,12 +15,14 @@ rank). Checkpoints (``torchref.checkpoint``) hold FULL state dicts keyed by para
 resumes under any mode or in one process; at the end rank 0 exports ``save_pretrained`` to
 ``<checkpoint-dir>/final``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,8 +40,7 @@ from .model import LlamaForCausalLM
 from .precision import get_policy, set_matmul_precision
 from .profiling import StepTimer, peak_memory_bytes, profiler
 from .seed import rng_state, seed_all, set_rng_state
-from .train_step import (BATCH_KEYS, cross_entropy, loss_denominator, loss_fn, loss_weights,  # noqa: F401
-                         make_train_step)
+from .train_step import BATCH_KEYS, cross_entropy, loss_denominator, loss_fn, loss_weights, make_train_step  # noqa: F401
 
 __all__ = ["Trainer", "main", "run", "make_train_step", "loss_fn"]
 
@@ -57,10 +58,19 @@ class Trainer:
         seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)
         if self.tokenizer.vocab_size > config.vocab_size:
-            raise CLIError(f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
-                           f"vocab_size is {config.vocab_size}")
-        self.data = Dataset.from_source(args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                                        packing=args.packing, vocab_size=config.vocab_size, tokenizer=self.tokenizer)
+            raise CLIError(
+                f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                f"vocab_size is {config.vocab_size}"
+            )
+        self.data = Dataset.from_source(
+            args.data,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            packing=args.packing,
+            vocab_size=config.vocab_size,
+            tokenizer=self.tokenizer,
+        )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
         model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
         model = model.to(self.device).train()
@@ -71,19 +81,32 @@ class Trainer:
         self.parallel, self.mesh, train_model = None, None, model
         if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
             train_model = self._parallelize(args.parallel, model)
-        self.optimizer, self.scheduler = optim.build(model, args.optimizer, args.lr, args.weight_decay,
-                                                     schedule=args.schedule, warmup=args.warmup, steps=args.steps)
+        self.optimizer, self.scheduler = optim.build(
+            model,
+            args.optimizer,
+            args.lr,
+            args.weight_decay,
+            schedule=args.schedule,
+            warmup=args.warmup,
+            steps=args.steps,
+        )
         self.scaler = self.policy.make_grad_scaler(self.device)
         self.start = 0
         self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         if args.resume:
             self._resume()
         self.compiled = torch.compile(train_model) if args.compile else train_model
-        self.step_fn = make_train_step(self.compiled, self.optimizer, policy=self.policy, scaler=self.scaler,
-                                       max_grad_norm=args.clip_grad or None, grad_accum=args.grad_accum)
+        self.step_fn = make_train_step(
+            self.compiled,
+            self.optimizer,
+            policy=self.policy,
+            scaler=self.scaler,
+            max_grad_norm=args.clip_grad or None,
+            grad_accum=args.grad_accum,
+        )
 
     @classmethod
-    def from_argv(cls, argv: Optional[Sequence[str]] = None) -> "Trainer":
+    def from_argv(cls, argv: Sequence[str] | None = None) -> Trainer:
         """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
         args, config = parse_args(argv, "torch", BACKENDS)
         return cls(args, config)
@@ -99,8 +122,10 @@ class Trainer:
         self.mesh = parallel.build_mesh(mode)
         n = parallel.dp_size(mode, self.mesh)
         if self.args.batch_size % (n * self.args.grad_accum):
-            raise CLIError(f"--batch-size {self.args.batch_size} must be divisible by the {n} data-parallel ranks "
-                           f"times --grad-accum {self.args.grad_accum} (--parallel {mode})")
+            raise CLIError(
+                f"--batch-size {self.args.batch_size} must be divisible by the {n} data-parallel ranks "
+                f"times --grad-accum {self.args.grad_accum} (--parallel {mode})"
+            )
         self.parallel = mode
         return parallel.parallelize(model, mode, self.mesh, offload=self.args.offload_optimizer)
 
@@ -123,12 +148,19 @@ class Trainer:
         p = self.ckpt.load(step)
         meta = p["meta"]
         if meta.get("model_config") != self.config.to_hf():
-            raise CLIError(f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
-                           f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})")
+            raise CLIError(
+                f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
+                f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})"
+            )
         if step > self.args.steps:
             raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
-        set_state_dict(self.model, self.optimizer, model_state_dict=p["model"], optim_state_dict=p["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=p["model"],
+            optim_state_dict=p["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
         self.scheduler.load_state_dict(p["scheduler"])
         self.scaler.load_state_dict(p["scaler"])
         set_rng_state(p["rng"])
@@ -141,16 +173,31 @@ class Trainer:
     def full_state_dicts(self) -> tuple[dict, dict]:
         """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
         gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts."""
-        return get_state_dict(self.model, self.optimizer,
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def save(self, step: int) -> None:
         model_sd, optim_sd = self.full_state_dicts()
         if self.rank0:
-            meta = {"framework": "torch", "step": step, "data_position": step, "model_config": self.config.to_hf(),
-                    "flags": {k: v for k, v in vars(self.args).items()}}
-            self.ckpt.save(step, {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                                  "scaler": self.scaler.state_dict(), "rng": rng_state(), "meta": meta})
+            meta = {
+                "framework": "torch",
+                "step": step,
+                "data_position": step,
+                "model_config": self.config.to_hf(),
+                "flags": {k: v for k, v in vars(self.args).items()},
+            }
+            self.ckpt.save(
+                step,
+                {
+                    "model": model_sd,
+                    "optimizer": optim_sd,
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "rng": rng_state(),
+                    "meta": meta,
+                },
+            )
         self.barrier()
 
     def barrier(self) -> None:
@@ -168,12 +215,18 @@ class Trainer:
         "final"?}``."""
         args = self.args
         rank0 = self.rank0  # one log per run under torchrun
-        log = RunLog(args.steps, self.start, args.log_json if rank0 else None, progress=rank0 and not args.no_progress,
-                     desc="torch train")
+        log = RunLog(
+            args.steps,
+            self.start,
+            args.log_json if rank0 else None,
+            progress=rank0 and not args.no_progress,
+            desc="torch train",
+        )
         losses: list[float] = []
         ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
-        batches = loader(self.data, self.start, args.steps, num_workers=args.num_workers,
-                         pin_memory=self.device.type == "cuda")
+        batches = loader(
+            self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=self.device.type == "cuda"
+        )
         timer = StepTimer(skip_first=1)  # the same phases as jaxattn.train, no extra syncs
         try:
             with ctx, self._profiler() as prof:
@@ -194,9 +247,17 @@ class Trainer:
                         optim.step_scheduler(self.scheduler, skipped)
                         loss = float(m["loss"]) if self.parallel is None else self._global_mean(m["loss"])
                     now = time.perf_counter()
-                    rec = log.step(step=i + 1, loss=loss, grad_norm=_scalar(m["grad_norm"]), lr=lr,
-                                   loss_scale=float(m["loss_scale"]), skipped=skipped, tokens=tokens,
-                                   seconds=now - t_last, peak_mem_bytes=peak_memory_bytes(self.device))
+                    rec = log.step(
+                        step=i + 1,
+                        loss=loss,
+                        grad_norm=_scalar(m["grad_norm"]),
+                        lr=lr,
+                        loss_scale=float(m["loss_scale"]),
+                        skipped=skipped,
+                        tokens=tokens,
+                        seconds=now - t_last,
+                        peak_mem_bytes=peak_memory_bytes(self.device),
+                    )
                     t_last = now
                     losses.append(rec["loss"])
                     if prof is not None:
@@ -204,10 +265,17 @@ class Trainer:
                     if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                         self.save(i + 1)
                         t_last = time.perf_counter()
-            log.write(f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
-                      f"compile={'on' if args.compile else 'off'})")
-            out = {"losses": losses, "compiles": None, "start": self.start, "steps": args.steps,
-                   "phases": log.breakdown(timer)}
+            log.write(
+                f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
+                f"compile={'on' if args.compile else 'off'})"
+            )
+            out = {
+                "losses": losses,
+                "compiles": None,
+                "start": self.start,
+                "steps": args.steps,
+                "phases": log.breakdown(timer),
+            }
             if self.ckpt:
                 out["final"] = self._finish(rank0)
             return out
@@ -245,12 +313,12 @@ def _scalar(x: torch.Tensor) -> float:
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)  # a DTensor under --parallel tp/fsdp
 
 
-def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train as the CLI would; returns :meth:`Trainer.fit`'s summary."""
     return Trainer.from_argv(argv).fit()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(PROG, Trainer.from_argv, Trainer.fit, argv)
 
 

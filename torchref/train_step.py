@@ -14,11 +14,11 @@ before the forward.
 The optimizer is the caller's (e.g. ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``; see
 ``parity_tests/test_train_step.py`` for why that equals ``optax.adamw`` with the same hyper-parameters).
 """
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,11 @@ from .precision import Policy, get_policy
 
 __all__ = ["make_train_step", "loss_fn", "loss_weights", "loss_denominator", "cross_entropy", "BATCH_KEYS"]
 
-_FP16_NO_SCALE = ("fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
-                  "overflow to inf without it. Pass scaler=Policy.preset('fp16').make_grad_scaler(device) "
-                  "(torch.amp.GradScaler), or train in bf16.")
+_FP16_NO_SCALE = (
+    "fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
+    "overflow to inf without it. Pass scaler=Policy.preset('fp16').make_grad_scaler(device) "
+    "(torch.amp.GradScaler), or train in bf16."
+)
 _warned: set[str] = set()
 Metrics = dict[str, torch.Tensor]
 
@@ -55,8 +57,9 @@ def loss_weights(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return w
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-                  denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weighted mean token cross-entropy in float32: ``sum(w * nll) / max(sum(w), 1)``; targets with ``w == 0``
     are dropped with ``where`` on the logits and targets first (a NaN logit or an out-of-range target there
     stays out of the loss and its gradient, where ``0 * nan`` would not). ``denominator`` replaces
@@ -75,23 +78,36 @@ def loss_denominator(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return loss_weights(batch).sum().clamp_min(1.0)
 
 
-def loss_fn(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, policy: Union[str, Policy] = "fp32",
-            denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
+def loss_fn(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    policy: str | Policy = "fp32",
+    denominator: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
     ``denominator``: see :func:`cross_entropy`."""
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     with policy.autocast(tokens.device.type):
-        logits = model(tokens[:, :-1], positions=None if pos is None else pos[:, :-1],
-                       segment_ids=None if seg is None else seg[:, :-1])
+        logits = model(
+            tokens[:, :-1],
+            positions=None if pos is None else pos[:, :-1],
+            segment_ids=None if seg is None else seg[:, :-1],
+        )
     return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
 
 
-def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    policy: Union[str, Policy] = "fp32", scaler: Optional[torch.amp.GradScaler] = None,
-                    max_grad_norm: Optional[float] = None, grad_accum: int = 1
-                    ) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
+def make_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    policy: str | Policy = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+    grad_accum: int = 1,
+) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
     """``step(batch) -> metrics``: one training step, in place on ``model`` / ``optimizer`` / ``scaler``.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?, "segment_ids"?, "positions"?}`` (same shapes;
@@ -108,8 +124,9 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     """
     grad_accum = check_grad_accum(grad_accum)
     policy = get_policy(policy)
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0):
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+    ):
         raise ValueError(f"max_grad_norm must be None or a positive float, got {max_grad_norm!r}")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be None or a torch.amp.GradScaler, got {type(scaler).__name__}")
@@ -119,7 +136,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    def step(batch: Mapping[str, torch.Tensor], denominator: Optional[torch.Tensor] = None) -> Metrics:
+    def step(batch: Mapping[str, torch.Tensor], denominator: torch.Tensor | None = None) -> Metrics:
         check_batch(batch)
         micro = check_accum_batch(batch, grad_accum)
         tokens = batch["tokens"]
@@ -130,7 +147,7 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         loss_scale = scaler.get_scale() if scaling else 1.0
         loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for i in range(grad_accum):
-            mb = {k: v if v is None else v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+            mb = {k: v if v is None else v[i * micro : (i + 1) * micro] for k, v in batch.items()}
             mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator)
             (scaler.scale(mb_loss) if scaling else mb_loss).backward()
             loss = loss + mb_loss.detach()
@@ -148,7 +165,11 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         else:
             optimizer.step()
             skipped = False
-        return {"loss": loss.detach(), "grad_norm": grad_norm.detach().float(),
-                "loss_scale": torch.tensor(loss_scale, dtype=torch.float32), "skipped": torch.tensor(skipped)}
+        return {
+            "loss": loss.detach(),
+            "grad_norm": grad_norm.detach().float(),
+            "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
+            "skipped": torch.tensor(skipped),
+        }
 
     return step

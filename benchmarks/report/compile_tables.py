@@ -3,9 +3,8 @@ program tables, also the ``compile`` suite's section of a run's ``report.md``.
 
     text = report(kernels, programs, env, "kernels.png")   # what benchmarks/results/h100-compiled/report.md holds
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 LABEL = "compiled for {target}, not run"  # every figure of a deviceless compile carries it
 
@@ -14,18 +13,22 @@ def _mib(x) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def report(kernels: list, programs: list, info: dict, plot: Optional[str] = None) -> str:
+def report(kernels: list, programs: list, info: dict, plot: str | None = None) -> str:
     """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel and
     program tables (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
     target = info["target"].upper()
-    lines = [f"# Compiled for {target}, not run", "",
-             f"Deviceless compile (`python -m benchmarks compile{' --quick' if info['quick'] else ''}`), jax "
-             f"{info.get('jax')}, jax-cuda12-plugin {info.get('plugin')}, ptxas {info.get('ptxas')}; target "
-             f"`benchmarks/targets/{info['target']}.txtpb`. Nothing here ran on a GPU: no times. Registers and "
-             "spills from `ptxas -v --gpu-name=sm_90a` on the PTX XLA/Mosaic emitted; threads and shared "
-             "memory from XLA's launch list (Mosaic: `.maxntid` and its planned allocation); occupancy = "
-             "resident warps / 64 on the H100 limits (65536 regs, 228 KB smem, 2048 threads, 32 blocks per SM); "
-             "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.", ""]
+    lines = [
+        f"# Compiled for {target}, not run",
+        "",
+        f"Deviceless compile (`python -m benchmarks compile{' --quick' if info['quick'] else ''}`), jax "
+        f"{info.get('jax')}, jax-cuda12-plugin {info.get('plugin')}, ptxas {info.get('ptxas')}; target "
+        f"`benchmarks/targets/{info['target']}.txtpb`. Nothing here ran on a GPU: no times. Registers and "
+        "spills from `ptxas -v --gpu-name=sm_90a` on the PTX XLA/Mosaic emitted; threads and shared "
+        "memory from XLA's launch list (Mosaic: `.maxntid` and its planned allocation); occupancy = "
+        "resident warps / 64 on the H100 limits (65536 regs, 228 KB smem, 2048 threads, 32 blocks per SM); "
+        "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.",
+        "",
+    ]
     lines += tables(kernels, programs, target)
     if plot:
         lines += [f"![kernels plot]({plot})", ""]
@@ -34,51 +37,71 @@ def report(kernels: list, programs: list, info: dict, plot: Optional[str] = None
 
 def tables(kernels: list, programs: list, target: str, level: str = "##") -> list:
     """The markdown lines of the kernel and program tables, under ``level`` headings."""
-    lines = [f"{level} Kernels (compiled for {target}, not run)", "",
-             "| impl | kernel | D | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | "
-             "occupancy | HGMMA | HMMA | TMA | cp.async |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{level} Kernels (compiled for {target}, not run)",
+        "",
+        "| impl | kernel | D | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | "
+        "occupancy | HGMMA | HMMA | TMA | cp.async |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in kernels:
         if r.get("status") != "ok":
             why = r.get("error") or r.get("reason") or ""
-            lines.append(f"| {r['impl']} | {r.get('status', 'error').upper()} | {r['head_dim']} | {r['dtype']} | "
-                         f"{why[:80]} | | | | | | | | | | |")
+            lines.append(
+                f"| {r['impl']} | {r.get('status', 'error').upper()} | {r['head_dim']} | {r['dtype']} | "
+                f"{why[:80]} | | | | | | | | | | |"
+            )
             continue
         sass = r.get("sass") or {}
         ops = [sass.get(k, "n/a") for k in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")]
         spill = f"{r['spill_stores']}/{r['spill_loads']}"
         if r["spill_stores"] or r["spill_loads"]:
             spill = f"**{spill}**"
-        lines.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
-                     f"{r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | {r.get('blocks_per_sm')} | "
-                     f"{r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]} |")
+        lines.append(
+            f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
+            f"{r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | {r.get('blocks_per_sm')} | "
+            f"{r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]} |"
+        )
     shape = kernels[0] if kernels else {}
-    lines += ["", f"Kernel shape: B={shape.get('B')}, S={shape.get('S')}, Hq={shape.get('Hq')}, "
-              f"Hkv={shape.get('Hkv')}, causal={shape.get('causal')}; flash = one fwd+bwd compile per (D, dtype).",
-              "", f"{level} Programs (compiled for {target}, not run)", "",
-              "| preset | program | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
-              "XLA GFLOP | model GFLOP (all layers) | XLA / model (1 layer) | XLA / dense (1 layer) | "
-              "XLA GB accessed |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Kernel shape: B={shape.get('B')}, S={shape.get('S')}, Hq={shape.get('Hq')}, "
+        f"Hkv={shape.get('Hkv')}, causal={shape.get('causal')}; flash = one fwd+bwd compile per (D, dtype).",
+        "",
+        f"{level} Programs (compiled for {target}, not run)",
+        "",
+        "| preset | program | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
+        "XLA GFLOP | model GFLOP (all layers) | XLA / model (1 layer) | XLA / dense (1 layer) | "
+        "XLA GB accessed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in programs:
         if r.get("status") != "ok":
             why = r.get("error") or r.get("reason") or ""
-            lines.append(f"| {r['preset']} | {r['kind']} | {r.get('status', 'error').upper()}: {why[:80]} "
-                         "| | | | | | | | | | | |")
+            lines.append(
+                f"| {r['preset']} | {r['kind']} | {r.get('status', 'error').upper()}: {why[:80]} "
+                "| | | | | | | | | | | |"
+            )
             continue
-        lines.append(f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
-                     f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
-                     f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.1f} | {r['model_flops'] / 1e9:,.1f} | "
-                     f"{r['flops_ratio']:.3f} | {r['flops_ratio_dense']:.3f} | {r['xla_bytes_accessed'] / 1e9:,.2f} |")
-    lines += ["", "Model FLOPs = 6·N·tokens + attention fwd+bwd (train step) or 2·N·tokens + attention fwd "
-              "(forward), N = matmul parameters (layers + LM head, no embedding lookup); attention by the "
-              "FlashAttention convention, causal. XLA FLOPs: HloCostAnalysis of the compiled module (the "
-              "deviceless executable has no cost_analysis), which counts a while loop's body once, so the "
-              "layer scan counts as ONE layer, and our Pallas attention kernels (custom calls) as 0: the ratios "
-              "divide by the analytic FLOPs of the same one-layer program (`layers_counted_by_xla` in the "
-              "JSON), and `XLA / dense` (no attention) is the one to compare with 1.0; above 1.0 is the "
-              "elementwise work (norms, RoPE, softmax of the loss, optimizer update). bf16 policy, flash "
-              "attention, AdamW.", ""]
+        lines.append(
+            f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
+            f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
+            f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.1f} | {r['model_flops'] / 1e9:,.1f} | "
+            f"{r['flops_ratio']:.3f} | {r['flops_ratio_dense']:.3f} | {r['xla_bytes_accessed'] / 1e9:,.2f} |"
+        )
+    lines += [
+        "",
+        "Model FLOPs = 6·N·tokens + attention fwd+bwd (train step) or 2·N·tokens + attention fwd "
+        "(forward), N = matmul parameters (layers + LM head, no embedding lookup); attention by the "
+        "FlashAttention convention, causal. XLA FLOPs: HloCostAnalysis of the compiled module (the "
+        "deviceless executable has no cost_analysis), which counts a while loop's body once, so the "
+        "layer scan counts as ONE layer, and our Pallas attention kernels (custom calls) as 0: the ratios "
+        "divide by the analytic FLOPs of the same one-layer program (`layers_counted_by_xla` in the "
+        "JSON), and `XLA / dense` (no attention) is the one to compare with 1.0; above 1.0 is the "
+        "elementwise work (norms, RoPE, softmax of the loss, optimizer update). bf16 policy, flash "
+        "attention, AdamW.",
+        "",
+    ]
     return lines
 
 
@@ -91,7 +114,7 @@ def suite_tables(records: list) -> str:
     return "\n".join(tables(kernels, programs, target, level="###")).rstrip()
 
 
-def dir_report(found: dict, plot: Optional[str] = None) -> str:
+def dir_report(found: dict, plot: str | None = None) -> str:
     """:func:`report` of a ``python -m benchmarks compile`` directory from its JSON (``found``: ``{suite:
     {"env", "records"}}`` with ``kernels`` and maybe ``programs``); ``python -m benchmarks report DIR`` uses it."""
     env = found["kernels"].get("env") or {}

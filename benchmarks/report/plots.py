@@ -5,12 +5,13 @@
 Each series label has one colour and marker in every panel (JAX first and solid, torch dashed / hatched) and one
 figure legend lists every series; records with nothing measured draw nothing (matplotlib is imported lazily).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import textwrap
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from .records import atomic_path, impl_label
 
@@ -34,10 +35,10 @@ class Panel:
     series: dict
     kind: str = "line"
     categories: tuple = ()
-    logx: Optional[int] = None
-    logy: Optional[bool] = None
+    logx: int | None = None
+    logy: bool | None = None
     limits: tuple = ()
-    note: Optional[str] = None
+    note: str | None = None
 
     def values(self) -> list:
         return [y for pts in self.series.values() for y in pts.values() if isinstance(y, (int, float))]
@@ -61,7 +62,7 @@ def _is_torch(label: str) -> bool:
     return label.startswith("torch")
 
 
-def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: Optional[int] = None) -> Optional[Plot]:
+def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: int | None = None) -> Plot | None:
     """Write ``out_dir/name`` (PNG, Agg) with ``panels`` and return its :class:`Plot`; None when no panel has a
     value or matplotlib is missing (then nothing is written).
 
@@ -83,12 +84,18 @@ def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: Option
     labels = list(dict.fromkeys(lab for p in panels for lab, pts in p.series.items() if pts))
     labels.sort(key=lambda lab: not lab.startswith("jax"))  # JAX first, otherwise in order of appearance
     colours = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20").colors
-    style = {lab: dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)],
-                       linestyle="--" if _is_torch(lab) else "-") for i, lab in enumerate(labels)}
+    style = {
+        lab: dict(
+            color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)], linestyle="--" if _is_torch(lab) else "-"
+        )
+        for i, lab in enumerate(labels)
+    }
     ncols = ncols or min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
-    widths = [max(6.4, min(16.0, 1.6 + 0.2 * len(p.categories) * max(1, len(p.series)))) if p.kind == "bar"
-              else 4.8 for p in panels]
+    widths = [
+        max(6.4, min(16.0, 1.6 + 0.2 * len(p.categories) * max(1, len(p.series)))) if p.kind == "bar" else 4.8
+        for p in panels
+    ]
     fig_w = max(widths) * ncols
     legend_cols = max(1, min(len(labels), int(fig_w // (0.058 * max(map(len, labels)) + 0.6))))
     legend_rows = -(-len(labels) // legend_cols)
@@ -101,12 +108,15 @@ def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: Option
     fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, fig_h), squeeze=False, layout="constrained")
     for ax, panel in zip(axes.flat, panels):
         _draw_panel(ax, panel, [lab for lab in labels if panel.series.get(lab)], style)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     any_line = any(p.kind == "line" for p in panels)
-    proxies = [Line2D([], [], **style[lab]) if any_line else
-               Patch(facecolor=style[lab]["color"], hatch="//" if _is_torch(lab) else None, edgecolor="white")
-               for lab in labels]
+    proxies = [
+        Line2D([], [], **style[lab])
+        if any_line
+        else Patch(facecolor=style[lab]["color"], hatch="//" if _is_torch(lab) else None, edgecolor="white")
+        for lab in labels
+    ]
     fig.legend(proxies, labels, loc="outside lower center", ncol=legend_cols, fontsize=8, frameon=False)
     fig.suptitle("\n".join(title_lines), fontsize=11)
     path = os.path.join(out_dir, name)
@@ -138,14 +148,34 @@ def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
             for j, lab in enumerate(group):  # each category's bars centred on its tick, in legend order
                 x, y = i + width * (j + 0.5 - len(group) / 2), panel.series[lab][cat]
                 if isinstance(y, (int, float)):
-                    ax.bar(x, y, width, color=style[lab]["color"], hatch="//" if _is_torch(lab) else None,
-                           edgecolor="white", linewidth=0.5, label=lab)
+                    ax.bar(
+                        x,
+                        y,
+                        width,
+                        color=style[lab]["color"],
+                        hatch="//" if _is_torch(lab) else None,
+                        edgecolor="white",
+                        linewidth=0.5,
+                        label=lab,
+                    )
                 else:  # measured nothing: say so where the bar would be
-                    ax.text(x, 0.02, "skipped" if y is None else str(y), transform=ax.get_xaxis_transform(),
-                            rotation=90, ha="center", va="bottom", fontsize=7, color=style[lab]["color"])
-        ax.set_xticks(range(len(panel.categories)), [str(c) for c in panel.categories],
-                      rotation=30 if max(map(len, map(str, panel.categories)), default=0) > 7 else 0,
-                      ha="right" if max(map(len, map(str, panel.categories)), default=0) > 7 else "center")
+                    ax.text(
+                        x,
+                        0.02,
+                        "skipped" if y is None else str(y),
+                        transform=ax.get_xaxis_transform(),
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color=style[lab]["color"],
+                    )
+        ax.set_xticks(
+            range(len(panel.categories)),
+            [str(c) for c in panel.categories],
+            rotation=30 if max(map(len, map(str, panel.categories)), default=0) > 7 else 0,
+            ha="right" if max(map(len, map(str, panel.categories)), default=0) > 7 else "center",
+        )
         ax.set_xlim(-0.6, len(panel.categories) - 0.4)
     if logy:  # decades labelled as plain numbers, no labels on the minor ticks
         from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -158,25 +188,34 @@ def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
         ax.set_ylim(0, top if max(panel.values(), default=0) > 0 or panel.limits else 1)
     for y, text in panel.limits:
         ax.axhline(y, color="0.4", linestyle=":", linewidth=1)
-        ax.annotate(text, (1, y), xycoords=("axes fraction", "data"), xytext=(-3, 3), textcoords="offset points",
-                    ha="right", va="bottom", fontsize=7, color="0.3")
+        ax.annotate(
+            text,
+            (1, y),
+            xycoords=("axes fraction", "data"),
+            xytext=(-3, 3),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="0.3",
+        )
     if panel.note:
         ax.text(0.02, 0.96, panel.note, transform=ax.transAxes, va="top", fontsize=8, color="0.3")
     ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
     ax.grid(alpha=0.3, axis="y" if panel.kind == "bar" else "both")
 
 
-def _ok(records: Iterable[dict], key: Optional[str] = None) -> list:
+def _ok(records: Iterable[dict], key: str | None = None) -> list:
     return [r for r in records if r.get("status", "ok") == "ok" and (key is None or r.get(key) is not None)]
 
 
-def _where(info: Optional[dict]) -> str:
+def _where(info: dict | None) -> str:
     """The device part of a plot title: ``info``'s device, and "--quick shapes" for a quick run."""
     info = info or {}
     return f"{info.get('jax_device') or 'unknown device'}" + (", --quick shapes" if info.get("quick") else "")
 
 
-def plot_attention(out_dir: str, records: list[dict], info: Optional[dict] = None) -> Optional[Plot]:
+def plot_attention(out_dir: str, records: list[dict], info: dict | None = None) -> Plot | None:
     """TFLOP/s against sequence length, one panel per (pass, causal, D), one line per implementation; None
     (nothing written) with fewer than two sequence lengths."""
     ok = _ok(records, "tflops")
@@ -191,11 +230,16 @@ def plot_attention(out_dir: str, records: list[dict], info: Optional[dict] = Non
                 series.setdefault(impl_label(r), {})[r["Sk"]] = r["tflops"]
         panels.append(Panel(f"{p}, causal={c}, D={d}", "sequence length (tokens)", "TFLOP/s", series, logx=2))
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in ok}))
-    return draw(out_dir, PLOT_FILES["attention"], f"Attention throughput ({dtypes}) — {_where(info)}", panels,
-                ncols=min(len(panels), 4))
+    return draw(
+        out_dir,
+        PLOT_FILES["attention"],
+        f"Attention throughput ({dtypes}) — {_where(info)}",
+        panels,
+        ncols=min(len(panels), 4),
+    )
 
 
-def plot_train(out_dir: str, records: list[dict], info: Optional[dict] = None) -> Optional[Plot]:
+def plot_train(out_dir: str, records: list[dict], info: dict | None = None) -> Plot | None:
     """Tokens/s of one train step per toggle, JAX and torch bars side by side, one panel per model shape;
     a skipped toggle is marked "skipped", one that does not apply (torch.compile for JAX) "n/a"."""
     panels = []
@@ -208,15 +252,23 @@ def plot_train(out_dir: str, records: list[dict], info: Optional[dict] = None) -
         cats = tuple(dict.fromkeys(r["toggle"] for r in sel))
         for pts in series.values():  # a toggle one framework has no row for (torch.compile: JAX always jits)
             pts.update({c: "n/a" for c in cats if c not in pts})
-        panels.append(Panel(f"{shape[0]}, B={shape[1]}, S={shape[2]}", "training toggle (one change from the fp32 "
-                            "baseline)", "tokens/s", series, kind="bar", categories=cats))
+        panels.append(
+            Panel(
+                f"{shape[0]}, B={shape[1]}, S={shape[2]}",
+                "training toggle (one change from the fp32 baseline)",
+                "tokens/s",
+                series,
+                kind="bar",
+                categories=cats,
+            )
+        )
     return draw(out_dir, PLOT_FILES["train"], f"Train step throughput per toggle — {_where(info)}", panels, ncols=1)
 
 
 REMAT_ORDER = ("none", "save_dots", "save_qkv_attn", "full", "offload")
 
 
-def plot_remat(out_dir: str, records: list[dict], info: Optional[dict] = None) -> Optional[Plot]:
+def plot_remat(out_dir: str, records: list[dict], info: dict | None = None) -> Plot | None:
     """Memory per remat policy, one panel per model shape: JAX's compiled temp bytes (CPU, and the H100 ones
     "compiled, not run"), JAX's saved residuals, torch's bytes kept for the backward (and its peak on a GPU)."""
     panels = []
@@ -238,13 +290,26 @@ def plot_remat(out_dir: str, records: list[dict], info: Optional[dict] = None) -
                     series.setdefault(f"torch: peak allocated ({tgt})", {})[pol] = m["peak_mem_bytes"] / 2**30
         pols = {p for pts in series.values() for p in pts}
         cats = tuple(p for p in REMAT_ORDER if p in pols) + tuple(sorted(pols - set(REMAT_ORDER)))
-        panels.append(Panel(f"{shape[0]} (n_layers={shape[1]}), B={shape[2]}, S={shape[3]}, bf16",
-                            "remat policy", "memory (GiB)", series, kind="bar", categories=cats))
-    return draw(out_dir, PLOT_FILES["remat"], f"Activation memory per remat policy — {_where(info)}; "
-                "H100 bars compiled, not run", panels, ncols=1)
+        panels.append(
+            Panel(
+                f"{shape[0]} (n_layers={shape[1]}), B={shape[2]}, S={shape[3]}, bf16",
+                "remat policy",
+                "memory (GiB)",
+                series,
+                kind="bar",
+                categories=cats,
+            )
+        )
+    return draw(
+        out_dir,
+        PLOT_FILES["remat"],
+        f"Activation memory per remat policy — {_where(info)}; H100 bars compiled, not run",
+        panels,
+        ncols=1,
+    )
 
 
-def plot_decode(out_dir: str, records: list[dict], info: Optional[dict] = None) -> Optional[Plot]:
+def plot_decode(out_dir: str, records: list[dict], info: dict | None = None) -> Plot | None:
     """Tokens/s against batch size, one panel per (model, pass), one line per framework x weights (the device
     in the label when the frameworks ran on different ones); log y when the values span decades."""
     ok = _ok(records, "tokens_per_s")
@@ -258,15 +323,19 @@ def plot_decode(out_dir: str, records: list[dict], info: Optional[dict] = None) 
                 series.setdefault(lab, {})[r["B"]] = r["tokens_per_s"]
         what = "one step, B new tokens" if pss == "decode" else f"prompt of {ok[0].get('prompt_len')} tokens"
         panels.append(Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", series, logx=2))
-    return draw(out_dir, PLOT_FILES["decode"], f"Decode and prefill throughput with the KV cache — {_where(info)}",
-                panels, ncols=2)
+    return draw(
+        out_dir,
+        PLOT_FILES["decode"],
+        f"Decode and prefill throughput with the KV cache — {_where(info)}",
+        panels,
+        ncols=2,
+    )
 
 
 _STAGES = {"flash_fwd": "fwd", "mosaic_fwd": "fwd", "flash_bwd_dq": "bwd dq", "flash_bwd_dkv": "bwd dkv"}
 
 
-def plot_kernels(out_dir: str, records: list[dict], info: Optional[dict] = None,
-                 name: Optional[str] = None) -> Optional[Plot]:
+def plot_kernels(out_dir: str, records: list[dict], info: dict | None = None, name: str | None = None) -> Plot | None:
     """Registers per thread, spill bytes and shared memory of each compiled attention kernel (``kernels.json``
     of ``python -m benchmarks compile``, or the kernel records of the ``compile`` suite), one bar per
     implementation x dtype, grouped by kernel and head dim. Compiled for the target, never run."""
@@ -276,39 +345,83 @@ def plot_kernels(out_dir: str, records: list[dict], info: Optional[dict] = None,
     limits = KERNEL_LIMITS
     stage = lambda r: _STAGES.get(r["kernel"], r["kernel"])  # noqa: E731
     order = list(dict.fromkeys(_STAGES.values()))
-    cats = sorted({(stage(r), r["head_dim"]) for r in ok},
-                  key=lambda c: (order.index(c[0]) if c[0] in order else len(order), c[0], c[1]))
+    cats = sorted(
+        {(stage(r), r["head_dim"]) for r in ok},
+        key=lambda c: (order.index(c[0]) if c[0] in order else len(order), c[0], c[1]),
+    )
     cat_names = tuple(f"{s} D={d}" for s, d in cats)
-    metrics = [("registers per thread", "registers", lambda r: r["registers"],
-                ((limits["max_regs_per_thread"], f"max {limits['max_regs_per_thread']} / thread"),)),
-               ("spilled bytes (stores + loads)", "bytes", lambda r: (r.get("spill_stores") or 0)
-                + (r.get("spill_loads") or 0), ()),
-               ("shared memory per block", "KiB", lambda r: r["smem_bytes"] / 1024,
-                ((limits["smem_per_block"] / 1024, f"max {limits['smem_per_block'] / 1024:.0f} KiB / block"),))]
+    metrics = [
+        (
+            "registers per thread",
+            "registers",
+            lambda r: r["registers"],
+            ((limits["max_regs_per_thread"], f"max {limits['max_regs_per_thread']} / thread"),),
+        ),
+        (
+            "spilled bytes (stores + loads)",
+            "bytes",
+            lambda r: (r.get("spill_stores") or 0) + (r.get("spill_loads") or 0),
+            (),
+        ),
+        (
+            "shared memory per block",
+            "KiB",
+            lambda r: r["smem_bytes"] / 1024,
+            ((limits["smem_per_block"] / 1024, f"max {limits['smem_per_block'] / 1024:.0f} KiB / block"),),
+        ),
+    ]
     panels = []
     for title, unit, get, lims in metrics:
         series: dict = {}
         for r in ok:
             series.setdefault(f"{r['impl']} {r['dtype']}", {})[f"{stage(r)} D={r['head_dim']}"] = get(r)
-        note = "no spills" if title.startswith("spilled") and not any(
-            v for pts in series.values() for v in pts.values()) else None
-        panels.append(Panel(title, "kernel, head dim", unit, series, kind="bar", categories=cat_names, logy=False,
-                            limits=lims, note=note))
+        note = (
+            "no spills"
+            if title.startswith("spilled") and not any(v for pts in series.values() for v in pts.values())
+            else None
+        )
+        panels.append(
+            Panel(
+                title,
+                "kernel, head dim",
+                unit,
+                series,
+                kind="bar",
+                categories=cat_names,
+                logy=False,
+                limits=lims,
+                note=note,
+            )
+        )
     label = next((r.get("label") for r in ok if r.get("label")), "compiled for the target, not run")
     target = (info or {}).get("target_device") or label.replace("compiled for ", "").replace(", not run", "")
     r0 = ok[0]
-    title = (f"Attention kernels for {target} — compiled, not run (deviceless, ptxas -v); "
-             f"B={r0.get('B')}, S={r0.get('S')}, Hq={r0.get('Hq')}, causal={r0.get('causal')}")
+    title = (
+        f"Attention kernels for {target} — compiled, not run (deviceless, ptxas -v); "
+        f"B={r0.get('B')}, S={r0.get('S')}, Hq={r0.get('Hq')}, causal={r0.get('causal')}"
+    )
     return draw(out_dir, name or PLOT_FILES["kernels"], title, panels, ncols=1)
 
 
-PLOT_FILES = {"attention": "attention_tflops.png", "train": "train_tokens_per_s.png", "remat": "remat_memory.png",
-              "decode": "decode_tokens_per_s.png", "compile": "compile_kernels.png", "kernels": "kernels.png"}
-PLOTTERS: dict[str, Callable] = {"attention": plot_attention, "train": plot_train, "remat": plot_remat,
-                                 "decode": plot_decode, "compile": plot_kernels, "kernels": plot_kernels}
+PLOT_FILES = {
+    "attention": "attention_tflops.png",
+    "train": "train_tokens_per_s.png",
+    "remat": "remat_memory.png",
+    "decode": "decode_tokens_per_s.png",
+    "compile": "compile_kernels.png",
+    "kernels": "kernels.png",
+}
+PLOTTERS: dict[str, Callable] = {
+    "attention": plot_attention,
+    "train": plot_train,
+    "remat": plot_remat,
+    "decode": plot_decode,
+    "compile": plot_kernels,
+    "kernels": plot_kernels,
+}
 
 
-def plot_suite(out_dir: str, suite: str, records: list[dict], info: Optional[dict] = None) -> Optional[Plot]:
+def plot_suite(out_dir: str, suite: str, records: list[dict], info: dict | None = None) -> Plot | None:
     """The plot of ``suite`` (:data:`PLOTTERS`) from its records into ``out_dir/PLOT_FILES[suite]``; None (and
     nothing written) for a suite without a plot or records with nothing measured."""
     if suite not in PLOTTERS or not _ok(records):

@@ -5,6 +5,7 @@
 Everything between ``<!-- results:begin -->`` and ``<!-- results:end -->`` is written here, never by hand;
 ``parity_tests/test_readme.py`` fails when the README and the JSON disagree; ``--check`` exits 1 when stale.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,18 +47,24 @@ def kernels_section() -> list[str]:
     d, path = _load("h100-compiled", "kernels.json")
     if d is None:
         return [f"_No `{path}` yet: run `python -m benchmarks compile`._"]
-    out = [f"### Kernels ({COMPILED})", "",
-           f"From `{path}` ({_env_line(d['env'])}). B=1, S=4096, 16 heads, causal. HGMMA = wgmma (Hopper tensor "
-           "cores), HMMA = mma.sync; occupancy on the H100 limits.", "",
-           "| impl | kernel | D | dtype | threads | regs | spill st/ld B | smem B | occupancy | HGMMA | HMMA |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### Kernels ({COMPILED})",
+        "",
+        f"From `{path}` ({_env_line(d['env'])}). B=1, S=4096, 16 heads, causal. HGMMA = wgmma (Hopper tensor "
+        "cores), HMMA = mma.sync; occupancy on the H100 limits.",
+        "",
+        "| impl | kernel | D | dtype | threads | regs | spill st/ld B | smem B | occupancy | HGMMA | HMMA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in d["records"]:
         if r.get("status") != "ok":
             continue
         sass = r.get("sass") or {}
-        out.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
-                   f"{r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['smem_bytes']:,} | "
-                   f"{r['occupancy']:.3f} | {sass.get('HGMMA', '—')} | {sass.get('HMMA', '—')} |")
+        out.append(
+            f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
+            f"{r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['smem_bytes']:,} | "
+            f"{r['occupancy']:.3f} | {sass.get('HGMMA', '—')} | {sass.get('HMMA', '—')} |"
+        )
     png = os.path.join(RESULTS, "h100-compiled", "kernels.png")  # drawn from the same JSON by `benchmarks report`
     if os.path.isfile(png):
         out += ["", f"![registers, spills and shared memory per kernel, {COMPILED}]({os.path.relpath(png, ROOT)})"]
@@ -68,16 +75,23 @@ def programs_section() -> list[str]:
     d, path = _load("h100-compiled", "programs.json")
     if d is None:
         return []
-    out = [f"### Whole programs ({COMPILED})", "", f"From `{path}`: bf16, flash attention, AdamW for train steps. "
-           "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once).",
-           "", "| preset | program | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"### Whole programs ({COMPILED})",
+        "",
+        f"From `{path}`: bf16, flash attention, AdamW for train steps. "
+        "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once).",
+        "",
+        "| preset | program | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in d["records"]:
         if r.get("status") != "ok":
             continue
-        out.append(f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {_gib(r['temp'])} | "
-                   f"{_gib(r['peak'])} | "
-                   f"{r['launches']} | {r['flops_ratio']:.3f} |")
+        out.append(
+            f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {_gib(r['temp'])} | "
+            f"{_gib(r['peak'])} | "
+            f"{r['launches']} | {r['flops_ratio']:.3f} |"
+        )
     return out
 
 
@@ -85,20 +99,28 @@ def plan_section() -> list[str]:
     d, path = _load("h100-compiled", "plan.json")
     if d is None:
         return []
-    out = [f"### Scaling plans on 8 H100s ({COMPILED})", "",
-           f"From `{path}` (`python -m benchmarks run --suite plan`): per-device memory and the collectives of the "
-           "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).", "",
-           "| mesh | preset | batch × seq | remat | peak GiB / device | all-gather / all-reduce / reduce-scatter GiB "
-           "per step | fits 80 GB |", "|---|---|---|---|---|---|---|"]
+    out = [
+        f"### Scaling plans on 8 H100s ({COMPILED})",
+        "",
+        f"From `{path}` (`python -m benchmarks run --suite plan`): per-device memory and the collectives of the "
+        "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).",
+        "",
+        "| mesh | preset | batch × seq | remat | peak GiB / device | all-gather / all-reduce / reduce-scatter GiB "
+        "per step | fits 80 GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in d["records"]:
         if r.get("status") != "ok":
             continue
         m, c = r["measured"], r["measured"]["collectives"]
         peak = m["per_device_memory"]["peak"]
-        traffic = " / ".join(_gib(c[k].get("bytes_per_step", c[k]["bytes"]))
-                             for k in ("all-gather", "all-reduce", "reduce-scatter"))
-        out.append(f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {_gib(peak)} | "
-                   f"{traffic} | {'yes' if peak < 80e9 else 'no'} |")
+        traffic = " / ".join(
+            _gib(c[k].get("bytes_per_step", c[k]["bytes"])) for k in ("all-gather", "all-reduce", "reduce-scatter")
+        )
+        out.append(
+            f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {_gib(peak)} | "
+            f"{traffic} | {'yes' if peak < 80e9 else 'no'} |"
+        )
     return out
 
 
@@ -106,22 +128,27 @@ def train_example_section() -> list[str]:
     d, path = _load("train-example", "summary.json")
     if d is None:
         return []
-    return ["### Train example (CPU)", "",
-            f"From `{path}`: {d['preset']} preset on `{d['data']}`, same `--init` and seed, fp32 AdamW. Largest "
-            f"per-step loss gap torch vs JAX {d['max_per_step_loss_gap']:.2g}; final loss JAX "
-            f"{d['final_loss']['jax']:.4f}, torch {d['final_loss']['torch']:.4f}; median tokens/s JAX "
-            f"{d['median_tokens_per_s']['jax']:,.0f}, torch {d['median_tokens_per_s']['torch']:,.0f} "
-            f"(JAX speed-up {d['median_tokens_per_s']['jax'] / d['median_tokens_per_s']['torch']:.2f}×, on a "
-            "shared 2-core CPU)."]
+    return [
+        "### Train example (CPU)",
+        "",
+        f"From `{path}`: {d['preset']} preset on `{d['data']}`, same `--init` and seed, fp32 AdamW. Largest "
+        f"per-step loss gap torch vs JAX {d['max_per_step_loss_gap']:.2g}; final loss JAX "
+        f"{d['final_loss']['jax']:.4f}, torch {d['final_loss']['torch']:.4f}; median tokens/s JAX "
+        f"{d['median_tokens_per_s']['jax']:,.0f}, torch {d['median_tokens_per_s']['torch']:,.0f} "
+        f"(JAX speed-up {d['median_tokens_per_s']['jax'] / d['median_tokens_per_s']['torch']:.2f}×, on a "
+        "shared 2-core CPU).",
+    ]
 
 
 QUICK = os.path.join(RESULTS, "cpu-quick")
 # What a suite without a JAX-vs-torch timed row measures (one line each; numbers still come from its JSON).
-UNPAIRED = {"remat": "bytes per remat policy (JAX compiled temporaries and saved residuals, torch bytes saved for "
-                     "the backward), no times",
-            "plan": "JAX only: a sharded train step compiled for 8 H100s (memory and collective bytes), no times",
-            "compile": "JAX only: Pallas kernels and programs compiled for an H100 (registers, spills, shared "
-                       "memory, compiled memory), no times"}
+UNPAIRED = {
+    "remat": "bytes per remat policy (JAX compiled temporaries and saved residuals, torch bytes saved for "
+    "the backward), no times",
+    "plan": "JAX only: a sharded train step compiled for 8 H100s (memory and collective bytes), no times",
+    "compile": "JAX only: Pallas kernels and programs compiled for an H100 (registers, spills, shared "
+    "memory, compiled memory), no times",
+}
 
 
 def _speedup(records: list) -> tuple[list, list, list]:
@@ -131,16 +158,31 @@ def _speedup(records: list) -> tuple[list, list, list]:
         return [], {}, []
     keys, rows = speedup_rows(records)
     ratios = [ratio for _, _, ratio in rows if not math.isnan(ratio)]
-    impls = {fw: list(dict.fromkeys(r.get("impl", "?") for r in records if r.get("framework") == fw
-                                    and r.get("status", "ok") == "ok" and isinstance(r.get("median_ms"), (int, float))))
-             for fw in ("jax", "torch")}
+    impls = {
+        fw: list(
+            dict.fromkeys(
+                r.get("impl", "?")
+                for r in records
+                if r.get("framework") == fw
+                and r.get("status", "ok") == "ok"
+                and isinstance(r.get("median_ms"), (int, float))
+            )
+        )
+        for fw in ("jax", "torch")
+    }
     return keys, impls, ratios
 
 
 def _spread(records: list, framework: str) -> str:
     """The widest p90/p10 of one framework's timed records: how much its times moved during the run."""
-    spreads = [r["p90_ms"] / r["p10_ms"] for r in records if r.get("framework") == framework
-               and r.get("status", "ok") == "ok" and (r.get("p10_ms") or 0) > 0 and r.get("p90_ms")]
+    spreads = [
+        r["p90_ms"] / r["p10_ms"]
+        for r in records
+        if r.get("framework") == framework
+        and r.get("status", "ok") == "ok"
+        and (r.get("p10_ms") or 0) > 0
+        and r.get("p90_ms")
+    ]
     return f"{max(spreads):.1f}×" if spreads else "—"
 
 
@@ -158,17 +200,25 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
         return ", ".join(dict.fromkeys(str(e.get(key)) for e in envs if e.get(key))) or "unknown"
 
     times = sorted(str(e["time_utc"]) for e in envs if e.get("time_utc"))
-    when = ((f"in the run started {times[0]}" if times[0] == times[-1] else f"in runs started {times[0]} to "
-             f"{times[-1]}") if times else "at an unknown time")
-    out = ["### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)", "",
-           f"From `{rel}/*.json` (`python -m benchmarks run --quick`, full tables in `{rel}/report.md`): JAX on "
-           f"{distinct('jax_device')}, torch on {distinct('torch_device')}; jax {distinct('jax')}, torch "
-           f"{distinct('torch')}; measured {when} (UTC). Tiny shapes on a 2-core CPU shared with other jobs: "
-           "they show that both twins run and how they compare at these sizes on this CPU, nothing about a GPU. "
-           f"{SPEEDUP_NOTE} Median / min / max over the rows both frameworks timed; the widest p90/p10 of a "
-           "framework's timings shows how much other jobs moved them (— where the suite keeps no percentiles).", "",
-           "| suite | rows keyed by | JAX vs torch implementations | paired rows | JAX speed-up median / min / max "
-           "| widest p90/p10 JAX / torch | plot |", "|---|---|---|---|---|---|---|"]
+    when = (
+        (f"in the run started {times[0]}" if times[0] == times[-1] else f"in runs started {times[0]} to {times[-1]}")
+        if times
+        else "at an unknown time"
+    )
+    out = [
+        "### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)",
+        "",
+        f"From `{rel}/*.json` (`python -m benchmarks run --quick`, full tables in `{rel}/report.md`): JAX on "
+        f"{distinct('jax_device')}, torch on {distinct('torch_device')}; jax {distinct('jax')}, torch "
+        f"{distinct('torch')}; measured {when} (UTC). Tiny shapes on a 2-core CPU shared with other jobs: "
+        "they show that both twins run and how they compare at these sizes on this CPU, nothing about a GPU. "
+        f"{SPEEDUP_NOTE} Median / min / max over the rows both frameworks timed; the widest p90/p10 of a "
+        "framework's timings shows how much other jobs moved them (— where the suite keeps no percentiles).",
+        "",
+        "| suite | rows keyed by | JAX vs torch implementations | paired rows | JAX speed-up median / min / max "
+        "| widest p90/p10 JAX / torch | plot |",
+        "|---|---|---|---|---|---|---|",
+    ]
     unpaired = []
     for suite, d in found.items():
         keys, impls, ratios = _speedup(d["records"])
@@ -178,19 +228,30 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
             what = UNPAIRED.get(suite, "no row timed by both frameworks")
             unpaired.append(f"- `{suite}`: {what}" + (f"; plot {link}" if link != "—" else "") + ".")
             continue
-        out.append(f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
-                   f"{len(ratios)} | {statistics.median(ratios):.2f}× / {min(ratios):.2f}× / {max(ratios):.2f}× "
-                   f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} | {link} |")
+        out.append(
+            f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
+            f"{len(ratios)} | {statistics.median(ratios):.2f}× / {min(ratios):.2f}× / {max(ratios):.2f}× "
+            f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} | {link} |"
+        )
     if unpaired:
         out += ["", "Not in the table (no JAX-vs-torch times):"] + unpaired
     return out
 
 
 def render() -> str:
-    parts = ["## Results (generated by `python -m benchmarks.readme` from committed JSON)", "",
-             "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host.", ""]
-    for section in (train_example_section(), cpu_quick_section(), kernels_section(), programs_section(),
-                    plan_section()):
+    parts = [
+        "## Results (generated by `python -m benchmarks.readme` from committed JSON)",
+        "",
+        "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host.",
+        "",
+    ]
+    for section in (
+        train_example_section(),
+        cpu_quick_section(),
+        kernels_section(),
+        programs_section(),
+        plan_section(),
+    ):
         if section:
             parts += section + [""]
     return "\n".join(parts).rstrip() + "\n"
@@ -205,8 +266,9 @@ def splice(readme: str, body: str) -> str:
 
 
 def main(argv=None, prog: str = "python -m benchmarks.readme") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md's section is stale")
     args = parser.parse_args(argv)
     with open(README) as f:

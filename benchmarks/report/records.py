@@ -3,8 +3,9 @@
     write_results("benchmarks/results/cpu", "model", records, env_info())   # -> .../cpu/model.json
 
 A record is a flat dict; every file is written to a temporary file beside it and moved into place
-(``os.replace``) only when complete, so a result is never replaced by an empty or partial one (CONVENTIONS §9).
+(``os.replace``) only when complete, so a result is never replaced by an empty or partial one (design §9).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,16 +46,20 @@ def check_out_dir(out_dir: str) -> str:
         os.close(fd)
         os.remove(tmp)
     except OSError as e:
-        raise ValueError(f"--out {out_dir!r} is not writable: cannot create a file in {probe} "
-                         f"({e.strerror or e}); pick a writable directory") from None
+        raise ValueError(
+            f"--out {out_dir!r} is not writable: cannot create a file in {probe} "
+            f"({e.strerror or e}); pick a writable directory"
+        ) from None
     return path
 
 
 def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> str:
     """Writes ``<out_dir>/<suite>.json`` atomically; refuses an empty record list (it would erase a result)."""
     if not records:
-        raise ValueError(f"write_results: no records for suite {suite!r}; refusing to replace "
-                         f"{os.path.join(out_dir, suite + '.json')} with an empty result")
+        raise ValueError(
+            f"write_results: no records for suite {suite!r}; refusing to replace "
+            f"{os.path.join(out_dir, suite + '.json')} with an empty result"
+        )
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{suite}.json")
     text = json.dumps({"env": info, "suite": suite, "records": records}, indent=1, default=str)

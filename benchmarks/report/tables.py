@@ -1,22 +1,41 @@
 """Markdown tables of result records: JAX and torch side by side with the speed-up column, per suite.
 
-    print(suite_table("model", records))   # report_table, or the suite's own layout (SUITE_TABLES)
+print(suite_table("model", records))   # report_table, or the suite's own layout (SUITE_TABLES)
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from . import compile_tables
 from .records import impl_label
 
 # Record keys that are results, not row keys of the report table (``device``: where that framework ran, so JAX and
 # torch share a row even when they ran on different devices).
-MEASURED = {"median_ms", "p10_ms", "p90_ms", "tflops", "tokens_per_s", "peak_mem_bytes", "mfu", "max_abs_diff",
-            "status", "reason", "impl", "framework", "iters", "measured", "summary", "device"}
+MEASURED = {
+    "median_ms",
+    "p10_ms",
+    "p90_ms",
+    "tflops",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "mfu",
+    "max_abs_diff",
+    "status",
+    "reason",
+    "impl",
+    "framework",
+    "iters",
+    "measured",
+    "summary",
+    "device",
+}
 SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
-SPEEDUP_NOTE = (f"**{SPEEDUP_COLUMN}**: the fastest torch median over the fastest JAX median in that row; "
-                "above 1.00x JAX is faster, below it torch is.")
+SPEEDUP_NOTE = (
+    f"**{SPEEDUP_COLUMN}**: the fastest torch median over the fastest JAX median in that row; "
+    "above 1.00x JAX is faster, below it torch is."
+)
 # suite name -> fn(records) -> markdown, for suites whose records need their own layout
 SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {"compile": compile_tables.suite_tables}
 
@@ -47,9 +66,19 @@ def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, 
         rows.setdefault(tuple(r.get(k) for k in keys), {})[impl_label(r)] = r
     out = []
     for key, cells in rows.items():
-        best = {fw: min((c["median_ms"] for c in cells.values() if c.get("framework") == fw
-                         and c.get("status", "ok") == "ok" and isinstance(c.get("median_ms"), (int, float))),
-                        default=math.nan) for fw in ("jax", "torch")}
+        best = {
+            fw: min(
+                (
+                    c["median_ms"]
+                    for c in cells.values()
+                    if c.get("framework") == fw
+                    and c.get("status", "ok") == "ok"
+                    and isinstance(c.get("median_ms"), (int, float))
+                ),
+                default=math.nan,
+            )
+            for fw in ("jax", "torch")
+        }
         both = best["jax"] == best["jax"] and best["torch"] == best["torch"]  # neither is NaN
         ratio = best["torch"] / best["jax"] if both else math.nan
         out.append((key, cells, ratio))

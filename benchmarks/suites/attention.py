@@ -4,9 +4,10 @@
 
 Implementations, passes, TFLOP/s and memory conventions and the shapes: benchmarks/NOTES.md ("attention").
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def _shapes(quick: bool, on_gpu: bool = False):
     return out
 
 
-def check_filters(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[int] = None) -> list:
+def check_filters(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = None) -> list:
     """The shapes ``run`` will time, after checking the filters (cheap: imports neither jax nor torch).
 
     Raises ValueError naming ``impls`` / ``max_seq`` when a name is unknown, ``max_seq`` is not a positive int,
@@ -49,8 +50,10 @@ def check_filters(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: O
         raise ValueError(f"max_seq must be a positive int (a sequence length), got {max_seq!r}")
     shapes = [sh for sh in _shapes(quick) if max_seq is None or sh[4] <= max_seq]
     if not shapes:
-        raise ValueError(f"max_seq={max_seq} leaves no shape to run: the shortest sequence "
-                         f"{'(quick) ' if quick else ''}is {min(sh[4] for sh in _shapes(quick))}")
+        raise ValueError(
+            f"max_seq={max_seq} leaves no shape to run: the shortest sequence "
+            f"{'(quick) ' if quick else ''}is {min(sh[4] for sh in _shapes(quick))}"
+        )
     return shapes
 
 
@@ -60,9 +63,25 @@ def _first_line(e: BaseException) -> str:
 
 
 def _record(impl, fw, pss, *, dtype, b, hq, hkv, s, d, causal, **kw):
-    r = {"suite": "attention", "impl": impl, "framework": fw, "pass": pss, "dtype": dtype, "B": b, "Hq": hq,
-         "Hkv": hkv, "Sq": s, "Sk": s, "D": d, "causal": causal, "median_ms": None, "tflops": None,
-         "peak_mem_bytes": None, "status": "ok", "reason": None}
+    r = {
+        "suite": "attention",
+        "impl": impl,
+        "framework": fw,
+        "pass": pss,
+        "dtype": dtype,
+        "B": b,
+        "Hq": hq,
+        "Hkv": hkv,
+        "Sq": s,
+        "Sk": s,
+        "D": d,
+        "causal": causal,
+        "median_ms": None,
+        "tflops": None,
+        "peak_mem_bytes": None,
+        "status": "ok",
+        "reason": None,
+    }
     r.update(kw)
     return r
 
@@ -74,14 +93,18 @@ def _jax_impls(quick: bool):
 
     impls = {}
     for name in JAX_OURS:
+
         def make(causal, _name=name):
             from jaxattn.attention import dot_product_attention
 
             return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, backend=_name)
+
         impls[name] = make
     for impl in ("xla", "cudnn"):
+
         def make(causal, _impl=impl):
             return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=_impl)
+
         impls[f"jax.nn:{impl}"] = make
 
     def make_pallas(causal):
@@ -90,12 +113,14 @@ def _jax_impls(quick: bool):
         if jax.default_backend() != "gpu":
             raise RuntimeError("GPU only (Triton lowering; interpret mode is not benchmarked)")
         return lambda q, k, v: mha(q, k, v, None, sm_scale=1.0 / float(np.sqrt(q.shape[-1])), causal=causal)
+
     impls["pallas:mha"] = make_pallas
 
     def make_tokamax(causal):
         import tokamax  # noqa: F401  (optional peer)
 
         return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
+
     impls["tokamax"] = make_tokamax
     return impls
 
@@ -144,21 +169,37 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None):
             try:
                 t = measure.timeit(fn, *args, warmup=1 if it == 3 else warmup, iters=it)
             except Exception as e:
-                records.append(_record(name, "jax", pss, status="skipped", reason=f"error: {_first_line(e)}",
-                                       **_kw(base)))
+                records.append(
+                    _record(name, "jax", pss, status="skipped", reason=f"error: {_first_line(e)}", **_kw(base))
+                )
                 if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
                     reason = f"error: {_first_line(e)}"
                 continue
             fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
-            records.append(_record(name, "jax", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
-                                   tflops=fl / t["median_s"] / 1e12,
-                                   peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
-                                   **_kw(base)))
+            records.append(
+                _record(
+                    name,
+                    "jax",
+                    pss,
+                    median_ms=t["median_s"] * 1e3,
+                    iters=t["iters"],
+                    tflops=fl / t["median_s"] / 1e12,
+                    peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
+                    **_kw(base),
+                )
+            )
 
 
 def _kw(base):
-    return dict(dtype=base["dtype"], b=base["b"], hq=base["hq"], hkv=base["hkv"], s=base["s"], d=base["d"],
-                causal=base["causal"])
+    return dict(
+        dtype=base["dtype"],
+        b=base["b"],
+        hq=base["hq"],
+        hkv=base["hkv"],
+        s=base["s"],
+        d=base["d"],
+        causal=base["causal"],
+    )
 
 
 # --------------------------------------------------------------------------------------------- torch
@@ -173,8 +214,12 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None):
     g = torch.Generator(device="cpu").manual_seed(0)
     mk = lambda h: torch.randn(b, h, s, d, generator=g).to(device=dev, dtype=tdt)  # noqa: E731
     q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
-    sdp = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-           "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    sdp = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     gqa = dict(enable_gqa=True) if hq != hkv else {}
     base = dict(dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal)
     for name in TORCH_SDPA:
@@ -206,17 +251,27 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None):
                 with grad_ctx:
                     t = measure.timeit(fn, *args, warmup=warmup, iters=iters)
             except Exception as e:
-                records.append(_record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}",
-                                       **_kw(base)))
+                records.append(
+                    _record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}", **_kw(base))
+                )
                 continue
             fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
-            records.append(_record(impl, "torch", pss, median_ms=t["median_s"] * 1e3, iters=t["iters"],
-                                   tflops=fl / t["median_s"] / 1e12, peak_mem_bytes=measure.torch_peak_memory(),
-                                   **_kw(base)))
+            records.append(
+                _record(
+                    impl,
+                    "torch",
+                    pss,
+                    median_ms=t["median_s"] * 1e3,
+                    iters=t["iters"],
+                    tflops=fl / t["median_s"] / 1e12,
+                    peak_mem_bytes=measure.torch_peak_memory(),
+                    **_kw(base),
+                )
+            )
 
 
 # --------------------------------------------------------------------------------------------- entry
-def run(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[int] = None) -> list[dict]:
+def run(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = None) -> list[dict]:
     """Benchmark every implementation on every shape; returns the records (see the module docstring).
 
     ``impls`` (optional) keeps only records whose ``impl`` is listed (e.g. ``["flash", "sdpa:flash"]``) and
@@ -234,9 +289,22 @@ def run(quick: bool, impls: Optional[Iterable[str]] = None, max_seq: Optional[in
             for name in TORCH_SDPA:
                 for pss in ("fwd", "fwd_bwd"):
                     dtype, b, hq, hkv, s, d, causal = shape
-                    records.append(_record(f"sdpa:{name}", "torch", pss, status="skipped",
-                                           reason=_first_line(e), dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d,
-                                           causal=causal))
+                    records.append(
+                        _record(
+                            f"sdpa:{name}",
+                            "torch",
+                            pss,
+                            status="skipped",
+                            reason=_first_line(e),
+                            dtype=dtype,
+                            b=b,
+                            hq=hq,
+                            hkv=hkv,
+                            s=s,
+                            d=d,
+                            causal=causal,
+                        )
+                    )
             continue
         _run_torch(records, quick, shape, iters, warmup, wanted)
     return records

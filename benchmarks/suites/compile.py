@@ -5,12 +5,13 @@
 The measurements are the compile tool's (``benchmarks/tools/compile.py``), its report.md section the tool's
 tables (``benchmarks/report/compile_tables.py``); without the gpu-compile extra every record is skipped.
 """
+
 from __future__ import annotations
 
 from jaxattn import gpu_target
 
-from ..tools import compile as tc
 from ..report.compile_tables import LABEL
+from ..tools import compile as tc
 from ..tools.deviceless import BENCH_SHAPE, GATE_SHAPE, target_config
 
 
@@ -25,12 +26,34 @@ def run(quick: bool = False, target: str = "h100", log=print) -> list:
     label = LABEL.format(target=target.upper())
     reason = gpu_target.unavailable_reason()
     if reason is not None:
-        return ([dict(part="kernel", framework="jax", impl=impl, head_dim=d, dtype=dt, label=label,
-                      status="skipped", reason=reason) for impl, d, dt in kcases]
-                + [dict(part="program", framework="jax", impl=kind, preset=preset, kind=kind, label=label,
-                        status="skipped", reason=reason) for preset, kind, _, _, _ in pcases])
+        return [
+            dict(
+                part="kernel",
+                framework="jax",
+                impl=impl,
+                head_dim=d,
+                dtype=dt,
+                label=label,
+                status="skipped",
+                reason=reason,
+            )
+            for impl, d, dt in kcases
+        ] + [
+            dict(
+                part="program",
+                framework="jax",
+                impl=kind,
+                preset=preset,
+                kind=kind,
+                label=label,
+                status="skipped",
+                reason=reason,
+            )
+            for preset, kind, _, _, _ in pcases
+        ]
     devs = gpu_target.devices(target_config(target))
     kernels = tc.kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)
     programs = tc.program_records(devs, pcases, target, log=log)
-    return ([dict(r, part="kernel", framework="jax") for r in kernels]
-            + [dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs])
+    return [dict(r, part="kernel", framework="jax") for r in kernels] + [
+        dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs
+    ]

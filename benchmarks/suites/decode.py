@@ -5,6 +5,7 @@
 Models, batches, weights (fp32 / bf16 / int8), the parity gate and the adaptive iterations
 (:func:`timeit_budget`): benchmarks/NOTES.md ("decode", and "Decode suite on this CPU").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,8 @@ import importlib.util
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from jaxattn.spec.timing import summarize
 from .. import measure
 from ..twins import jax_config, jitted, twin_models
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 MIN_ITERS = 3  # timed calls per measurement, whatever the budget
 BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iterations when calls are fast
 
@@ -30,8 +32,14 @@ BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iter
 def adaptive_iters(call_s: float, budget_s: float, max_iters: int, min_iters: int = MIN_ITERS) -> int:
     """Timed calls for a call that takes ``call_s`` seconds: as many as fit ``budget_s``, at least
     ``min_iters`` and at most ``max_iters`` (``call_s`` 0 or not a number: ``max_iters``)."""
-    if isinstance(min_iters, bool) or not isinstance(min_iters, int) or min_iters < 1 \
-            or isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < min_iters:
+    if (
+        isinstance(min_iters, bool)
+        or not isinstance(min_iters, int)
+        or min_iters < 1
+        or isinstance(max_iters, bool)
+        or not isinstance(max_iters, int)
+        or max_iters < min_iters
+    ):
         raise ValueError(f"need 1 <= min_iters <= max_iters (ints), got {min_iters!r}, {max_iters!r}")
     if not call_s > 0:
         return max_iters
@@ -44,8 +52,15 @@ def more_warmup(done: int, spent_s: float, warmup: int, budget_s: float) -> bool
     return done < 1 or (done < warmup and spent_s < budget_s / 4)
 
 
-def timeit_budget(fn: Callable[[], Any], warmup: int, iters: int, budget_s: float, min_iters: int = MIN_ITERS,
-                  sync: Callable[[Any], None] = measure.sync, clock: Callable[[], float] = time.perf_counter) -> dict:
+def timeit_budget(
+    fn: Callable[[], Any],
+    warmup: int,
+    iters: int,
+    budget_s: float,
+    min_iters: int = MIN_ITERS,
+    sync: Callable[[Any], None] = measure.sync,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     """:func:`measure.timeit` with the iteration count adapted to ``budget_s`` (:func:`more_warmup`, then timed
     calls until there are ``adaptive_iters(median so far)``: a slow first timed call, e.g. a late recompile, is
     outvoted as the median settles). At most ``max(1, warmup) + iters`` calls. Returns ``{"median_s", "p10_s",
@@ -135,11 +150,16 @@ def _gate(tmodel, jmodel, tokens, tensors=None):
     bound = max(LOGITS_TOL, 2 * float(np.abs(ref32 - ref64).max(-1)[~massive].max(initial=0.0)))
     for fw, got in (("jax", jl), ("torch", tl)):
         err = np.abs(got - ref64).max(-1)
-        if not (err[~massive].max(initial=0.0) <= bound and err[massive].max(initial=0.0) <= 1e-3
-                and (got.argmax(-1) == ref64.argmax(-1))[massive].all()):
-            raise AssertionError(f"{fw} fp32 logits vs transformers float64: {err[~massive].max(initial=0):.3g} "
-                                 f"(bound {bound:.3g}), at massive activations {err[massive].max(initial=0):.3g} "
-                                 f"(bound 1e-3); not timing them")
+        if not (
+            err[~massive].max(initial=0.0) <= bound
+            and err[massive].max(initial=0.0) <= 1e-3
+            and (got.argmax(-1) == ref64.argmax(-1))[massive].all()
+        ):
+            raise AssertionError(
+                f"{fw} fp32 logits vs transformers float64: {err[~massive].max(initial=0):.3g} "
+                f"(bound {bound:.3g}), at massive activations {err[massive].max(initial=0):.3g} "
+                f"(bound 1e-3); not timing them"
+            )
     return diff
 
 
@@ -262,13 +282,24 @@ def run(quick: bool) -> list[dict]:
             tmodel, jmodel = _build(cfg, tensors, weights)
             gate_tokens = rng.integers(0, cfg.vocab_size, (2, 16))
             try:
-                diff = (_gate(tmodel, jmodel, gate_tokens, None if name == "tiny" else tensors)
-                        if weights == "fp32" else None)
+                diff = (
+                    _gate(tmodel, jmodel, gate_tokens, None if name == "tiny" else tensors)
+                    if weights == "fp32"
+                    else None
+                )
             except (ImportError, AssertionError) as e:  # no reference here, or the twins disagree: time nothing
                 status = "skipped" if isinstance(e, ImportError) else "error"
-                records.append({"suite": "decode", "model": name, "weights": weights, "impl": "jaxattn",
-                                "framework": "jax", "status": status,
-                                "reason": f"parity gate: {type(e).__name__}: {e}"[:300]})
+                records.append(
+                    {
+                        "suite": "decode",
+                        "model": name,
+                        "weights": weights,
+                        "impl": "jaxattn",
+                        "framework": "jax",
+                        "status": status,
+                        "reason": f"parity gate: {type(e).__name__}: {e}"[:300],
+                    }
+                )
                 print(f"decode {name}: {status}: parity gate {type(e).__name__}: {e}", flush=True)
                 break  # this model's other weights are gated on the same check
             wbytes = weight_bytes(jmodel)
@@ -283,15 +314,24 @@ def run(quick: bool) -> list[dict]:
                         torch_fns["prefill"], torch_fns["stepper"] = _torch_fns(tmodel, tokens, cache_len)
                     return torch_fns["prefill"], torch_fns["stepper"](compile_decode)
 
-                impls = [("jax", "jaxattn", functools.partial(_jax_fns, jmodel, tokens, cache_len)),
-                         ("torch", "torchref", functools.partial(make_torch, False))]
+                impls = [
+                    ("jax", "jaxattn", functools.partial(_jax_fns, jmodel, tokens, cache_len)),
+                    ("torch", "torchref", functools.partial(make_torch, False)),
+                ]
                 if devices["jax"] == "gpu":  # our split-K kernel for the decode steps (interpreted on a CPU: slow)
-                    impls.insert(1, ("jax", "jaxattn+flash_decode",
-                                     functools.partial(_jax_fns, jmodel, tokens, cache_len)))
+                    impls.insert(
+                        1, ("jax", "jaxattn+flash_decode", functools.partial(_jax_fns, jmodel, tokens, cache_len))
+                    )
                 if not quick:
                     impls.append(("torch", "torchref+compile", functools.partial(make_torch, True)))
-                base = {"suite": "decode", "model": name, "weights": weights, "B": b, "prompt_len": prompt_len,
-                        "weight_MB": round(wbytes / 2 ** 20, 2)}
+                base = {
+                    "suite": "decode",
+                    "model": name,
+                    "weights": weights,
+                    "B": b,
+                    "prompt_len": prompt_len,
+                    "weight_MB": round(wbytes / 2**20, 2),
+                }
                 for fw, impl, make in impls:
                     backends = ("flash_decode", "flash") if impl.endswith("flash_decode") else None
                     try:
@@ -304,19 +344,43 @@ def run(quick: bool) -> list[dict]:
                         for pass_name, fn, ntok in timed:
                             t0 = time.perf_counter()
                             t = timeit_budget(fn, warmup=warmup, iters=iters, budget_s=budget_s)
-                            records.append({**base, "pass": pass_name, "impl": impl, "framework": fw,
-                                            "device": devices[fw], "median_ms": 1e3 * t["median_s"],
-                                            "p10_ms": 1e3 * t["p10_s"], "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],
-                                            "tokens_per_s": ntok / t["median_s"], "max_abs_diff": diff,
-                                            "peak_mem_bytes": None, "status": "ok"})
-                            print(f"decode {name} {weights} B={b} {impl} {pass_name}: "
-                                  f"{1e3 * t['median_s']:.4g} ms ({ntok / t['median_s']:.4g} tok/s; "
-                                  f"{t['warmup']} warm-up + {t['iters']} timed, {time.perf_counter() - t0:.0f} s)",
-                                  flush=True)
+                            records.append(
+                                {
+                                    **base,
+                                    "pass": pass_name,
+                                    "impl": impl,
+                                    "framework": fw,
+                                    "device": devices[fw],
+                                    "median_ms": 1e3 * t["median_s"],
+                                    "p10_ms": 1e3 * t["p10_s"],
+                                    "p90_ms": 1e3 * t["p90_s"],
+                                    "iters": t["iters"],
+                                    "tokens_per_s": ntok / t["median_s"],
+                                    "max_abs_diff": diff,
+                                    "peak_mem_bytes": None,
+                                    "status": "ok",
+                                }
+                            )
+                            print(
+                                f"decode {name} {weights} B={b} {impl} {pass_name}: "
+                                f"{1e3 * t['median_s']:.4g} ms ({ntok / t['median_s']:.4g} tok/s; "
+                                f"{t['warmup']} warm-up + {t['iters']} timed, {time.perf_counter() - t0:.0f} s)",
+                                flush=True,
+                            )
                     except Exception as e:  # noqa: BLE001 - a backend that cannot run here is recorded, not fatal
-                        records.append({**base, "pass": "decode", "impl": impl, "framework": fw,
-                                        "device": devices[fw], "status": "skipped",
-                                        "reason": f"{type(e).__name__}: {e}"[:300]})
-                        print(f"decode {name} {weights} B={b} {impl}: skipped ({type(e).__name__}: "
-                              f"{str(e)[:200]})", flush=True)
+                        records.append(
+                            {
+                                **base,
+                                "pass": "decode",
+                                "impl": impl,
+                                "framework": fw,
+                                "device": devices[fw],
+                                "status": "skipped",
+                                "reason": f"{type(e).__name__}: {e}"[:300],
+                            }
+                        )
+                        print(
+                            f"decode {name} {weights} B={b} {impl}: skipped ({type(e).__name__}: {str(e)[:200]})",
+                            flush=True,
+                        )
     return records

@@ -3,6 +3,7 @@
 
     records = run(quick=True)
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from .. import measure
 from ..twins import twin_models
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 
 def _shapes(quick: bool):
@@ -69,19 +70,34 @@ def run(quick: bool) -> list[dict]:
             j_logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, j_tok)
             diff = float(np.abs(np.asarray(j_logits) - t_fwd(t_tok).cpu().numpy()).max())
         if not diff <= LOGITS_TOL:
-            raise AssertionError(f"{preset}: JAX and torch logits differ by {diff:.3g} > {LOGITS_TOL}; "
-                                 f"not timing a model pair that disagrees")
+            raise AssertionError(
+                f"{preset}: JAX and torch logits differ by {diff:.3g} > {LOGITS_TOL}; "
+                f"not timing a model pair that disagrees"
+            )
         base = {"suite": "model", "preset": preset, "B": b, "S": s, "dtype": "float32"}
-        for fw, passes in (("jax", (("fwd", j_fwd, (state, j_tok)), ("fwd_bwd", j_fwd_bwd, (params, rest, j_tok)))),
-                           ("torch", (("fwd", t_fwd, (t_tok,)), ("fwd_bwd", t_fwd_bwd, (t_tok,))))):
+        for fw, passes in (
+            ("jax", (("fwd", j_fwd, (state, j_tok)), ("fwd_bwd", j_fwd_bwd, (params, rest, j_tok)))),
+            ("torch", (("fwd", t_fwd, (t_tok,)), ("fwd_bwd", t_fwd_bwd, (t_tok,)))),
+        ):
             for name, fn, args in passes:
                 if fw == "torch":
                     measure.torch_reset_peak()
                 t = measure.timeit(fn, *args, warmup=warmup, iters=iters)
                 peak = measure.jax_peak_memory() if fw == "jax" else measure.torch_peak_memory()
-                records.append({**base, "impl": "jaxattn" if fw == "jax" else "torchref", "framework": fw,
-                                "pass": name, "median_ms": 1e3 * t["median_s"], "p10_ms": 1e3 * t["p10_s"],
-                                "p90_ms": 1e3 * t["p90_s"], "iters": t["iters"],
-                                "tokens_per_s": b * s / t["median_s"], "peak_mem_bytes": peak,
-                                "max_abs_diff": diff, "status": "ok"})
+                records.append(
+                    {
+                        **base,
+                        "impl": "jaxattn" if fw == "jax" else "torchref",
+                        "framework": fw,
+                        "pass": name,
+                        "median_ms": 1e3 * t["median_s"],
+                        "p10_ms": 1e3 * t["p10_s"],
+                        "p90_ms": 1e3 * t["p90_s"],
+                        "iters": t["iters"],
+                        "tokens_per_s": b * s / t["median_s"],
+                        "peak_mem_bytes": peak,
+                        "max_abs_diff": diff,
+                        "status": "ok",
+                    }
+                )
     return records

@@ -6,18 +6,24 @@
 MFU is quoted against the dense bf16 peak whatever the run's precision (the usual convention); a CPU or an
 unknown device has no peak: MFU is None and the reason says why.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 __all__ = ["PEAK_BF16_TFLOPS", "peak_tflops", "peak_flops", "mfu"]
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), keyed by a substring of the device name; for MFU.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
-                    "L4": 121.0, "A10G": 70.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+}
 
 
-def peak_tflops(device_name: str) -> Optional[float]:
+def peak_tflops(device_name: str) -> float | None:
     """The :data:`PEAK_BF16_TFLOPS` entry whose key the device name contains (first match), or None."""
     for key, value in PEAK_BF16_TFLOPS.items():
         if key.lower() in device_name.lower():
@@ -25,7 +31,7 @@ def peak_tflops(device_name: str) -> Optional[float]:
     return None
 
 
-def peak_flops(device_name: Optional[str]) -> tuple[Optional[float], Optional[str]]:
+def peak_flops(device_name: str | None) -> tuple[float | None, str | None]:
     """``(dense bf16 peak in FLOP/s, None)`` for a known accelerator, else ``(None, reason)``."""
     name = device_name or ""
     if not name or name.lower().startswith("cpu"):
@@ -36,7 +42,7 @@ def peak_flops(device_name: Optional[str]) -> tuple[Optional[float], Optional[st
     return tf * 1e12, None
 
 
-def mfu(flops_per_token: float, tokens_per_s: Optional[float], peak: Optional[float]) -> Optional[float]:
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None) -> float | None:
     """Model FLOPs utilisation = flops_per_token * tokens_per_s / peak (None without a peak or a rate)."""
     if not peak or not tokens_per_s:
         return None

@@ -3,6 +3,7 @@ per-device memory and the collectives read out of the compiled HLO ("compiled fo
 
     records = run(quick=True)                               # python -m benchmarks run --suite plan
 """
+
 from __future__ import annotations
 
 import re
@@ -15,18 +16,20 @@ import numpy as np
 from jaxattn import gpu_target
 
 from .. import measure
+from ..report.compile_tables import LABEL
 from ..report.records import RESULTS_DIR, write_results
 from ..tools.compile import memory_stats
-from ..report.compile_tables import LABEL
 from ..tools.deviceless import target_config
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")  # --quick: the tiny preset, these two meshes
 # (preset, mesh, remat) compiled outside --quick: pure data parallel, ZeRO-3, 3-D and FSDP x TP for both presets,
 # and the 1b ZeRO-3 step with the cheaper selective policy
-GRID = tuple(("1b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2")) + (
-    ("1b", "fsdp=8", "save_qkv_attn"),) + tuple(
-    ("8b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
+GRID = (
+    tuple(("1b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
+    + (("1b", "fsdp=8", "save_qkv_attn"),)
+    + tuple(("8b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
+)
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8|f64|s64)\[([0-9,]*)\]")
@@ -62,7 +65,7 @@ def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
     sizes = [_nbytes(*sh) for sh in shapes]
     if start and kind in ("all-gather", "reduce-scatter"):
         half = len(sizes) // 2
-        return sum(sizes[half:2 * half]) if kind == "all-gather" else sum(sizes[:half])
+        return sum(sizes[half : 2 * half]) if kind == "all-gather" else sum(sizes[:half])
     if start and kind == "collective-permute":
         return sizes[0]
     if kind == "reduce-scatter":
@@ -133,9 +136,14 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
     state = jax.eval_shape(lambda: build()[1])
     state_sh = sharding.state_shardings(state, mesh)
     batch_sh = sharding.batch_sharding(mesh)
-    args = (jax.tree.map(lambda s, sub: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                                      sub), state_sh, state),
-            {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)})
+    args = (
+        jax.tree.map(
+            lambda s, sub: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub),
+            state_sh,
+            state,
+        ),
+        {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)},
+    )
     plan = sharding.TrainSharding(mesh, state_sh, batch_sh)  # shard_train_state's, for an abstract state
     step = make_train_step(graphdef, tx, policy="bf16", sharding=plan)
     t0 = time.perf_counter()
@@ -146,12 +154,32 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
         coll[k]["bytes_per_step"] = nbytes
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
         f"{k} {v['ops']} ops ({v['ops_in_loop']} in loop x{cfg.n_layers}) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
-        for k, v in coll.items() if v["ops"])
-    return dict(framework="jax", impl="sharding-plan", mesh=spec, preset=preset, kind="train_step", batch=batch,
-                seq=seq, precision="bf16", remat=remat, optimizer="adamw", attention="flash", devices=len(devs),
-                topology="1x1x8", label=LABEL.format(target="H100"), summary=summary,
-                measured={"compile_s": round(time.perf_counter() - t0, 1), "per_device_memory": mem,
-                          "collectives": coll, "n_layers": cfg.n_layers})
+        for k, v in coll.items()
+        if v["ops"]
+    )
+    return dict(
+        framework="jax",
+        impl="sharding-plan",
+        mesh=spec,
+        preset=preset,
+        kind="train_step",
+        batch=batch,
+        seq=seq,
+        precision="bf16",
+        remat=remat,
+        optimizer="adamw",
+        attention="flash",
+        devices=len(devs),
+        topology="1x1x8",
+        label=LABEL.format(target="H100"),
+        summary=summary,
+        measured={
+            "compile_s": round(time.perf_counter() - t0, 1),
+            "per_device_memory": mem,
+            "collectives": coll,
+            "n_layers": cfg.n_layers,
+        },
+    )
 
 
 def run(quick: bool = False) -> list:
@@ -159,8 +187,10 @@ def run(quick: bool = False) -> list:
     grid = tuple(("tiny", p, "full") for p in PLANS) if quick else GRID
     reason = gpu_target.unavailable_reason()
     if reason is not None:
-        return [dict(framework="jax", impl="sharding-plan", preset=pr, mesh=p, remat=rm, status="skipped",
-                     reason=reason) for pr, p, rm in grid]
+        return [
+            dict(framework="jax", impl="sharding-plan", preset=pr, mesh=p, remat=rm, status="skipped", reason=reason)
+            for pr, p, rm in grid
+        ]
     devs = gpu_target.devices(target_config("h100"), "1x1x8")
     records = []
     for preset, spec, remat in grid:
@@ -168,10 +198,19 @@ def run(quick: bool = False) -> list:
             rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat)
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
-            rec = dict(framework="jax", impl="sharding-plan", preset=preset, mesh=spec, remat=remat, status="error",
-                       error=f"{type(e).__name__}: {str(e)[:500]}")
-        print(f"  plan {preset} {spec} remat={remat}: {rec.get('status')} {rec.get('summary', rec.get('error'))}",
-              flush=True)
+            rec = dict(
+                framework="jax",
+                impl="sharding-plan",
+                preset=preset,
+                mesh=spec,
+                remat=remat,
+                status="error",
+                error=f"{type(e).__name__}: {str(e)[:500]}",
+            )
+        print(
+            f"  plan {preset} {spec} remat={remat}: {rec.get('status')} {rec.get('summary', rec.get('error'))}",
+            flush=True,
+        )
         records.append(rec)
     if not quick and any(r.get("status") == "ok" for r in records):  # compiled figures live beside the others
         write_results(str(RESULTS_DIR / "h100-compiled"), "plan", records, measure.env_info())

@@ -5,6 +5,7 @@
 JAX: the bf16 train step compiled (CPU and deviceless H100), never run; torch: the step run here, bytes kept for
 the backward counted. What is measured and how: benchmarks/NOTES.md ("remat").
 """
+
 from __future__ import annotations
 
 import gc
@@ -46,7 +47,8 @@ def _add_ratios(records: list, key: str) -> None:
     for r in records:
         if r.get("status") == "ok":
             groups.setdefault((r["framework"], r["target"], r["preset"], r["n_layers"], r["B"], r["S"]), {})[
-                r["impl"]] = r
+                r["impl"]
+            ] = r
     for group in groups.values():
         base = group.get("none")
         for r in group.values():
@@ -83,8 +85,7 @@ def _jax_step(cfg, policy: str, batch: int, seq: int, device=None):
     graphdef = nnx.split(model, nnx.Param, ...)[0]
 
     def create():
-        return TrainState.create(remat.apply(Llama(cfg, rngs=nnx.Rngs(0)), policy, device=device), tx,
-                                 policy="bf16")[1]
+        return TrainState.create(remat.apply(Llama(cfg, rngs=nnx.Rngs(0)), policy, device=device), tx, policy="bf16")[1]
 
     state = jax.eval_shape(create)
     step = make_train_step(graphdef, tx, policy="bf16", donate=False, check_ids="off")
@@ -117,9 +118,15 @@ def jax_residual_bytes(cfg, policy: str, batch: int, seq: int) -> int:
 def _jax_record(compiled, base: dict, t0: float) -> dict:
     mem, cost = memory_stats(compiled), cost_stats(compiled)
     host = compiled.memory_analysis()
-    m = {"temp_bytes": mem["temp"], "argument_bytes": mem["argument"], "output_bytes": mem["output"],
-         "host_temp_bytes": int(getattr(host, "host_temp_size_in_bytes", 0) or 0), "flops": cost["xla_flops"],
-         "cost_source": cost["cost_source"], "compile_s": round(time.perf_counter() - t0, 1)}
+    m = {
+        "temp_bytes": mem["temp"],
+        "argument_bytes": mem["argument"],
+        "output_bytes": mem["output"],
+        "host_temp_bytes": int(getattr(host, "host_temp_size_in_bytes", 0) or 0),
+        "flops": cost["xla_flops"],
+        "cost_source": cost["cost_source"],
+        "compile_s": round(time.perf_counter() - t0, 1),
+    }
     return dict(base, status="ok", measured=m)
 
 
@@ -145,8 +152,17 @@ def _jax_records(cases, policies, targets, log) -> list:
         cfg = ModelConfig.preset(preset, **overrides)
         for target in targets:
             for policy in policies:
-                base = dict(suite="remat", framework="jax", impl=policy, target=target, preset=preset,
-                            n_layers=cfg.n_layers, B=b, S=s, dtype="bf16")
+                base = dict(
+                    suite="remat",
+                    framework="jax",
+                    impl=policy,
+                    target=target,
+                    preset=preset,
+                    n_layers=cfg.n_layers,
+                    B=b,
+                    S=s,
+                    dtype="bf16",
+                )
                 if target == "h100":
                     base["label"] = LABEL
                 t0 = time.perf_counter()
@@ -162,8 +178,10 @@ def _jax_records(cases, policies, targets, log) -> list:
                             compiled = gpu_target.compile(None, *gpu_target.place(args, devs), jitted=jitted)[1]
                     rec = _jax_record(compiled, base, t0)
                     rec["measured"]["residual_bytes"] = jax_residual_bytes(cfg, policy, b, s)
-                    log(f"  jax {target} {preset} L={cfg.n_layers} B={b} S={s} {policy}: temp "
-                        f"{rec['measured']['temp_bytes'] / 2**20:.1f} MiB in {rec['measured']['compile_s']} s")
+                    log(
+                        f"  jax {target} {preset} L={cfg.n_layers} B={b} S={s} {policy}: temp "
+                        f"{rec['measured']['temp_bytes'] / 2**20:.1f} MiB in {rec['measured']['compile_s']} s"
+                    )
                 except _Skip as e:
                     rec = dict(base, status="skipped", reason=str(e))
                     log(f"  jax {target} {policy}: skipped, {e}")
@@ -241,18 +259,33 @@ def _torch_records(cases, policies, log) -> list:
         model = LlamaForCausalLM(cfg).to(dev)
         tokens = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, s + 1))).to(dev)
         for policy in policies:
-            base = dict(suite="remat", framework="torch", impl=policy, target=dev, preset=preset,
-                        n_layers=cfg.n_layers, B=b, S=s, dtype="bf16")
+            base = dict(
+                suite="remat",
+                framework="torch",
+                impl=policy,
+                target=dev,
+                preset=preset,
+                n_layers=cfg.n_layers,
+                B=b,
+                S=s,
+                dtype="bf16",
+            )
             t0 = time.perf_counter()
             remat.apply(model, policy)
             measure.torch_reset_peak()
             out = torch_saved_bytes(model, {"tokens": tokens})
-            m = {"saved_bytes": out["saved_bytes"].get(dev, 0), "saved_bytes_by_device": out["saved_bytes"],
-                 "flops": out["flops"], "peak_mem_bytes": measure.torch_peak_memory(),
-                 "run_s": round(time.perf_counter() - t0, 1)}
+            m = {
+                "saved_bytes": out["saved_bytes"].get(dev, 0),
+                "saved_bytes_by_device": out["saved_bytes"],
+                "flops": out["flops"],
+                "peak_mem_bytes": measure.torch_peak_memory(),
+                "run_s": round(time.perf_counter() - t0, 1),
+            }
             records.append(dict(base, status="ok", measured=m))
-            log(f"  torch {dev} {preset} L={cfg.n_layers} B={b} S={s} {policy}: saved "
-                f"{m['saved_bytes'] / 2**20:.1f} MiB in {m['run_s']} s")
+            log(
+                f"  torch {dev} {preset} L={cfg.n_layers} B={b} S={s} {policy}: saved "
+                f"{m['saved_bytes'] / 2**20:.1f} MiB in {m['run_s']} s"
+            )
         del model
         gc.collect()
     return records
@@ -265,8 +298,9 @@ def run(quick: bool, policies=None, targets=("cpu", "h100"), frameworks=("jax", 
     policies = tuple(policies or REMAT_POLICIES)
     bad = [p for p in policies if p not in REMAT_POLICIES] + [t for t in targets if t not in ("cpu", "h100")]
     if bad:
-        raise ValueError(f"remat suite: unknown policies/targets {bad}; policies: {REMAT_POLICIES}, "
-                         f"targets: ('cpu', 'h100')")
+        raise ValueError(
+            f"remat suite: unknown policies/targets {bad}; policies: {REMAT_POLICIES}, targets: ('cpu', 'h100')"
+        )
     cases = _cases(quick)
     jax_recs = _jax_records(cases, policies, targets, log) if "jax" in frameworks else []
     torch_recs = _torch_records(cases, policies, log) if "torch" in frameworks else []

@@ -4,12 +4,12 @@
 
 Toggles, shapes, the time budget and the record fields (tokens/s, peak memory, MFU): benchmarks/NOTES.md.
 """
+
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -20,8 +20,14 @@ from .. import measure
 from ..twins import jax_config, twin_models
 from . import peaks
 
-BASELINE = {"precision": "fp32", "remat": "none", "optimizer": "adamw", "grad_accum": 1, "attention": None,
-            "compile": False}
+BASELINE = {
+    "precision": "fp32",
+    "remat": "none",
+    "optimizer": "adamw",
+    "grad_accum": 1,
+    "attention": None,
+    "compile": False,
+}
 # name -> changes from BASELINE; attention as {framework: backend name} (torch names are torchref.attention's,
 # "xla" = SDPA math, "flash" = SDPA flash).
 TOGGLES: dict[str, dict] = {
@@ -84,8 +90,9 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
     jmodel = remat.apply(_jax_model(tcfg, weights), s["remat"])
     tx = optim.build(s["optimizer"], LR, 0.1)
     graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
-    step = make_train_step(graphdef, tx, policy=s["precision"], max_grad_norm=1.0, grad_accum=s["grad_accum"],
-                           check_ids="off")
+    step = make_train_step(
+        graphdef, tx, policy=s["precision"], max_grad_norm=1.0, grad_accum=s["grad_accum"], check_ids="off"
+    )
     return step, state, {"tokens": jnp.asarray(tokens)}
 
 
@@ -108,8 +115,13 @@ def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
         t = measure.timeit(one, warmup=warmup, iters=iters)
         mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
         loss = float(one())
-    return {"t": t, "first_step_s": first, "peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)",
-            "loss": loss}
+    return {
+        "t": t,
+        "first_step_s": first,
+        "peak_mem_bytes": mem,
+        "mem_source": "xla memory_analysis (compiled)",
+        "loss": loss,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------- torch
@@ -137,19 +149,25 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
         measure.sync(loss)
         first = time.perf_counter() - t0
         if s["compile"] and quick and first > QUICK_COMPILE_LIMIT_S:
-            raise _Skip(f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; "
-                        f"not timed in --quick")
+            raise _Skip(
+                f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; not timed in --quick"
+            )
         t = measure.timeit(lambda: step(batch)["loss"], warmup=warmup, iters=iters)
         loss = float(step(batch)["loss"])
-    return {"t": t, "first_step_s": first, "peak_mem_bytes": measure.torch_peak_memory(),
-            "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None, "loss": loss}
+    return {
+        "t": t,
+        "first_step_s": first,
+        "peak_mem_bytes": measure.torch_peak_memory(),
+        "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None,
+        "loss": loss,
+    }
 
 
 class _Skip(Exception):
     pass
 
 
-def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: Optional[float] = None) -> list[dict]:
+def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: float | None = None) -> list[dict]:
     """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). ``budget_s``: rows
     not started within it are skipped (default None with ``quick``, else :data:`BUDGET_S`)."""
     import torch
@@ -172,12 +190,20 @@ def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: O
     t_start = time.perf_counter()
     records = []
     # torch first: its cache is emptied after each row, JAX's allocator keeps what it grew (one GPU, both)
-    rows = [(name, fw) for fw in ("torch", "jax") for name in names
-            if not (name == "torch_compile" and fw == "jax")]  # JAX's step is always jitted
+    rows = [
+        (name, fw) for fw in ("torch", "jax") for name in names if not (name == "torch_compile" and fw == "jax")
+    ]  # JAX's step is always jitted
     for name, fw in rows:
         s = _settings(name, fw)
-        rec = {"suite": "train", "toggle": name, "preset": preset, "B": b, "S": seq, "framework": fw,
-               "impl": "jaxattn" if fw == "jax" else "torchref"}
+        rec = {
+            "suite": "train",
+            "toggle": name,
+            "preset": preset,
+            "B": b,
+            "S": seq,
+            "framework": fw,
+            "impl": "jaxattn" if fw == "jax" else "torchref",
+        }
         meas = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
         try:
             spent = time.perf_counter() - t_start
@@ -189,13 +215,26 @@ def run(quick: bool, toggles: Optional[list[str]] = None, log=print, budget_s: O
                 m = _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights)
             t = m["t"]
             tps = b * seq / t["median_s"]
-            rec.update(median_ms=1e3 * t["median_s"], p10_ms=1e3 * t["p10_s"], p90_ms=1e3 * t["p90_s"],
-                       iters=t["iters"], tokens_per_s=tps, peak_mem_bytes=m["peak_mem_bytes"],
-                       mfu=peaks.mfu(fpt, tps, peak), status="ok")
-            meas.update(first_step_s=round(m["first_step_s"], 3), mem_source=m["mem_source"],
-                        final_loss=m["loss"], mfu_reason=peak_reason)
-            log(f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
-                f"first step {m['first_step_s']:.1f} s")
+            rec.update(
+                median_ms=1e3 * t["median_s"],
+                p10_ms=1e3 * t["p10_s"],
+                p90_ms=1e3 * t["p90_s"],
+                iters=t["iters"],
+                tokens_per_s=tps,
+                peak_mem_bytes=m["peak_mem_bytes"],
+                mfu=peaks.mfu(fpt, tps, peak),
+                status="ok",
+            )
+            meas.update(
+                first_step_s=round(m["first_step_s"], 3),
+                mem_source=m["mem_source"],
+                final_loss=m["loss"],
+                mfu_reason=peak_reason,
+            )
+            log(
+                f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
+                f"first step {m['first_step_s']:.1f} s"
+            )
         except _Skip as e:
             rec.update(status="skipped", reason=str(e))
             log(f"  train {name} {fw}: skipped, {e}")

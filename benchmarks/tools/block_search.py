@@ -6,6 +6,7 @@
 A candidate ``BlockSizes`` of one kernel, compiled ALONE for the target, passes when it spills nothing, fits the
 SM and (bf16/fp16) uses wgmma only; on a GPU every survivor is then timed (details: benchmarks/NOTES.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -33,9 +34,11 @@ from .kernel_stats import H100_LIMITS  # noqa: E402
 
 KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
 # The BlockSizes fields each kernel reads (its tile and its launch knobs).
-FIELDS = {"flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
-          "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
-          "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd")}
+FIELDS = {
+    "flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
+    "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
+    "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd"),
+}
 
 
 def _kernels(bs: flash.BlockSizes, d: int, dtype, shape: AttnShape) -> flash.FlashKernels:
@@ -55,8 +58,9 @@ def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
     return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
 
 
-def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: AttnShape = AttnShape(),
-                   workdir: Optional[str] = None) -> dict:
+def compile_kernel(
+    devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: AttnShape = AttnShape(), workdir: str | None = None
+) -> dict:
     """Compile ``kernel`` alone with ``bs`` for the deviceless target ``devs``; its :mod:`kernel_stats`
     record (registers, spills, smem, occupancy, SASS counts)."""
     if kernel not in KERNELS:
@@ -71,8 +75,7 @@ def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape
         row = sds((shape.b, shape.hq, cfg.sq_pad), jnp.float32)
         args += (q, row, row)
     with tempfile.TemporaryDirectory(dir=workdir) as dump:
-        gpu_target.compile(fn, *gpu_target.place(args, devs),
-                           compiler_options={"xla_dump_to": dump})
+        gpu_target.compile(fn, *gpu_target.place(args, devs), compiler_options={"xla_dump_to": dump})
         recs = kernel_stats.from_xla_dump(dump, names=(kernel,))
     if kernel not in recs:
         raise RuntimeError(f"{kernel} not found in the compiled program")
@@ -80,7 +83,7 @@ def compile_kernel(devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape
 
 
 # ------------------------------------------------------------------------------------------------ candidates
-def candidates(kernel: str, d: int, dtype, quick: bool = False) -> List[flash.BlockSizes]:
+def candidates(kernel: str, d: int, dtype, quick: bool = False) -> list[flash.BlockSizes]:
     """Candidate :class:`BlockSizes` for one kernel, varying only the fields it reads (the others keep the
     defaults).  The M dimension of every dot (fwd ``block_q``, dq ``block_q_dq``, dkv ``block_k_dkv``) is >= 64
     for bf16/fp16, wgmma's minimum; fp32 (TF32 passes) tries M in 32/64, N in 16/32/64, 8 warps, 1-2 stages.
@@ -108,7 +111,7 @@ def candidates(kernel: str, d: int, dtype, quick: bool = False) -> List[flash.Bl
     return list(dict.fromkeys(out))
 
 
-def verdict(rec: dict, dtype) -> Optional[str]:
+def verdict(rec: dict, dtype) -> str | None:
     """None when a compiled kernel passes the resource filter, else why not."""
     if rec.get("spill_stores") or rec.get("spill_loads"):
         return f"spills {rec['spill_stores']}/{rec['spill_loads']} B"
@@ -132,14 +135,20 @@ def rank_key(row: dict):
     return (-(tile[0] * tile[1]), -row["occupancy"], -k["num_stages"], row["registers"])
 
 
-def filter_kernel(devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: AttnShape = AttnShape(),
-                  log=print) -> List[dict]:
+def filter_kernel(
+    devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: AttnShape = AttnShape(), log=print
+) -> list[dict]:
     """Compile every candidate of one kernel; rows ``{knobs, block_sizes, registers, spills, smem, occupancy,
     sass, verdict}``, passing rows first in :func:`rank_key` order."""
     rows = []
     for bs in cands:
-        row = {"kernel": kernel, "head_dim": d, "dtype": jnp.dtype(dtype).name, "knobs": _knobs(bs, kernel, d),
-               "block_sizes": dataclasses.asdict(bs)}
+        row = {
+            "kernel": kernel,
+            "head_dim": d,
+            "dtype": jnp.dtype(dtype).name,
+            "knobs": _knobs(bs, kernel, d),
+            "block_sizes": dataclasses.asdict(bs),
+        }
         t0 = time.perf_counter()
         try:
             rec = compile_kernel(devs, kernel, d, dtype, bs, shape)
@@ -149,12 +158,30 @@ def filter_kernel(devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockS
             log(f"    {row['knobs']}: {row['verdict'][:120]}")
             continue
         why = verdict(rec, dtype)
-        row.update({k: rec.get(k) for k in ("registers", "spill_stores", "spill_loads", "smem_bytes", "threads",
-                                           "blocks_per_sm", "occupancy", "limited_by", "sass")},
-                   verdict=why or "pass", passed=why is None, compile_s=round(time.perf_counter() - t0, 1))
+        row.update(
+            {
+                k: rec.get(k)
+                for k in (
+                    "registers",
+                    "spill_stores",
+                    "spill_loads",
+                    "smem_bytes",
+                    "threads",
+                    "blocks_per_sm",
+                    "occupancy",
+                    "limited_by",
+                    "sass",
+                )
+            },
+            verdict=why or "pass",
+            passed=why is None,
+            compile_s=round(time.perf_counter() - t0, 1),
+        )
         rows.append(row)
-        log(f"    {row['knobs']}: regs {rec['registers']} spill {rec['spill_stores']}/{rec['spill_loads']} "
-            f"smem {rec['smem_bytes']} occ {rec.get('occupancy', 0):.3f} -> {row['verdict']}")
+        log(
+            f"    {row['knobs']}: regs {rec['registers']} spill {rec['spill_stores']}/{rec['spill_loads']} "
+            f"smem {rec['smem_bytes']} occ {rec.get('occupancy', 0):.3f} -> {row['verdict']}"
+        )
     passed = sorted((r for r in rows if r["passed"]), key=rank_key)
     return passed + [r for r in rows if not r["passed"]]
 
@@ -167,7 +194,7 @@ def has_gpu() -> bool:
         return False
 
 
-def time_rows(rows: List[dict], shape: AttnShape = AttnShape(), iters: int = 20) -> List[dict]:
+def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20) -> list[dict]:
     """On a GPU: the median time of each passing row's kernel alone (``measure.timeit``, random inputs of
     ``shape``), and its rank.  Without a GPU, returns ``rows`` unchanged (the caller says so)."""
     if not has_gpu():
@@ -205,7 +232,7 @@ def cases(quick: bool = False):
     return [(k, d, dt) for dt in dts for d in ds for k in KERNELS]
 
 
-def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print) -> List[dict]:
+def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print) -> list[dict]:
     """Filter (deviceless) every case of :func:`cases`, then time the survivors when a GPU is present."""
     rows = []
     for kernel, d, dt in cases(quick):
@@ -213,22 +240,30 @@ def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print)
         got = filter_kernel(devs, kernel, d, DTYPES[dt], candidates(kernel, d, DTYPES[dt], quick), shape, log)
         rows += time_rows(got, shape)
     if not has_gpu():
-        log("  no GPU here: timing skipped; the survivors are ranked by rank_key (tile, occupancy, stages), "
-            "not by speed")
+        log(
+            "  no GPU here: timing skipped; the survivors are ranked by rank_key (tile, occupancy, stages), "
+            "not by speed"
+        )
     return rows
 
 
-def table(rows: List[dict]) -> str:
+def table(rows: list[dict]) -> str:
     """Markdown: per (kernel, D, dtype) the best surviving candidate and how many passed."""
-    lines = ["| kernel | D | dtype | candidates | pass | best (deviceless rank) | regs | smem B | occupancy | "
-             "HGMMA | HMMA | time ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    groups: Dict[tuple, List[dict]] = {}
+    lines = [
+        "| kernel | D | dtype | candidates | pass | best (deviceless rank) | regs | smem B | occupancy | "
+        "HGMMA | HMMA | time ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
     for (kernel, d, dt), rs in groups.items():
         ok = [r for r in rs if r["passed"]]
-        best = min(ok, key=lambda r: r.get("time", {}).get("median_s", 0.0)) if any("time" in r for r in ok) \
+        best = (
+            min(ok, key=lambda r: r.get("time", {}).get("median_s", 0.0))
+            if any("time" in r for r in ok)
             else (ok[0] if ok else None)
+        )
         note = ""
         if best is None:  # nothing passes: show the least-spilling compiled candidate
             spilled = [r for r in rs if r.get("registers") is not None]
@@ -240,13 +275,15 @@ def table(rows: List[dict]) -> str:
         k = ", ".join(f"{f}={v}" for f, v in best["knobs"].items()) + note
         sass = best.get("sass") or {}
         t = best.get("time", {}).get("median_s")
-        lines.append(f"| {kernel} | {d} | {dt} | {len(rs)} | {len(ok)} | {k} | {best['registers']} | "
-                     f"{best['smem_bytes']:,} | {best['occupancy']:.3f} | {sass.get('HGMMA', 'n/a')} | "
-                     f"{sass.get('HMMA', 'n/a')} | {'' if t is None else f'{t * 1e3:.3f}'} |")
+        lines.append(
+            f"| {kernel} | {d} | {dt} | {len(rs)} | {len(ok)} | {k} | {best['registers']} | "
+            f"{best['smem_bytes']:,} | {best['occupancy']:.3f} | {sass.get('HGMMA', 'n/a')} | "
+            f"{sass.get('HMMA', 'n/a')} | {'' if t is None else f'{t * 1e3:.3f}'} |"
+        )
     return "\n".join(lines)
 
 
-def write(out: str, rows: List[dict], info: dict) -> str:
+def write(out: str, rows: list[dict], info: dict) -> str:
     """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype) searched now replace the
     stored ones, the others stay, so a partial search never erases a finished one) and rewrite
     ``block_search.md``; returns the markdown."""
@@ -258,21 +295,31 @@ def write(out: str, rows: List[dict], info: dict) -> str:
     merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"]))
     write_results(out, "block_search", merged, info)
     timed = any("time" in r for r in merged)
-    text = (f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
-            "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.tools.block_search "
-            "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
-            "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
-            + ("Best = the fastest timed survivor." if timed else
-               "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
-               "stages, fewer registers), not a speed.")
-            + " `BlockSizes.default` is chosen from these rows (see flash.py).\n\n" + table(merged) + "\n")
+    text = (
+        f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
+        "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.tools.block_search "
+        "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
+        "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
+        + (
+            "Best = the fastest timed survivor."
+            if timed
+            else "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
+            "stages, fewer registers), not a speed."
+        )
+        + " `BlockSizes.default` is chosen from these rows (see flash.py).\n\n"
+        + table(merged)
+        + "\n"
+    )
     write_text_atomic(os.path.join(out, "block_search.md"), text)
     return text
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.block_search", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.tools.block_search",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--kernel", choices=KERNELS, action="append")
     p.add_argument("--d", type=int, action="append")
     p.add_argument("--dtype", choices=tuple(DTYPES), action="append")
@@ -286,15 +333,25 @@ def main(argv=None) -> int:
         for d in args.d or (64, 128, 256):
             for dt in args.dtype or ("bf16",):
                 print(f"  {kernel} D={d} {dt}", flush=True)
-                got = filter_kernel(devs, kernel, d, DTYPES[dt], candidates(kernel, d, DTYPES[dt], args.quick),
-                                    log=lambda *a: print(*a, flush=True))
+                got = filter_kernel(
+                    devs,
+                    kernel,
+                    d,
+                    DTYPES[dt],
+                    candidates(kernel, d, DTYPES[dt], args.quick),
+                    log=lambda *a: print(*a, flush=True),
+                )
                 rows += time_rows(got)
     if not has_gpu():
         print("no GPU here: timing skipped (deviceless filter only)")
     print(table(rows))
     if args.out:
-        info = dict(measure.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run",
-                    timed_on=measure.jax_device_name() if any("time" in r for r in rows) else None)
+        info = dict(
+            measure.env_info(),
+            target=args.target,
+            label=f"compiled for {args.target.upper()}, not run",
+            timed_on=measure.jax_device_name() if any("time" in r for r in rows) else None,
+        )
         write(args.out, rows, info)
         print(f"merged into {args.out}/block_search.json")
     return 0

@@ -9,6 +9,7 @@ memory, XLA's FLOPs beside the analytic count). Writes ``kernels.json``, ``progr
 ``kernels.png`` under ``--out`` (default ``benchmarks/results/<target>-compiled[-quick]/``); ``--search`` runs
 the block-size search instead. Every figure is "compiled for H100, not run" (details: benchmarks/NOTES.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin starts without a CUDA runtime
 
@@ -30,11 +30,11 @@ from jaxattn import gpu_target  # noqa: E402
 from jaxattn.spec.flops import model_flops  # noqa: E402
 
 from .. import measure  # noqa: E402
+from ..report import compile_tables  # noqa: E402
+from ..report.compile_tables import LABEL  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
 from ..report.records import RESULTS_DIR, check_out_dir, write_results, write_text_atomic  # noqa: E402
-from ..report import compile_tables  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
-from ..report.compile_tables import LABEL  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
@@ -65,7 +65,7 @@ def _attn_args(devs, shape: AttnShape, d: int, dtype):
     return gpu_target.place((q, k, k), devs)
 
 
-def compile_flash(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: Optional[str] = None) -> dict:
+def compile_flash(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
     """Compile flash fwd+bwd (``jax.grad`` through ``dot_product_attention(backend="flash")``) and return
     ``{kernel name: record}`` for :data:`FLASH_KERNELS`."""
     from jaxattn.attention import dot_product_attention
@@ -75,12 +75,15 @@ def compile_flash(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: 
         return out.astype(jnp.float32).sum()
 
     with tempfile.TemporaryDirectory(dir=workdir) as dump:
-        gpu_target.compile(jax.grad(loss, argnums=(0, 1, 2)), *_attn_args(devs, shape, d, dtype),
-                           compiler_options={"xla_dump_to": dump})
+        gpu_target.compile(
+            jax.grad(loss, argnums=(0, 1, 2)),
+            *_attn_args(devs, shape, d, dtype),
+            compiler_options={"xla_dump_to": dump},
+        )
         return kernel_stats.from_xla_dump(dump, names=FLASH_KERNELS)
 
 
-def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: Optional[str] = None) -> dict:
+def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
     """Compile the Mosaic GPU forward and return ``{"mosaic_fwd": record}``; its PTX comes from Mosaic's own
     dump (``MOSAIC_GPU_DUMP_PTX=1`` prints it on stdout while XLA compiles the custom call)."""
     from jaxattn.attention import dot_product_attention
@@ -122,8 +125,17 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
     records = []
     for impl, d, dt in cases:
         t0 = time.perf_counter()
-        base = dict(impl=impl, head_dim=d, dtype=dt, B=shape.b, S=shape.s, Hq=shape.hq, Hkv=shape.hkv,
-                    causal=shape.causal, label=LABEL.format(target=target.upper()))
+        base = dict(
+            impl=impl,
+            head_dim=d,
+            dtype=dt,
+            B=shape.b,
+            S=shape.s,
+            Hq=shape.hq,
+            Hkv=shape.hkv,
+            causal=shape.causal,
+            label=LABEL.format(target=target.upper()),
+        )
         try:
             fn = compile_flash if impl == "flash" else compile_mosaic
             recs = fn(devs, d, DTYPES[dt], shape)
@@ -132,7 +144,7 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
             log(f"  {impl} D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
             continue
         secs = time.perf_counter() - t0
-        for name, rec in recs.items():
+        for rec in recs.values():
             records.append(dict(base, **rec, status="ok", compile_s=round(secs, 1)))
         log(f"  {impl} D={d} {dt}: {len(recs)} kernels in {secs:.1f}s")
     return records
@@ -148,6 +160,7 @@ def _abstract_model(cfg):
     from flax import nnx
 
     from jaxattn.model import Llama
+
     return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -158,12 +171,15 @@ def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides:
     from flax import nnx
 
     from jaxattn.config import ModelConfig
+
     cfg = ModelConfig.preset(preset, **overrides)
     tokens = jax.ShapeDtypeStruct((batch, seq + (1 if kind == "train_step" else 0)), jnp.int32)
     if kind == "forward":
         graphdef, params, rest = nnx.split(_abstract_model(cfg), nnx.Param, ...)
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-                              if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            params,
+        )
 
         def forward(params, rest, tokens):
             return nnx.merge(graphdef, params, rest)(tokens)
@@ -173,6 +189,7 @@ def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides:
         raise ValueError(f"kind must be 'forward' or 'train_step', got {kind!r}")
     from jaxattn.model import Llama
     from jaxattn.train_step import TrainState, make_train_step
+
     tx = optax.adamw(1e-4)
     graphdef = nnx.split(_abstract_model(cfg), nnx.Param, ...)[0]
     state = jax.eval_shape(lambda: TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx, policy="bf16")[1])
@@ -201,40 +218,64 @@ def cost_stats(compiled) -> dict:
         cost = None
     if not cost:
         from jax._src.lib import _jax  # private: the only route to HloCostAnalysis for a deviceless compile
+
         mods = compiled.runtime_executable().hlo_modules()
         cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, mods[0])
         source = "HloCostAnalysis of the compiled module (custom calls count 0)"
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
-    return {"xla_flops": float(cost.get("flops", 0.0)), "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "cost_source": source}
+    return {
+        "xla_flops": float(cost.get("flops", 0.0)),
+        "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "cost_source": source,
+    }
 
 
 def program_records(devs, cases, target: str, log=print) -> list:
     from jaxattn.attention import attention_backend
+
     records = []
     for preset, kind, batch, seq, overrides in cases:
         t0 = time.perf_counter()
-        base = dict(preset=preset, kind=kind, batch=batch, seq=seq, overrides=overrides, precision="bf16",
-                    attention="flash", label=LABEL.format(target=target.upper()))
+        base = dict(
+            preset=preset,
+            kind=kind,
+            batch=batch,
+            seq=seq,
+            overrides=overrides,
+            precision="bf16",
+            attention="flash",
+            label=LABEL.format(target=target.upper()),
+        )
         try:
             with tempfile.TemporaryDirectory() as dump, attention_backend("flash"):
                 jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides)
-                lowered, compiled = gpu_target.compile(None, *args, jitted=jitted,
-                                                       compiler_options={"xla_dump_to": dump})
+                lowered, compiled = gpu_target.compile(
+                    None, *args, jitted=jitted, compiler_options={"xla_dump_to": dump}
+                )
                 launches = kernel_stats.xla_launches(dump)
             text = lowered.as_text()
-            rec = dict(base, status="ok", compile_s=round(time.perf_counter() - t0, 1), **memory_stats(compiled),
-                       **cost_stats(compiled), **analytic_flops(cfg, kind, batch, seq),
-                       launches=len(launches), flash_kernels=sorted({l["name"] for l in launches
-                                                                    if l["name"].startswith("flash_")}),
-                       triton_calls=text.count("__gpu$xla.gpu.triton"))
+            rec = dict(
+                base,
+                status="ok",
+                compile_s=round(time.perf_counter() - t0, 1),
+                **memory_stats(compiled),
+                **cost_stats(compiled),
+                **analytic_flops(cfg, kind, batch, seq),
+                launches=len(launches),
+                flash_kernels=sorted({l["name"] for l in launches if l["name"].startswith("flash_")}),
+                triton_calls=text.count("__gpu$xla.gpu.triton"),
+            )
             # HloCostAnalysis counts a while loop's body once: the layer scan's n_layers count as one layer.
-            trips = sorted({int(n) for n in re.findall(r'known_trip_count[^0-9]*(\d+)', compiled.as_text())})
+            trips = sorted({int(n) for n in re.findall(r"known_trip_count[^0-9]*(\d+)", compiled.as_text())})
             counted = 1 if cfg.n_layers in trips else cfg.n_layers
             once = analytic_flops(dataclasses.replace(cfg, n_layers=counted), kind, batch, seq)
-            rec.update(while_trip_counts=trips, layers_counted_by_xla=counted,
-                       model_flops_as_counted=once["model_flops"], dense_flops_as_counted=once["dense_flops"])
+            rec.update(
+                while_trip_counts=trips,
+                layers_counted_by_xla=counted,
+                model_flops_as_counted=once["model_flops"],
+                dense_flops_as_counted=once["dense_flops"],
+            )
             rec["flops_ratio"] = rec["xla_flops"] / once["model_flops"]
             rec["flops_ratio_dense"] = rec["xla_flops"] / once["dense_flops"]
         except Exception as e:
@@ -243,12 +284,14 @@ def program_records(devs, cases, target: str, log=print) -> list:
             records.append(rec)
             continue
         records.append(rec)
-        log(f"  {preset} {kind}: peak {rec['peak'] / 2**20:.1f} MiB, XLA/analytic FLOPs "
-            f"{rec['flops_ratio']:.2f}, {rec['compile_s']}s")
+        log(
+            f"  {preset} {kind}: peak {rec['peak'] / 2**20:.1f} MiB, XLA/analytic FLOPs "
+            f"{rec['flops_ratio']:.2f}, {rec['compile_s']}s"
+        )
     return records
 
 
-def _tool_version(name: str) -> Optional[str]:
+def _tool_version(name: str) -> str | None:
     path = gpu_target.tool_path(name)
     if path is None:
         return None
@@ -268,16 +311,21 @@ def _search_main(devs, args, info, out, t0) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks compile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", choices=TARGETS, default="h100", help="target description (default h100)")
     parser.add_argument("--quick", action="store_true", help="a few kernels and the tiny model (~2 minutes)")
-    parser.add_argument("--out", default=None,
-                        help="output directory (default benchmarks/results/<target>-compiled[-quick])")
+    parser.add_argument(
+        "--out", default=None, help="output directory (default benchmarks/results/<target>-compiled[-quick])"
+    )
     parser.add_argument("--skip-programs", action="store_true", help="kernels only")
-    parser.add_argument("--search", action="store_true",
-                        help="block-size search instead (benchmarks/tools/block_search.py): deviceless resource filter "
-                             "of every candidate, then timings when a GPU is present; writes block_search.json/md")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="block-size search instead (benchmarks/tools/block_search.py): deviceless resource filter "
+        "of every candidate, then timings when a GPU is present; writes block_search.json/md",
+    )
     args = parser.parse_args(argv)
     reason = gpu_target.unavailable_reason()
     if reason is not None:
@@ -291,9 +339,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     devs = gpu_target.devices(target_config(args.target))
     info = measure.env_info()
-    info.update(target=args.target, target_device=devs[0].device_kind, quick=args.quick,
-                plugin=gpu_target._version("jax-cuda12-plugin"), ptxas=_tool_version("ptxas"),
-                cuobjdump=_tool_version("cuobjdump"), label=LABEL.format(target=args.target.upper()))
+    info.update(
+        target=args.target,
+        target_device=devs[0].device_kind,
+        quick=args.quick,
+        plugin=gpu_target._version("jax-cuda12-plugin"),
+        ptxas=_tool_version("ptxas"),
+        cuobjdump=_tool_version("cuobjdump"),
+        label=LABEL.format(target=args.target.upper()),
+    )
     print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
     if args.search:
         return _search_main(devs, args, info, out, t0)

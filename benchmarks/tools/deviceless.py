@@ -3,6 +3,7 @@ the attention shape of the kernel compiles and the block search.
 
     devs = gpu_target.devices(target_config("h100"))   # one deviceless "NVIDIA H100 80GB HBM3"
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,5 +38,5 @@ class AttnShape:
     causal: bool = True
 
 
-BENCH_SHAPE = AttnShape()                          # the shape of the notes' peer comparison
-GATE_SHAPE = AttnShape(b=1, s=256, hq=4, hkv=2)   # small: the CI gate (block sizes are capped by S)
+BENCH_SHAPE = AttnShape()  # the shape of the notes' peer comparison
+GATE_SHAPE = AttnShape(b=1, s=256, hq=4, hkv=2)  # small: the CI gate (block sizes are capped by S)

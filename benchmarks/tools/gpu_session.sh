@@ -39,7 +39,7 @@ fi
 if want model; then
   timeout 120 python -m benchmarks run --suite model --out "$OUT/results" 2>&1 | tee "$OUT/bench_model.log"
 fi
-# 3. the default attention order by evidence (CONVENTIONS §4): advice printed, never applied by the script
+# 3. the default attention order by evidence (design §4): advice printed, never applied by the script
 if want order; then
   for f in "$OUT"/results/*/attention.json; do
     [ -e "$f" ] && python -m benchmarks.tools.default_order --tests "$OUT/gpu_tests.log" --attention "$f" 2>&1 \

@@ -7,6 +7,7 @@ PTX printed on stdout, runs ``ptxas -v`` and ``cuobjdump -sass`` from the NVIDIA
 
 Figures are "compiled for H100, not run": nothing here executes a kernel.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,17 +18,35 @@ import re
 import shutil
 import subprocess
 import tempfile
-from typing import Dict, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 from jaxattn.gpu_target import tool_path
 
-__all__ = ["H100_LIMITS", "occupancy", "ptxas_stats", "sass_counts", "xla_launches", "from_xla_dump",
-           "from_ptx", "capture_fd_output", "split_ptx_modules"]
+__all__ = [
+    "H100_LIMITS",
+    "occupancy",
+    "ptxas_stats",
+    "sass_counts",
+    "xla_launches",
+    "from_xla_dump",
+    "from_ptx",
+    "capture_fd_output",
+    "split_ptx_modules",
+]
 
 # Per-SM limits of Hopper (sm_90): registers, shared memory usable by blocks (228 KB; 227 KB per block),
 # threads, resident blocks; CUDA reserves 1 KB of shared memory per resident block.
-H100_LIMITS = dict(registers=65536, smem=233472, smem_per_block=232448, threads=2048, blocks=32,
-                   warps=64, smem_reserved_per_block=1024, reg_alloc_unit=256, max_regs_per_thread=255)
+H100_LIMITS = dict(
+    registers=65536,
+    smem=233472,
+    smem_per_block=232448,
+    threads=2048,
+    blocks=32,
+    warps=64,
+    smem_reserved_per_block=1024,
+    reg_alloc_unit=256,
+    max_regs_per_thread=255,
+)
 # SASS opcodes counted: wgmma (Hopper tensor cores), mma.sync (pre-Hopper tensor cores), TMA bulk tensor loads,
 # cp.async (LDGSTS).
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")
@@ -45,15 +64,22 @@ def occupancy(registers: int, smem_bytes: int, threads: int, limits: dict = H100
     regs_per_warp = math.ceil(max(registers, 1) * 32 / limits["reg_alloc_unit"]) * limits["reg_alloc_unit"]
     by = {
         "registers": limits["registers"] // (regs_per_warp * warps),
-        "smem": (limits["smem"] // (smem_bytes + limits["smem_reserved_per_block"])
-                 if smem_bytes <= limits["smem_per_block"] else 0),
+        "smem": (
+            limits["smem"] // (smem_bytes + limits["smem_reserved_per_block"])
+            if smem_bytes <= limits["smem_per_block"]
+            else 0
+        ),
         "threads": limits["threads"] // threads,
         "blocks": limits["blocks"],
     }
     blocks = min(by.values())
     limiter = min(by, key=lambda k: by[k])
-    return {"blocks_per_sm": blocks, "occupancy": blocks * warps / limits["warps"], "limited_by": limiter,
-            "fits": blocks >= 1 and registers <= limits["max_regs_per_thread"]}
+    return {
+        "blocks_per_sm": blocks,
+        "occupancy": blocks * warps / limits["warps"],
+        "limited_by": limiter,
+        "fits": blocks >= 1 and registers <= limits["max_regs_per_thread"],
+    }
 
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([\w$.]+)'")
@@ -61,9 +87,9 @@ _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:.*?(\d+) bytes smem)?")
 
 
-def parse_ptxas(text: str) -> Dict[str, dict]:
+def parse_ptxas(text: str) -> dict[str, dict]:
     """``{entry: {registers, spill_stores, spill_loads, stack, static_smem, barriers}}`` from ``ptxas -v``."""
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     current = None
     for line in text.splitlines():
         m = _PTXAS_FUNC.search(line)
@@ -77,20 +103,18 @@ def parse_ptxas(text: str) -> Dict[str, dict]:
             current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         m = _PTXAS_USED.search(line)
         if m:
-            current.update(registers=int(m.group(1)), barriers=int(m.group(2) or 0),
-                           static_smem=int(m.group(3) or 0))
+            current.update(registers=int(m.group(1)), barriers=int(m.group(2) or 0), static_smem=int(m.group(3) or 0))
     return out
 
 
 def _ptxas_candidates() -> list:
     """The wheel's ptxas first (what jax's XLA uses), then newer ones for newer PTX (Mosaic GPU emits PTX
     ISA 9.0, which needs CUDA 13's ptxas): PATH, /usr/local/cuda*/bin."""
-    found = [tool_path("ptxas"), shutil.which("ptxas")] + sorted(glob.glob("/usr/local/cuda*/bin/ptxas"),
-                                                                  reverse=True)
+    found = [tool_path("ptxas"), shutil.which("ptxas")] + sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True)
     return list(dict.fromkeys(p for p in found if p))
 
 
-def ptxas_stats(ptx_path: str, arch: str = "sm_90a", cubin_path: Optional[str] = None) -> Dict[str, dict]:
+def ptxas_stats(ptx_path: str, arch: str = "sm_90a", cubin_path: str | None = None) -> dict[str, dict]:
     """Run ``ptxas -v --gpu-name=<arch>`` on a PTX file; returns :func:`parse_ptxas` of its report and keeps
     the cubin at ``cubin_path`` (for :func:`sass_counts`) when given.  A ptxas too old for the file's PTX
     version is skipped for the next one found."""
@@ -99,8 +123,11 @@ def ptxas_stats(ptx_path: str, arch: str = "sm_90a", cubin_path: Optional[str] =
         raise RuntimeError("ptxas not found: pip install nvidia-cuda-nvcc-cu12 (the gpu-compile extra)")
     errors = []
     for ptxas in candidates:
-        res = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", ptx_path, "-o", cubin_path or os.devnull],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", ptx_path, "-o", cubin_path or os.devnull],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode == 0:
             return parse_ptxas(res.stderr + res.stdout)
         errors.append(f"{ptxas}: {res.stderr.strip()[-300:]}")
@@ -109,7 +136,7 @@ def ptxas_stats(ptx_path: str, arch: str = "sm_90a", cubin_path: Optional[str] =
     raise RuntimeError(f"ptxas failed on {ptx_path}: " + " | ".join(errors))
 
 
-def sass_counts(cubin_path: str) -> Optional[Dict[str, Dict[str, int]]]:
+def sass_counts(cubin_path: str) -> dict[str, dict[str, int]] | None:
     """``{function: {opcode: count}}`` for :data:`SASS_OPS` from ``cuobjdump -sass``, or None when cuobjdump
     (``nvidia-cuda-cuobjdump``) or its ``nvdisasm`` (``nvidia-cuda-nvdisasm``) is not installed."""
     cuobjdump, nvdisasm = tool_path("cuobjdump"), tool_path("nvdisasm")
@@ -119,8 +146,8 @@ def sass_counts(cubin_path: str) -> Optional[Dict[str, Dict[str, int]]]:
     res = subprocess.run([cuobjdump, "-sass", cubin_path], capture_output=True, text=True, env=env)
     if res.returncode != 0:
         return None
-    out: Dict[str, Dict[str, int]] = {}
-    current: Optional[Dict[str, int]] = None
+    out: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
     for line in res.stdout.splitlines():
         m = re.search(r"Function : ([\w$.]+)", line)
         if m:
@@ -134,15 +161,20 @@ def sass_counts(cubin_path: str) -> Optional[Dict[str, Dict[str, int]]]:
     return out
 
 
-def ptx_counts(ptx: str) -> Dict[str, int]:
+def ptx_counts(ptx: str) -> dict[str, int]:
     """PTX-level instruction counts (a fallback when SASS is not available)."""
-    return {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)), "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
-            "cp.async.bulk.tensor": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
-            "cp.async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx))}
+    return {
+        "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
+        "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
+        "cp.async.bulk.tensor": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+        "cp.async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx)),
+    }
 
 
-_THUNK = re.compile(r"(kCustomKernel|kKernel)\s*\[[^\]]*\]\s+([\w$.]+)\s+grid:\s*\[([\d, ]+)\]\s+"
-                    r"threads:\s*\[([\d, ]+)\]\s+shared_memory:\s*(\d+)")
+_THUNK = re.compile(
+    r"(kCustomKernel|kKernel)\s*\[[^\]]*\]\s+([\w$.]+)\s+grid:\s*\[([\d, ]+)\]\s+"
+    r"threads:\s*\[([\d, ]+)\]\s+shared_memory:\s*(\d+)"
+)
 
 
 def xla_launches(dump_dir: str) -> list:
@@ -158,31 +190,59 @@ def xla_launches(dump_dir: str) -> list:
                 if m:
                     grid = [int(t) for t in m.group(3).split(",")]
                     threads = [int(t) for t in m.group(4).split(",")]
-                    out.append({"name": m.group(2), "grid": grid, "threads": math.prod(threads),
-                                "shared_memory": int(m.group(5))})
+                    out.append(
+                        {
+                            "name": m.group(2),
+                            "grid": grid,
+                            "threads": math.prod(threads),
+                            "shared_memory": int(m.group(5)),
+                        }
+                    )
                 elif "kCustomCall" in line:
                     out.append({"name": "custom_call"})
     return out
 
 
-def _kernel_record(name: str, ptxas: dict, launch: Optional[dict], sass: Optional[dict], ptx: str,
-                   smem_dynamic: Optional[int] = None, threads: Optional[int] = None) -> dict:
+def _kernel_record(
+    name: str,
+    ptxas: dict,
+    launch: dict | None,
+    sass: dict | None,
+    ptx: str,
+    smem_dynamic: int | None = None,
+    threads: int | None = None,
+) -> dict:
     threads = threads if threads is not None else (launch or {}).get("threads")
     smem = smem_dynamic if smem_dynamic is not None else (launch or {}).get("shared_memory", 0)
     smem_total = smem + ptxas.get("static_smem", 0)
-    rec = {"kernel": name, "registers": ptxas.get("registers"), "spill_stores": ptxas.get("spill_stores", 0),
-           "spill_loads": ptxas.get("spill_loads", 0), "stack": ptxas.get("stack", 0),
-           "barriers": ptxas.get("barriers", 0), "smem_bytes": smem_total, "threads": threads,
-           "sass": sass, "ptx_counts": ptx_counts(ptx)}
+    rec = {
+        "kernel": name,
+        "registers": ptxas.get("registers"),
+        "spill_stores": ptxas.get("spill_stores", 0),
+        "spill_loads": ptxas.get("spill_loads", 0),
+        "stack": ptxas.get("stack", 0),
+        "barriers": ptxas.get("barriers", 0),
+        "smem_bytes": smem_total,
+        "threads": threads,
+        "sass": sass,
+        "ptx_counts": ptx_counts(ptx),
+    }
     if threads and rec["registers"] is not None:
         rec.update(occupancy(rec["registers"], smem_total, threads))
         rec["regs_x_threads"] = rec["registers"] * threads
     return rec
 
 
-def from_ptx(ptx: str, workdir: str, *, threads: Optional[int] = None, smem_dynamic: Optional[int] = None,
-             launches: Optional[dict] = None, arch: str = "sm_90a", ptxas_report: Optional[str] = None
-             ) -> Dict[str, dict]:
+def from_ptx(
+    ptx: str,
+    workdir: str,
+    *,
+    threads: int | None = None,
+    smem_dynamic: int | None = None,
+    launches: dict | None = None,
+    arch: str = "sm_90a",
+    ptxas_report: str | None = None,
+) -> dict[str, dict]:
     """Records for every ``.entry`` of one PTX module (see :func:`_kernel_record`).  ``ptxas_report``: the
     ``ptxas -v`` output of the compile that was really used (Mosaic GPU prints its own with
     ``MOSAIC_GPU_DUMP_PTXAS=1``); it wins over ours, and when no ptxas here accepts the PTX the SASS counts are
@@ -207,13 +267,19 @@ def from_ptx(ptx: str, workdir: str, *, threads: Optional[int] = None, smem_dyna
     out = {}
     for name in names:
         launch = (launches or {}).get(name)
-        out[name] = _kernel_record(name, stats.get(name, {}), launch, None if sass is None else sass.get(name),
-                                   ptx, smem_dynamic=smem_dynamic,
-                                   threads=threads if launch is None else None)
+        out[name] = _kernel_record(
+            name,
+            stats.get(name, {}),
+            launch,
+            None if sass is None else sass.get(name),
+            ptx,
+            smem_dynamic=smem_dynamic,
+            threads=threads if launch is None else None,
+        )
     return out
 
 
-def from_xla_dump(dump_dir: str, names: Optional[Iterable[str]] = None, arch: str = "sm_90a") -> Dict[str, dict]:
+def from_xla_dump(dump_dir: str, names: Iterable[str] | None = None, arch: str = "sm_90a") -> dict[str, dict]:
     """Records for the kernels XLA compiled into ``dump_dir`` (all PTX entries, or only ``names``): registers
     and spills from ``ptxas -v``, threads and dynamic shared memory from the launch list, occupancy, SASS
     counts.  Fusions XLA generated itself are included when ``names`` is None."""
@@ -221,7 +287,7 @@ def from_xla_dump(dump_dir: str, names: Optional[Iterable[str]] = None, arch: st
     for launch in xla_launches(dump_dir):
         launches.setdefault(launch["name"], launch)
     wanted = None if names is None else set(names)
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
         with open(path) as f:
             ptx = f.read()
@@ -242,7 +308,7 @@ def split_ptx_modules(text: str) -> list:
     mods = []
     for part in parts[1:]:
         end = part.rfind("\n}")
-        mods.append("//\n// Generated by LLVM NVPTX Back-End\n" + (part[:end + 2] if end >= 0 else part) + "\n")
+        mods.append("//\n// Generated by LLVM NVPTX Back-End\n" + (part[: end + 2] if end >= 0 else part) + "\n")
     return mods
 
 
@@ -251,6 +317,7 @@ def capture_fd_output(path: str) -> Iterator[None]:
     """Send this process's file descriptors 1 and 2 (C/C++ writes included, e.g. Mosaic GPU's PTX dumps) to
     ``path`` for the duration of the block."""
     import sys
+
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]

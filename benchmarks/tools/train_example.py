@@ -7,6 +7,7 @@ Both runs start from one ``--init`` (the twin builder's weights, ``save_pretrain
 ``jax.jsonl``, ``torch.jsonl``, ``summary.json`` and ``loss.png`` into ``--out`` (default
 ``benchmarks/results/train-example/``), each file moved into place when complete (details: benchmarks/NOTES.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,10 @@ def _plot(jax_log: list[dict], torch_log: list[dict], png: str, title: str) -> N
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    runs = (("JAX (python -m jaxattn.train)", jax_log, "tab:blue"),
-            ("PyTorch (python -m torchref.train)", torch_log, "tab:red"))
+    runs = (
+        ("JAX (python -m jaxattn.train)", jax_log, "tab:blue"),
+        ("PyTorch (python -m torchref.train)", torch_log, "tab:red"),
+    )
     for ax, (name, log, color), (_, other, other_color) in zip(axes, runs, runs[::-1]):
         ax.plot([r["step"] for r in other], [r["loss"] for r in other], "--", color=other_color, lw=1, alpha=0.6)
         ax.plot([r["step"] for r in log], [r["loss"] for r in log], color=color, lw=1.5)
@@ -78,12 +81,38 @@ def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
 
     init_tmp = tempfile.TemporaryDirectory(prefix="train-example-init-")
     init = save_pretrained(twin_models(ModelConfig.preset("tiny"), seed=0)[0], init_tmp.name)
-    flags = ["--init", init, "--data", a.data, "--steps", str(a.steps), "--seq-len", str(a.seq_len),
-             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--warmup", str(max(1, a.steps // 20)),
-             "--schedule", "cosine", "--optimizer", "adamw", "--precision", "fp32", "--seed", "0", "--no-progress"]
+    flags = [
+        "--init",
+        init,
+        "--data",
+        a.data,
+        "--steps",
+        str(a.steps),
+        "--seq-len",
+        str(a.seq_len),
+        "--batch-size",
+        str(a.batch_size),
+        "--lr",
+        str(a.lr),
+        "--warmup",
+        str(max(1, a.steps // 20)),
+        "--schedule",
+        "cosine",
+        "--optimizer",
+        "adamw",
+        "--precision",
+        "fp32",
+        "--seed",
+        "0",
+        "--no-progress",
+    ]
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-    summary = {"data": os.path.relpath(a.data, ROOT), "commands": {}, "wall_s": {},
-               "init": "INIT = benchmarks.twins.twin_models(tiny, seed=0)'s torch model, written by save_pretrained"}
+    summary = {
+        "data": os.path.relpath(a.data, ROOT),
+        "commands": {},
+        "wall_s": {},
+        "init": "INIT = benchmarks.twins.twin_models(tiny, seed=0)'s torch model, written by save_pretrained",
+    }
     with open(a.data, "rb") as f:
         summary["data_sha256"] = hashlib.sha256(f.read()).hexdigest()
     logs = {}
@@ -100,16 +129,25 @@ def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
             raise SystemExit(f"{fw} run logged {len(logs[fw])} steps, expected {a.steps}; nothing replaced")
         os.replace(tmp_log, os.path.join(a.out, f"{fw}.jsonl"))
     gap = max(abs(j["loss"] - t["loss"]) for j, t in zip(logs["jax"], logs["torch"]))
-    summary.update({
-        "final_loss": {fw: logs[fw][-1]["loss"] for fw in logs},
-        "max_per_step_loss_gap": gap,
-        "median_tokens_per_s": {fw: statistics.median(r["tokens_per_s"] for r in logs[fw][5:]) for fw in logs},
-        "device": "cpu", "preset": "tiny"})
-    _replace(os.path.join(a.out, "summary.json"),
-             lambda tmp: open(tmp, "w").write(json.dumps(summary, indent=2) + "\n"))
-    _plot(logs["jax"], logs["torch"], os.path.join(a.out, "loss.png"),
-          f"tiny Llama, byte-level {summary['data']}, same --init and seed, fp32 AdamW; "
-          f"largest per-step loss gap {gap:.1e}")
+    summary.update(
+        {
+            "final_loss": {fw: logs[fw][-1]["loss"] for fw in logs},
+            "max_per_step_loss_gap": gap,
+            "median_tokens_per_s": {fw: statistics.median(r["tokens_per_s"] for r in logs[fw][5:]) for fw in logs},
+            "device": "cpu",
+            "preset": "tiny",
+        }
+    )
+    _replace(
+        os.path.join(a.out, "summary.json"), lambda tmp: open(tmp, "w").write(json.dumps(summary, indent=2) + "\n")
+    )
+    _plot(
+        logs["jax"],
+        logs["torch"],
+        os.path.join(a.out, "loss.png"),
+        f"tiny Llama, byte-level {summary['data']}, same --init and seed, fp32 AdamW; "
+        f"largest per-step loss gap {gap:.1e}",
+    )
     init_tmp.cleanup()
     print(json.dumps(summary, indent=2))
     return 0

@@ -6,7 +6,7 @@
         out = dot_product_attention(q, k, v, causal=True)
     out = dot_product_attention(q, k, v, backend="chunked")          # explicit (a name or a sequence)
 
-Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is CONVENTIONS §4 (bottom-right causal,
+Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is design §4 (bottom-right causal,
 ``(left, right)`` window, Gemma-2 softcap, segment ids, zeros for a query that sees no key).
 
 Backends (torch twin in brackets; the table is :data:`jaxattn.spec.attention.BACKENDS`, shared with torchref):
@@ -38,52 +38,66 @@ The target is worked out once per call; every ``supports()`` and the chosen back
 ``target_platform(<that target>)``, so each reads that same :class:`Target` (one context-variable lookup, e.g.
 ``flash``'s ``interpret=None``) instead of inspecting the arrays again.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import importlib
 import warnings
-from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
+from collections.abc import Iterator, Sequence
 
 from ..spec import attention as _spec
 from .args import AttnArgs, mask, normalize
 from .target import Target, current_target, platform_of, target_platform
 
 __all__ = [
-    "BACKENDS", "FORWARD_ONLY", "AttentionBackendError", "AttnArgs", "attention_backend", "available_backends",
-    "current_backends", "current_target", "default_backends", "dot_product_attention", "get_backend", "mask",
-    "normalize", "target_platform", "Target",
+    "BACKENDS",
+    "FORWARD_ONLY",
+    "AttentionBackendError",
+    "AttnArgs",
+    "attention_backend",
+    "available_backends",
+    "current_backends",
+    "current_target",
+    "default_backends",
+    "dot_product_attention",
+    "get_backend",
+    "mask",
+    "normalize",
+    "target_platform",
+    "Target",
 ]
 
 # All read from the one backend table, jaxattn.spec.attention.BACKENDS (default ranks per platform included).
-BACKENDS: Tuple[str, ...] = _spec.backend_names()
-FORWARD_ONLY: Tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
-_MODULE_OF: Dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module
-_DEFAULT: Dict[str, Tuple[str, ...]] = {p: _spec.default_order(p) for p in _spec.PLATFORMS}
+BACKENDS: tuple[str, ...] = _spec.backend_names()
+FORWARD_ONLY: tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
+_MODULE_OF: dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module
+_DEFAULT: dict[str, tuple[str, ...]] = {p: _spec.default_order(p) for p in _spec.PLATFORMS}
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
-_MODULES: Dict[str, object] = {}
-_IMPORT_ERRORS: Dict[str, str] = {}
+_MODULES: dict[str, object] = {}
+_IMPORT_ERRORS: dict[str, str] = {}
 
 
 class AttentionBackendError(RuntimeError):
     """No backend in the active list can serve this call. ``reasons`` maps each tried backend to its reason."""
 
-    def __init__(self, reasons: Dict[str, str], call: str = ""):
+    def __init__(self, reasons: dict[str, str], call: str = ""):
         self.reasons = dict(reasons)
         lines = "\n".join(f"  {name}: {why}" for name, why in self.reasons.items())
-        super().__init__(f"no attention backend can serve this call{(' (' + call + ')') if call else ''}; "
-                         f"tried, in order:\n{lines}")
+        super().__init__(
+            f"no attention backend can serve this call{(' (' + call + ')') if call else ''}; tried, in order:\n{lines}"
+        )
 
 
 # --------------------------------------------------------------------------------------------- names
-def _check_names(names, argname: str) -> Tuple[str, ...]:
+def _check_names(names, argname: str) -> tuple[str, ...]:
     return _spec.check_backend_names(names, argname, "jax")
 
 
 @contextlib.contextmanager
-def attention_backend(*names: Union[str, Sequence[str]]) -> Iterator[Tuple[str, ...]]:
+def attention_backend(*names: str | Sequence[str]) -> Iterator[tuple[str, ...]]:
     """Within the block, ``dot_product_attention(backend=None)`` tries ``names`` in order; the first whose
     ``supports()`` accepts the call wins.  Accepts ``attention_backend("flash", "xla")`` or
     ``attention_backend(["flash", "xla"])``.  Nested blocks replace (not extend) the outer list, like
@@ -98,19 +112,19 @@ def attention_backend(*names: Union[str, Sequence[str]]) -> Iterator[Tuple[str, 
         _ACTIVE.reset(token)
 
 
-def current_backends() -> Optional[Tuple[str, ...]]:
+def current_backends() -> tuple[str, ...] | None:
     """The list set by the innermost active ``attention_backend(...)`` block, or None outside any block."""
     return _ACTIVE.get()
 
 
-def default_backends(q=None) -> Tuple[str, ...]:
+def default_backends(q=None) -> tuple[str, ...]:
     """Preference used when neither ``backend=`` nor ``attention_backend`` says anything, for the platform the
     trace targets (:func:`current_target`), from the backend table's ranks: on a GPU ``cudnn, flash, chunked,
     xla`` (``mosaic`` is opt-in); elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
     return _default_for(platform_of(q))
 
 
-def _default_for(platform: str) -> Tuple[str, ...]:
+def _default_for(platform: str) -> tuple[str, ...]:
     return _DEFAULT.get(platform, _DEFAULT["cpu"])
 
 
@@ -138,7 +152,7 @@ def get_backend(name: str):
     return mod
 
 
-def _decline_reason(name: str, q, k, v, args: AttnArgs) -> Tuple[Optional[str], object]:
+def _decline_reason(name: str, q, k, v, args: AttnArgs) -> tuple[str | None, object]:
     try:
         mod = get_backend(name)
     except ImportError as e:
@@ -153,7 +167,7 @@ def _decline_reason(name: str, q, k, v, args: AttnArgs) -> Tuple[Optional[str], 
     return reason, mod
 
 
-def _resolve(backend, target: Target) -> Tuple[str, ...]:
+def _resolve(backend, target: Target) -> tuple[str, ...]:
     if backend is not None:
         return _check_names(backend, "backend")
     active = _ACTIVE.get()
@@ -161,20 +175,33 @@ def _resolve(backend, target: Target) -> Tuple[str, ...]:
 
 
 def _describe(q, k, args: AttnArgs, target: Target) -> str:
-    return (f"q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)}, causal={args.causal}, "
-            f"window={args.window}, softcap={args.softcap}, segment_ids={'yes' if args.has_segment_ids else 'no'}"
-            f", platform={target.platform}")
+    return (
+        f"q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)}, causal={args.causal}, "
+        f"window={args.window}, softcap={args.softcap}, segment_ids={'yes' if args.has_segment_ids else 'no'}"
+        f", platform={target.platform}"
+    )
 
 
 def _entered(target: Target):
     """``target_platform`` of ``target``: what every supports() and kernel inside reads."""
-    return target_platform(target.platform, compute_capability=target.compute_capability,
-                           device_kind=target.device_kind)
+    return target_platform(
+        target.platform, compute_capability=target.compute_capability, device_kind=target.device_kind
+    )
 
 
 # --------------------------------------------------------------------------------------------- public op
-def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, scale: Optional[float] = None,
-                          window=None, softcap: Optional[float] = None, backend=None):
+def dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    scale: float | None = None,
+    window=None,
+    softcap: float | None = None,
+    backend=None,
+):
     """Scaled dot-product attention, ``softmax(mask(softcap(scale * q k^T))) v``.
 
     q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0``; returns ``[B, Sq, Hq, D]`` in
@@ -182,12 +209,11 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
     ``c*tanh(s/c)``; ``segment_ids`` is ``[B, S]`` or ``(q_ids, kv_ids)``.  ``backend`` is None (the
     active ``attention_backend`` list, else :func:`default_backends`), a name, or an ordered sequence.
     """
-    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                     softcap=softcap)
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     target = current_target(q)  # once per call: the backends below read it from the context
     with _entered(target):
         names = _resolve(backend, target)
-        reasons: Dict[str, str] = {}
+        reasons: dict[str, str] = {}
         for name in names:
             reason, mod = _decline_reason(name, q, k, v, args)
             if reason is None:
@@ -196,11 +222,20 @@ def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None, sc
         raise AttentionBackendError(reasons, _describe(q, k, args, target))
 
 
-def available_backends(q, k, v, *, causal: bool = False, segment_ids=None, scale=None, window=None,
-                       softcap=None, backends: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:
+def available_backends(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    segment_ids=None,
+    scale=None,
+    window=None,
+    softcap=None,
+    backends: Sequence[str] | None = None,
+) -> dict[str, str | None]:
     """``{name: None if it can serve this call else the reason}`` for every backend (or ``backends``)."""
-    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                     softcap=softcap)
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     names = BACKENDS if backends is None else _check_names(backends, "backends")
     with _entered(current_target(q)):
         return {name: _decline_reason(name, q, k, v, args)[0] for name in names}

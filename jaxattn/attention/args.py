@@ -3,17 +3,18 @@
 ``normalize`` checks a call to :func:`jaxattn.attention.dot_product_attention` once, with the contract shared
 with torchref (:func:`jaxattn.spec.attention.check_call`: same rules, same messages), and returns an
 :class:`AttnArgs` with every default filled in, so each backend only reads checked values.  ``mask`` is the
-single jnp definition of which key a query may see (CONVENTIONS §4): bottom-right causal, sliding window,
+single jnp definition of which key a query may see (design §4): bottom-right causal, sliding window,
 segment ids.  It is hand-written because no library function implements this exact contract
 (``jax.nn.dot_product_attention`` has top-left causal in some versions, no softcap and no (left, right) window)::
 
     args = normalize(q, k, v, causal=True, window=(128, None))   # AttnArgs(causal=True, window=(128, 0), ...)
     vis = mask(q.shape[1], k.shape[1], args)                      # [Sq, Sk] bool
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from ..spec.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_call, visible
 
 __all__ = ["AttnArgs", "normalize", "mask", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 
-Window = Optional[Tuple[Optional[int], Optional[int]]]
+Window = tuple[int | None, int | None] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class AttnArgs:
     kv_segment_ids: Any = None
     scale: float = 1.0
     window: Window = None
-    softcap: Optional[float] = None
+    softcap: float | None = None
 
     @property
     def has_segment_ids(self) -> bool:
@@ -92,10 +93,26 @@ def normalize(q, k, v, *, causal=False, segment_ids=None, scale=None, window=Non
     (self-attention, needs ``Sq == Sk``) or a pair ``(q_ids [B, Sq], kv_ids [B, Sk])``.
     Raises ``TypeError`` / ``ValueError`` naming the argument, the value and what is accepted.
     """
-    c = check_call(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                   softcap=softcap, layout="bshd", describe=_describe)
-    return AttnArgs(causal=c.causal, q_segment_ids=c.q_ids, kv_segment_ids=c.kv_ids, scale=c.scale,
-                    window=c.window, softcap=c.softcap)
+    c = check_call(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        layout="bshd",
+        describe=_describe,
+    )
+    return AttnArgs(
+        causal=c.causal,
+        q_segment_ids=c.q_ids,
+        kv_segment_ids=c.kv_ids,
+        scale=c.scale,
+        window=c.window,
+        softcap=c.softcap,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- mask
@@ -109,7 +126,7 @@ def mask(q_len: int, kv_len: int, args: AttnArgs, q_ids=None, kv_ids=None, *, q_
     and ``kv_ids [..., len(kv_pos)]`` are the segment ids of those positions (default: ``args``' ids, which
     must then match the default positions); the result broadcasts over their leading dims.
 
-    Rule (CONVENTIONS §4): with ``i_abs = i + kv_len - q_len``, key j is visible iff
+    Rule (design §4): with ``i_abs = i + kv_len - q_len``, key j is visible iff
     ``causal -> j <= i_abs``; ``window (l, r) -> i_abs - l <= j <= i_abs + r``; ``q_ids[i] == kv_ids[j]``.
     """
     if q_pos is None:

@@ -1,6 +1,6 @@
 """``chunked`` backend: memory-efficient attention in pure JAX (the twin of torch's EFFICIENT_ATTENTION).
 
-q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, the full contract of CONVENTIONS §4.  Queries go in chunks,
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, the full contract of design §4.  Queries go in chunks,
 each with a ``lax.scan`` over key chunks and an online softmax (Rabe & Staats 2021; the FlashAttention
 recurrence), so only one ``[B, Hkv, G, Cq, Ck]`` score block exists at a time: O(S) memory.  A
 ``jax.custom_vjp`` saves only q, k, v, the output and the log-sum-exp and recomputes score blocks in the
@@ -9,10 +9,11 @@ block).  Key chunks hidden by the causal/window mask are skipped; any length wor
 
     out = chunked_attention(q, k, v, causal=True, q_chunk_size=256, kv_chunk_size=512)
 """
+
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,8 @@ _HI = jax.lax.Precision.HIGHEST
 class _Cfg(NamedTuple):  # static, hashable
     causal: bool
     scale: float
-    window: Optional[tuple]
-    softcap: Optional[float]
+    window: tuple | None
+    softcap: float | None
     q_len: int
     kv_len: int
     cq: int
@@ -45,14 +46,22 @@ def supports(q, k, v, args: AttnArgs):
     return None
 
 
-def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int = DEFAULT_Q_CHUNK,
-              kv_chunk_size: int = DEFAULT_KV_CHUNK):
+def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int = DEFAULT_Q_CHUNK, kv_chunk_size: int = DEFAULT_KV_CHUNK):
     for name, c in (("q_chunk_size", q_chunk_size), ("kv_chunk_size", kv_chunk_size)):
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"{name} must be a positive int, got {c!r}")
     sq, sk = q.shape[1], k.shape[1]
-    cfg = _Cfg(args.causal, float(args.scale), args.window, args.softcap, sq, sk,
-               min(q_chunk_size, sq), min(kv_chunk_size, sk), args.has_segment_ids)
+    cfg = _Cfg(
+        args.causal,
+        float(args.scale),
+        args.window,
+        args.softcap,
+        sq,
+        sk,
+        min(q_chunk_size, sq),
+        min(kv_chunk_size, sk),
+        args.has_segment_ids,
+    )
     if args.has_segment_ids:
         qids, kvids = args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32)
     else:  # dummies, never read
@@ -61,11 +70,21 @@ def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int = DEFAULT_Q_CHUNK,
     return _chunked(cfg, q, k, v, qids, kvids)
 
 
-def chunked_attention(q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None,
-                      q_chunk_size: int = DEFAULT_Q_CHUNK, kv_chunk_size: int = DEFAULT_KV_CHUNK):
+def chunked_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    segment_ids=None,
+    scale=None,
+    window=None,
+    softcap=None,
+    q_chunk_size: int = DEFAULT_Q_CHUNK,
+    kv_chunk_size: int = DEFAULT_KV_CHUNK,
+):
     """Public op with the contract's keywords plus the chunk sizes (q ``[B,Sq,Hq,D]``, k/v ``[B,Sk,Hkv,D]``)."""
-    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                     softcap=softcap)
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     return attention(q, k, v, args, q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size)
 
 
@@ -136,7 +155,7 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
     hkv = k.shape[2]
     g = hq // hkv
     qch = _chunks(q.reshape(b, sq, hkv, g, d), cfg.cq)  # [nq, B, cq, Hkv, G, D]
-    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)    # [nk, B, ck, Hkv, D]
+    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)  # [nk, B, ck, Hkv, D]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
@@ -155,21 +174,23 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
                 alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(s - m_safe[..., None])
                 l = alpha * l + p.sum(axis=-1)
-                pv = jnp.einsum("bhgqk,bkhd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32,
-                                precision=_HI)
+                pv = jnp.einsum("bhgqk,bkhd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32, precision=_HI)
                 return m_new, l, alpha[..., None] * acc + pv
 
             carry = jax.lax.cond(_block_needed(cfg, q0, k0), compute, lambda c: c, carry)
             return carry, None
 
-        init = (jnp.full((b, hkv, g, cfg.cq), -jnp.inf, _F32), jnp.zeros((b, hkv, g, cfg.cq), _F32),
-                jnp.zeros((b, hkv, g, cfg.cq, d), _F32))
+        init = (
+            jnp.full((b, hkv, g, cfg.cq), -jnp.inf, _F32),
+            jnp.zeros((b, hkv, g, cfg.cq), _F32),
+            jnp.zeros((b, hkv, g, cfg.cq, d), _F32),
+        )
         (m, l, acc), _ = jax.lax.scan(kv_step, init, (kch, vch, kidch, k_starts))
         alive = l > 0
         out = acc / jnp.where(alive, l, 1.0)[..., None]
         lse = jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), 0.0)  # 0 for rows with no key
-        out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype)          # [B, cq, Hkv, G, D]
-        return None, (out, jnp.transpose(lse, (0, 3, 1, 2)))                # lse [B, cq, Hkv, G]
+        out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype)  # [B, cq, Hkv, G, D]
+        return None, (out, jnp.transpose(lse, (0, 3, 1, 2)))  # lse [B, cq, Hkv, G]
 
     q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
     _, (out, lse) = jax.lax.scan(q_step, None, (qch, qidch, q_starts))
@@ -206,7 +227,7 @@ def _chunked_bwd(cfg, res, dout):
 
     def q_step(dkv, xs):
         qc, doc, lsec, deltac, qidc, q0 = xs
-        lse_b = jnp.transpose(lsec, (0, 2, 3, 1))[..., None]      # [B, Hkv, G, cq, 1]
+        lse_b = jnp.transpose(lsec, (0, 2, 3, 1))[..., None]  # [B, Hkv, G, cq, 1]
         delta_b = jnp.transpose(deltac, (0, 2, 3, 1))[..., None]
 
         def kv_step(dq, ys):
@@ -214,18 +235,15 @@ def _chunked_bwd(cfg, res, dout):
 
             def compute(dq):
                 s, t = _scores(cfg, qc, kc, q0, k0, qidc, kidc)
-                p = jnp.exp(s - lse_b)                                  # 0 where masked / dead rows
-                dv = jnp.einsum("bhgqk,bqhgd->bkhd", _low(p, doc), doc, preferred_element_type=_F32,
-                                precision=_HI)
+                p = jnp.exp(s - lse_b)  # 0 where masked / dead rows
+                dv = jnp.einsum("bhgqk,bqhgd->bkhd", _low(p, doc), doc, preferred_element_type=_F32, precision=_HI)
                 dp = jnp.einsum("bqhgd,bkhd->bhgqk", doc, vc, preferred_element_type=_F32, precision=_HI)
                 ds = p * (dp - delta_b)
                 if t is not None:
                     ds = ds * (1.0 - t * t)
                 ds = ds * cfg.scale
-                dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", _low(ds, kc), kc, preferred_element_type=_F32,
-                                     precision=_HI)
-                dk = jnp.einsum("bhgqk,bqhgd->bkhd", _low(ds, qc), qc, preferred_element_type=_F32,
-                                precision=_HI)
+                dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", _low(ds, kc), kc, preferred_element_type=_F32, precision=_HI)
+                dk = jnp.einsum("bhgqk,bqhgd->bkhd", _low(ds, qc), qc, preferred_element_type=_F32, precision=_HI)
                 return dq, (dk, dv)
 
             def skip(dq):
@@ -239,8 +257,7 @@ def _chunked_bwd(cfg, res, dout):
         return (dkv[0] + dk, dkv[1] + dv), dq
 
     zeros = jnp.zeros((nk, b, cfg.ck, hkv, d), _F32)
-    (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros),
-                                (qch, doch, lsech, deltach, qidch, q_starts))
+    (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), (qch, doch, lsech, deltach, qidch, q_starts))
     dq = _unchunk(dq, sq).reshape(b, sq, hq, d).astype(q.dtype)
     dk = _unchunk(dk, sk).astype(k.dtype)
     dv = _unchunk(dv, sk).astype(v.dtype)

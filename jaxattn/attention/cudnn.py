@@ -18,10 +18,10 @@ jaxattn contract allows but this path cannot serve exactly:
   right window without causal).  A ``(left, 0)`` window is passed as ``is_causal=True,
   local_window_size=(left, 0)`` (cuDNN ``sliding_window_length = left + 1``, i.e. ``i-left <= j <= i``).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 
@@ -32,10 +32,11 @@ __all__ = ["supports", "attention", "cudnn_version"]
 
 
 @functools.lru_cache(maxsize=1)
-def cudnn_version() -> Optional[int]:
+def cudnn_version() -> int | None:
     """cuDNN's version as jax reads it (e.g. 91000 for 9.10.0), or None when the library is not found."""
     try:
         from jax._src.lib import cuda_versions  # what jax's cuDNN attention itself asks, at trace time
+
         return None if cuda_versions is None else int(cuda_versions.cudnn_get_version())
     except Exception:  # RuntimeError("cuDNN not found."), an ImportError on a jax that moved it, ...
         return None
@@ -57,15 +58,19 @@ def supports(q, k, v, args: AttnArgs):
     if dt not in ("bfloat16", "float16"):
         return f"cuDNN flash attention takes bfloat16/float16 only (got {dt})"
     if cudnn_version() is None:
-        return ("cuDNN library not found (jax's cuDNN attention reads its version when traced; install "
-                "the nvidia-cudnn-cu12 wheel, e.g. with jax[cuda12])")
+        return (
+            "cuDNN library not found (jax's cuDNN attention reads its version when traced; install "
+            "the nvidia-cudnn-cu12 wheel, e.g. with jax[cuda12])"
+        )
     d = q.shape[-1]
     cc = target.compute_capability
     hopper = cc is not None and cc >= (9, 0) and _live_cuda_gpu()
     d_max = 256 if hopper else 128
     if d % 8 or d > d_max:
-        return (f"head_dim {d} not a multiple of 8 in [8, {d_max}] (compute capability {cc}"
-                f"{'' if hopper or cc is None or cc < (9, 0) else '; 256 needs a live Hopper GPU: jax asks it'})")
+        return (
+            f"head_dim {d} not a multiple of 8 in [8, {d_max}] (compute capability {cc}"
+            f"{'' if hopper or cc is None or cc < (9, 0) else '; 256 needs a live Hopper GPU: jax asks it'})"
+        )
     if args.softcap is not None:
         return "softcap is not supported by jax.nn.dot_product_attention"
     if args.has_segment_ids:

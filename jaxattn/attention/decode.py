@@ -9,17 +9,17 @@ is read once per kv head.
 Contract: q ``[B, Sq, Hq, D]`` with ``Sq * Hq/Hkv <= 64`` query rows per kv head, k/v ``[B, T, Hkv, D]``,
 ``lengths [B]``: keys ``>= lengths[b]`` are invisible and query ``i`` sits at position ``lengths[b] - Sq + i``
 (its own key already written) for ``causal`` and ``window=(left, right)``; scale, softcap and segment ids as
-CONVENTIONS §4; a row with no visible key returns zeros; fp32 accumulation (fp32 inputs: three TF32 passes).
+design §4; a row with no visible key returns zeros; fp32 accumulation (fp32 inputs: three TF32 passes).
 Differentiating through it raises.  Opt-in backend: ``attention_backend("flash_decode", "flash")``::
 
     out = flash_decode(q, k_cache, v_cache, lengths)     # q [B, Sq, Hq, D], k/v [B, T, Hkv, D], lengths [B]
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +31,33 @@ from jax.experimental.pallas import triton as _plt  # masked loads (load(ref, ma
 from ..spec.attention import visible_bounds
 from . import flash
 from .args import AttnArgs, normalize
-from .tiling import LN2, LOG2E, MIN_BLOCK, NEG, cdiv, dot, is_pow2, next_pow2, resolve_interpret, scores, \
-    triton_compiler_params
+from .tiling import (
+    LN2,
+    LOG2E,
+    MIN_BLOCK,
+    NEG,
+    cdiv,
+    dot,
+    is_pow2,
+    next_pow2,
+    resolve_interpret,
+    scores,
+    triton_compiler_params,
+)
 
-__all__ = ["DecodeBlockSizes", "flash_decode", "flash_decode_reference", "num_splits_heuristic", "supports",
-           "attention"]
+__all__ = [
+    "DecodeBlockSizes",
+    "flash_decode",
+    "flash_decode_reference",
+    "num_splits_heuristic",
+    "supports",
+    "attention",
+]
 
-_MAX_ROWS = 64                  # Sq * G query rows per kv head in one program (the fp32 accumulator's registers)
-_MAX_SPLITS = 128               # FA2's cap on splits
-_NUM_SMS = 132                  # H100 SXM: the split heuristic's target
-_CTAS_PER_SM = 2                # FA2 counts 2 resident 128-thread CTAs per SM ("num_sm * 2"), see benchmarks/NOTES.md
+_MAX_ROWS = 64  # Sq * G query rows per kv head in one program (the fp32 accumulator's registers)
+_MAX_SPLITS = 128  # FA2's cap on splits
+_NUM_SMS = 132  # H100 SXM: the split heuristic's target
+_CTAS_PER_SM = 2  # FA2 counts 2 resident 128-thread CTAs per SM ("num_sm * 2"), see benchmarks/NOTES.md
 
 
 def _is_int(x) -> bool:
@@ -60,25 +77,29 @@ class DecodeBlockSizes:
     """
 
     block_k: int = 64
-    num_splits: Optional[int] = None
+    num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
         if not is_pow2(self.block_k) or not MIN_BLOCK <= self.block_k <= 1024:
-            raise ValueError(f"DecodeBlockSizes.block_k must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
-                             f"block dims are powers of two and tl.dot needs >= 16), got {self.block_k!r}")
+            raise ValueError(
+                f"DecodeBlockSizes.block_k must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
+                f"block dims are powers of two and tl.dot needs >= 16), got {self.block_k!r}"
+            )
         if self.num_splits is not None and (not _is_int(self.num_splits) or not 1 <= self.num_splits <= 1024):
-            raise ValueError(f"DecodeBlockSizes.num_splits must be None (heuristic) or an int in [1, 1024], "
-                             f"got {self.num_splits!r}")
+            raise ValueError(
+                f"DecodeBlockSizes.num_splits must be None (heuristic) or an int in [1, 1024], got {self.num_splits!r}"
+            )
         if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeBlockSizes.num_warps must be one of (1, 2, 4, 8, 16), got {self.num_warps!r}")
         if not _is_int(self.num_stages) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"DecodeBlockSizes.num_stages must be an int in [1, 8], got {self.num_stages!r}")
 
 
-def num_splits_heuristic(programs: int, n_blocks: int, slots: int = _NUM_SMS * _CTAS_PER_SM,
-                         max_splits: int = _MAX_SPLITS) -> int:
+def num_splits_heuristic(
+    programs: int, n_blocks: int, slots: int = _NUM_SMS * _CTAS_PER_SM, max_splits: int = _MAX_SPLITS
+) -> int:
     """FlashAttention-2's ``num_splits_heuristic`` (flash_api.cpp, called with ``num_sm * 2``): 1 when
     ``programs`` already fill 80% of the ``slots``; else the fewest splits whose wave efficiency ``n/ceil(n)``
     (``n = programs * splits / slots``) is within 85% of the best, skipping split counts that leave the
@@ -86,8 +107,7 @@ def num_splits_heuristic(programs: int, n_blocks: int, slots: int = _NUM_SMS * _
     if programs >= 0.8 * slots:
         return 1
     max_splits = max(1, min(max_splits, slots, n_blocks))
-    eligible = [s for s in range(1, max_splits + 1)
-                if s == 1 or cdiv(n_blocks, s) != cdiv(n_blocks, s - 1)]
+    eligible = [s for s in range(1, max_splits + 1) if s == 1 or cdiv(n_blocks, s) != cdiv(n_blocks, s - 1)]
     eff = {s: (programs * s / slots) / math.ceil(programs * s / slots) for s in eligible}
     best = max(eff.values())
     return next(s for s in eligible if eff[s] >= 0.85 * best)
@@ -97,14 +117,15 @@ def num_splits_heuristic(programs: int, n_blocks: int, slots: int = _NUM_SMS * _
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     """Everything static about one call (hashable)."""
+
     sq: int
-    groups: int      # G = Hq // Hkv
-    rows: int        # q rows per program: Sq * G padded to a power of two >= 16
-    t: int           # cache slots (after padding a cache shorter than 16)
+    groups: int  # G = Hq // Hkv
+    rows: int  # q rows per program: Sq * G padded to a power of two >= 16
+    t: int  # cache slots (after padding a cache shorter than 16)
     scale: float
-    softcap: Optional[float]
-    left: Optional[int]   # window relative to a query's position (None: unbounded); causal -> right = 0
-    right: Optional[int]
+    softcap: float | None
+    left: int | None  # window relative to a query's position (None: unbounded); causal -> right = 0
+    right: int | None
     has_seg: bool
     block_k: int
     num_splits: int
@@ -114,7 +135,7 @@ class _Cfg:
     poison: bool
 
 
-def _make_cfg(q, k, args: AttnArgs, bs: Optional[DecodeBlockSizes], interpret: bool, poison: bool) -> _Cfg:
+def _make_cfg(q, k, args: AttnArgs, bs: DecodeBlockSizes | None, interpret: bool, poison: bool) -> _Cfg:
     b, sq, hq, _ = q.shape
     t, hkv = k.shape[1], k.shape[2]
     bs = DecodeBlockSizes() if bs is None else bs
@@ -124,10 +145,23 @@ def _make_cfg(q, k, args: AttnArgs, bs: Optional[DecodeBlockSizes], interpret: b
     if splits is None:
         splits = num_splits_heuristic(b * hkv, cdiv(t, block_k))
     left, right = visible_bounds(args.causal, args.window)
-    return _Cfg(sq=sq, groups=hq // hkv, rows=max(MIN_BLOCK, next_pow2(sq * (hq // hkv))), t=t,
-                scale=float(args.scale), softcap=None if args.softcap is None else float(args.softcap),
-                left=left, right=right, has_seg=args.has_segment_ids, block_k=block_k, num_splits=int(splits),
-                num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=bool(interpret), poison=bool(poison))
+    return _Cfg(
+        sq=sq,
+        groups=hq // hkv,
+        rows=max(MIN_BLOCK, next_pow2(sq * (hq // hkv))),
+        t=t,
+        scale=float(args.scale),
+        softcap=None if args.softcap is None else float(args.softcap),
+        left=left,
+        right=right,
+        has_seg=args.has_segment_ids,
+        block_k=block_k,
+        num_splits=int(splits),
+        num_warps=bs.num_warps,
+        num_stages=bs.num_stages,
+        interpret=bool(interpret),
+        poison=bool(poison),
+    )
 
 
 # ----------------------------------------------------------------------------------------- kernel
@@ -181,8 +215,7 @@ def _decode_kernel(*refs, cfg: _Cfg):
         acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)
         return acc, m_new, l_new
 
-    init = (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(start, end, body, init)
     if rows == cfg.sq * cfg.groups:
         o_ref[...], m_ref[...], l_ref[...] = acc, m, l
@@ -201,19 +234,24 @@ def _decode_call(cfg: _Cfg, q, k, v, lo, hi, kv_len, q_ids, kv_ids):
     t, ns, real = k.shape[1], cfg.num_splits, cfg.sq * cfg.groups
     row = pl.BlockSpec((None,), lambda bb, h, s: (bb,))
     kv_spec = pl.BlockSpec((None, t, None, dp), lambda bb, h, s: (bb, 0, h, 0))
-    in_specs = [pl.BlockSpec((None, None, rows, dp), lambda bb, h, s: (bb, h, 0, 0)), kv_spec, kv_spec,
-                row, row, row]
+    in_specs = [pl.BlockSpec((None, None, rows, dp), lambda bb, h, s: (bb, h, 0, 0)), kv_spec, kv_spec, row, row, row]
     args = [q, k, v, lo, hi, kv_len]
     if cfg.has_seg:
-        in_specs += [pl.BlockSpec((None, rows), lambda bb, h, s: (bb, 0)),
-                     pl.BlockSpec((None, t), lambda bb, h, s: (bb, 0))]
+        in_specs += [
+            pl.BlockSpec((None, rows), lambda bb, h, s: (bb, 0)),
+            pl.BlockSpec((None, t), lambda bb, h, s: (bb, 0)),
+        ]
         args += [q_ids, kv_ids]
-    out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda bb, h, s: (bb, h, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda bb, h, s: (bb, h, s, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda bb, h, s: (bb, h, s, 0))]
-    out_shapes = [jax.ShapeDtypeStruct((b, hkv, ns, real, dp), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, ns, real), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, ns, real), jnp.float32)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, dp), lambda bb, h, s: (bb, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda bb, h, s: (bb, h, s, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda bb, h, s: (bb, h, s, 0)),
+    ]
+    out_shapes = [
+        jax.ShapeDtypeStruct((b, hkv, ns, real, dp), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, ns, real), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, ns, real), jnp.float32),
+    ]
     kernel = functools.partial(_decode_kernel, cfg=cfg)
     aliases = {}
     if cfg.poison:  # NaN-filled outputs aliased in (the flash kernel's mechanism): an unwritten block shows
@@ -224,11 +262,17 @@ def _decode_call(cfg: _Cfg, q, k, v, lo, hi, kv_len, q_ids, kv_ids):
             in_specs.append(spec)
 
         def kernel(*refs, _inner=kernel):
-            return _inner(*refs[:n_in], *refs[n_in + len(out_shapes):])
+            return _inner(*refs[:n_in], *refs[n_in + len(out_shapes) :])
 
     return pl.pallas_call(
-        kernel, grid=(b, hkv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
-        input_output_aliases=aliases, interpret=cfg.interpret, name="flash_decode",
+        kernel,
+        grid=(b, hkv, ns),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shapes,
+        input_output_aliases=aliases,
+        interpret=cfg.interpret,
+        name="flash_decode",
         compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
     )(*args)
 
@@ -243,7 +287,8 @@ def _decode_core_fwd(cfg, *args):
     raise NotImplementedError(
         "flash_decode is forward-only (a KV-cache decoding kernel): it has no backward. Differentiate through "
         "another attention backend, e.g. attention_backend('flash') or ('xla'), or dot_product_attention("
-        "..., backend='flash').")
+        "..., backend='flash')."
+    )
 
 
 def _decode_core_bwd(cfg, res, cts):  # pragma: no cover - the forward rule already refused
@@ -310,8 +355,10 @@ def _run(q, k, v, kv_len, q_ids, kv_ids, *, cfg: _Cfg, return_lse: bool):
 def _check_rows(q, k):
     sq, hq, hkv = q.shape[1], q.shape[2], k.shape[2]
     if sq * (hq // hkv) > _MAX_ROWS:
-        return (f"flash_decode serves decoding: Sq * Hq/Hkv = {sq} * {hq // hkv} = {sq * (hq // hkv)} query rows "
-                f"per kv head, more than {_MAX_ROWS}; use the 'flash' backend for prefill/training-sized calls")
+        return (
+            f"flash_decode serves decoding: Sq * Hq/Hkv = {sq} * {hq // hkv} = {sq * (hq // hkv)} query rows "
+            f"per kv head, more than {_MAX_ROWS}; use the 'flash' backend for prefill/training-sized calls"
+        )
     return None
 
 
@@ -324,20 +371,23 @@ def _check_lengths(lengths, b: int, t: int):
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"lengths must have an integer dtype (the cache's int32 lengths), got {lengths.dtype}")
     if tuple(lengths.shape) != (b,):
-        raise ValueError(f"lengths must have shape (B,) = ({b},), one valid length per batch row, "
-                         f"got shape {tuple(lengths.shape)}")
+        raise ValueError(
+            f"lengths must have shape (B,) = ({b},), one valid length per batch row, got shape {tuple(lengths.shape)}"
+        )
     try:
         host = np.asarray(lengths)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return lengths  # under jit: values outside [0, T] are clamped to it
     if host.size and (host.min() < 0 or host.max() > t):
-        raise ValueError(f"lengths must lie in [0, T] = [0, {t}] (T = k.shape[1], the cache slots), "
-                         f"got {host.tolist()}")
+        raise ValueError(
+            f"lengths must lie in [0, T] = [0, {t}] (T = k.shape[1], the cache slots), got {host.tolist()}"
+        )
     return lengths
 
 
-def _from_args(q, k, v, args: AttnArgs, kv_len=None, *, return_lse=False, block_sizes=None, interpret=None,
-               poison=False):
+def _from_args(
+    q, k, v, args: AttnArgs, kv_len=None, *, return_lse=False, block_sizes=None, interpret=None, poison=False
+):
     if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
         raise TypeError(f"block_sizes must be None or a decode.DecodeBlockSizes, got {type(block_sizes).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -351,33 +401,58 @@ def _from_args(q, k, v, args: AttnArgs, kv_len=None, *, return_lse=False, block_
     return _run(q, k, v, kv_len, args.q_segment_ids, args.kv_segment_ids, cfg=cfg, return_lse=bool(return_lse))
 
 
-def flash_decode(q, k, v, lengths=None, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
-                 block_sizes=None, interpret=None, _poison_outputs=False):
+def flash_decode(
+    q,
+    k,
+    v,
+    lengths=None,
+    *,
+    causal=False,
+    window=None,
+    softcap=None,
+    scale=None,
+    return_lse=False,
+    block_sizes=None,
+    interpret=None,
+    _poison_outputs=False,
+):
     """Split-K decode attention; q ``[B, Sq, Hq, D]`` (``Sq * Hq/Hkv <= 64``), k/v ``[B, T, Hkv, D]``.
 
     ``lengths [B]`` (int, in ``[0, T]``: checked when concrete, clamped under ``jit``): keys ``>= lengths[b]``
     of row b are invisible (None: all ``T``); query i of row b sits at position ``lengths[b] - Sq + i`` for
     ``causal`` (sees keys ``<=`` it) and ``window=(left, right)``; ``softcap``, ``scale`` (default
-    ``1/sqrt(D)``) as CONVENTIONS §4.  Returns ``out`` in q's
+    ``1/sqrt(D)``) as design §4.  Returns ``out`` in q's
     dtype, or ``(out, lse [B, Hq, Sq] f32)`` (natural log; ``-inf`` and zero output for a row that sees no
     key).  ``block_sizes``: :class:`DecodeBlockSizes`; ``interpret`` (None: interpret unless the trace
     targets a GPU).  Forward only.  ``_poison_outputs`` (tests) NaN-fills the kernel's output buffers.
     """
     args = normalize(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    return _from_args(q, k, v, args, lengths, return_lse=return_lse, block_sizes=block_sizes,
-                      interpret=interpret, poison=_poison_outputs)
+    return _from_args(
+        q,
+        k,
+        v,
+        args,
+        lengths,
+        return_lse=return_lse,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        poison=_poison_outputs,
+    )
 
 
-def flash_decode_reference(q, k, v, lengths=None, *, causal=False, window=None, softcap=None, scale=None,
-                           return_lse=False):
+def flash_decode_reference(
+    q, k, v, lengths=None, *, causal=False, window=None, softcap=None, scale=None, return_lse=False
+):
     """:func:`flash_decode`'s semantics in plain ``jnp`` (float32, ``Precision.HIGHEST``, full score matrix)."""
     args = normalize(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     b, sq, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else _check_lengths(lengths, b, t)
     f32, hi = jnp.float32, lax.Precision.HIGHEST
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.astype(f32).reshape(b, sq, hkv, hq // hkv, d), k.astype(f32),
-                   precision=hi) * args.scale
+    s = (
+        jnp.einsum("bqhgd,bkhd->bhgqk", q.astype(f32).reshape(b, sq, hkv, hq // hkv, d), k.astype(f32), precision=hi)
+        * args.scale
+    )
     if args.softcap is not None:
         s = args.softcap * jnp.tanh(s / args.softcap)
     j = jnp.arange(t)[None, None, :]

@@ -2,7 +2,7 @@
 
 FlashAttention-2 (Dao 2023; forward §3.1.1 / Alg. 1, backward §3.1.2 / Alg. 2): a forward kernel (online
 softmax; writes the output and the log-sum-exp) and two backward kernels, ``dkv`` (one key block; loops over
-the whole GQA query group, so K/V are never repeated) and ``dq``.  The full contract of CONVENTIONS §4: any
+the whole GQA query group, so K/V are never repeated) and ``dq``.  The full contract of design §4: any
 ``Sq``/``Sk`` and head dim ``1..256`` (padded inside), bottom-right causal, ``(left, right)`` window, softcap,
 segment ids, GQA/MQA, LSE and its gradient; fp32 accumulation, fp32 inputs as three TF32 passes
 (:func:`jaxattn.attention.tiling.dot_tf32x3`).  :func:`flash_backward` is the backward on its own, for a forward
@@ -14,11 +14,12 @@ search (``benchmarks/block_search.py``)::
 How padding, loop bounds, the masked/unmasked tile split and segment-id tile skipping work is written out,
 and checked, in ``parity_tests/test_flash.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,31 @@ from jax.experimental import pallas as pl
 from ..spec.attention import visible_bounds
 from .args import MAX_HEAD_DIM, AttnArgs, normalize
 from .target import Target, current_target
-from .tiling import (LN2, LOG2E, MIN_BLOCK, NEG, cdiv, dot, is_pow2, next_pow2, plt, resolve_interpret, scores,
-                     tile_mask, triton_compiler_params)
+from .tiling import (
+    LN2,
+    LOG2E,
+    MIN_BLOCK,
+    NEG,
+    cdiv,
+    dot,
+    is_pow2,
+    next_pow2,
+    plt,
+    resolve_interpret,
+    scores,
+    tile_mask,
+    triton_compiler_params,
+)
 
-__all__ = ["BlockSizes", "FlashKernels", "flash_attention", "flash_backward", "kernel_callables", "supports",
-           "attention"]
+__all__ = [
+    "BlockSizes",
+    "FlashKernels",
+    "flash_attention",
+    "flash_backward",
+    "kernel_callables",
+    "supports",
+    "attention",
+]
 
 
 # ----------------------------------------------------------------------------------------- block sizes
@@ -54,17 +75,19 @@ class BlockSizes:
     block_k_dkv: int = 64
     block_q_dq: int = 64
     block_k_dq: int = 32
-    num_warps: Optional[int] = None
+    num_warps: int | None = None
     num_stages: int = 2
-    num_warps_bwd: Optional[int] = None
-    num_stages_bwd: Optional[int] = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
             val = getattr(self, f)
             if not is_pow2(val) or val < MIN_BLOCK or val > 1024:
-                raise ValueError(f"BlockSizes.{f} must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
-                                 f"block dims are powers of two and tl.dot needs >= 16), got {val!r}")
+                raise ValueError(
+                    f"BlockSizes.{f} must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
+                    f"block dims are powers of two and tl.dot needs >= 16), got {val!r}"
+                )
         for f in ("num_warps", "num_warps_bwd"):
             val = getattr(self, f)
             if val is not None and (isinstance(val, bool) or val not in (1, 2, 4, 8, 16)):
@@ -74,19 +97,19 @@ class BlockSizes:
             if val is None and f == "num_stages_bwd":
                 continue
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 8:
-                raise ValueError(f"BlockSizes.{f} must be an int in [1, 8]"
-                                 f"{' or None' if f == 'num_stages_bwd' else ''}, got {val!r}")
+                raise ValueError(
+                    f"BlockSizes.{f} must be an int in [1, 8]{' or None' if f == 'num_stages_bwd' else ''}, got {val!r}"
+                )
 
     @classmethod
-    def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
+    def default(cls, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
         """The :data:`_DEFAULTS` row of ``head_dim`` (rounded up to 64/128/256) and dtype width."""
         if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be an int in [1, {MAX_HEAD_DIM}], got {head_dim!r}")
         wide = jnp.dtype(dtype).itemsize >= 4
         dp = max(64, next_pow2(head_dim))
         *blocks, warps, stages, warps_bwd, stages_bwd = _DEFAULTS[dp, "fp32" if wide else "16bit"]
-        return cls(*blocks, num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd,
-                   num_stages_bwd=stages_bwd)
+        return cls(*blocks, num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
 
 
 # Default BlockSizes per (head dim rounded up, dtype width), from the deviceless filter of
@@ -107,13 +130,14 @@ _DEFAULTS = {
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     """Everything static about one call (hashable; the custom_vjp's nondiff argument)."""
+
     sq: int
     sk: int
     groups: int  # Hq // Hkv
     scale: float
-    left: Optional[int]   # window: key j visible iff i_abs - left <= j <= i_abs + right (None: unbounded)
-    right: Optional[int]
-    softcap: Optional[float]
+    left: int | None  # window: key j visible iff i_abs - left <= j <= i_abs + right (None: unbounded)
+    right: int | None
+    softcap: float | None
     has_seg: bool
     block_q: int
     block_k: int
@@ -141,7 +165,7 @@ def _round_up(n: int, m: int) -> int:
     return cdiv(n, m) * m
 
 
-def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret: bool, poison: bool):
+def _make_cfg(q, k, args: AttnArgs, block_sizes: BlockSizes | None, interpret: bool, poison: bool):
     _, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bs = BlockSizes.default(d, q.dtype) if block_sizes is None else block_sizes
@@ -151,15 +175,27 @@ def _make_cfg(q, k, args: AttnArgs, block_sizes: Optional[BlockSizes], interpret
     dp = max(MIN_BLOCK, next_pow2(d))
     warps = bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8)
     return _Cfg(
-        sq=sq, sk=sk, groups=hq // hkv, scale=float(args.scale), left=left, right=right,
-        softcap=None if args.softcap is None else float(args.softcap), has_seg=args.has_segment_ids,
-        block_q=min(bs.block_q, cap_q), block_k=min(bs.block_k, cap_k),
-        block_q_dkv=min(bs.block_q_dkv, cap_q), block_k_dkv=min(bs.block_k_dkv, cap_k),
-        block_q_dq=min(bs.block_q_dq, cap_q), block_k_dq=min(bs.block_k_dq, cap_k),
-        num_warps=warps, num_stages=bs.num_stages,
+        sq=sq,
+        sk=sk,
+        groups=hq // hkv,
+        scale=float(args.scale),
+        left=left,
+        right=right,
+        softcap=None if args.softcap is None else float(args.softcap),
+        has_seg=args.has_segment_ids,
+        block_q=min(bs.block_q, cap_q),
+        block_k=min(bs.block_k, cap_k),
+        block_q_dkv=min(bs.block_q_dkv, cap_q),
+        block_k_dkv=min(bs.block_k_dkv, cap_k),
+        block_q_dq=min(bs.block_q_dq, cap_q),
+        block_k_dq=min(bs.block_k_dq, cap_k),
+        num_warps=warps,
+        num_stages=bs.num_stages,
         num_warps_bwd=warps if bs.num_warps_bwd is None else bs.num_warps_bwd,
         num_stages_bwd=bs.num_stages if bs.num_stages_bwd is None else bs.num_stages_bwd,
-        interpret=bool(interpret), poison=bool(poison))
+        interpret=bool(interpret),
+        poison=bool(poison),
+    )
 
 
 # ----------------------------------------------------------------------------------------- kernel pieces
@@ -173,9 +209,16 @@ def _tile_mask(q_pos, k_pos, cfg: _Cfg, q_seg, k_seg, k_padded: bool, transposed
     qi, ki = (slice(None), None), (None, slice(None))
     if transposed:
         qi, ki = ki, qi
-    return tile_mask(q_pos[qi], k_pos[ki], shift=cfg.sk - cfg.sq, left=cfg.left, right=cfg.right,
-                     k_len=cfg.sk if k_padded else None, q_seg=None if q_seg is None else q_seg[qi],
-                     k_seg=None if k_seg is None else k_seg[ki])
+    return tile_mask(
+        q_pos[qi],
+        k_pos[ki],
+        shift=cfg.sk - cfg.sq,
+        left=cfg.left,
+        right=cfg.right,
+        k_len=cfg.sk if k_padded else None,
+        q_seg=None if q_seg is None else q_seg[qi],
+        k_seg=None if k_seg is None else k_seg[ki],
+    )
 
 
 def _kv_block_range(q0, bq: int, bk: int, cfg: _Cfg):
@@ -301,8 +344,7 @@ def _fwd_kernel(*refs, cfg: _Cfg):
         return _maybe_skip(tmask, cfg, compute, carry)
 
     lo, hi = _kv_block_range(q0, bq, bk, cfg)
-    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
-            jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
     full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
     acc, m, l = _split_loop(lo, hi, full, body, init)
     seen = l > 0.0
@@ -438,13 +480,22 @@ def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, arg
             in_specs.append(spec)
 
         def body(*refs):  # drop the poisoned input refs; the output refs alias them
-            return kernel(*refs[:n_in], *refs[n_in + n_out:])
+            return kernel(*refs[:n_in], *refs[n_in + n_out :])
 
     return pl.pallas_call(
-        body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
-        input_output_aliases=aliases, interpret=cfg.interpret, name=name,
-        compiler_params=(triton_compiler_params(cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else
-                         triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)),
+        body,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shapes,
+        input_output_aliases=aliases,
+        interpret=cfg.interpret,
+        name=name,
+        compiler_params=(
+            triton_compiler_params(cfg.num_warps, cfg.num_stages)
+            if name == "flash_fwd"
+            else triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)
+        ),
     )(*args)
 
 
@@ -459,15 +510,26 @@ def _fwd_call(cfg: _Cfg, q, k, v, q_ids, kv_ids):
     ]
     args = [q, k, v]
     if cfg.has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
-                     pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0))]
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
+            pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0)),
+        ]
         args += [q_ids, kv_ids]
-    out_specs = [pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))]
+    out_specs = [
+        pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i)),
+    ]
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sqp), jnp.float32)]
-    return _call(functools.partial(_fwd_kernel, cfg=cfg), cfg, name="flash_fwd",
-                 grid=(sqp // bq, b, hq), in_specs=in_specs, out_specs=out_specs,
-                 out_shapes=out_shapes, args=args)
+    return _call(
+        functools.partial(_fwd_kernel, cfg=cfg),
+        cfg,
+        name="flash_fwd",
+        grid=(sqp // bq, b, hq),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shapes=out_shapes,
+        args=args,
+    )
 
 
 def _dkv_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
@@ -480,13 +542,22 @@ def _dkv_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
     in_specs = [grp_spec, kv_spec, kv_spec, grp_spec, row_spec, row_spec]
     args = [q, k, v, do, lse, delta]
     if cfg.has_seg:
-        in_specs += [pl.BlockSpec((None, sqp), lambda j, bb, h: (bb, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bb, h: (bb, j))]
+        in_specs += [
+            pl.BlockSpec((None, sqp), lambda j, bb, h: (bb, 0)),
+            pl.BlockSpec((None, bk), lambda j, bb, h: (bb, j)),
+        ]
         args += [q_ids, kv_ids]
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    return _call(functools.partial(_dkv_kernel, cfg=cfg), cfg, name="flash_bwd_dkv",
-                 grid=(skp // bk, b, hkv), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
-                 out_shapes=out_shapes, args=args)
+    return _call(
+        functools.partial(_dkv_kernel, cfg=cfg),
+        cfg,
+        name="flash_bwd_dkv",
+        grid=(skp // bk, b, hkv),
+        in_specs=in_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shapes=out_shapes,
+        args=args,
+    )
 
 
 def _dq_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
@@ -499,12 +570,21 @@ def _dq_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [q, k, v, do, lse, delta]
     if cfg.has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
-                     pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0))]
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
+            pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0)),
+        ]
         args += [q_ids, kv_ids]
-    (dq,) = _call(functools.partial(_dq_kernel, cfg=cfg), cfg, name="flash_bwd_dq",
-                  grid=(sqp // bq, b, hq), in_specs=in_specs, out_specs=[q_spec],
-                  out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], args=args)
+    (dq,) = _call(
+        functools.partial(_dq_kernel, cfg=cfg),
+        cfg,
+        name="flash_bwd_dq",
+        grid=(sqp // bq, b, hq),
+        in_specs=in_specs,
+        out_specs=[q_spec],
+        out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        args=args,
+    )
     return dq
 
 
@@ -530,8 +610,9 @@ def _bwd_padded(cfg: _Cfg, q, k, v, q_ids, kv_ids, out, lse, do, dlse):
     """``(dq, dk, dv)`` on padded arrays: the delta reduction, then the dkv and dq kernels."""
     do = do.astype(q.dtype)
     # d lse / d s = p, so an LSE cotangent folds into delta: ds = p * (dp - (rowsum(dO*O) - dlse)).
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32),
-                       precision=lax.Precision.HIGHEST)
+    delta = jnp.einsum(
+        "bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
     delta = delta - dlse.astype(jnp.float32)
     delta = jnp.where(jnp.isfinite(lse), delta, 0.0)
     # A row that saw no key (lse = -inf; also a block of padded query rows, which the forward never
@@ -565,9 +646,9 @@ def _pad_inputs(cfg: _Cfg, q, k, v, q_ids, kv_ids):
 @functools.partial(jax.jit, static_argnames=("cfg", "return_lse"))
 def _run(q, k, v, q_ids, kv_ids, *, cfg: _Cfg, return_lse: bool):
     out, lse = _flash_core(cfg, *_pad_inputs(cfg, q, k, v, q_ids, kv_ids))
-    out = out[:, :cfg.sq, :, :q.shape[-1]]
+    out = out[:, : cfg.sq, :, : q.shape[-1]]
     if return_lse:
-        return out, lse[:, :, :cfg.sq]
+        return out, lse[:, :, : cfg.sq]
     return out
 
 
@@ -578,14 +659,23 @@ def _run_bwd(q, k, v, out, lse, do, dlse, q_ids, kv_ids, *, cfg: _Cfg):
     dp, pad_q = qp.shape[-1], ((0, 0), (0, 0), (0, cfg.sq_pad - cfg.sq))
     lse = jnp.pad(lse.astype(jnp.float32), pad_q, constant_values=-jnp.inf)  # padded rows see no key
     dlse = jnp.pad(dlse.astype(jnp.float32), pad_q)
-    dq, dk, dv = _bwd_padded(cfg, qp, kp, vp, q_ids, kv_ids, _pad_rows(out, cfg.sq_pad, dp),
-                             lse, _pad_rows(do.astype(q.dtype), cfg.sq_pad, dp), dlse)
-    return dq[:, :cfg.sq, :, :d], dk[:, :cfg.sk, :, :d], dv[:, :cfg.sk, :, :d]
+    dq, dk, dv = _bwd_padded(
+        cfg,
+        qp,
+        kp,
+        vp,
+        q_ids,
+        kv_ids,
+        _pad_rows(out, cfg.sq_pad, dp),
+        lse,
+        _pad_rows(do.astype(q.dtype), cfg.sq_pad, dp),
+        dlse,
+    )
+    return dq[:, : cfg.sq, :, :d], dk[:, : cfg.sk, :, :d], dv[:, : cfg.sk, :, :d]
 
 
 # ----------------------------------------------------------------------------------------- public API
-def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, interpret=None,
-               poison=False):
+def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, interpret=None, poison=False):
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -596,15 +686,30 @@ def _from_args(q, k, v, args: AttnArgs, *, return_lse=False, block_sizes=None, i
 
 def _segment_pair(q_segment_ids, kv_segment_ids):
     if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together (q_ids [B, Sq], kv_ids "
-                         f"[B, Sk]) or both be None; got q_segment_ids={'None' if q_segment_ids is None else 'array'}"
-                         f", kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids must be given together (q_ids [B, Sq], kv_ids "
+            f"[B, Sk]) or both be None; got q_segment_ids={'None' if q_segment_ids is None else 'array'}"
+            f", kv_segment_ids={'None' if kv_segment_ids is None else 'array'}"
+        )
     return None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
 
 
-def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, scale=None,
-                    window=None, softcap=None, return_lse=False, block_sizes=None, interpret=None,
-                    _poison_outputs=False):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    scale=None,
+    window=None,
+    softcap=None,
+    return_lse=False,
+    block_sizes=None,
+    interpret=None,
+    _poison_outputs=False,
+):
     """Flash attention with our Pallas kernel; q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``.
 
     Same contract as :func:`jaxattn.attention.dot_product_attention` (bottom-right ``causal``,
@@ -615,10 +720,19 @@ def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids
     (None: interpret unless jax's default backend is a GPU) are kernel knobs.  ``_poison_outputs`` (tests)
     pre-fills the kernel output buffers with NaN.
     """
-    args = normalize(q, k, v, causal=causal, segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
-                     scale=scale, window=window, softcap=softcap)
-    return _from_args(q, k, v, args, return_lse=return_lse, block_sizes=block_sizes, interpret=interpret,
-                      poison=_poison_outputs)
+    args = normalize(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=_segment_pair(q_segment_ids, kv_segment_ids),
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+    return _from_args(
+        q, k, v, args, return_lse=return_lse, block_sizes=block_sizes, interpret=interpret, poison=_poison_outputs
+    )
 
 
 def flash_backward(q, k, v, out, lse, do, args: AttnArgs, *, dlse=None, block_sizes=None, interpret=None):
@@ -629,14 +743,18 @@ def flash_backward(q, k, v, out, lse, do, args: AttnArgs, *, dlse=None, block_si
     ``dlse`` (default none) is a cotangent of the LSE.  Gradients come back in the dtypes of q, k, v.
     """
     if not isinstance(args, AttnArgs):
-        raise TypeError(f"args must be the AttnArgs that normalize() returned for this call, "
-                        f"got {type(args).__name__}")
+        raise TypeError(f"args must be the AttnArgs that normalize() returned for this call, got {type(args).__name__}")
     b, sq, hq, _ = q.shape
-    for name, x, want in (("out", out, q.shape), ("do", do, q.shape), ("lse", lse, (b, hq, sq)),
-                          ("dlse", lse if dlse is None else dlse, (b, hq, sq))):
+    for name, x, want in (
+        ("out", out, q.shape),
+        ("do", do, q.shape),
+        ("lse", lse, (b, hq, sq)),
+        ("dlse", lse if dlse is None else dlse, (b, hq, sq)),
+    ):
         if tuple(getattr(x, "shape", ())) != tuple(want):
-            raise ValueError(f"{name} must have shape {tuple(want)} (q is {tuple(q.shape)}), "
-                             f"got {tuple(getattr(x, 'shape', ()))}")
+            raise ValueError(
+                f"{name} must have shape {tuple(want)} (q is {tuple(q.shape)}), got {tuple(getattr(x, 'shape', ()))}"
+            )
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be None or a flash.BlockSizes, got {type(block_sizes).__name__}")
     cfg = _make_cfg(q, k, args, block_sizes, resolve_interpret(interpret, q), False)
@@ -659,7 +777,7 @@ class FlashKernels:
     ``num_warps``/``num_stages`` launch the forward, ``num_warps_bwd``/``num_stages_bwd`` the two backward
     kernels, as resolved from the :class:`BlockSizes` (None fields filled)."""
 
-    calls: Dict[str, Callable]
+    calls: dict[str, Callable]
     sq_pad: int
     sk_pad: int
     head_dim_pad: int
@@ -669,8 +787,9 @@ class FlashKernels:
     num_stages_bwd: int
 
 
-def kernel_callables(q, k, block_sizes: Optional[BlockSizes] = None, *, causal: bool = False,
-                     interpret: Optional[bool] = False) -> FlashKernels:
+def kernel_callables(
+    q, k, block_sizes: BlockSizes | None = None, *, causal: bool = False, interpret: bool | None = False
+) -> FlashKernels:
     """:class:`FlashKernels` for q ``[B, Sq, Hq, D]`` and k/v ``[B, Sk, Hkv, D]`` (arrays or ShapeDtypeStructs)
     with ``block_sizes`` (default :meth:`BlockSizes.default`); ``interpret=False`` gives the Triton kernels (a
     GPU or deviceless GPU compile), None follows the target as :func:`flash_attention` does."""
@@ -687,14 +806,20 @@ def kernel_callables(q, k, block_sizes: Optional[BlockSizes] = None, *, causal: 
     def dkv(q, k, v, do, lse, delta):
         return _dkv_call(cfg, q, k, v, do, lse, delta, None, None)
 
-    return FlashKernels(calls={"flash_fwd": fwd, "flash_bwd_dq": dq, "flash_bwd_dkv": dkv}, sq_pad=cfg.sq_pad,
-                        sk_pad=cfg.sk_pad, head_dim_pad=max(MIN_BLOCK, next_pow2(q.shape[-1])),
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, num_warps_bwd=cfg.num_warps_bwd,
-                        num_stages_bwd=cfg.num_stages_bwd)
+    return FlashKernels(
+        calls={"flash_fwd": fwd, "flash_bwd_dq": dq, "flash_bwd_dkv": dkv},
+        sq_pad=cfg.sq_pad,
+        sk_pad=cfg.sk_pad,
+        head_dim_pad=max(MIN_BLOCK, next_pow2(q.shape[-1])),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        num_warps_bwd=cfg.num_warps_bwd,
+        num_stages_bwd=cfg.num_stages_bwd,
+    )
 
 
 # ----------------------------------------------------------------------------------------- backend API
-def supports(q, k, v, args: AttnArgs, *, target: Optional[Target] = None):
+def supports(q, k, v, args: AttnArgs, *, target: Target | None = None):
     """None when this kernel can serve the call, else a one-line reason.
 
     Serves NVIDIA GPUs (Triton lowering; bf16 needs compute capability >= 8.0) and CPU (interpret mode,

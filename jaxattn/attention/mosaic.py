@@ -14,11 +14,11 @@ Tests run the same kernel body on CPU (``impl="interpret"``: the Mosaic GPU inte
 a pure-jnp twin of its tile loop) and the backward kernels in Pallas interpret mode; how the kernel, its
 barrier protocol and the interpreter substitutions work is written out in ``parity_tests/test_mosaic.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,28 +55,26 @@ class MosaicBlockSizes:
     block_q: int = 64
     block_kv: int = 128
     max_concurrent_steps: int = 2
-    backward: Optional[flash.BlockSizes] = None
+    backward: flash.BlockSizes | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "max_concurrent_steps"):
             val = getattr(self, name)
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
-                raise TypeError(f"MosaicBlockSizes.{name} must be an int, got {val!r} "
-                                f"of type {type(val).__name__}")
+                raise TypeError(f"MosaicBlockSizes.{name} must be an int, got {val!r} of type {type(val).__name__}")
         for name in ("block_q", "block_kv"):
             val = getattr(self, name)
             if val < 64 or val % 64:
-                raise ValueError(f"MosaicBlockSizes.{name} must be a positive multiple of 64 "
-                                 f"(wgmma tile), got {val}")
+                raise ValueError(f"MosaicBlockSizes.{name} must be a positive multiple of 64 (wgmma tile), got {val}")
         if self.max_concurrent_steps < 2:
-            raise ValueError(f"MosaicBlockSizes.max_concurrent_steps must be >= 2, "
-                             f"got {self.max_concurrent_steps}")
+            raise ValueError(f"MosaicBlockSizes.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
         if self.backward is not None and not isinstance(self.backward, flash.BlockSizes):
-            raise TypeError(f"MosaicBlockSizes.backward must be None or a flash.BlockSizes, "
-                            f"got {type(self.backward).__name__}")
+            raise TypeError(
+                f"MosaicBlockSizes.backward must be None or a flash.BlockSizes, got {type(self.backward).__name__}"
+            )
 
     @classmethod
-    def default(cls, head_dim: int) -> "MosaicBlockSizes":
+    def default(cls, head_dim: int) -> MosaicBlockSizes:
         """Defaults that fit in shared memory and registers: 64x128 tiles, 64x64 for head_dim 256."""
         return cls(block_kv=64) if head_dim > 128 else cls()
 
@@ -88,16 +86,15 @@ class MosaicBlockSizes:
 
 
 # ------------------------------------------------------------------------------------------ support
-def _mosaic_import_error() -> Optional[str]:
+def _mosaic_import_error() -> str | None:
     try:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     except Exception as e:  # ImportError, or anything a half-installed jax raises
-        return (f"jax {jax.__version__} has no usable jax.experimental.pallas.mosaic_gpu "
-                f"({type(e).__name__}: {e})")
+        return f"jax {jax.__version__} has no usable jax.experimental.pallas.mosaic_gpu ({type(e).__name__}: {e})"
     return None
 
 
-def _device_reason(target: Target) -> Optional[str]:
+def _device_reason(target: Target) -> str | None:
     """None when ``target`` (:func:`current_target`) is a Hopper GPU (compute capability 9.x)."""
     plat = target.platform
     if plat != "gpu":
@@ -106,24 +103,23 @@ def _device_reason(target: Target) -> Optional[str]:
     if cc is None:
         return "needs a Hopper GPU (compute capability 9.x), found a GPU of unknown compute capability"
     if cc[0] != 9:
-        return (f"needs a Hopper GPU (compute capability 9.x, wgmma), found compute capability "
-                f"{cc[0]}.{cc[1]}")
+        return f"needs a Hopper GPU (compute capability 9.x, wgmma), found compute capability {cc[0]}.{cc[1]}"
     return None
 
 
-def _cuda_causal_reason(causal: bool) -> Optional[str]:
+def _cuda_causal_reason(causal: bool) -> str | None:
     """JAX's own Mosaic FA3 op refuses causal masking on CUDA runtimes 12.8.0 <= v < 12.9.1
     (a ptxas miscompilation); decline the same way."""
     if not causal:
         return None
     try:
         from jax._src.lib import cuda_versions
+
         ver = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else None
     except Exception:
         return None
     if ver is not None and 12080 <= ver < 12091:
-        return (f"causal masking is miscompiled by ptxas on CUDA runtime {ver} "
-                f"(12.8.0 <= version < 12.9.1)")
+        return f"causal masking is miscompiled by ptxas on CUDA runtime {ver} (12.8.0 <= version < 12.9.1)"
     return None
 
 
@@ -138,15 +134,17 @@ def _limit(q, args: AttnArgs, *, allow_fp32: bool = False):
         return ValueError, f"softcap={args.softcap!r} is not supported by the mosaic kernel (only softcap=None)"
     dtypes = DTYPES + ((jnp.dtype(jnp.float32),) if allow_fp32 else ())
     if jnp.dtype(q.dtype) not in dtypes:
-        return TypeError, (f"dtype {jnp.dtype(q.dtype).name} not supported (q, k, v must all be one of "
-                           f"{tuple(t.name for t in dtypes)})")
+        return TypeError, (
+            f"dtype {jnp.dtype(q.dtype).name} not supported (q, k, v must all be one of "
+            f"{tuple(t.name for t in dtypes)})"
+        )
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         return ValueError, f"head_dim {d} not in {HEAD_DIMS}"
     return None
 
 
-def supports(q, k, v, args: AttnArgs) -> Optional[str]:
+def supports(q, k, v, args: AttnArgs) -> str | None:
     """None when the Mosaic kernel can serve this call, else a one-line reason.
 
     Declines: segment ids, a sliding window, softcap, dtype other than bf16/fp16, head_dim not in
@@ -156,8 +154,12 @@ def supports(q, k, v, args: AttnArgs) -> Optional[str]:
     """
     target = current_target(q)  # read once, handed to the flash backward's check
     limit = _limit(q, args)
-    reason = (limit[1] if limit else None) or _mosaic_import_error() or _device_reason(target) \
+    reason = (
+        (limit[1] if limit else None)
+        or _mosaic_import_error()
+        or _device_reason(target)
         or _cuda_causal_reason(args.causal)
+    )
     if reason is None:
         bwd = flash.supports(q, k, v, args, target=target)
         reason = None if bwd is None else f"its backward (the flash kernels) declines: {bwd}"
@@ -181,9 +183,11 @@ def _block_sizes(block_sizes, d: int) -> MosaicBlockSizes:
         raise TypeError(f"block_sizes must be a MosaicBlockSizes or None, got {type(block_sizes).__name__}")
     need = block_sizes.smem_bytes(d, 2)
     if need > _SMEM_BYTES:
-        raise ValueError(f"block_sizes {block_sizes} need {need} bytes of shared memory for head_dim {d}, "
-                         f"more than the {_SMEM_BYTES} available; use a smaller block_kv or "
-                         f"max_concurrent_steps")
+        raise ValueError(
+            f"block_sizes {block_sizes} need {need} bytes of shared memory for head_dim {d}, "
+            f"more than the {_SMEM_BYTES} available; use a smaller block_kv or "
+            f"max_concurrent_steps"
+        )
     return block_sizes
 
 
@@ -249,6 +253,7 @@ def _finalize(acc, m_i, l_i):
 # ------------------------------------------------------------------------------------------ kernel
 def _when(cond, f):
     import jax.experimental.pallas as pl
+
     if isinstance(cond, (bool, np.bool_)):
         if cond:
             f()
@@ -288,7 +293,8 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
     else:
         layout_cast = plgpu.layout_cast
         iota = lambda shape, dim: plgpu.broadcasted_iota(  # noqa: E731
-            jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+            jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA
+        )
 
     def qk_matmul(q_smem, k_smem, during):
         if interpret:
@@ -299,6 +305,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
             plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
             during()  # runs while the wgmma is in flight
             return acc_ref[...]
+
         return pl.run_scoped(body, plgpu.ACC((bq, bkv), jnp.float32))
 
     def pv_matmul(acc, p16, v_smem, during):
@@ -309,10 +316,26 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
         def body(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem)
             during()
+
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2,
-               k_bars, v_bars, q_bars, k_consumed, v_consumed, sched):
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        o_ref,
+        lse_ref,
+        qo_smem2,
+        k_smem,
+        v_smem,
+        lse_smem2,
+        k_bars,
+        v_bars,
+        q_bars,
+        k_consumed,
+        v_consumed,
+        sched,
+    ):
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -358,6 +381,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                 def wait_next_k():
                     nxt = t + 1
                     _when(nxt < steps, lambda: plgpu.barrier_wait(k_bars.at[_rem(nxt, mcs)]))
+
                 acc = pv_matmul(acc, p16, v_smem.at[slot], wait_next_k)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_i, l_i
@@ -366,6 +390,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
             carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
             carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
             if causal:
+
                 def drain(t, _):  # keep the producer's ring moving for the other warpgroup
                     slot = _rem(t, mcs)
                     # Observe the loads (needed by the other warpgroup) so that no barrier phase is
@@ -377,6 +402,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                     sched_sync()
                     sched_sync()
                     return _
+
                 lax.fori_loop(steps, cta_steps, drain, None)
             pl.when(wg == 0)(sched_sync)
 
@@ -411,6 +437,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                 plgpu.barrier_wait(v_consumed.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], v_bars.at[slot])
                 return _
+
             lax.fori_loop(0, cta_steps - mcs, refill, None)
 
             def settle(t, _):  # observe the consumers' last arrivals before the barriers go away
@@ -418,23 +445,27 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
                 return _
+
             lax.fori_loop(jnp.maximum(cta_steps - mcs, 0), cta_steps, settle, None)
 
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
-        plgpu.SMEM((2, bq, d), dtype, transforms=tiles),      # Q tile, reused for O
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),   # K ring
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),   # V ring
-        plgpu.SMEM((2, bq), jnp.float32),                     # lse
-        plgpu.Barrier(num_barriers=mcs),                      # K landed
-        plgpu.Barrier(num_barriers=mcs),                      # V landed
-        plgpu.Barrier(num_barriers=2),                        # Q landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),      # K slot consumed
-        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),      # V slot consumed
-        plgpu.Barrier(num_arrivals=2),                        # schedule (ping-pong)
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiles),  # Q tile, reused for O
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),  # K ring
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),  # V ring
+        plgpu.SMEM((2, bq), jnp.float32),  # lse
+        plgpu.Barrier(num_barriers=mcs),  # K landed
+        plgpu.Barrier(num_barriers=mcs),  # V landed
+        plgpu.Barrier(num_barriers=2),  # Q landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),  # K slot consumed
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),  # V slot consumed
+        plgpu.Barrier(num_arrivals=2),  # schedule (ping-pong)
     ]
-    kwargs = dict(interpret=_interpret_params()) if interpret else dict(
-        compiler_params=plgpu.CompilerParams(approx_math=True))
+    kwargs = (
+        dict(interpret=_interpret_params())
+        if interpret
+        else dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+    )
     out, lse2 = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(qp.shape, dtype), jax.ShapeDtypeStruct((b, hq, sqp), jnp.float32)),
@@ -470,13 +501,11 @@ def _emulated_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg):
             v_t = lax.dynamic_slice(vp, (bi, t * bkv, h // group, 0), (1, bkv, 1, d))[0, :, 0]
             qk = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)
             if masked:
-                qk = jnp.where(_tile_mask(iota, q_base, t * bkv, (bq, bkv), sq=sq, sk=sk, causal=causal),
-                               qk, -jnp.inf)
+                qk = jnp.where(_tile_mask(iota, q_base, t * bkv, (bq, bkv), sq=sq, sk=sk, causal=causal), qk, -jnp.inf)
             p16, m_i, l_i, acc = _softmax_update(qk, m_i, l_i, acc, c, dtype)
             return acc + jnp.dot(p16, v_t, preferred_element_type=jnp.float32), m_i, l_i
 
-        carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _M_INIT, jnp.float32),
-                 jnp.zeros((bq,), jnp.float32))
+        carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _M_INIT, jnp.float32), jnp.zeros((bq,), jnp.float32))
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
         out, lse2 = _finalize(*carry)
@@ -528,15 +557,24 @@ def _attention_vjp_bwd(causal, scale, cfg, impl, res, cts):
     do, dlse = cts
     # impl="mosaic" always compiles the backward (it also runs under a cross-platform export on CPU);
     # the CPU test paths run the same kernels in Pallas interpret mode when no GPU is present.
-    return flash.flash_backward(q, k, v, out, lse, do, AttnArgs(causal=causal, scale=scale), dlse=dlse,
-                                block_sizes=cfg.backward, interpret=False if impl == "mosaic" else None)
+    return flash.flash_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do,
+        AttnArgs(causal=causal, scale=scale),
+        dlse=dlse,
+        block_sizes=cfg.backward,
+        interpret=False if impl == "mosaic" else None,
+    )
 
 
 _attention_vjp.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
 
 
-def _mosaic_attention(q, k, v, *, causal=False, scale=None, block_sizes=None, impl="mosaic",
-                      return_lse=False):
+def _mosaic_attention(q, k, v, *, causal=False, scale=None, block_sizes=None, impl="mosaic", return_lse=False):
     """Internal entry with the implementation switch (tests use ``impl="emulate"`` / ``"interpret"``;
     ``"emulate"`` also accepts float32).  ``return_lse`` gives ``(out, lse [B, Hq, Sq])``, both
     differentiable."""
@@ -547,8 +585,9 @@ def _mosaic_attention(q, k, v, *, causal=False, scale=None, block_sizes=None, im
     return (out, lse) if return_lse else out
 
 
-def mosaic_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None,
-                     block_sizes: Optional[MosaicBlockSizes] = None):
+def mosaic_attention(
+    q, k, v, *, causal: bool = False, scale: float | None = None, block_sizes: MosaicBlockSizes | None = None
+):
     """Flash attention on Hopper: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16/fp16, D in
     ``HEAD_DIMS``; bottom-right ``causal``; ``scale`` defaults to ``1/sqrt(D)``.  Differentiable (the
     backward is the flash Pallas kernels).  Raises ValueError/TypeError for bad inputs and RuntimeError

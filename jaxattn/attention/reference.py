@@ -1,4 +1,4 @@
-"""The attention oracle: the full contract (CONVENTIONS §4) in plain ``jnp``, float32, ``Precision.HIGHEST``.
+"""The attention oracle: the full contract (design §4) in plain ``jnp``, float32, ``Precision.HIGHEST``.
 
 Every kernel test (xla, chunked, flash, mosaic) compares against this one function.  q ``[B, Sq, Hq, D]``,
 k/v ``[B, Sk, Hkv, D]`` in any accepted dtype (upcast to float32); returns the output ``[B, Sq, Hq, D]``
@@ -8,6 +8,7 @@ that sees no key, whose output and gradients are zero).  Differentiable by autod
 
     out, lse = attention_reference(q, k, v, causal=True, window=(128, None), return_lse=True)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -19,12 +20,12 @@ from .args import mask, normalize
 __all__ = ["attention_reference"]
 
 
-def attention_reference(q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None,
-                        return_lse=False):
+def attention_reference(
+    q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None, return_lse=False
+):
     """``softmax(mask(softcap(scale * q k^T))) v`` in float32; arguments as
     :func:`jaxattn.attention.dot_product_attention` (``segment_ids`` ``[B, S]`` or ``(q_ids, kv_ids)``)."""
-    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
-                     softcap=softcap)
+    args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r} of type {type(return_lse).__name__}")
     f32, hi = jnp.float32, lax.Precision.HIGHEST

@@ -7,12 +7,13 @@ context-variable lookup instead of inspecting the arrays again.  For compiling a
     with target_platform("gpu", compute_capability=(9, 0)):      # an H100, ahead of time
         lowered = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 import jax
 
@@ -34,18 +35,34 @@ class Target:
     ``(major, minor)`` (None when unknown or not a GPU) and the ``device_kind`` string when known."""
 
     platform: str
-    compute_capability: Optional[Tuple[int, int]] = None
-    device_kind: Optional[str] = None
+    compute_capability: tuple[int, int] | None = None
+    device_kind: str | None = None
 
 
 _TARGET: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_target", default=None)
 _PLATFORMS = ("cpu", "gpu", "tpu")
 # device_kind -> compute capability, for the trace-time case where only jax's AbstractDevice (platform and
 # device kind, no compute capability) is known.  First matching substring wins.
-_KIND_CC = (("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("H20", (9, 0)), ("GH200", (9, 0)),
-            ("B200", (10, 0)), ("B300", (10, 3)), ("GB200", (10, 0)), ("A100", (8, 0)), ("A800", (8, 0)),
-            ("A10", (8, 6)), ("A40", (8, 6)), ("A6000", (8, 6)), ("L40", (8, 9)), ("L4", (8, 9)),
-            ("RTX 6000 Ada", (8, 9)), ("V100", (7, 0)), ("T4", (7, 5)))
+_KIND_CC = (
+    ("H100", (9, 0)),
+    ("H200", (9, 0)),
+    ("H800", (9, 0)),
+    ("H20", (9, 0)),
+    ("GH200", (9, 0)),
+    ("B200", (10, 0)),
+    ("B300", (10, 3)),
+    ("GB200", (10, 0)),
+    ("A100", (8, 0)),
+    ("A800", (8, 0)),
+    ("A10", (8, 6)),
+    ("A40", (8, 6)),
+    ("A6000", (8, 6)),
+    ("L40", (8, 9)),
+    ("L4", (8, 9)),
+    ("RTX 6000 Ada", (8, 9)),
+    ("V100", (7, 0)),
+    ("T4", (7, 5)),
+)
 
 
 def _canonical_platform(plat: str) -> str:
@@ -53,7 +70,7 @@ def _canonical_platform(plat: str) -> str:
     return "gpu" if plat in ("gpu", "cuda", "rocm") else plat
 
 
-def _parse_cc(cc) -> Optional[Tuple[int, int]]:
+def _parse_cc(cc) -> tuple[int, int] | None:
     if cc is None:
         return None
     if isinstance(cc, str):
@@ -64,12 +81,13 @@ def _parse_cc(cc) -> Optional[Tuple[int, int]]:
     try:
         major, minor = (int(t) for t in tuple(cc)[:2])
     except (TypeError, ValueError):
-        raise ValueError(f"compute_capability must be (major, minor) ints, 'major.minor' or 'sm_XY', "
-                         f"got {cc!r}") from None
+        raise ValueError(
+            f"compute_capability must be (major, minor) ints, 'major.minor' or 'sm_XY', got {cc!r}"
+        ) from None
     return major, minor
 
 
-def _cc_from_kind(kind: Optional[str]) -> Optional[Tuple[int, int]]:
+def _cc_from_kind(kind: str | None) -> tuple[int, int] | None:
     if not kind:
         return None
     for key, cc in _KIND_CC:
@@ -79,8 +97,7 @@ def _cc_from_kind(kind: Optional[str]) -> Optional[Tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def target_platform(platform: str, *, compute_capability=None, device_kind: Optional[str] = None
-                    ) -> Iterator[Target]:
+def target_platform(platform: str, *, compute_capability=None, device_kind: str | None = None) -> Iterator[Target]:
     """Within the block, every trace of an attention call targets ``platform`` ("cpu", "gpu"/"cuda",
     "tpu"), whatever jax's default backend is: the dispatcher's default order, each backend's
     ``supports()`` and the Pallas kernels' ``interpret=None`` follow it.  For compiling a GPU program on a
@@ -120,7 +137,7 @@ def _device_target(dev) -> Target:
     return Target(plat, cc, kind)
 
 
-def _abstract_device_target(mesh) -> Optional[Target]:
+def _abstract_device_target(mesh) -> Target | None:
     ad = getattr(mesh, "abstract_device", None)
     if ad is None:
         return None
@@ -129,7 +146,7 @@ def _abstract_device_target(mesh) -> Optional[Target]:
     return Target(plat, _cc_from_kind(kind) if plat == "gpu" else None, kind)
 
 
-def _array_target(x) -> Optional[Target]:
+def _array_target(x) -> Target | None:
     try:  # a committed jax array; a tracer raises
         return _device_target(next(iter(x.devices())))
     except Exception:
@@ -179,7 +196,7 @@ def platform_of(x=None) -> str:
     return current_target(x).platform
 
 
-def gpu_compute_capability(x=None) -> Optional[Tuple[int, int]]:
+def gpu_compute_capability(x=None) -> tuple[int, int] | None:
     """``(major, minor)`` of the GPU the computation on ``x`` targets (same rule as :func:`platform_of`),
     or None when the target is not a GPU or its compute capability is unknown."""
     target = current_target(x)

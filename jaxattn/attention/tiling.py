@@ -8,10 +8,10 @@ and the Triton launch plumbing (:func:`triton_compiler_params`, :func:`resolve_i
     s, t = scores(q_tile, k_tile, scale, softcap)             # [bq, bk] fp32, tanh(s/c) or None
     m = tile_mask(q_pos[:, None], k_pos[None, :], shift=sk - sq, left=None, right=0)   # causal
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +25,24 @@ try:  # the Triton-specific Pallas module; its compiler-params class was renamed
 except Exception:  # pragma: no cover - very old / stripped jax
     plt = None
 
-__all__ = ["LN2", "LOG2E", "MIN_BLOCK", "NEG", "cdiv", "dot", "dot_tf32x3", "is_pow2", "next_pow2", "plt",
-           "resolve_interpret", "scores", "split_tf32", "tile_mask", "to_tf32", "triton_compiler_params"]
+__all__ = [
+    "LN2",
+    "LOG2E",
+    "MIN_BLOCK",
+    "NEG",
+    "cdiv",
+    "dot",
+    "dot_tf32x3",
+    "is_pow2",
+    "next_pow2",
+    "plt",
+    "resolve_interpret",
+    "scores",
+    "split_tf32",
+    "tile_mask",
+    "to_tf32",
+    "triton_compiler_params",
+]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,7 +77,7 @@ def dot(a, b, contract_a: int, contract_b: int):
 
 
 _TF32_MASK = np.int32(-(1 << 13))  # 0xFFFFE000: sign, exponent and the 10 mantissa bits TF32 keeps
-_TF32_HALF = np.int32(1 << 12)     # half a TF32 unit in the last place: add, then mask = round to nearest
+_TF32_HALF = np.int32(1 << 12)  # half a TF32 unit in the last place: add, then mask = round to nearest
 
 
 def to_tf32(x):
@@ -91,7 +107,7 @@ def dot_tf32x3(a, b, dims):
     return (mm(a_hi, b_lo) + mm(a_lo, b_hi)) + mm(a_hi, b_hi)
 
 
-def scores(q, k, scale: float, softcap: Optional[float]):
+def scores(q, k, scale: float, softcap: float | None):
     """``softcap(scale * q k^T)`` in fp32 and ``tanh`` (for the backward) or None."""
     s = dot(q, k, 1, 1) * scale
     if softcap is None:
@@ -100,9 +116,18 @@ def scores(q, k, scale: float, softcap: Optional[float]):
     return softcap * t, t
 
 
-def tile_mask(q_pos, k_pos, *, shift: int = 0, left: Optional[int] = None, right: Optional[int] = None,
-              k_len: Optional[int] = None, q_seg=None, k_seg=None):
-    """Visibility of a score tile (CONVENTIONS §4), or None when nothing can be masked.
+def tile_mask(
+    q_pos,
+    k_pos,
+    *,
+    shift: int = 0,
+    left: int | None = None,
+    right: int | None = None,
+    k_len: int | None = None,
+    q_seg=None,
+    k_seg=None,
+):
+    """Visibility of a score tile (design §4), or None when nothing can be masked.
 
     ``q_pos``/``k_pos``: query/key positions, already broadcast against each other (``[bq, 1]`` and
     ``[1, bk]``, or transposed); key j is visible to query i iff ``i + shift - left <= j <= i + shift + right``

@@ -9,6 +9,7 @@ autodiff.  Tests compare it with :func:`jaxattn.attention.reference.attention_re
 
     out = attention(q, k, v, normalize(q, k, v, causal=True))
 """
+
 from __future__ import annotations
 
 import jax

@@ -12,6 +12,7 @@ token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedule
 ``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``runlog``, ``seed``,
 ``generate`` (sampling checks, tokenizers, the generate flags), ``timing`` and ``memreport`` (profiling tables).
 """
+
 from .config import PRESET_NAMES, ModelConfig
 
 __all__ = ["ModelConfig", "PRESET_NAMES"]

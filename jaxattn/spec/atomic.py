@@ -9,13 +9,14 @@ name its writer can recognise and remove), created with the umask's permissions;
 (atomic on POSIX) and the directory is fsynced after it. If the block raises, the temporary file is removed and
 the target is untouched. Used by the HF checkpoint writer, torch's training checkpoints and the benchmark results.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import re
 import secrets
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["atomic_path", "write_bytes_atomic", "write_text_atomic", "fsync_path", "temp_name", "temp_pid"]
 

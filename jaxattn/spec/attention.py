@@ -1,4 +1,4 @@
-"""The attention contract (CONVENTIONS §4) and the backend table, shared by both twins (no jax, no torch).
+"""The attention contract (design §4) and the backend table, shared by both twins (no jax, no torch).
 
 ``jaxattn.attention.normalize`` and ``torchref.attention.dot_product_attention`` both check a call with
 :func:`check_call`: each side only says how to read an array (``describe(x) -> (shape, dtype name)`` or None)
@@ -11,21 +11,38 @@ and which layout it uses, so the two packages accept the same calls and raise th
 :data:`BACKENDS` is the one backend table: the JAX dispatcher's names, modules, forward-only set and default
 orders, and torchref's SDPA mapping, are all read from it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
 import re
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BACKENDS", "Backend", "PLATFORMS", "LAYOUTS", "Layout", "Call", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
-           "backend_names", "torch_backend_names", "backend", "default_order", "check_backend_names",
-           "check_call", "check_window", "visible_bounds"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "PLATFORMS",
+    "LAYOUTS",
+    "Layout",
+    "Call",
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+    "backend_names",
+    "torch_backend_names",
+    "backend",
+    "default_order",
+    "check_backend_names",
+    "check_call",
+    "check_window",
+    "visible_bounds",
+]
 
-PLATFORMS: Tuple[str, ...] = ("cpu", "gpu", "tpu")
+PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 
 
 # --------------------------------------------------------------------------------------------- backends
@@ -45,7 +62,7 @@ class Backend:
 
     name: str
     module: str
-    torch_twin: Optional[str]
+    torch_twin: str | None
     forward_only: bool = False
     default_rank: Any = ()
     title: str = ""
@@ -57,15 +74,15 @@ class Backend:
             raise ValueError(f"Backend {self.name!r}: default_rank platforms must be in {PLATFORMS}, got {bad}")
         object.__setattr__(self, "default_rank", tuple(sorted(ranks.items())))
 
-    def rank(self, platform: str) -> Optional[int]:
+    def rank(self, platform: str) -> int | None:
         """Position in ``platform``'s default order, or None (opt-in there)."""
         return dict(self.default_rank).get(platform)
 
 
-# CONVENTIONS §4: a backend enters a GPU default only on evidence (its compiled `gpu` tests passed on a real GPU
+# design §4: a backend enters a GPU default only on evidence (its compiled `gpu` tests passed on a real GPU
 # and a committed record shows it correct); `mosaic` (forward-only kernel, XLA-recompute backward) is opt-in.
 # A TPU row (e.g. `splash`) adds its name here with a "tpu" rank.
-BACKENDS: Tuple[Backend, ...] = (
+BACKENDS: tuple[Backend, ...] = (
     Backend("flash", "flash", "FLASH_ATTENTION", default_rank={"gpu": 1}, title="Pallas flash attention"),
     Backend("flash_decode", "decode", None, forward_only=True, title="Pallas split-K decode"),
     Backend("mosaic", "mosaic", None, title="Pallas Mosaic GPU"),
@@ -73,7 +90,7 @@ BACKENDS: Tuple[Backend, ...] = (
     Backend("chunked", "chunked", "EFFICIENT_ATTENTION", default_rank={"gpu": 2}, title="O(S)-memory JAX"),
     Backend("xla", "xla", "MATH", default_rank={"gpu": 3, "cpu": 0, "tpu": 0}, title="plain math"),
 )
-_BY_NAME: Dict[str, Backend] = {b.name: b for b in BACKENDS}
+_BY_NAME: dict[str, Backend] = {b.name: b for b in BACKENDS}
 
 
 def backend(name: str) -> Backend:
@@ -81,17 +98,17 @@ def backend(name: str) -> Backend:
     return _BY_NAME[name]
 
 
-def backend_names(*, forward_only: Optional[bool] = None) -> Tuple[str, ...]:
+def backend_names(*, forward_only: bool | None = None) -> tuple[str, ...]:
     """Every backend name in table order; ``forward_only=False`` drops the forward-only ones."""
     return tuple(b.name for b in BACKENDS if forward_only is None or b.forward_only == forward_only)
 
 
-def torch_backend_names() -> Tuple[str, ...]:
+def torch_backend_names() -> tuple[str, ...]:
     """The names torchref serves (a torch twin), in table order."""
     return tuple(b.name for b in BACKENDS if b.torch_twin is not None)
 
 
-def default_order(platform: str) -> Tuple[str, ...]:
+def default_order(platform: str) -> tuple[str, ...]:
     """Default backend order on ``platform`` ("cpu", "gpu", "tpu"): the ranked rows, by rank."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
@@ -99,7 +116,7 @@ def default_order(platform: str) -> Tuple[str, ...]:
     return tuple(name for _, name in sorted(ranked))
 
 
-def check_backend_names(names, argname: str, framework: str = "jax") -> Tuple[str, ...]:
+def check_backend_names(names, argname: str, framework: str = "jax") -> tuple[str, ...]:
     """``names`` (one name or a sequence) as a tuple, checked against the backends of ``framework``
     ("jax": every row; "torch": the rows with a torch twin).  Unknown, repeated, non-string or no names raise,
     listing the valid ones; a backend without a torch twin is named as such on the torch side."""
@@ -110,18 +127,22 @@ def check_backend_names(names, argname: str, framework: str = "jax") -> Tuple[st
     try:
         names = tuple(names)
     except TypeError:
-        raise TypeError(f"{argname} must be a backend name or a sequence of names from {valid}, "
-                        f"got {given!r} of type {type(given).__name__}") from None
+        raise TypeError(
+            f"{argname} must be a backend name or a sequence of names from {valid}, "
+            f"got {given!r} of type {type(given).__name__}"
+        ) from None
     if not names:
         raise ValueError(f"{argname} must name at least one backend from {valid}, got an empty list")
     for n in names:
         if not isinstance(n, str):
-            raise TypeError(f"{argname}: backend names must be strings from {valid}, got {n!r} "
-                            f"of type {type(n).__name__}")
+            raise TypeError(
+                f"{argname}: backend names must be strings from {valid}, got {n!r} of type {type(n).__name__}"
+            )
         if n not in valid:
             if n in _BY_NAME:  # a jax backend without a torch twin
-                raise ValueError(f"{argname}: {n!r} ({_BY_NAME[n].title}) has no torch twin; "
-                                 f"torch backends are {valid}")
+                raise ValueError(
+                    f"{argname}: {n!r} ({_BY_NAME[n].title}) has no torch twin; torch backends are {valid}"
+                )
             raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {valid}")
     if len(set(names)) != len(names):
         raise ValueError(f"{argname}: backend names must not repeat, got {names}")
@@ -130,29 +151,36 @@ def check_backend_names(names, argname: str, framework: str = "jax") -> Tuple[st
 
 # --------------------------------------------------------------------------------------------- the call
 MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _INT_DTYPE = re.compile(r"u?int\d+")  # any signed/unsigned integer dtype name (bool is not one)
 
-Window = Optional[Tuple[Optional[int], Optional[int]]]
+Window = tuple[int | None, int | None] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How one framework lays out and names its arrays in messages."""
 
-    tag: str        # "bshd" (JAX) / "bhsd" (torch)
-    q: str          # "[B, Sq, Hq, D]"
-    kv: str         # "[B, Sk, Hkv, D]"
-    name: str       # "the JAX layout"
-    array: str      # "an array with .shape and .dtype": what a non-array input should have been
-    ids: str        # "an integer array": what segment ids are
+    tag: str  # "bshd" (JAX) / "bhsd" (torch)
+    q: str  # "[B, Sq, Hq, D]"
+    kv: str  # "[B, Sk, Hkv, D]"
+    name: str  # "the JAX layout"
+    array: str  # "an array with .shape and .dtype": what a non-array input should have been
+    ids: str  # "an integer array": what segment ids are
 
 
-LAYOUTS: Dict[str, Layout] = {
-    "bshd": Layout("bshd", "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", "the JAX layout", "an array with .shape and .dtype",
-                   "an integer array"),
-    "bhsd": Layout("bhsd", "[B, Hq, Sq, D]", "[B, Hkv, Sk, D]", "the torch layout", "a torch.Tensor",
-                   "an integer torch.Tensor"),
+LAYOUTS: dict[str, Layout] = {
+    "bshd": Layout(
+        "bshd",
+        "[B, Sq, Hq, D]",
+        "[B, Sk, Hkv, D]",
+        "the JAX layout",
+        "an array with .shape and .dtype",
+        "an integer array",
+    ),
+    "bhsd": Layout(
+        "bhsd", "[B, Hq, Sq, D]", "[B, Hkv, Sk, D]", "the torch layout", "a torch.Tensor", "an integer torch.Tensor"
+    ),
 }
 
 
@@ -163,16 +191,16 @@ class Call(NamedTuple):
     causal: bool
     scale: float
     window: Window
-    softcap: Optional[float]
+    softcap: float | None
     segments: str
     q_ids: Any
     kv_ids: Any
 
 
-Describe = Callable[[Any], Optional[Tuple[Tuple[int, ...], str]]]
+Describe = Callable[[Any], tuple[tuple[int, ...], str] | None]
 
 
-def _described(name: str, x, describe: Describe, layout: Layout) -> Tuple[Tuple[int, ...], str]:
+def _described(name: str, x, describe: Describe, layout: Layout) -> tuple[tuple[int, ...], str]:
     got = describe(x)
     if got is None:
         raise TypeError(f"{name} must be {layout.array}, got {type(x).__name__}")
@@ -182,9 +210,11 @@ def _described(name: str, x, describe: Describe, layout: Layout) -> Tuple[Tuple[
 
 def _positive_float(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a positive finite Python/NumPy number or None, got {value!r} "
-                        f"of type {type(value).__name__} (an array or a traced value is not accepted: it must "
-                        f"be static)")
+        raise TypeError(
+            f"{name} must be a positive finite Python/NumPy number or None, got {value!r} "
+            f"of type {type(value).__name__} (an array or a traced value is not accepted: it must "
+            f"be static)"
+        )
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
@@ -194,8 +224,7 @@ def _positive_float(name: str, value) -> float:
 def _check_ids(name: str, ids, batch: int, length: int, length_name: str, describe: Describe, layout: Layout):
     shape, dtype = _described(name, ids, describe, layout)
     if not _INT_DTYPE.fullmatch(dtype):
-        raise TypeError(f"{name} must have an integer dtype, got {dtype} "
-                        f"(accepted: any signed/unsigned integer dtype)")
+        raise TypeError(f"{name} must have an integer dtype, got {dtype} (accepted: any signed/unsigned integer dtype)")
     if shape != (batch, length):
         raise ValueError(f"{name} must have shape (B, {length_name}) = {(batch, length)}, got {shape}")
     return ids
@@ -207,16 +236,17 @@ def check_window(window, causal: bool) -> Window:
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be None or a (left, right) pair of non-negative ints or None, "
-                         f"got {window!r}")
+        raise ValueError(f"window must be None or a (left, right) pair of non-negative ints or None, got {window!r}")
     sides = []
     for side_name, w in zip(("left", "right"), window):
         if w is None:
             sides.append(None)
             continue
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
-            raise TypeError(f"window {side_name} side must be a non-negative int or None, got {w!r} "
-                            f"of type {type(w).__name__} (window={window!r})")
+            raise TypeError(
+                f"window {side_name} side must be a non-negative int or None, got {w!r} "
+                f"of type {type(w).__name__} (window={window!r})"
+            )
         if w < 0:
             raise ValueError(f"window {side_name} side must be >= 0 or None, got {w} (window={window!r})")
         sides.append(int(w))
@@ -228,7 +258,7 @@ def check_window(window, causal: bool) -> Window:
     return (left, right)
 
 
-def visible_bounds(causal: bool, window: Window) -> Tuple[Optional[int], Optional[int]]:
+def visible_bounds(causal: bool, window: Window) -> tuple[int | None, int | None]:
     """``(left, right)`` such that key j is visible to query i iff ``i_abs - left <= j <= i_abs + right``
     (``i_abs = i + Sk - Sq``; None: unbounded side): the window's sides, the right one cut to 0 by ``causal``."""
     left, right = (None, None) if window is None else window
@@ -237,8 +267,9 @@ def visible_bounds(causal: bool, window: Window) -> Tuple[Optional[int], Optiona
     return left, right
 
 
-def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None,
-               layout: str, describe: Describe) -> Call:
+def check_call(
+    q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None, layout: str, describe: Describe
+) -> Call:
     """Check one attention call and return its :class:`Call`.
 
     ``layout``: "bshd" (q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``) or "bhsd" (q ``[B, Hq, Sq, D]``).
@@ -246,7 +277,7 @@ def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=No
     q, k, v share one dtype in :data:`SUPPORTED_DTYPES`; ``Hq % Hkv == 0``; ``1 <= D <= 256``;
     ``segment_ids`` is None, an integer ``[B, S]`` array (needs ``Sq == Sk``) or a pair ``(q_ids [B, Sq],
     kv_ids [B, Sk])``.  Raises ``TypeError`` / ``ValueError`` naming the argument, the value and what is
-    accepted (CONVENTIONS §10)."""
+    accepted (design §10)."""
     lay = LAYOUTS[layout]
     qs, ks, vs = (_described(n, x, describe, lay) for n, x in (("q", q), ("k", k), ("v", v)))
     for name, (s, _) in (("q", qs), ("k", ks), ("v", vs)):
@@ -258,8 +289,10 @@ def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=No
         if d not in SUPPORTED_DTYPES:
             raise TypeError(f"{n} dtype must be one of {SUPPORTED_DTYPES}, got {d}")
     if len(set(dts.values())) != 1:
-        raise TypeError(f"q, k, v must share one dtype, got q={dts['q']}, k={dts['k']}, v={dts['v']} "
-                        f"(cast them to a common dtype in {SUPPORTED_DTYPES})")
+        raise TypeError(
+            f"q, k, v must share one dtype, got q={dts['q']}, k={dts['k']}, v={dts['v']} "
+            f"(cast them to a common dtype in {SUPPORTED_DTYPES})"
+        )
     qs, ks, vs = qs[0], ks[0], vs[0]
     if ks != vs:
         raise ValueError(f"k and v must have the same shape {lay.kv}, got k {ks} and v {vs}")
@@ -271,15 +304,22 @@ def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=No
         raise ValueError(f"batch size of k/v ({bk}, shape {ks}) must equal batch size of q ({b}, shape {qs})")
     if dk != d:
         raise ValueError(f"head_dim of k/v ({dk}, shape {ks}) must equal head_dim of q ({d}, shape {qs})")
-    for n, val in (("batch size B", b), ("query length Sq", sq), ("key length Sk", sk),
-                   ("query heads Hq", hq), ("kv heads Hkv", hkv), ("head_dim D", d)):
+    for n, val in (
+        ("batch size B", b),
+        ("query length Sq", sq),
+        ("key length Sk", sk),
+        ("query heads Hq", hq),
+        ("kv heads Hkv", hkv),
+        ("head_dim D", d),
+    ):
         if val < 1:
             raise ValueError(f"{n} must be >= 1, got {val} (q shape {qs}, k shape {ks})")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head_dim D={d} is too large: accepted 1 <= D <= {MAX_HEAD_DIM} (q shape {qs})")
     if hq % hkv != 0:
-        raise ValueError(f"query heads Hq={hq} must be a multiple of kv heads Hkv={hkv} (GQA/MQA); "
-                         f"q shape {qs}, k shape {ks}")
+        raise ValueError(
+            f"query heads Hq={hq} must be a multiple of kv heads Hkv={hkv} (GQA/MQA); q shape {qs}, k shape {ks}"
+        )
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r} of type {type(causal).__name__}")
@@ -289,19 +329,25 @@ def check_call(q, k, v, *, causal=False, segment_ids=None, scale=None, window=No
         form, q_ids, kv_ids = "none", None, None
     elif isinstance(segment_ids, (tuple, list)):
         if not all(describe(x) is not None for x in segment_ids):
-            raise TypeError(f"segment_ids must be {lay.ids} [B, S] or a pair (q_ids [B, Sq], kv_ids [B, Sk]) "
-                            f"of them, got a {type(segment_ids).__name__} of "
-                            f"{sorted({type(x).__name__ for x in segment_ids})}")
+            raise TypeError(
+                f"segment_ids must be {lay.ids} [B, S] or a pair (q_ids [B, Sq], kv_ids [B, Sk]) "
+                f"of them, got a {type(segment_ids).__name__} of "
+                f"{sorted({type(x).__name__ for x in segment_ids})}"
+            )
         if len(segment_ids) != 2:
-            raise ValueError(f"segment_ids as a sequence must be a pair (q_ids [B, Sq], kv_ids [B, Sk]), "
-                             f"got {len(segment_ids)} elements")
+            raise ValueError(
+                f"segment_ids as a sequence must be a pair (q_ids [B, Sq], kv_ids [B, Sk]), "
+                f"got {len(segment_ids)} elements"
+            )
         form = "pair"
         q_ids = _check_ids("segment_ids[0] (q_ids)", segment_ids[0], b, sq, "Sq", describe, lay)
         kv_ids = _check_ids("segment_ids[1] (kv_ids)", segment_ids[1], b, sk, "Sk", describe, lay)
     else:
         if sq != sk:
-            raise ValueError(f"segment_ids as one [B, S] array needs Sq == Sk (self-attention), got Sq={sq}, "
-                             f"Sk={sk}; pass a pair (q_ids [B, Sq], kv_ids [B, Sk]) instead")
+            raise ValueError(
+                f"segment_ids as one [B, S] array needs Sq == Sk (self-attention), got Sq={sq}, "
+                f"Sk={sk}; pass a pair (q_ids [B, Sq], kv_ids [B, Sk]) instead"
+            )
         form = "shared"
         q_ids = kv_ids = _check_ids("segment_ids", segment_ids, b, sq, "S", describe, lay)
 

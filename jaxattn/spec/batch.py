@@ -9,6 +9,7 @@ dtype checks read only ``.shape`` and ``.dtype``, so they accept numpy, jax and 
     check_batch({"tokens": np.zeros((2, 17), np.int32)})
     check_token_ids(np.array([[1, 2, 300]]), vocab_size=256)   # ValueError: ... position (0, 2) ... 300
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -29,8 +30,9 @@ def dtype_name(x: Any) -> str:
 def check_id_dtype(x: Any, arg: str) -> None:
     """Token ids, positions and segment ids: an integer dtype from :data:`ID_DTYPES` (bool is refused)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{arg} must be an integer array (numpy, jax or torch) of dtype one of {ID_DTYPES}, "
-                        f"got {type(x).__name__}")
+        raise TypeError(
+            f"{arg} must be an integer array (numpy, jax or torch) of dtype one of {ID_DTYPES}, got {type(x).__name__}"
+        )
     name = dtype_name(x)
     if name not in ID_DTYPES:
         raise TypeError(f"{arg} must have an integer dtype, one of {ID_DTYPES}; got {name}")
@@ -39,8 +41,10 @@ def check_id_dtype(x: Any, arg: str) -> None:
 def token_id_error(arg: str, vocab_size: int, value: Any, position: tuple[int, ...], n_bad: Any = None) -> str:
     """The message for an id outside ``[0, vocab_size)`` (shared with the in-jit ``checkify`` check)."""
     count = "" if n_bad is None else f" ({n_bad} bad ids in all)"
-    return (f"{arg} holds an id outside [0, vocab_size={vocab_size}): {value} at position {position}{count}; "
-            f"token ids must be in [0, {vocab_size})")
+    return (
+        f"{arg} holds an id outside [0, vocab_size={vocab_size}): {value} at position {position}{count}; "
+        f"token ids must be in [0, {vocab_size})"
+    )
 
 
 def check_token_ids(ids: Any, vocab_size: int, arg: str = "tokens") -> None:
@@ -63,8 +67,9 @@ def check_model_inputs(tokens: Any, positions: Any = None, segment_ids: Any = No
     (optional) int arrays of the same shape. Reads shapes and dtypes only (works on tracers)."""
     check_id_dtype(tokens, arg)
     if len(tokens.shape) != 2 or 0 in tuple(tokens.shape):
-        raise ValueError(f"{arg} must be an int array [batch >= 1, seq >= 1], got {dtype_name(tokens)}"
-                         f"{list(tokens.shape)}")
+        raise ValueError(
+            f"{arg} must be an int array [batch >= 1, seq >= 1], got {dtype_name(tokens)}{list(tokens.shape)}"
+        )
     for name, v in (("positions", positions), ("segment_ids", segment_ids)):
         if v is None:
             continue
@@ -76,16 +81,18 @@ def check_model_inputs(tokens: Any, positions: Any = None, segment_ids: Any = No
 def check_batch(batch: Any) -> None:
     """Keys, dtypes and shapes of a training batch (not the id values: see :func:`check_token_ids`)."""
     if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a mapping with keys {BATCH_KEYS} ('tokens' required), "
-                        f"got {type(batch).__name__}")
+        raise TypeError(
+            f"batch must be a mapping with keys {BATCH_KEYS} ('tokens' required), got {type(batch).__name__}"
+        )
     unknown = [k for k in batch if k not in BATCH_KEYS]
     if unknown or "tokens" not in batch:
         raise ValueError(f"batch keys must be 'tokens' plus optional {BATCH_KEYS[1:]}; got {sorted(batch)}")
     tokens = batch["tokens"]
     check_id_dtype(tokens, "batch['tokens']")
     if len(tokens.shape) != 2 or tokens.shape[1] < 2 or tokens.shape[0] < 1:
-        raise ValueError(f"batch['tokens'] must be an int array [batch >= 1, seq >= 2], "
-                         f"got {dtype_name(tokens)}{list(tokens.shape)}")
+        raise ValueError(
+            f"batch['tokens'] must be an int array [batch >= 1, seq >= 2], got {dtype_name(tokens)}{list(tokens.shape)}"
+        )
     for k in BATCH_KEYS[1:]:
         v = batch.get(k)
         if v is None:

@@ -5,19 +5,22 @@
 :data:`FLAGS` is one table; :func:`build_parser` turns it into an ``argparse`` parser for one framework (the
 shared flags are identical by construction, plus the framework-only ones: ``--mesh`` and the multi-process
 ``--coordinator/--num-processes/--process-id`` (or ``$JAX_COORDINATOR_ADDRESS/$JAX_NUM_PROCESSES/$JAX_PROCESS_ID``)
-for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every value (files
-exist, numbers in range, names known, combinations valid) so a bad flag fails with a :class:`CLIError` naming
-the flag, the value and what is accepted, before any model is built or compiled. ``--mesh`` is checked against the
-devices by ``jaxattn.trainer``, ``--parallel`` against the ranks by ``torchref.trainer``.
+for JAX, ``--compile``, ``--parallel`` and ``--num-workers`` for torch). :func:`parse_args` parses AND checks every
+value (files exist, numbers in range, names known, combinations valid) so a bad flag fails with a
+:class:`CLIError` naming the flag, the value and what is accepted, before any model is built or compiled.
+``--mesh`` is checked against the devices by ``jaxattn.train``, ``--parallel`` against the ranks by
+``torchref.train``.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from .config import PRESET_NAMES, ModelConfig
 from .data import PACKING, SYNTHETIC
@@ -25,8 +28,16 @@ from .dtypes import PRECISION_PRESETS
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
 
-__all__ = ["FLAGS", "FRAMEWORKS", "CLIError", "build_parser", "parse_args", "check_args", "model_config",
-           "MATMUL_PRECISIONS"]
+__all__ = [
+    "FLAGS",
+    "FRAMEWORKS",
+    "CLIError",
+    "build_parser",
+    "parse_args",
+    "check_args",
+    "model_config",
+    "MATMUL_PRECISIONS",
+]
 
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -41,23 +52,38 @@ class CLIError(ValueError):
 class Flag:
     name: str
     help: str
-    type: Optional[Callable] = None
+    type: Callable | None = None
     default: Any = None
-    choices: Optional[Sequence[str]] = None
-    action: Optional[str] = None
-    metavar: Optional[str] = None
+    choices: Sequence[str] | None = None
+    action: str | None = None
+    metavar: str | None = None
     frameworks: tuple[str, ...] = FRAMEWORKS
 
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--preset", "model size preset (ignored with --init/--config-json)", str, "tiny", PRESET_NAMES),
     Flag("--config-json", "model config: our ModelConfig fields or a Hugging Face config.json", str, metavar="FILE"),
-    Flag("--init", "start from this Hugging Face Llama directory (config.json + safetensors; tokenizer.json "
-                   "there is used for text data)", str, metavar="HF_DIR"),
-    Flag("--data", "'synthetic', a text file, a folder of text files, or a pre-tokenized .npy", str, SYNTHETIC,
-         metavar="{synthetic|PATH}"),
-    Flag("--packing", "pack documents into full rows, or one document per row padded to a few bucket lengths",
-         str, "pack", PACKING),
+    Flag(
+        "--init",
+        "start from this Hugging Face Llama directory (config.json + safetensors; tokenizer.json "
+        "there is used for text data)",
+        str,
+        metavar="HF_DIR",
+    ),
+    Flag(
+        "--data",
+        "'synthetic', a text file, a folder of text files, or a pre-tokenized .npy",
+        str,
+        SYNTHETIC,
+        metavar="{synthetic|PATH}",
+    ),
+    Flag(
+        "--packing",
+        "pack documents into full rows, or one document per row padded to a few bucket lengths",
+        str,
+        "pack",
+        PACKING,
+    ),
     Flag("--seq-len", "tokens per row the model sees", int, 128),
     Flag("--batch-size", "rows per optimizer step (split into --grad-accum microbatches)", int, 8),
     Flag("--grad-accum", "microbatches per optimizer step", int, 1),
@@ -68,39 +94,77 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--optimizer", "optimizer", str, "adamw", OPTIMIZER_NAMES),
     Flag("--weight-decay", "decoupled weight decay (not on norms and biases)", float, 0.1),
     Flag("--clip-grad", "max global gradient norm; 0 turns clipping off", float, 1.0),
-    Flag("--precision", "mixed-precision preset (fp16 uses dynamic loss scaling)", str, "fp32",
-         tuple(PRECISION_PRESETS)),
-    Flag("--matmul-precision", "float32 matmul precision (torch's names; 'highest' = no TF32)", str, "highest",
-         MATMUL_PRECISIONS),
+    Flag(
+        "--precision", "mixed-precision preset (fp16 uses dynamic loss scaling)", str, "fp32", tuple(PRECISION_PRESETS)
+    ),
+    Flag(
+        "--matmul-precision",
+        "float32 matmul precision (torch's names; 'highest' = no TF32)",
+        str,
+        "highest",
+        MATMUL_PRECISIONS,
+    ),
     Flag("--remat", "activation checkpointing policy per layer", str, "none", REMAT_POLICIES),
-    Flag("--attention", "attention backends in order of preference, comma-separated (default: the framework's "
-                        "default order)", str, metavar="BACKEND[,BACKEND]"),
+    Flag(
+        "--attention",
+        "attention backends in order of preference, comma-separated (default: the framework's default order)",
+        str,
+        metavar="BACKEND[,BACKEND]",
+    ),
     Flag("--seed", "seed of the model init, the data order and every other random choice", int, 0),
-    Flag("--deterministic", "deterministic kernels (torch.use_deterministic_algorithms; XLA deterministic GPU ops)",
-         action="store_true"),
-    Flag("--checkpoint-dir", "where training checkpoints go (and the final Hugging Face export, in final/)", str,
-         metavar="DIR"),
+    Flag(
+        "--deterministic",
+        "deterministic kernels (torch.use_deterministic_algorithms; XLA deterministic GPU ops)",
+        action="store_true",
+    ),
+    Flag(
+        "--checkpoint-dir",
+        "where training checkpoints go (and the final Hugging Face export, in final/)",
+        str,
+        metavar="DIR",
+    ),
     Flag("--checkpoint-every", "save a checkpoint every N steps (0: only at the end)", int, 0),
     Flag("--keep-checkpoints", "checkpoints to keep (older ones of ours are deleted)", int, 3),
     Flag("--resume", "continue from the latest checkpoint in --checkpoint-dir", action="store_true"),
     Flag("--log-json", "write one JSON object per step to this file", str, metavar="PATH"),
     Flag("--profile", "write a trace of a few steps here (opens in Perfetto / TensorBoard)", str, metavar="DIR"),
     Flag("--no-progress", "no progress bar", action="store_true"),
-    Flag("--mesh", "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)", str,
-         metavar="AXIS=N[,AXIS=N]", frameworks=("jax",)),
-    Flag("--offload-optimizer", "keep the optimizer state in host memory (JAX: pinned_host, needs --mesh, e.g. "
-                                "--mesh data=1 on one device; torch: FSDP2 CPUOffloadPolicy, needs --parallel fsdp or "
-                                "fsdp+tp, and moves the sharded parameters and gradients too)", action="store_true"),
-    Flag("--coordinator", "multi-process run: jax.distributed coordinator address (default: "
-                          "$JAX_COORDINATOR_ADDRESS)", str, metavar="HOST:PORT", frameworks=("jax",)),
-    Flag("--num-processes", "multi-process run: processes in all (default: $JAX_NUM_PROCESSES)", int,
-         frameworks=("jax",)),
-    Flag("--process-id", "multi-process run: this process's index (default: $JAX_PROCESS_ID)", int,
-         frameworks=("jax",)),
+    Flag(
+        "--mesh",
+        "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)",
+        str,
+        metavar="AXIS=N[,AXIS=N]",
+        frameworks=("jax",),
+    ),
+    Flag(
+        "--offload-optimizer",
+        "keep the optimizer state in host memory (JAX: pinned_host, needs --mesh, e.g. "
+        "--mesh data=1 on one device; torch: FSDP2 CPUOffloadPolicy, needs --parallel fsdp or "
+        "fsdp+tp, and moves the sharded parameters and gradients too)",
+        action="store_true",
+    ),
+    Flag(
+        "--coordinator",
+        "multi-process run: jax.distributed coordinator address (default: $JAX_COORDINATOR_ADDRESS)",
+        str,
+        metavar="HOST:PORT",
+        frameworks=("jax",),
+    ),
+    Flag(
+        "--num-processes", "multi-process run: processes in all (default: $JAX_NUM_PROCESSES)", int, frameworks=("jax",)
+    ),
+    Flag(
+        "--process-id", "multi-process run: this process's index (default: $JAX_PROCESS_ID)", int, frameworks=("jax",)
+    ),
     Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
-    Flag("--parallel", "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks)", str,
-         None, PARALLEL,
-         frameworks=("torch",)),
+    Flag(
+        "--parallel",
+        "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks)",
+        str,
+        None,
+        PARALLEL,
+        frameworks=("torch",),
+    ),
     Flag("--num-workers", "DataLoader worker processes", int, 1, frameworks=("torch",)),
 )
 
@@ -144,15 +208,20 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         try:
             return ModelConfig.from_hf(read_config(args.init))
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise _err("--init", args.init, f"not a Hugging Face Llama directory with a valid config.json ({e})")
+            raise _err(
+                "--init", args.init, f"not a Hugging Face Llama directory with a valid config.json ({e})"
+            ) from None
     if args.config_json is not None:
         try:
             with open(args.config_json) as f:
                 d = json.load(f)
             return ModelConfig.from_hf(d) if "hidden_size" in d else ModelConfig(**d)
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise _err("--config-json", args.config_json, f"needs a JSON file of ModelConfig fields or a Hugging "
-                       f"Face config.json ({type(e).__name__}: {e})")
+            raise _err(
+                "--config-json",
+                args.config_json,
+                f"needs a JSON file of ModelConfig fields or a Hugging Face config.json ({type(e).__name__}: {e})",
+            ) from None
     return ModelConfig.preset(args.preset)
 
 
@@ -166,15 +235,21 @@ def _mesh_devices(spec: str) -> int:
         if not name.strip() or not size.strip().isdigit() or int(size) < 1:
             raise _err("--mesh", spec, "expected comma-separated AXIS=N with N >= 1, e.g. data=2,fsdp=2,tensor=2")
         if name.strip() not in MESH_AXES or name.strip() in seen:
-            raise _err("--mesh", spec, f"axis {name.strip()!r} is unknown or repeated; the axes are "
-                       f"{', '.join(MESH_AXES)}, each at most once")
+            raise _err(
+                "--mesh",
+                spec,
+                f"axis {name.strip()!r} is unknown or repeated; the axes are {', '.join(MESH_AXES)}, each at most once",
+            )
         seen.add(name.strip())
         n *= int(size)
     return n
 
 
-_PROCESS_ENV = (("coordinator", "JAX_COORDINATOR_ADDRESS"), ("num_processes", "JAX_NUM_PROCESSES"),
-                ("process_id", "JAX_PROCESS_ID"))
+_PROCESS_ENV = (
+    ("coordinator", "JAX_COORDINATOR_ADDRESS"),
+    ("num_processes", "JAX_NUM_PROCESSES"),
+    ("process_id", "JAX_PROCESS_ID"),
+)
 
 
 def _check_processes(args: argparse.Namespace) -> None:
@@ -194,8 +269,10 @@ def _check_processes(args: argparse.Namespace) -> None:
         return
     missing = [f for f, v in given.items() if v is None]
     if missing:
-        raise CLIError(f"a multi-process run needs --coordinator, --num-processes and --process-id (or "
-                       f"$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); missing {', '.join(missing)}")
+        raise CLIError(
+            f"a multi-process run needs --coordinator, --num-processes and --process-id (or "
+            f"$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); missing {', '.join(missing)}"
+        )
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise _err("--coordinator", args.coordinator, "expected HOST:PORT, e.g. 10.0.0.1:1234")
@@ -204,12 +281,15 @@ def _check_processes(args: argparse.Namespace) -> None:
     if not 0 <= args.process_id < args.num_processes:
         raise _err("--process-id", args.process_id, f"must be in [0, --num-processes {args.num_processes})")
     if args.num_processes > 1 and args.mesh is None:
-        raise CLIError(f"--num-processes {args.num_processes}: a multi-process run needs --mesh (one mesh over every "
-                       f"process's devices, e.g. --mesh data=2,fsdp=2,tensor=2)")
+        raise CLIError(
+            f"--num-processes {args.num_processes}: a multi-process run needs --mesh (one mesh over every "
+            f"process's devices, e.g. --mesh data=2,fsdp=2,tensor=2)"
+        )
 
 
 def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
     """Check every value and combination; returns the model config. Raises :class:`CLIError`."""
+
     def positive(flag, v, zero_ok=False):
         if v < 0 or (v == 0 and not zero_ok):
             raise _err(flag, v, f"must be an integer >= {0 if zero_ok else 1}")
@@ -218,11 +298,13 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         positive(flag, getattr(args, flag[2:].replace("-", "_")))
     for flag in ("--warmup", "--checkpoint-every", "--seed"):
         positive(flag, getattr(args, flag[2:].replace("-", "_")), zero_ok=True)
-    if args.seed >= 2 ** 32:
+    if args.seed >= 2**32:
         raise _err("--seed", args.seed, "must be in [0, 2**32)")
     if args.batch_size % args.grad_accum:
-        raise CLIError(f"--grad-accum {args.grad_accum} must divide --batch-size {args.batch_size} (the batch is "
-                       f"split into --grad-accum microbatches of equal size)")
+        raise CLIError(
+            f"--grad-accum {args.grad_accum} must divide --batch-size {args.batch_size} (the batch is "
+            f"split into --grad-accum microbatches of equal size)"
+        )
     if args.warmup > args.steps:
         raise CLIError(f"--warmup {args.warmup} must not exceed --steps {args.steps}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -235,14 +317,23 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         names = [n.strip() for n in args.attention.split(",")]
         bad = [n for n in names if n not in attention_backends]
         if bad or len(set(names)) != len(names):
-            raise _err("--attention", args.attention, f"expected comma-separated, non-repeated {framework} attention "
-                       f"backends from {', '.join(attention_backends)}")
+            raise _err(
+                "--attention",
+                args.attention,
+                f"expected comma-separated, non-repeated {framework} attention "
+                f"backends from {', '.join(attention_backends)}",
+            )
     if args.data != SYNTHETIC and not os.path.exists(args.data):
-        raise _err("--data", args.data, "no such file or folder; use 'synthetic', a text file, a folder of text "
-                   "files or a pre-tokenized .npy")
+        raise _err(
+            "--data",
+            args.data,
+            "no such file or folder; use 'synthetic', a text file, a folder of text files or a pre-tokenized .npy",
+        )
     if args.init is not None and args.config_json is not None:
-        raise CLIError(f"--init {args.init!r} and --config-json {args.config_json!r}: give one of them (--init "
-                       f"carries its own config.json)")
+        raise CLIError(
+            f"--init {args.init!r} and --config-json {args.config_json!r}: give one of them (--init "
+            f"carries its own config.json)"
+        )
     if args.init is not None and not os.path.isdir(args.init):
         raise _err("--init", args.init, "no such directory; expected a Hugging Face Llama directory")
     if args.config_json is not None and not os.path.isfile(args.config_json):
@@ -260,15 +351,19 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
     if framework == "jax":
         _check_processes(args)
         if args.offload_optimizer and args.mesh is None:
-            raise CLIError("--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
-                           "device use --mesh data=1)")
+            raise CLIError(
+                "--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
+                "device use --mesh data=1)"
+            )
     if framework == "torch":
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if args.offload_optimizer and args.parallel not in ("fsdp", "fsdp+tp"):
-            raise CLIError(f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
-                           f"CPUOffloadPolicy); got --parallel {args.parallel}")
+            raise CLIError(
+                f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
+                f"CPUOffloadPolicy); got --parallel {args.parallel}"
+            )
         if world > 1 and args.parallel is None:
             raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
     config = model_config(args)
@@ -279,15 +374,20 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
     return config
 
 
-def parse_args(argv: Optional[Sequence[str]], framework: str, attention_backends: Sequence[str] = ()
-               ) -> tuple[argparse.Namespace, ModelConfig]:
+def parse_args(
+    argv: Sequence[str] | None, framework: str, attention_backends: Sequence[str] = ()
+) -> tuple[argparse.Namespace, ModelConfig]:
     """Parse and check ``argv``: ``(args, model_config)``; a bad value raises :class:`CLIError`."""
     args = build_parser(framework).parse_args(argv)
     return args, check_args(args, framework, attention_backends)
 
 
-def cli_main(prog: str, prepare: Callable[[Optional[Sequence[str]]], Any], train: Callable[[Any], Any],
-             argv: Optional[Sequence[str]] = None) -> int:
+def cli_main(
+    prog: str,
+    prepare: Callable[[Sequence[str] | None], Any],
+    train: Callable[[Any], Any],
+    argv: Sequence[str] | None = None,
+) -> int:
     """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``) prints ``prog: error: ...`` and returns 2
     before anything compiles; otherwise train and return 0."""
     import sys

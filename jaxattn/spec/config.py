@@ -4,14 +4,15 @@
 ``from_hf`` / ``to_hf`` read and write a Hugging Face Llama ``config.json`` dictionary (both the transformers 4.x
 keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from dataclasses import dataclass
-from typing import Any, Optional
 
 # Llama 3.1/3.2 long-context RoPE scaling: the only scaling this project implements.
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -19,20 +20,65 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 _PRESETS: dict[str, dict[str, Any]] = {
     # Small enough for CPU tests: GQA (4 query heads over 2 kv heads), untied head.
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256),
-    "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
-                 max_seq_len=2048, rope_theta=500000.0),
-    "350m": dict(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816,
-                 max_seq_len=2048, rope_theta=500000.0),
+    "125m": dict(
+        vocab_size=32000,
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        ffn_dim=2048,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+    ),
+    "350m": dict(
+        vocab_size=32000,
+        dim=1024,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=2816,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+    ),
     # Llama-3.2-1B shape.
-    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-               max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True,
-               rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192)),
+    "1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     # Llama-3.1-8B shape.
-    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-               max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
-               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192)),
+    "8b": dict(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
 }
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
@@ -44,12 +90,12 @@ class ModelConfig:
     n_layers: int = 12
     n_heads: int = 12
     n_kv_heads: int = 12
-    head_dim: Optional[int] = None  # None = dim // n_heads
+    head_dim: int | None = None  # None = dim // n_heads
     ffn_dim: int = 2048
     max_seq_len: int = 2048
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # None or the HF llama3 dict
+    rope_scaling: dict | None = None  # None or the HF llama3 dict
     tie_embeddings: bool = False
 
     def __post_init__(self):
@@ -59,8 +105,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
-                raise ValueError(f"ModelConfig.n_heads={self.n_heads} must divide dim={self.dim} "
-                                 f"(or set head_dim explicitly)")
+                raise ValueError(
+                    f"ModelConfig.n_heads={self.n_heads} must divide dim={self.dim} (or set head_dim explicitly)"
+                )
         elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
             raise ValueError(f"ModelConfig.head_dim must be None or a positive int, got {self.head_dim!r}")
         if self.resolved_head_dim % 2:
@@ -105,21 +152,24 @@ class ModelConfig:
         return inv.astype(np.float32)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "ModelConfig":
+    def preset(cls, name: str, **overrides) -> ModelConfig:
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> ModelConfig:
         """Build from a Hugging Face Llama ``config.json`` dictionary; refuses what the model cannot represent."""
         if not isinstance(hf, dict):
             raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "intermediate_size") if k not in hf]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+            if k not in hf
+        ]
         if missing:
             raise ValueError(f"HF config is missing required keys {missing}")
         if hf.get("model_type", "llama") != "llama":
@@ -134,8 +184,10 @@ class ModelConfig:
             raise ValueError(f"HF config pretraining_tp={tp!r}: only 1 (or null) is supported")
         rope = hf.get("rope_parameters")  # transformers >= 5
         if rope is not None and not isinstance(rope, dict):
-            raise ValueError(f"HF config rope_parameters={rope!r}: expected a dict (e.g. {{'rope_type': "
-                             f"'default', 'rope_theta': 10000.0}}) or null")
+            raise ValueError(
+                f"HF config rope_parameters={rope!r}: expected a dict (e.g. {{'rope_type': "
+                f"'default', 'rope_theta': 10000.0}}) or null"
+            )
         rope = dict(rope or {})
         theta = _hf_float(hf, "rope_theta", 10000.0)  # checked even when rope_parameters has its own
         if "rope_theta" in rope:
@@ -151,12 +203,20 @@ class ModelConfig:
         head_dim = _hf_int(hf, "head_dim", None, null_means="hidden_size // num_attention_heads")
         if head_dim is not None and head_dim == dim // n_heads and dim % n_heads == 0:
             head_dim = None
-        return cls(vocab_size=_hf_int(hf, "vocab_size"), dim=dim, n_layers=_hf_int(hf, "num_hidden_layers"),
-                   n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads is None else n_kv_heads, head_dim=head_dim,
-                   ffn_dim=_hf_int(hf, "intermediate_size"),
-                   max_seq_len=_hf_int(hf, "max_position_embeddings", 2048),
-                   norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-                   tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False))
+        return cls(
+            vocab_size=_hf_int(hf, "vocab_size"),
+            dim=dim,
+            n_layers=_hf_int(hf, "num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=n_heads if n_kv_heads is None else n_kv_heads,
+            head_dim=head_dim,
+            ffn_dim=_hf_int(hf, "intermediate_size"),
+            max_seq_len=_hf_int(hf, "max_position_embeddings", 2048),
+            norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False),
+        )
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM``."""
@@ -164,14 +224,25 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.resolved_head_dim, "intermediate_size": self.ffn_dim,
-            "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
-            "rope_parameters": rope_parameters, "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.resolved_head_dim,
+            "intermediate_size": self.ffn_dim,
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
         }
 
 
@@ -180,14 +251,14 @@ def _check_rope_scaling(scaling: Any, where: str = "ModelConfig.rope_scaling") -
         raise ValueError(f"{where} must be None or a dict, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "llama3":
-        raise ValueError(f"{where}.rope_type={kind!r} is not supported: only 'llama3' "
-                         f"(Llama 3.1/3.2) RoPE scaling is implemented")
+        raise ValueError(
+            f"{where}.rope_type={kind!r} is not supported: only 'llama3' (Llama 3.1/3.2) RoPE scaling is implemented"
+        )
     missing = [k for k in _LLAMA3_KEYS if k not in scaling]
     if missing:
         raise ValueError(f"{where} (llama3) is missing keys {missing}")
     out = {"rope_type": "llama3", **{k: _hf_float(scaling, k, where=f"{where}.") for k in _LLAMA3_KEYS[:3]}}
-    out["original_max_position_embeddings"] = _hf_int(scaling, "original_max_position_embeddings",
-                                                      where=f"{where}.")
+    out["original_max_position_embeddings"] = _hf_int(scaling, "original_max_position_embeddings", where=f"{where}.")
     if out["factor"] <= 0 or out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ValueError(f"{where}: need factor > 0 and high_freq_factor > low_freq_factor, got {out}")
     return out
@@ -204,8 +275,9 @@ def _hf_value(hf: dict, key: str, default: Any, where: str):
     return hf[key]
 
 
-def _hf_int(hf: dict, key: str, default: Any = _REQUIRED, *, null_means: Optional[str] = None,
-            where: str = "HF config ") -> Optional[int]:
+def _hf_int(
+    hf: dict, key: str, default: Any = _REQUIRED, *, null_means: str | None = None, where: str = "HF config "
+) -> int | None:
     """``hf[key]`` as a positive int (not a bool, string or float); ``null_means`` allows null (returns None)."""
     v = _hf_value(hf, key, default, where)
     if v is None and null_means is not None:
@@ -220,8 +292,7 @@ def _hf_float(hf: dict, key: str, default: Any = _REQUIRED, *, where: str = "HF 
     """``hf[key]`` as a positive finite float (a JSON number, not a bool, string or null)."""
     v = _hf_value(hf, key, default, where)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{where}{key}={v!r} ({type(v).__name__}) is invalid: expected a positive finite "
-                         f"number")
+        raise ValueError(f"{where}{key}={v!r} ({type(v).__name__}) is invalid: expected a positive finite number")
     return float(v)
 
 

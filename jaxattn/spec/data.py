@@ -28,28 +28,41 @@ per row). Every epoch the documents are shuffled (seeded), then:
 Rows of an epoch are shuffled, batched by ``batch_size`` (the last batch wraps around to the epoch's first rows)
 and batch order within the epoch is shuffled. The seed of each random choice is ``[seed, purpose, epoch]``.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .batch import check_token_ids
 
-__all__ = ["PACKING", "SYNTHETIC", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "read_documents",
-           "bucket_lengths", "pack_rows", "Dataset"]
+__all__ = [
+    "PACKING",
+    "SYNTHETIC",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "read_documents",
+    "bucket_lengths",
+    "pack_rows",
+    "Dataset",
+]
 
 PACKING: tuple[str, ...] = ("pack", "bucket")
 SYNTHETIC = "synthetic"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def copy_tokenizer(init_dir: Optional[str], out_dir: str) -> None:
+def copy_tokenizer(init_dir: str | None, out_dir: str) -> None:
     """Copy ``init_dir``'s ``tokenizer.json`` (if any) beside an exported model in ``out_dir``."""
     if init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         shutil.copyfile(os.path.join(init_dir, TOKENIZER_FILE), os.path.join(out_dir, TOKENIZER_FILE))
+
+
 _WINDOW = 8  # bucket mode sorts rows by length within windows of this many batches
 _SHUFFLE, _SYNTH, _ORDER = 0, 1, 2  # RNG purposes
 
@@ -84,7 +97,7 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids])
 
 
-def load_tokenizer(init_dir: Optional[str] = None) -> Union[ByteTokenizer, HFTokenizer]:
+def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
     """``init_dir/tokenizer.json`` when there is one, else the byte tokenizer."""
     if init_dir is not None and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         return HFTokenizer(os.path.join(init_dir, TOKENIZER_FILE))
@@ -94,8 +107,10 @@ def load_tokenizer(init_dir: Optional[str] = None) -> Union[ByteTokenizer, HFTok
 def _npy_documents(file: str) -> list[np.ndarray]:
     arr = np.load(file, allow_pickle=False)
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
-        raise ValueError(f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
-                         f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}")
+        raise ValueError(
+            f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
+            f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}"
+        )
     return [arr.astype(np.int64)] if arr.ndim == 1 else [row.astype(np.int64) for row in arr]
 
 
@@ -109,8 +124,10 @@ def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"--data {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
-                         f"text files or pre-tokenized .npy") from None
+        raise ValueError(
+            f"--data {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
+            f"text files or pre-tokenized .npy"
+        ) from None
     return [tokenizer.encode(text)]
 
 
@@ -125,8 +142,10 @@ def read_documents(source: str, tokenizer=None) -> list[np.ndarray]:
     elif os.path.isfile(source):
         docs = _file_documents(source, tokenizer)
     else:
-        raise ValueError(f"--data {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
-                         f"text files or a pre-tokenized .npy")
+        raise ValueError(
+            f"--data {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
+            f"text files or a pre-tokenized .npy"
+        )
     docs = [d for d in docs if d.size]
     if not docs:
         raise ValueError(f"--data {source!r} holds no tokens")
@@ -144,7 +163,7 @@ def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int
     n = rows * width
     t = np.zeros(n, np.int32)
     d = np.full(n, -1, np.int64)
-    t[:tokens.size], d[:tokens.size] = tokens, doc
+    t[: tokens.size], d[: tokens.size] = tokens, doc
     t, d = t.reshape(rows, width), d.reshape(rows, width)
     start = np.ones_like(d, bool)
     start[:, 1:] = d[:, 1:] != d[:, :-1]
@@ -152,8 +171,12 @@ def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int
     idx = np.broadcast_to(np.arange(width), (rows, width))
     last_start = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
     pad = d < 0
-    return {"tokens": t, "loss_mask": (~pad).astype(np.int32), "segment_ids": np.where(pad, 0, seg).astype(np.int32),
-            "positions": np.where(pad, 0, idx - last_start).astype(np.int32)}
+    return {
+        "tokens": t,
+        "loss_mask": (~pad).astype(np.int32),
+        "segment_ids": np.where(pad, 0, seg).astype(np.int32),
+        "positions": np.where(pad, 0, idx - last_start).astype(np.int32),
+    }
 
 
 def pack_rows(docs: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
@@ -167,10 +190,10 @@ def _pad_rows(docs: Sequence[np.ndarray], width: int) -> dict[str, np.ndarray]:
     """One document per row, right-padded to ``width``."""
     out = {k: np.zeros((len(docs), width), np.int32) for k in ("tokens", "loss_mask", "segment_ids", "positions")}
     for r, d in enumerate(docs):
-        out["tokens"][r, :len(d)] = d
-        out["loss_mask"][r, :len(d)] = 1
-        out["segment_ids"][r, :len(d)] = 1
-        out["positions"][r, :len(d)] = np.arange(len(d))
+        out["tokens"][r, : len(d)] = d
+        out["loss_mask"][r, : len(d)] = 1
+        out["segment_ids"][r, : len(d)] = 1
+        out["positions"][r, : len(d)] = np.arange(len(d))
     return out
 
 
@@ -181,18 +204,27 @@ def _rng(seed: int, purpose: int, index: int) -> np.random.Generator:
 class Dataset:
     """Deterministic batches: :meth:`batch` ``(i)`` for any step ``i`` (see the module docstring)."""
 
-    def __init__(self, docs: Optional[list[np.ndarray]], *, seq_len: int, batch_size: int, seed: int = 0,
-                 packing: str = "pack", vocab_size: int = 256, name: str = SYNTHETIC):
+    def __init__(
+        self,
+        docs: list[np.ndarray] | None,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        packing: str = "pack",
+        vocab_size: int = 256,
+        name: str = SYNTHETIC,
+    ):
         if packing not in PACKING:
             raise ValueError(f"--packing {packing!r} is not known; use one of {', '.join(PACKING)}")
         self.docs, self.seq_len, self.batch_size, self.seed = docs, int(seq_len), int(batch_size), int(seed)
         self.packing, self.vocab_size, self.name = packing, int(vocab_size), name
         self.width = self.seq_len + 1  # tokens per row: inputs [:-1], targets [1:]
         self.buckets = bucket_lengths(self.seq_len) if packing == "bucket" else (self.seq_len,)
-        self._epoch: Optional[tuple[int, Any]] = None
+        self._epoch: tuple[int, Any] | None = None
         if docs is not None:
             if packing == "bucket":  # long documents become chunks of at most one row
-                self.docs = [d[i:i + self.width] for d in docs for i in range(0, len(d), self.width)]
+                self.docs = [d[i : i + self.width] for d in docs for i in range(0, len(d), self.width)]
                 self.docs = [d for d in self.docs if len(d) >= 2]
                 if not self.docs:
                     raise ValueError(f"--data {name!r}: no document has 2 tokens or more (needed for one target)")
@@ -200,11 +232,21 @@ class Dataset:
                 check_token_ids(d, self.vocab_size, arg=f"--data {name!r} (tokenized document {i})")
 
     @classmethod
-    def from_source(cls, source: str, *, seq_len: int, batch_size: int, seed: int = 0, packing: str = "pack",
-                    vocab_size: int = 256, tokenizer=None) -> "Dataset":
+    def from_source(
+        cls,
+        source: str,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        packing: str = "pack",
+        vocab_size: int = 256,
+        tokenizer=None,
+    ) -> Dataset:
         docs = None if source == SYNTHETIC else read_documents(source, tokenizer)
-        return cls(docs, seq_len=seq_len, batch_size=batch_size, seed=seed, packing=packing,
-                   vocab_size=vocab_size, name=source)
+        return cls(
+            docs, seq_len=seq_len, batch_size=batch_size, seed=seed, packing=packing, vocab_size=vocab_size, name=source
+        )
 
     # -- one epoch of a finite source: rows and batch order --------------------------------------------------
     def _build_epoch(self, epoch: int) -> tuple[list, np.ndarray]:
@@ -215,20 +257,20 @@ class Dataset:
             rows = {k: v[_rng(self.seed, _SHUFFLE, 2 * epoch + 1).permutation(len(v))] for k, v in rows.items()}
             n = rows["tokens"].shape[0]
             idx = np.arange(-(-n // b) * b) % n  # the last batch wraps around to the epoch's first rows
-            batches = [{k: v[idx[i:i + b]] for k, v in rows.items()} for i in range(0, idx.size, b)]
+            batches = [{k: v[idx[i : i + b]] for k, v in rows.items()} for i in range(0, idx.size, b)]
         else:
             idx = np.arange(-(-len(docs) // b) * b) % len(docs)
             window = _WINDOW * b
             for w in range(0, idx.size, window):  # sort by length within windows, then batch
-                idx[w:w + window] = sorted(idx[w:w + window], key=lambda j: len(docs[j]))
+                idx[w : w + window] = sorted(idx[w : w + window], key=lambda j: len(docs[j]))
             batches = []
             for i in range(0, idx.size, b):
-                chunk = [docs[j] for j in idx[i:i + b]]
+                chunk = [docs[j] for j in idx[i : i + b]]
                 longest = max(len(d) for d in chunk) - 1
                 batches.append(_pad_rows(chunk, next(L for L in self.buckets if L >= longest) + 1))
         return batches, _rng(self.seed, _ORDER, epoch).permutation(len(batches))
 
-    def batches_per_epoch(self) -> Optional[int]:
+    def batches_per_epoch(self) -> int | None:
         """Batches in one epoch of a finite source; None for ``synthetic`` (endless)."""
         return None if self.docs is None else len(self._epoch_data(0)[0])
 
@@ -251,8 +293,8 @@ class Dataset:
             while total < b * w:
                 docs.append(self._synthetic_doc(rng, w))
                 total += len(docs[-1])
-            tokens = np.concatenate(docs)[:b * w]
-            doc = np.repeat(np.arange(len(docs)), [len(d) for d in docs])[:b * w]
+            tokens = np.concatenate(docs)[: b * w]
+            doc = np.repeat(np.arange(len(docs)), [len(d) for d in docs])[: b * w]
             return _segments_to_rows(tokens, doc, b, w)
         chunk = [self._synthetic_doc(rng, w) for _ in range(b)]
         longest = max(len(d) for d in chunk) - 1

@@ -6,6 +6,7 @@ precision presets, and the integer dtypes accepted for token ids.
 
 Each framework maps these names to its own dtype objects (``jnp.dtype(name)`` / ``getattr(torch, name)``).
 """
+
 from __future__ import annotations
 
 # Floating dtypes a model, a checkpoint or a loader may be asked for.

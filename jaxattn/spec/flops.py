@@ -4,6 +4,7 @@ convention (forward 4·B·H·Sq·Sk·D, halved when causal; the backward 2.5× t
 
     model_flops(ModelConfig.preset("1b"), batch=4, seq=2048, train=True)["model_flops"]
 """
+
 from __future__ import annotations
 
 from .params import matmul_param_count
@@ -23,8 +24,12 @@ def model_flops(cfg, batch: int, seq: int, *, train: bool) -> dict:
     n = matmul_param_count(cfg)
     dense = (6 if train else 2) * n * batch * seq
     attn = cfg.n_layers * attention_flops(batch, cfg.n_heads, seq, seq, cfg.resolved_head_dim, True, backward=train)
-    return {"matmul_params": n, "dense_flops": float(dense), "attention_flops": float(attn),
-            "model_flops": float(dense + attn)}
+    return {
+        "matmul_params": n,
+        "dense_flops": float(dense),
+        "attention_flops": float(attn),
+        "model_flops": float(dense + attn),
+    }
 
 
 def flops_per_token(cfg, seq: int, train: bool = True) -> float:

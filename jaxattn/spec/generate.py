@@ -8,13 +8,14 @@ Rows are RIGHT-padded (``pad_prompts``): each row keeps positions ``0 .. len - 1
 KV caches track a length per row. Prefill lengths and cache lengths are rounded up to a power of two
 (:func:`bucket`) so a new prompt length rarely compiles a new program.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import numbers
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,8 +47,7 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
         bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
         if bad.size:
-            raise ValueError(f"prompts[{i}][{bad[0]}] = {int(ids[bad[0]])} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(f"prompts[{i}][{bad[0]}] = {int(ids[bad[0]])} is outside the vocabulary [0, {vocab_size})")
         out.append([int(t) for t in ids])
     return out
 
@@ -57,15 +57,17 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(n) - 1).bit_length())
 
 
-def cache_len(prompts: list[list[int]], max_new_tokens: int, max_len: Optional[int]) -> int:
+def cache_len(prompts: list[list[int]], max_new_tokens: int, max_len: int | None) -> int:
     """Slots the KV cache needs (rounded up to a bucket, capped at ``max_len``); ValueError when the longest
     prompt plus the new tokens do not fit ``max_len`` (the model's ``max_seq_len`` by default)."""
     need = max(len(p) for p in prompts) + max_new_tokens - 1  # the last sampled token is never fed back
     if need > max_len:
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-        raise ValueError(f"prompts[{longest}] has {len(prompts[longest])} tokens; with max_new_tokens="
-                         f"{max_new_tokens} it needs {need} cache slots > max_len={max_len} (the model's "
-                         f"max_seq_len unless given): shorten the prompt or generate fewer tokens")
+        raise ValueError(
+            f"prompts[{longest}] has {len(prompts[longest])} tokens; with max_new_tokens="
+            f"{max_new_tokens} it needs {need} cache slots > max_len={max_len} (the model's "
+            f"max_seq_len unless given): shorten the prompt or generate fewer tokens"
+        )
     return min(bucket(need), max_len)
 
 
@@ -73,12 +75,13 @@ def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple
     """Right-padded ``tokens [B, length]`` int32 and ``lengths [B]`` int32."""
     tokens = np.full((len(prompts), length), pad_id, np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def prepare(prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: Optional[int], config
-            ) -> tuple[np.ndarray, np.ndarray, int]:
+def prepare(
+    prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
     Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots)``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
@@ -88,7 +91,7 @@ def prepare(prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max
     return tokens, lengths, t
 
 
-def emit(host: np.ndarray, done: np.ndarray, eos_id: Optional[int]) -> list:
+def emit(host: np.ndarray, done: np.ndarray, eos_id: int | None) -> list:
     """One step's ids as ``stream`` yields them (None for a row that stopped before this step); marks in ``done``
     (updated in place) the rows that emitted ``eos_id`` now."""
     ids = [None if d else int(x) for x, d in zip(host, done)]
@@ -123,6 +126,7 @@ def print_stream(steps, tokenizer, file=None) -> None:
 # ------------------------------------------------------------------------------------------- tokenizers
 class ByteTokenizer:
     """Raw UTF-8 bytes as token ids 0..255 (the training CLI's byte-level text), no special tokens."""
+
     bos_id = eos_id = None
     add_bos = False
     chat_template = None
@@ -145,7 +149,10 @@ class HFDirTokenizer:
 
         self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        gen = {**_read_json(os.path.join(path, "config.json")), **_read_json(os.path.join(path, "generation_config.json"))}
+        gen = {
+            **_read_json(os.path.join(path, "config.json")),
+            **_read_json(os.path.join(path, "generation_config.json")),
+        }
         eos = gen.get("eos_token_id")
         self.eos_id = eos[0] if isinstance(eos, list) else eos
         self.bos_id = gen.get("bos_token_id")
@@ -164,8 +171,9 @@ class HFDirTokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                          add_generation_prompt=add_generation_prompt)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
 
 
 def _read_json(path: str) -> dict:
@@ -175,7 +183,7 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def load_tokenizer(path: Optional[str]):
+def load_tokenizer(path: str | None):
     """The checkpoint's tokenizer: GGUF metadata, an HF directory's ``tokenizer.json``, else byte-level."""
     if path is not None and str(path).endswith(".gguf") and os.path.isfile(path):
         from .gguf import read_gguf
@@ -199,7 +207,7 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
-        new, self.printed = text[len(self.printed):], text
+        new, self.printed = text[len(self.printed) :], text
         return new
 
 

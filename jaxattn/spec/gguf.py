@@ -7,11 +7,13 @@ dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/
     config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.decode(tok.encode("<|im_start|>user\\nHi")), tok.chat_template
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,8 +36,12 @@ CONFIG_KEYS = (
 # tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
 # "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
 PRE_TOKENIZERS = {
-    "default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2",
-    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2",
+    "default": "gpt2",
+    "gpt-2": "gpt2",
+    "gpt2": "gpt2",
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
 }
 GGUF_READ_DTYPES = ("float32", "float16")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched as whole tokens in text
@@ -44,17 +50,18 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched as whol
 class GGUFModel(NamedTuple):
     config: ModelConfig
     tensors: dict  # HF name -> np.ndarray
-    tokenizer: Optional["GGUFTokenizer"]
+    tokenizer: GGUFTokenizer | None
 
 
 @dataclass(frozen=True)
 class GGUFTokenizer:
     """The file's BPE tokenizer (a ``tokenizers.Tokenizer``), its special ids and chat template."""
+
     tokenizer: Any
-    bos_id: Optional[int]
-    eos_id: Optional[int]
+    bos_id: int | None
+    eos_id: int | None
     add_bos: bool
-    chat_template: Optional[str]
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
@@ -70,8 +77,9 @@ class GGUFTokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                          add_generation_prompt=add_generation_prompt)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
 
 
 _REQUIRED = object()
@@ -89,8 +97,9 @@ def _get(reader, key: str, where: str, default: Any = _REQUIRED) -> Any:
 def _positive(value: Any, key: str, where: str, kind=int):
     if isinstance(value, list):  # per-layer values (some architectures): one value only
         if len(set(value)) != 1:
-            raise CheckpointError(f"{where}: {key}={value} varies per layer; only one value for all layers is "
-                                  f"supported")
+            raise CheckpointError(
+                f"{where}: {key}={value} varies per layer; only one value for all layers is supported"
+            )
         value = value[0]
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) or not value > 0:
         raise CheckpointError(f"{where}: {key}={value!r} is invalid; expected a positive number")
@@ -113,18 +122,27 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
     head_dim = kw["dim"] // kw["n_heads"] if head_dim is None else _positive(head_dim, "key_length", where)
     value_dim = _get(reader, f"{arch}.attention.value_length", where, None)
     if value_dim is not None and value_dim != head_dim:
-        raise CheckpointError(f"{where}: {arch}.attention.value_length={value_dim} differs from key_length="
-                              f"{head_dim}; only equal query/key and value head sizes are supported")
+        raise CheckpointError(
+            f"{where}: {arch}.attention.value_length={value_dim} differs from key_length="
+            f"{head_dim}; only equal query/key and value head sizes are supported"
+        )
     rope_dim = _get(reader, f"{arch}.rope.dimension_count", where, None)
     if rope_dim is not None and rope_dim != head_dim:
-        raise CheckpointError(f"{where}: {arch}.rope.dimension_count={rope_dim} but the head size is {head_dim}; "
-                              f"partial rotary embeddings are not supported")
+        raise CheckpointError(
+            f"{where}: {arch}.rope.dimension_count={rope_dim} but the head size is {head_dim}; "
+            f"partial rotary embeddings are not supported"
+        )
     scaling = _get(reader, f"{arch}.rope.scaling.type", where, "none")
     if scaling != "none" or "rope_freqs.weight" in names:
-        what = (f"{arch}.rope.scaling.type={scaling!r}" if scaling != "none"
-                else "a rope_freqs.weight tensor (llama3 RoPE scaling stored as per-frequency factors)")
-        raise CheckpointError(f"{where} uses {what}: not supported; a GGUF file loads only without RoPE scaling "
-                              f"(rope.scaling.type absent or 'none', no rope_freqs.weight)")
+        what = (
+            f"{arch}.rope.scaling.type={scaling!r}"
+            if scaling != "none"
+            else "a rope_freqs.weight tensor (llama3 RoPE scaling stored as per-frequency factors)"
+        )
+        raise CheckpointError(
+            f"{where} uses {what}: not supported; a GGUF file loads only without RoPE scaling "
+            f"(rope.scaling.type absent or 'none', no rope_freqs.weight)"
+        )
     experts = _get(reader, f"{arch}.expert_count", where, 0)
     if experts:
         raise CheckpointError(f"{where}: {arch}.expert_count={experts}: mixture-of-experts is not supported")
@@ -132,8 +150,12 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
     vocab = len(tokens.data) if tokens is not None else _get(reader, f"{arch}.vocab_size", where, None)
     if vocab is None:
         raise CheckpointError(f"{where} has neither tokenizer.ggml.tokens nor {arch}.vocab_size")
-    return ModelConfig(vocab_size=int(vocab), head_dim=None if head_dim * kw["n_heads"] == kw["dim"] else head_dim,
-                       tie_embeddings="output.weight" not in names, **kw)
+    return ModelConfig(
+        vocab_size=int(vocab),
+        head_dim=None if head_dim * kw["n_heads"] == kw["dim"] else head_dim,
+        tie_embeddings="output.weight" not in names,
+        **kw,
+    )
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -145,17 +167,18 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     model = _get(reader, "tokenizer.ggml.model", where)
     if model != "gpt2":
-        raise CheckpointError(f"{where}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' "
-                              f"(byte-level BPE) tokenizers load")
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' (byte-level BPE) tokenizers load"
+        )
     pre = _get(reader, "tokenizer.ggml.pre", where, "default")
     if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; known: "
-                              f"{sorted(PRE_TOKENIZERS)}")
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     except ImportError as e:
-        raise ImportError("reading a GGUF tokenizer needs the `tokenizers` package (pip install tokenizers), "
-                          "or pass tokenizer=False") from e
+        raise ImportError(
+            "reading a GGUF tokenizer needs the `tokenizers` package (pip install tokenizers), or pass tokenizer=False"
+        ) from e
     tokens = _get(reader, "tokenizer.ggml.tokens", where)
     merges = []
     for m in _get(reader, "tokenizer.ggml.merges", where):
@@ -168,12 +191,20 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
         vocab.setdefault(t, i)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (byte_level if PRE_TOKENIZERS[pre] == "gpt2" else
-                         pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]))
+    tok.pre_tokenizer = (
+        byte_level
+        if PRE_TOKENIZERS[pre] == "gpt2"
+        else pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    )
     tok.decoder = decoders.ByteLevel()
     types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
-    tok.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
-                    for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+            for i in range(len(tokens))
+            if types[i] in (_CONTROL, _USER_DEFINED)
+        ]
+    )
     bos = _get(reader, "tokenizer.ggml.bos_token_id", where, None)
     eos = _get(reader, "tokenizer.ggml.eos_token_id", where, None)
     for key, i in (("bos_token_id", bos), ("eos_token_id", eos)):
@@ -183,10 +214,16 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     if add_bos:
         if bos is None:
             raise CheckpointError(f"{where}: tokenizer.ggml.add_bos_token is true but bos_token_id is missing")
-        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
-                                                           special_tokens=[(tokens[bos], bos)])
-    return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos), add_bos,
-                         _get(reader, "tokenizer.chat_template", where, None))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
+        )
+    return GGUFTokenizer(
+        tok,
+        None if bos is None else int(bos),
+        None if eos is None else int(eos),
+        add_bos,
+        _get(reader, "tokenizer.chat_template", where, None),
+    )
 
 
 def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
@@ -200,8 +237,10 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
     except ImportError as e:
         raise ImportError("reading a GGUF file needs the `gguf` package (pip install gguf)") from e
     if dtype not in GGUF_READ_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
-                         f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))")
+        raise ValueError(
+            f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
+            f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))"
+        )
     path = os.fspath(path)
     where = f"GGUF file {path!r}"
     if not os.path.isfile(path):
@@ -227,7 +266,9 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
         parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer Llama:"]
         for title, items in (("missing", missing), ("unsupported", unknown), ("unexpected", extra)):
             if items:
-                parts.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
+                parts.append(
+                    f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else "")
+                )
         raise CheckpointError("\n".join(parts))
     shapes = {hf: tuple(int(d) for d in reversed(by_name[n].shape)) for n, hf in names.items()}
     check_state_shapes(config, shapes, where)  # before any dequantization
@@ -237,8 +278,10 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
-            raise CheckpointError(f"{where}: tensor {name} has type {t.tensor_type.name}, which gguf "
-                                  f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
+            raise CheckpointError(
+                f"{where}: tensor {name} has type {t.tensor_type.name}, which gguf "
+                f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}"
+            ) from e
         w = np.asarray(w).reshape(shapes[hf])
         permute = params.match_gguf(name)[0].gguf_permute
         if permute is not None:

@@ -5,6 +5,7 @@
 
 Reads only ``batch['tokens'].shape``, so numpy, jax (tracers too) and torch batches all work.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,8 +15,9 @@ from typing import Any
 def check_grad_accum(grad_accum: object) -> int:
     """``grad_accum`` if it is an int >= 1, else a TypeError / ValueError naming it."""
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int):
-        raise TypeError(f"grad_accum must be an int >= 1 (microbatches per step), got {grad_accum!r} "
-                        f"({type(grad_accum).__name__})")
+        raise TypeError(
+            f"grad_accum must be an int >= 1 (microbatches per step), got {grad_accum!r} ({type(grad_accum).__name__})"
+        )
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1 (microbatches per step), got {grad_accum}")
     return grad_accum
@@ -26,6 +28,8 @@ def check_accum_batch(batch: Mapping[str, Any], grad_accum: int) -> int:
     ``grad_accum`` does not divide the batch ``B = batch['tokens'].shape[0]``."""
     n = int(batch["tokens"].shape[0])
     if n % grad_accum:
-        raise ValueError(f"grad_accum={grad_accum} does not divide the batch size {n} (batch['tokens'] has shape "
-                         f"{tuple(batch['tokens'].shape)}); pass a batch of grad_accum * microbatch rows")
+        raise ValueError(
+            f"grad_accum={grad_accum} does not divide the batch size {n} (batch['tokens'] has shape "
+            f"{tuple(batch['tokens'].shape)}); pass a batch of grad_accum * microbatch rows"
+        )
     return n // grad_accum

@@ -27,6 +27,7 @@ config of that hash (the next save renames it in first), so config and weights n
 ``config.json`` (hash differs, no such staged file) is used as it is. The loader reads nothing the commit point
 does not name, and the next save removes what a killed one left.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,8 @@ import os
 import re
 import shutil
 import stat
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from . import params
 from .atomic import fsync_path, temp_name, write_bytes_atomic
@@ -62,12 +64,12 @@ _TEMP_RE = re.compile(rf"\.(?P<final>{_OWNED})\.tmp-\d+-[0-9a-f]+")  # shards an
 _STAGING_RE = re.compile(r"\.save\.tmp-\d+-[0-9a-f]+")  # a save's private folder for its new files
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint directory or state dict does not match the model configuration, or cannot be parsed."""
 
 
 # ----------------------------------------------------------------------------------------------- checks
+
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """HF key -> shape for ``cfg`` (the parameter table's :func:`~jaxattn.spec.params.hf_shapes`)."""
@@ -87,13 +89,16 @@ def check_state_shapes(cfg, shapes: Mapping[str, Sequence[int]], where: str = "s
     unexpected = sorted(set(have) - set(want) - ignorable)
     wrong = sorted(f"{k}: expected {want[k]}, got {have[k]}" for k in set(want) & set(have) if want[k] != have[k])
     if cfg.tie_embeddings and "lm_head.weight" in have and have["lm_head.weight"] != want["model.embed_tokens.weight"]:
-        wrong.append(f"lm_head.weight: expected {want['model.embed_tokens.weight']} (tied), "
-                     f"got {have['lm_head.weight']}")
+        wrong.append(
+            f"lm_head.weight: expected {want['model.embed_tokens.weight']} (tied), got {have['lm_head.weight']}"
+        )
     if missing or unexpected or wrong:
         parts = [f"{where} does not match the model config:"]
         for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
             if items:
-                parts.append(f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
+                parts.append(
+                    f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else "")
+                )
         raise CheckpointError("\n".join(parts))
 
 
@@ -110,21 +115,28 @@ def check_state_dtypes(dtypes: Mapping[str, object], where: str = "state dict") 
     """
     bad = sorted(f"{k}: {dtype_name(d)}" for k, d in dtypes.items() if dtype_name(d) not in MODEL_DTYPES)
     if bad:
-        raise CheckpointError(f"{where} has tensors of unsupported dtype ({len(bad)}): " + ", ".join(bad[:20])
-                              + (" ..." if len(bad) > 20 else "") + f"; a checkpoint holds {', '.join(MODEL_DTYPES)}")
+        raise CheckpointError(
+            f"{where} has tensors of unsupported dtype ({len(bad)}): "
+            + ", ".join(bad[:20])
+            + (" ..." if len(bad) > 20 else "")
+            + f"; a checkpoint holds {', '.join(MODEL_DTYPES)}"
+        )
 
 
 def check_max_shard_bytes(max_shard_bytes) -> int:
     """``max_shard_bytes`` if it is a positive int (bool refused), else a TypeError/ValueError naming it."""
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, numbers.Integral):
-        raise TypeError(f"max_shard_bytes={max_shard_bytes!r} is not supported; use a positive int number of "
-                        f"bytes (e.g. 5 * 1024**3 for 5 GiB)")
+        raise TypeError(
+            f"max_shard_bytes={max_shard_bytes!r} is not supported; use a positive int number of "
+            f"bytes (e.g. 5 * 1024**3 for 5 GiB)"
+        )
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is not supported; use a positive int number of bytes")
     return int(max_shard_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- reading
+
 
 def _read_json(file: str) -> dict:
     try:
@@ -151,18 +163,19 @@ def _safetensors_metadata(file: str) -> dict:
 
 
 class _Live(NamedTuple):
-    kind: Optional[str]  # "single", "index" or None (nothing committed)
+    kind: str | None  # "single", "index" or None (nothing committed)
     files: frozenset  # names the commit point references, itself included
     weights: tuple  # the safetensors files to load, in order
-    config_sha: Optional[str]  # sha256 of config.json recorded at commit, None for foreign checkpoints
+    config_sha: str | None  # sha256 of config.json recorded at commit, None for foreign checkpoints
 
 
 def _live(path: str) -> _Live:
     """What loads from ``path`` now: ``model.safetensors`` if present (as in transformers), else the index."""
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        return _Live("single", frozenset([SINGLE_FILE]), (SINGLE_FILE,),
-                     _safetensors_metadata(single).get(CONFIG_HASH_KEY))
+        return _Live(
+            "single", frozenset([SINGLE_FILE]), (SINGLE_FILE,), _safetensors_metadata(single).get(CONFIG_HASH_KEY)
+        )
     index = os.path.join(path, INDEX_FILE)
     if not os.path.isfile(index):
         return _Live(None, frozenset(), (), None)
@@ -170,8 +183,11 @@ def _live(path: str) -> _Live:
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index} has no 'weight_map'")
-    odd = [n for n in set(weight_map.values())
-           if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
+    odd = [
+        n
+        for n in set(weight_map.values())
+        if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")
+    ]
     if odd:
         raise CheckpointError(f"{index} names shard files outside the directory: {odd}")
     names = sorted(set(weight_map.values()))
@@ -180,7 +196,7 @@ def _live(path: str) -> _Live:
     return _Live("index", frozenset(names) | {INDEX_FILE}, tuple(names), sha)
 
 
-def _sha256(file: str) -> Optional[str]:
+def _sha256(file: str) -> str | None:
     try:
         with open(file, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
@@ -216,8 +232,10 @@ def _read_config(path: str, live: _Live) -> dict:
 
 def _weight_paths(path: str, live: _Live) -> list[str]:
     if live.kind is None:
-        raise FileNotFoundError(f"checkpoint directory {path!r} has neither {SINGLE_FILE} nor {INDEX_FILE} "
-                                f"(found: {sorted(os.listdir(path))})")
+        raise FileNotFoundError(
+            f"checkpoint directory {path!r} has neither {SINGLE_FILE} nor {INDEX_FILE} "
+            f"(found: {sorted(os.listdir(path))})"
+        )
     absent = [f for f in live.weights if not os.path.isfile(os.path.join(path, f))]
     if absent:
         raise CheckpointError(f"{os.path.join(path, INDEX_FILE)} names shard files that are missing: {absent}")
@@ -260,6 +278,7 @@ def read_checkpoint(path: str | os.PathLike, load_file: Callable[[str], dict]) -
 
 
 # ----------------------------------------------------------------------------------------------- writing
+
 
 def _natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in str(name).split(".")]
@@ -311,8 +330,9 @@ def _prepare_dir(path) -> str:
         raise ValueError("path='' is empty; name the checkpoint directory (use '.' for the current directory)")
     if os.path.lexists(p) and not os.path.isdir(p):
         what = "a symbolic link to a non-directory" if os.path.islink(p) else "a file"
-        raise FileExistsError(f"path={p!r} is {what}; save_pretrained writes into a directory (it never replaces "
-                              f"a file)")
+        raise FileExistsError(
+            f"path={p!r} is {what}; save_pretrained writes into a directory (it never replaces a file)"
+        )
     try:
         os.makedirs(p, exist_ok=True)
     except PermissionError as e:
@@ -350,8 +370,15 @@ def _index(weight_map: dict, total: int, config_sha: str) -> dict:
     return {"metadata": {"total_size": int(total), CONFIG_HASH_KEY: config_sha}, "weight_map": weight_map}
 
 
-def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, object], sizes: Mapping[str, int],
-            save_file: Callable[[dict, str, dict], None], shards: list[list[str]]) -> None:
+def _commit(
+    path: str,
+    live: _Live,
+    hf_config: dict,
+    tensors: Mapping[str, object],
+    sizes: Mapping[str, int],
+    save_file: Callable[[dict, str, dict], None],
+    shards: list[list[str]],
+) -> None:
     """Steps 1-5 of the protocol in the module docstring; the caller holds the lock, ``live`` is ``_recover``'s.
 
     New files are written in a private staging folder (``safetensors`` makes its own temp file beside the
@@ -420,9 +447,14 @@ def _commit(path: str, live: _Live, hf_config: dict, tensors: Mapping[str, objec
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def write_checkpoint(path: str | os.PathLike, hf_config: dict, tensors: Mapping[str, object],
-                     sizes: Mapping[str, int], save_file: Callable[[dict, str, dict], None],
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+def write_checkpoint(
+    path: str | os.PathLike,
+    hf_config: dict,
+    tensors: Mapping[str, object],
+    sizes: Mapping[str, int],
+    save_file: Callable[[dict, str, dict], None],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
     """Write ``config.json`` and the safetensors file(s) into ``path`` crash-safely; return its absolute path.
 
     ``save_file(tensors_subset, filename, metadata)`` writes one safetensors file (framework-specific). Only

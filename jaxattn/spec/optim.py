@@ -19,11 +19,12 @@ shared by ``jaxattn.optim`` and ``torchref.optim`` (numpy only).
   does before its search). :func:`quantize_blockwise` is the numpy reference of the rounding rule both
   frameworks use.
 """
+
 from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ MIN_8BIT_SIZE = 4096
 # ----------------------------------------------------------------------------------------------------------------
 # Argument checks
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
@@ -75,9 +77,19 @@ def check_schedule(schedule: object, warmup: object, steps: object, min_lr_ratio
         raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must be a float in [0, 1] (final lr / peak lr)")
 
 
-def check_hparams(name: object, lr: object, weight_decay: object, *, schedule: object = "constant",
-                  warmup: object = 0, steps: object = None, min_lr_ratio: object = 0.0,
-                  b1: Optional[float] = None, b2: Optional[float] = None, eps: Optional[float] = None) -> dict:
+def check_hparams(
+    name: object,
+    lr: object,
+    weight_decay: object,
+    *,
+    schedule: object = "constant",
+    warmup: object = 0,
+    steps: object = None,
+    min_lr_ratio: object = 0.0,
+    b1: float | None = None,
+    b2: float | None = None,
+    eps: float | None = None,
+) -> dict:
     """Checks everything ``build`` takes (``lr`` may be a callable schedule); returns the Adam hyper-parameters
     ``{"b1", "b2", "eps"}`` with the defaults filled in (adafactor: an empty dict; it takes no betas/eps)."""
     check_name(name)
@@ -94,8 +106,10 @@ def check_hparams(name: object, lr: object, weight_decay: object, *, schedule: o
     if name == "adafactor":
         extra = [k for k, v in given.items() if v is not None]
         if extra:
-            raise ValueError(f"adafactor takes no {'/'.join(extra)} (it keeps no first moment and uses "
-                             f"torch.optim.Adafactor's eps); pass them only to adamw, adamw_fused or adamw8bit")
+            raise ValueError(
+                f"adafactor takes no {'/'.join(extra)} (it keeps no first moment and uses "
+                f"torch.optim.Adafactor's eps); pass them only to adamw, adamw_fused or adamw8bit"
+            )
         return {}
     out = {k: ADAMW_DEFAULTS[k] if v is None else v for k, v in given.items()}
     for k in ("b1", "b2"):
@@ -110,6 +124,7 @@ def check_hparams(name: object, lr: object, weight_decay: object, *, schedule: o
 # Weight-decay rule and schedules
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def decays(name: str) -> bool:
     """Whether the parameter called ``name`` (dotted, e.g. ``model.layers.0.input_layernorm.weight`` or
     ``layers.attn_norm``) gets weight decay: not for norm weights and biases, yes for everything else."""
@@ -117,8 +132,9 @@ def decays(name: str) -> bool:
     return not (any(p.endswith("norm") for p in parts) or (parts and parts[-1] == "bias"))
 
 
-def lr_factor(step: Any, *, schedule: str, warmup: int, steps: Optional[int], min_lr_ratio: float = 0.0,
-              xp: Any = np) -> Any:
+def lr_factor(
+    step: Any, *, schedule: str, warmup: int, steps: int | None, min_lr_ratio: float = 0.0, xp: Any = np
+) -> Any:
     """The multiplier of the peak learning rate after ``step`` applied updates (see the module docstring).
     Arguments are assumed checked (:func:`check_schedule`); ``xp`` is ``numpy`` or ``jax.numpy``."""
     s = xp.asarray(step) * 1.0
@@ -137,6 +153,7 @@ def lr_factor(step: Any, *, schedule: str, warmup: int, steps: Optional[int], mi
 # 8-bit block-wise quantisation (bitsandbytes' dynamic maps)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def dynamic_map(signed: bool = True) -> np.ndarray:
     """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``: 256 sorted float32
     values, dense near 0 (a decimal exponent 10**-6..10**0 and a linear fraction whose bits shrink as the
@@ -144,7 +161,7 @@ def dynamic_map(signed: bool = True) -> np.ndarray:
     in float64 and rounded once; bitsandbytes builds it with float32 torch ops, so a few entries differ by 1 ulp."""
     data: list[float] = []
     for i in range(7):
-        n = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        n = 2**i + 1 if signed else 2 ** (i + 1) + 1
         bounds = np.linspace(0.1, 1.0, n)
         scaled = 10.0 ** (-6 + i) * (bounds[:-1] + bounds[1:]) / 2.0
         data += scaled.tolist()
@@ -165,8 +182,7 @@ def quantization_map(signed: bool) -> np.ndarray:
     return code
 
 
-def quantize_blockwise(x: np.ndarray, code: np.ndarray, block_size: int = BLOCK_SIZE
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def quantize_blockwise(x: np.ndarray, code: np.ndarray, block_size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """numpy reference of the rounding rule: flatten (C order), split into ``block_size`` blocks (the last one
     shorter), ``absmax`` = max |x| per block, ``x / absmax`` (a division, float32) rounded to the NEAREST map
     entry, ties to the lower index (bitsandbytes ``quantize_block``). A block of zeros stores absmax 0.
@@ -174,7 +190,7 @@ def quantize_blockwise(x: np.ndarray, code: np.ndarray, block_size: int = BLOCK_
     flat = np.asarray(x, np.float32).reshape(-1)
     n_blocks = -(-flat.size // block_size)
     blocks = np.zeros(n_blocks * block_size, np.float32)
-    blocks[:flat.size] = flat
+    blocks[: flat.size] = flat
     blocks = blocks.reshape(n_blocks, block_size)
     absmax = np.abs(blocks).max(axis=1)
     safe = np.where(absmax > 0, absmax, np.float32(1.0))[:, None]
@@ -184,8 +200,7 @@ def quantize_blockwise(x: np.ndarray, code: np.ndarray, block_size: int = BLOCK_
     return (idx + right_closer).astype(np.uint8), absmax.astype(np.float32)
 
 
-def dequantize_blockwise(codes: np.ndarray, absmax: np.ndarray, code: np.ndarray, shape: tuple[int, ...]
-                         ) -> np.ndarray:
+def dequantize_blockwise(codes: np.ndarray, absmax: np.ndarray, code: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax`` per block, cut back to ``shape``."""
     size = int(np.prod(shape))
     return (code[codes] * absmax[:, None]).reshape(-1)[:size].reshape(shape)

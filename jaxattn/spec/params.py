@@ -14,23 +14,38 @@ parameters and axes (``jaxattn.model``), the int8 targets (both ``quant`` module
 A key may also hold ``{e}`` (an expert index): such a row's JAX shape then starts with the ``experts`` axis and each
 expert is its own HF tensor.
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
 
-__all__ = ["ParamRow", "ROWS", "TENSOR_PARALLEL_AXES", "AXIS_FIELDS", "rows", "layer_rows", "global_rows",
-           "row", "hf_keys", "hf_shapes", "gguf_names", "match_gguf", "quantizable_rows", "tp_style",
-           "param_count", "matmul_param_count"]
+__all__ = [
+    "ParamRow",
+    "ROWS",
+    "TENSOR_PARALLEL_AXES",
+    "AXIS_FIELDS",
+    "rows",
+    "layer_rows",
+    "global_rows",
+    "row",
+    "hf_keys",
+    "hf_shapes",
+    "gguf_names",
+    "match_gguf",
+    "quantizable_rows",
+    "tp_style",
+    "param_count",
+    "matmul_param_count",
+]
 
 KINDS = ("embedding", "linear", "norm")
 # Logical axes that Megatron tensor parallelism splits (JAX: the ``tensor`` mesh axis; torch: the TP plan).
 TENSOR_PARALLEL_AXES = ("vocab", "heads", "kv_heads", "mlp")
 # The config field whose divisibility a split of each logical axis needs.
-AXIS_FIELDS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "ffn_dim", "vocab": "vocab_size",
-               "embed": "dim"}
+AXIS_FIELDS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "ffn_dim", "vocab": "vocab_size", "embed": "dim"}
 
 
 def _always(cfg) -> bool:
@@ -47,7 +62,7 @@ class ParamRow:
     shape: Callable
     axes: tuple
     gguf: str
-    gguf_permute: Optional[str] = None
+    gguf_permute: str | None = None
     present: Callable = _always
 
     @property
@@ -74,7 +89,7 @@ class ParamRow:
 
     def hf_shape(self, cfg) -> tuple:
         """One HF tensor's shape (one layer, one expert)."""
-        s = tuple(self.shape(cfg))[1 if "{e}" in self.hf else 0:]
+        s = tuple(self.shape(cfg))[1 if "{e}" in self.hf else 0 :]
         return s[::-1] if self.transposed else s
 
     @property
@@ -89,29 +104,98 @@ def _hd(c) -> int:
 
 
 ROWS: tuple[ParamRow, ...] = (
-    ParamRow("embed", "model.embed_tokens.weight", "embedding", lambda c: (c.vocab_size, c.dim), ("vocab", "embed"),
-             "token_embd.weight"),
-    ParamRow("wq", "model.layers.{i}.self_attn.q_proj.weight", "linear", lambda c: (c.dim, c.n_heads * _hd(c)),
-             ("embed", "heads"), "blk.{i}.attn_q.weight", gguf_permute="n_heads"),
-    ParamRow("wk", "model.layers.{i}.self_attn.k_proj.weight", "linear", lambda c: (c.dim, c.n_kv_heads * _hd(c)),
-             ("embed", "kv_heads"), "blk.{i}.attn_k.weight", gguf_permute="n_kv_heads"),
-    ParamRow("wv", "model.layers.{i}.self_attn.v_proj.weight", "linear", lambda c: (c.dim, c.n_kv_heads * _hd(c)),
-             ("embed", "kv_heads"), "blk.{i}.attn_v.weight"),
-    ParamRow("wo", "model.layers.{i}.self_attn.o_proj.weight", "linear", lambda c: (c.n_heads * _hd(c), c.dim),
-             ("heads", "embed"), "blk.{i}.attn_output.weight"),
-    ParamRow("w_gate", "model.layers.{i}.mlp.gate_proj.weight", "linear", lambda c: (c.dim, c.ffn_dim),
-             ("embed", "mlp"), "blk.{i}.ffn_gate.weight"),
-    ParamRow("w_up", "model.layers.{i}.mlp.up_proj.weight", "linear", lambda c: (c.dim, c.ffn_dim),
-             ("embed", "mlp"), "blk.{i}.ffn_up.weight"),
-    ParamRow("w_down", "model.layers.{i}.mlp.down_proj.weight", "linear", lambda c: (c.ffn_dim, c.dim),
-             ("mlp", "embed"), "blk.{i}.ffn_down.weight"),
-    ParamRow("attn_norm", "model.layers.{i}.input_layernorm.weight", "norm", lambda c: (c.dim,), ("embed",),
-             "blk.{i}.attn_norm.weight"),
-    ParamRow("mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", "norm", lambda c: (c.dim,), ("embed",),
-             "blk.{i}.ffn_norm.weight"),
+    ParamRow(
+        "embed",
+        "model.embed_tokens.weight",
+        "embedding",
+        lambda c: (c.vocab_size, c.dim),
+        ("vocab", "embed"),
+        "token_embd.weight",
+    ),
+    ParamRow(
+        "wq",
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "linear",
+        lambda c: (c.dim, c.n_heads * _hd(c)),
+        ("embed", "heads"),
+        "blk.{i}.attn_q.weight",
+        gguf_permute="n_heads",
+    ),
+    ParamRow(
+        "wk",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "linear",
+        lambda c: (c.dim, c.n_kv_heads * _hd(c)),
+        ("embed", "kv_heads"),
+        "blk.{i}.attn_k.weight",
+        gguf_permute="n_kv_heads",
+    ),
+    ParamRow(
+        "wv",
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "linear",
+        lambda c: (c.dim, c.n_kv_heads * _hd(c)),
+        ("embed", "kv_heads"),
+        "blk.{i}.attn_v.weight",
+    ),
+    ParamRow(
+        "wo",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "linear",
+        lambda c: (c.n_heads * _hd(c), c.dim),
+        ("heads", "embed"),
+        "blk.{i}.attn_output.weight",
+    ),
+    ParamRow(
+        "w_gate",
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "linear",
+        lambda c: (c.dim, c.ffn_dim),
+        ("embed", "mlp"),
+        "blk.{i}.ffn_gate.weight",
+    ),
+    ParamRow(
+        "w_up",
+        "model.layers.{i}.mlp.up_proj.weight",
+        "linear",
+        lambda c: (c.dim, c.ffn_dim),
+        ("embed", "mlp"),
+        "blk.{i}.ffn_up.weight",
+    ),
+    ParamRow(
+        "w_down",
+        "model.layers.{i}.mlp.down_proj.weight",
+        "linear",
+        lambda c: (c.ffn_dim, c.dim),
+        ("mlp", "embed"),
+        "blk.{i}.ffn_down.weight",
+    ),
+    ParamRow(
+        "attn_norm",
+        "model.layers.{i}.input_layernorm.weight",
+        "norm",
+        lambda c: (c.dim,),
+        ("embed",),
+        "blk.{i}.attn_norm.weight",
+    ),
+    ParamRow(
+        "mlp_norm",
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "norm",
+        lambda c: (c.dim,),
+        ("embed",),
+        "blk.{i}.ffn_norm.weight",
+    ),
     ParamRow("norm", "model.norm.weight", "norm", lambda c: (c.dim,), ("embed",), "output_norm.weight"),
-    ParamRow("lm_head", "lm_head.weight", "linear", lambda c: (c.dim, c.vocab_size), ("embed", "vocab"),
-             "output.weight", present=lambda c: not c.tie_embeddings),
+    ParamRow(
+        "lm_head",
+        "lm_head.weight",
+        "linear",
+        lambda c: (c.dim, c.vocab_size),
+        ("embed", "vocab"),
+        "output.weight",
+        present=lambda c: not c.tie_embeddings,
+    ),
 )
 assert all(r.kind in KINDS for r in ROWS) and len({r.name for r in ROWS}) == len(ROWS)
 
@@ -167,7 +251,7 @@ def gguf_names(cfg) -> dict[str, str]:
     return out
 
 
-def match_gguf(name: str) -> Optional[tuple[ParamRow, tuple]]:
+def match_gguf(name: str) -> tuple[ParamRow, tuple] | None:
     """``(row, (layer[, expert]))`` of a GGUF tensor name, whatever the layer count; None for a name of no row."""
     for r in ROWS:
         m = re.fullmatch(re.escape(r.gguf).replace(r"\{i\}", r"(\d+)").replace(r"\{e\}", r"(\d+)"), name)
@@ -176,7 +260,7 @@ def match_gguf(name: str) -> Optional[tuple[ParamRow, tuple]]:
     return None
 
 
-def tp_style(r: ParamRow) -> Optional[str]:
+def tp_style(r: ParamRow) -> str | None:
     """Megatron tensor parallelism of a weight, read off its logical axes: ``"colwise"`` when its output (last JAX)
     axis is split, ``"rowwise"`` when its first axis is (an ``nn.Embedding``'s vocabulary rows, or a linear's input
     features), None when neither is (norms: replicated)."""

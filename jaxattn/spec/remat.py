@@ -12,6 +12,7 @@ output (torchtitan's selective AC); the rest is recomputed. ``offload``: activat
 of device memory (JAX: the :data:`OFFLOAD_NAMES` tags, the rest recomputed; torch: every saved tensor of the layer
 via ``save_on_cpu``, nothing recomputed).
 """
+
 from __future__ import annotations
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots", "save_qkv_attn", "offload")

@@ -11,13 +11,13 @@ checkpoint), so the file reads as one uninterrupted run. ``peak_mem_bytes`` is t
 where the framework reports one (GPU), else the process's peak resident set size (CPU). ``tokens_per_s`` counts
 real (non-padding) input tokens over the step's wall time; step 1's time includes the compile.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import resource
 import sys
-from typing import Optional
 
 __all__ = ["KEYS", "RunLog", "host_peak_rss_bytes", "read_log"]
 
@@ -37,8 +37,7 @@ def read_log(path: str) -> list[dict]:
 
 
 class RunLog:
-    def __init__(self, total: int, start: int = 0, path: Optional[str] = None, progress: bool = True,
-                 desc: str = "train"):
+    def __init__(self, total: int, start: int = 0, path: str | None = None, progress: bool = True, desc: str = "train"):
         self.file = None
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -55,12 +54,29 @@ class RunLog:
 
             self.bar = tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, disable=None)
 
-    def step(self, *, step: int, loss: float, grad_norm: float, lr: float, loss_scale: float, skipped: bool,
-             tokens: int, seconds: float, peak_mem_bytes: int) -> dict:
-        rec = {"step": int(step), "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(lr),
-               "loss_scale": float(loss_scale), "skipped": bool(skipped),
-               "tokens_per_s": float(tokens / seconds) if seconds > 0 else None,
-               "peak_mem_bytes": int(peak_mem_bytes)}
+    def step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        loss_scale: float,
+        skipped: bool,
+        tokens: int,
+        seconds: float,
+        peak_mem_bytes: int,
+    ) -> dict:
+        rec = {
+            "step": int(step),
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "loss_scale": float(loss_scale),
+            "skipped": bool(skipped),
+            "tokens_per_s": float(tokens / seconds) if seconds > 0 else None,
+            "peak_mem_bytes": int(peak_mem_bytes),
+        }
         if self.file is not None:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()

@@ -6,12 +6,14 @@ frameworks time the same way.
 
     stats = time_calls(lambda: sum(range(1000)), warmup=2, iters=20)   # {"median_s", "p10_s", "p90_s", "iters"}
 """
+
 from __future__ import annotations
 
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["percentile", "summarize", "time_calls", "StepTimer"]
 
@@ -36,17 +38,28 @@ def summarize(times: Iterable[float]) -> dict:
     xs = sorted(times)
     if not xs:
         raise ValueError("summarize: times is empty; need at least one measurement")
-    return {"median_s": statistics.median(xs), "p10_s": percentile(xs, 0.1), "p90_s": percentile(xs, 0.9),
-            "iters": len(xs)}
+    return {
+        "median_s": statistics.median(xs),
+        "p10_s": percentile(xs, 0.1),
+        "p90_s": percentile(xs, 0.9),
+        "iters": len(xs),
+    }
 
 
-def time_calls(fn: Callable, *args, warmup: int = 3, iters: int = 20, sync: Callable[[Any], None] = _no_sync,
-               **kwargs) -> dict:
+def time_calls(
+    fn: Callable, *args, warmup: int = 3, iters: int = 20, sync: Callable[[Any], None] = _no_sync, **kwargs
+) -> dict:
     """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` calls after ``warmup`` untimed calls
     (compilation, autotuning and allocator growth stay out). Each call's result is passed to ``sync`` before
     the clock stops (``jax.block_until_ready``, ``torch.cuda.synchronize``)."""
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1 \
-            or isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if (
+        isinstance(iters, bool)
+        or not isinstance(iters, int)
+        or iters < 1
+        or isinstance(warmup, bool)
+        or not isinstance(warmup, int)
+        or warmup < 0
+    ):
         raise ValueError(f"need iters >= 1 and warmup >= 0 (ints), got iters={iters!r}, warmup={warmup!r}")
     for _ in range(warmup):
         sync(fn(*args, **kwargs))
@@ -85,7 +98,7 @@ class StepTimer:
     nothing (the framework's "wait for all device work"). ``skip_first`` drops each phase's first ``n``
     durations (compilation) from the summary."""
 
-    def __init__(self, sync: Optional[Callable[..., None]] = None, skip_first: int = 0):
+    def __init__(self, sync: Callable[..., None] | None = None, skip_first: int = 0):
         if isinstance(skip_first, bool) or not isinstance(skip_first, int) or skip_first < 0:
             raise ValueError(f"skip_first must be an int >= 0, got {skip_first!r}")
         self.sync = sync or _no_sync
@@ -110,7 +123,7 @@ class StepTimer:
         duration left after ``skip_first`` are left out)."""
         out = {}
         for name, ts in self.times.items():
-            kept = ts[self.skip_first:]
+            kept = ts[self.skip_first :]
             if kept:
                 out[name] = dict(summarize(kept), total_s=sum(kept))
         return out
@@ -121,6 +134,8 @@ class StepTimer:
         total = sum(v["median_s"] for v in s.values()) or 1.0
         lines = [f"{'phase':<16}{'n':>6}{'median ms':>12}{'p90 ms':>10}{'share':>8}"]
         for name, v in s.items():
-            lines.append(f"{name:<16}{v['iters']:>6}{1e3 * v['median_s']:>12.3f}{1e3 * v['p90_s']:>10.3f}"
-                         f"{100 * v['median_s'] / total:>7.1f}%")
+            lines.append(
+                f"{name:<16}{v['iters']:>6}{1e3 * v['median_s']:>12.3f}{1e3 * v['p90_s']:>10.3f}"
+                f"{100 * v['median_s'] / total:>7.1f}%"
+            )
         return "\n".join(lines)
