@@ -1,6 +1,6 @@
 """Mixed precision for the JAX side: dtype policies and matmul-precision flags (twin of ``torchref.precision``).
 
-Loss scaling lives in ``jaxattn.loss_scale`` (its names are re-exported here for older imports).
+Loss scaling is ``jaxattn.loss_scale``; :meth:`Policy.make_loss_scale` makes the one a preset needs.
 
     policy = Policy.preset("bf16")                  # fp32 masters, bf16 compute, fp32 outputs
     with matmul_precision("high"): ...              # torch.set_float32_matmul_precision("high")
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale, all_finite, select_tree
+from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .loss_scale import is_float_array as _is_float_array
 from .spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
 
@@ -56,11 +56,6 @@ __all__ = [
     "get_matmul_settings",
     "set_matmul_precision",
     "matmul_precision",
-    "DynamicLossScale",
-    "NoOpLossScale",
-    "LossScale",
-    "all_finite",
-    "select_tree",
 ]
 
 # --------------------------------------------------------------------------------------------------------------

@@ -357,7 +357,7 @@ def _kv_heads_null(pkg):
 def _lazy_submodules(pkg):
     code = {
         "jax": "import jaxattn; jaxattn.attention.dot_product_attention; "
-        "jaxattn.precision.DynamicLossScale; jaxattn.loss_scale.DynamicLossScale",
+        "jaxattn.precision.Policy; jaxattn.loss_scale.DynamicLossScale",
         "torch": "import torchref; torchref.attention.dot_product_attention; torchref.precision",
     }[pkg]
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.precision import DynamicLossScale, NoOpLossScale, Policy, all_finite, select_tree
+from jaxattn.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
+from jaxattn.precision import Policy
 
 torch = pytest.importorskip("torch")
 
