@@ -5,26 +5,13 @@
     cache = cache.with_lengths(prompt_lengths)                 # the valid length of each row
     logits, cache = model(next_tokens[:, None], cache=cache)  # one decode step, Sq = 1
 
-A pytree of static shapes: ``k``/``v`` ``[n_layers, B, max_len, Hkv, D]`` and ``lengths [B]`` int32 (tokens held
-per row), so the decode step compiles once and a prefill once per prompt length. Rows are RIGHT-padded: row ``b``
-holds its tokens at slots ``0 .. lengths[b] - 1`` and its positions are ``0, 1, ...`` exactly as when it runs alone.
-A model call with ``S`` tokens writes them at slots ``lengths[b] .. lengths[b] + S - 1`` of every row and returns
-the cache with ``lengths + S``.
-
-* ``S = 1`` (decode): the query attends over the whole cache through the attention contract with segment ids
-  ``(q_ids = 1, kv_ids = 1 for slots <= lengths[b], 0 for the empty ones)``.
-* ``S > 1`` (prefill): the cache must be EMPTY (``lengths == 0``; checked when ``lengths`` is concrete, it cannot
-  be under ``jit``); the tokens attend causally among themselves.
-The caller keeps ``lengths[b] + S <= max_len`` (``jaxattn.generate`` sizes the cache so); past it
-``dynamic_update_slice`` would clamp the write.
-
-Decode attention goes through the attention contract, so the active ``attention_backend`` picks the kernel; the
-default (``xla`` on CPU) is unchanged. ``with attention_backend("flash_decode", "flash"):`` sends each decode step
-to the Pallas split-K (flash-decoding) kernel, ``jaxattn.attention.decode``, and prefills it declines (more than
-64 query rows per kv head) to ``flash``: from the decode ids it takes each row's length (its key range is cut to
-the slots whose id matches) and splits that range over several programs per (row, kv head), so a long cache at
-batch 1 still fills the GPU. Enter the block before the decode step is first traced (``jaxattn.generate`` caches
-its jitted programs). It is forward only.
+A pytree of static shapes, ``k``/``v`` ``[n_layers, B, max_len, Hkv, D]`` and ``lengths [B]``, so the decode step
+compiles once. Rows are right-padded: row ``b`` holds its tokens at slots ``0 .. lengths[b] - 1`` with positions
+``0, 1, ...`` as when it runs alone; a call with ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``.
+A decode step (``S = 1``) attends over the cache through the attention contract with segment ids (1 for the
+filled slots, 0 for the empty ones), so the active ``attention_backend`` picks the kernel (``flash_decode``, the
+split-K kernel, when asked); a prefill (``S > 1``) needs an empty cache and attends causally. The caller keeps
+``lengths + S <= max_len`` (``jaxattn.generate`` sizes the cache so).
 """
 
 from __future__ import annotations

@@ -3,28 +3,19 @@
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     logits = model(jnp.asarray([[1, 2, 3]]))        # float32 [1, 3, vocab]
 
-Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual]
--> RMSNorm -> LM head. Layer parameters are stacked along a leading ``n_layers`` axis and the layers run under
-``jax.lax.scan``, so compile time does not grow with depth. Weights are stored in the JAX ``[in, out]`` layout
-(``jaxattn.hf`` transposes to and from Hugging Face's ``[out, in]``). The model computes in the dtype of its
-parameters (a precision policy casts the state from outside); RMSNorm statistics, the softmax and the logits
-are float32.
+Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head, with
+the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
+parameters those of the table ``jaxattn.spec.params``. The model computes in its parameters' dtype (a precision
+policy casts the state from outside); norm statistics, softmax and logits are float32.
 
-Seams for outside code, nothing more (no mesh, no policy object): every ``nnx.Param`` carries logical axis
-names (``nnx.get_partition_spec(nnx.state(model))``, see :data:`PARAM_AXES`); the values a remat policy may keep
-are tagged with ``checkpoint_name`` (:data:`REMAT_NAMES`, MaxText's names); ``Llama.remat`` is a policy NAME
-(a static, hashable attribute in the graphdef, set by ``jaxattn.remat.apply``) that ``jaxattn.remat.wrap_layer``
-turns into ``jax.checkpoint`` around the scanned layer body; the hidden states (after the embedding and each
-layer) and the logits pass through :func:`constrain` with their logical axis names, a no-op unless
-``jaxattn.sharding.activation_sharding`` maps them to mesh axes while a step traces; attention runs through
-:func:`per_shard` (q/k/v by logical names), which that context turns into a ``shard_map`` so a kernel XLA cannot
-partition runs on each device's rows and heads.
+Seams for outside code, nothing more: logical axis names on every ``nnx.Param``; ``checkpoint_name`` tags
+(:data:`REMAT_NAMES`) and a remat policy NAME (``Llama.remat``, set by ``jaxattn.remat.apply``); :func:`constrain`
+on hidden states and logits and :func:`per_shard` around attention, no-ops unless
+``jaxattn.sharding.activation_sharding`` is active while a step traces.
 
-Token ids: an eager call (concrete ``tokens``) raises ValueError naming the first id outside ``[0, vocab)``.
-Under ``jit`` the ids are tracers and cannot be checked: an out-of-range id then embeds to a ZERO vector (the
-lookup is ``jnp.take(..., mode="fill", fill_value=0)``, never jnp's default NaN fill) and its embedding row gets
-no gradient, so a masked pad id (e.g. ``vocab_size``) cannot poison the loss or the parameters. To check ids
-inside jit use ``jaxattn.train.make_train_step(..., check_ids="jit")`` (``jax.experimental.checkify``).
+Token ids: an eager call raises ValueError naming the first id outside ``[0, vocab)``; under ``jit`` an
+out-of-range id embeds to zeros (never NaN) and gets no gradient (``make_train_step(..., check_ids="jit")``
+checks inside jit).
 """
 
 from __future__ import annotations

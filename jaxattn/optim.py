@@ -3,29 +3,16 @@
     tx = build("adamw", 3e-4, weight_decay=0.1, schedule="cosine", warmup=100, steps=10_000)
     graphdef, state = jaxattn.train.TrainState.create(model, tx)   # or nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-Names, defaults, the schedules and the weight-decay rule live in ``jaxattn.spec.optim`` (shared with torch).
-Weight decay skips norm weights and biases BY NAME (the mask works on an ``nnx.State`` of params or any dict
-tree); the learning rate is ``lr * lr_factor(count)`` where optax's ``count`` counts APPLIED updates only: a
-train step that skips a non-finite fp16 step keeps the old ``opt_state``, so the schedule does not advance
-(``torchref.optim.step_scheduler`` does the same for ``LambdaLR``).
+Names, defaults, schedules and the weight-decay rule (by NAME: no decay for norms and biases) are
+``jaxattn.spec.optim``'s, shared with torch. The learning rate is ``lr * lr_factor(count)`` with optax's
+``count`` of APPLIED updates (a skipped fp16 step keeps the old state, so the schedule does not advance).
 
-* ``adamw``: ``optax.adamw`` (eps outside the square root, decoupled decay times the scheduled lr) = torch AdamW.
-* ``adamw_fused``: the same ``optax.adamw``; torch's twin is ``AdamW(fused=True)``. Under ``jax.jit`` XLA
-  fuses the elementwise update itself: compiled on CPU (update + ``apply_updates`` in one jit), each leaf
-  becomes three loop fusions, one per output (new m, new v, and the new p, which re-reads the new m and v and
-  folds in the bias corrections, sqrt/divide, decay and lr), plus a few scalar fusions for the step count; no
-  temporaries for m_hat/v_hat/u. GPU XLA may merge the siblings with multi-output fusion (not measured here).
-  What XLA does not do is torch's multi-tensor batching (one kernel launch for many tensors); with stacked
-  layers the model has ~12 leaves, so the launch count stays small.
-* ``adafactor``: ``torch.optim.Adafactor``'s algorithm from optax's building blocks (``scale_by_factored_rms``,
-  ``clip_by_block_rms``, ``scale_by_param_block_rms``): no momentum, second-moment decay ``1 - t**-0.8``,
-  update clipping at RMS 1, step ``min(lr, 1/sqrt(t)) * max(1e-3, RMS(p))``, decay ``lr * wd * p``. Where it
-  still differs from torch: optax factors only leaves whose two LARGEST dims are both >= 128 (torch factors
-  every >= 2-D tensor over its last two dims) and adds 1e-30 to g**2 (torch clamps at float32 eps); the block
-  RMS of clipping and parameter scaling is over the whole leaf, i.e. over ALL layers of a stacked JAX weight.
-  ``optax.adafactor`` itself is not used: it applies ``weight_decay_rate`` without the learning rate.
-* ``adamw8bit``: block-wise 8-bit AdamW (Dettmers et al. 2022, bitsandbytes' ``AdamW8bit``): written here
-  because no JAX library has one. See :func:`scale_by_adam_8bit`.
+* ``adamw`` / ``adamw_fused``: ``optax.adamw`` (= torch ``AdamW``; under ``jit`` XLA fuses the update itself,
+  see ``benchmarks/NOTES.md``).
+* ``adafactor``: torch's ``Adafactor`` algorithm from optax's building blocks (``optax.adafactor`` applies weight
+  decay without the lr); where it still differs from torch is in ``parity_tests/test_optim.py``.
+* ``adamw8bit``: block-wise 8-bit AdamW (Dettmers et al. 2022), written here because no JAX library has one
+  (:func:`scale_by_adam_8bit`).
 """
 
 from __future__ import annotations

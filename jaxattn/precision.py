@@ -1,35 +1,15 @@
 """Mixed precision for the JAX side: dtype policies and matmul-precision flags (twin of ``torchref.precision``).
 
-Loss scaling is ``jaxattn.loss_scale``; :meth:`Policy.make_loss_scale` makes the one a preset needs.
-
     policy = Policy.preset("bf16")                  # fp32 masters, bf16 compute, fp32 outputs
     with matmul_precision("high"): ...              # torch.set_float32_matmul_precision("high")
 
-``Policy(param_dtype, compute_dtype, output_dtype)``
-    A jmp-style policy applied to the model from OUTSIDE the layer code. Parameters stay in ``param_dtype``
-    (float32 masters); the train step casts the parameter state to ``compute_dtype`` inside the differentiated
-    function before ``nnx.merge``, so the model (which computes in the dtype of its parameters) runs in low
-    precision and the gradients come back in ``param_dtype``. Presets (same names as ``torchref.precision``):
-
-    ============  =========  ==========  ========  ============================================================
-    preset        params     compute     output    torch twin
-    ============  =========  ==========  ========  ============================================================
-    ``fp32``      float32    float32     float32   no autocast
-    ``bf16``      float32    bfloat16    float32   ``torch.autocast(dtype=torch.bfloat16)``, fp32 params
-    ``fp16``      float32    float16     float32   ``torch.autocast(dtype=torch.float16)`` + ``GradScaler``
-    ``bf16-pure`` bfloat16   bfloat16    float32   params (and AdamW state) in bf16, no autocast (torchtitan's
-                                                   ``training.dtype = bfloat16``)
-    ============  =========  ==========  ========  ============================================================
-
-    The two packages do not round identically: autocast decides per op (matmuls in low precision, reductions
-    and softmax in fp32, a float32 residual stream), the JAX policy casts the parameters so every op of the
-    model runs in ``compute_dtype`` except where the model itself asks for float32 (RMSNorm statistics,
-    softmax, logits). Parity between them is therefore measured by the design §7 low-precision rules
-    (2x a naive implementation's error; whole-model KL), not bit-for-bit.
-
-``set_matmul_precision(name, ...)``
-    Process-wide float32 matmul precision, mirroring ``torch.set_float32_matmul_precision``; see its docstring
-    for the mapping table and where JAX has no exact twin.
+``Policy(param_dtype, compute_dtype, output_dtype)`` is applied from OUTSIDE the model: the train step casts the
+float32 master parameters to ``compute_dtype`` inside the differentiated function, so the model runs in low
+precision and the gradients come back in ``param_dtype``. Presets ``fp32``, ``bf16``, ``fp16`` (with a
+``DynamicLossScale``: :meth:`Policy.make_loss_scale`) and ``bf16-pure`` (bf16 parameters and optimizer state) have
+torch's names; torch's autocast decides per op while this casts the parameters, so the twins are compared by
+design §7's low-precision rules, not bit for bit. ``set_matmul_precision`` mirrors
+``torch.set_float32_matmul_precision`` (its docstring maps the names and says where JAX has no twin).
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """One training step for the Flax NNX Llama, the twin of ``torchref.train_step.make_train_step``.
 
-    tx = optax.adamw(3e-4)
     graphdef, state = TrainState.create(model, tx, policy="bf16")
     step = make_train_step(graphdef, tx, policy="bf16", max_grad_norm=1.0)
     state, metrics = step(state, {"tokens": tokens})       # metrics: loss, grad_norm, loss_scale, skipped
 
-``make_train_step`` binds the graphdef, the optax transformation, the policy and the clipping norm once and
-jits a PURE function of ``(TrainState, batch)`` (flax's performance guide): the model is split ONCE outside
-(``TrainState.create``) and merged inside the traced function, so a step costs no per-call NNX graph traversal
-in Python. Before the jitted call the host side checks the batch format (``jaxattn.spec.batch``) and, when the
-ids are concrete (numpy or jax arrays, not tracers), that every token id is in ``[0, vocab)``. What one step
-does, in the order ``torch.amp`` does it:
-
-1. cast the float32 master params to the policy's compute dtype INSIDE the differentiated function and merge
-   the model (so the gradients come back in the params' dtype, jmp-style);
-2. loss = mean next-token cross-entropy in float32 over ``tokens[:, :-1] -> tokens[:, 1:]``, weighted by the
-   loss mask and by segment boundaries (``loss_weights``); masked targets are dropped with ``where``, not
-   multiplied by 0, so a masked position can never turn the loss or the gradients into NaN;
-3. gradients of ``loss * loss_scale``; non-finite check on the SCALED gradients; unscale (``scaler.unscale_``);
-4. optional global-norm clipping AFTER the unscale, with ``torch.nn.utils.clip_grad_norm_``'s formula
-   (``coef = max_norm / (norm + 1e-6)``, clamped to 1) — hand-written because ``optax.clip_by_global_norm``
-   divides by the norm without the 1e-6 and so is not torch's rule;
-5. the optimizer update (e.g. ``optax.adamw``), then, on a non-finite step, the OLD params and optimizer state
-   are kept (GradScaler skipping ``optimizer.step()``) and the loss scale backs off.
-
-``optax.adamw`` with the same hyper-parameters is ``torch.optim.AdamW`` up to float rounding (the derivation is
-in ``parity_tests/test_train_step.py``); pass all hyper-parameters explicitly on both sides (defaults differ).
-On a skipped step the optax step count (and so an optax schedule) does not advance, exactly like torch's
-``optimizer.step`` being skipped; a torch ``LRScheduler.step()`` called unconditionally by a loop WOULD advance.
-``TrainState.step`` counts calls, skipped or not.
+A jitted PURE function of ``(TrainState, batch)``: the model is split once outside and merged inside the trace
+(flax's performance guide: no per-call graph traversal). The host checks the batch format and token ids first.
+One step, in ``torch.amp``'s order: cast the float32 masters to the compute dtype inside the differentiated
+function; mean next-token cross-entropy in float32 (masked targets dropped with ``where``, never ``0 * nan``);
+gradients of ``loss * scale``, the non-finite check on the SCALED gradients, unscale; clipping with
+``clip_grad_norm_``'s formula (``max_norm / (norm + 1e-6)``, which ``optax.clip_by_global_norm`` is not); the
+update — or, on a non-finite step, the OLD params and optimizer state, and the scale backs off (optax's count
+then does not advance, like a skipped ``optimizer.step``). ``TrainState.step`` counts calls.
 """
 
 from __future__ import annotations

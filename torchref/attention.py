@@ -1,29 +1,14 @@
 """Attention for torchref: ``torch.nn.functional.scaled_dot_product_attention`` under the jaxattn contract.
 
-Torch layout: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``.  Same keywords as
-``jaxattn.attention.dot_product_attention`` (design §4): ``causal`` is bottom-right aligned when
-``Sq != Sk`` (torch's ``is_causal`` is top-left there, so we pass ``causal_lower_right`` or a boolean
-mask instead), ``window=(left, right)``, ``softcap`` (Gemma-2), ``segment_ids`` ``[B, S]`` or
-``(q_ids, kv_ids)``; a query row that sees no key returns zeros (SDPA can return NaN for such rows, and NaN
-in its backward would poison dk/dv, so those rows are given a harmless dummy key and their output zeroed).
+    out = dot_product_attention(q, k, v, causal=True, window=(128, 0), backend="xla")   # q [B, Hq, Sq, D]
 
-``backend`` names map onto ``SDPBackend`` by the backend table's torch-twin column
-(:data:`jaxattn.spec.attention.BACKENDS`) and the call runs under ``torch.nn.attention.sdpa_kernel``:
-``xla``→MATH, ``flash``→FLASH_ATTENTION, ``chunked``→EFFICIENT_ATTENTION, ``cudnn``→CUDNN_ATTENTION
-(``mosaic`` and ``flash_decode`` have no torch twin).  ``backend=None`` leaves the choice to SDPA (and to any
-``sdpa_kernel`` or :func:`attention_backend` block the caller opened).  Arguments are checked by the contract
-shared with jaxattn (:func:`jaxattn.spec.attention.check_call`): same rules, same messages.
-
-Hand-written parts, and why: the mask rule (SDPA has no bottom-right window or segment ids; this file must
-not import jax, so the rule is restated here and the parity tests pin the two copies to each other), and a
-plain-math path for ``softcap`` (SDPA cannot express a score modification; ``flex_attention`` could on GPU
-but is not used here), which only the MATH backend (``xla``) may serve — other backends raise a clear error.
-GQA: SDPA's ``enable_gqa`` works only with the FLASH and MATH backends, so for EFFICIENT/CUDNN the kv heads
-are expanded (a copy) before the call.
-
-NaN inputs are not part of the contract: jaxattn propagates NaN from q/k/v, but torch's CPU SDPA flash kernel
-(what ``backend=None`` picks on CPU) returns zeros for a query row that holds a NaN (``backend="xla"``, MATH,
-propagates it), so the two packages may differ there and no parity test feeds NaN.
+Same keywords and checks as ``jaxattn.attention.dot_product_attention`` (design §4, :func:`check_call` of
+``jaxattn.spec.attention``), in torch's layout. ``backend`` names map onto ``SDPBackend`` by the backend table's
+torch-twin column and run under ``sdpa_kernel``; None leaves the choice to SDPA. Hand-written, and why: the mask
+(SDPA has no bottom-right window or segment ids; the parity tests pin it to JAX's), zeros for a row that sees no
+key (SDPA could give NaN, and NaN in its backward), a plain-math path for ``softcap`` (SDPA cannot express it;
+only ``xla``/MATH serves it), and kv heads expanded for EFFICIENT/CUDNN (``enable_gqa`` is FLASH/MATH only).
+NaN inputs are outside the contract: torch's CPU flash kernel zeroes a row holding a NaN.
 """
 
 from __future__ import annotations

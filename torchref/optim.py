@@ -3,24 +3,14 @@
     optimizer, scheduler = build(model, "adamw", 3e-4, weight_decay=0.1, schedule="cosine", warmup=100, steps=10_000)
     ...; metrics = step(batch); step_scheduler(scheduler, skipped=bool(metrics["skipped"]))
 
-Names, defaults, the schedules (``spec.optim.lr_factor``, also the ``LambdaLR`` multiplier here) and the
-weight-decay rule (by parameter NAME: two param groups, norm weights and biases without decay) are
-``jaxattn.spec.optim``'s, shared with JAX.
+Names, defaults, schedules and the weight-decay rule (by NAME: two param groups) are ``jaxattn.spec.optim``'s.
+``scheduler.last_epoch`` counts APPLIED updates, as optax's ``count`` does: call :func:`step_scheduler`, which
+steps it only when the update was applied (``GradScaler.step`` may skip ``optimizer.step()``).
 
-Skipped steps: ``scheduler.last_epoch`` must count APPLIED optimizer updates, as optax's ``count`` does (a JAX
-step that skips a non-finite fp16 update keeps the old optimizer state, count included). ``GradScaler.step``
-skips ``optimizer.step()`` but a loop that calls ``scheduler.step()`` unconditionally would still advance the
-schedule; call :func:`step_scheduler` instead, which steps it only when the update was applied.
-
-* ``adamw``: ``torch.optim.AdamW`` (torch picks the for-loop or foreach implementation).
-* ``adamw_fused``: ``torch.optim.AdamW(fused=True)``: one fused kernel over all tensors (CPU kernel since torch
-  2.4, CUDA since 2.0).
+* ``adamw`` / ``adamw_fused``: ``torch.optim.AdamW`` (``fused=True``: one fused kernel over all tensors).
 * ``adafactor``: ``torch.optim.Adafactor(lr, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0)``.
-* ``adamw8bit``: :class:`AdamW8bit`, written here: block-wise 8-bit AdamW, the same algorithm and rounding as
-  ``jaxattn.optim.scale_by_adam_8bit``. bitsandbytes' ``AdamW8bit`` is the same algorithm, but its CPU
-  quantiser (a table-driven binary search) does not always round to the NEAREST map entry (~0.1% of the
-  indices of one step, near midpoints), so it cannot be the bit-level twin of the JAX code; the parity tests
-  compare against it when it is installed.
+* ``adamw8bit``: :class:`AdamW8bit`, block-wise 8-bit AdamW with the rounding of ``jaxattn.optim`` (bitsandbytes'
+  CPU quantiser is the same algorithm but does not always round to the nearest entry; the tests compare).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""Mixed precision for the PyTorch side: dtype policies over ``torch.autocast``, and matmul-precision flags.
+"""Mixed precision for the PyTorch side: dtype policies over ``torch.autocast``, and matmul-precision flags (twin
+of ``jaxattn.precision``, same preset names).
 
-Twin of ``jaxattn.precision`` with the same preset names:
+    with Policy.preset("bf16").autocast("cpu"): logits = model(tokens)
 
-============  =========  ==========  ========  ===================================================================
-preset        params     compute     output    what it does here
-============  =========  ==========  ========  ===================================================================
-``fp32``      float32    float32     float32   nothing (no autocast)
-``bf16``      float32    bfloat16    float32   ``torch.autocast(device_type, dtype=torch.bfloat16)``
-``fp16``      float32    float16     float32   ``torch.autocast(device_type, dtype=torch.float16)``; pair it with
-                                               ``torch.amp.GradScaler`` (``Policy.make_grad_scaler``)
-``bf16-pure`` bfloat16   bfloat16    float32   parameters cast to bfloat16 (``Policy.cast_model``; buffers such as
-                                               the RoPE ``inv_freq`` stay float32), no autocast — torchtitan's
-                                               ``training.dtype = "bfloat16"``
-============  =========  ==========  ========  ===================================================================
-
-Autocast is per-op (matmuls in the low dtype, reductions/softmax in float32, residual stream float32), while
-the JAX policy casts the parameters; the parity tests compare them by design §7's low-precision rules.
-
-``set_matmul_precision(name, ...)`` sets ``torch.set_float32_matmul_precision``, ``cuda.matmul.allow_tf32``
-(through the former), ``cudnn.allow_tf32`` and the two ``allow_*_reduced_precision_reduction`` flags, and
-returns the previous settings (usable as a context manager). See ``jaxattn.precision.set_matmul_precision`` for
-the mapping table and the places where JAX has no exact twin.
+``fp32``: no autocast; ``bf16`` / ``fp16``: ``torch.autocast`` with float32 parameters (fp16 paired with
+``torch.amp.GradScaler``: ``Policy.make_grad_scaler``); ``bf16-pure``: parameters cast to bfloat16
+(``Policy.cast_model``; buffers such as RoPE's ``inv_freq`` stay float32), no autocast. ``set_matmul_precision``
+sets ``torch.set_float32_matmul_precision``, ``cudnn.allow_tf32`` and the ``allow_*_reduced_precision_reduction``
+flags and returns the previous settings (also a context manager).
 """
 
 from __future__ import annotations

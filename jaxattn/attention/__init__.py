@@ -1,42 +1,21 @@
 """Attention for jaxattn: one public op, several backends, a dispatcher modelled on torch's ``sdpa_kernel``.
 
-    from jaxattn.attention import dot_product_attention, attention_backend
-    out = dot_product_attention(q, k, v, causal=True)              # best available backend
+    out = dot_product_attention(q, k, v, causal=True)              # the default order's first taker
     with attention_backend("flash", "xla"):                          # ordered preference, like sdpa_kernel
         out = dot_product_attention(q, k, v, causal=True)
     out = dot_product_attention(q, k, v, backend="chunked")          # explicit (a name or a sequence)
 
-Layout: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is design §4 (bottom-right causal,
-``(left, right)`` window, Gemma-2 softcap, segment ids, zeros for a query that sees no key).
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is design §4. The backends and their torch twins are
+the table :data:`jaxattn.spec.attention.BACKENDS`; each backend module has ``supports(q, k, v, args)`` (None or a
+one-line reason) and ``attention(q, k, v, args)`` and is imported lazily (a failed import only makes it decline).
+When nothing serves a call, :class:`AttentionBackendError` lists every backend tried and why it declined.
 
-Backends (torch twin in brackets; the table is :data:`jaxattn.spec.attention.BACKENDS`, shared with torchref):
-``xla`` [MATH] plain jnp; ``chunked`` [EFFICIENT_ATTENTION] O(S)-memory pure JAX; ``flash`` [FLASH_ATTENTION]
-our Pallas kernel; ``mosaic`` Pallas Mosaic GPU (Hopper); ``cudnn`` [CUDNN_ATTENTION] via
-``jax.nn.dot_product_attention``; ``flash_decode`` (module ``decode``) our Pallas split-K decode kernel
-(forward only, at most 64 query rows per kv head; opt-in: ``attention_backend("flash_decode", "flash")`` sends
-KV-cache decode steps to it and the rest on).  Each backend module has ``supports(q, k, v, args)`` returning
-None or a one-line reason, and ``attention(q, k, v, args)``.  Backend
-modules are imported lazily: a module that fails to import (e.g. Mosaic GPU on an old jax) only makes that
-backend decline, with the import error as its reason.  When no listed backend serves a call,
-:class:`AttentionBackendError` lists every backend tried and why it declined (what torch's ``SDPBackend.ERROR``
-gestures at).
+The choice is made when the call is TRACED (a jitted function keeps its first choice: enter
+``attention_backend`` before its first call), per thread (a ContextVar), and for the platform the trace targets
+(:func:`current_target`, worked out once per call): on a CPU host compiling for an H100, say so::
 
-The dispatcher is hand-written (no library has this one): the choice is made when the call is traced, so a
-function already compiled by ``jax.jit`` keeps the backend chosen at its first trace — enter
-``attention_backend(...)`` before the first call of the jitted function (or jit inside the context).
-The active preference is a ``contextvars.ContextVar``, so it is per thread / per asyncio task.
-
-The choice is made for the platform the trace *targets* (:func:`current_target`), not the host: on a CPU
-host, ``jax.jit(f).lower(lowering_platforms=("cuda",))`` cannot tell a trace it is for a GPU (jax hands the
-platforms to the lowering, after tracing), so say it explicitly, or give q a sharding over GPU devices
-(e.g. a deviceless H100 topology's, see :mod:`jaxattn.gpu_target`)::
-
-    with target_platform("gpu", compute_capability=(9, 0)):      # compile for an H100 from a CPU host
+    with target_platform("gpu", compute_capability=(9, 0)):
         lowered = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
-
-The target is worked out once per call; every ``supports()`` and the chosen backend run inside
-``target_platform(<that target>)``, so each reads that same :class:`Target` (one context-variable lookup, e.g.
-``flash``'s ``interpret=None``) instead of inspecting the arrays again.
 """
 
 from __future__ import annotations

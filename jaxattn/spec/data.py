@@ -3,30 +3,14 @@
     ds = Dataset.from_source("notes.txt", seq_len=128, batch_size=8, seed=0, vocab_size=256)
     batch = ds.batch(0)   # {"tokens": int32 [8, 129], "loss_mask", "segment_ids", "positions"} (spec.batch format)
 
-``batch(i)`` is a pure function of ``(source, seq_len, batch_size, seed, packing, i)``: both frameworks see the
-same batches in the same order, and resuming at step ``i`` needs nothing but ``i`` (the data position).
-``jaxattn.data`` adds the host->device prefetch, ``torchref.data`` a ``DataLoader``.
-
-Tokenizer: raw UTF-8 bytes, ids 0..255, NO special tokens (the ``tiny`` preset's vocabulary is exactly 256, so a
-BOS/EOS/PAD id would not fit). Document boundaries are carried by ``segment_ids`` instead of an EOS token:
-attention never crosses them and no target crosses them (``loss_weights``); ``positions`` restart at 0 at the
-start of every segment in a row. When the ``--init`` directory holds a ``tokenizer.json`` that one is used
-instead (``tokenizers`` library); its ids are checked against the model's vocabulary.
-
-Sources: ``synthetic`` (documents ``(a + b*t) mod vocab`` with random start ``a``, stride ``b`` in 1..7 and
-length: learnable, so the loss falls); a text file (one document); a folder (every file under it, sorted, one
-document each; ``.npy`` files inside are pre-tokenized); a ``.npy`` of ids (1-D: one document; 2-D: one document
-per row). Every epoch the documents are shuffled (seeded), then:
-
-* ``packing="pack"``: concatenated and cut into rows of ``seq_len + 1`` tokens (a document may continue into
-  the next row, as a new segment); the tail row is padded (``loss_mask`` 0, segment id 0). Every batch has the
-  same shape: one compile.
-* ``packing="bucket"``: one document (or a ``seq_len + 1`` chunk of a long one) per row, rows sorted by length
-  within windows of 8 batches, each batch padded to the smallest of :func:`bucket_lengths` that fits: a few
-  shapes, so JAX compiles once per bucket.
-
-Rows of an epoch are shuffled, batched by ``batch_size`` (the last batch wraps around to the epoch's first rows)
-and batch order within the epoch is shuffled. The seed of each random choice is ``[seed, purpose, epoch]``.
+``batch(i)`` is a pure function of ``(source, seq_len, batch_size, seed, packing, i)``: both frameworks see the same
+batches in the same order, and a resume needs only ``i``. Tokens are UTF-8 bytes (ids 0..255, no special tokens),
+or the ``--init`` directory's ``tokenizer.json``; document boundaries are ``segment_ids`` (attention and targets
+never cross them; positions restart per segment). Sources: ``synthetic`` (learnable ``(a + b*t) mod vocab``
+documents), a text file, a folder of files, or a ``.npy`` of ids. Each epoch shuffles the documents (seeded by
+``[seed, purpose, epoch]``), then ``packing="pack"`` cuts their concatenation into full rows (one shape: one
+compile) or ``packing="bucket"`` puts one document per row, padded to the smallest of :func:`bucket_lengths`
+(one compile per bucket).
 """
 
 from __future__ import annotations

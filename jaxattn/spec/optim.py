@@ -1,23 +1,15 @@
 """Optimizer names, defaults, the weight-decay rule, learning-rate schedules and the 8-bit quantisation maps,
 shared by ``jaxattn.optim`` and ``torchref.optim`` (numpy only).
 
-    from jaxattn.spec.optim import lr_factor
     lr_factor(50, schedule="cosine", warmup=10, steps=100)   # 0.5 * (1 + cos(pi * 40 / 90))
 
-* Schedules (Hugging Face's ``get_{cosine,linear,constant}_schedule_with_warmup``, which optax's
-  ``warmup_cosine_decay_schedule`` also is): ``step`` = number of optimizer updates ALREADY APPLIED, so the
-  first update uses ``lr_factor(0)``. Warmup ramps ``step / warmup`` from 0 to 1; then ``progress = (step -
-  warmup) / (steps - warmup)`` clipped to [0, 1] and the factor is ``m + (1 - m) * decay(progress)`` with
-  ``m = min_lr_ratio`` and decay ``1`` (constant), ``1 - p`` (linear) or ``(1 + cos(pi p)) / 2`` (cosine).
-  ``xp`` is the array module (``numpy`` here and for torch's ``LambdaLR``; ``jax.numpy`` inside a jitted step).
-* Weight decay (:func:`decays`) is decided by NAME, the same rule in both packages: no decay for norm weights
-  (a dotted-name component ending in ``norm``: HF ``input_layernorm`` / ``post_attention_layernorm`` /
-  ``model.norm``, ours ``layers.attn_norm`` / ``layers.mlp_norm`` / ``norm``) and for biases. An ``ndim == 1``
-  rule would be wrong for the JAX model, whose stacked layer norms are 2-D ``[n_layers, dim]``.
-* 8-bit maps (:func:`quantization_map`): bitsandbytes' ``create_dynamic_map`` (signed for Adam's first moment,
-  unsigned for the second), with entry 0 set to -1.0 (as the C quantiser in bitsandbytes' ``csrc/cpu_ops.cpp``
-  does before its search). :func:`quantize_blockwise` is the numpy reference of the rounding rule both
-  frameworks use.
+* Schedules (Hugging Face's ``get_*_schedule_with_warmup`` with a floor ``min_lr_ratio``): ``step`` counts updates
+  already applied; linear warmup from 0, then constant / linear / cosine decay to the floor. ``xp`` is the array
+  module (numpy, or ``jax.numpy`` inside a jitted step).
+* Weight decay (:func:`decays`) by NAME: none for norm weights (a name component ending in ``norm``) and biases —
+  an ``ndim == 1`` rule would miss the JAX model's stacked ``[n_layers, dim]`` norms.
+* 8-bit maps (:func:`quantization_map`): bitsandbytes' dynamic maps; :func:`quantize_blockwise` is the numpy
+  reference of the rounding both frameworks use.
 """
 
 from __future__ import annotations
