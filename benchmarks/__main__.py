@@ -99,7 +99,11 @@ def main(argv=None) -> int:
 
     info = measure.env_info()
     info["quick"] = args.quick
-    out = args.out or str(RESULTS_DIR / (measure.device_slug(info) + ("-quick" if args.quick else "")))
+    out = (
+        args.out
+        if args.out is not None
+        else str(RESULTS_DIR / (measure.device_slug(info) + ("-quick" if args.quick else "")))
+    )
     try:
         out = check_out_dir(out)
     except ValueError as e:

@@ -1,29 +1,32 @@
-"""Training checkpoints for the JAX trainer with orbax (twin of ``torchref.checkpoint``).
+"""Training checkpoints for the JAX trainer with orbax, in a run directory of ``spec.rundir`` (twin of
+``torchref.checkpoint``).
 
-    ckpt = Checkpointer("runs/a", keep=3)
+    ckpt = Checkpointer("runs/a", keep=3, run={"seed": 0, ...})
     ckpt.save(step, {"train": state, "rng": key_data}, meta={"step": step, "data_position": step, ...})
     tree, meta = ckpt.restore(ckpt.latest_step(), like={"train": state, "rng": key_data})
 
-What a checkpoint holds: the whole ``TrainState`` pytree (params, the model's other variables, the optax state,
-the loss scale, the step), the root PRNG key data, and a JSON ``meta`` (step, data position, host RNG states,
-the model config and the flags). orbax's ``CheckpointManager`` writes each step into a temporary directory,
-finalises it and renames it to ``<step>/`` only when complete (the commit), so a kill during a write leaves the
-previous checkpoints intact and the half-written one invisible (its temporary directory is removed by the next
-manager). ``keep`` = ``max_to_keep``: orbax deletes only its own older step directories, never other files.
-Saves are synchronous (the step waits for the write).
-"""
+A checkpoint holds the whole ``TrainState`` pytree, the root PRNG key data and a JSON ``meta``, in ``step_<N>/``.
+orbax writes it into a temporary directory and renames it when complete, so a kill leaves the previous steps whole.
+orbax's own pruning and step discovery are off: the run marker (``spec.rundir``) records each step before it is
+written and its files' sha256 after, so ``keep`` deletes only steps this run wrote and :meth:`latest_step` is the
+newest step whose checksums match (a corrupt one is skipped with a warning). Saves are synchronous."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from .spec.rundir import RunDir
+
 __all__ = ["Checkpointer", "ORBAX_VERSION"]
 
 ORBAX_VERSION = getattr(ocp, "__version__", "unknown")
+STEP_PREFIX = "step"  # step_<N>/: a folder of the user's named by a number is never taken for a step
 
 
 def _abstract(tree: Any) -> Any:
@@ -36,35 +39,70 @@ def _abstract(tree: Any) -> Any:
 
 
 class Checkpointer:
-    """Step checkpoints in ``directory`` (orbax ``CheckpointManager``, items ``state`` and ``meta``)."""
+    """Step checkpoints of one run in ``directory`` (see the module docstring). ``run``: the run-defining flags
+    (``spec.rundir.RUN_FLAGS``); ``resume``: continue the run recorded there (else a new run: another run's
+    checkpoints are refused unless ``overwrite``); ``writer``: this process writes the marker (process 0)."""
 
-    def __init__(self, directory: str, keep: int = 3):
+    def __init__(
+        self,
+        directory: str,
+        keep: int = 3,
+        *,
+        run: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        writer: bool = True,
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
-        self.directory = os.path.abspath(directory)
+        self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
+        self.run_dir = RunDir(self.directory, "jax", run or {}, resume=resume, overwrite=overwrite)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True
+            max_to_keep=None,
+            create=True,
+            enable_async_checkpointing=False,
+            cleanup_tmp_directories=True,
+            step_prefix=STEP_PREFIX,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.problems: list[str] = []
+
+    def locked(self):
+        """The directory's lock for the duration of a run (process 0 only: the others share its run)."""
+        return self.run_dir.locked() if self.writer else contextlib.nullcontext()
 
     def latest_step(self) -> int | None:
-        self.manager.reload()
-        return self.manager.latest_step()
+        """The newest step of this run whose files match their checksums; why newer ones were skipped is in
+        :attr:`problems`."""
+        step, self.problems = self.run_dir.latest_valid()
+        return step
 
     def all_steps(self) -> list[int]:
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
+        return self.run_dir.complete_steps()
 
     def save(self, step: int, tree: Any, meta: dict) -> None:
-        self.manager.save(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        step = int(step)
+        if self.writer:
+            self.run_dir.begin(step, [f"{STEP_PREFIX}_{step}"])
+        try:
+            self.manager.reload()
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self.manager.wait_until_finished()
+        except BaseException:
+            if self.writer:
+                self.run_dir.abort(step)
+            raise
+        if self.writer:
+            self.run_dir.commit(step)
+            self.run_dir.prune(self.keep)
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """``(tree, meta)`` of ``step``; ``like`` is a tree of the same structure (arrays or shape structs)."""
+        self.manager.reload()
         out = self.manager.restore(
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()),

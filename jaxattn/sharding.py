@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -211,10 +213,15 @@ def global_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
 
 
 def initialize_distributed(
-    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout: float = 300.0,
 ) -> None:
     """``jax.distributed.initialize`` from the arguments, else the environment (``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); on CPU with gloo collectives. Call before any other jax use."""
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); on CPU with gloo collectives. Call before any other jax use. Says on
+    stderr whom it waits for; a process that has not met all the others within ``timeout`` seconds prints one
+    line naming the coordinator and the count and exits with status 2 (jax's own deadline aborts from C++)."""
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
     if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
@@ -231,7 +238,33 @@ def initialize_distributed(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # pragma: no cover - a jax without the option
         pass
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    print(
+        f"jaxattn: process {process_id} waiting up to {timeout:g} s for all {num_processes} processes at {coordinator}",
+        file=sys.stderr,
+        flush=True,
+    )
+    # jax's own deadline ends the process from C++ (a CHECK failure and a stack dump), so ours fires first: one line
+    # and exit status 2; jax's is set later so that it never wins the race
+    watchdog = threading.Timer(timeout, _rendezvous_timed_out, (process_id, num_processes, coordinator, timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator, num_processes=num_processes, process_id=process_id, initialization_timeout=int(timeout) + 60
+        )
+    finally:
+        watchdog.cancel()
+
+
+def _rendezvous_timed_out(process_id: int, num_processes: int, coordinator: str, timeout: float) -> None:
+    print(
+        f"jaxattn: error: process {process_id}: the {num_processes} processes did not all meet at {coordinator} "
+        f"within {timeout:g} s; start every process with the same --coordinator and --num-processes, or raise "
+        f"--distributed-timeout",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(2)
 
 
 @contextlib.contextmanager

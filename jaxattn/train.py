@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from . import hf, optim, remat
-from .attention import BACKENDS, FORWARD_ONLY, attention_backend
+from .attention import BACKENDS, FORWARD_ONLY, attention_backend, available_backends
 from .checkpoint import Checkpointer
 from .data import prefetch_to_device
 from .model import Llama
@@ -38,9 +39,9 @@ from .profiling import StepTimer, peak_memory_bytes, start_trace, stop_trace
 from .seed import host_rng_state, seed_all, set_host_rng_state
 from .sharding import initialize_distributed, make_mesh, parse_mesh, shard_train_state
 from .spec import optim as spec_optim
-from .spec.cli import CLIError, cli_main, parse_args
+from .spec.cli import CLIError, TrainingError, cli_main, parse_args, run_flags
 from .spec.data import Dataset, copy_tokenizer, load_tokenizer
-from .spec.runlog import RunLog
+from .spec.runlog import DivergenceGuard, RunLog
 from .train_step import (  # noqa: F401
     BATCH_KEYS,
     CHECK_IDS,
@@ -68,6 +69,17 @@ class Trainer:
 
     def __init__(self, args, config):
         self.args, self.config = args, config
+        # the checkpoint directory first: another run's, or a changed run on --resume, fails before anything is built
+        self.ckpt, self.last_saved = None, None
+        if args.checkpoint_dir:
+            self.ckpt = Checkpointer(
+                args.checkpoint_dir,
+                args.keep_checkpoints,
+                run=run_flags(args, config),
+                resume=args.resume,
+                overwrite=args.overwrite,
+                writer=jax.process_index() == 0,
+            )
         set_matmul_precision(args.matmul_precision)
         self.keys = seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)
@@ -86,12 +98,14 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        self.policy = get_policy(args.precision)
+        if self.backends:
+            self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else Llama(config, rngs=nnx.Rngs(params=self.keys["params"]))
         try:
             remat.apply(model, args.remat)
         except ValueError as e:
             raise CLIError(f"--remat {args.remat!r}: {e}") from None
-        self.policy = get_policy(args.precision)
         self.tx = optim.build(
             args.optimizer, args.lr, args.weight_decay, schedule=args.schedule, warmup=args.warmup, steps=args.steps
         )
@@ -124,7 +138,6 @@ class Trainer:
         )
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
-        self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         # committed to the device like the step's outputs (an uncommitted input would give a second compile), and
         # BEFORE a resume, so orbax restores onto these shardings (multi-process: a restored array committed to
         # one local device cannot move onto a global sharding without cross-host transfers)
@@ -144,6 +157,21 @@ class Trainer:
         if args.coordinator is not None and args.num_processes > 1:
             _join(args)
         return cls(args, config)
+
+    def _check_attention(self, args, config) -> None:
+        """``--attention`` can serve this model's attention call here (a backend that cannot, e.g. ``cudnn`` on a
+        CPU, fails now with each backend's reason, not at the first step)."""
+        d, b, s = config.resolved_head_dim, args.batch_size // args.grad_accum, args.seq_len
+        dtype = self.policy.compute_dtype
+        q = jax.ShapeDtypeStruct((b, s, config.n_heads, d), dtype)
+        kv = jax.ShapeDtypeStruct((b, s, config.n_kv_heads, d), dtype)
+        seg = jax.ShapeDtypeStruct((b, s), jax.numpy.int32)
+        reasons = available_backends(q, kv, kv, causal=True, segment_ids=seg, backends=self.backends)
+        if all(r is not None for r in reasons.values()):
+            raise CLIError(
+                f"--attention {args.attention!r} cannot serve this model's attention call here: "
+                + "; ".join(f"{n}: {r}" for n, r in reasons.items())
+            )
 
     @staticmethod
     def _mesh(args):
@@ -187,8 +215,13 @@ class Trainer:
 
     def _resume(self) -> None:
         step = self.ckpt.latest_step()
+        for problem in self.ckpt.problems:
+            print(f"{PROG}: warning: --resume skips a checkpoint: {problem}", file=sys.stderr)
         if step is None:
-            raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
+            raise CLIError(
+                f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"
+                + (f" ({'; '.join(self.ckpt.problems)})" if self.ckpt.problems else "")
+            )
         tree, meta = self.ckpt.restore(step, {"train": self.state, "rng": self.rng})
         if meta.get("model_config") != self.config.to_hf():
             raise CLIError(
@@ -199,6 +232,7 @@ class Trainer:
             raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
         self.state, self.rng = tree["train"], tree["rng"]
         self.start, self.applied = int(meta["data_position"]), int(meta["applied_updates"])
+        self.last_saved = self.start
         set_host_rng_state(meta["host_rng"])
 
     def lr(self, applied: int) -> float:
@@ -206,7 +240,19 @@ class Trainer:
         return a.lr * float(spec_optim.lr_factor(applied, schedule=a.schedule, warmup=a.warmup, steps=a.steps))
 
     def save(self, step: int) -> None:
-        self.ckpt.save(step, {"train": self.state, "rng": self.rng}, self.meta(step))
+        if not _finite(self.state.params):
+            raise TrainingError(
+                f"the weights are not finite after step {step}: no checkpoint of them is written "
+                f"(lower --lr, keep --clip-grad on, or check the --init weights)"
+            )
+        try:
+            self.ckpt.save(step, {"train": self.state, "rng": self.rng}, self.meta(step))
+            self.last_saved = step
+        except OSError as e:
+            raise TrainingError(
+                f"cannot write the checkpoint of step {step} in --checkpoint-dir "
+                f"{self.args.checkpoint_dir!r}: {e.strerror or e}"
+            ) from e
 
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
@@ -228,6 +274,7 @@ class Trainer:
         pending = None
         t_last = time.perf_counter()
         timer = StepTimer(skip_first=1)  # phases timed on the host without extra syncs: the pipeline keeps its lag
+        guard = DivergenceGuard(args.max_nonfinite_steps)
 
         def report(p) -> None:
             nonlocal t_last
@@ -249,9 +296,12 @@ class Trainer:
             t_last = now
             self.applied += 0 if skipped else 1
             losses.append(rec["loss"])
+            guard.check(rec)
 
+        lock = self.ckpt.locked() if self.ckpt else contextlib.nullcontext()
+        batches = None
         try:
-            with ctx:
+            with lock, ctx:
                 batches = prefetch_to_device(
                     self.data,
                     self.start,
@@ -279,9 +329,10 @@ class Trainer:
                         report(pending)
                         pending = None
                         self.save(i + 1)
-                batches.close()  # stops the prefetch thread
                 if pending is not None:
                     report(pending)
+                if self.ckpt:
+                    out_final = self._finish(lead)
             if profiling:
                 stop_trace(self.state)
             jitted = self.step_fn.jitted
@@ -298,15 +349,17 @@ class Trainer:
                 "phases": log.breakdown(timer),
             }
             if self.ckpt:
-                out["final"] = self._finish(lead)
+                out["final"] = out_final
             return out
         finally:
+            if batches is not None:
+                batches.close()  # stops the prefetch thread
             log.close()
 
     def _finish(self, lead: bool) -> str:
         """The last checkpoint (if the loop did not just write it) and the Hugging Face export in ``final/``."""
-        if self.ckpt.latest_step() != self.args.steps:
-            self.save(self.args.steps)
+        if self.last_saved != self.args.steps:
+            self.save(self.args.steps)  # refuses non-finite weights: no export of them either
         final = os.path.join(self.args.checkpoint_dir, "final")
         model = self.state.model(self.graphdef)
         if jax.process_count() > 1:  # every process takes part in the gather; process 0 writes
@@ -321,12 +374,22 @@ class Trainer:
         return final
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jax.numpy.all(jax.numpy.asarray([jax.numpy.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+def _finite(tree) -> bool:
+    """Every parameter is finite (one reduction on the device)."""
+    return bool(_all_finite(tree))
+
+
 def _join(args) -> None:
     """``jax.distributed.initialize`` from the (checked) flags, once per process."""
     joined = getattr(jax.distributed, "is_initialized", None)  # jax.process_count() would start the backend
     if joined is not None and joined():
         return  # already joined (e.g. a second in-process run)
-    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed_timeout)
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:

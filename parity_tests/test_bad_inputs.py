@@ -103,6 +103,133 @@ def _cli(*argv: str):
     return cli.main(["run", *argv])
 
 
+# --------------------------------------------------------------------------------------------- trainer CLIs
+TRAIN = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--no-progress"]
+
+
+def _train_main(pkg: str, argv, after: Callable[[], None] | None = None):
+    """A thunk running the twin's trainer CLI in this process; a non-zero exit is raised as SystemExit."""
+
+    def thunk():
+        if pkg == "jax":
+            from jaxattn.train import main
+        else:
+            from torchref.train import main
+        code = main([*TRAIN, *argv])
+        if after is not None:
+            after()
+        if code:
+            raise SystemExit(code)
+
+    return thunk
+
+
+def _train_row(argv_of, fragments_of=None):
+    """``argv_of(tmp_path) -> argv`` (str paths); fragments may depend on tmp_path too."""
+
+    def build(pkg, tmp_path):
+        argv = argv_of(tmp_path)
+        fragments = fragments_of(tmp_path) if callable(fragments_of) else fragments_of
+        return _train_main(pkg, argv), fragments
+
+    return build
+
+
+def _run_dir(pkg, ck, step=None, **run_changes):
+    """A run recorded in ``ck`` as the twin's trainer records it (``step``: one complete checkpoint)."""
+    from jaxattn.spec.cli import parse_args, run_flags
+    from jaxattn.spec.rundir import RunDir
+
+    args, config = parse_args([*TRAIN, "--checkpoint-dir", str(ck)], pkg, ())
+    vars(args).update(run_changes)
+    rd = RunDir(str(ck), pkg, run_flags(args, config), resume=False)
+    if step is not None:
+        name = f"step_{step}" if pkg == "jax" else f"torchref-step-{step:08d}.pt"
+        rd.begin(step, [name])
+        (ck / name).write_bytes(b"weights")
+        rd.commit(step)
+    return rd
+
+
+def _fresh_into_other_run(pkg, tmp_path):
+    _run_dir(pkg, tmp_path / "ck", step=4)
+    return _train_main(pkg, ["--checkpoint-dir", str(tmp_path / "ck")]), [
+        "holds the checkpoints of another run",
+        "steps [4]",
+        "--resume",
+        "--overwrite",
+    ]
+
+
+def _resume_changed_flags(pkg, tmp_path):
+    _run_dir(pkg, tmp_path / "ck", step=2, seed=7, packing="pack")
+    argv = ["--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--packing", "bucket"]
+    return _train_main(pkg, argv), [
+        "--resume: the flags that define the run",
+        "packing: 'pack' in the checkpoint, 'bucket' now",
+        "seed: 7 in the checkpoint, 0 now",
+    ]
+
+
+def _resume_other_framework(pkg, tmp_path):
+    other = "torch" if pkg == "jax" else "jax"
+    _run_dir(other, tmp_path / "ck", step=2)
+    argv = ["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
+    return _train_main(pkg, argv), [f"holds a run of the {other} trainer"]
+
+
+def _dir_in_use(pkg, tmp_path):
+    held = _run_dir(pkg, tmp_path / "ck")
+    lock = held.locked()
+    lock.__enter__()  # another trainer holds the directory (released by the thunk)
+
+    def release():
+        lock.__exit__(None, None, None)
+
+    thunk = _train_main(pkg, ["--checkpoint-dir", str(tmp_path / "ck")], after=release)
+
+    def run():
+        try:
+            thunk()
+        finally:
+            release()
+
+    return run, ["is in use by another trainer", f"pid {os.getpid()}", "must not share a checkpoint directory"]
+
+
+def _resume_missing_dir(pkg, tmp_path):
+    missing = tmp_path / "none"
+    return _train_main(pkg, ["--resume", "--checkpoint-dir", str(missing)], after=lambda: _absent(missing)), [
+        "--checkpoint-dir",
+        "no such directory to --resume from",
+    ]
+
+
+def _absent(path):
+    assert not os.path.exists(path), f"{path} was created by a refused command line"
+
+
+def _log_is_input(flag):
+    def build(pkg, tmp_path):
+        if flag == "--data":
+            f = tmp_path / "ids.npy"
+            np.save(f, np.arange(100) % VOCAB)
+        else:
+            f = tmp_path / "cfg.json"
+            f.write_text(__import__("json").dumps(_hf_config()))
+        before = f.read_bytes()
+
+        def unchanged():
+            assert f.read_bytes() == before
+
+        return _train_main(pkg, [flag, str(f), "--log-json", str(f)], after=unchanged), [
+            f"would overwrite {flag}",
+            "an input of the run",
+        ]
+
+    return build
+
+
 # --------------------------------------------------------------------------------------------- bad inputs
 @dataclass(frozen=True)
 class Bad:
@@ -217,6 +344,12 @@ BAD = [
         SystemExit,
         lambda pkg, tmp: (lambda: _cli("--max-seq", "-5", "--out", str(tmp / "out")), ["--max-seq", "-5"]),
     ),
+    Bad(
+        "d-bench-out-empty",  # "" once fell back to the default: the committed results were overwritten
+        ("cli",),
+        SystemExit,
+        lambda pkg, tmp: (lambda: _cli("--suite", "attention", "--out", ""), ["--out ''", "an empty path"]),
+    ),
     # (e) invalid JSON: the message names the file
     Bad("e-config-json-invalid", BOTH, ValueError, lambda pkg, tmp: _corrupt(pkg, tmp, "config.json")),
     Bad(
@@ -300,6 +433,83 @@ BAD = [
         BOTH,
         ValueError,
         lambda pkg, tmp: (lambda: _call_model(pkg, np.zeros((0, 4), np.int32)), [_tokens(pkg)]),
+    ),
+    # (m) trainer checkpoint directories, output paths and run flags (both trainers, refused before any step)
+    Bad("m-fresh-run-into-another-runs-dir", BOTH, SystemExit, _fresh_into_other_run),
+    Bad("m-resume-changed-run-flags", BOTH, SystemExit, _resume_changed_flags),
+    Bad("m-resume-other-frameworks-run", BOTH, SystemExit, _resume_other_framework),
+    Bad("m-dir-in-use", BOTH, SystemExit, _dir_in_use),
+    Bad("m-resume-missing-dir", BOTH, SystemExit, _resume_missing_dir),
+    Bad(
+        "m-resume-and-overwrite",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--resume", "--overwrite", "--checkpoint-dir", str(t)], ["give one of them"]),
+    ),
+    Bad(
+        "m-overwrite-without-dir",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--overwrite"], ["--overwrite needs --checkpoint-dir DIR"]),
+    ),
+    Bad("m-log-json-is-data", BOTH, SystemExit, _log_is_input("--data")),
+    Bad("m-log-json-is-config", BOTH, SystemExit, _log_is_input("--config-json")),
+    Bad(
+        "m-checkpoint-dir-unwritable",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--checkpoint-dir", "/proc/jaxattn-ck"], ["--checkpoint-dir", "is not writable"]),
+    ),
+    Bad(
+        "m-log-json-unwritable",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--log-json", "/proc/jaxattn/log.jsonl"], ["--log-json", "is not writable"]),
+    ),
+    Bad(
+        "m-profile-unwritable",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--profile", "/proc/jaxattn-trace"], ["--profile", "is not writable"]),
+    ),
+    Bad(
+        "m-checkpoint-dir-under-a-file",
+        BOTH,
+        SystemExit,
+        _train_row(
+            lambda t: (t.joinpath("f").write_text("x"), ["--checkpoint-dir", str(t / "f" / "ck")])[1],
+            ["--checkpoint-dir", "cannot be created", "is not a directory"],
+        ),
+    ),
+    Bad(
+        "m-checkpoint-dir-empty",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--checkpoint-dir", ""], ["--checkpoint-dir ''", "an empty path"]),
+    ),
+    Bad(
+        "m-max-nonfinite-steps-zero",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--max-nonfinite-steps", "0"], ["--max-nonfinite-steps 0", "integer >= 1"]),
+    ),
+    Bad(
+        "m-distributed-timeout-nan",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--distributed-timeout", "nan"], ["--distributed-timeout nan", "seconds > 0"]),
+    ),
+    Bad(
+        "m-attention-cudnn-on-cpu",
+        BOTH,
+        SystemExit,
+        _train_row(lambda t: ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
+    ),
+    Bad(
+        "m-parallel-outside-torchrun",
+        ("torch",),
+        SystemExit,
+        _train_row(lambda t: ["--parallel", "fsdp", "--offload-optimizer"], ["--parallel fsdp runs under torchrun"]),
     ),
 ]
 

@@ -128,7 +128,8 @@ def test_torch_writer_crash_keeps_previous_checkpoint(tmp_path, monkeypatch):
     ck.save(3, {"w": torch.ones(3)})
     ck.save(4, {"w": torch.ones(3)})
     assert ck.all_steps() == [3, 4]
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "torchref-step-00000003.pt", "torchref-step-00000004.pt"]
+    listing = ["notes.txt", "torchref-step-00000003.pt", "torchref-step-00000004.pt", "train-run.json"]
+    assert sorted(os.listdir(tmp_path)) == listing
 
 
 def test_orbax_ignores_a_half_written_step_and_keeps_foreign_files(tmp_path):
@@ -141,11 +142,11 @@ def test_orbax_ignores_a_half_written_step_and_keeps_foreign_files(tmp_path):
     for step in (1, 2, 3):
         ck.save(step, {"w": tree["w"] * step}, {"step": step})
     (tmp_path / "notes.txt").write_text("not ours")
-    half = tmp_path / "4.orbax-checkpoint-tmp-1234"  # what a kill during orbax's write leaves
+    half = tmp_path / "step_4.orbax-checkpoint-tmp-1234"  # what a kill during orbax's write leaves
     half.mkdir()
     (half / "junk").write_bytes(b"half")
     ck.close()
-    ck = Checkpointer(str(tmp_path), keep=2)
+    ck = Checkpointer(str(tmp_path), keep=2, resume=True)
     assert ck.all_steps() == [2, 3] and ck.latest_step() == 3
     restored, meta = ck.restore(3, tree)
     np.testing.assert_array_equal(restored["w"], np.arange(4.0) * 3)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -148,10 +149,15 @@ def test_bad_flag_values_are_clear_errors_before_any_build(argv, frameworks, mes
         assert re.search(message, text), text
 
 
-def test_torchrun_without_parallel_is_refused(monkeypatch):
-    parse_args(["--parallel", "ddp"], "torch", TORCH_BACKENDS)  # one process: accepted
+def test_torchrun_without_parallel_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for parallel in ("ddp", "fsdp"):  # outside torchrun the flag would be silently ignored: refused
+        with pytest.raises(CLIError, match=rf"--parallel {parallel} runs under torchrun .* drop the flag"):
+            parse_args(["--parallel", parallel], "torch", TORCH_BACKENDS)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    parse_args(["--parallel", "fsdp+tp", "--checkpoint-dir", "ck", "--profile", "p"], "torch", TORCH_BACKENDS)
+    ck, prof = str(tmp_path / "ck"), str(tmp_path / "p")
+    parse_args(["--parallel", "fsdp+tp", "--checkpoint-dir", ck, "--profile", prof], "torch", TORCH_BACKENDS)
+    assert not os.path.exists(ck) and not os.path.exists(prof)  # the writability probe leaves nothing behind
     with pytest.raises(CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp\}"):
         parse_args([], "torch", TORCH_BACKENDS)
 
@@ -164,7 +170,14 @@ def test_main_exits_2_with_the_message(tmp_path, capsys):
         (["--lr", "-1"], r"error: --lr -1.0: must be a finite float > 0"),
         (["--config-json", str(bad_cfg)], r"error: --config-json .*c\.json.*colour"),
         (["--data", str(tmp_path / "ids.npy")], r"error: --data .*ids\.npy.*vocab_size=256.*999"),
-        (["--resume", "--checkpoint-dir", str(tmp_path / "empty")], r"error: --resume: no checkpoint"),
+        (
+            ["--resume", "--checkpoint-dir", str(tmp_path / "none")],
+            r"error: --checkpoint-dir .*none'.*no such directory to --resume from",
+        ),
+        (
+            ["--resume", "--checkpoint-dir", str(tmp_path)],
+            r"error: --resume: --checkpoint-dir .* holds no training run of ours",
+        ),
     ]
     for main, prog in ((jtrainer.main, "jaxattn.train"), (ttrainer.main, "torchref.train")):
         for argv, message in cases:

@@ -1,27 +1,28 @@
-"""Training checkpoints for the torch trainer with ``torch.save`` (twin of ``jaxattn.checkpoint``).
+"""Training checkpoints for the torch trainer with ``torch.save``, in a run directory of ``jaxattn.spec.rundir``
+(twin of ``jaxattn.checkpoint``).
 
-    ckpt = Checkpointer("runs/a", keep=3)
+    ckpt = Checkpointer("runs/a", keep=3, run={"seed": 0, ...})
     ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), ..., "meta": {...}})
     payload = ckpt.load(ckpt.latest_step())
 
-One file per step, ``torchref-step-<8 digits>.pt``, holding what the trainer passes: model, optimizer,
-scheduler and GradScaler state dicts, RNG states, and a ``meta`` dict (step, data position, config, flags).
-Crash safety: the payload goes to a temporary name in the same directory (``.torchref-step-N.pt.tmp-<pid>-<hex>``),
-is fsynced, then atomically renamed (``os.replace``) and the directory fsynced; a kill at any instant leaves the
-previous checkpoints whole and the new one either complete or absent. ``keep``: only files matching OUR names
-are ever deleted (older steps beyond ``keep``, and temporary files of processes that no longer run); other
-files in the directory are left alone. Files are loaded with ``weights_only=True``.
-"""
+One file per step, ``torchref-step-<8 digits>.pt`` (model, optimizer, scheduler, GradScaler, RNG states, ``meta``),
+written to a temporary name, fsynced and renamed (``spec.atomic``): a kill leaves the previous steps whole. The run
+marker records each step before it is written and its sha256 after, so ``keep`` deletes only this run's steps
+(and temporary files of processes that no longer run), :meth:`latest_step` is the newest step whose checksum
+matches, and a corrupt file is never unpickled. Files are loaded with ``weights_only=True``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from jaxattn.spec.atomic import atomic_path, temp_pid
+from jaxattn.spec.rundir import RunDir
 
 __all__ = ["Checkpointer", "PREFIX"]
 
@@ -40,49 +41,69 @@ def _alive(pid: int) -> bool:
 
 
 class Checkpointer:
-    """Step checkpoints in ``directory`` (created if needed)."""
+    """Step checkpoints of one run in ``directory``: ``run``, ``resume``, ``overwrite``, ``writer`` as in
+    ``jaxattn.checkpoint.Checkpointer`` (the writer is rank 0)."""
 
-    def __init__(self, directory: str, keep: int = 3):
+    def __init__(
+        self,
+        directory: str,
+        keep: int = 3,
+        *,
+        run: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        writer: bool = True,
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
-        self.directory = os.path.abspath(directory)
-        self.keep = keep
+        self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
+        self.run_dir = RunDir(self.directory, "torch", run or {}, resume=resume, overwrite=overwrite)
+        self.problems: list[str] = []
+
+    def locked(self):
+        return self.run_dir.locked() if self.writer else contextlib.nullcontext()
+
+    def name(self, step: int) -> str:
+        return f"{PREFIX}{int(step):08d}.pt"
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, f"{PREFIX}{int(step):08d}.pt")
+        return os.path.join(self.directory, self.name(step))
 
     def all_steps(self) -> list[int]:
-        if not os.path.isdir(self.directory):
-            return []
-        return sorted(int(m.group(1)) for m in map(_FINAL.fullmatch, os.listdir(self.directory)) if m)
+        return self.run_dir.complete_steps()
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        """The newest step of this run whose file matches its checksum (why newer ones did not: :attr:`problems`)."""
+        step, self.problems = self.run_dir.latest_valid()
+        return step
 
     def save(self, step: int, payload: dict[str, Any]) -> str:
-        os.makedirs(self.directory, exist_ok=True)
+        self.run_dir.begin(step, [self.name(step)])
         final = self.path(step)
-        with atomic_path(final) as tmp, open(tmp, "wb") as f:  # then fsync + os.replace: the commit
-            torch.save(payload, f)
-        self._prune()
+        try:
+            with atomic_path(final) as tmp, open(tmp, "wb") as f:  # then fsync + os.replace: the commit
+                torch.save(payload, f)
+        except BaseException:
+            self.run_dir.abort(step)
+            raise
+        self.run_dir.commit(step)
+        self.run_dir.prune(self.keep)
+        self._prune_temps()
         return final
 
-    def _prune(self) -> None:
-        for step in self.all_steps()[: -self.keep]:
-            os.unlink(self.path(step))
+    def _prune_temps(self) -> None:
         for name in os.listdir(self.directory):
             pid = temp_pid(name, _FINAL.pattern)
             if pid is not None and pid != os.getpid() and not _alive(pid):
                 os.unlink(os.path.join(self.directory, name))
 
     def load(self, step: int, map_location: Any = "cpu") -> dict[str, Any]:
-        path = self.path(step)
-        if not os.path.isfile(path):
+        why = self.run_dir.verify(step)
+        if why is not None:
             raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self.directory!r} (have steps {self.all_steps()})"
+                f"no valid checkpoint for step {step} in {self.directory!r}: {why} (valid steps {self.all_steps()})"
             )
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(self.path(step), map_location=map_location, weights_only=True)
 
     def close(self) -> None:
         pass

@@ -19,7 +19,10 @@ resumes under any mode or in one process; at the end rank 0 exports ``save_pretr
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.cli import CLIError, cli_main, parse_args
+from jaxattn.spec.cli import CLIError, TrainingError, cli_main, parse_args, run_flags
 from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer
-from jaxattn.spec.runlog import RunLog
+from jaxattn.spec.runlog import DivergenceGuard, RunLog
 
 from . import hf, optim, parallel, remat
-from .attention import BACKENDS, attention_backend
+from .attention import BACKENDS, attention_backend, dot_product_attention
 from .checkpoint import Checkpointer
 from .data import loader
 from .model import LlamaForCausalLM
@@ -53,6 +56,18 @@ class Trainer:
 
     def __init__(self, args, config):
         self.args, self.config = args, config
+        # the checkpoint directory first: another run's, or a changed run on --resume, fails before anything is built
+        self.ckpt = None
+        if args.checkpoint_dir:
+            self.ckpt = Checkpointer(
+                args.checkpoint_dir,
+                args.keep_checkpoints,
+                run=run_flags(args, config),
+                resume=args.resume,
+                overwrite=args.overwrite,
+                writer=int(os.environ.get("RANK", "0")) == 0,
+            )
+        self.last_saved = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         set_matmul_precision(args.matmul_precision)
         seed_all(args.seed, deterministic=args.deterministic)
@@ -72,6 +87,8 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        if self.backends:
+            self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
         model = model.to(self.device).train()
         remat.apply(model, args.remat)
@@ -79,7 +96,7 @@ class Trainer:
         self.policy.cast_model(model)
         self.model = model
         self.parallel, self.mesh, train_model = None, None, model
-        if args.parallel is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+        if args.parallel is not None:  # under torchrun (checked with the flags)
             train_model = self._parallelize(args.parallel, model)
         self.optimizer, self.scheduler = optim.build(
             model,
@@ -92,7 +109,6 @@ class Trainer:
         )
         self.scaler = self.policy.make_grad_scaler(self.device)
         self.start = 0
-        self.ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         if args.resume:
             self._resume()
         self.compiled = torch.compile(train_model) if args.compile else train_model
@@ -111,10 +127,42 @@ class Trainer:
         args, config = parse_args(argv, "torch", BACKENDS)
         return cls(args, config)
 
+    def _check_attention(self, args, config) -> None:
+        """``--attention`` can serve this model's attention call on this device (a backend that cannot, e.g.
+        ``cudnn`` on a CPU, fails now, not at the first step): one tiny call with the model's head shapes."""
+        d, dev = config.resolved_head_dim, self.device
+        dtype = {"fp16": torch.float16}.get(
+            args.precision, torch.bfloat16 if "bf16" in args.precision else torch.float32
+        )
+        q = torch.randn(1, config.n_heads, 8, d, device=dev, dtype=dtype)
+        kv = torch.randn(1, config.n_kv_heads, 8, d, device=dev, dtype=dtype)
+        try:
+            with torch.no_grad():
+                dot_product_attention(q, kv, kv, causal=True, backend=self.backends)
+        except (RuntimeError, ValueError) as e:
+            raise CLIError(
+                f"--attention {args.attention!r} cannot serve this model's attention call on "
+                f"{dev.type}: {str(e).splitlines()[0]}"
+            ) from None
+
     def _parallelize(self, mode: str, model):
         """``torchref.parallel`` over all ranks; this rank keeps ``batch / dp`` rows of each batch."""
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            rank, world, timeout = os.environ.get("RANK", "0"), os.environ["WORLD_SIZE"], self.args.distributed_timeout
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            print(
+                f"torchref: rank {rank} waiting up to {timeout:g} s for all {world} ranks at {where}", file=sys.stderr
+            )
+            try:
+                dist.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout)
+                )
+            except dist.DistError as e:
+                raise CLIError(
+                    f"rank {rank}: the {world} ranks did not all meet at {where} within {timeout:g} s "
+                    f"({str(e).splitlines()[0][:160]}); start every rank with torchrun's same --nproc-per-node / "
+                    f"--nnodes / rendezvous, or raise --distributed-timeout"
+                ) from None
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
@@ -143,8 +191,13 @@ class Trainer:
 
     def _resume(self) -> None:
         step = self.ckpt.latest_step()
+        for problem in self.ckpt.problems:
+            print(f"{PROG}: warning: --resume skips a checkpoint: {problem}", file=sys.stderr)
         if step is None:
-            raise CLIError(f"--resume: no checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}")
+            raise CLIError(
+                f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"
+                + (f" ({'; '.join(self.ckpt.problems)})" if self.ckpt.problems else "")
+            )
         p = self.ckpt.load(step)
         meta = p["meta"]
         if meta.get("model_config") != self.config.to_hf():
@@ -164,7 +217,7 @@ class Trainer:
         self.scheduler.load_state_dict(p["scheduler"])
         self.scaler.load_state_dict(p["scaler"])
         set_rng_state(p["rng"])
-        self.start = int(meta["data_position"])
+        self.start = self.last_saved = int(meta["data_position"])
 
     @property
     def rank0(self) -> bool:
@@ -179,6 +232,11 @@ class Trainer:
 
     def save(self, step: int) -> None:
         model_sd, optim_sd = self.full_state_dicts()
+        if not self._all_ranks(all(bool(torch.isfinite(v).all()) for v in model_sd.values())):
+            raise TrainingError(
+                f"the weights are not finite after step {step}: no checkpoint of them is written "
+                f"(lower --lr, keep --clip-grad on, or check the --init weights)"
+            )
         if self.rank0:
             meta = {
                 "framework": "torch",
@@ -187,7 +245,8 @@ class Trainer:
                 "model_config": self.config.to_hf(),
                 "flags": {k: v for k, v in vars(self.args).items()},
             }
-            self.ckpt.save(
+            save = functools.partial(
+                self.ckpt.save,
                 step,
                 {
                     "model": model_sd,
@@ -198,7 +257,23 @@ class Trainer:
                     "meta": meta,
                 },
             )
+            try:
+                save()
+            except OSError as e:
+                raise TrainingError(
+                    f"cannot write the checkpoint of step {step} in --checkpoint-dir "
+                    f"{self.args.checkpoint_dir!r}: {e.strerror or e}"
+                ) from e
+        self.last_saved = step
         self.barrier()
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """``ok`` on every rank (rank 0 alone holds the gathered weights; every rank must take the same branch)."""
+        if self.parallel is None:
+            return ok
+        t = torch.tensor([1 if ok else 0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def barrier(self) -> None:
         """Under ``--parallel``: wait until rank 0 has written (a checkpoint, the export)."""
@@ -228,8 +303,10 @@ class Trainer:
             self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=self.device.type == "cuda"
         )
         timer = StepTimer(skip_first=1)  # the same phases as jaxattn.train, no extra syncs
+        guard = DivergenceGuard(args.max_nonfinite_steps)
+        lock = self.ckpt.locked() if self.ckpt else contextlib.nullcontext()
         try:
-            with ctx, self._profiler() as prof:
+            with lock, ctx, self._profiler() as prof:
                 t_last = time.perf_counter()
                 it = iter(batches)
                 for i in range(self.start, args.steps):
@@ -260,11 +337,13 @@ class Trainer:
                     )
                     t_last = now
                     losses.append(rec["loss"])
+                    guard.check(rec)
                     if prof is not None:
                         prof.step()
                     if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                         self.save(i + 1)
                         t_last = time.perf_counter()
+                final = self._finish(rank0) if self.ckpt else None
             log.write(
                 f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
                 f"compile={'on' if args.compile else 'off'})"
@@ -276,16 +355,16 @@ class Trainer:
                 "steps": args.steps,
                 "phases": log.breakdown(timer),
             }
-            if self.ckpt:
-                out["final"] = self._finish(rank0)
+            if final is not None:
+                out["final"] = final
             return out
         finally:
             log.close()
 
     def _finish(self, rank0: bool) -> str:
         """The last checkpoint (if the loop did not just write it) and the Hugging Face export in ``final/``."""
-        if self.ckpt.latest_step() != self.args.steps:
-            self.save(self.args.steps)
+        if self.last_saved != self.args.steps:
+            self.save(self.args.steps)  # refuses non-finite weights: no export of them either
         final = os.path.join(self.args.checkpoint_dir, "final")
         model = self.model
         if self.parallel is not None:  # the gathered full weights in a plain model (rank 0)

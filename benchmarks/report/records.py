@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
-from jaxattn.spec.atomic import atomic_path, write_text_atomic  # noqa: F401 - the benchmarks' writes
+from jaxattn.spec.atomic import atomic_path, check_writable, write_text_atomic  # noqa: F401 - the benchmarks' writes
 
 # The committed results: benchmarks/results/<device>[-quick]/, <target>-compiled/, train-example/.
 RESULTS_DIR = Path(os.path.abspath(__file__)).parent.parent / "results"
@@ -25,32 +24,9 @@ def impl_label(r: dict) -> str:
 
 
 def check_out_dir(out_dir: str) -> str:
-    """``out_dir`` as an absolute path, after checking that results can be written there (before any work).
-
-    The directory may not exist yet (it is created when the first result is written); then its nearest
-    existing parent must be a writable directory. Checked by creating and removing a probe file, which also
-    catches read-only filesystems and root on them. Raises ValueError naming the path and the reason."""
-    path = os.path.abspath(out_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out {out_dir!r}: {path} exists and is not a directory")
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ValueError(f"--out {out_dir!r}: cannot create it, {probe} is not a directory")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".benchmarks-write-test-", dir=probe)
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise ValueError(
-            f"--out {out_dir!r} is not writable: cannot create a file in {probe} "
-            f"({e.strerror or e}); pick a writable directory"
-        ) from None
-    return path
+    """``out_dir`` as an absolute path, after checking that results can be written there (before any work; it may
+    not exist yet). Raises ValueError naming ``--out``, the path and the reason (``spec.atomic.check_writable``)."""
+    return check_writable(out_dir, "--out", is_dir=True)
 
 
 def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> str:

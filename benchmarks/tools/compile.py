@@ -330,7 +330,11 @@ def main(argv=None) -> int:
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a GPU here: {reason}")
-    out = args.out or str(RESULTS_DIR / f"{args.target}-compiled{'-quick' if args.quick else ''}")
+    out = (
+        args.out
+        if args.out is not None
+        else str(RESULTS_DIR / f"{args.target}-compiled{'-quick' if args.quick else ''}")
+    )
     try:
         out = check_out_dir(out)
     except ValueError as e:

@@ -16,11 +16,46 @@ import contextlib
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Iterator
 
-__all__ = ["atomic_path", "write_bytes_atomic", "write_text_atomic", "fsync_path", "temp_name", "temp_pid"]
+__all__ = [
+    "atomic_path",
+    "check_writable",
+    "write_bytes_atomic",
+    "write_text_atomic",
+    "fsync_path",
+    "temp_name",
+    "temp_pid",
+]
 
 _TEMP = re.compile(r"\.(?P<final>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+")
+
+
+def check_writable(path: str, flag: str, *, is_dir: bool) -> str:
+    """``path`` as an absolute path, after proving that it can be written now (not after the work it will hold):
+    not empty, not an existing entry of the other kind, and its nearest existing ancestor accepts a new file
+    (probed by creating and removing one, which also catches read-only file systems and root on them).
+    Raises ValueError naming ``flag``, the path and the reason; creates nothing."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{flag} {path!r}: an empty path; give a {'directory' if is_dir else 'file path'}")
+    full = os.path.abspath(path)
+    if os.path.exists(full) and os.path.isdir(full) != is_dir:
+        raise ValueError(f"{flag} {path!r}: exists and is {'not ' if is_dir else ''}a directory")
+    probe = full if is_dir else os.path.dirname(full)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag} {path!r}: cannot be created, {probe} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-probe-", dir=probe)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {path!r}: is not writable, cannot create a file in {probe} ({e.strerror or e})"
+        ) from None
+    return full
 
 
 def temp_name(final: str) -> str:

@@ -22,16 +22,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .atomic import check_writable
 from .config import PRESET_NAMES, ModelConfig
 from .data import PACKING, SYNTHETIC
 from .dtypes import PRECISION_PRESETS
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
+from .rundir import RUN_FLAGS, RunDirError
+from .runlog import TrainingError
 
 __all__ = [
     "FLAGS",
     "FRAMEWORKS",
     "CLIError",
+    "TrainingError",
+    "run_flags",
     "build_parser",
     "parse_args",
     "check_args",
@@ -124,8 +129,33 @@ FLAGS: tuple[Flag, ...] = (
         metavar="DIR",
     ),
     Flag("--checkpoint-every", "save a checkpoint every N steps (0: only at the end)", int, 0),
-    Flag("--keep-checkpoints", "checkpoints to keep (older ones of ours are deleted)", int, 3),
-    Flag("--resume", "continue from the latest checkpoint in --checkpoint-dir", action="store_true"),
+    Flag("--keep-checkpoints", "checkpoints to keep (older ones this run wrote are deleted)", int, 3),
+    Flag(
+        "--resume",
+        "continue the run in --checkpoint-dir from its newest valid checkpoint (the flags that define the run: "
+        "--data, --seed, --batch-size, --seq-len, --packing, --optimizer, --precision and the model, must not "
+        "change; lr, steps, schedule, logging, checkpoint cadence and the mesh / parallel layout may)",
+        action="store_true",
+    ),
+    Flag(
+        "--overwrite",
+        "start a new run in a --checkpoint-dir that holds another run's checkpoints, deleting them (only the "
+        "files that run recorded)",
+        action="store_true",
+    ),
+    Flag(
+        "--max-nonfinite-steps",
+        "stop (exit 1, nothing written) after this many consecutive steps with a non-finite loss or gradient norm "
+        "(fp16 steps the loss scale skips do not count)",
+        int,
+        3,
+    ),
+    Flag(
+        "--distributed-timeout",
+        "seconds a multi-process run waits for all its processes to arrive before it gives up",
+        float,
+        300.0,
+    ),
     Flag("--log-json", "write one JSON object per step to this file", str, metavar="PATH"),
     Flag("--profile", "write a trace of a few steps here (opens in Perfetto / TensorBoard)", str, metavar="DIR"),
     Flag("--no-progress", "no progress bar", action="store_true"),
@@ -287,6 +317,41 @@ def _check_processes(args: argparse.Namespace) -> None:
         )
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path is writable now (not at the first save), and the log never overwrites an input."""
+    for flag, path, is_dir in (
+        ("--checkpoint-dir", args.checkpoint_dir, True),
+        ("--log-json", args.log_json, False),
+        ("--profile", args.profile, True),
+    ):
+        if path is not None:
+            try:
+                check_writable(path, flag, is_dir=is_dir)
+            except ValueError as e:
+                raise CLIError(str(e)) from None
+    if args.log_json is None:
+        return
+    log = os.path.realpath(args.log_json)
+    inputs = [("--data", args.data), ("--config-json", args.config_json), ("--init", args.init)]
+    for flag, path in inputs:
+        if path is None or (flag == "--data" and path == SYNTHETIC):
+            continue
+        real = os.path.realpath(path)
+        if log == real or (os.path.isdir(real) and log.startswith(real + os.sep)):
+            raise CLIError(
+                f"--log-json {args.log_json!r} would overwrite {flag} {path!r} (an input of the run); "
+                f"log somewhere else"
+            )
+
+
+def run_flags(args: argparse.Namespace, config: ModelConfig) -> dict:
+    """The flags that define a run (``spec.rundir.RUN_FLAGS``) and the model config, as a checkpoint records them."""
+    run = {k: getattr(args, k) for k in RUN_FLAGS}
+    if run["data"] != SYNTHETIC:
+        run["data"] = os.path.abspath(run["data"])
+    return {**run, "model_config": config.to_hf()}
+
+
 def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
     """Check every value and combination; returns the model config. Raises :class:`CLIError`."""
 
@@ -338,14 +403,29 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         raise _err("--init", args.init, "no such directory; expected a Hugging Face Llama directory")
     if args.config_json is not None and not os.path.isfile(args.config_json):
         raise _err("--config-json", args.config_json, "no such file")
-    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
-        flag = "--resume" if args.resume else f"--checkpoint-every {args.checkpoint_every}"
+    if (args.resume or args.checkpoint_every or args.overwrite) and args.checkpoint_dir is None:
+        flag = (
+            "--resume"
+            if args.resume
+            else "--overwrite"
+            if args.overwrite
+            else f"--checkpoint-every {args.checkpoint_every}"
+        )
         raise CLIError(f"{flag} needs --checkpoint-dir DIR")
+    if args.resume and args.overwrite:
+        raise CLIError("--resume and --overwrite: give one of them (continue the run, or replace it)")
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        raise _err("--checkpoint-dir", args.checkpoint_dir, "no such directory to --resume from")
+    if args.max_nonfinite_steps < 1:
+        raise _err("--max-nonfinite-steps", args.max_nonfinite_steps, "must be an integer >= 1")
+    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
+        raise _err("--distributed-timeout", args.distributed_timeout, "must be a finite number of seconds > 0")
     for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise _err(flag, path, "exists and is not a directory")
     if args.log_json is not None and os.path.isdir(args.log_json):
         raise _err("--log-json", args.log_json, "is a directory; expected a file path")
+    _check_outputs(args)
     if framework == "jax" and args.mesh is not None:
         _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
     if framework == "jax":
@@ -363,6 +443,12 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
             raise CLIError(
                 f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
                 f"CPUOffloadPolicy); got --parallel {args.parallel}"
+            )
+        if args.parallel is not None and "WORLD_SIZE" not in os.environ:
+            raise CLIError(
+                f"--parallel {args.parallel} runs under torchrun (torchrun --nproc-per-node N -m "
+                f"torchref.train --parallel {args.parallel} ...); without it there is one process and "
+                f"nothing to parallelize: drop the flag"
             )
         if world > 1 and args.parallel is None:
             raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
@@ -388,8 +474,9 @@ def cli_main(
     train: Callable[[Any], Any],
     argv: Sequence[str] | None = None,
 ) -> int:
-    """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``) prints ``prog: error: ...`` and returns 2
-    before anything compiles; otherwise train and return 0."""
+    """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``, raised before anything compiles) or a
+    checkpoint directory in use (``RunDirError``) prints ``prog: error: ...`` and returns 2; a run that cannot go on
+    (``TrainingError``) prints the same and returns 1; otherwise 0."""
     import sys
 
     try:
@@ -397,5 +484,12 @@ def cli_main(
     except (CLIError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    train(run)
+    try:
+        train(run)
+    except RunDirError as e:  # the checkpoint directory is taken (its lock) at the start of training
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -9,17 +9,19 @@ One JSON object per line with :data:`KEYS` (``step`` counts optimizer steps from
 keeps the lines up to the resumed step and drops the later ones (lines a killed run wrote after its last
 checkpoint), so the file reads as one uninterrupted run. ``peak_mem_bytes`` is the device's peak allocation
 where the framework reports one (GPU), else the process's peak resident set size (CPU). ``tokens_per_s`` counts
-real (non-padding) input tokens over the step's wall time; step 1's time includes the compile.
+real (non-padding) input tokens over the step's wall time; step 1's time includes the compile. The file is strict
+JSON: a non-finite value is written as ``null``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
 
-__all__ = ["KEYS", "RunLog", "host_peak_rss_bytes", "read_log"]
+__all__ = ["KEYS", "RunLog", "DivergenceGuard", "TrainingError", "host_peak_rss_bytes", "read_log"]
 
 KEYS = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s", "peak_mem_bytes")
 
@@ -77,8 +79,9 @@ class RunLog:
             "tokens_per_s": float(tokens / seconds) if seconds > 0 else None,
             "peak_mem_bytes": int(peak_mem_bytes),
         }
-        if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
+        if self.file is not None:  # strict JSON: a non-finite loss or norm is null, never a bare NaN
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
+            self.file.write(json.dumps(strict, allow_nan=False) + "\n")
             self.file.flush()
         if self.bar is not None:
             tps = rec["tokens_per_s"]
@@ -105,3 +108,26 @@ class RunLog:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (it diverged, a checkpoint could not be written): the CLIs exit 1 with the message."""
+
+
+class DivergenceGuard:
+    """Stops a run after ``limit`` consecutive steps whose loss, or (for a step the loss scale did not skip) whose
+    gradient norm, is not finite: :meth:`check` raises :class:`TrainingError`. A finite step resets the count."""
+
+    def __init__(self, limit: int, flag: str = "--max-nonfinite-steps"):
+        self.limit, self.flag, self.bad = limit, flag, []
+
+    def check(self, rec: dict) -> None:
+        finite = math.isfinite(rec["loss"]) and (rec["skipped"] or math.isfinite(rec["grad_norm"]))
+        self.bad = [] if finite else self.bad + [rec["step"]]
+        if len(self.bad) >= self.limit:
+            raise TrainingError(
+                f"training diverged: the loss or the gradient norm was not finite for {len(self.bad)} consecutive "
+                f"steps ({self.bad[0]}..{self.bad[-1]}; last loss {rec['loss']}, grad_norm {rec['grad_norm']}); "
+                f"stopped without writing a checkpoint or an export of these weights. Lower --lr, keep --clip-grad "
+                f"on, or check the --init weights ({self.flag} {self.limit} sets how many steps are tolerated)"
+            )

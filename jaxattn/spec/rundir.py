@@ -1,0 +1,282 @@
+"""A trainer's checkpoint directory, owned the way ``save_pretrained`` owns its files: a run marker that lists every
+checkpoint the run wrote (with sha256 checksums), a lock against a second trainer, and the run-defining flags a
+``--resume`` must not change. Shared by both trainers (numpy-free, framework-free).
+
+    rd = RunDir(path, "jax", run={"seed": 0, ...}, resume=False, overwrite=False)   # refuses another run's dir
+    with rd.locked():                                   # a second trainer on the same dir gets a RunDirError
+        rd.begin(10, ["step_10"]); ...write step 10...; rd.commit(10); rd.prune(keep=3)
+    step, problems = rd.latest_valid()                  # newest step whose checksums match, and why newer ones did not
+
+Marker ``train-run.json``: ``{format, framework, run_id, created_utc, run, steps: {"10": {"status", "paths",
+"files"}}}``. ``begin`` records a step as *pending* with the paths it will create (which must not exist yet, so
+they are provably ours) before anything is written; ``commit`` hashes every file under them and marks the step
+*complete*. A kill between the two leaves a pending step, which the next ``prune`` removes. Pruning and
+``--overwrite`` delete only what the marker lists — files of complete steps, pending steps' paths — never a file
+or folder the run did not write. Every marker write is atomic (``spec.atomic``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from .atomic import write_text_atomic
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no lock
+    fcntl = None
+
+__all__ = ["MARKER", "LOCK", "RUN_FLAGS", "RunDir", "RunDirError", "sha256_file"]
+
+MARKER = "train-run.json"
+LOCK = ".train-run.lock"
+FORMAT = 1
+# The flags that define a run: a --resume must keep them (the data position indexes this stream, the optimizer
+# state has this layout). Everything else (lr, steps, schedule, logging, checkpoint cadence, mesh / parallel
+# layout, attention backend, remat, clipping) may change on --resume.
+RUN_FLAGS = ("data", "seed", "batch_size", "seq_len", "packing", "optimizer", "precision")
+
+
+_CHECKPOINT_NAME = re.compile(r"step_\d+|torchref-step-\d+\.pt")
+
+
+class RunDirError(ValueError):
+    """A checkpoint directory that this run may not use, or holds no valid checkpoint; the message says why."""
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files_under(root: str, rel: str) -> list[str]:
+    """Relative paths of every regular file at or under ``root/rel``, sorted."""
+    full = os.path.join(root, rel)
+    if os.path.isfile(full):
+        return [rel]
+    out = []
+    for dirpath, _, names in os.walk(full):
+        out += [os.path.relpath(os.path.join(dirpath, n), root) for n in names]
+    return sorted(out)
+
+
+class RunDir:
+    """The checkpoint directory of one training run (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        framework: str,
+        run: Mapping[str, Any],
+        *,
+        resume: bool,
+        overwrite: bool = False,
+        flag: str = "--checkpoint-dir",
+    ):
+        self.path, self.framework, self.flag = os.path.abspath(path), framework, flag
+        self.run = json.loads(json.dumps(dict(run), default=str))  # JSON-normalised, comparable with the marker's
+        self.marker_path = os.path.join(self.path, MARKER)
+        self._lock_fd = None
+        old = self._read() if os.path.isfile(self.marker_path) else None
+        where = f"{flag} {path!r}"
+        if resume:
+            if old is None:
+                raise RunDirError(
+                    f"--resume: {where} holds no training run of ours (no {MARKER}); nothing to "
+                    f"resume — start without --resume"
+                )
+            if old["framework"] != framework:
+                raise RunDirError(
+                    f"--resume: {where} holds a run of the {old['framework']} trainer; this is the "
+                    f"{framework} trainer (checkpoints do not move between the frameworks)"
+                )
+            changed = [
+                f"{k}: {old['run'].get(k)!r} in the checkpoint, {self.run.get(k)!r} now"
+                for k in sorted(set(old["run"]) | set(self.run))
+                if old["run"].get(k) != self.run.get(k)
+            ]
+            if changed:
+                raise RunDirError(
+                    f"--resume: the flags that define the run in {where} changed ("
+                    + "; ".join(changed)
+                    + "); resume with the original ones, or start a new run in "
+                    "a new directory. lr, steps, schedule, logging, checkpoint cadence and the "
+                    "mesh / parallel layout may change on --resume"
+                )
+            self.marker, self._replaced = old, None
+            return
+        if old is not None and any(s["status"] == "complete" for s in old["steps"].values()):
+            if not overwrite:
+                steps = sorted(int(s) for s, v in old["steps"].items() if v["status"] == "complete")
+                raise RunDirError(
+                    f"{where} holds the checkpoints of another run ({old['framework']}, started "
+                    f"{old['created_utc']}, steps {steps}): continue it with --resume, or use a new "
+                    f"directory, or replace its checkpoints with --overwrite"
+                )
+        self._replaced = old  # --overwrite, or a run that never completed a checkpoint: its files go (under the lock)
+        theirs = [n for n in self._our_looking(os.listdir(self.path) if os.path.isdir(self.path) else [])]
+        if old is not None:
+            listed = {p for v in old["steps"].values() for p in v["paths"]}
+            theirs = [n for n in theirs if n not in listed]
+        if theirs:
+            raise RunDirError(
+                f"{where} holds checkpoint files no run of ours recorded ({', '.join(theirs[:5])}): "
+                f"they may be another trainer's; use a new directory"
+            )
+        self.marker = {
+            "format": FORMAT,
+            "framework": framework,
+            "run_id": uuid.uuid4().hex,
+            "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "run": self.run,
+            "steps": {},
+        }
+
+    @staticmethod
+    def _our_looking(names: Sequence[str]) -> list[str]:
+        """Names a trainer's checkpoint would have (``step_<N>``, ``torchref-step-<N>.pt``)."""
+        return sorted(n for n in names if _CHECKPOINT_NAME.fullmatch(n))
+
+    # ------------------------------------------------------------------------------------------------ marker
+    def _read(self) -> dict:
+        try:
+            with open(self.marker_path) as f:
+                m = json.load(f)
+            assert m.get("format") == FORMAT and isinstance(m.get("steps"), dict)
+        except (OSError, ValueError, AssertionError) as e:
+            raise RunDirError(
+                f"{self.flag}: {self.marker_path} is not a readable run marker ({e or 'bad format'}); "
+                f"use a new directory"
+            ) from None
+        return m
+
+    def _write(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        write_text_atomic(self.marker_path, json.dumps(self.marker, indent=1, sort_keys=True) + "\n")
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's lock (an exclusive ``flock``, released when the process ends, even by SIGKILL)."""
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                    raise RunDirError(
+                        f"{self.flag} {self.path!r} is in use by another trainer ({holder}); "
+                        f"two runs must not share a checkpoint directory"
+                    ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            if self._replaced is not None:
+                for step in sorted(self._replaced["steps"], key=int):
+                    self._remove(self._replaced, step)
+                self._replaced = None
+                self._write()
+            elif not os.path.isfile(self.marker_path):
+                self._write()
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def complete_steps(self) -> list[int]:
+        return sorted(int(s) for s, v in self.marker["steps"].items() if v["status"] == "complete")
+
+    def begin(self, step: int, paths: Sequence[str]) -> None:
+        """Record ``step`` as pending, owning ``paths`` (relative; none may exist unless a step of ours owns it)."""
+        key = str(int(step))
+        if key in self.marker["steps"]:
+            self._remove(self.marker, key)  # an earlier write of this step by this run (a resumed run redoes it)
+        for p in paths:
+            if os.path.lexists(os.path.join(self.path, p)):
+                raise RunDirError(
+                    f"{self.flag} {self.path!r}: {p} exists and no checkpoint of this run wrote it; "
+                    f"move it away or use a new directory"
+                )
+        self.marker["steps"][key] = {"status": "pending", "paths": list(paths), "files": {}}
+        self._write()
+
+    def commit(self, step: int) -> None:
+        """Checksum every file the step wrote and mark it complete (the step is valid from here on)."""
+        entry = self.marker["steps"][str(int(step))]
+        files = [f for p in entry["paths"] for f in _files_under(self.path, p)]
+        entry["files"] = {f: sha256_file(os.path.join(self.path, f)) for f in files}
+        entry["status"] = "complete"
+        self._write()
+
+    def abort(self, step: int) -> None:
+        """Remove what a failed write of ``step`` left (it is ours: recorded as pending first)."""
+        key = str(int(step))
+        if key in self.marker["steps"]:
+            self._remove(self.marker, key)
+            self._write()
+
+    def _remove(self, marker: dict, key: str) -> None:
+        entry = marker["steps"].pop(key)
+        for p in entry["paths"]:
+            full = os.path.join(self.path, p)
+            if entry["status"] == "pending":  # created by us after begin() saw it absent: wholly ours
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                elif os.path.lexists(full):
+                    os.unlink(full)
+                continue
+            for f in entry["files"]:
+                if f == p or f.startswith(p + os.sep):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.path, f))
+            for dirpath, _, _ in sorted(os.walk(full), key=lambda t: -len(t[0])):  # empty dirs, deepest first
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)  # only succeeds when empty: a file we did not write keeps its folder
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete this run's complete steps beyond the newest ``keep``, and its pending leftovers; returns them."""
+        gone = [s for s in self.complete_steps()[:-keep]]
+        gone += [int(s) for s, v in self.marker["steps"].items() if v["status"] == "pending"]
+        for step in gone:
+            self._remove(self.marker, str(step))
+        if gone:
+            self._write()
+        return sorted(gone)
+
+    def verify(self, step: int) -> str | None:
+        """None when every file of ``step`` is present with its recorded checksum, else what is wrong."""
+        entry = self.marker["steps"].get(str(int(step)))
+        if entry is None or entry["status"] != "complete":
+            return "not a complete checkpoint of this run"
+        for f, digest in sorted(entry["files"].items()):
+            full = os.path.join(self.path, f)
+            if not os.path.isfile(full):
+                return f"{f} is missing"
+            if sha256_file(full) != digest:
+                return f"{f} does not match its checksum (corrupt or changed since it was written)"
+        return None
+
+    def latest_valid(self, max_step: int | None = None) -> tuple[int | None, list[str]]:
+        """``(newest complete step that verifies (and is <= max_step), [why each newer one was skipped])``."""
+        problems = []
+        for step in reversed(self.complete_steps()):
+            if max_step is not None and step > max_step:
+                problems.append(f"step {step} is past --steps {max_step}")
+                continue
+            why = self.verify(step)
+            if why is None:
+                return step, problems
+            problems.append(f"step {step}: {why}")
+        return None, problems
