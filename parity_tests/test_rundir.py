@@ -260,3 +260,68 @@ def test_a_diverged_run_stops_with_exit_1_and_writes_no_weights(tmp_path, twin, 
     assert _main(twin)([*argv, "--overwrite", "--checkpoint-every", "1"]) == 1
     assert "the weights are not finite after step 1: no checkpoint of them is written" in capsys.readouterr().err
     assert sorted(os.listdir(ck)) == [".train-run.lock", MARKER]
+
+
+def test_a_full_disk_at_a_save_is_one_line_and_exit_1(tmp_path, twin, capsys, monkeypatch):
+    import errno
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if twin == "jax":
+        import orbax.checkpoint as ocp
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    else:
+        monkeypatch.setattr(torch, "save", no_space)
+    ck = tmp_path / "ck"
+    assert _main(twin)([*TRAIN, "--steps", "2", "--checkpoint-dir", str(ck)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(
+        f"error: cannot write the checkpoint of step 2 in --checkpoint-dir {str(ck)!r}: No space left on device"
+    ), err[-1]
+    marker = json.loads((ck / MARKER).read_text())
+    assert marker["steps"] == {} and sorted(os.listdir(ck)) == [".train-run.lock", MARKER]  # nothing half-written
+
+
+@pytest.mark.parametrize("twin_", ["jax", "torch"])
+def test_a_peer_that_never_arrives_ends_the_wait_with_one_line(twin_, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAXATTN_TEST": "1"}
+    argv = [*TRAIN, "--steps", "1", "--distributed-timeout", "2"]
+    if twin_ == "jax":
+        cmd = ["-m", "jaxattn.train", *argv, "--mesh", "data=2", "--num-processes", "2", "--process-id", "1"]
+        cmd += ["--coordinator", f"127.0.0.1:{port}"]
+        want = f"jaxattn: error: process 1: the 2 processes did not all meet at 127.0.0.1:{port} within 2 s"
+    else:
+        cmd = ["-m", "torchref.train", *argv, "--parallel", "ddp"]
+        env.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        want = f"torchref.train: error: rank 1: the 2 ranks did not all meet at 127.0.0.1:{port} within 2 s"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, *cmd], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert any("waiting up to 2 s for all 2" in line for line in lines), r.stderr[-3000:]
+    assert want in lines[-1], r.stderr[-3000:]
+
+
+def test_divergence_guard_counts_consecutive_nonfinite_steps_but_not_loss_scale_skips():
+    from jaxattn.spec.runlog import DivergenceGuard, TrainingError
+
+    def rec(step, loss, norm, skipped=False):
+        return {"step": step, "loss": loss, "grad_norm": norm, "skipped": skipped}
+
+    guard = DivergenceGuard(2)
+    guard.check(rec(1, float("nan"), 1.0))
+    guard.check(rec(2, 2.0, 1.0))  # a finite step resets the count
+    for step in range(3, 9):
+        guard.check(rec(step, 2.0, float("inf"), skipped=True))  # fp16 overflow: the loss scale skipped it
+    guard.check(rec(9, 2.0, float("inf")))
+    with pytest.raises(TrainingError, match=r"for 2 consecutive steps \(9\.\.10; last loss 2\.0, grad_norm nan\)"):
+        guard.check(rec(10, 2.0, float("nan")))
