@@ -39,7 +39,7 @@ from .profiling import StepTimer, peak_memory_bytes, start_trace, stop_trace
 from .seed import host_rng_state, seed_all, set_host_rng_state
 from .sharding import initialize_distributed, make_mesh, parse_mesh, shard_train_state
 from .spec import optim as spec_optim
-from .spec.cli import CLIError, TrainingError, cli_main, parse_args, run_flags
+from .spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
 from .spec.data import Dataset, copy_tokenizer, load_tokenizer
 from .spec.runlog import DivergenceGuard, RunLog
 from .train_step import (  # noqa: F401
@@ -72,14 +72,8 @@ class Trainer:
         # the checkpoint directory first: another run's, or a changed run on --resume, fails before anything is built
         self.ckpt, self.last_saved = None, None
         if args.checkpoint_dir:
-            self.ckpt = Checkpointer(
-                args.checkpoint_dir,
-                args.keep_checkpoints,
-                run=run_flags(args, config),
-                resume=args.resume,
-                overwrite=args.overwrite,
-                writer=jax.process_index() == 0,
-            )
+            writer = jax.process_index() == 0
+            self.ckpt = Checkpointer(args.checkpoint_dir, **checkpointer_options(args, config), writer=writer)
         set_matmul_precision(args.matmul_precision)
         self.keys = seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)

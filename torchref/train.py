@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.cli import CLIError, TrainingError, cli_main, parse_args, run_flags
+from jaxattn.spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
 from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer
 from jaxattn.spec.runlog import DivergenceGuard, RunLog
 
@@ -59,14 +59,8 @@ class Trainer:
         # the checkpoint directory first: another run's, or a changed run on --resume, fails before anything is built
         self.ckpt = None
         if args.checkpoint_dir:
-            self.ckpt = Checkpointer(
-                args.checkpoint_dir,
-                args.keep_checkpoints,
-                run=run_flags(args, config),
-                resume=args.resume,
-                overwrite=args.overwrite,
-                writer=int(os.environ.get("RANK", "0")) == 0,
-            )
+            writer = int(os.environ.get("RANK", "0")) == 0
+            self.ckpt = Checkpointer(args.checkpoint_dir, **checkpointer_options(args, config), writer=writer)
         self.last_saved = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         set_matmul_precision(args.matmul_precision)

@@ -37,6 +37,7 @@ __all__ = [
     "CLIError",
     "TrainingError",
     "run_flags",
+    "checkpointer_options",
     "build_parser",
     "parse_args",
     "check_args",
@@ -350,6 +351,16 @@ def run_flags(args: argparse.Namespace, config: ModelConfig) -> dict:
     if run["data"] != SYNTHETIC:
         run["data"] = os.path.abspath(run["data"])
     return {**run, "model_config": config.to_hf()}
+
+
+def checkpointer_options(args: argparse.Namespace, config: ModelConfig) -> dict:
+    """The keyword arguments both trainers give their ``Checkpointer`` (besides the directory and the writer)."""
+    return {
+        "keep": args.keep_checkpoints,
+        "run": run_flags(args, config),
+        "resume": args.resume,
+        "overwrite": args.overwrite,
+    }
 
 
 def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
