@@ -125,9 +125,7 @@ class Trainer:
         """``--attention`` can serve this model's attention call on this device (a backend that cannot, e.g.
         ``cudnn`` on a CPU, fails now, not at the first step): one tiny call with the model's head shapes."""
         d, dev = config.resolved_head_dim, self.device
-        dtype = {"fp16": torch.float16}.get(
-            args.precision, torch.bfloat16 if "bf16" in args.precision else torch.float32
-        )
+        dtype = get_policy(args.precision).compute_dtype
         q = torch.randn(1, config.n_heads, 8, d, device=dev, dtype=dtype)
         kv = torch.randn(1, config.n_kv_heads, 8, d, device=dev, dtype=dtype)
         try:
