@@ -23,6 +23,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .model import Llama, set_value
+from .quant import QArray
 from .spec import hf_format, params
 from .spec.dtypes import MODEL_DTYPES, check_model_dtype
 from .spec.gguf import read_gguf
@@ -109,10 +110,13 @@ def save_pretrained(
 ) -> str:
     """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
 
-    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.
+    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path. A model
+    int8-quantized by ``jaxattn.quant.quantize`` is refused (TypeError) before the directory is touched.
     """
     if not isinstance(model, Llama):
         raise TypeError(f"save_pretrained expects a jaxattn.model.Llama, got {type(model).__name__}")
+    if any(isinstance(getattr(_owner(model, r), r.name)[...], QArray) for r in params.quantizable_rows(model.config)):
+        raise hf_format.quantized_model_error("jaxattn")
     hf_format.check_max_shard_bytes(max_shard_bytes)
     dt = _resolve_dtype(dtype)
     tensors = to_state_dict(model)

@@ -6,8 +6,13 @@ Rule (identical in both packages, so the int8 weights are bit-identical): per OU
 ``scale = max|w| / 127`` over the input axis (1.0 for an all-zero channel), ``q = clip(round(w / scale), -127,
 127)`` with round-half-to-even, computed in float32. A quantized parameter holds a :class:`QArray` (``q`` int8 in
 the model's ``[in, out]`` layout, ``scale`` float32 ``[1, out]``, both with the leading ``n_layers`` axis for the
-stacked layers); the model's matmuls go through :func:`matmul`, which dequantizes inside the matmul as
-``(x @ q) * scale`` (the int8 weights are cast to ``x``'s dtype, the scale applied to the output columns).
+stacked layers); the model's matmuls go through :func:`matmul`, which dequantizes the weight first, in ``x``'s
+dtype, and then multiplies: ``x @ (q.astype(x.dtype) * scale.astype(x.dtype))``, as ``torchref.quant.Int8Linear``.
+Why this order: ``x @ q`` sums ``|q|`` up to 127 over the input axis, so in float16 it overflows (> 65504 ->
+inf, then NaN logits) wherever ``x @ w`` is merely in the tens; the dequantized weight is ``w`` to within half a
+quantization step, so ``x @ (q * scale)`` is finite wherever the float model's ``x @ w`` is. Accumulating in float32
+and scaling afterwards would also be safe, but torch has no float32-output fp16 matmul on every device; this
+order is the same two operations in both twins (``q`` is exact in fp16 and bf16, and the products round alike).
 Quantized: the parameter table's quantizable rows (``jaxattn.spec.params``: every linear weight, so the seven per-layer
 projections and an untied ``lm_head``); the embedding (and so a tied head) and the norms stay in float (torchao's
 int8 weight-only does the same: it replaces ``nn.Linear`` only).
@@ -70,9 +75,10 @@ def quantize_array(w) -> QArray:
 
 
 def matmul(x: jax.Array, w) -> jax.Array:
-    """``x @ w`` for a float weight, ``(x @ q) * scale`` for a :class:`QArray` (in ``x``'s dtype)."""
+    """``x @ w`` for a float weight, ``x @ (q * scale)`` for a :class:`QArray`, the weight dequantized in ``x``'s
+    dtype first (so float16 cannot overflow where the float model does not: see the module docstring)."""
     if isinstance(w, QArray):
-        return (x @ w.q.astype(x.dtype)) * w.scale.astype(x.dtype)
+        return x @ (w.q.astype(x.dtype) * w.scale.astype(x.dtype))
     return x @ w
 
 

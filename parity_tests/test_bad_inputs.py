@@ -33,6 +33,8 @@ import torchref.config as tconfig  # noqa: E402
 import torchref.hf as thf  # noqa: E402
 from jaxattn.loss_scale import DynamicLossScale  # noqa: E402
 from jaxattn.model import Llama  # noqa: E402
+from jaxattn.spec.batch import check_token_ids  # noqa: E402
+from jaxattn.spec.data import Dataset  # noqa: E402
 from torchref.model import LlamaForCausalLM  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -292,6 +294,31 @@ def _from_hf(key, value):
     return build
 
 
+def _dataset(source, packing="pack"):
+    return Dataset.from_source(str(source), seq_len=16, batch_size=2, packing=packing, vocab_size=VOCAB)
+
+
+def _one_token_docs(packing, pkg, tmp_path):
+    """A folder of one-byte files: every document is one token, so no (token, next token) target exists."""
+    d = tmp_path / "ones"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.txt").write_text(str(i))
+    return lambda: _dataset(d, packing), ["--data", repr(str(d)), "no document has 2 tokens", f"--packing {packing}"]
+
+
+def _uint64_npy(pkg, tmp_path):
+    f = tmp_path / "ids.npy"
+    np.save(f, np.array([1, 2, 2**64 - 1], np.uint64))
+    return lambda: _dataset(f), ["--data", repr(str(f)), f"{2**64 - 1} at position (2,)", f"[0, {VOCAB})"]
+
+
+def _text_named_npy(pkg, tmp_path):
+    f = tmp_path / "x.npy"
+    f.write_text("plain text, not an array")
+    return lambda: _dataset(f), ["--data", repr(str(f)), "is not a .npy array file", "numpy.save", "without the .npy"]
+
+
 BAD = [
     # (a) saving: onto an existing file, to ""
     Bad("a-save-onto-file", BOTH, (ValueError, FileExistsError), _save_onto_file),
@@ -511,6 +538,23 @@ BAD = [
         SystemExit,
         _train_row(lambda t: ["--parallel", "fsdp", "--offload-optimizer"], ["--parallel fsdp runs under torchrun"]),
     ),
+    # (n) training data: no trainable target in either packing mode; uint64 ids shown as they are; a text file
+    # named .npy (numpy calls it "pickled data")
+    *[
+        Bad(f"n-data-no-target-{packing}", ("spec",), ValueError, functools.partial(_one_token_docs, packing))
+        for packing in ("pack", "bucket")
+    ],
+    Bad("n-data-npy-uint64-id", ("spec",), ValueError, _uint64_npy),
+    Bad(
+        "n-token-ids-uint64",
+        ("spec",),
+        ValueError,
+        lambda pkg, tmp: (
+            lambda: check_token_ids(np.array([[1, 2**64 - 1]], np.uint64), VOCAB),
+            [f"{2**64 - 1} at position (0, 1)"],
+        ),
+    ),
+    Bad("n-data-text-named-npy", ("spec",), ValueError, _text_named_npy),
 ]
 
 

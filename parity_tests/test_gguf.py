@@ -251,6 +251,76 @@ def test_bad_files_name_the_file_and_key(tmp_path):
         read_gguf(spm)
 
 
+def _tensor_type_at(data: bytes, name: str) -> int:
+    """Byte offset of ``name``'s ggml type field in a GGUF file's tensor-info record (the name is stored as a
+    u64 length plus its bytes, then n_dims u32, the dims u64 each, the type u32, the data offset u64)."""
+    import struct
+
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key)
+    assert data.find(key, at) == -1, name  # the record is unique (metadata holds no such string)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    return at + 4 + 8 * n_dims
+
+
+def _with_type(src, dst, name: str, ggml_type: int):
+    data = bytearray(src.read_bytes())
+    at = _tensor_type_at(bytes(data), name)
+    data[at : at + 4] = int(ggml_type).to_bytes(4, "little")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_a_changed_tensor_type_field_is_refused(tmp_path):
+    """llama.cpp's ``gguf_init_from_file`` rules: a type field flipped in the tensor-info record (F32 -> F16 /
+    Q8_0 / an unknown id / a 256-block K-quant on 64-element rows) or a truncated file gives a CheckpointError
+    naming the file, the tensor, its type and the byte counts; before the check, F32 -> F16 loaded as garbage."""
+    cfg = _config(False)
+    good = _write_gguf(tmp_path / "good.gguf", cfg, _hf_tensors(cfg))
+    assert read_gguf(good, tokenizer=False).config == cfg
+    from jaxattn.spec.gguf import read_tensor_infos
+
+    infos = read_tensor_infos(str(good))[2]
+    assert {t.type for t in infos} == {0}  # all F32
+    middle, last = infos[3], infos[-1]
+    f16, q8_0, q4_k = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K
+    nbytes = int(np.prod(middle.dims)) * 4
+    cases = [
+        (  # the next tensor's offset no longer matches the running sum (llama.cpp: "has offset ..., expected ...")
+            middle.name,
+            f16,
+            [
+                f"tensor {infos[4].name!r}",
+                f"data offset {infos[4].offset}, expected {middle.offset + nbytes // 2}",
+                f"tensor {middle.name!r} (type F16",
+                f"gives it {nbytes}",
+            ],
+        ),
+        (middle.name, q8_0, [f"tensor {middle.name!r} (type Q8_0", f"takes {nbytes // 4 // 32 * 34} bytes"]),
+        (middle.name, 99, [f"tensor {middle.name!r} has type 99, which is not a ggml type", "F16=1"]),
+        (middle.name, q4_k, [f"tensor {middle.name!r} (type Q4_K", f"rows of {middle.dims[0]} elements", "256"]),
+        (last.name, f16, [f"the last tensor, tensor {last.name!r} (type F16", "expected fewer than the 32-byte"]),
+        (last.name, gguf.GGMLQuantizationType.F64, [f"tensor {last.name!r} (type F64", "but the file has"]),
+    ]
+    for name, new_type, fragments in cases:
+        bad = _with_type(good, tmp_path / f"bad-{int(new_type)}.gguf", name, new_type)
+        with pytest.raises(CheckpointError) as info:
+            read_gguf(bad)
+        msg = str(info.value)
+        missing = [f for f in [f"GGUF file {str(bad)!r}", *fragments] if f not in msg]
+        assert not missing, (name, int(new_type), missing, msg)
+        with pytest.raises(CheckpointError):
+            torchref.from_pretrained(str(bad))  # the loaders go through the same reader
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"truncated\.gguf.*tensor {last.name!r} \(type F32.*the file has"):
+        read_gguf(truncated)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=r"header\.gguf.*cannot be parsed.*truncated"):
+        read_gguf(header_only)
+
+
 # ------------------------------------------------------------------------------------- the real model
 
 

@@ -128,6 +128,34 @@ def test_unrelated_files_survive_and_stale_weights_go(tmp_path, pkg):
 
 
 @pytest.mark.parametrize("pkg", list(PKGS))
+def test_int8_quantized_model_is_refused_before_the_directory_is_touched(tmp_path, pkg):
+    """``save_pretrained(quant.quantize(model))`` would write int8 tensors under a Llama config.json nothing loads
+    (over a good checkpoint): refused with a TypeError naming the model and the way out; an existing checkpoint and
+    its neighbours stay byte for byte, and a new directory is not even created."""
+    from jaxattn import quant as jq
+    from torchref import quant as tq
+
+    d = tmp_path / "ckpt"
+    _save(pkg, 0, d)
+    foreign = _add_foreign_files(d)
+    before = {f: (d / f).read_bytes() for f in _ours(d)}
+    stats = {f: os.stat(d / f).st_mtime_ns for f in os.listdir(d)}
+    qmodel = (tq if pkg == "torch" else jq).quantize(_model(pkg, 0))
+    name = "torchref" if pkg == "torch" else "jaxattn"
+    for target in (d, tmp_path / "new"):
+        with pytest.raises(TypeError) as info:
+            PKGS[pkg].save_pretrained(qmodel, target)
+        msg = str(info.value)
+        for fragment in ("model is int8-quantized", f"{name}.quant.quantize", "Save the float model", "nothing was"):
+            assert fragment in msg, msg
+    assert not (tmp_path / "new").exists()
+    assert {f: (d / f).read_bytes() for f in _ours(d)} == before
+    assert {f: os.stat(d / f).st_mtime_ns for f in os.listdir(d)} == stats
+    _assert_foreign_intact(d, foreign)
+    assert _loads_as(d, [0], pkg) == 0
+
+
+@pytest.mark.parametrize("pkg", list(PKGS))
 def test_save_into_current_directory(tmp_path, monkeypatch, pkg):
     foreign = _add_foreign_files(tmp_path)
     monkeypatch.chdir(tmp_path)

@@ -25,6 +25,7 @@ from jaxattn.spec.gguf import read_gguf
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM
+from .quant import Int8Linear
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -93,10 +94,13 @@ def save_pretrained(
 ) -> str:
     """Write ``model`` into the HF Llama directory ``path`` (created if needed; other files are kept).
 
-    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path.
+    Crash-safe: a kill at any instant leaves the old or the new checkpoint. Returns the absolute path. A model
+    int8-quantized by ``torchref.quant.quantize`` is refused (TypeError) before the directory is touched.
     """
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"save_pretrained expects a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise hf_format.quantized_model_error("torchref")
     hf_format.check_max_shard_bytes(max_shard_bytes)
     dt = _resolve_dtype(dtype)
     tensors = {k: (v if dt is None else v.to(dt)).cpu() for k, v in to_state_dict(model).items()}

@@ -6,8 +6,11 @@
 Rule (identical to the JAX twin, so the int8 weights are bit-identical): per OUTPUT channel, symmetric,
 ``scale = max|w| / 127`` over the input dim (1.0 for an all-zero row), ``q = clamp(round(w / scale), -127, 127)``
 (round-half-to-even), in float32. :class:`Int8Linear` keeps ``weight_int8 [out, in]`` int8 and ``scale [out]``
-float32 buffers and computes ``F.linear(x, q.to(x.dtype)) * scale`` (dequantized inside the matmul, scale on the
-output columns, as ``jaxattn.quant.matmul``). Quantized: the parameter table's linear weights
+float32 buffers and computes ``F.linear(x, q.to(x.dtype) * scale.to(x.dtype)[:, None])``: the weight is
+dequantized in ``x``'s dtype first, then multiplied, as ``jaxattn.quant.matmul``. Why this order: ``x @ q`` sums
+``|q|`` up to 127 over the input dim, so in float16 it overflows (> 65504 -> inf, then NaN logits) wherever
+``x @ w`` is merely in the tens; the dequantized weight is ``w`` to within half a quantization step, so it is finite
+wherever the float model is (the JAX twin's docstring has the rest). Quantized: the parameter table's linear weights
 (``jaxattn.spec.params``: the seven projections of every decoder layer and an untied ``lm_head``); the embedding (and
 so a tied head) and the norms stay in float, as torchao's ``int8_weight_only`` (which replaces ``nn.Linear`` only).
 """
@@ -49,7 +52,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        return F.linear(x, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

@@ -88,13 +88,30 @@ def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer()
 
 
+_NPY_ACCEPTED = "a .npy written by numpy.save holding integer token ids, 1-D (one document) or 2-D (one per row)"
+
+
 def _npy_documents(file: str) -> list[np.ndarray]:
-    arr = np.load(file, allow_pickle=False)
+    with open(file, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":  # numpy would call a text file "pickled data"
+        raise ValueError(
+            f"--data {file!r} is not a .npy array file (it starts with {magic!r}, not numpy's b'\\x93NUMPY'); "
+            f"a file named *.npy must be {_NPY_ACCEPTED}; give text data a name without the .npy suffix"
+        )
+    try:
+        arr = np.load(file, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # object arrays (pickles), truncated or corrupt headers
+        raise ValueError(f"--data {file!r} cannot be read as {_NPY_ACCEPTED}: {e}") from None
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
         raise ValueError(
             f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
             f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}"
         )
+    # int64 unless that would wrap: uint64 ids >= 2**63 stay uint64, so the vocabulary check shows their value
+    # (they are out of any vocabulary) instead of a negative number.
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        return [arr] if arr.ndim == 1 else list(arr)
     return [arr.astype(np.int64)] if arr.ndim == 1 else [row.astype(np.int64) for row in arr]
 
 
@@ -210,8 +227,11 @@ class Dataset:
             if packing == "bucket":  # long documents become chunks of at most one row
                 self.docs = [d[i : i + self.width] for d in docs for i in range(0, len(d), self.width)]
                 self.docs = [d for d in self.docs if len(d) >= 2]
-                if not self.docs:
-                    raise ValueError(f"--data {name!r}: no document has 2 tokens or more (needed for one target)")
+            if not any(len(d) >= 2 for d in self.docs):  # targets never cross documents, in either mode
+                raise ValueError(
+                    f"--data {name!r}: no document has 2 tokens or more (needed for one target: a token and the "
+                    f"next one of the same document); --packing {packing} would train on nothing (loss 0)"
+                )
             for i, d in enumerate(self.docs):
                 check_token_ids(d, self.vocab_size, arg=f"--data {name!r} (tokenized document {i})")
 

@@ -4,6 +4,13 @@ Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokeniz
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
 dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/k projections is undone.
 
+Before anything is read, the tensor-info records are checked against the file as llama.cpp's
+``gguf_init_from_file`` checks them (:func:`check_tensor_data`): every type is a ggml type, every row length a
+multiple of its type's block, and each tensor's data offset equals the running sum of the tensors before it, each
+padded to the alignment, with the data inside the file (and, beyond llama.cpp, no more than the alignment padding
+left after the last tensor). A changed type field (F32 read as F16, Q8_0 as Q4_1) therefore fails with a
+``CheckpointError`` naming the file, the tensor, its type and the byte counts, instead of loading as garbage.
+
     config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.decode(tok.encode("<|im_start|>user\\nHi")), tok.chat_template
 """
@@ -226,6 +233,164 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     )
 
 
+# --------------------------------------------------------------------------------- tensor-info validation
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+GGML_MAX_DIMS = 4
+
+
+class TensorInfo(NamedTuple):
+    """One tensor-info record of a GGUF header: GGUF dims (innermost first), raw ggml type, data offset."""
+
+    name: str
+    dims: tuple[int, ...]
+    type: int
+    offset: int
+
+
+class _Header:
+    """A cursor over a GGUF file's header (versions 2 and 3: 64-bit counts and lengths), either byte order."""
+
+    def __init__(self, buf, order: str):
+        self.buf, self.order, self.pos = buf, order, 0
+
+    def take(self, fmt: str):
+        import struct
+
+        value = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value[0]
+
+    def string(self) -> bytes:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"the header is truncated: a string of {n} bytes at byte {self.pos} runs past the end")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def skip_value(self, vtype: int) -> None:
+        if vtype == _GGUF_STRING:
+            self.string()
+        elif vtype == _GGUF_ARRAY:
+            itype, count = self.take("I"), self.take("Q")
+            if itype in _GGUF_SCALAR_BYTES:
+                self.pos += _GGUF_SCALAR_BYTES[itype] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(itype)
+        elif vtype in _GGUF_SCALAR_BYTES:
+            self.pos += _GGUF_SCALAR_BYTES[vtype]
+        else:
+            raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos}")
+        if self.pos > len(self.buf):
+            raise ValueError("the header is truncated: the metadata runs past the end of the file")
+
+
+def read_tensor_infos(path: str) -> tuple[int, int, list[TensorInfo]]:
+    """``(alignment, data section start, tensor infos)`` of a GGUF file, read from its header alone (no tensor
+    data). Raises ValueError for a header that cannot be parsed."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            version = struct.unpack_from("<I", buf, 4)[0]
+            h = _Header(buf, ">" if version & 0xFFFF == 0 else "<")  # a big-endian file reads as 0x0N000000
+            h.pos = 4
+            version = h.take("I")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} is not supported (versions 2 and 3 are)")
+            n_tensors, n_kv = h.take("Q"), h.take("Q")
+            alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+            for _ in range(n_kv):
+                key, vtype = h.string(), h.take("I")
+                if key == b"general.alignment" and vtype == _GGUF_UINT32:
+                    alignment = h.take("I")
+                else:
+                    h.skip_value(vtype)
+            infos = []
+            for _ in range(n_tensors):
+                name = h.string().decode("utf-8", errors="replace")
+                n_dims = h.take("I")
+                if n_dims > GGML_MAX_DIMS:
+                    raise ValueError(f"tensor {name!r} has {n_dims} dimensions; ggml allows at most {GGML_MAX_DIMS}")
+                dims = tuple(h.take("Q") for _ in range(n_dims))
+                infos.append(TensorInfo(name, dims, h.take("I"), h.take("Q")))
+        except struct.error as e:
+            raise ValueError(f"the header is truncated ({e})") from None
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment={alignment} is not a power of two")
+        return alignment, -(-h.pos // alignment) * alignment, infos
+
+
+def check_tensor_data(path: str, where: str | None = None) -> list[TensorInfo]:
+    """Check every tensor-info record of the GGUF file ``path`` against its type, its shape and the file length,
+    as llama.cpp's ``gguf_init_from_file`` does (see the module docstring); returns the records. Raises
+    :class:`CheckpointError` naming the file, the tensor, its type and what was expected vs found."""
+    import gguf
+
+    where = f"GGUF file {path!r}" if where is None else where
+    try:
+        alignment, start, infos = read_tensor_infos(path)
+    except ValueError as e:
+        raise CheckpointError(f"{where} cannot be parsed: {e}") from None
+    size = os.path.getsize(path)
+
+    def describe(t: TensorInfo) -> str:
+        kind = gguf.GGMLQuantizationType(t.type).name
+        return f"tensor {t.name!r} (type {kind}, GGUF shape {list(t.dims)})"
+
+    def nbytes(t: TensorInfo) -> int:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type)]
+        return int(np.prod(t.dims, dtype=object)) // block * block_bytes
+
+    expected, prev = 0, None
+    for t in infos:
+        try:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type)]
+        except (ValueError, KeyError):
+            raise CheckpointError(
+                f"{where}: tensor {t.name!r} has type {t.type}, which is not a ggml type the installed gguf "
+                f"package knows (known: "
+                f"{', '.join(f'{k.name}={k.value}' for k in gguf.GGML_QUANT_SIZES)})"
+            ) from None
+        if any(d < 0 for d in t.dims) or (t.dims and t.dims[0] % block):
+            raise CheckpointError(
+                f"{where}: {describe(t)} has rows of {t.dims[0] if t.dims else 1} elements, which is not a multiple "
+                f"of the {block}-element blocks of its type: the type field does not fit the shape"
+            )
+        if t.offset % alignment:
+            raise CheckpointError(
+                f"{where}: {describe(t)} has data offset {t.offset}, expected a multiple of the alignment {alignment}"
+            )
+        if t.offset != expected:
+            if prev is None:
+                raise CheckpointError(
+                    f"{where}: the first tensor, {describe(t)}, has data offset {t.offset}, expected 0"
+                )
+            raise CheckpointError(
+                f"{where}: {describe(t)} has data offset {t.offset}, expected {expected}: the tensor before it, "
+                f"{describe(prev)}, takes {nbytes(prev)} bytes by its type and shape (padded to the {alignment}-byte "
+                f"alignment: {expected - prev.offset}) but the file gives it {t.offset - prev.offset}; the type "
+                f"field or shape of one of the two does not match the data"
+            )
+        end = start + t.offset + nbytes(t)
+        if end > size:
+            raise CheckpointError(
+                f"{where}: {describe(t)} takes {nbytes(t)} bytes by its type and shape, from byte "
+                f"{start + t.offset} to {end}, but the file has {size} bytes: the type field or shape does not "
+                f"match the data, or the file is truncated"
+            )
+        expected, prev = -(-(t.offset + nbytes(t)) // alignment) * alignment, t
+    if prev is not None and size - end >= alignment:
+        raise CheckpointError(
+            f"{where}: the last tensor, {describe(prev)}, takes {nbytes(prev)} bytes by its type and shape and "
+            f"ends at byte {end}, but the file has {size} bytes ({size - end} after it, expected fewer than the "
+            f"{alignment}-byte alignment): the type field or shape does not match the data"
+        )
+    return infos
+
+
 def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
     """``(config, tensors, tokenizer)`` of a llama.cpp Llama file; tensors are HF-named ``dtype`` numpy arrays.
 
@@ -249,6 +414,7 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{where} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    check_tensor_data(path, where)  # before gguf's reader maps (and mis-slices) any tensor
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, TypeError) as e:  # the reader's own errors do not name the file

@@ -123,6 +123,16 @@ def check_state_dtypes(dtypes: Mapping[str, object], where: str = "state dict") 
         )
 
 
+def quantized_model_error(package: str) -> TypeError:
+    """``save_pretrained``'s refusal of a model ``{package}.quant.quantize`` made int8 (the same words in both twins):
+    a Llama checkpoint holds float weights, so the int8 weights and scales would load as nothing."""
+    return TypeError(
+        f"save_pretrained: model is int8-quantized by {package}.quant.quantize (int8 weights with per-channel "
+        f"scales), which a Hugging Face Llama checkpoint cannot hold; nothing was written. Save the float model "
+        f"instead and quantize after loading: {package}.quant.quantize({package}.from_pretrained(path))"
+    )
+
+
 def check_max_shard_bytes(max_shard_bytes) -> int:
     """``max_shard_bytes`` if it is a positive int (bool refused), else a TypeError/ValueError naming it."""
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, numbers.Integral):
