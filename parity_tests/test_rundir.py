@@ -325,3 +325,28 @@ def test_divergence_guard_counts_consecutive_nonfinite_steps_but_not_loss_scale_
     guard.check(rec(9, 2.0, float("inf")))
     with pytest.raises(TrainingError, match=r"for 2 consecutive steps \(9\.\.10; last loss 2\.0, grad_norm nan\)"):
         guard.check(rec(10, 2.0, float("nan")))
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """A DataLoader worker forked while the lock is held must not hold it after the trainer ends (a killed torch
+    trainer's worker outlived it and the --resume was refused as 'in use')."""
+    import signal
+    import time
+
+    first = RunDir(str(tmp_path), "torch", RUN, resume=False)
+    ready_r, ready_w = os.pipe()
+    with first.locked():
+        pid = os.fork()
+        if pid == 0:  # the worker: outlives the lock holder's release
+            os.write(ready_w, b"1")  # running (the fork hooks have run)
+            time.sleep(30)
+            os._exit(0)
+        assert os.read(ready_r, 1) == b"1"
+    try:
+        with RunDir(str(tmp_path), "torch", RUN, resume=False).locked():
+            pass
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(ready_w)

@@ -46,6 +46,21 @@ FORMAT = 1
 RUN_FLAGS = ("data", "seed", "batch_size", "seq_len", "packing", "optimizer", "precision")
 
 
+# flock belongs to the open file description, which a fork shares: a worker process that outlives a killed trainer
+# would keep the directory locked, so every child closes the lock descriptors it inherits
+_LOCK_FDS: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_LOCK_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
 _CHECKPOINT_NAME = re.compile(r"step_\d+|torchref-step-\d+\.pt")
 
 
@@ -170,7 +185,8 @@ class RunDir:
     def locked(self) -> Iterator[None]:
         """Hold the directory's lock (an exclusive ``flock``, released when the process ends, even by SIGKILL)."""
         os.makedirs(self.path, exist_ok=True)
-        fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        _LOCK_FDS.add(fd)  # a forked child (a DataLoader worker) closes its copy: the lock ends with this process
         try:
             if fcntl is not None:
                 try:
@@ -192,6 +208,7 @@ class RunDir:
                 self._write()
             yield
         finally:
+            _LOCK_FDS.discard(fd)
             os.close(fd)  # releases the flock
 
     # ------------------------------------------------------------------------------------------------ steps
