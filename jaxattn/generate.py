@@ -32,7 +32,17 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import Llama
 from .quant import quantize
-from .spec.generate import build_parser, collect, emit, load_tokenizer, prepare, print_stream, prompt_ids
+from .spec.generate import (
+    build_parser,
+    cli,
+    collect,
+    emit,
+    load_tokenizer,
+    prepare,
+    preset_dtype,
+    print_stream,
+    prompt_ids,
+)
 
 
 def sample(logits: jax.Array, key, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
@@ -133,11 +143,15 @@ def generate(
 
 
 def main(argv=None) -> int:
-    args = build_parser("python -m jaxattn.generate").parse_args(argv)
+    return cli("python -m jaxattn.generate", build_parser("python -m jaxattn.generate"), _run, argv)
+
+
+def _run(args) -> None:
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
-        model = Llama(ModelConfig.preset(args.preset), rngs=nnx.Rngs(args.seed))
+        cfg = ModelConfig.preset(args.preset)
+        model = Llama(cfg, rngs=nnx.Rngs(args.seed), param_dtype=jnp.dtype(preset_dtype(args)))
     if args.int8:
         model = quantize(model)
     tok = load_tokenizer(args.init)
@@ -154,7 +168,6 @@ def main(argv=None) -> int:
         ),
         tok,
     )
-    return 0
 
 
 if __name__ == "__main__":

