@@ -74,7 +74,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(args.init)
         if self.tokenizer.vocab_size > config.vocab_size:
             raise CLIError(
-                f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                f"--init {args.init!r}: its tokenizer has {self.tokenizer.vocab_size} ids but the model's "
                 f"vocab_size is {config.vocab_size}"
             )
         self.data = Dataset.from_source(

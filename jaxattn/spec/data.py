@@ -41,9 +41,31 @@ SYNTHETIC = "synthetic"
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def is_gguf(path: str | None) -> bool:
+    """``path`` is a llama.cpp ``.gguf`` file (an ``--init`` may be one, or a Hugging Face directory)."""
+    return path is not None and str(path).endswith(".gguf") and os.path.isfile(path)
+
+
 def copy_tokenizer(init_dir: str | None, out_dir: str) -> None:
-    """Copy ``init_dir``'s ``tokenizer.json`` (if any) beside an exported model in ``out_dir``."""
-    if init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
+    """Put the tokenizer of ``--init`` beside an exported model in ``out_dir``: a directory's ``tokenizer.json``
+    (if any) is copied; a ``.gguf`` file's tokenizer is written as ``tokenizer.json`` plus its chat template
+    (``tokenizer_config.json``) and BOS/EOS ids (``generation_config.json``), so the export generates and
+    evaluates with the same tokens as the file."""
+    if is_gguf(init_dir):
+        import json
+
+        from .atomic import write_text_atomic
+        from .gguf import read_gguf_tokenizer
+
+        tok = read_gguf_tokenizer(init_dir)
+        write_text_atomic(os.path.join(out_dir, TOKENIZER_FILE), tok.tokenizer.to_str())
+        vocab = {i: t for t, i in tok.tokenizer.get_vocab(with_added_tokens=True).items()}
+        config = {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos}
+        config.update({f"{k}_token": vocab[i] for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id)) if i is not None})
+        write_text_atomic(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n")
+        ids = {f"{k}_token_id": i for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id)) if i is not None}
+        write_text_atomic(os.path.join(out_dir, "generation_config.json"), json.dumps(ids, indent=2) + "\n")
+    elif init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         shutil.copyfile(os.path.join(init_dir, TOKENIZER_FILE), os.path.join(out_dir, TOKENIZER_FILE))
 
 
@@ -67,10 +89,12 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``tokenizer.json`` through the ``tokenizers`` library (no special tokens added on encode)."""
 
-    def __init__(self, file: str):
-        from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
+    def __init__(self, file: str, tokenizer=None):
+        if tokenizer is None:
+            from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
 
-        self.tokenizer = Tokenizer.from_file(file)
+            tokenizer = Tokenizer.from_file(file)
+        self.tokenizer = tokenizer  # or a ``tokenizers.Tokenizer`` built elsewhere (a GGUF file's)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.name = file
 
@@ -82,7 +106,12 @@ class HFTokenizer:
 
 
 def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """``init_dir/tokenizer.json`` when there is one, else the byte tokenizer."""
+    """``init_dir/tokenizer.json`` when there is one, the file's tokenizer when ``init_dir`` is a ``.gguf`` file,
+    else the byte tokenizer."""
+    if is_gguf(init_dir):
+        from .gguf import read_gguf_tokenizer
+
+        return HFTokenizer(init_dir, read_gguf_tokenizer(init_dir).tokenizer)
     if init_dir is not None and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         return HFTokenizer(os.path.join(init_dir, TOKENIZER_FILE))
     return ByteTokenizer()
