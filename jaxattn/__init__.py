@@ -37,6 +37,7 @@ _SUBMODULES = (
     "quant",
     "sharding",
     "train",
+    "eval",
 )
 
 

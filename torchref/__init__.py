@@ -34,6 +34,7 @@ _SUBMODULES = (
     "quant",
     "parallel",
     "train",
+    "eval",
 )
 
 

@@ -83,6 +83,14 @@ FLAGS: tuple[Flag, ...] = (
         metavar="{synthetic|PATH}",
     ),
     Flag(
+        "--eval-data",
+        "held-out text (a text file, a folder of text files or a pre-tokenized .npy, tokenized as --data) whose "
+        "mean token loss and perplexity are logged after the last step and every --eval-every steps",
+        str,
+        metavar="PATH",
+    ),
+    Flag("--eval-every", "evaluate --eval-data every N steps too (0: only after the last step)", int, 0),
+    Flag(
         "--packing",
         "pack documents into full rows, or one document per row padded to a few bucket lengths",
         str,
@@ -340,7 +348,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.log_json is None:
         return
     log = os.path.realpath(args.log_json)
-    inputs = [("--data", args.data), ("--config-json", args.config_json), ("--init", args.init)]
+    inputs = [
+        ("--data", args.data),
+        ("--eval-data", args.eval_data),
+        ("--config-json", args.config_json),
+        ("--init", args.init),
+    ]
     for flag, path in inputs:
         if path is None or (flag == "--data" and path == SYNTHETIC):
             continue
@@ -402,6 +415,14 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
             args.data,
             "no such file or folder; use 'synthetic', a text file, a folder of text files or a pre-tokenized .npy",
         )
+    if args.eval_data is not None and (args.eval_data == SYNTHETIC or not os.path.exists(args.eval_data)):
+        raise _err(
+            "--eval-data", args.eval_data, "no such file or folder; use a text file, a folder of text files or a .npy"
+        )
+    if args.eval_every < 0:
+        raise _err("--eval-every", args.eval_every, "must be an integer >= 0")
+    if args.eval_every and args.eval_data is None:
+        raise CLIError(f"--eval-every {args.eval_every} needs --eval-data PATH (the text to evaluate)")
     if args.init is not None and args.config_json is not None:
         raise CLIError(
             f"--init {args.init!r} and --config-json {args.config_json!r}: give one of them (--init "

@@ -33,6 +33,9 @@ __all__ = [
     "read_documents",
     "bucket_lengths",
     "pack_rows",
+    "segment_rows",
+    "is_gguf",
+    "copy_tokenizer",
     "Dataset",
 ]
 
@@ -117,19 +120,19 @@ def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer()
 
 
-def _npy_documents(file: str) -> list[np.ndarray]:
+def _npy_documents(file: str, flag: str = "--data") -> list[np.ndarray]:
     arr = np.load(file, allow_pickle=False)
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
         raise ValueError(
-            f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
+            f"{flag} {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
             f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}"
         )
     return [arr.astype(np.int64)] if arr.ndim == 1 else [row.astype(np.int64) for row in arr]
 
 
-def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
+def _file_documents(file: str, tokenizer, flag: str = "--data") -> list[np.ndarray]:
     if file.endswith(".npy"):
-        return _npy_documents(file)
+        return _npy_documents(file, flag)
     with open(file, "rb") as f:
         raw = f.read()
     if isinstance(tokenizer, ByteTokenizer):  # byte-level: any file's bytes, UTF-8 or not
@@ -138,30 +141,31 @@ def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"--data {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
+            f"{flag} {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
             f"text files or pre-tokenized .npy"
         ) from None
     return [tokenizer.encode(text)]
 
 
-def read_documents(source: str, tokenizer=None) -> list[np.ndarray]:
-    """The non-empty token-id documents of a text file, a folder or a ``.npy`` (see the module docstring)."""
+def read_documents(source: str, tokenizer=None, flag: str = "--data") -> list[np.ndarray]:
+    """The non-empty token-id documents of a text file, a folder or a ``.npy`` (see the module docstring); errors
+    name ``flag``."""
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if os.path.isdir(source):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs if not f.startswith("."))
         if not files:
-            raise ValueError(f"--data {source!r} is a folder with no files; expected text files or .npy files")
-        docs = [doc for file in files for doc in _file_documents(file, tokenizer)]
+            raise ValueError(f"{flag} {source!r} is a folder with no files; expected text files or .npy files")
+        docs = [doc for file in files for doc in _file_documents(file, tokenizer, flag)]
     elif os.path.isfile(source):
-        docs = _file_documents(source, tokenizer)
+        docs = _file_documents(source, tokenizer, flag)
     else:
         raise ValueError(
-            f"--data {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
+            f"{flag} {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
             f"text files or a pre-tokenized .npy"
         )
     docs = [d for d in docs if d.size]
     if not docs:
-        raise ValueError(f"--data {source!r} holds no tokens")
+        raise ValueError(f"{flag} {source!r} holds no tokens")
     return docs
 
 
@@ -177,7 +181,14 @@ def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int
     t = np.zeros(n, np.int32)
     d = np.full(n, -1, np.int64)
     t[: tokens.size], d[: tokens.size] = tokens, doc
-    t, d = t.reshape(rows, width), d.reshape(rows, width)
+    return segment_rows(t.reshape(rows, width), d.reshape(rows, width))
+
+
+def segment_rows(t: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
+    """Batch arrays (``spec.batch`` format) for token rows ``t [R, W]`` and their document index per token ``d``
+    (-1: padding): segment ids count from 1 within each row, positions restart at each segment start."""
+    t = t.astype(np.int32)
+    rows, width = t.shape
     start = np.ones_like(d, bool)
     start[:, 1:] = d[:, 1:] != d[:, :-1]
     seg = np.cumsum(start, axis=1).astype(np.int32)
