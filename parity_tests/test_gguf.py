@@ -251,17 +251,21 @@ def test_bad_files_name_the_file_and_key(tmp_path):
         read_gguf(spm)
 
 
-def test_trainers_init_from_a_gguf_file(tmp_path):
+def test_trainers_init_from_a_gguf_file(tmp_path, capsys):
     """``--init x.gguf`` in both trainers: the config from the metadata alone, the dequantized weights (step 1's loss
     is the GGUF model's loss on batch 0), the file's tokenizer for text data, the two trainers' losses within the
-    full-model 1e-4 rule, and an export that carries the file's tokenizer, chat template and EOS."""
+    full-model 1e-4 rule, an export that carries the file's tokenizer, chat template and EOS, and both eval CLIs on
+    the file."""
     import json
+    import re
 
+    from jaxattn import eval as jeval
     from jaxattn import train as jtrain
     from jaxattn.spec import generate as spec_generate
     from jaxattn.spec.cli import CLIError, parse_args
     from jaxattn.spec.data import Dataset, load_tokenizer
     from jaxattn.spec.gguf import read_gguf_config
+    from torchref import eval as teval
     from torchref import train as ttrain
     from torchref.train_step import loss_fn
 
@@ -295,6 +299,12 @@ def test_trainers_init_from_a_gguf_file(tmp_path):
             "<|im_start|> the in a 42"
         )
         assert load_tokenizer(final).vocab_size == cfg.vocab_size
+
+    for main in (jeval.main, teval.main):  # the eval CLIs read the file and its tokenizer as the trainers do
+        assert main(["--init", path, "--data", "README.md", "--seq-len", "16", "--batch-size", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (lj, nj), (lt, nt) = (map(float, re.search(r"loss (\S+) nats.* over (\d+) tokens", x).groups()) for x in lines)
+    assert nj == nt > 1000 and abs(lj - lt) <= LOGITS_TOL
 
     (tmp_path / "m.txt").write_text("not a model")
     bad = tmp_path / "bad.gguf"
