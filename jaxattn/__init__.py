@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config",
     "Llama": "model",
+    "LlamaForCausalLM": "model",  # the same class under Hugging Face's (and torchref's) name
     "from_pretrained": "hf",
     "save_pretrained": "hf",
     "from_gguf": "hf",
@@ -36,6 +37,7 @@ _SUBMODULES = (
     "quant",
     "sharding",
     "train",
+    "eval",
 )
 
 

@@ -5,8 +5,9 @@
 ``.gguf`` file; ``save_pretrained(model, path)`` writes a directory ``transformers`` loads. The HF names, shapes and
 transposes come from the parameter table (``jaxattn.spec.params``): HF stores linear weights ``[out, in]``, our
 model ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly (an fp32 round trip is
-bit-exact). ``dtype=None`` keeps the stored dtype; names are ``MODEL_DTYPES``. Saving writes into the directory
-crash-safely and touches only our files (``jaxattn.spec.hf_format``).
+bit-exact). ``dtype=None`` keeps the stored dtype; names are ``MODEL_DTYPES`` or their short names ``bf16``,
+``fp16``, ``fp32`` (``spec.dtypes.DTYPE_ALIASES``), or jnp dtypes. Saving writes into the directory crash-safely
+and touches only our files (``jaxattn.spec.hf_format``).
 
     jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
@@ -25,7 +26,7 @@ from .config import ModelConfig
 from .model import Llama, set_value
 from .quant import QArray
 from .spec import hf_format, params
-from .spec.dtypes import MODEL_DTYPES, check_model_dtype
+from .spec.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
 from .spec.gguf import read_gguf
 
 
@@ -37,7 +38,9 @@ def _resolve_dtype(dtype):
     try:
         dt = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(f"dtype={dtype!r} is not a dtype; use one of {', '.join(MODEL_DTYPES)}") from None
+        raise ValueError(
+            f"dtype={dtype!r} is not a dtype; use one of {', '.join(MODEL_DTYPES)} (or {', '.join(DTYPE_ALIASES)})"
+        ) from None
     check_model_dtype(dt.name)
     return dt
 

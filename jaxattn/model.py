@@ -1,7 +1,8 @@
 """Llama-style decoder in Flax NNX, the twin of ``torchref/model.py``.
 
-    model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))     # also named LlamaForCausalLM
     logits = model(jnp.asarray([[1, 2, 3]]))        # float32 [1, 3, vocab]
+    hidden = model.features(jnp.asarray([[1, 2, 3]]))  # [1, 3, dim]: final-norm hidden states
 
 Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head, with
 the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
@@ -194,6 +195,12 @@ class Llama(nnx.Module):
     ``model(tokens, cache=kv_cache)`` -> ``(logits, kv_cache')`` (``jaxattn.kv_cache``: positions default to the
     cache's per-row lengths; inference only, no remat).
 
+    ``model.features(...)`` takes the same arguments and returns the final-norm hidden states ``[B, S, dim]`` (in
+    the parameters' dtype; ``(hidden, kv_cache')`` with a cache) that the LM head reads: the input of any other
+    head (a classifier, an embedding pooler). It is a method, not a submodule, so the parameter tree stays the
+    parameter table's; torch's twin is ``LlamaForCausalLM.model(...)`` (HF's ``LlamaModel``), also reachable as
+    ``LlamaForCausalLM.features``.
+
     ``tokens``, ``positions``, ``segment_ids``: integer arrays ``[B, S]`` (B, S >= 1) of a dtype in
     ``jaxattn.spec.dtypes.ID_DTYPES`` (bool refused). ``remat``: one of ``REMAT_POLICIES``, set from outside.
     """
@@ -209,13 +216,14 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(config.rope_inv_freq()))  # constant, not a trained Param
         self.remat = "none"
 
-    def __call__(
+    def features(
         self,
         tokens: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
     ):
+        """Final-norm hidden states ``[B, S, dim]`` (``(hidden, kv_cache')`` with a cache); see the class doc."""
         cfg = self.config
         check_model_inputs(tokens, positions, segment_ids, arg="tokens")
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
@@ -228,7 +236,7 @@ class Llama(nnx.Module):
             positions = cache.positions(s) if positions is None else positions
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))
+        cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))  # [B, S, 1, head_dim]
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
 
         def layer(x, p):
@@ -249,12 +257,28 @@ class Llama(nnx.Module):
 
             x, (k, v) = jax.lax.scan(cached_layer, x, (stacked, cache.k, cache.v))
             cache = KVCache(k, v, cache.lengths + s)
-        x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        if cfg.tie_embeddings:
+        x = rms_norm(x, self.norm[...], cfg.norm_eps)  # [B, S, dim]
+        return x if cache is None else (x, cache)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ):
+        x = self.features(tokens, positions, segment_ids, cache)  # [B, S, dim]
+        if cache is not None:
+            x, cache = x
+        if self.config.tie_embeddings:
             logits = jnp.dot(x, self.embed[...].T.astype(x.dtype), preferred_element_type=jnp.float32)
         elif isinstance(self.lm_head[...], QArray):  # int8 weight-only head (jaxattn.quant)
             logits = matmul(x, self.lm_head[...]).astype(jnp.float32)
         else:
             logits = jnp.dot(x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        logits = constrain(logits, LOGITS_AXES)
+        logits = constrain(logits, LOGITS_AXES)  # [B, S, vocab]
         return logits if cache is None else (logits, cache)
+
+
+# Hugging Face's (and torchref's) class name; both names work in both packages.
+LlamaForCausalLM = Llama

@@ -33,6 +33,7 @@ from . import hf, optim, remat
 from .attention import BACKENDS, FORWARD_ONLY, attention_backend, available_backends
 from .checkpoint import Checkpointer
 from .data import prefetch_to_device
+from .eval import make_eval_step, run_eval
 from .model import Llama
 from .precision import get_policy, set_matmul_precision
 from .profiling import StepTimer, peak_memory_bytes, start_trace, stop_trace
@@ -40,7 +41,8 @@ from .seed import host_rng_state, seed_all, set_host_rng_state
 from .sharding import initialize_distributed, make_mesh, parse_mesh, shard_train_state
 from .spec import optim as spec_optim
 from .spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
-from .spec.data import Dataset, copy_tokenizer, load_tokenizer
+from .spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
+from .spec.eval import EvalResult, eval_batches
 from .spec.runlog import DivergenceGuard, RunLog
 from .train_step import (  # noqa: F401
     BATCH_KEYS,
@@ -79,7 +81,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(args.init)
         if self.tokenizer.vocab_size > config.vocab_size:
             raise CLIError(
-                f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                f"--init {args.init!r}: its tokenizer has {self.tokenizer.vocab_size} ids but the model's "
                 f"vocab_size is {config.vocab_size}"
             )
         self.data = Dataset.from_source(
@@ -91,6 +93,15 @@ class Trainer:
             vocab_size=config.vocab_size,
             tokenizer=self.tokenizer,
         )
+        self.eval_batches = None  # --eval-data: one pass in file order (spec.eval), the train batch's shape
+        if args.eval_data is not None:
+            self.eval_batches = eval_batches(
+                read_documents(args.eval_data, self.tokenizer, "--eval-data"),
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                vocab_size=config.vocab_size,
+                name=f"--eval-data {args.eval_data!r}",
+            )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
         self.policy = get_policy(args.precision)
         if self.backends:
@@ -129,6 +140,10 @@ class Trainer:
             max_grad_norm=args.clip_grad or None,
             grad_accum=args.grad_accum,
             sharding=sharding,
+        )
+        self.sharding = sharding
+        self.eval_step = (
+            None if self.eval_batches is None else make_eval_step(self.graphdef, policy=self.policy, sharding=sharding)
         )
         self.rng = jax.random.key_data(self.keys["data"])
         self.start, self.applied = 0, 0
@@ -248,9 +263,25 @@ class Trainer:
                 f"{self.args.checkpoint_dir!r}: {e.strerror or e}"
             ) from e
 
+    def evaluate(self) -> EvalResult:
+        """Mean token loss and perplexity of the current weights on ``--eval-data`` (every process takes part)."""
+        if jax.process_count() > 1:  # the same host batches on every process -> global arrays
+            place = self.sharding.place
+        else:
+
+            def place(host):
+                return jax.device_put(host, self.device)
+
+        return run_eval(self.eval_step, self.state.params, self.state.rest, self.eval_batches, place)
+
+    def eval_due(self, step: int) -> bool:
+        """``--eval-data`` is evaluated after the last step and every ``--eval-every`` steps."""
+        every = self.args.eval_every
+        return self.eval_batches is not None and (step == self.args.steps or (every > 0 and step % every == 0))
+
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "final"?}``."""
+        "evals", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``)."""
         args = self.args
         mem_device = self.device if self.mesh is None else jax.local_devices()[0]
         lead = jax.process_index() == 0  # a multi-process run logs and exports from process 0
@@ -262,6 +293,7 @@ class Trainer:
             desc="jax train",
         )
         losses: list[float] = []
+        evals: list[dict] = []
         profiling = False
         prof_start = min(self.start + 1, args.steps - 1) if args.profile else -1
         ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
@@ -323,6 +355,14 @@ class Trainer:
                         report(pending)
                         pending = None
                         self.save(i + 1)
+                    if self.eval_due(i + 1):  # after the step's record; its time is not the next step's
+                        if pending is not None:
+                            report(pending)
+                            pending = None
+                        r = self.evaluate()
+                        if lead:
+                            evals.append(log.eval(step=i + 1, loss=r.loss, perplexity=r.perplexity, tokens=r.tokens))
+                        t_last = time.perf_counter()
                 if pending is not None:
                     report(pending)
                 if self.ckpt:
@@ -341,6 +381,7 @@ class Trainer:
                 "start": self.start,
                 "steps": args.steps,
                 "phases": log.breakdown(timer),
+                "evals": evals,
             }
             if self.ckpt:
                 out["final"] = out_final

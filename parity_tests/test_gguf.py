@@ -321,6 +321,72 @@ def test_a_changed_tensor_type_field_is_refused(tmp_path):
         read_gguf(header_only)
 
 
+def test_trainers_init_from_a_gguf_file(tmp_path, capsys):
+    """``--init x.gguf`` in both trainers: the config from the metadata alone, the dequantized weights (step 1's loss
+    is the GGUF model's loss on batch 0), the file's tokenizer for text data, the two trainers' losses within the
+    full-model 1e-4 rule, an export that carries the file's tokenizer, chat template and EOS, and both eval CLIs on
+    the file."""
+    import json
+    import re
+
+    from jaxattn import eval as jeval
+    from jaxattn import train as jtrain
+    from jaxattn.spec import generate as spec_generate
+    from jaxattn.spec.cli import CLIError, parse_args
+    from jaxattn.spec.data import Dataset, load_tokenizer
+    from jaxattn.spec.gguf import read_gguf_config
+    from torchref import eval as teval
+    from torchref import train as ttrain
+    from torchref.train_step import loss_fn
+
+    cfg = _config(False)
+    path = str(_write_gguf(tmp_path / "m.gguf", cfg, _hf_tensors(cfg, seed=3)))
+    assert read_gguf_config(path) == cfg
+    argv = ["--init", path, "--data", "README.md", "--steps", "3", "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--lr", "1e-3", "--no-progress"]
+    args, config = parse_args(argv, "torch", ("xla",))
+    assert config == cfg
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == cfg.vocab_size and list(tok.encode(" the in")) == read_gguf(path).tokenizer.encode(
+        " the in"
+    )
+    batch0 = Dataset.from_source(
+        "README.md", seq_len=16, batch_size=2, seed=0, vocab_size=cfg.vocab_size, tokenizer=tok
+    )
+    with torch.no_grad():
+        want = float(loss_fn(torch_from_gguf(path), {k: torch.from_numpy(v) for k, v in batch0.batch(0).items()}))
+
+    out_j = jtrain.run(argv + ["--checkpoint-dir", str(tmp_path / "j")])
+    out_t = ttrain.run(argv + ["--checkpoint-dir", str(tmp_path / "t"), "--num-workers", "0"])
+    assert abs(out_t["losses"][0] - want) <= 1e-5 and abs(out_j["losses"][0] - want) <= LOGITS_TOL
+    np.testing.assert_allclose(out_j["losses"], out_t["losses"], rtol=0, atol=LOGITS_TOL)
+    for out in (out_j, out_t):
+        final = out["final"]
+        assert json.load(open(f"{final}/generation_config.json")) == {"bos_token_id": 1, "eos_token_id": 2}
+        exported = spec_generate.load_tokenizer(final)  # what generate reads from the export
+        assert (exported.eos_id, exported.chat_template) == (2, CHAT)
+        assert exported.encode("<|im_start|> the in a 42") == read_gguf(path).tokenizer.encode(
+            "<|im_start|> the in a 42"
+        )
+        assert load_tokenizer(final).vocab_size == cfg.vocab_size
+
+    for main in (jeval.main, teval.main):  # the eval CLIs read the file and its tokenizer as the trainers do
+        assert main(["--init", path, "--data", "README.md", "--seq-len", "16", "--batch-size", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (lj, nj), (lt, nt) = (map(float, re.search(r"loss (\S+) nats.* over (\d+) tokens", x).groups()) for x in lines)
+    assert nj == nt > 1000 and abs(lj - lt) <= LOGITS_TOL
+
+    (tmp_path / "m.txt").write_text("not a model")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf file")
+    for init, message in (
+        (tmp_path / "m.txt", r"--init '.*m\.txt': no such directory or \.gguf file"),
+        (bad, r"--init '.*bad\.gguf': not a llama.cpp Llama GGUF file .*is not a GGUF file"),
+    ):
+        with pytest.raises(CLIError, match=message):
+            parse_args(["--init", str(init)], "jax", ("xla",))
+
+
 # ------------------------------------------------------------------------------------- the real model
 
 

@@ -125,6 +125,23 @@ def test_dtype_argument(tmp_path):
         torchref.from_pretrained(tmp_path / "bf", dtype="int8")
 
 
+@pytest.mark.parametrize("short, full", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])
+def test_dtype_takes_the_short_precision_names(tmp_path, short, full):
+    """``dtype="bf16"`` (the spelling of ``--precision``) means bfloat16 weights in every loader and saver of both
+    twins, as ``dtype="bfloat16"`` does; an unknown name lists both spellings."""
+    tmodel, _ = twin_models(ModelConfig.preset("tiny"), seed=5)
+    torchref.save_pretrained(tmodel, tmp_path / "s", dtype=short)
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["torch_dtype"] == full
+    jmodel = jaxattn.from_pretrained(tmp_path / "s", dtype=short)
+    assert jmodel.embed[...].dtype == jnp.dtype(full)
+    assert torchref.from_pretrained(tmp_path / "s", dtype=short).lm_head.weight.dtype == getattr(torch, full)
+    jaxattn.save_pretrained(jmodel, tmp_path / "j", dtype=short)
+    assert json.loads((tmp_path / "j" / "config.json").read_text())["torch_dtype"] == full
+    for load in (jaxattn.from_pretrained, torchref.from_pretrained):
+        with pytest.raises(ValueError, match=r"dtype='bf8' is not supported; .*bfloat16.*\(or fp32, bf16, fp16\)"):
+            load(tmp_path / "s", dtype="bf8")
+
+
 def _write(path, tensors, cfg):
     os.makedirs(path, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg.to_hf()))

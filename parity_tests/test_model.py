@@ -187,3 +187,41 @@ def test_model_bad_inputs(twins, field, value):
 def test_configs_are_the_same_dataclass_values(twins):
     tmodel, jmodel = twins
     assert dataclasses.asdict(tmodel.config) == dataclasses.asdict(jmodel.config)
+
+
+def test_hidden_states_match_torch_and_transformers_and_feed_the_head(twins):
+    """``jaxattn`` ``Llama.features`` = torchref ``LlamaForCausalLM.model(...)`` (HF's ``LlamaModel``) = transformers'
+    ``LlamaModel`` last_hidden_state, with restarted positions and segment ids (the full-model 1e-4 rule), and each
+    twin's logits are its LM head applied to those hidden states."""
+    from jaxattn import hf as jhf
+    from parity_tests.twins import hf_llama
+
+    tmodel, jmodel = twins
+    cfg, rng = tmodel.config, np.random.default_rng(7)
+    b, s = 3, 17
+    tok = tokens(rng, cfg.vocab_size, b, s)
+    seg = np.sort(rng.integers(0, 3, (b, s)), axis=1)
+    pos = np.concatenate([np.arange(9), np.arange(8)])[None].repeat(b, 0)
+    with torch.no_grad():
+        h_t = tmodel.model(torch.from_numpy(tok), torch.from_numpy(pos), torch.from_numpy(seg))
+        assert torch.equal(tmodel.features(torch.from_numpy(tok)), tmodel.model(torch.from_numpy(tok)))
+        assert torch.equal(tmodel.lm_head(h_t).float(), tmodel(*map(torch.from_numpy, (tok, pos, seg))))
+    args = (jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32))
+    h_j = jmodel.features(*args)
+    assert h_t.shape == h_j.shape == (b, s, cfg.dim) and h_j.dtype == jnp.float32
+    assert maxdiff(h_j, h_t) <= LOGITS_TOL
+    head = jmodel.embed[...] if cfg.tie_embeddings else jmodel.lm_head[...].T  # [vocab, dim]
+    np.testing.assert_allclose(np.asarray(h_j @ head.T), np.asarray(jmodel(*args)), rtol=0, atol=1e-5)
+
+    plain = tok[:1]  # transformers knows no segment ids: one plain row against its LlamaModel
+    hf = hf_llama(cfg, jhf.to_state_dict(jmodel))
+    with torch.no_grad():
+        want = hf.model(torch.from_numpy(plain)).last_hidden_state
+    assert maxdiff(jmodel.features(jnp.asarray(plain, jnp.int32)), want) <= LOGITS_TOL
+    assert float((tmodel.model(torch.from_numpy(plain)) - want).abs().max()) <= LOGITS_TOL
+    with pytest.raises(TypeError, match="input_ids.*integer dtype"):
+        tmodel.model(torch.ones(2, 4))
+    with pytest.raises(TypeError, match="tokens.*integer dtype"):
+        jmodel.features(jnp.ones((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="input_ids"):
+        tmodel.model(torch.tensor([[1, cfg.vocab_size]]))

@@ -61,14 +61,20 @@ def test_bad_mode_and_tp_divisibility():
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     """``torchrun --nproc-per-node 2 -m torchref.train --parallel MODE`` logs the one-process losses within 1e-5
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
-    the WHOLE batch's count / dp — ``torchref.train.Trainer.denominator``)."""
+    the WHOLE batch's count / dp — ``torchref.train.Trainer.denominator``), and the one-process ``--eval-data``
+    loss over the same number of targets (each rank scores its rows; tensor-parallel copies divided out)."""
+    from jaxattn.spec.runlog import read_log
     from torchref import train as trainer
 
-    argv = ["--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress"]
-    single = trainer.run(argv)["losses"]
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text(open("README.md", encoding="utf-8").read()[:600], encoding="utf-8")
+    argv = ["--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--eval-data", str(held_out)]
+    single = trainer.run(argv)
     log = tmp_path / "log.jsonl"
     torchrun("-m", "torchref.train", "--parallel", *mode.split(), "--log-json", str(log), *argv)
-    np.testing.assert_allclose(jsonl_losses(log), single, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
+    (got,), (want,) = read_log(str(log), "eval"), single["evals"]
+    assert got["eval_tokens"] == want["eval_tokens"] and abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5
 
 
 def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
@@ -123,7 +129,8 @@ def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
 def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     """The same ``--init`` checkpoint and data: ``python -m jaxattn.train --mesh data=2,fsdp=2,tensor=2`` (8 CPU
     devices, in this process) and ``torchrun --nproc-per-node 2 -m torchref.train --parallel fsdp+tp`` (dp=1 x
-    tp=2) log the same losses at the training tolerance (fp32, §7's 1e-4 for a full-model forward)."""
+    tp=2) log the same losses and ``--eval-data`` losses at the training tolerance (fp32, §7's 1e-4 for a full-model
+    forward)."""
     from benchmarks.twins import twin_models
     from jaxattn import train as jt
     from torchref.config import ModelConfig
@@ -131,7 +138,11 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
 
     tm, _ = twin_models(ModelConfig.preset("tiny", n_kv_heads=2), seed=1)
     init = save_pretrained(tm, tmp_path / "init")
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text(open("README.md", encoding="utf-8").read()[:600], encoding="utf-8")
     argv = [
+        "--eval-data",
+        str(held_out),
         "--init",
         str(init),
         "--data",
@@ -149,6 +160,12 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     log = tmp_path / "torch.jsonl"
     torchrun("-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv)
     torch_losses = jsonl_losses(log)
-    jax_losses = jt.run(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])["losses"]
+    jax_out = jt.run(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
+    jax_losses = jax_out["losses"]
     assert len(torch_losses) == len(jax_losses) == 4
     np.testing.assert_allclose(jax_losses, torch_losses, rtol=0, atol=1e-4)
+    from jaxattn.spec.runlog import read_log
+
+    (t_eval,), (j_eval,) = read_log(str(log), "eval"), jax_out["evals"]
+    assert t_eval["eval_tokens"] == j_eval["eval_tokens"] == len(held_out.read_bytes()) - 1
+    assert abs(t_eval["eval_loss"] - j_eval["eval_loss"]) <= 1e-4

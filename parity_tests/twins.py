@@ -80,8 +80,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 300):
 
 
 def jsonl_losses(path) -> list[float]:
-    """The ``loss`` of every line of a trainer's ``--log-json`` file."""
-    import json
+    """The ``loss`` of every step record of a trainer's ``--log-json`` file (evaluation records left out)."""
+    from jaxattn.spec.runlog import read_log
 
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f]
+    return [r["loss"] for r in read_log(str(path))]

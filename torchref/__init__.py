@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config",
     "LlamaForCausalLM": "model",
+    "Llama": "model",  # the same class under jaxattn's name
+    "LlamaModel": "model",
     "from_pretrained": "hf",
     "save_pretrained": "hf",
     "from_gguf": "hf",
@@ -32,6 +34,7 @@ _SUBMODULES = (
     "quant",
     "parallel",
     "train",
+    "eval",
 )
 
 

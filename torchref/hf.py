@@ -3,10 +3,11 @@
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format, which is shared with the
 JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a ``.gguf`` file is read
-and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the
-dtype stored in the files; names are ``MODEL_DTYPES``. The model is built on the ``meta`` device and the tensors
-are assigned, so loading a large checkpoint allocates its weights once. Saving writes into the directory
-crash-safely and touches only our files (see ``jaxattn.spec.hf_format``).
+and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the dtype stored in the files; names are
+``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32`` (``spec.dtypes.DTYPE_ALIASES``), or torch dtypes.
+The model is built on the ``meta`` device and the tensors are assigned, so loading a large checkpoint allocates its
+weights once. Saving writes into the directory crash-safely and touches only our files (see
+``jaxattn.spec.hf_format``).
 
     torchref.hf.save_pretrained(model, "ckpt"); model = torchref.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
@@ -20,7 +21,7 @@ import safetensors.torch
 import torch
 
 from jaxattn.spec import hf_format
-from jaxattn.spec.dtypes import MODEL_DTYPES, check_model_dtype
+from jaxattn.spec.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
 from jaxattn.spec.gguf import read_gguf
 
 from .config import ModelConfig
@@ -36,7 +37,10 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, torch.dtype):
         check_model_dtype(hf_format.dtype_name(dtype))
         return dtype
-    raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(MODEL_DTYPES)} or those torch dtypes")
+    raise ValueError(
+        f"dtype={dtype!r} is not supported; use one of {', '.join(MODEL_DTYPES)} "
+        f"(or {', '.join(DTYPE_ALIASES)}) or those torch dtypes"
+    )
 
 
 def to_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     logits = model(torch.tensor([[1, 2, 3]]))        # float32 [1, 3, vocab]
+    hidden = model.model(torch.tensor([[1, 2, 3]]))  # [1, 3, dim]: final-norm hidden states (= model.features)
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so ``state_dict()`` keys are HF's
 (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and a
@@ -27,7 +28,7 @@ from .attention import dot_product_attention
 from .config import ModelConfig
 from .remat import run_layer
 
-__all__ = ["LlamaForCausalLM", "LlamaModel"]
+__all__ = ["LlamaForCausalLM", "LlamaModel", "Llama"]
 
 
 class RMSNorm(nn.Module):
@@ -108,38 +109,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder body, as Hugging Face's ``LlamaModel``: ``model.model(input_ids, positions=None,
+    segment_ids=None, cache=None)`` -> the final-norm hidden states ``[B, S, dim]`` in the weights' (or autocast's)
+    dtype, the input of the LM head and of any other head (a classifier, an embedding pooler).
+
+    Same arguments and checks as :class:`LlamaForCausalLM` (which calls it); ``remat`` is the policy each decoder
+    layer runs under in training (``LlamaForCausalLM.remat`` reads and writes this one).
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.config = cfg
+        self.remat = "none"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Not persistent: HF state dicts carry no RoPE buffer.
         self.register_buffer("inv_freq", torch.from_numpy(cfg.rope_inv_freq()), persistent=False)
-
-
-class LlamaForCausalLM(nn.Module):
-    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V]. With
-    ``cache=`` a ``torchref.kv_cache.KVCache`` the call writes into it in place (positions default to its per-row
-    lengths, which then grow by S); inference only, no remat.
-
-    Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
-    (bool refused); ids other than int32/int64 are widened for the embedding lookup.
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.remat = "none"
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
 
     def forward(
         self,
@@ -151,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
         if not torch.compiler.is_compiling():
             _check_ids(input_ids, self.config.vocab_size)
-        remat = check_remat(self.remat, "LlamaForCausalLM.remat")
+        remat = check_remat(self.remat, "LlamaModel.remat")
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()
         b, s = input_ids.shape
@@ -162,16 +148,76 @@ class LlamaForCausalLM(nn.Module):
             positions = cache.positions(s) if positions is None else positions
         if positions is None:
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        cos, sin = rope_cos_sin(self.model.inv_freq, positions)
-        x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
+        cos, sin = rope_cos_sin(self.inv_freq, positions)  # [B, 1, S, head_dim]
+        x = self.embed_tokens(input_ids)  # [B, S, dim]
+        for i, layer in enumerate(self.layers):
             if cache is None:
                 x = run_layer(layer, remat, x, cos, sin, segment_ids)
             else:
                 x = layer(x, cos, sin, None, cache.layer(i))
         if cache is not None:
             cache.lengths += s
-        return self.lm_head(self.model.norm(x)).float()
+        return self.norm(x)  # [B, S, dim]
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model(input_ids, positions=None, segment_ids=None)`` -> float32 logits [B, S, V] = ``lm_head`` of
+    ``model.model(...)`` (:class:`LlamaModel`, the final-norm hidden states; ``model.features(...)`` is the same
+    call under the JAX twin's name). With ``cache=`` a ``torchref.kv_cache.KVCache`` the call writes into it in
+    place (positions default to its per-row lengths, which then grow by S); inference only, no remat.
+
+    Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
+    (bool refused); ids other than int32/int64 are widened for the embedding lookup.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @property
+    def remat(self) -> str:
+        """The remat policy of the decoder layers (stored on :class:`LlamaModel`; set by ``torchref.remat.apply``)."""
+        return self.model.remat
+
+    @remat.setter
+    def remat(self, policy: str) -> None:
+        self.model.remat = policy
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """The final-norm hidden states ``[B, S, dim]``: ``self.model(...)`` (the twin of ``jaxattn``'s
+        ``Llama.features``)."""
+        return self.model(input_ids, positions, segment_ids, cache)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        check_remat(self.remat, "LlamaForCausalLM.remat")
+        hidden = self.model(input_ids, positions, segment_ids, cache)  # [B, S, dim]
+        return self.lm_head(hidden).float()  # [B, S, vocab]
+
+
+# The JAX twin's class name (``jaxattn.Llama``); both names work in both packages.
+Llama = LlamaForCausalLM
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:

@@ -32,13 +32,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jaxattn.spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
-from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer
+from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
+from jaxattn.spec.eval import EvalResult, eval_batches
 from jaxattn.spec.runlog import DivergenceGuard, RunLog
 
 from . import hf, optim, parallel, remat
 from .attention import BACKENDS, attention_backend, dot_product_attention
 from .checkpoint import Checkpointer
 from .data import loader
+from .eval import eval_sums
 from .model import LlamaForCausalLM
 from .precision import get_policy, set_matmul_precision
 from .profiling import StepTimer, peak_memory_bytes, profiler
@@ -68,7 +70,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(args.init)
         if self.tokenizer.vocab_size > config.vocab_size:
             raise CLIError(
-                f"--init {args.init!r}: tokenizer.json has {self.tokenizer.vocab_size} ids but the model's "
+                f"--init {args.init!r}: its tokenizer has {self.tokenizer.vocab_size} ids but the model's "
                 f"vocab_size is {config.vocab_size}"
             )
         self.data = Dataset.from_source(
@@ -80,6 +82,15 @@ class Trainer:
             vocab_size=config.vocab_size,
             tokenizer=self.tokenizer,
         )
+        self.eval_batches = None  # --eval-data: one pass in file order (spec.eval), the train batch's shape
+        if args.eval_data is not None:
+            self.eval_batches = eval_batches(
+                read_documents(args.eval_data, self.tokenizer, "--eval-data"),
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                vocab_size=config.vocab_size,
+                name=f"--eval-data {args.eval_data!r}",
+            )
         self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
         if self.backends:
             self._check_attention(args, config)
@@ -277,9 +288,28 @@ class Trainer:
             return contextlib.nullcontext(None)
         return profiler(self.args.profile, wait=0, warmup=1, active=PROFILE_STEPS, cuda=self.device.type == "cuda")
 
+    def evaluate(self) -> EvalResult:
+        """Mean token loss and perplexity of the current weights on ``--eval-data``: under ``--parallel`` each rank
+        scores its rows and the sums are added over all ranks (tensor-parallel ranks hold the same rows: divided
+        out)."""
+        sums = []
+        for host in self.eval_batches:
+            batch = {k: torch.from_numpy(v).to(self.device) for k, v in self.rows(host).items()}
+            sums.append(torch.stack(eval_sums(self.model, batch, policy=self.policy)))
+        total = torch.stack(sums).double().sum(0)
+        if self.parallel is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            total /= dist.get_world_size() // parallel.dp_size(self.parallel, self.mesh)
+        return EvalResult(loss_sum=float(total[0]), tokens=int(round(float(total[1]))))
+
+    def eval_due(self, step: int) -> bool:
+        """``--eval-data`` is evaluated after the last step and every ``--eval-every`` steps."""
+        every = self.args.eval_every
+        return self.eval_batches is not None and (step == self.args.steps or (every > 0 and step % every == 0))
+
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "final"?}``."""
+        "evals", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``)."""
         args = self.args
         rank0 = self.rank0  # one log per run under torchrun
         log = RunLog(
@@ -290,6 +320,7 @@ class Trainer:
             desc="torch train",
         )
         losses: list[float] = []
+        evals: list[dict] = []
         ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
         batches = loader(
             self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=self.device.type == "cuda"
@@ -335,6 +366,11 @@ class Trainer:
                     if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                         self.save(i + 1)
                         t_last = time.perf_counter()
+                    if self.eval_due(i + 1):  # after the step's record; its time is not the next step's
+                        r = self.evaluate()
+                        if rank0:
+                            evals.append(log.eval(step=i + 1, loss=r.loss, perplexity=r.perplexity, tokens=r.tokens))
+                        t_last = time.perf_counter()
                 final = self._finish(rank0) if self.ckpt else None
             log.write(
                 f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
@@ -346,6 +382,7 @@ class Trainer:
                 "start": self.start,
                 "steps": args.steps,
                 "phases": log.breakdown(timer),
+                "evals": evals,
             }
             if final is not None:
                 out["final"] = final

@@ -10,7 +10,8 @@ Modules: ``config`` (``ModelConfig``, presets, HF ``config.json``), ``hf_format`
 ``gguf`` (llama.cpp files), ``dtypes`` (dtype and precision-preset names), ``batch`` (the training batch format and
 token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedules, 8-bit maps), ``grad_accum``,
 ``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``runlog``, ``seed``,
-``generate`` (sampling checks, tokenizers, the generate flags), ``timing`` and ``memreport`` (profiling tables).
+``eval`` (evaluation batches, perplexity, the eval flags), ``generate`` (sampling checks, tokenizers, the generate
+flags), ``timing`` and ``memreport`` (profiling tables).
 """
 
 from .config import PRESET_NAMES, ModelConfig

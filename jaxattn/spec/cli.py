@@ -24,7 +24,7 @@ from typing import Any
 
 from .atomic import check_writable
 from .config import PRESET_NAMES, ModelConfig
-from .data import PACKING, SYNTHETIC
+from .data import PACKING, SYNTHETIC, is_gguf
 from .dtypes import PRECISION_PRESETS
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
@@ -71,10 +71,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--config-json", "model config: our ModelConfig fields or a Hugging Face config.json", str, metavar="FILE"),
     Flag(
         "--init",
-        "start from this Hugging Face Llama directory (config.json + safetensors; tokenizer.json "
-        "there is used for text data)",
+        "start from this Hugging Face Llama directory (config.json + safetensors; tokenizer.json there is used "
+        "for text data) or llama.cpp .gguf file (dequantized to float32; its tokenizer is used for text data)",
         str,
-        metavar="HF_DIR",
+        metavar="HF_DIR|GGUF",
     ),
     Flag(
         "--data",
@@ -83,6 +83,14 @@ FLAGS: tuple[Flag, ...] = (
         SYNTHETIC,
         metavar="{synthetic|PATH}",
     ),
+    Flag(
+        "--eval-data",
+        "held-out text (a text file, a folder of text files or a pre-tokenized .npy, tokenized as --data) whose "
+        "mean token loss and perplexity are logged after the last step and every --eval-every steps",
+        str,
+        metavar="PATH",
+    ),
+    Flag("--eval-every", "evaluate --eval-data every N steps too (0: only after the last step)", int, 0),
     Flag(
         "--packing",
         "pack documents into full rows, or one document per row padded to a few bucket lengths",
@@ -232,7 +240,15 @@ def _err(flag: str, value: Any, accepted: str) -> CLIError:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    """The ModelConfig the flags ask for: ``--init``'s config.json, else ``--config-json``, else ``--preset``."""
+    """The ModelConfig the flags ask for: ``--init``'s config.json (or GGUF metadata), else ``--config-json``, else
+    ``--preset``."""
+    if args.init is not None and is_gguf(args.init):
+        from .gguf import read_gguf_config  # the metadata alone
+
+        try:
+            return read_gguf_config(args.init)
+        except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
+            raise _err("--init", args.init, f"not a llama.cpp Llama GGUF file we can read ({e})") from None
     if args.init is not None:
         from .hf_format import read_config  # numpy only
 
@@ -333,7 +349,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.log_json is None:
         return
     log = os.path.realpath(args.log_json)
-    inputs = [("--data", args.data), ("--config-json", args.config_json), ("--init", args.init)]
+    inputs = [
+        ("--data", args.data),
+        ("--eval-data", args.eval_data),
+        ("--config-json", args.config_json),
+        ("--init", args.init),
+    ]
     for flag, path in inputs:
         if path is None or (flag == "--data" and path == SYNTHETIC):
             continue
@@ -405,13 +426,23 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
             args.data,
             "no such file or folder; use 'synthetic', a text file, a folder of text files or a pre-tokenized .npy",
         )
+    if args.eval_data is not None and (args.eval_data == SYNTHETIC or not os.path.exists(args.eval_data)):
+        raise _err(
+            "--eval-data", args.eval_data, "no such file or folder; use a text file, a folder of text files or a .npy"
+        )
+    if args.eval_every < 0:
+        raise _err("--eval-every", args.eval_every, "must be an integer >= 0")
+    if args.eval_every and args.eval_data is None:
+        raise CLIError(f"--eval-every {args.eval_every} needs --eval-data PATH (the text to evaluate)")
     if args.init is not None and args.config_json is not None:
         raise CLIError(
             f"--init {args.init!r} and --config-json {args.config_json!r}: give one of them (--init "
             f"carries its own config.json)"
         )
-    if args.init is not None and not os.path.isdir(args.init):
-        raise _err("--init", args.init, "no such directory; expected a Hugging Face Llama directory")
+    if args.init is not None and not (os.path.isdir(args.init) or is_gguf(args.init)):
+        raise _err(
+            "--init", args.init, "no such directory or .gguf file; expected a Hugging Face Llama directory or a GGUF"
+        )
     if args.config_json is not None and not os.path.isfile(args.config_json):
         raise _err("--config-json", args.config_json, "no such file")
     if (args.resume or args.checkpoint_every or args.overwrite) and args.checkpoint_dir is None:

@@ -33,6 +33,9 @@ __all__ = [
     "read_documents",
     "bucket_lengths",
     "pack_rows",
+    "segment_rows",
+    "is_gguf",
+    "copy_tokenizer",
     "Dataset",
 ]
 
@@ -41,9 +44,31 @@ SYNTHETIC = "synthetic"
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def is_gguf(path: str | None) -> bool:
+    """``path`` is a llama.cpp ``.gguf`` file (an ``--init`` may be one, or a Hugging Face directory)."""
+    return path is not None and str(path).endswith(".gguf") and os.path.isfile(path)
+
+
 def copy_tokenizer(init_dir: str | None, out_dir: str) -> None:
-    """Copy ``init_dir``'s ``tokenizer.json`` (if any) beside an exported model in ``out_dir``."""
-    if init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
+    """Put the tokenizer of ``--init`` beside an exported model in ``out_dir``: a directory's ``tokenizer.json``
+    (if any) is copied; a ``.gguf`` file's tokenizer is written as ``tokenizer.json`` plus its chat template
+    (``tokenizer_config.json``) and BOS/EOS ids (``generation_config.json``), so the export generates and
+    evaluates with the same tokens as the file."""
+    if is_gguf(init_dir):
+        import json
+
+        from .atomic import write_text_atomic
+        from .gguf import read_gguf_tokenizer
+
+        tok = read_gguf_tokenizer(init_dir)
+        write_text_atomic(os.path.join(out_dir, TOKENIZER_FILE), tok.tokenizer.to_str())
+        vocab = {i: t for t, i in tok.tokenizer.get_vocab(with_added_tokens=True).items()}
+        config = {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos}
+        config.update({f"{k}_token": vocab[i] for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id)) if i is not None})
+        write_text_atomic(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n")
+        ids = {f"{k}_token_id": i for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id)) if i is not None}
+        write_text_atomic(os.path.join(out_dir, "generation_config.json"), json.dumps(ids, indent=2) + "\n")
+    elif init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         shutil.copyfile(os.path.join(init_dir, TOKENIZER_FILE), os.path.join(out_dir, TOKENIZER_FILE))
 
 
@@ -67,10 +92,12 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``tokenizer.json`` through the ``tokenizers`` library (no special tokens added on encode)."""
 
-    def __init__(self, file: str):
-        from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
+    def __init__(self, file: str, tokenizer=None):
+        if tokenizer is None:
+            from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
 
-        self.tokenizer = Tokenizer.from_file(file)
+            tokenizer = Tokenizer.from_file(file)
+        self.tokenizer = tokenizer  # or a ``tokenizers.Tokenizer`` built elsewhere (a GGUF file's)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.name = file
 
@@ -82,7 +109,12 @@ class HFTokenizer:
 
 
 def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """``init_dir/tokenizer.json`` when there is one, else the byte tokenizer."""
+    """``init_dir/tokenizer.json`` when there is one, the file's tokenizer when ``init_dir`` is a ``.gguf`` file,
+    else the byte tokenizer."""
+    if is_gguf(init_dir):
+        from .gguf import read_gguf_tokenizer
+
+        return HFTokenizer(init_dir, read_gguf_tokenizer(init_dir).tokenizer)
     if init_dir is not None and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
         return HFTokenizer(os.path.join(init_dir, TOKENIZER_FILE))
     return ByteTokenizer()
@@ -91,21 +123,21 @@ def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
 _NPY_ACCEPTED = "a .npy written by numpy.save holding integer token ids, 1-D (one document) or 2-D (one per row)"
 
 
-def _npy_documents(file: str) -> list[np.ndarray]:
+def _npy_documents(file: str, flag: str = "--data") -> list[np.ndarray]:
     with open(file, "rb") as f:
         magic = f.read(6)
     if magic != b"\x93NUMPY":  # numpy would call a text file "pickled data"
         raise ValueError(
-            f"--data {file!r} is not a .npy array file (it starts with {magic!r}, not numpy's b'\\x93NUMPY'); "
+            f"{flag} {file!r} is not a .npy array file (it starts with {magic!r}, not numpy's b'\\x93NUMPY'); "
             f"a file named *.npy must be {_NPY_ACCEPTED}; give text data a name without the .npy suffix"
         )
     try:
         arr = np.load(file, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:  # object arrays (pickles), truncated or corrupt headers
-        raise ValueError(f"--data {file!r} cannot be read as {_NPY_ACCEPTED}: {e}") from None
+        raise ValueError(f"{flag} {file!r} cannot be read as {_NPY_ACCEPTED}: {e}") from None
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
         raise ValueError(
-            f"--data {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
+            f"{flag} {file!r}: a pre-tokenized .npy must hold integer token ids, 1-D (one document) "
             f"or 2-D (one document per row); got {arr.dtype}{list(arr.shape)}"
         )
     # int64 unless that would wrap: uint64 ids >= 2**63 stay uint64, so the vocabulary check shows their value
@@ -115,9 +147,9 @@ def _npy_documents(file: str) -> list[np.ndarray]:
     return [arr.astype(np.int64)] if arr.ndim == 1 else [row.astype(np.int64) for row in arr]
 
 
-def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
+def _file_documents(file: str, tokenizer, flag: str = "--data") -> list[np.ndarray]:
     if file.endswith(".npy"):
-        return _npy_documents(file)
+        return _npy_documents(file, flag)
     with open(file, "rb") as f:
         raw = f.read()
     if isinstance(tokenizer, ByteTokenizer):  # byte-level: any file's bytes, UTF-8 or not
@@ -126,30 +158,31 @@ def _file_documents(file: str, tokenizer) -> list[np.ndarray]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"--data {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
+            f"{flag} {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
             f"text files or pre-tokenized .npy"
         ) from None
     return [tokenizer.encode(text)]
 
 
-def read_documents(source: str, tokenizer=None) -> list[np.ndarray]:
-    """The non-empty token-id documents of a text file, a folder or a ``.npy`` (see the module docstring)."""
+def read_documents(source: str, tokenizer=None, flag: str = "--data") -> list[np.ndarray]:
+    """The non-empty token-id documents of a text file, a folder or a ``.npy`` (see the module docstring); errors
+    name ``flag``."""
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if os.path.isdir(source):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs if not f.startswith("."))
         if not files:
-            raise ValueError(f"--data {source!r} is a folder with no files; expected text files or .npy files")
-        docs = [doc for file in files for doc in _file_documents(file, tokenizer)]
+            raise ValueError(f"{flag} {source!r} is a folder with no files; expected text files or .npy files")
+        docs = [doc for file in files for doc in _file_documents(file, tokenizer, flag)]
     elif os.path.isfile(source):
-        docs = _file_documents(source, tokenizer)
+        docs = _file_documents(source, tokenizer, flag)
     else:
         raise ValueError(
-            f"--data {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
+            f"{flag} {source!r}: no such file or folder; use 'synthetic', a text file, a folder of "
             f"text files or a pre-tokenized .npy"
         )
     docs = [d for d in docs if d.size]
     if not docs:
-        raise ValueError(f"--data {source!r} holds no tokens")
+        raise ValueError(f"{flag} {source!r} holds no tokens")
     return docs
 
 
@@ -165,7 +198,14 @@ def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int
     t = np.zeros(n, np.int32)
     d = np.full(n, -1, np.int64)
     t[: tokens.size], d[: tokens.size] = tokens, doc
-    t, d = t.reshape(rows, width), d.reshape(rows, width)
+    return segment_rows(t.reshape(rows, width), d.reshape(rows, width))
+
+
+def segment_rows(t: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
+    """Batch arrays (``spec.batch`` format) for token rows ``t [R, W]`` and their document index per token ``d``
+    (-1: padding): segment ids count from 1 within each row, positions restart at each segment start."""
+    t = t.astype(np.int32)
+    rows, width = t.shape
     start = np.ones_like(d, bool)
     start[:, 1:] = d[:, 1:] != d[:, :-1]
     seg = np.cumsum(start, axis=1).astype(np.int32)

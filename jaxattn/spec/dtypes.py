@@ -1,8 +1,9 @@
 """Dtype names shared by both twins: the floating dtypes a model, checkpoint or policy may use, the
 precision presets, and the integer dtypes accepted for token ids.
 
-    from jaxattn.spec.dtypes import PRECISION_PRESETS
+    from jaxattn.spec.dtypes import PRECISION_PRESETS, check_model_dtype
     PRECISION_PRESETS["bf16"]  # ("float32", "bfloat16", "float32"): params, compute, output
+    check_model_dtype("bf16")  # "bfloat16": a loader's dtype= takes the short names too
 
 Each framework maps these names to its own dtype objects (``jnp.dtype(name)`` / ``getattr(torch, name)``).
 """
@@ -14,6 +15,11 @@ MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 # Floating dtypes a precision Policy field may hold.
 POLICY_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+
+# Short names a loader's ``dtype=`` also takes (the spelling of ``--precision``): name -> the full dtype name. As a
+# ``dtype=`` they name the WEIGHTS' dtype ("bf16" = bfloat16 weights); as a ``--precision`` preset, "bf16" keeps
+# float32 weights and computes in bfloat16 (``bf16-pure`` is bfloat16 weights there).
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 # Precision presets: name -> (param dtype, compute dtype, output dtype). Same names in both packages.
 PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
@@ -28,7 +34,12 @@ ID_DTYPES: tuple[str, ...] = ("int8", "int16", "int32", "int64", "uint8", "uint1
 
 
 def check_model_dtype(name: str, arg: str = "dtype") -> str:
-    """``name`` if it is one of :data:`MODEL_DTYPES`, else a ValueError naming ``arg``."""
+    """The full name of ``name``, one of :data:`MODEL_DTYPES` or a short name of :data:`DTYPE_ALIASES`
+    (``"bf16"`` -> ``"bfloat16"``); else a ValueError naming ``arg`` and every accepted name."""
+    if name in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name]
     if name not in MODEL_DTYPES:
-        raise ValueError(f"{arg}={name!r} is not supported; use one of {', '.join(MODEL_DTYPES)}")
+        raise ValueError(
+            f"{arg}={name!r} is not supported; use one of {', '.join(MODEL_DTYPES)} (or {', '.join(DTYPE_ALIASES)})"
+        )
     return name

@@ -13,6 +13,7 @@ left after the last tensor). A changed type field (F32 read as F16, Q8_0 as Q4_1
 
     config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.decode(tok.encode("<|im_start|>user\\nHi")), tok.chat_template
+    read_gguf_config(path), read_gguf_tokenizer(path)   # the metadata alone: no tensor is dequantized
 """
 
 from __future__ import annotations
@@ -391,21 +392,12 @@ def check_tensor_data(path: str, where: str | None = None) -> list[TensorInfo]:
     return infos
 
 
-def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
-    """``(config, tensors, tokenizer)`` of a llama.cpp Llama file; tensors are HF-named ``dtype`` numpy arrays.
-
-    ``dtype`` is ``"float32"`` or ``"float16"`` (for bfloat16 read float32 and let the framework cast);
-    ``tokenizer=False`` skips the tokenizer (the third element is then None).
-    """
+def _open(path: str | os.PathLike):
+    """``(gguf.GGUFReader, where)`` of a llama.cpp Llama file (memory-mapped: nothing is read yet); errors name it."""
     try:
         import gguf
     except ImportError as e:
         raise ImportError("reading a GGUF file needs the `gguf` package (pip install gguf)") from e
-    if dtype not in GGUF_READ_DTYPES:
-        raise ValueError(
-            f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
-            f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))"
-        )
     path = os.fspath(path)
     where = f"GGUF file {path!r}"
     if not os.path.isfile(path):
@@ -422,6 +414,36 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
     arch = _get(reader, "general.architecture", where)
     if arch != "llama":
         raise CheckpointError(f"{where}: general.architecture={arch!r} is not supported; only 'llama' loads")
+    return reader, where
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` of a llama.cpp Llama file, from its metadata alone (no tensor is dequantized)."""
+    reader, where = _open(path)
+    return _read_config(reader, where, "llama", {t.name for t in reader.tensors})
+
+
+def read_gguf_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:
+    """The file's tokenizer, without reading the tensors (CheckpointError naming the key if it is unsupported)."""
+    reader, where = _open(path)
+    return _build_tokenizer(reader, where)
+
+
+def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
+    """``(config, tensors, tokenizer)`` of a llama.cpp Llama file; tensors are HF-named ``dtype`` numpy arrays.
+
+    ``dtype`` is ``"float32"`` or ``"float16"`` (for bfloat16 read float32 and let the framework cast);
+    ``tokenizer=False`` skips the tokenizer (the third element is then None).
+    """
+    import gguf
+
+    if dtype not in GGUF_READ_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
+            f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))"
+        )
+    reader, where = _open(path)
+    arch = "llama"
     by_name = {t.name: t for t in reader.tensors}
     config = _read_config(reader, where, arch, set(by_name))
     names = params.gguf_names(config)  # GGUF name -> HF key, from the parameter table

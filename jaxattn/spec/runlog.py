@@ -5,7 +5,10 @@
              peak_mem_bytes=123)
     log.close()
 
-One JSON object per line with :data:`KEYS` (``step`` counts optimizer steps from 1). On ``--resume`` the log
+One JSON object per line: a training step's record has :data:`KEYS` (``step`` counts optimizer steps from 1); an
+evaluation of ``--eval-data`` after step N is a record of its own with :data:`EVAL_KEYS` (``step`` N, the mean token
+loss in nats, its perplexity and the targets scored), written after step N's record; :func:`read_log` returns one
+kind (training records by default). On ``--resume`` the log
 keeps the lines up to the resumed step and drops the later ones (lines a killed run wrote after its last
 checkpoint), so the file reads as one uninterrupted run. ``peak_mem_bytes`` is the device's peak allocation
 where the framework reports one (GPU), else the process's peak resident set size (CPU). ``tokens_per_s`` counts
@@ -21,9 +24,11 @@ import os
 import resource
 import sys
 
-__all__ = ["KEYS", "RunLog", "DivergenceGuard", "TrainingError", "host_peak_rss_bytes", "read_log"]
+__all__ = ["KEYS", "EVAL_KEYS", "RunLog", "DivergenceGuard", "TrainingError", "host_peak_rss_bytes", "read_log"]
 
 KEYS = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s", "peak_mem_bytes")
+EVAL_KEYS = ("step", "eval_loss", "eval_perplexity", "eval_tokens")
+LOG_KINDS = ("train", "eval", "all")
 
 
 def host_peak_rss_bytes() -> int:
@@ -32,10 +37,16 @@ def host_peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def read_log(path: str) -> list[dict]:
-    """The JSON objects of a ``--log-json`` file."""
+def read_log(path: str, kind: str = "train") -> list[dict]:
+    """The JSON objects of a ``--log-json`` file: ``kind="train"`` the step records (:data:`KEYS`), ``"eval"`` the
+    evaluation records (:data:`EVAL_KEYS`), ``"all"`` every line in file order."""
+    if kind not in LOG_KINDS:
+        raise ValueError(f"kind={kind!r} is not known; use one of {', '.join(LOG_KINDS)}")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    if kind == "all":
+        return records
+    return [r for r in records if ("eval_loss" in r) == (kind == "eval")]
 
 
 class RunLog:
@@ -45,7 +56,7 @@ class RunLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             kept = []
             if start > 0 and os.path.exists(path):
-                kept = [r for r in read_log(path) if r.get("step", 0) <= start]
+                kept = [r for r in read_log(path, "all") if r.get("step", 0) <= start]
             self.file = open(path, "w")
             for r in kept:
                 self.file.write(json.dumps(r) + "\n")
@@ -87,6 +98,18 @@ class RunLog:
             tps = rec["tokens_per_s"]
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             self.bar.update(1)
+        return rec
+
+    def eval(self, *, step: int, loss: float, perplexity: float, tokens: int) -> dict:
+        """Log an evaluation after ``step`` (a ``spec.eval.EvalResult``'s mean token loss, perplexity and scored
+        targets): an :data:`EVAL_KEYS` record and a line beside the bar."""
+        ppl = perplexity
+        rec = {"step": int(step), "eval_loss": float(loss), "eval_perplexity": float(ppl), "eval_tokens": int(tokens)}
+        if self.file is not None:
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
+            self.file.write(json.dumps(strict, allow_nan=False) + "\n")
+            self.file.flush()
+        self.write(f"eval after step {step}: loss {loss:.4f}, perplexity {ppl:.4f} over {tokens} tokens")
         return rec
 
     def write(self, message: str) -> None:
