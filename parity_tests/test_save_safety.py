@@ -512,8 +512,11 @@ def test_dtype_names_are_model_dtypes(tmp_path, pkg):
     d = tmp_path / "ckpt"
     _save(pkg, 0, d, dtype="float16")
     assert _loaded(d)[1]["model.norm.weight"].dtype == np.float16
-    for bad in ("float64", "int8", "fp16"):
-        with pytest.raises(ValueError, match=f"dtype='{bad}' is not supported; use one of float32, bfloat16, float16"):
+    for bad in ("float64", "int8", "half"):  # fp16 / bf16 / fp32 are accepted spellings (test_hf)
+        with pytest.raises(
+            ValueError,
+            match=rf"dtype='{bad}' is not supported; use one of float32, bfloat16, float16 \(or fp32, bf16, fp16\)",
+        ):
             PKGS[pkg].from_pretrained(d, dtype=bad)
         with pytest.raises(ValueError, match=f"dtype='{bad}'"):
             _save(pkg, 0, tmp_path / "never", dtype=bad)
