@@ -117,6 +117,12 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
         raise ValueError(
             f"mesh {spec!r}: data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
             f"devices; the product of the axis sizes must equal the device count"
+            + (
+                f" (on a CPU, simulate {int(np.prod(shape))} devices with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={int(np.prod(shape))} set before jax starts)"
+                if devices and devices[0].platform == "cpu"
+                else ""
+            )
         )
     try:
         from jax.sharding import AxisType

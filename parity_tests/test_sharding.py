@@ -191,7 +191,11 @@ def test_per_shard_map_drops_an_axis_that_does_not_divide():
 
 
 BAD_MESH = [
-    ("data=4", r"data\*fsdp\*tensor = 4 but there are 8 devices"),
+    (
+        "data=4",
+        r"data\*fsdp\*tensor = 4 but there are 8 devices; .* \(on a CPU, simulate 4 devices with "
+        r"XLA_FLAGS=--xla_force_host_platform_device_count=4 set before jax starts\)",
+    ),
     ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('data', 'fsdp', 'tensor'\)"),
     ("data=2,data=4", r"expected comma-separated, non-repeated AXIS=N"),
     ("data=0,fsdp=8", r"axis 'data' has size 0"),
