@@ -6,8 +6,9 @@
 
 Suites: ``model``, ``attention``, ``remat``, ``decode``, ``plan``, ``train``, ``compile`` (one module each in
 ``benchmarks/suites/``); ``all`` runs each and skips with a note a suite this machine cannot serve (``plan`` and
-``compile`` without the gpu-compile extra). Results go to ``--out`` (default ``benchmarks/results/<device>/``, or
-``<device>-quick/`` with ``--quick``, tiny shapes for a CPU pass of a few minutes): one JSON per suite,
+``compile`` without the gpu-compile extra). Results go to ``--out`` (default ``benchmarks/results/local/<device>/``,
+or ``<device>-quick/`` with ``--quick``, tiny shapes for a CPU pass of a few minutes; ``local/`` is untracked, and
+the committed records change only with an explicit ``--out benchmarks/results/...``): one JSON per suite,
 ``report.md`` (JAX and torch side by side, "JAX speed-up = torch time / JAX time") and plots. A bad filter or an
 unwritable ``--out`` fails before anything is measured; a suite that measures nothing exits non-zero and writes
 nothing; every file is replaced atomically, only by a complete result (more in benchmarks/NOTES.md).
@@ -29,7 +30,7 @@ from . import measure  # noqa: E402
 from .report import readme  # noqa: E402
 from .report.build import rebuild_report, write_report  # noqa: E402
 from .report.plots import plot_suite  # noqa: E402
-from .report.records import RESULTS_DIR, check_out_dir, write_results  # noqa: E402
+from .report.records import check_out_dir, default_out, write_results  # noqa: E402
 from .report.tables import suite_table  # noqa: E402
 from .suites import SUITES, attention  # noqa: E402
 from .tools import train_example  # noqa: E402
@@ -57,7 +58,11 @@ def main(argv=None) -> int:
         default=None,
         help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)",
     )
-    run.add_argument("--out", default=None, help="output directory (default benchmarks/results/<device>[-quick])")
+    run.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default benchmarks/results/local/<device>[-quick], untracked)",
+    )
     rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
     rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
     sub.add_parser("compile", help="compile for an H100/H200 without a GPU (python -m benchmarks compile --help)")
@@ -100,9 +105,7 @@ def main(argv=None) -> int:
     info = measure.env_info()
     info["quick"] = args.quick
     out = (
-        args.out
-        if args.out is not None
-        else str(RESULTS_DIR / (measure.device_slug(info) + ("-quick" if args.quick else "")))
+        args.out if args.out is not None else default_out(measure.device_slug(info) + ("-quick" if args.quick else ""))
     )
     try:
         out = check_out_dir(out)

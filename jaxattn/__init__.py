@@ -6,6 +6,10 @@ subpackage ``jaxattn.spec`` (the only part ``torchref`` imports) can be used wit
 
 from importlib import import_module
 
+from .spec import cuda_quiet
+
+cuda_quiet.install()  # before the first `import jax`: a CPU machine with the CUDA plugin starts quietly
+
 __version__ = "0.1.0"
 _EXPORTS = {
     "ModelConfig": "config",

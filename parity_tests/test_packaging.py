@@ -170,3 +170,67 @@ def test_the_circle_finder_finds_circles(tmp_path):
     assert find_cycle(graph) == ["benchmarks.a", "benchmarks.sub.b", "benchmarks.c", "benchmarks.a"]
     (pkg / "c.py").write_text("def g():\n    pass\n")
     assert find_cycle(import_graph(tmp_path, ("benchmarks",))) is None
+
+
+# --- a CPU machine with the gpu-compile extra starts jax quietly through jaxattn (jaxattn/spec/cuda_quiet.py) ---
+_NOISE_LINES = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795488504.688880    6425 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will "
+    "not be used.",
+]
+
+
+def test_quiet_filter_drops_only_the_plugin_lines():
+    from jaxattn.spec import cuda_quiet
+
+    text = "\n".join([_NOISE_LINES[0], "a real warning", _NOISE_LINES[1], "cudart_stub.cc:31] other", ""])
+    assert cuda_quiet.filter_lines(text) == "a real warning\ncudart_stub.cc:31] other\n"
+
+
+def test_quiet_loader_keeps_what_else_the_import_writes_to_fd_2(capfd):
+    import os
+
+    from jaxattn.spec import cuda_quiet
+
+    class Noisy:
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            for line in [_NOISE_LINES[0], "kept 1", _NOISE_LINES[1], "kept 2"]:
+                os.write(2, (line + "\n").encode())
+            module.done = True
+
+    module = type(sys)("noisy")
+    cuda_quiet._QuietLoader(Noisy()).exec_module(module)
+    assert module.done and capfd.readouterr().err == "kept 1\nkept 2\n"
+
+
+def _start_jax(code: str, **env) -> str:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k not in ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAXATTN_CUDA_QUIET")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code + "; print(jax.devices())"],
+        env={**full, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "CpuDevice" in proc.stdout, proc.stderr[-2000:]
+    return proc.stderr
+
+
+def test_jax_starts_quietly_through_jaxattn_where_the_cuda_plugin_has_no_driver():
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        pytest.skip("the CUDA plugin (gpu-compile extra) is not installed: jax starts quietly by itself")
+    if os.path.exists("/proc/driver/nvidia"):
+        pytest.skip("an NVIDIA driver is present: the plugin starts for real and nothing is filtered")
+    loud = _start_jax("import jax")  # what a plain `import jax` prints here: the test sees the noise it removes
+    assert "Could not find cuda drivers" in loud and "Jax plugin configuration error" in loud
+    assert _start_jax("import jaxattn.model, jax").strip() == ""  # a CLI's start: jaxattn first
+    assert "Could not find cuda drivers" in _start_jax("import jaxattn, jax", JAXATTN_CUDA_QUIET="0")

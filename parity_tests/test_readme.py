@@ -12,7 +12,12 @@ from benchmarks.report import readme
 def test_results_section_matches_the_committed_json():
     with open(readme.README) as f:
         text = f.read()
-    assert text == readme.splice(text, readme.render()), "run `python -m benchmarks.readme` and commit README.md"
+    assert text == readme.splice(text, readme.render()), (
+        "README.md's results section does not match the committed JSON under benchmarks/results/ (the benchmark "
+        "commands write to the untracked benchmarks/results/local/ by default, so running them cannot cause this). "
+        "If you changed a committed file there or the section on purpose, run `python -m benchmarks.readme` and "
+        "commit README.md with the JSON; if not, `git checkout -- README.md benchmarks/results` restores both."
+    )
 
 
 def test_splice_replaces_only_between_the_markers_and_needs_them():

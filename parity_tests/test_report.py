@@ -97,7 +97,7 @@ def test_report_rebuilds_markdown_and_plot_from_json(results, capsys):
     assert cli.main(["report", str(results)]) == 0
     assert "report.md" in capsys.readouterr().out
     text = (results / "report.md").read_text()
-    assert "Rebuilt by `python -m benchmarks report`" in text and "cpu (synthetic)" in text
+    assert "rebuilt by `python -m benchmarks report DIR`" in text and "cpu (synthetic)" in text
     assert "time_utc=2026-01-02T00:00:00Z" in text  # the newest file's environment
     assert "## attention" in text and "## model" in text
     header = next(line for line in text.splitlines() if line.startswith("| preset"))
@@ -108,6 +108,24 @@ def test_report_rebuilds_markdown_and_plot_from_json(results, capsys):
     assert "Skipped: torch:sdpa:efficient (needs CUDA)" in text
     png = results / "attention_tflops.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_and_rebuild_write_the_same_report_in_the_suites_order(results):
+    """A rebuild is the report `run` wrote: same sections in `run`'s suite order (model before attention, whatever
+    the files' names or times), same header; rebuilding twice changes nothing."""
+    from benchmarks.report.build import write_report
+    from benchmarks.suites import SUITES
+
+    rebuild_report(str(results))  # draws the plots a run leaves beside its JSON
+    rebuilt = (results / "report.md").read_text()
+    model = json.loads((results / "model.json").read_text())  # this run measured `model`; attention is older
+    write_report(str(results), {"model": model["records"]}, model["env"])
+    written = (results / "report.md").read_text()
+    sections = [line[3:] for line in written.splitlines() if line.startswith("## ")]
+    assert sections == ["model", "attention"] == [s for s in SUITES if s in sections]
+    assert written == rebuilt and "![attention plot](attention_tflops.png)" in written
+    rebuild_report(str(results))
+    assert (results / "report.md").read_text() == written
 
 
 def test_report_refuses_dirs_without_timings(tmp_path):

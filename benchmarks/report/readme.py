@@ -46,7 +46,7 @@ def _env_line(env: dict) -> str:
 def kernels_section() -> list[str]:
     d, path = _load("h100-compiled", "kernels.json")
     if d is None:
-        return [f"_No `{path}` yet: run `python -m benchmarks compile`._"]
+        return [f"_No `{path}` yet: run `python -m benchmarks compile --out {os.path.dirname(path)}`._"]
     out = [
         f"### Kernels ({COMPILED})",
         "",
@@ -96,13 +96,14 @@ def programs_section() -> list[str]:
 
 
 def plan_section() -> list[str]:
-    d, path = _load("h100-compiled", "plan.json")
+    d, path = _load("h100-plan", "plan.json")
     if d is None:
         return []
     out = [
         f"### Scaling plans on 8 H100s ({COMPILED})",
         "",
-        f"From `{path}` (`python -m benchmarks run --suite plan`): per-device memory and the collectives of the "
+        f"From `{path}` (`python -m benchmarks run --suite plan --out {os.path.dirname(path)}`): per-device memory "
+        "and the collectives of the "
         "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).",
         "",
         "| mesh | preset | batch × seq | remat | peak GiB / device | all-gather / all-reduce / reduce-scatter GiB "
@@ -131,7 +132,8 @@ def train_example_section() -> list[str]:
     return [
         "### Train example (CPU)",
         "",
-        f"From `{path}`: {d['preset']} preset on `{d['data']}`, same `--init` and seed, fp32 AdamW. Largest "
+        f"From `{path}` (`python -m benchmarks.train_example --out {os.path.dirname(path)}`): {d['preset']} "
+        f"preset on `{d['data']}`, same `--init` and seed, fp32 AdamW. Largest "
         f"per-step loss gap torch vs JAX {d['max_per_step_loss_gap']:.2g}; final loss JAX "
         f"{d['final_loss']['jax']:.4f}, torch {d['final_loss']['torch']:.4f}; median tokens/s JAX "
         f"{d['median_tokens_per_s']['jax']:,.0f}, torch {d['median_tokens_per_s']['torch']:,.0f} "
@@ -208,7 +210,8 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
     out = [
         "### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)",
         "",
-        f"From `{rel}/*.json` (`python -m benchmarks run --quick`, full tables in `{rel}/report.md`): JAX on "
+        f"From `{rel}/*.json` (`python -m benchmarks run --quick --out {rel}`, full tables in `{rel}/report.md`): "
+        f"JAX on "
         f"{distinct('jax_device')}, torch on {distinct('torch_device')}; jax {distinct('jax')}, torch "
         f"{distinct('torch')}; measured {when} (UTC). Tiny shapes on a 2-core CPU shared with other jobs: "
         "they show that both twins run and how they compare at these sizes on this CPU, nothing about a GPU. "

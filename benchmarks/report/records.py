@@ -14,8 +14,20 @@ from pathlib import Path
 
 from jaxattn.spec.atomic import atomic_path, check_writable, write_text_atomic  # noqa: F401 - the benchmarks' writes
 
-# The committed results: benchmarks/results/<device>[-quick]/, <target>-compiled/, train-example/.
+# The committed results: benchmarks/results/cpu-quick/, cpu/, h100-compiled/, h100-plan/, train-example/, written
+# only by an explicit `--out benchmarks/results/...` (a maintainer's refresh, then `python -m benchmarks.readme`).
 RESULTS_DIR = Path(os.path.abspath(__file__)).parent.parent / "results"
+# Where every command writes by default: git-ignored, so running the README's commands never changes a tracked file.
+LOCAL_DIR = RESULTS_DIR / "local"
+
+
+# python -m benchmarks run --suite NAME: one module each in benchmarks/suites/, run (and reported) in this order
+SUITES = ("model", "attention", "remat", "decode", "plan", "train", "compile")
+
+
+def default_out(name: str) -> str:
+    """The default ``--out`` of a command: ``benchmarks/results/local/<name>`` (untracked)."""
+    return str(LOCAL_DIR / name)
 
 
 def impl_label(r: dict) -> str:

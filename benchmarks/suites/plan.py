@@ -2,6 +2,9 @@
 per-device memory and the collectives read out of the compiled HLO ("compiled for H100, not run").
 
     records = run(quick=True)                               # python -m benchmarks run --suite plan
+
+The committed record (the README's "Scaling plans" table) is ``benchmarks/results/h100-plan/plan.json``, refreshed
+with ``python -m benchmarks run --suite plan --out benchmarks/results/h100-plan``.
 """
 
 from __future__ import annotations
@@ -15,9 +18,7 @@ import numpy as np
 
 from jaxattn import gpu_target
 
-from .. import measure
 from ..report.compile_tables import LABEL
-from ..report.records import RESULTS_DIR, write_results
 from ..tools.compile import memory_stats
 from ..tools.deviceless import target_config
 
@@ -212,6 +213,4 @@ def run(quick: bool = False) -> list:
             flush=True,
         )
         records.append(rec)
-    if not quick and any(r.get("status") == "ok" for r in records):  # compiled figures live beside the others
-        write_results(str(RESULTS_DIR / "h100-compiled"), "plan", records, measure.env_info())
     return records

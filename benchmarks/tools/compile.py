@@ -6,7 +6,8 @@ for an H100/H200 on a machine without a GPU ("deviceless") and report what the c
 Kernels: the flash forward / dq / dkv and Mosaic forward kernels per head dim and dtype (registers, spills, shared
 memory, occupancy, tensor-core instructions); programs: the model forward and the bf16 train step (compiled
 memory, XLA's FLOPs beside the analytic count). Writes ``kernels.json``, ``programs.json``, ``report.md`` and
-``kernels.png`` under ``--out`` (default ``benchmarks/results/<target>-compiled[-quick]/``); ``--search`` runs
+``kernels.png`` under ``--out`` (default ``benchmarks/results/local/<target>-compiled[-quick]/``, untracked; the
+committed record is refreshed with ``--out benchmarks/results/h100-compiled``); ``--search`` runs
 the block-size search instead. Every figure is "compiled for H100, not run" (details: benchmarks/NOTES.md).
 """
 
@@ -33,7 +34,7 @@ from .. import measure  # noqa: E402
 from ..report import compile_tables  # noqa: E402
 from ..report.compile_tables import LABEL  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
-from ..report.records import RESULTS_DIR, check_out_dir, write_results, write_text_atomic  # noqa: E402
+from ..report.records import check_out_dir, default_out, write_results, write_text_atomic  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 
@@ -317,7 +318,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target", choices=TARGETS, default="h100", help="target description (default h100)")
     parser.add_argument("--quick", action="store_true", help="a few kernels and the tiny model (~2 minutes)")
     parser.add_argument(
-        "--out", default=None, help="output directory (default benchmarks/results/<target>-compiled[-quick])"
+        "--out",
+        default=None,
+        help="output directory (default benchmarks/results/local/<target>-compiled[-quick], untracked)",
     )
     parser.add_argument("--skip-programs", action="store_true", help="kernels only")
     parser.add_argument(
@@ -330,11 +333,7 @@ def main(argv=None) -> int:
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a GPU here: {reason}")
-    out = (
-        args.out
-        if args.out is not None
-        else str(RESULTS_DIR / f"{args.target}-compiled{'-quick' if args.quick else ''}")
-    )
+    out = args.out if args.out is not None else default_out(f"{args.target}-compiled{'-quick' if args.quick else ''}")
     try:
         out = check_out_dir(out)
     except ValueError as e:

@@ -1,10 +1,13 @@
 """The README's training example: both CLIs train the tiny Llama on a small text file, loss curves side by side.
 
-    python -m benchmarks train-example                 # or python -m benchmarks.train_example; README.md, 300 steps
+    python -m benchmarks train-example                 # or python -m benchmarks.train_example; 300 steps
     python -m benchmarks train-example --steps 50 --out /tmp/ex
 
-Both runs start from one ``--init`` (the twin builder's weights, ``save_pretrained``) with identical flags; writes
+The data is ``benchmarks/data/train-example.txt``, a frozen copy of an early README.md (never edited: the committed
+``summary.json`` pins its sha256, ``parity_tests/test_examples.py``), so a user's run reproduces the README's losses.
+Both runs start from one ``--init`` written by :data:`INIT_RECIPE` (the README's one-liner) with identical flags; writes
 ``jax.jsonl``, ``torch.jsonl``, ``summary.json`` and ``loss.png`` into ``--out`` (default
+``benchmarks/results/local/train-example/``, untracked; the README's figures come from the committed
 ``benchmarks/results/train-example/``), each file moved into place when complete (details: benchmarks/NOTES.md).
 """
 
@@ -20,11 +23,18 @@ import sys
 import tempfile
 import time
 
-from ..report.records import RESULTS_DIR
-from ..twins import twin_models
+from ..report.records import RESULTS_DIR, default_out
 
-DEFAULT_OUT = str(RESULTS_DIR / "train-example")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(DEFAULT_OUT)))  # the repository
+DEFAULT_OUT = default_out("train-example")  # untracked; the committed record: --out benchmarks/results/train-example
+ROOT = os.path.dirname(os.path.dirname(str(RESULTS_DIR)))  # the repository
+DATA = os.path.join(ROOT, "benchmarks", "data", "train-example.txt")
+# The README's recipe for the shared --init: the tiny preset's torch initialisation under seed 0, saved as a Hugging
+# Face directory that both trainers load.
+INIT_DIR = "runs/tiny-init"
+INIT_RECIPE = (
+    "import torch, torchref; torch.manual_seed(0); torchref.save_pretrained("
+    f"torchref.LlamaForCausalLM(torchref.ModelConfig.preset('tiny')), '{INIT_DIR}')"
+)
 
 
 def _replace(path: str, write) -> None:
@@ -65,22 +75,24 @@ def _plot(jax_log: list[dict], torch_log: list[dict], png: str, title: str) -> N
 
 def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=os.path.join(ROOT, "README.md"), help="the text file to train on")
+    p.add_argument("--data", default=DATA, help="the text file to train on (default benchmarks/data/train-example.txt)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default benchmarks/results/local/train-example)"
+    )
     a = p.parse_args(argv)
     if not os.path.isfile(a.data):
         p.error(f"--data {a.data!r}: no such file")
     os.makedirs(a.out, exist_ok=True)
 
-    from torchref.config import ModelConfig
-    from torchref.hf import save_pretrained
-
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     init_tmp = tempfile.TemporaryDirectory(prefix="train-example-init-")
-    init = save_pretrained(twin_models(ModelConfig.preset("tiny"), seed=0)[0], init_tmp.name)
+    init = os.path.join(init_tmp.name, "tiny-init")
+    recipe = INIT_RECIPE.replace(repr(INIT_DIR), repr(init))
+    subprocess.run([sys.executable, "-c", recipe], cwd=ROOT, env=env, check=True)
     flags = [
         "--init",
         init,
@@ -106,12 +118,11 @@ def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
         "0",
         "--no-progress",
     ]
-    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     summary = {
         "data": os.path.relpath(a.data, ROOT),
         "commands": {},
         "wall_s": {},
-        "init": "INIT = benchmarks.twins.twin_models(tiny, seed=0)'s torch model, written by save_pretrained",
+        "init": f'python -c "{INIT_RECIPE}"',
     }
     with open(a.data, "rb") as f:
         summary["data_sha256"] = hashlib.sha256(f.read()).hexdigest()
@@ -122,7 +133,7 @@ def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
         t0 = time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
         summary["wall_s"][fw] = round(time.perf_counter() - t0, 1)
-        shown = [("INIT" if x == init else os.path.relpath(x, ROOT) if x == a.data else x) for x in flags]
+        shown = [(INIT_DIR if x == init else os.path.relpath(x, ROOT) if x == a.data else x) for x in flags]
         summary["commands"][fw] = " ".join(["python", "-m", module, *shown, "--log-json", f"{fw}.jsonl"])
         logs[fw] = _read(tmp_log)
         if len(logs[fw]) != a.steps:
@@ -133,7 +144,10 @@ def main(argv=None, prog: str = "python -m benchmarks.train_example") -> int:
         {
             "final_loss": {fw: logs[fw][-1]["loss"] for fw in logs},
             "max_per_step_loss_gap": gap,
-            "median_tokens_per_s": {fw: statistics.median(r["tokens_per_s"] for r in logs[fw][5:]) for fw in logs},
+            # the first steps compile and warm up; a run too short to leave them out uses every step
+            "median_tokens_per_s": {
+                fw: statistics.median(r["tokens_per_s"] for r in logs[fw][5:] or logs[fw]) for fw in logs
+            },
             "device": "cpu",
             "preset": "tiny",
         }
