@@ -33,6 +33,7 @@ from .kv_cache import KVCache
 from .model import Llama
 from .quant import quantize
 from .spec.generate import (
+    FROM_CONFIG,
     build_parser,
     cli,
     collect,
@@ -103,12 +104,12 @@ def stream(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
 ) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
-    tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
+    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
     prefill, decode = _programs(graphdef, float(temperature), top_k, None if top_p is None else float(top_p))
     cache = KVCache.init(cfg, len(tokens), t, dtype=model.embed[...].dtype)
@@ -118,11 +119,11 @@ def stream(
     for step in range(max_new_tokens):
         if step:
             token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
-        yield emit(np.asarray(token), done, eos_id)
+        yield emit(np.asarray(token), done, eos)
         if done.all():
             return
-        if eos_id is not None:
-            token = jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
+        if eos:  # finished rows keep feeding an EOS
+            token = jnp.where(jnp.asarray(done), jnp.int32(eos[0]), token)
 
 
 def generate(
@@ -133,10 +134,12 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
 ) -> list[list[int]]:
-    """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
+    """The new token ids of each prompt (a list per row; a row that hit an EOS ends with it). ``eos_id``: the
+    default ``"config"`` stops at ``model.config.eos_token_id`` (read from ``config.json`` or the GGUF file, as
+    Hugging Face's ``generate`` does; none for a preset), None never stops early, an id or a list of ids."""
     return collect(
         stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len), len(prompts)
     )
@@ -164,7 +167,7 @@ def _run(args) -> None:
             args.top_k,
             args.top_p,
             args.seed,
-            tok.eos_id,
+            tok.eos_id if tok.eos_id is not None else FROM_CONFIG,
         ),
         tok,
     )

@@ -35,6 +35,8 @@ def test_fields_and_defaults_identical():
         "rope_theta",
         "rope_scaling",
         "tie_embeddings",
+        "bos_token_id",
+        "eos_token_id",
     ]
 
 

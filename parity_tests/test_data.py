@@ -22,7 +22,7 @@ from jaxattn.spec.data import ByteTokenizer, Dataset, bucket_lengths, load_token
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     ids = tok.encode("héllo\n")
-    assert ids.dtype == np.int32 and ids.max() < 256 and len(ids) == 7
+    assert all(isinstance(i, int) for i in ids) and max(ids) < 256 and len(ids) == 7
     assert tok.decode(ids) == "héllo\n"
 
 
@@ -108,7 +108,7 @@ def test_tokenizer_json_is_used(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     t = load_tokenizer(str(tmp_path))
     assert t.vocab_size == 3
-    assert t.encode("hello world hello nope").tolist() == [1, 2, 1, 0]
+    assert t.encode("hello world hello nope") == [1, 2, 1, 0]
     assert isinstance(load_tokenizer(None), ByteTokenizer)
 
 

@@ -36,7 +36,7 @@ def example(name: str, text: str | None = None) -> tuple[str, str]:
 
 
 def test_example_blocks_are_found_and_a_missing_one_is_named():
-    assert example("classifier-torch")[0] == example("classifier-jax")[0] == example("hf-load")[0] == "python"
+    assert {example(n)[0] for n in ("classifier-torch", "classifier-jax", "hf-load", "generate-lib")} == {"python"}
     assert {example(n)[0] for n in ("smollm2-recipe", "train", "generate", "scaling")} == {"bash"}
     with pytest.raises(AssertionError, match="no block marked <!-- example: nope -->"):
         example("nope", "<!-- example: other -->\n```python\nx = 1\n```\n")
@@ -218,6 +218,19 @@ def test_generate_block_runs_as_written():
     proc = _run_bash(_bash(example("generate")[1], "/nonexistent"), 1800)
     answers = [line for line in proc.stdout.splitlines() if "Paris" in line]
     assert len(answers) == 2 and all("The capital of France is Paris." in a for a in answers), proc.stdout
+
+
+@pytest.mark.slow
+def test_generate_library_block_runs_as_written():
+    from parity_tests.twins import smollm2_path
+
+    _, code = example("generate-lib")
+    code = code.replace('"SmolLM2-135M-Instruct.Q4_1.gguf"', repr(smollm2_path()))  # skips where the wheel is absent
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "The capital of France is Paris.", proc.stdout  # stopped at the file's EOS
 
 
 @pytest.mark.slow

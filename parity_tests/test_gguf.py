@@ -47,6 +47,8 @@ def _config(tied: bool) -> ModelConfig:
         norm_eps=1e-5,
         rope_theta=10000.0,
         tie_embeddings=tied,
+        bos_token_id=1,  # the file's tokenizer.ggml.bos/eos_token_id (SPECIALS), kept as config.json keeps them
+        eos_token_id=2,
     )
 
 
@@ -408,6 +410,8 @@ def test_smollm2_config_and_tokenizer(smollm2):
         norm_eps=1e-5,
         rope_theta=1e5,
         tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     ids = tok.encode("<|im_start|>user\nThe capital of France is")
     assert ids[:2] == [1, 4093] and tok.decode(ids) == "<|im_start|>user\nThe capital of France is"

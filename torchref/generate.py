@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from jaxattn.spec.generate import (
+    FROM_CONFIG,
     build_parser,
     cli,
     collect,
@@ -72,13 +73,13 @@ def stream(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
     compile: bool = False,
 ) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
     cfg = model.config
-    tokens, lengths, t = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
+    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     device = model.model.embed_tokens.weight.device
     b = len(tokens)
     cache = KVCache(cfg, b, t, dtype=model.model.embed_tokens.weight.dtype, device=device)
@@ -92,11 +93,11 @@ def stream(
     for step in range(max_new_tokens):
         if step:
             token = sample(step_fn(model, token, cache), gen, temperature, top_k, top_p)
-        yield emit(token.cpu().numpy(), done, eos_id)
+        yield emit(token.cpu().numpy(), done, eos)
         if done.all():
             return
-        if eos_id is not None:
-            token = torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
+        if eos:  # finished rows keep feeding an EOS
+            token = torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos[0]), token)
 
 
 def generate(
@@ -107,11 +108,13 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
     compile: bool = False,
 ) -> list[list[int]]:
-    """The new token ids of each prompt (a list per row; a row that hit ``eos_id`` ends with it)."""
+    """The new token ids of each prompt (a list per row; a row that hit an EOS ends with it). ``eos_id``: the
+    default ``"config"`` stops at ``model.config.eos_token_id`` (read from ``config.json`` or the GGUF file, as
+    Hugging Face's ``generate`` does; none for a preset), None never stops early, an id or a list of ids."""
     return collect(
         stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile), len(prompts)
     )
@@ -133,6 +136,13 @@ def _run(args) -> None:
     if args.int8:
         model = quantize(model)
     tok = load_tokenizer(args.init)
+    if args.compile:  # the first token waits for the compile: say so rather than sit silent for minutes
+        print(
+            "python -m torchref.generate: compiling the decode step with torch.compile (minutes on a CPU; the "
+            "tokens follow)...",
+            file=sys.stderr,
+            flush=True,
+        )
     print_stream(
         stream(
             model,
@@ -142,7 +152,7 @@ def _run(args) -> None:
             args.top_k,
             args.top_p,
             args.seed,
-            tok.eos_id,
+            tok.eos_id if tok.eos_id is not None else FROM_CONFIG,
             compile=args.compile,
         ),
         tok,

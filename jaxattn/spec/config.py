@@ -97,6 +97,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # None or the HF llama3 dict
     tie_embeddings: bool = False
+    # the tokenizer's special ids, as HF's config.json keeps them: generate() stops at eos_token_id by default
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # several for e.g. Llama 3.1 Instruct
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -123,6 +126,16 @@ class ModelConfig:
         object.__setattr__(self, "tie_embeddings", bool(self.tie_embeddings))
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _check_rope_scaling(self.rope_scaling))
+        for name in ("bos_token_id", "eos_token_id"):
+            object.__setattr__(
+                self, name, _check_token_ids(getattr(self, name), f"ModelConfig.{name}", self.vocab_size)
+            )
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` as a tuple (empty when unknown)."""
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
     def __hash__(self):  # rope_scaling is a dict; hash a canonical form (NNX keeps the config as static data)
         return hash(tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
@@ -216,6 +229,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False),
+            bos_token_id=_check_token_ids(hf.get("bos_token_id"), "config.json bos_token_id", None),
+            eos_token_id=_check_token_ids(hf.get("eos_token_id"), "config.json eos_token_id", None),
         )
 
     def to_hf(self) -> dict:
@@ -240,10 +255,28 @@ class ModelConfig:
             "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
             "rope_parameters": rope_parameters,
             "tie_word_embeddings": self.tie_embeddings,
+            # written even when unknown (null): transformers would otherwise fill in Llama-2's 1 and 2
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id if not isinstance(self.eos_token_id, tuple) else list(self.eos_token_id),
             "attention_bias": False,
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+
+
+def _check_token_ids(value: Any, name: str, vocab_size: int | None):
+    """None, a token id, or a tuple of them (a list is made a tuple); ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    many = isinstance(value, (list, tuple))
+    items = list(value) if many else [value]
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0]
+    bad += [v for v in items if vocab_size is not None and v not in bad and v >= vocab_size]
+    if bad or (many and not items):
+        vocab = f" in [0, {vocab_size})" if vocab_size is not None else ""
+        raise ValueError(f"{name} must be None, a token id{vocab} or a non-empty list of them, got {value!r}")
+    items = [int(v) for v in items]
+    return tuple(items) if many else items[0]
 
 
 def _check_rope_scaling(scaling: Any, where: str = "ModelConfig.rope_scaling") -> dict:

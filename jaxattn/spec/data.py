@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .batch import check_token_ids
+from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, is_gguf, load_tokenizer
 
 __all__ = [
     "PACKING",
@@ -41,17 +42,14 @@ __all__ = [
 
 PACKING: tuple[str, ...] = ("pack", "bucket")
 SYNTHETIC = "synthetic"
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def is_gguf(path: str | None) -> bool:
-    """``path`` is a llama.cpp ``.gguf`` file (an ``--init`` may be one, or a Hugging Face directory)."""
-    return path is not None and str(path).endswith(".gguf") and os.path.isfile(path)
+# a Hugging Face directory's tokenizer files, copied beside an export of a model trained from it
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def copy_tokenizer(init_dir: str | None, out_dir: str) -> None:
     """Put the tokenizer of ``--init`` beside an exported model in ``out_dir``: a directory's ``tokenizer.json``
-    (if any) is copied; a ``.gguf`` file's tokenizer is written as ``tokenizer.json`` plus its chat template
+    (if any) is copied with its chat template, special tokens and EOS/BOS ids (:data:`TOKENIZER_FILES`); a
+    ``.gguf`` file's tokenizer is written as ``tokenizer.json`` plus its chat template
     (``tokenizer_config.json``) and BOS/EOS ids (``generation_config.json``), so the export generates and
     evaluates with the same tokens as the file."""
     if is_gguf(init_dir):
@@ -69,57 +67,13 @@ def copy_tokenizer(init_dir: str | None, out_dir: str) -> None:
         ids = {f"{k}_token_id": i for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id)) if i is not None}
         write_text_atomic(os.path.join(out_dir, "generation_config.json"), json.dumps(ids, indent=2) + "\n")
     elif init_dir and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
-        shutil.copyfile(os.path.join(init_dir, TOKENIZER_FILE), os.path.join(out_dir, TOKENIZER_FILE))
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(init_dir, name)):
+                shutil.copyfile(os.path.join(init_dir, name), os.path.join(out_dir, name))
 
 
 _WINDOW = 8  # bucket mode sorts rows by length within windows of this many batches
 _SHUFFLE, _SYNTH, _ORDER = 0, 1, 2  # RNG purposes
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255; no special tokens (documents are separated by segment ids)."""
-
-    vocab_size = 256
-    name = "bytes"
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A ``tokenizer.json`` through the ``tokenizers`` library (no special tokens added on encode)."""
-
-    def __init__(self, file: str, tokenizer=None):
-        if tokenizer is None:
-            from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
-
-            tokenizer = Tokenizer.from_file(file)
-        self.tokenizer = tokenizer  # or a ``tokenizers.Tokenizer`` built elsewhere (a GGUF file's)
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.name = file
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids])
-
-
-def load_tokenizer(init_dir: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """``init_dir/tokenizer.json`` when there is one, the file's tokenizer when ``init_dir`` is a ``.gguf`` file,
-    else the byte tokenizer."""
-    if is_gguf(init_dir):
-        from .gguf import read_gguf_tokenizer
-
-        return HFTokenizer(init_dir, read_gguf_tokenizer(init_dir).tokenizer)
-    if init_dir is not None and os.path.isfile(os.path.join(init_dir, TOKENIZER_FILE)):
-        return HFTokenizer(os.path.join(init_dir, TOKENIZER_FILE))
-    return ByteTokenizer()
-
-
 _NPY_ACCEPTED = "a .npy written by numpy.save holding integer token ids, 1-D (one document) or 2-D (one per row)"
 
 
@@ -161,7 +115,7 @@ def _file_documents(file: str, tokenizer, flag: str = "--data") -> list[np.ndarr
             f"{flag} {file!r} is not UTF-8 text ({e}), which {tokenizer.name} needs; pass "
             f"text files or pre-tokenized .npy"
         ) from None
-    return [tokenizer.encode(text)]
+    return [np.asarray(tokenizer.encode(text), np.int32)]
 
 
 def read_documents(source: str, tokenizer=None, flag: str = "--data") -> list[np.ndarray]:

@@ -12,12 +12,15 @@ KV caches track a length per row. Prefill lengths and cache lengths are rounded 
 from __future__ import annotations
 
 import argparse
-import json
 import numbers
 import os
 from collections.abc import Sequence
 
 import numpy as np
+
+from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401 - the CLI's tokenizer, re-exported
+
+FROM_CONFIG = "config"  # generate(eos_id=...)'s default: stop at the model config's eos_token_id
 
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id=None, vocab_size=None) -> None:
@@ -29,8 +32,32 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id=None, vocab
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
-    if eos_id is not None and vocab_size is not None and not 0 <= int(eos_id) < vocab_size:
-        raise ValueError(f"eos_id must be None or a token id in [0, {vocab_size}), got {eos_id!r}")
+    if eos_id is not None and eos_id != FROM_CONFIG:
+        ids = list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
+        bad = [
+            i
+            for i in ids
+            if isinstance(i, bool)
+            or not isinstance(i, numbers.Integral)
+            or i < 0
+            or (vocab_size is not None and i >= vocab_size)
+        ]
+        if bad or not ids:
+            vocab = f" in [0, {vocab_size})" if vocab_size is not None else ""
+            raise ValueError(
+                f"eos_id must be {FROM_CONFIG!r} (the model config's eos_token_id), None (never stop early), a token "
+                f"id{vocab} or a non-empty list of them, got {eos_id!r}"
+            )
+
+
+def eos_ids(eos_id, config) -> tuple[int, ...]:
+    """The ids a row stops after: ``eos_id=FROM_CONFIG`` (the default of ``generate``) is the model config's
+    ``eos_token_id`` (from ``config.json`` or the GGUF metadata; none for a preset), None is none."""
+    if eos_id is None:
+        return ()
+    if eos_id == FROM_CONFIG:
+        return config.eos_ids
+    return tuple(int(i) for i in eos_id) if isinstance(eos_id, (list, tuple)) else (int(eos_id),)
 
 
 def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
@@ -81,22 +108,22 @@ def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple
 
 def prepare(
     prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config
-) -> tuple[np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
     """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
-    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots)``."""
+    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots, the EOS ids (:func:`eos_ids`))``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
     prompts = check_prompts(prompts, config.vocab_size)
     t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
     tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
-    return tokens, lengths, t
+    return tokens, lengths, t, eos_ids(eos_id, config)
 
 
-def emit(host: np.ndarray, done: np.ndarray, eos_id: int | None) -> list:
+def emit(host: np.ndarray, done: np.ndarray, eos: tuple[int, ...]) -> list:
     """One step's ids as ``stream`` yields them (None for a row that stopped before this step); marks in ``done``
-    (updated in place) the rows that emitted ``eos_id`` now."""
+    (updated in place) the rows that emitted one of the ``eos`` ids now."""
     ids = [None if d else int(x) for x, d in zip(host, done)]
-    if eos_id is not None:
-        done |= np.asarray(host) == eos_id
+    if eos:
+        done |= np.isin(np.asarray(host), eos)
     return ids
 
 
@@ -125,84 +152,6 @@ def print_stream(steps, tokenizer, file=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------- tokenizers
-class ByteTokenizer:
-    """Raw UTF-8 bytes as token ids 0..255 (the training CLI's byte-level text), no special tokens."""
-
-    bos_id = eos_id = None
-    add_bos = False
-    chat_template = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-    def render_chat(self, messages, add_generation_prompt=True) -> str:
-        raise ValueError("--chat needs a chat template; the byte-level tokenizer has none")
-
-
-class HFDirTokenizer:
-    """``tokenizer.json`` of a Hugging Face model directory (``tokenizers``), its EOS id and chat template."""
-
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        file = os.path.join(path, "tokenizer.json")
-        try:
-            self.tokenizer = Tokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises its own Exception type
-            raise ValueError(f"{file} is not a readable tokenizer.json ({str(e)[:200]})") from None
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        gen = {
-            **_read_json(os.path.join(path, "config.json")),
-            **_read_json(os.path.join(path, "generation_config.json")),
-        }
-        eos = gen.get("eos_token_id")
-        self.eos_id = eos[0] if isinstance(eos, list) else eos
-        self.bos_id = gen.get("bos_token_id")
-        self.add_bos = False
-        self.chat_template = cfg.get("chat_template")
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def render_chat(self, messages, add_generation_prompt=True) -> str:
-        if not self.chat_template:
-            raise ValueError("--chat: this checkpoint's tokenizer_config.json has no chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt
-        )
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-
-
-def load_tokenizer(path: str | None):
-    """The checkpoint's tokenizer: GGUF metadata, an HF directory's ``tokenizer.json``, else byte-level."""
-    if path is not None and str(path).endswith(".gguf") and os.path.isfile(path):
-        from .gguf import read_gguf
-
-        tok = read_gguf(path, tokenizer=True).tokenizer  # reads metadata and tensors; the CLI pays it once
-        return tok if tok is not None else ByteTokenizer()
-    if path is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return HFDirTokenizer(path)
-    return ByteTokenizer()
-
-
 class TextStream:
     """Incremental detokenization: ``push(id)`` returns the new text (decodes the whole row, prints the suffix,
     so a multi-byte character split over tokens is printed once it is complete)."""

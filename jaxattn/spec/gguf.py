@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import params
+from .chat import render_template
 from .config import ModelConfig
 from .hf_format import CheckpointError, check_state_shapes
 
@@ -71,23 +72,23 @@ class GGUFTokenizer:
     add_bos: bool
     chat_template: str | None
 
+    name = "the GGUF file's tokenizer"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become their ids."""
-        return self.tokenizer.encode(text).ids
+        """Token ids of ``text``, no BOS added (``add_bos`` says whether the model wants one first); special tokens
+        written in the text (``<|im_start|>``) become their ids."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """``messages`` through the file's chat template (jinja2, sandboxed as ``transformers`` does)."""
-        if not self.chat_template:
-            raise ValueError("this GGUF file has no tokenizer.chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt
-        )
+        """``messages`` through the file's chat template (``tokenizer.chat_template``)."""
+        return render_template(self.chat_template, messages, add_generation_prompt, "this GGUF file")
 
 
 _REQUIRED = object()
@@ -158,10 +159,16 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
     vocab = len(tokens.data) if tokens is not None else _get(reader, f"{arch}.vocab_size", where, None)
     if vocab is None:
         raise CheckpointError(f"{where} has neither tokenizer.ggml.tokens nor {arch}.vocab_size")
+    special = {}  # the tokenizer's BOS / EOS, kept in the config as a Hugging Face config.json keeps them
+    for key in ("bos_token_id", "eos_token_id"):
+        value = _get(reader, f"tokenizer.ggml.{key}", where, None)
+        if value is not None and 0 <= int(value) < int(vocab):
+            special[key] = int(value)
     return ModelConfig(
         vocab_size=int(vocab),
         head_dim=None if head_dim * kw["n_heads"] == kw["dim"] else head_dim,
         tie_embeddings="output.weight" not in names,
+        **special,
         **kw,
     )
 
