@@ -37,7 +37,7 @@ def example(name: str, text: str | None = None) -> tuple[str, str]:
 
 def test_example_blocks_are_found_and_a_missing_one_is_named():
     assert {example(n)[0] for n in ("classifier-torch", "classifier-jax", "hf-load", "generate-lib")} == {"python"}
-    assert {example(n)[0] for n in ("smollm2-recipe", "train", "generate", "scaling")} == {"bash"}
+    assert {example(n)[0] for n in ("smollm2-recipe", "train", "generate", "scaling", "gpu-compile")} == {"bash"}
     with pytest.raises(AssertionError, match="no block marked <!-- example: nope -->"):
         example("nope", "<!-- example: other -->\n```python\nx = 1\n```\n")
 
@@ -231,6 +231,25 @@ def test_generate_library_block_runs_as_written():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "The capital of France is Paris.", proc.stdout  # stopped at the file's EOS
+
+
+@pytest.mark.slow
+def test_gpu_compile_block_runs_as_written(tmp_path):
+    from jaxattn import gpu_target
+
+    if gpu_target.unavailable_reason() is not None:
+        pytest.skip(f"the gpu-compile extra is not usable here: {gpu_target.unavailable_reason()}")
+    _, code = example("gpu-compile")
+    lines = _bash(code, tmp_path)  # the pip line is how the extra got here; skipped (no network in tests)
+    assert [line.split("#")[0].strip() for line in lines] == ["python -m benchmarks compile --quick"]
+    out = os.path.join(ROOT, "benchmarks", "results", "local", "h100-compiled-quick")  # git-ignored, as a user's
+    before = (
+        os.path.getmtime(os.path.join(out, "kernels.json")) if os.path.isfile(os.path.join(out, "kernels.json")) else 0
+    )
+    _run_bash(lines, 1800)
+    assert os.path.getmtime(os.path.join(out, "kernels.json")) > before and os.path.isfile(
+        os.path.join(out, "report.md")
+    )
 
 
 @pytest.mark.slow

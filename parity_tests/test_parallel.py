@@ -158,7 +158,10 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
         "--no-progress",
     ]
     log = tmp_path / "torch.jsonl"
-    torchrun("-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv)
+    proc = torchrun("-m", "torchref.train", "--parallel", "fsdp+tp", "--log-json", str(log), *argv)
+    # FSDP2's "returned a view tensor" warning is silenced where it is a false alarm (torchref/parallel.py): the
+    # losses below, equal to JAX's, are the evidence that the gradients are right
+    assert "returned a view tensor" not in proc.stderr
     torch_losses = jsonl_losses(log)
     jax_out = jt.run(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
     jax_losses = jax_out["losses"]
