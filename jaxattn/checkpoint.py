@@ -77,6 +77,10 @@ class Checkpointer:
         step, self.problems = self.run_dir.latest_valid()
         return step
 
+    def path(self, step: int) -> str:
+        """The folder of ``step``'s checkpoint."""
+        return os.path.join(self.directory, f"{STEP_PREFIX}_{int(step)}")
+
     def all_steps(self) -> list[int]:
         return self.run_dir.complete_steps()
 

@@ -11,7 +11,8 @@ moved, and only THEN fetches the previous step's metrics (one step of lag keeps 
 device). The step compiles once per batch shape (once with ``--packing pack``, once per bucket used with
 ``--packing bucket``). ``--profile DIR`` traces three steps after the first; checkpoints are
 ``jaxattn.checkpoint`` (orbax); at the end the model is exported with ``save_pretrained`` to
-``<checkpoint-dir>/final``.
+``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``spec.runlog.RunSummary``) says what the run
+did and wrote; the CLI prints it on stdout from process 0 (progress, lines and ``--tensorboard``: ``spec.runlog``).
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ class Trainer:
         """Every process must run the same flags (the mesh first): a CLIError before any compile otherwise."""
         from jax.experimental import multihost_utils
 
-        flags = {k: v for k, v in sorted(vars(args).items()) if k not in ("process_id", "log_json", "no_progress")}
+        local = ("process_id", "log_json", "no_progress", "tensorboard")  # process 0's outputs
+        flags = {k: v for k, v in sorted(vars(args).items()) if k not in local}
         for what, value in (("--mesh", args.mesh), ("the flags", json.dumps(flags, default=str))):
             digest = np.frombuffer(hashlib.sha256(str(value).encode()).digest()[:8], np.int64)
             seen = multihost_utils.process_allgather(digest)
@@ -279,18 +281,26 @@ class Trainer:
         every = self.args.eval_every
         return self.eval_batches is not None and (step == self.args.steps or (every > 0 and step % every == 0))
 
+    @property
+    def lead(self) -> bool:
+        """This process logs, writes the export and prints the summary (process 0 of a multi-process run)."""
+        return jax.process_index() == 0
+
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``)."""
+        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``;
+        ``summary``: a ``spec.runlog.RunSummary``, the same shape as torchref's)."""
         args = self.args
         mem_device = self.device if self.mesh is None else jax.local_devices()[0]
-        lead = jax.process_index() == 0  # a multi-process run logs and exports from process 0
+        lead = self.lead  # a multi-process run logs and exports from process 0
         log = RunLog(
             args.steps,
             self.start,
             args.log_json if lead else None,
             progress=lead and not args.no_progress,
             desc="jax train",
+            tensorboard=args.tensorboard if lead else None,
+            loss_scaling=self.policy.uses_loss_scaling,
         )
         losses: list[float] = []
         evals: list[dict] = []
@@ -385,6 +395,8 @@ class Trainer:
             }
             if self.ckpt:
                 out["final"] = out_final
+            last = None if self.last_saved is None else self.ckpt.path(self.last_saved)
+            out["summary"] = log.summary(checkpoint=last, final=out.get("final"))
             return out
         finally:
             if batches is not None:
@@ -428,12 +440,20 @@ def _join(args) -> None:
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train as the CLI would; returns :meth:`Trainer.fit`'s summary."""
+    """Train as the CLI would (without printing the summary); returns :meth:`Trainer.fit`'s dict."""
     return Trainer.from_argv(argv).fit()
 
 
+def _fit_and_report(trainer: Trainer) -> dict[str, Any]:
+    """The CLI's training: :meth:`Trainer.fit`, then its summary on stdout (process 0)."""
+    out = trainer.fit()
+    if trainer.lead:
+        print(out["summary"], flush=True)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, Trainer.from_argv, Trainer.fit, argv)
+    return cli_main(PROG, Trainer.from_argv, _fit_and_report, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ steps (optax's rule). ``--profile DIR`` records three steps after the first with
 rank). Checkpoints (``torchref.checkpoint``) hold FULL state dicts keyed by parameter name
 (``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``), so a ``--parallel`` run's checkpoint
 resumes under any mode or in one process; at the end rank 0 exports ``save_pretrained`` to
-``<checkpoint-dir>/final``.
+``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``spec.runlog.RunSummary``) says what the run
+did and wrote; the CLI prints it on stdout from rank 0 (progress, lines and ``--tensorboard``: ``spec.runlog``).
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``)."""
+        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``;
+        ``summary``: a ``spec.runlog.RunSummary``, the same shape as jaxattn's)."""
         args = self.args
         rank0 = self.rank0  # one log per run under torchrun
         log = RunLog(
@@ -318,6 +320,8 @@ class Trainer:
             args.log_json if rank0 else None,
             progress=rank0 and not args.no_progress,
             desc="torch train",
+            tensorboard=args.tensorboard if rank0 else None,
+            loss_scaling=self.policy.uses_loss_scaling,
         )
         losses: list[float] = []
         evals: list[dict] = []
@@ -386,6 +390,8 @@ class Trainer:
             }
             if final is not None:
                 out["final"] = final
+            last = None if self.last_saved is None else self.ckpt.path(self.last_saved)
+            out["summary"] = log.summary(checkpoint=last, final=final)
             return out
         finally:
             log.close()
@@ -422,12 +428,20 @@ def _scalar(x: torch.Tensor) -> float:
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train as the CLI would; returns :meth:`Trainer.fit`'s summary."""
+    """Train as the CLI would (without printing the summary); returns :meth:`Trainer.fit`'s dict."""
     return Trainer.from_argv(argv).fit()
 
 
+def _fit_and_report(trainer: Trainer) -> dict[str, Any]:
+    """The CLI's training: :meth:`Trainer.fit`, then its summary on stdout (rank 0)."""
+    out = trainer.fit()
+    if trainer.rank0:
+        print(out["summary"], flush=True)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, Trainer.from_argv, Trainer.fit, argv)
+    return cli_main(PROG, Trainer.from_argv, _fit_and_report, argv)
 
 
 if __name__ == "__main__":

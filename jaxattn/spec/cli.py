@@ -29,7 +29,7 @@ from .dtypes import PRECISION_PRESETS
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
 from .rundir import RUN_FLAGS, RunDirError
-from .runlog import TrainingError
+from .runlog import TrainingError, tensorboard_writer_class
 
 __all__ = [
     "FLAGS",
@@ -167,7 +167,18 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--log-json", "write one JSON object per step to this file", str, metavar="PATH"),
     Flag("--profile", "write a trace of a few steps here (opens in Perfetto / TensorBoard)", str, metavar="DIR"),
-    Flag("--no-progress", "no progress bar", action="store_true"),
+    Flag(
+        "--tensorboard",
+        "also write the per-step scalars (loss, grad norm, lr, tokens/s, the fp16 loss scale, eval loss and "
+        "perplexity) as TensorBoard event files in this directory (needs the tensorboard package)",
+        str,
+        metavar="DIR",
+    ),
+    Flag(
+        "--no-progress",
+        "no progress bar on a terminal, no progress lines when stderr is piped (the end-of-run summary still prints)",
+        action="store_true",
+    ),
     Flag(
         "--mesh",
         "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)",
@@ -340,6 +351,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         ("--checkpoint-dir", args.checkpoint_dir, True),
         ("--log-json", args.log_json, False),
         ("--profile", args.profile, True),
+        ("--tensorboard", args.tensorboard, True),
     ):
         if path is not None:
             try:
@@ -462,9 +474,18 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         raise _err("--max-nonfinite-steps", args.max_nonfinite_steps, "must be an integer >= 1")
     if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
         raise _err("--distributed-timeout", args.distributed_timeout, "must be a finite number of seconds > 0")
-    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
+    for flag, path in (
+        ("--checkpoint-dir", args.checkpoint_dir),
+        ("--profile", args.profile),
+        ("--tensorboard", args.tensorboard),
+    ):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise _err(flag, path, "exists and is not a directory")
+    if args.tensorboard is not None:  # the optional writer package, before any output path is probed
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise CLIError(str(e)) from None
     if args.log_json is not None and os.path.isdir(args.log_json):
         raise _err("--log-json", args.log_json, "is a directory; expected a file path")
     _check_outputs(args)
