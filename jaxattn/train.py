@@ -141,6 +141,8 @@ class Trainer:
             max_grad_norm=args.clip_grad or None,
             grad_accum=args.grad_accum,
             sharding=sharding,
+            loss=args.loss,
+            loss_chunk=args.loss_chunk,
         )
         self.sharding = sharding
         self.eval_step = (

@@ -27,11 +27,13 @@ import optax
 from flax import nnx, struct
 from jax.experimental import checkify
 
+from .fused_ce import fused_cross_entropy
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .model import _Tracer
 from .precision import Policy, get_policy
 from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
 from .spec.grad_accum import check_accum_batch, check_grad_accum
+from .spec.loss import DEFAULT_CHUNK, check_loss
 
 __all__ = [
     "TrainState",
@@ -156,15 +158,35 @@ def loss_denominator(batch: Batch) -> jax.Array:
     return jnp.maximum(jnp.sum(loss_weights(batch)), 1.0)
 
 
-def loss_fn(model: Callable[..., jax.Array], batch: Batch, denominator: jax.Array | None = None) -> jax.Array:
+def loss_fn(
+    model: Callable[..., jax.Array],
+    batch: Batch,
+    denominator: jax.Array | None = None,
+    loss: str = "dense",
+    loss_chunk: int = DEFAULT_CHUNK,
+) -> jax.Array:
     """Next-token loss of ``model`` on ``batch`` (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``);
-    ``denominator``: see :func:`cross_entropy`."""
+    ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the model's final hidden states
+    (``model.features``) and its LM head (the embedding when tied) go to :func:`jaxattn.fused_ce.fused_cross_entropy`
+    in chunks of ``loss_chunk`` tokens: the same number, never the ``[tokens, vocab]`` logits."""
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
-    logits = model(
-        tokens[:, :-1], positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1]
-    )
-    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
+    inputs = dict(positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1])
+    if loss == "fused":
+        hidden = model.features(tokens[:, :-1], **inputs)  # [B, S, dim]
+        tied = model.config.tie_embeddings
+        head = model.embed[...] if tied else model.lm_head[...]  # [vocab, dim] tied, [dim, vocab] untied
+        weights = loss_weights(batch)
+        return fused_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),  # [B * S, dim]
+            head,
+            tokens[:, 1:].reshape(-1),
+            weights.reshape(-1),
+            jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator,
+            chunk=loss_chunk,
+            transposed=tied,
+        )
+    return cross_entropy(model(tokens[:, :-1], **inputs), tokens[:, 1:], loss_weights(batch), denominator)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -238,6 +260,8 @@ def _train_step(
     max_grad_norm: float | None,
     check_ids: bool = False,
     grad_accum: int = 1,
+    loss: str = "dense",
+    loss_chunk: int = DEFAULT_CHUNK,
 ) -> tuple[TrainState, Metrics]:
     check_batch(batch)
     check_accum_batch(batch, grad_accum)
@@ -250,10 +274,10 @@ def _train_step(
 
     def scaled_loss(params, mb, denominator):
         model = nnx.merge(graphdef, policy.cast_to_compute(params), state.rest)
-        loss = loss_fn(model, mb, denominator)
-        return ls.scale(loss), loss
+        value = loss_fn(model, mb, denominator, loss, loss_chunk)
+        return ls.scale(value), value
 
-    grads, loss = _accumulated_grads(jax.grad(scaled_loss, has_aux=True), state.params, batch, grad_accum)
+    grads, loss_value = _accumulated_grads(jax.grad(scaled_loss, has_aux=True), state.params, batch, grad_accum)
     finite = ls.all_finite(grads)  # on the SCALED gradients, like GradScaler's kernel
     grads = ls.unscale(grads)
     grad_norm = global_norm(grads)
@@ -264,7 +288,7 @@ def _train_step(
     params, opt_state = ls.select(finite, (new_params, new_opt_state), (state.params, state.opt_state))
     skipped = jnp.logical_not(finite) if ls.skips_nonfinite else jnp.asarray(False)
     metrics = {
-        "loss": loss,
+        "loss": loss_value,
         "grad_norm": grad_norm,
         "loss_scale": ls.loss_scale.astype(jnp.float32),
         "skipped": skipped,
@@ -286,6 +310,8 @@ def make_train_step(
     check_ids: str = "host",
     grad_accum: int = 1,
     sharding: Any | None = None,
+    loss: str = "dense",
+    loss_chunk: int = DEFAULT_CHUNK,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
 
@@ -309,6 +335,9 @@ def make_train_step(
     the full batch up to float rounding, whatever padding each microbatch holds. A ``k`` that does not divide
     the batch is a ValueError naming both.
 
+    ``loss``: ``"dense"`` (full logits, then :func:`cross_entropy`) or ``"fused"`` (:mod:`jaxattn.fused_ce`: the LM
+    head and the cross-entropy in chunks of ``loss_chunk`` tokens, never the ``[tokens, vocab]`` logits).
+
     ``sharding``: a ``jaxattn.sharding.TrainSharding`` (``shard_train_state``) — the jit's in/out shardings, the
     batch-size rule of its mesh, the activation-sharding context the step traces under, and how a host batch
     becomes a global array (multi-process); None: everything wherever the inputs are.
@@ -325,6 +354,7 @@ def make_train_step(
     if check_ids not in CHECK_IDS:
         raise ValueError(f"check_ids={check_ids!r} is not valid; use one of {', '.join(map(repr, CHECK_IDS))}")
     grad_accum = check_grad_accum(grad_accum)
+    check_loss(loss, loss_chunk)
     policy = get_policy(policy)
     max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
 
@@ -338,6 +368,8 @@ def make_train_step(
             max_grad_norm=max_grad_norm,
             check_ids=check_ids == "jit",
             grad_accum=grad_accum,
+            loss=loss,
+            loss_chunk=loss_chunk,
         )
 
     sh = {} if sharding is None else {"in_shardings": sharding.in_shardings, "out_shardings": sharding.out_shardings}

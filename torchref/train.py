@@ -125,6 +125,8 @@ class Trainer:
             scaler=self.scaler,
             max_grad_norm=args.clip_grad or None,
             grad_accum=args.grad_accum,
+            loss=args.loss,
+            loss_chunk=args.loss_chunk,
         )
 
     @classmethod

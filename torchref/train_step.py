@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from jaxattn.spec.batch import BATCH_KEYS, check_batch, check_token_ids
 from jaxattn.spec.grad_accum import check_accum_batch, check_grad_accum
+from jaxattn.spec.loss import DEFAULT_CHUNK, check_loss
 
+from .fused_ce import fused_cross_entropy
 from .precision import Policy, get_policy
 
 __all__ = ["make_train_step", "loss_fn", "loss_weights", "loss_denominator", "cross_entropy", "BATCH_KEYS"]
@@ -84,19 +86,44 @@ def loss_fn(
     *,
     policy: str | Policy = "fp32",
     denominator: torch.Tensor | None = None,
+    loss: str = "dense",
+    loss_chunk: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
-    ``denominator``: see :func:`cross_entropy`."""
+    ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the final hidden states (``model.model``) and
+    the LM head go to :func:`torchref.fused_ce.fused_cross_entropy` in chunks of ``loss_chunk`` tokens (the same
+    number, never the ``[tokens, vocab]`` logits)."""
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
+    inputs = dict(positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1])
     with policy.autocast(tokens.device.type):
-        logits = model(
-            tokens[:, :-1],
-            positions=None if pos is None else pos[:, :-1],
-            segment_ids=None if seg is None else seg[:, :-1],
+        out = model.model(tokens[:, :-1], **inputs) if loss == "fused" else model(tokens[:, :-1], **inputs)
+    if loss == "fused":  # out: [B, S, dim] hidden states
+        weights = loss_weights(batch)
+        return fused_cross_entropy(
+            out.flatten(0, 1),
+            model.lm_head.weight,
+            tokens[:, 1:].flatten(),
+            weights.flatten(),
+            weights.sum().clamp_min(1.0) if denominator is None else denominator,
+            chunk=loss_chunk,
+            dtype=policy.compute_dtype,
         )
-    return cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
+    return cross_entropy(out, tokens[:, 1:], loss_weights(batch), denominator)
+
+
+def _parallelized(model: torch.nn.Module, loss: str) -> bool:
+    """True for a DDP wrapper, a ``torch.compile``d module or a model holding DTensor parameters (FSDP2 / tensor
+    parallel), when it matters (``loss="fused"``)."""
+    if loss != "fused":
+        return False
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, torch._dynamo.eval_frame.OptimizedModule)):  # noqa: SLF001
+        return True  # a compiled model's model.model would run uncompiled
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def make_train_step(
@@ -107,6 +134,8 @@ def make_train_step(
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
     grad_accum: int = 1,
+    loss: str = "dense",
+    loss_chunk: int = DEFAULT_CHUNK,
 ) -> Callable[[Mapping[str, torch.Tensor]], Metrics]:
     """``step(batch) -> metrics``: one training step, in place on ``model`` / ``optimizer`` / ``scaler``.
 
@@ -121,8 +150,18 @@ def make_train_step(
     each forward + ``backward()`` in turn (gradients accumulate in ``.grad``), then one unscale / clip / step.
     Each microbatch loss is divided by the real (loss-weighted) targets of the WHOLE batch, so the step equals
     one step on the full batch up to float rounding; a ``k`` that does not divide the batch is a ValueError.
+
+    ``loss``: ``"dense"`` (the head's full logits, then the loss) or ``"fused"`` (:mod:`torchref.fused_ce`: the head
+    and the loss in chunks of ``loss_chunk`` tokens, never the whole logits); ``"fused"`` needs ``model`` to be the
+    plain ``LlamaForCausalLM`` (its ``model.model`` and ``lm_head``): not a DDP / FSDP / tensor-parallel module.
     """
     grad_accum = check_grad_accum(grad_accum)
+    check_loss(loss, loss_chunk)
+    if loss == "fused" and not (hasattr(model, "model") and hasattr(model, "lm_head")) or _parallelized(model, loss):
+        raise ValueError(
+            f"loss='fused' needs the plain LlamaForCausalLM (model.model and lm_head); got {type(model).__name__}: "
+            "a DDP / FSDP / tensor-parallel or torch.compile'd model trains with loss='dense' (for now)"
+        )
     policy = get_policy(policy)
     if max_grad_norm is not None and (
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
@@ -148,7 +187,7 @@ def make_train_step(
         loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for i in range(grad_accum):
             mb = {k: v if v is None else v[i * micro : (i + 1) * micro] for k, v in batch.items()}
-            mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator)
+            mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator, loss=loss, loss_chunk=loss_chunk)
             (scaler.scale(mb_loss) if scaling else mb_loss).backward()
             loss = loss + mb_loss.detach()
         if scaling:

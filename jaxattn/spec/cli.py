@@ -26,6 +26,7 @@ from .atomic import check_writable
 from .config import PRESET_NAMES, ModelConfig
 from .data import PACKING, SYNTHETIC, is_gguf
 from .dtypes import PRECISION_PRESETS
+from .loss import DEFAULT_CHUNK, LOSSES
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from .remat import REMAT_POLICIES
 from .rundir import RUN_FLAGS, RunDirError
@@ -119,6 +120,15 @@ FLAGS: tuple[Flag, ...] = (
         MATMUL_PRECISIONS,
     ),
     Flag("--remat", "activation checkpointing policy per layer", str, "none", REMAT_POLICIES),
+    Flag(
+        "--loss",
+        "dense: the LM head's full [tokens, vocab] logits, then the loss; fused: head + loss in chunks of "
+        "--loss-chunk tokens, never the full logits (less memory, the head matmul recomputed in the backward)",
+        str,
+        "dense",
+        LOSSES,
+    ),
+    Flag("--loss-chunk", "tokens per chunk of --loss fused", int, DEFAULT_CHUNK),
     Flag(
         "--attention",
         "attention backends in order of preference, comma-separated (default: the framework's default order)",
@@ -403,7 +413,7 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         if v < 0 or (v == 0 and not zero_ok):
             raise _err(flag, v, f"must be an integer >= {0 if zero_ok else 1}")
 
-    for flag in ("--seq-len", "--batch-size", "--grad-accum", "--steps", "--keep-checkpoints"):
+    for flag in ("--seq-len", "--batch-size", "--grad-accum", "--steps", "--keep-checkpoints", "--loss-chunk"):
         positive(flag, getattr(args, flag[2:].replace("-", "_")))
     for flag in ("--warmup", "--checkpoint-every", "--seed"):
         positive(flag, getattr(args, flag[2:].replace("-", "_")), zero_ok=True)
@@ -499,6 +509,12 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
                 "device use --mesh data=1)"
             )
     if framework == "torch":
+        if args.loss == "fused" and (args.parallel is not None or args.compile):
+            flag = f"--parallel {args.parallel}" if args.parallel is not None else "--compile"
+            raise CLIError(
+                f"--loss fused is not available with {flag} in torchref yet (the fused loss reads the plain model's "
+                f"hidden states and LM head); use --loss dense there"
+            )
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
