@@ -279,6 +279,7 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
         kind="train_step",
         batch=2,
         seq=128,
+        loss="dense",
         status="ok",
         compile_s=1.0,
         launches=9,
@@ -311,7 +312,7 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     assert "## compile" in report and "### Kernels (compiled for H100, not run)" in report
     assert (
         "| flash | `flash_bwd_dq` | 64 | bf16 | 128 | 100 | 0/0 |" in report
-        and "| tiny | train_step | 2×128 |" in report
+        and "| tiny | train_step | dense | 2×128 |" in report
     )
     assert "![compile plot](compile_kernels.png)" in report
 

@@ -252,7 +252,7 @@ def test_1b_train_step_compiles():
     """The full 1b preset's bf16 train step (flash attention), from ShapeDtypeStructs: about 15 s on 2 cores."""
     from benchmarks.tools import compile as bc
 
-    (rec,) = bc.program_records(_devices(), [("1b", "train_step", 1, 1024, {})], "h100", log=lambda *a: None)
+    (rec,) = bc.program_records(_devices(), [("1b", "train_step", 1, 1024, {}, "dense")], "h100", log=lambda *a: None)
     assert rec["status"] == "ok", rec.get("error")
     assert rec["flash_kernels"] == ["flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
     assert 0 < rec["peak"] < 80 * 2**30  # fits in an H100's memory

@@ -70,21 +70,21 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
         "",
         f"{level} Programs (compiled for {target}, not run)",
         "",
-        "| preset | program | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
+        "| preset | program | loss | B×S | compile s | launches | args MiB | out MiB | temp MiB | peak MiB | "
         "XLA GFLOP | model GFLOP (all layers) | XLA / model (1 layer) | XLA / dense (1 layer) | "
         "XLA GB accessed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in programs:
         if r.get("status") != "ok":
             why = r.get("error") or r.get("reason") or ""
             lines.append(
-                f"| {r['preset']} | {r['kind']} | {r.get('status', 'error').upper()}: {why[:80]} "
-                "| | | | | | | | | | | |"
+                f"| {r['preset']} | {r['kind']} | {r.get('loss') or '—'} | {r.get('status', 'error').upper()}: "
+                f"{why[:80]} | | | | | | | | | | | |"
             )
             continue
         lines.append(
-            f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
+            f"| {r['preset']} | {r['kind']} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
             f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
             f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.1f} | {r['model_flops'] / 1e9:,.1f} | "
             f"{r['flops_ratio']:.3f} | {r['flops_ratio_dense']:.3f} | {r['xla_bytes_accessed'] / 1e9:,.2f} |"

@@ -78,19 +78,22 @@ def programs_section() -> list[str]:
     out = [
         f"### Whole programs ({COMPILED})",
         "",
-        f"From `{path}`: bf16, flash attention, AdamW for train steps. "
-        "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once).",
+        f"From `{path}`: bf16, flash attention, AdamW for train steps, one device (the 8b rows show what the "
+        "loss costs, not a plan: they do not fit). Loss: `dense` = full `[tokens, vocab]` logits, `fused` = "
+        "`--loss fused` (head + cross-entropy in chunks of 1024 tokens). "
+        "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once; "
+        "not shown for `fused`, whose chunk loop XLA also counts once).",
         "",
-        "| preset | program | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| preset | program | loss | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in d["records"]:
         if r.get("status") != "ok":
             continue
+        loss = r.get("loss") or ("dense" if r["kind"] == "train_step" else "—")
         out.append(
-            f"| {r['preset']} | {r['kind']} | {r['batch']}×{r['seq']} | {_gib(r['temp'])} | "
-            f"{_gib(r['peak'])} | "
-            f"{r['launches']} | {r['flops_ratio']:.3f} |"
+            f"| {r['preset']} | {r['kind']} | {loss} | {r['batch']}×{r['seq']} | {_gib(r['temp'])} | "
+            f"{_gib(r['peak'])} | {r['launches']} | {'—' if loss == 'fused' else format(r['flops_ratio'], '.3f')} |"
         )
     return out
 

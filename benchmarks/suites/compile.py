@@ -49,7 +49,7 @@ def run(quick: bool = False, target: str = "h100", log=print) -> list:
                 status="skipped",
                 reason=reason,
             )
-            for preset, kind, _, _, _ in pcases
+            for preset, kind, *_ in pcases
         ]
     devs = gpu_target.devices(target_config(target))
     kernels = tc.kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)

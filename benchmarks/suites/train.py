@@ -27,6 +27,7 @@ BASELINE = {
     "grad_accum": 1,
     "attention": None,
     "compile": False,
+    "loss": "dense",
 }
 # name -> changes from BASELINE; attention as {framework: backend name} (torch names are torchref.attention's,
 # "xla" = SDPA math, "flash" = SDPA flash).
@@ -40,6 +41,7 @@ TOGGLES: dict[str, dict] = {
     "torch_compile": {"compile": True},
     "grad_accum2": {"grad_accum": 2},
     "adamw8bit": {"optimizer": "adamw8bit"},
+    "fused_loss": {"loss": "fused"},
 }
 QUICK_COMPILE_LIMIT_S = 60.0
 BUDGET_S = 480.0  # outside --quick: rows not started by then are skipped (gpu_session.sh gives the suite 570 s)
@@ -91,7 +93,13 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
     tx = optim.build(s["optimizer"], LR, 0.1)
     graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
     step = make_train_step(
-        graphdef, tx, policy=s["precision"], max_grad_norm=1.0, grad_accum=s["grad_accum"], check_ids="off"
+        graphdef,
+        tx,
+        policy=s["precision"],
+        max_grad_norm=1.0,
+        grad_accum=s["grad_accum"],
+        check_ids="off",
+        loss=s["loss"],
     )
     return step, state, {"tokens": jnp.asarray(tokens)}
 
@@ -139,7 +147,9 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
     policy = get_policy(s["precision"])
     scaler = policy.make_grad_scaler(dev) if policy.uses_loss_scaling else None
     runner = torch.compile(model) if s["compile"] else model
-    step = make_train_step(runner, opt, policy=policy, scaler=scaler, max_grad_norm=1.0, grad_accum=s["grad_accum"])
+    step = make_train_step(
+        runner, opt, policy=policy, scaler=scaler, max_grad_norm=1.0, grad_accum=s["grad_accum"], loss=s["loss"]
+    )
     batch = {"tokens": torch.from_numpy(tokens).long().to(dev)}
     ctx = tattn.attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
     with ctx:

@@ -52,11 +52,15 @@ def kernel_cases(quick: bool):
 
 
 def program_cases(quick: bool):
-    """``[(preset, kind, batch, seq, overrides)]``."""
-    tiny = [("tiny", "forward", 2, 128, {}), ("tiny", "train_step", 2, 128, {})]
+    """``[(preset, kind, batch, seq, overrides, loss)]``: the forward and the bf16 train step; the full run adds the
+    1b and 8b train steps at S=4096 and 8192 with the dense and the fused loss (``--loss``; benchmarks/NOTES.md)."""
+    tiny = [("tiny", "forward", 2, 128, {}, "dense"), ("tiny", "train_step", 2, 128, {}, "dense")]
     if quick:
-        return tiny
-    return tiny + [("1b", "forward", 4, 2048, {}), ("1b", "train_step", 4, 2048, {})]
+        return tiny + [("tiny", "train_step", 2, 128, {}, "fused")]
+    cases = tiny + [("1b", "forward", 4, 2048, {}, "dense"), ("1b", "train_step", 4, 2048, {}, "dense")]
+    for preset in ("1b", "8b"):
+        cases += [(preset, "train_step", 2, s, {}, loss) for s in (4096, 8192) for loss in ("dense", "fused")]
+    return cases
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -165,9 +169,9 @@ def _abstract_model(cfg):
     return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
 
 
-def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides: dict):
-    """``(jitted, args, cfg)`` for the model forward or the train step, all inputs ShapeDtypeStructs placed on
-    the target's devices."""
+def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str = "dense"):
+    """``(jitted, args, cfg)`` for the model forward or the train step (with ``loss``: ``make_train_step``'s), all
+    inputs ShapeDtypeStructs placed on the target's devices."""
     import optax
     from flax import nnx
 
@@ -194,7 +198,7 @@ def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides:
     tx = optax.adamw(1e-4)
     graphdef = nnx.split(_abstract_model(cfg), nnx.Param, ...)[0]
     state = jax.eval_shape(lambda: TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx, policy="bf16")[1])
-    step = make_train_step(graphdef, tx, policy="bf16")
+    step = make_train_step(graphdef, tx, policy="bf16", loss=loss)
     return step.jitted, gpu_target.place((state, {"tokens": tokens}), devs), cfg
 
 
@@ -236,7 +240,7 @@ def program_records(devs, cases, target: str, log=print) -> list:
     from jaxattn.attention import attention_backend
 
     records = []
-    for preset, kind, batch, seq, overrides in cases:
+    for preset, kind, batch, seq, overrides, loss in cases:
         t0 = time.perf_counter()
         base = dict(
             preset=preset,
@@ -244,13 +248,14 @@ def program_records(devs, cases, target: str, log=print) -> list:
             batch=batch,
             seq=seq,
             overrides=overrides,
+            loss=loss if kind == "train_step" else None,
             precision="bf16",
             attention="flash",
             label=LABEL.format(target=target.upper()),
         )
         try:
             with tempfile.TemporaryDirectory() as dump, attention_backend("flash"):
-                jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides)
+                jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides, loss)
                 lowered, compiled = gpu_target.compile(
                     None, *args, jitted=jitted, compiler_options={"xla_dump_to": dump}
                 )
@@ -281,13 +286,13 @@ def program_records(devs, cases, target: str, log=print) -> list:
             rec["flops_ratio_dense"] = rec["xla_flops"] / once["dense_flops"]
         except Exception as e:
             rec = dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
-            log(f"  {preset} {kind}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            log(f"  {preset} {kind} {loss}: ERROR {type(e).__name__}: {str(e)[:200]}")
             records.append(rec)
             continue
         records.append(rec)
         log(
-            f"  {preset} {kind}: peak {rec['peak'] / 2**20:.1f} MiB, XLA/analytic FLOPs "
-            f"{rec['flops_ratio']:.2f}, {rec['compile_s']}s"
+            f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: peak {rec['peak'] / 2**20:.1f} MiB, "
+            f"XLA/analytic FLOPs {rec['flops_ratio']:.2f}, {rec['compile_s']}s"
         )
     return records
 
