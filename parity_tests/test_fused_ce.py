@@ -197,7 +197,9 @@ def test_train_step_fused_equals_dense_for_twenty_steps_in_each_twin():
         assert len(fused) == 20 and np.max(np.abs(np.subtract(fused, dense))) < 1e-4  # measured far inside §7
 
 
-def test_torch_fused_refuses_wrapped_models_and_the_cli_names_the_flag():
+def test_torch_fused_refuses_only_a_tensor_parallel_head(monkeypatch):
+    """DDP, FSDP2 and torch.compile run the fused loss (``test_parallel.py`` compares them with dense); a
+    vocabulary-split LM head (tp, fsdp+tp) would need a vocabulary-parallel cross-entropy and is refused."""
     torch = pytest.importorskip("torch")
     from jaxattn.spec.cli import CLIError, parse_args
     from torchref.model import LlamaForCausalLM
@@ -205,7 +207,22 @@ def test_torch_fused_refuses_wrapped_models_and_the_cli_names_the_flag():
 
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="loss='fused' needs the plain LlamaForCausalLM"):
-        make_train_step(torch.compile(model), opt, loss="fused")
-    with pytest.raises(CLIError, match="--loss fused is not available with --compile"):
-        parse_args(["--loss", "fused", "--compile"], "torch")
+    make_train_step(torch.compile(model), opt, loss="fused")  # accepted: the wrapper passes head=False through
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for mode in ("tp", "fsdp+tp"):
+        with pytest.raises(CLIError, match=f"--loss fused does not run with --parallel {mode.replace('+', '.')}"):
+            parse_args(["--loss", "fused", "--parallel", mode], "torch")
+    with pytest.raises(ValueError, match="loss='fused' needs a LlamaForCausalLM"):
+        make_train_step(torch.nn.Linear(2, 2), opt, loss="fused")
+
+
+def test_cli_default_is_fused_except_a_torch_tensor_parallel_head(monkeypatch):
+    from jaxattn.spec.cli import parse_args
+
+    assert parse_args([], "jax").loss == parse_args([], "torch").loss == "fused"
+    assert parse_args(["--loss", "dense"], "jax").loss == "dense"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(["--parallel", "fsdp"], "torch").loss == "fused"
+    assert (
+        parse_args(["--parallel", "fsdp+tp"], "torch").loss == parse_args(["--parallel", "tp"], "torch").loss == "dense"
+    )

@@ -56,6 +56,8 @@ def test_bad_mode_and_tp_divisibility():
         pytest.param("tp", marks=pytest.mark.slow),
         pytest.param("fsdp+tp", marks=pytest.mark.slow),
         "fsdp --offload-optimizer",
+        "fsdp --loss fused --loss-chunk 24",  # the fused loss under FSDP2 = the dense loss of one process
+        pytest.param("ddp --loss fused", marks=pytest.mark.slow),
     ],
 )
 def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):

@@ -210,9 +210,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         cache=None,
+        *,
+        head: bool = True,
     ) -> torch.Tensor:
+        """Logits; ``head=False``: the final hidden states instead, for a loss that applies ``lm_head`` itself
+        (``--loss fused``) while the call still goes through whatever wraps the model (DDP, FSDP, torch.compile)."""
         check_remat(self.remat, "LlamaForCausalLM.remat")
         hidden = self.model(input_ids, positions, segment_ids, cache)  # [B, S, dim]
+        if not head:
+            return hidden
         return self.lm_head(hidden).float()  # [B, S, vocab]
 
 

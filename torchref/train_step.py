@@ -90,20 +90,21 @@ def loss_fn(
     loss_chunk: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
-    ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the final hidden states (``model.model``) and
-    the LM head go to :func:`torchref.fused_ce.fused_cross_entropy` in chunks of ``loss_chunk`` tokens (the same
-    number, never the ``[tokens, vocab]`` logits)."""
+    ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the final hidden states (``model(...,
+    head=False)``, through any DDP / FSDP / torch.compile wrapper) and the LM head go to
+    :func:`torchref.fused_ce.fused_cross_entropy` in chunks of ``loss_chunk`` tokens (the same number, never the
+    ``[tokens, vocab]`` logits)."""
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     inputs = dict(positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1])
     with policy.autocast(tokens.device.type):
-        out = model.model(tokens[:, :-1], **inputs) if loss == "fused" else model(tokens[:, :-1], **inputs)
-    if loss == "fused":  # out: [B, S, dim] hidden states
+        out = model(tokens[:, :-1], **inputs, head=loss != "fused")  # fused: [B, S, dim] hidden states
+    if loss == "fused":
         weights = loss_weights(batch)
         return fused_cross_entropy(
             out.flatten(0, 1),
-            model.lm_head.weight,
+            _unwrap(model).lm_head.weight,
             tokens[:, 1:].flatten(),
             weights.flatten(),
             weights.sum().clamp_min(1.0) if denominator is None else denominator,
@@ -113,17 +114,26 @@ def loss_fn(
     return cross_entropy(out, tokens[:, 1:], loss_weights(batch), denominator)
 
 
-def _parallelized(model: torch.nn.Module, loss: str) -> bool:
-    """True for a DDP wrapper, a ``torch.compile``d module or a model holding DTensor parameters (FSDP2 / tensor
-    parallel), when it matters (``loss="fused"``)."""
-    if loss != "fused":
-        return False
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``LlamaForCausalLM`` inside a DDP wrapper and/or a ``torch.compile``d module."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
 
-    if isinstance(model, (DistributedDataParallel, torch._dynamo.eval_frame.OptimizedModule)):  # noqa: SLF001
-        return True  # a compiled model's model.model would run uncompiled
-    return any(isinstance(p, DTensor) for p in model.parameters())
+
+def _tensor_parallel(model: torch.nn.Module) -> bool:
+    """True when the LM head is split by tensor parallelism (a DTensor sharded on a ``"tp"`` mesh dimension,
+    ``torchref.parallel``): the fused loss would need the vocabulary-parallel cross-entropy (torchtitan's loss
+    parallel), which it is not. FSDP's shards (the ``"dp"`` dimension) are gathered in the forward, as usual."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    w = getattr(getattr(_unwrap(model), "lm_head", None), "weight", None)
+    if not isinstance(w, DTensor):
+        return False
+    names = w.device_mesh.mesh_dim_names or ()
+    return any(n == "tp" and isinstance(p, Shard) for n, p in zip(names, w.placements))
 
 
 def make_train_step(
@@ -152,15 +162,17 @@ def make_train_step(
     one step on the full batch up to float rounding; a ``k`` that does not divide the batch is a ValueError.
 
     ``loss``: ``"dense"`` (the head's full logits, then the loss) or ``"fused"`` (:mod:`torchref.fused_ce`: the head
-    and the loss in chunks of ``loss_chunk`` tokens, never the whole logits); ``"fused"`` needs ``model`` to be the
-    plain ``LlamaForCausalLM`` (its ``model.model`` and ``lm_head``): not a DDP / FSDP / tensor-parallel module.
+    and the loss in chunks of ``loss_chunk`` tokens, never the whole logits): with the plain model, DDP, FSDP2 and
+    ``torch.compile``, not with a tensor-parallel LM head (ValueError).
     """
     grad_accum = check_grad_accum(grad_accum)
     check_loss(loss, loss_chunk)
-    if loss == "fused" and not (hasattr(model, "model") and hasattr(model, "lm_head")) or _parallelized(model, loss):
+    if loss == "fused" and not hasattr(_unwrap(model), "lm_head"):
+        raise ValueError(f"loss='fused' needs a LlamaForCausalLM (its lm_head), got {type(_unwrap(model)).__name__}")
+    if loss == "fused" and _tensor_parallel(model):
         raise ValueError(
-            f"loss='fused' needs the plain LlamaForCausalLM (model.model and lm_head); got {type(model).__name__}: "
-            "a DDP / FSDP / tensor-parallel or torch.compile'd model trains with loss='dense' (for now)"
+            "loss='fused' does not run with a tensor-parallel LM head (split over the vocabulary: it would need "
+            "a vocabulary-parallel cross-entropy); use loss='dense' with tp / fsdp+tp"
         )
     policy = get_policy(policy)
     if max_grad_norm is not None and (

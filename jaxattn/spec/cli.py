@@ -123,10 +123,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--loss",
         "dense: the LM head's full [tokens, vocab] logits, then the loss; fused: head + loss in chunks of "
-        "--loss-chunk tokens, never the full logits (less memory, the head matmul recomputed in the backward)",
+        "--loss-chunk tokens, never the full logits (less memory, the head matmul recomputed in the backward); "
+        "auto: fused, except torch's tensor-parallel modes (tp, fsdp+tp), which use dense",
         str,
-        "dense",
-        LOSSES,
+        "auto",
+        ("auto", *LOSSES),
     ),
     Flag("--loss-chunk", "tokens per chunk of --loss fused", int, DEFAULT_CHUNK),
     Flag(
@@ -508,12 +509,14 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
                 "--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
                 "device use --mesh data=1)"
             )
+    if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
+        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp")
+        args.loss = "dense" if tp_head else "fused"
     if framework == "torch":
-        if args.loss == "fused" and (args.parallel is not None or args.compile):
-            flag = f"--parallel {args.parallel}" if args.parallel is not None else "--compile"
+        if args.loss == "fused" and args.parallel in ("tp", "fsdp+tp"):
             raise CLIError(
-                f"--loss fused is not available with {flag} in torchref yet (the fused loss reads the plain model's "
-                f"hidden states and LM head); use --loss dense there"
+                f"--loss fused does not run with --parallel {args.parallel} in torchref (the LM head is split over "
+                f"the vocabulary: it would need a vocabulary-parallel cross-entropy); use --loss dense there"
             )
         if args.num_workers < 0:
             raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
