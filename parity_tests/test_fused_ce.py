@@ -219,10 +219,11 @@ def test_torch_fused_refuses_only_a_tensor_parallel_head(monkeypatch):
 def test_cli_default_is_fused_except_a_torch_tensor_parallel_head(monkeypatch):
     from jaxattn.spec.cli import parse_args
 
-    assert parse_args([], "jax").loss == parse_args([], "torch").loss == "fused"
-    assert parse_args(["--loss", "dense"], "jax").loss == "dense"
+    def loss(argv, fw):
+        return parse_args(argv, fw)[0].loss
+
+    assert loss([], "jax") == loss([], "torch") == "fused"
+    assert loss(["--loss", "dense"], "jax") == "dense"
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert parse_args(["--parallel", "fsdp"], "torch").loss == "fused"
-    assert (
-        parse_args(["--parallel", "fsdp+tp"], "torch").loss == parse_args(["--parallel", "tp"], "torch").loss == "dense"
-    )
+    assert loss(["--parallel", "fsdp"], "torch") == "fused"
+    assert loss(["--parallel", "fsdp+tp"], "torch") == loss(["--parallel", "tp"], "torch") == "dense"
