@@ -109,9 +109,9 @@ def plan_section() -> list[str]:
         "and the collectives of the "
         "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).",
         "",
-        "| mesh | preset | batch × seq | remat | peak GiB / device | all-gather / all-reduce / reduce-scatter GiB "
-        "per step | fits 80 GB |",
-        "|---|---|---|---|---|---|---|",
+        "| mesh | preset | batch × seq | remat | loss | peak GiB / device | all-gather / all-reduce / reduce-scatter "
+        "GiB per step | fits 80 GB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in d["records"]:
         if r.get("status") != "ok":
@@ -122,7 +122,8 @@ def plan_section() -> list[str]:
             _gib(c[k].get("bytes_per_step", c[k]["bytes"])) for k in ("all-gather", "all-reduce", "reduce-scatter")
         )
         out.append(
-            f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {_gib(peak)} | "
+            f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {r.get('loss', 'dense')} | "
+            f"{_gib(peak)} | "
             f"{traffic} | {'yes' if peak < 80e9 else 'no'} |"
         )
     return out

@@ -24,12 +24,15 @@ from ..tools.deviceless import target_config
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")  # --quick: the tiny preset, these two meshes
-# (preset, mesh, remat) compiled outside --quick: pure data parallel, ZeRO-3, 3-D and FSDP x TP for both presets,
-# and the 1b ZeRO-3 step with the cheaper selective policy
+# (preset, mesh, remat, loss) compiled outside --quick: pure data parallel, ZeRO-3, 3-D and FSDP x TP for both
+# presets with the dense loss, the 1b ZeRO-3 step with the cheaper selective policy, and the fused loss
+# (--loss fused) on the 8b data=8 / fsdp=8 and 1b fsdp=8 steps to read its memory beside the dense rows
+_MESHES = ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2")
 GRID = (
-    tuple(("1b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
-    + (("1b", "fsdp=8", "save_qkv_attn"),)
-    + tuple(("8b", m, "full") for m in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"))
+    tuple(("1b", m, "full", "dense") for m in _MESHES)
+    + (("1b", "fsdp=8", "save_qkv_attn", "dense"), ("1b", "fsdp=8", "full", "fused"))
+    + tuple(("8b", m, "full", "dense") for m in _MESHES)
+    + (("8b", "data=8", "full", "fused"), ("8b", "fsdp=8", "full", "fused"))
 )
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -108,8 +111,11 @@ def per_step(coll: dict, n_layers: int) -> dict:
     return {k: v["bytes"] + (n_layers - 1) * v["bytes_in_loop"] for k, v in coll.items()}
 
 
-def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int = 4096, remat: str = "full"):
-    """Compile the bf16 AdamW train step of ``preset`` sharded by ``spec`` for ``devs``; returns a record."""
+def compile_plan(
+    devs, spec: str, preset: str = "1b", batch: int = 8, seq: int = 4096, remat: str = "full", loss: str = "dense"
+):
+    """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs``; returns a
+    record."""
     import optax
     from flax import nnx
 
@@ -146,7 +152,7 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
         {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)},
     )
     plan = sharding.TrainSharding(mesh, state_sh, batch_sh)  # shard_train_state's, for an abstract state
-    step = make_train_step(graphdef, tx, policy="bf16", sharding=plan)
+    step = make_train_step(graphdef, tx, policy="bf16", sharding=plan, loss=loss)
     t0 = time.perf_counter()
     with attention_backend("flash"), plan.tracing():  # as the step traces itself
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
@@ -168,6 +174,7 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
         seq=seq,
         precision="bf16",
         remat=remat,
+        loss=loss,
         optimizer="adamw",
         attention="flash",
         devices=len(devs),
@@ -185,18 +192,27 @@ def compile_plan(devs, spec: str, preset: str = "1b", batch: int = 8, seq: int =
 
 def run(quick: bool = False) -> list:
     """The plan suite: :data:`GRID` at seq 4096, batch 8 (quick: ``tiny`` at seq 128 on :data:`PLANS`)."""
-    grid = tuple(("tiny", p, "full") for p in PLANS) if quick else GRID
+    grid = tuple(("tiny", p, "full", "dense") for p in PLANS) if quick else GRID
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         return [
-            dict(framework="jax", impl="sharding-plan", preset=pr, mesh=p, remat=rm, status="skipped", reason=reason)
-            for pr, p, rm in grid
+            dict(
+                framework="jax",
+                impl="sharding-plan",
+                preset=pr,
+                mesh=p,
+                remat=rm,
+                loss=lo,
+                status="skipped",
+                reason=reason,
+            )
+            for pr, p, rm, lo in grid
         ]
     devs = gpu_target.devices(target_config("h100"), "1x1x8")
     records = []
-    for preset, spec, remat in grid:
+    for preset, spec, remat, loss in grid:
         try:
-            rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat)
+            rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat, loss=loss)
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
             rec = dict(
@@ -205,11 +221,13 @@ def run(quick: bool = False) -> list:
                 preset=preset,
                 mesh=spec,
                 remat=remat,
+                loss=loss,
                 status="error",
                 error=f"{type(e).__name__}: {str(e)[:500]}",
             )
         print(
-            f"  plan {preset} {spec} remat={remat}: {rec.get('status')} {rec.get('summary', rec.get('error'))}",
+            f"  plan {preset} {spec} remat={remat} loss={loss}: {rec.get('status')} "
+            f"{rec.get('summary', rec.get('error'))}",
             flush=True,
         )
         records.append(rec)
