@@ -15,6 +15,8 @@ backward. The backward (``custom_vjp``) scans again, recomputes each chunk's log
 written as a scan because neither runs on a CPU (written by hand: no jax library has one). Memory: one chunk's
 ``[chunk, vocab]`` float32 logits and their gradient instead of ``[N, vocab]``; compute: the head matmul runs twice
 in the backward (once to recompute the logits, then the two gradient matmuls), i.e. 4 instead of 3 head matmuls.
+Sharded (a batch split over devices), call it on each device's rows (``shard_map``; ``train_step`` does, through
+``jaxattn.model.per_shard``): under plain GSPMD every chunk step would gather the head and reduce its gradient.
 The twin is ``torchref/fused_ce.py``; ``parity_tests/test_fused_ce.py`` checks both against the dense loss.
 """
 

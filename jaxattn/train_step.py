@@ -29,7 +29,7 @@ from jax.experimental import checkify
 
 from .fused_ce import fused_cross_entropy
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from .model import _Tracer
+from .model import ACT_AXES, _Tracer, per_shard
 from .precision import Policy, get_policy
 from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
 from .spec.grad_accum import check_accum_batch, check_grad_accum
@@ -177,15 +177,23 @@ def loss_fn(
         tied = model.config.tie_embeddings
         head = model.embed[...] if tied else model.lm_head[...]  # [vocab, dim] tied, [dim, vocab] untied
         weights = loss_weights(batch)
-        return fused_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),  # [B * S, dim]
-            head,
-            tokens[:, 1:].reshape(-1),
-            weights.reshape(-1),
-            jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator,
-            chunk=loss_chunk,
-            transposed=tied,
+        denominator = jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator
+
+        def rows(h, head, targets, w, denominator):  # one device's rows when sharded: [b, S, dim] -> [1]
+            n = h.shape[0] * h.shape[1]
+            return fused_cross_entropy(
+                h.reshape(n, -1), head, targets.reshape(n), w.reshape(n), denominator, chunk=loss_chunk, transposed=tied
+            )[None]
+
+        # per device block (shard_map) when sharded: the head gathered once, its gradient reduced once, each chunk
+        # local; under plain GSPMD every chunk step would gather the head and reduce-scatter its gradient
+        parts = per_shard(
+            rows,
+            (hidden, head, tokens[:, 1:], weights, jnp.asarray(denominator, jnp.float32)),
+            (ACT_AXES, (None, None), ("batch", "seq"), ("batch", "seq"), ()),
+            ("batch",),
         )
+        return jnp.sum(parts)  # [devices along the batch] partial losses
     return cross_entropy(model(tokens[:, :-1], **inputs), tokens[:, 1:], loss_weights(batch), denominator)
 
 
@@ -336,7 +344,9 @@ def make_train_step(
     the batch is a ValueError naming both.
 
     ``loss``: ``"dense"`` (full logits, then :func:`cross_entropy`) or ``"fused"`` (:mod:`jaxattn.fused_ce`: the LM
-    head and the cross-entropy in chunks of ``loss_chunk`` tokens, never the ``[tokens, vocab]`` logits).
+    head and the cross-entropy in chunks of ``loss_chunk`` tokens per device, never the ``[tokens, vocab]``
+    logits; with ``sharding`` each device chunks its own rows under ``shard_map`` with the head gathered once, as
+    each torch rank does).
 
     ``sharding``: a ``jaxattn.sharding.TrainSharding`` (``shard_train_state``) — the jit's in/out shardings, the
     batch-size rule of its mesh, the activation-sharding context the step traces under, and how a host batch

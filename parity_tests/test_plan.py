@@ -37,15 +37,51 @@ ENTRY %main (x: f32[64,256]) -> f32[8,256] {
 
 
 def test_collectives_reads_full_buffer_sizes_and_loop_ops():
-    c = plan.collectives(HLO)
+    c = plan.collectives(HLO, unknown_trips=16)
     gathered = (64 * 64 + 64) * 2  # the outputs half of the start tuple
-    assert c["all-gather"] == {"ops": 1, "bytes": gathered, "ops_in_loop": 1, "bytes_in_loop": gathered}
+    assert c["all-gather"] == {
+        "ops": 1,
+        "bytes": gathered,
+        "ops_in_loop": 1,
+        "bytes_in_loop": gathered,
+        "bytes_per_step": 16 * gathered,  # no known_trip_count: unknown_trips runs
+    }
     # async: the input half (64*256 f32); sync: the part (2*16 bf16) times the group of 4
     assert c["reduce-scatter"]["ops"] == 2 and c["reduce-scatter"]["ops_in_loop"] == 0
     assert c["reduce-scatter"]["bytes"] == 64 * 256 * 4 + 2 * 16 * 2 * 4
     assert c["all-reduce"]["bytes"] == 40
-    steps = plan.per_step(c, n_layers=16)
-    assert steps["all-gather"] == 16 * gathered and steps["all-reduce"] == 40
+    assert (
+        c["all-reduce"]["bytes_per_step"] == 40
+        and c["reduce-scatter"]["bytes_per_step"] == c["reduce-scatter"]["bytes"]
+    )
+
+
+# A layer loop of 16 holding a chunk loop of 4 (a scan inside a scan) and a sibling loop of 3, with trip counts.
+NESTED = """\
+%inner (p: (s32[])) -> (s32[]) {
+  %all-reduce.1 = f32[100]{0} all-reduce(%a), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%outer (p: (s32[])) -> (s32[]) {
+  %w.1 = (s32[]) while(%t), condition=%c1, body=%inner, backend_config={"known_trip_count":{"n":"4"}}
+  %all-reduce.2 = f32[10]{0} all-reduce(%b), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%other (p: (s32[])) -> (s32[]) {
+  %all-reduce.3 = f32[1]{0} all-reduce(%c), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %w.2 = (s32[]) while(%t), condition=%c2, body=%outer, backend_config={"known_trip_count":{"n":"16"}}
+  %w.3 = (s32[]) while(%t), condition=%c3, body=%other, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_collectives_counts_each_op_once_per_run_of_its_loops():
+    c = plan.collectives(NESTED, unknown_trips=99)  # every loop has a trip count: 99 is never used
+    assert c["all-reduce"]["ops"] == 3 and c["all-reduce"]["ops_in_loop"] == 3
+    assert c["all-reduce"]["bytes_per_step"] == 16 * 4 * 400 + 16 * 40 + 3 * 4
 
 
 _REASON = gpu_target.unavailable_reason()

@@ -134,6 +134,32 @@ def test_activation_constraints_applied_under_mesh_only():
     assert constrain(x, ("batch", "seq", "embed")) is x  # the context is gone after the step
 
 
+@pytest.mark.parametrize("name", list(MESHES))
+def test_fused_loss_per_device_rows_equals_single_device_dense(name, reference, monkeypatch):
+    """``loss="fused"`` on a mesh: each device's fused loss sees only its own rows (``per_shard``: the head gathered
+    once and its gradient reduced once, not per chunk) and the losses and parameters equal the single-device dense
+    step's."""
+    import jaxattn.train_step as ts
+
+    seen = []
+    real = ts.fused_cross_entropy
+
+    def spy(hidden, head, *args, **kw):
+        seen.append((hidden.shape, head.shape))
+        return real(hidden, head, *args, **kw)
+
+    monkeypatch.setattr(ts, "fused_cross_entropy", spy)
+    mesh = sharding.make_mesh(MESHES[name])
+    rows = BATCH // (mesh.shape["data"] * mesh.shape["fsdp"])
+    graphdef, state = TrainState.create(Llama(CFG, rngs=nnx.Rngs(0)), _tx())
+    step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=BATCH, loss="fused", loss_chunk=5)
+    losses, state = _run(step, state)
+    assert set(seen) == {((rows * SEQ, CFG.dim), (CFG.dim, CFG.vocab_size))}, seen  # rows per device, whole head
+    np.testing.assert_allclose(losses, reference[0], rtol=0, atol=1e-5)
+    for (path, a), b in zip(jax.tree.leaves_with_path(reference[1].params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("name", ["2,2,2", "1,2,4"])
 def test_attention_runs_per_device_block_under_mesh(name, reference, monkeypatch):
     """Attention goes through ``shard_map`` (``jaxattn.model.per_shard``): each device's kernel sees its own rows

@@ -24,9 +24,9 @@ __all__ = ["fused_cross_entropy", "DEFAULT_CHUNK"]
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, w: torch.Tensor):
     """One chunk's float32 logits ``[chunk, vocab]`` (the matmul in ``x``'s dtype, as the head under autocast) with
     weight-0 rows (and their targets) replaced by 0."""
-    logits = (x @ weight.to(x.dtype).T).float()
     keep = w > 0
-    return torch.where(keep[:, None], logits, 0.0), torch.where(keep, t, 0)
+    logits = (x @ weight.to(x.dtype).T).float().masked_fill_(~keep[:, None], 0.0)  # in place: one chunk buffer
+    return logits, torch.where(keep, t, 0)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -54,9 +54,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             x, t, w = hidden[s : s + ctx.chunk], targets[s : s + ctx.chunk], weights[s : s + ctx.chunk]
             logits, t = _chunk_logits(x, weight, t, w)
-            dlogits = torch.exp(logits - lse[s : s + ctx.chunk, None])  # softmax, from the forward's log-sum-exp
+            dlogits = logits.sub_(lse[s : s + ctx.chunk, None]).exp_()  # softmax from the forward's lse, in place
             dlogits[torch.arange(len(t), device=t.device), t] -= 1.0
-            dlogits = (dlogits * (w * scale)[:, None]).to(hidden.dtype)
+            dlogits = dlogits.mul_((w * scale)[:, None]).to(hidden.dtype)
             if dhidden is not None:
                 dhidden[s : s + ctx.chunk] = (dlogits @ w_c).to(hidden.dtype)  # logits = x @ W.T: dx = dlogits @ W
             dweight += (dlogits.T @ x).float()  # dW = dlogits.T @ x, accumulated in float32

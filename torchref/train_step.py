@@ -94,6 +94,7 @@ def loss_fn(
     head=False)``, through any DDP / FSDP / torch.compile wrapper) and the LM head go to
     :func:`torchref.fused_ce.fused_cross_entropy` in chunks of ``loss_chunk`` tokens (the same number, never the
     ``[tokens, vocab]`` logits)."""
+    check_loss(loss, loss_chunk)
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
@@ -196,12 +197,12 @@ def make_train_step(
         optimizer.zero_grad(set_to_none=True)
         denominator = loss_denominator(batch) if denominator is None else denominator  # torchref.parallel: global
         loss_scale = scaler.get_scale() if scaling else 1.0
-        loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        total = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for i in range(grad_accum):
             mb = {k: v if v is None else v[i * micro : (i + 1) * micro] for k, v in batch.items()}
             mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator, loss=loss, loss_chunk=loss_chunk)
             (scaler.scale(mb_loss) if scaling else mb_loss).backward()
-            loss = loss + mb_loss.detach()
+            total = total + mb_loss.detach()
         if scaling:
             scaler.unscale_(optimizer)
         if max_grad_norm is not None:
@@ -217,7 +218,7 @@ def make_train_step(
             optimizer.step()
             skipped = False
         return {
-            "loss": loss.detach(),
+            "loss": total,
             "grad_norm": grad_norm.detach().float(),
             "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
             "skipped": torch.tensor(skipped),

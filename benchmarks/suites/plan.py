@@ -77,38 +77,52 @@ def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
     return sum(sizes)
 
 
-def collectives(hlo: str) -> dict:
-    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop"}}`` from compiled HLO text: ``bytes`` is each
-    op's full-buffer size (:func:`_volume`), counted once per appearance in the text (``-done`` halves of async
-    pairs are skipped)."""
+def collectives(hlo: str, unknown_trips: int = 1) -> dict:
+    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop", "bytes_per_step"}}`` from compiled HLO text:
+    ``bytes`` is each op's full-buffer size (:func:`_volume`), counted once per appearance in the text (``-done``
+    halves of async pairs are skipped); ``bytes_per_step`` counts each op once per run of the computation holding
+    it: a while body runs its loop's ``known_trip_count`` times (``unknown_trips`` when XLA gives none) times the
+    runs of the computation holding the loop (the layer scan, a chunked loss's scan, a scan inside a scan)."""
     out = {k: {"ops": 0, "bytes": 0, "ops_in_loop": 0, "bytes_in_loop": 0} for k in COLLECTIVES}
-    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))  # the while loops' body computations
-    in_loop = False
+    loops: dict[str, list] = {}  # computation -> [(body, trips)] of the while ops in it
+    ops: dict[str, list] = {}  # computation -> [(kind, bytes)]
+    comp = ""
     for line in hlo.splitlines():
         if line and not line.startswith(" "):  # a computation header
             words = line.split()
-            name = words[1] if words[0] == "ENTRY" and len(words) > 1 else words[0] if words else ""
-            in_loop = name.lstrip("%") in bodies
+            comp = (words[1] if words[0] == "ENTRY" and len(words) > 1 else words[0] if words else "").lstrip("%")
             continue
+        body = re.search(r"\bwhile\(.*body=%([\w.\-]+)", line)
+        if body:
+            trips = re.search(r'known_trip_count"?:\{"n":"(\d+)"', line)
+            loops.setdefault(comp, []).append((body.group(1), int(trips.group(1)) if trips else unknown_trips))
         m = _OP.search(line)
-        if not m:
-            continue
-        shapes = _SHAPE.findall(m.group(1))
-        if not shapes:
-            continue
-        nbytes = _volume(m.group(2), bool(m.group(3)), shapes, line)
-        rec = out[m.group(2)]
-        rec["ops"] += 1
-        rec["bytes"] += nbytes
-        if in_loop:
-            rec["ops_in_loop"] += 1
-            rec["bytes_in_loop"] += nbytes
+        shapes = _SHAPE.findall(m.group(1)) if m else []
+        if shapes:
+            ops.setdefault(comp, []).append((m.group(2), _volume(m.group(2), bool(m.group(3)), shapes, line)))
+    runs: dict[str, int] = {}
+
+    def visit(c: str, n: int) -> None:
+        runs[c] = runs.get(c, 0) + n
+        for b, trips in loops.get(c, ()):
+            visit(b, n * trips)
+
+    bodies = {b for pairs in loops.values() for b, _ in pairs}
+    for c in set(ops) | set(loops):
+        if c not in bodies:  # the entry and any computation not run by a while: once
+            visit(c, 1)
+    for c, items in ops.items():
+        for kind, nbytes in items:
+            rec = out[kind]
+            rec["ops"] += 1
+            rec["bytes"] += nbytes
+            if c in bodies:
+                rec["ops_in_loop"] += 1
+                rec["bytes_in_loop"] += nbytes
+            rec["bytes_per_step"] = rec.get("bytes_per_step", 0) + runs.get(c, 1) * nbytes
+    for rec in out.values():
+        rec.setdefault("bytes_per_step", 0)
     return out
-
-
-def per_step(coll: dict, n_layers: int) -> dict:
-    """``{kind: bytes moved per train step}``: an op in a layer loop's body runs once per layer."""
-    return {k: v["bytes"] + (n_layers - 1) * v["bytes_in_loop"] for k, v in coll.items()}
 
 
 def compile_plan(
@@ -156,11 +170,9 @@ def compile_plan(
     t0 = time.perf_counter()
     with attention_backend("flash"), plan.tracing():  # as the step traces itself
         _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
-    mem, coll = memory_stats(compiled), collectives(compiled.as_text())
-    for k, nbytes in per_step(coll, cfg.n_layers).items():
-        coll[k]["bytes_per_step"] = nbytes
+    mem, coll = memory_stats(compiled), collectives(compiled.as_text(), unknown_trips=cfg.n_layers)
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
-        f"{k} {v['ops']} ops ({v['ops_in_loop']} in loop x{cfg.n_layers}) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
+        f"{k} {v['ops']} ops ({v['ops_in_loop']} in loops) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
         for k, v in coll.items()
         if v["ops"]
     )

@@ -9,6 +9,12 @@ coefficient of variation, and JAX's compiled memory (temporaries and arguments +
 ``jaxattn.profiling.compiled_memory``) for both. torch on
 a CPU has no allocator statistics, so its memory is not recorded. Writes ``fused_loss.json`` (benchmarks/NOTES.md
 reads it); a ratio whose interval spans more than x1.5 is marked ``unstable``.
+
+``--memory-sweep`` measures memory against sequence length instead (tiny with a 32k vocabulary, batch 1, SGD so no
+optimizer state, ``--loss-chunk`` 256): JAX's compiled temporaries of the train step, and torch's peak host memory over
+one train step (the process's resident high-water mark, reset through ``/proc/self/clear_refs`` before the step, minus
+the resident size before it; measured in a child process with a fixed ``MALLOC_MMAP_THRESHOLD_`` so freed tensors
+leave the resident set: Linux only). Writes ``fused_loss_memory.json`` and ``fused_loss_memory.png``.
 """
 
 from __future__ import annotations
@@ -142,16 +148,176 @@ def measure(name: str, rounds: int, warmup: int, log=print) -> list[dict]:
     return records
 
 
+SWEEP = dict(preset="tiny", overrides={"vocab_size": 32000, "max_seq_len": 4096}, batch=1, chunk=256)
+SWEEP_SEQS = (256, 512, 1024, 2048, 4096)
+
+
+def _jax_temp(cfg, b: int, s: int, chunk: int) -> dict:
+    """JAX's compiled memory of the SGD train step at [b, s] for each loss (compiled, not run)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxattn.model import LlamaForCausalLM
+    from jaxattn.profiling import compiled_memory
+    from jaxattn.train_step import TrainState, make_train_step
+
+    from ..twins import jax_config
+
+    model = LlamaForCausalLM(jax_config(cfg), rngs=nnx.Rngs(0))
+    tx = optax.sgd(1e-3)
+    graphdef, state = TrainState.create(model, tx)
+    batch = {"tokens": jax.ShapeDtypeStruct((b, s + 1), jnp.int32)}
+    return {
+        loss: compiled_memory(
+            make_train_step(graphdef, tx, check_ids="off", loss=loss, loss_chunk=chunk).jitted, state, batch
+        )
+        for loss in ("dense", "fused")
+    }
+
+
+_RSS_CHILD = r"""
+import gc, json, sys
+import numpy as np, torch
+from torchref.config import ModelConfig
+from torchref.model import LlamaForCausalLM
+from torchref.train_step import make_train_step
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+preset, overrides, b, chunk, seqs = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = LlamaForCausalLM(ModelConfig.preset(preset, **overrides)).train()
+out = {}
+for s in seqs:
+    tokens = torch.from_numpy(np.random.default_rng(s).integers(0, model.config.vocab_size, (b, s + 1))).long()
+    for loss in ("dense", "fused"):
+        step = make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), loss=loss, loss_chunk=chunk)
+        step({"tokens": tokens[:, :65]})  # warm: first-call allocations (thread pools, kernels) are not the loss's
+        gc.collect()
+        before = status("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
+        step({"tokens": tokens})
+        out[f"{loss}/{s}"] = status("VmHWM") - before
+print(json.dumps(out))
+"""
+
+
+def _torch_peak_rss(preset: str, overrides: dict, b: int, chunk: int, seqs) -> dict | str:
+    """torch's peak host memory growth over one train step per (loss, seq), or the reason it cannot be measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        return "needs Linux /proc/self/clear_refs to reset the resident high-water mark"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    arg = json.dumps([preset, overrides, b, chunk, list(seqs)])
+    p = subprocess.run([sys.executable, "-c", _RSS_CHILD, arg], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"torch memory child failed: {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def memory_sweep(seqs=SWEEP_SEQS, log=print) -> list[dict]:
+    """Memory of one train step vs sequence length, dense vs fused, both frameworks (see the module docstring)."""
+    from torchref.config import ModelConfig
+
+    cfg = ModelConfig.preset(SWEEP["preset"], **SWEEP["overrides"])
+    b, chunk = SWEEP["batch"], SWEEP["chunk"]
+    torch_mem = _torch_peak_rss(SWEEP["preset"], SWEEP["overrides"], b, chunk, seqs)
+    records = []
+    for s in seqs:
+        jm = _jax_temp(cfg, b, s, chunk)
+        base = dict(
+            suite="fused_loss_memory",
+            preset=SWEEP["preset"],
+            overrides=SWEEP["overrides"],
+            B=b,
+            S=s,
+            vocab=cfg.vocab_size,
+            loss_chunk=chunk,
+            logits_f32_bytes=4 * b * s * cfg.vocab_size,
+        )
+        for loss in ("dense", "fused"):
+            records.append(
+                dict(
+                    base,
+                    framework="jax",
+                    impl="jax",
+                    loss=loss,
+                    bytes=jm[loss]["temp"],
+                    memory_source="xla memory_analysis temp (compiled)",
+                    status="ok",
+                )
+            )
+            if isinstance(torch_mem, str):
+                records.append(
+                    dict(base, framework="torch", impl="torch", loss=loss, status="skipped", reason=torch_mem)
+                )
+            else:
+                records.append(
+                    dict(
+                        base,
+                        framework="torch",
+                        impl="torch",
+                        loss=loss,
+                        bytes=torch_mem[f"{loss}/{s}"],
+                        memory_source="host peak RSS growth over one step (VmHWM - VmRSS)",
+                        status="ok",
+                    )
+                )
+        row = {(r["framework"], r["loss"]): r.get("bytes") for r in records if r["S"] == s}
+        log(
+            f"S={s}: "
+            + ", ".join(
+                f"{fw} {lo} {v / 2**20:.1f} MiB" if v is not None else f"{fw} {lo} skipped"
+                for (fw, lo), v in row.items()
+            )
+        )
+    return records
+
+
+def plot_memory(out_dir: str, records: list[dict]):
+    """Peak memory vs sequence length, dense vs fused: one panel per framework."""
+    from ..report.plots import Panel, draw
+
+    panels = []
+    for fw, ylabel in (("jax", "compiled temporaries (MiB)"), ("torch", "peak host RSS growth (MiB)")):
+        series = {}
+        for r in records:
+            if r["framework"] == fw and r["status"] == "ok":
+                series.setdefault(f"{fw} {r['loss']}", {})[r["S"]] = r["bytes"] / 2**20
+        logits = {r["S"]: r["logits_f32_bytes"] / 2**20 for r in records if r["framework"] == fw}
+        series["f32 logits [S, vocab]"] = logits
+        panels.append(
+            Panel(f"{fw}: one train step, tiny, vocab 32k, batch 1", "sequence length", ylabel, series, logx=2)
+        )
+    return draw(out_dir, "fused_loss_memory", "Memory vs sequence length: dense vs fused loss (this CPU)", panels)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tools.fused_loss", description=__doc__.split("\n")[0])
     p.add_argument("--shape", action="append", choices=list(SHAPES), help="repeatable (default: all of SHAPES)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--memory-sweep", action="store_true", help="memory vs sequence length instead of step times")
     p.add_argument("--out", default=default_out("fused-loss"))
     a = p.parse_args(argv)
     out = check_out_dir(a.out)
     from .. import measure as m
 
+    if a.memory_sweep:
+        records = memory_sweep()
+        print(write_results(out, "fused_loss_memory", records, m.env_info()))
+        plot = plot_memory(out, records)
+        print(plot.path if plot else "no plot (matplotlib missing)")
+        return 0
     records = [r for name in a.shape or list(SHAPES) for r in measure(name, a.rounds, a.warmup)]
     print(write_results(out, "fused_loss", records, m.env_info()))
     return 0
