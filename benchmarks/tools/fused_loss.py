@@ -11,10 +11,12 @@ a CPU has no allocator statistics, so its memory is not recorded. Writes ``fused
 reads it); a ratio whose interval spans more than x1.5 is marked ``unstable``.
 
 ``--memory-sweep`` measures memory against sequence length instead (tiny with a 32k vocabulary, batch 1, SGD so no
-optimizer state, ``--loss-chunk`` 256): JAX's compiled temporaries of the train step, and torch's peak host memory over
-one train step (the process's resident high-water mark, reset through ``/proc/self/clear_refs`` before the step, minus
-the resident size before it; measured in a child process with a fixed ``MALLOC_MMAP_THRESHOLD_`` so freed tensors
-leave the resident set: Linux only). Writes ``fused_loss_memory.json`` and ``fused_loss_memory.png``.
+optimizer state, ``--loss-chunk`` 256): JAX's compiled temporaries of the train step (with the ``chunked`` attention,
+O(S) memory like torch's CPU SDPA kernel, so that the curves show the loss, not ``[S, S]`` scores), and torch's peak
+host memory over one train step (the process's resident high-water mark, reset through ``/proc/self/clear_refs``
+before the step, minus the resident size before it; measured in a child process with a fixed
+``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the resident set: Linux only). Writes ``fused_loss_memory.json`` and
+``fused_loss_memory.png``.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def _jax_temp(cfg, b: int, s: int, chunk: int) -> dict:
     import optax
     from flax import nnx
 
+    from jaxattn.attention import attention_backend
     from jaxattn.model import LlamaForCausalLM
     from jaxattn.profiling import compiled_memory
     from jaxattn.train_step import TrainState, make_train_step
@@ -169,12 +172,13 @@ def _jax_temp(cfg, b: int, s: int, chunk: int) -> dict:
     tx = optax.sgd(1e-3)
     graphdef, state = TrainState.create(model, tx)
     batch = {"tokens": jax.ShapeDtypeStruct((b, s + 1), jnp.int32)}
-    return {
-        loss: compiled_memory(
-            make_train_step(graphdef, tx, check_ids="off", loss=loss, loss_chunk=chunk).jitted, state, batch
-        )
-        for loss in ("dense", "fused")
-    }
+    with attention_backend("chunked"):  # O(S) memory, as torch's CPU SDPA kernel: the curves show the loss
+        return {
+            loss: compiled_memory(
+                make_train_step(graphdef, tx, check_ids="off", loss=loss, loss_chunk=chunk).jitted, state, batch
+            )
+            for loss in ("dense", "fused")
+        }
 
 
 _RSS_CHILD = r"""
@@ -298,7 +302,7 @@ def plot_memory(out_dir: str, records: list[dict]):
         panels.append(
             Panel(f"{fw}: one train step, tiny, vocab 32k, batch 1", "sequence length", ylabel, series, logx=2)
         )
-    return draw(out_dir, "fused_loss_memory", "Memory vs sequence length: dense vs fused loss (this CPU)", panels)
+    return draw(out_dir, "fused_loss_memory.png", "Memory vs sequence length: dense vs fused loss (this CPU)", panels)
 
 
 def main(argv=None) -> int:
