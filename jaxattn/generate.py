@@ -7,7 +7,8 @@
 
 Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row). The model is split once
 (``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per power-of-two
-prompt length) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
+prompt length; it computes the logits of each row's last real position only, ``logits_at``, never ``[B, P,
+vocab]``) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
 place where the backend supports donation). Sampling: ``temperature == 0`` is greedy (argmax); otherwise logits
 / temperature, then top-k, then top-p (nucleus: the smallest set of most-likely tokens whose probability reaches
 ``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)``: a fixed seed
@@ -74,10 +75,9 @@ def _programs(graphdef, temperature: float, top_k, top_p):
 @functools.lru_cache(maxsize=32)
 def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
 
-    def prefill(state, tokens, lengths, cache, key):
-        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-        return sample(last, key, temperature, top_k, top_p), cache.with_lengths(lengths)
+    def prefill(state, tokens, lengths, cache, key):  # only each row's last real position reaches the LM head
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
+        return sample(logits[:, 0], key, temperature, top_k, top_p), cache.with_lengths(lengths)
 
     def decode(state, token, cache, key):
         logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)

@@ -2,6 +2,7 @@
 
     model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))     # also named LlamaForCausalLM
     logits = model(jnp.asarray([[1, 2, 3]]))        # float32 [1, 3, vocab]
+    last = model(jnp.asarray([[1, 2, 3]]), logits_at=jnp.asarray([[2]]))  # [1, 1, vocab]: position 2's only
     hidden = model.features(jnp.asarray([[1, 2, 3]]))  # [1, 3, dim]: final-norm hidden states
 
 Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head, with
@@ -34,7 +35,7 @@ from .kv_cache import KVCache, cached_attention
 from .quant import QArray, matmul
 from .remat import wrap_layer
 from .spec import params
-from .spec.batch import check_model_inputs, check_token_ids
+from .spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_token_ids
 
 # Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
@@ -195,6 +196,11 @@ class Llama(nnx.Module):
     ``model(tokens, cache=kv_cache)`` -> ``(logits, kv_cache')`` (``jaxattn.kv_cache``: positions default to the
     cache's per-row lengths; inference only, no remat).
 
+    ``logits_at``: None (every position, the default) or int indices ``[B, K]`` into the sequence axis, per row:
+    then only those positions' hidden states reach the LM head and the logits are ``[B, K, V]`` (Hugging Face's
+    ``logits_to_keep``, per row: a prefill of right-padded rows passes ``lengths - 1`` and never computes
+    ``[B, S, V]``). Eager calls raise ValueError for an index outside ``[0, S)``; under jit it is not checked.
+
     ``model.features(...)`` takes the same arguments and returns the final-norm hidden states ``[B, S, dim]`` (in
     the parameters' dtype; ``(hidden, kv_cache')`` with a cache) that the LM head reads: the input of any other
     head (a classifier, an embedding pooler). It is a method, not a submodule, so the parameter tree stays the
@@ -266,17 +272,25 @@ class Llama(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
+        logits_at: jax.Array | None = None,
     ):
+        if logits_at is not None:  # checked first, as in torch's twin (whose cache is written in place)
+            check_model_inputs(tokens, positions, segment_ids, arg="tokens")
+            check_logits_at(logits_at, tokens.shape)
+            if not isinstance(logits_at, _Tracer):
+                check_logits_at_values(logits_at, tokens.shape[-1])
         x = self.features(tokens, positions, segment_ids, cache)  # [B, S, dim]
         if cache is not None:
             x, cache = x
+        if logits_at is not None:  # only the kept positions reach the head
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, :, None], axis=1)  # [B, K, dim]
         if self.config.tie_embeddings:
             logits = jnp.dot(x, self.embed[...].T.astype(x.dtype), preferred_element_type=jnp.float32)
         elif isinstance(self.lm_head[...], QArray):  # int8 weight-only head (jaxattn.quant)
             logits = matmul(x, self.lm_head[...]).astype(jnp.float32)
         else:
             logits = jnp.dot(x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        logits = constrain(logits, LOGITS_AXES)  # [B, S, vocab]
+        logits = constrain(logits, LOGITS_AXES)  # [B, S or K, vocab]
         return logits if cache is None else (logits, cache)
 
 

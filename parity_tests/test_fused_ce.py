@@ -230,6 +230,33 @@ def test_train_step_fused_equals_dense_for_twenty_steps_in_each_twin():
         assert len(fused) == 20 and np.max(np.abs(np.subtract(fused, dense))) < 1e-4  # measured far inside §7
 
 
+@pytest.mark.slow
+def test_torch_compile_runs_the_fused_loss_as_eager_does():
+    """``torch.compile`` (inductor on this CPU) of the fused train step: the same losses as the eager fused step
+    within §7 over 4 CLI steps, and the fused path really runs under the wrapper (no ``tokens x vocab`` tensor is
+    checked eagerly by the test above; here the compiled model's forward is called with ``head=False``)."""
+    from torchref import train as tt
+    from torchref.model import LlamaForCausalLM
+
+    calls = []
+    real = LlamaForCausalLM.forward
+
+    def spy(self, *args, head=True, **kw):
+        calls.append(head)
+        return real(self, *args, head=head, **kw)
+
+    argv = ["--steps", "4", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--no-progress"]
+    argv += ["--data", "benchmarks/data/train-example.txt", "--loss", "fused", "--loss-chunk", "24"]
+    eager = tt.run(argv)["losses"]
+    LlamaForCausalLM.forward = spy
+    try:
+        compiled = tt.run(argv + ["--compile"])["losses"]
+    finally:
+        LlamaForCausalLM.forward = real
+    assert calls and not any(calls), calls  # every training forward returned hidden states
+    np.testing.assert_allclose(compiled, eager, rtol=1e-3, atol=2e-3)
+
+
 def test_torch_fused_refuses_only_a_tensor_parallel_head(monkeypatch):
     """DDP, FSDP2 and torch.compile run the fused loss (``test_parallel.py`` compares them with dense); a
     vocabulary-split LM head (tp, fsdp+tp) would need a vocabulary-parallel cross-entropy and is refused."""

@@ -6,11 +6,12 @@
         ...
     python -m torchref.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
-Same rules as the JAX twin: right-padded prompts, a length per cache row, prefill padded to a power of two,
-greedy at ``temperature == 0``, else temperature -> top-k -> top-p -> ``torch.multinomial`` with a
-``torch.Generator`` seeded by ``seed`` (reproducible within torch; the JAX twin draws with its own PRNG), stop
-per row at ``eos_id``. ``compile=True`` runs the decode step under ``torch.compile`` (the cache is a set of
-fixed-shape tensors updated in place, so the step has static shapes).
+Same rules as the JAX twin: right-padded prompts, a length per cache row, prefill padded to a power of two
+(logits of each row's last real position only: ``logits_at``), greedy at ``temperature == 0``, else
+temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
+(reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
+runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
+step has static shapes).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def sample(
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
+def _prefill(model, tokens, lengths, cache) -> torch.Tensor:
+    """Fills the empty ``cache`` from right-padded ``tokens [B, P]`` (its lengths set to ``lengths [B]``) and
+    returns the logits ``[B, V]`` of each row's last real position, the only ones computed (``logits_at``)."""
+    logits = model(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, vocab]
+    cache.set_lengths(lengths)
+    return logits[:, 0]
+
+
 def _decode_step(model, token, cache):
     return model(token[:, None], cache=cache)[:, 0]
 
@@ -85,9 +94,8 @@ def stream(
     cache = KVCache(cfg, b, t, dtype=model.model.embed_tokens.weight.dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
     lengths = torch.from_numpy(lengths).long().to(device)
-    logits = model(torch.from_numpy(tokens).long().to(device), cache=cache)
-    cache.set_lengths(lengths)
-    token = sample(logits[torch.arange(b, device=device), lengths - 1], gen, temperature, top_k, top_p)
+    logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
+    token = sample(logits, gen, temperature, top_k, top_p)
     step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
     done = np.zeros(b, bool)
     for step in range(max_new_tokens):

@@ -2,6 +2,7 @@
 
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     logits = model(torch.tensor([[1, 2, 3]]))        # float32 [1, 3, vocab]
+    last = model(torch.tensor([[1, 2, 3]]), logits_at=torch.tensor([[2]]))  # [1, 1, vocab]: position 2's only
     hidden = model.model(torch.tensor([[1, 2, 3]]))  # [1, 3, dim]: final-norm hidden states (= model.features)
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so ``state_dict()`` keys are HF's
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec.batch import check_model_inputs, check_token_ids
+from jaxattn.spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_token_ids
 from jaxattn.spec.remat import check_remat
 
 from .attention import dot_product_attention
@@ -166,6 +167,11 @@ class LlamaForCausalLM(nn.Module):
     call under the JAX twin's name). With ``cache=`` a ``torchref.kv_cache.KVCache`` the call writes into it in
     place (positions default to its per-row lengths, which then grow by S); inference only, no remat.
 
+    ``logits_at``: None (every position, the default) or int indices ``[B, K]`` into the sequence axis, per row:
+    then only those positions' hidden states reach ``lm_head`` and the logits are ``[B, K, V]`` (Hugging Face's
+    ``logits_to_keep``, per row: a prefill of right-padded rows passes ``lengths - 1`` and never computes
+    ``[B, S, V]``). An index outside ``[0, S)`` raises ValueError (skipped while ``torch.compile`` traces).
+
     Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
     (bool refused); ids other than int32/int64 are widened for the embedding lookup.
     """
@@ -210,16 +216,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         cache=None,
+        logits_at: torch.Tensor | None = None,
         *,
         head: bool = True,
     ) -> torch.Tensor:
         """Logits; ``head=False``: the final hidden states instead, for a loss that applies ``lm_head`` itself
         (``--loss fused``) while the call still goes through whatever wraps the model (DDP, FSDP, torch.compile)."""
         check_remat(self.remat, "LlamaForCausalLM.remat")
+        if logits_at is not None:  # checked before the cache is written
+            _check_logits_at(logits_at, input_ids, positions, segment_ids)
         hidden = self.model(input_ids, positions, segment_ids, cache)  # [B, S, dim]
         if not head:
             return hidden
-        return self.lm_head(hidden).float()  # [B, S, vocab]
+        if logits_at is not None:  # only the kept positions reach the head
+            index = logits_at.long()[:, :, None].expand(-1, -1, hidden.shape[-1])  # [B, K, dim]
+            hidden = hidden.gather(1, index)  # [B, K, dim]
+        return self.lm_head(hidden).float()  # [B, S or K, vocab]
 
 
 # The JAX twin's class name (``jaxattn.Llama``); both names work in both packages.
@@ -230,3 +242,12 @@ def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """ValueError naming the first id outside ``[0, vocab_size)``; one device sync, a host copy only on error."""
     if bool(((ids < 0) | (ids >= vocab_size)).any()):
         check_token_ids(ids.detach().cpu(), vocab_size, arg="input_ids")
+
+
+def _check_logits_at(logits_at: torch.Tensor, input_ids, positions, segment_ids) -> None:
+    """``logits_at``'s shape and dtype (after the inputs'), and its values in ``[0, S)`` unless compiling."""
+    check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
+    check_logits_at(logits_at, input_ids.shape)
+    s = input_ids.shape[1]
+    if not torch.compiler.is_compiling() and bool(((logits_at < 0) | (logits_at >= s)).any()):
+        check_logits_at_values(logits_at.detach().cpu(), s)

@@ -225,20 +225,21 @@ def _torch_fns(tmodel, tokens, cache_len):
     before they are attended, so eager and compiled steps see the same state without a prefill each."""
     import torch
 
-    from torchref.generate import _decode_step
+    from torchref.generate import _decode_step, _prefill
     from torchref.kv_cache import KVCache
 
     b, s = tokens.shape
     weight = tmodel.model.embed_tokens.weight
     tok = torch.from_numpy(tokens).long().to(weight.device)
+    lengths = torch.full((b,), s, dtype=torch.long, device=weight.device)
     cache = KVCache(tmodel.config, b, cache_len, dtype=weight.dtype, device=weight.device)
     box = {}
 
     @torch.no_grad()
     def prefill():
         cache.lengths.zero_()
-        logits = tmodel(tok, cache=cache)
-        box["first"] = logits[:, -1].argmax(-1)  # as JAX's prefill program: it returns the first token
+        logits = _prefill(tmodel, tok, lengths, cache)  # [B, vocab]: generate's prefill, last position only
+        box["first"] = logits.argmax(-1)  # as JAX's prefill program: it returns the first token
         return logits
 
     def stepper(compile_decode: bool):

@@ -78,6 +78,28 @@ def check_model_inputs(tokens: Any, positions: Any = None, segment_ids: Any = No
             raise ValueError(f"{name} must have the {arg}' shape {tuple(tokens.shape)}, got {tuple(v.shape)}")
 
 
+def check_logits_at(logits_at: Any, tokens_shape: tuple, arg: str = "logits_at") -> None:
+    """A model call's ``logits_at``: an int array ``[batch, K >= 1]`` (the tokens' batch) of indices into the
+    sequence axis of tokens shaped ``tokens_shape = (batch, seq)``. Reads the shape and dtype only (works on
+    tracers); :func:`check_logits_at_values` checks the values where they are concrete."""
+    check_id_dtype(logits_at, arg)
+    b, s = tuple(tokens_shape)
+    if len(logits_at.shape) != 2 or logits_at.shape[0] != b or logits_at.shape[1] < 1:
+        raise ValueError(
+            f"{arg} must be an int array [batch={b}, K >= 1] of positions in [0, {s}) (one list per row), got "
+            f"{dtype_name(logits_at)}{list(logits_at.shape)}"
+        )
+
+
+def check_logits_at_values(logits_at: Any, seq: int, arg: str = "logits_at") -> None:
+    """ValueError naming the first index of a concrete ``logits_at`` outside ``[0, seq)`` (its place and value)."""
+    a = np.asarray(logits_at)
+    bad = (a < 0) | (a >= seq)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{arg}{list(pos)} = {int(a[pos])} is outside the sequence [0, {seq}) of this call")
+
+
 def check_batch(batch: Any) -> None:
     """Keys, dtypes and shapes of a training batch (not the id values: see :func:`check_token_ids`)."""
     if not isinstance(batch, Mapping):
