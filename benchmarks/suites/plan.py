@@ -206,20 +206,12 @@ def run(quick: bool = False) -> list:
     """The plan suite: :data:`GRID` at seq 4096, batch 8 (quick: ``tiny`` at seq 128 on :data:`PLANS`)."""
     grid = tuple(("tiny", p, "full", "dense") for p in PLANS) if quick else GRID
     reason = gpu_target.unavailable_reason()
+
+    def row(preset, spec, remat, loss, **status):  # a record that compiled nothing
+        return dict(framework="jax", impl="sharding-plan", preset=preset, mesh=spec, remat=remat, loss=loss, **status)
+
     if reason is not None:
-        return [
-            dict(
-                framework="jax",
-                impl="sharding-plan",
-                preset=pr,
-                mesh=p,
-                remat=rm,
-                loss=lo,
-                status="skipped",
-                reason=reason,
-            )
-            for pr, p, rm, lo in grid
-        ]
+        return [row(*g, status="skipped", reason=reason) for g in grid]
     devs = gpu_target.devices(target_config("h100"), "1x1x8")
     records = []
     for preset, spec, remat, loss in grid:
@@ -227,16 +219,7 @@ def run(quick: bool = False) -> list:
             rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat, loss=loss)
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
-            rec = dict(
-                framework="jax",
-                impl="sharding-plan",
-                preset=preset,
-                mesh=spec,
-                remat=remat,
-                loss=loss,
-                status="error",
-                error=f"{type(e).__name__}: {str(e)[:500]}",
-            )
+            rec = row(preset, spec, remat, loss, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         print(
             f"  plan {preset} {spec} remat={remat} loss={loss}: {rec.get('status')} "
             f"{rec.get('summary', rec.get('error'))}",
