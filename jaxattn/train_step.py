@@ -177,7 +177,7 @@ def loss_fn(
         tied = model.config.tie_embeddings
         head = model.embed[...] if tied else model.lm_head[...]  # [vocab, dim] tied, [dim, vocab] untied
         weights = loss_weights(batch)
-        denominator = jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator
+        denominator = loss_denominator(batch) if denominator is None else denominator  # the whole batch's
 
         def rows(h, head, targets, w, denominator):  # one device's rows when sharded: [b, S, dim] -> [1]
             n = h.shape[0] * h.shape[1]

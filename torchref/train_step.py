@@ -108,7 +108,7 @@ def loss_fn(
             _unwrap(model).lm_head.weight,
             tokens[:, 1:].flatten(),
             weights.flatten(),
-            weights.sum().clamp_min(1.0) if denominator is None else denominator,
+            denominator,  # None: fused_cross_entropy's own max(sum(weights), 1)
             chunk=loss_chunk,
             dtype=policy.compute_dtype,
         )
