@@ -91,3 +91,14 @@ def test_cpu_quick_section_is_built_from_the_json_with_torch_over_jax_time(tmp_p
     assert "runs started 2031-01-02T03:04:05Z to 2031-01-02T03:09:00Z" in text and "not a GPU result" in text
     assert "- `plan`: JAX only" in text and "attention_tflops.png" not in text
     assert readme.cpu_quick_section(str(tmp_path / "missing")) == []
+
+
+def test_setup_times_come_from_the_committed_record():
+    """The README's two "N min M s measured" figures are the set-up commands' seconds in
+    ``benchmarks/results/setup-times/setup_times.json``, in the README's order (main job, then tests)."""
+    import re
+
+    recs = json.load(open("benchmarks/results/setup-times/setup_times.json", encoding="utf-8"))["records"]
+    text = open("README.md", encoding="utf-8").read()
+    quoted = [int(m) * 60 + int(sec) for m, sec in re.findall(r"(\d+) min (\d+) s measured", text)]
+    assert quoted == [round(r["seconds"]) for r in recs], (quoted, [r["seconds"] for r in recs])
