@@ -36,6 +36,7 @@ __all__ = [
     "FLAGS",
     "FRAMEWORKS",
     "CLIError",
+    "OneLineParser",
     "TrainingError",
     "run_flags",
     "checkpointer_options",
@@ -230,8 +231,11 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors (unknown flag, not an int, bad choice) as a CLIError
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (unknown flag, not an int, bad choice) raised as a :class:`CLIError`, so a CLI prints
+    them as one ``prog: error: ...`` line (argparse prints the usage too). Every CLI of the project parses with it."""
+
+    def error(self, message):
         raise CLIError(message)
 
 
@@ -240,7 +244,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework={framework!r} is not known; use one of {FRAMEWORKS}")
     prog = {"jax": "python -m jaxattn.train", "torch": "python -m torchref.train"}[framework]
-    p = _Parser(prog=prog, description=f"Train the Llama twin ({framework}); flags shared with the other twin.")
+    p = OneLineParser(prog=prog, description=f"Train the Llama twin ({framework}); flags shared with the other twin.")
     for f in FLAGS:
         if framework not in f.frameworks:
             continue

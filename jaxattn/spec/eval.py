@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import check_token_ids
-from .cli import CLIError
+from .cli import CLIError, OneLineParser
 from .config import ModelConfig
 from .data import is_gguf, segment_rows
 from .dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
@@ -97,16 +97,11 @@ def eval_batches(
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors (a missing flag, not an int) as a CLIError
-        raise CLIError(message)
-
-
 def build_parser(framework: str) -> argparse.ArgumentParser:
     """The eval CLI's flags (identical in ``python -m jaxattn.eval`` and ``python -m torchref.eval``)."""
     if framework not in PROGS:
         raise ValueError(f"framework={framework!r} is not known; use one of {tuple(PROGS)}")
-    p = _Parser(
+    p = OneLineParser(
         prog=PROGS[framework],
         description="Mean token loss and perplexity of a Llama checkpoint on a text (a twin of the other framework's).",
     )

@@ -171,11 +171,11 @@ class TextStream:
 # ------------------------------------------------------------------------------------------------- CLI
 def build_parser(prog: str) -> argparse.ArgumentParser:
     """The generation CLI's flags (identical in ``python -m jaxattn.generate`` and ``python -m torchref.generate``)."""
-    from .cli import _Parser  # argparse's errors as a CLIError: one line through :func:`cli`
+    from .cli import OneLineParser  # argparse's errors as a CLIError: one line through :func:`cli`
     from .config import PRESET_NAMES
     from .dtypes import MODEL_DTYPES
 
-    p = _Parser(prog=prog, description="Generate text with a Llama checkpoint, streaming tokens.")
+    p = OneLineParser(prog=prog, description="Generate text with a Llama checkpoint, streaming tokens.")
     p.add_argument("--init", default=None, help="HF Llama directory or .gguf file (default: random --preset weights)")
     p.add_argument(
         "--preset",
