@@ -2,7 +2,9 @@
 ``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there;
 ``python -m benchmarks compile ...`` — compile for an H100/H200 without a GPU (its own flags, see ``--help``);
 ``python -m benchmarks readme [--check]`` — regenerate README.md's results section from the committed JSON;
-``python -m benchmarks train-example ...`` — the README's training example (both CLIs, loss curves).
+``python -m benchmarks train-example ...`` — the README's training example (both CLIs, loss curves);
+``python -m benchmarks check-stability --suite NAME [--runs 3] [--quick]`` — run suites in fresh processes and
+report how much each JAX speed-up moved between runs (``benchmarks/tools/stability.py``).
 
 Suites: ``model``, ``attention``, ``remat``, ``decode``, ``plan``, ``train``, ``compile`` (one module each in
 ``benchmarks/suites/``); ``all`` runs each and skips with a note a suite this machine cannot serve (``plan`` and
@@ -68,6 +70,10 @@ def main(argv=None) -> int:
     sub.add_parser("compile", help="compile for an H100/H200 without a GPU (python -m benchmarks compile --help)")
     sub.add_parser("readme", help="regenerate README.md's results section (python -m benchmarks readme --help)")
     sub.add_parser("train-example", help="the README's training example (python -m benchmarks train-example --help)")
+    sub.add_parser(
+        "check-stability",
+        help="run suites N times in fresh processes; how much each JAX speed-up moved (check-stability --help)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compile"]:  # its own flags: benchmarks/tools/compile.py, imported here because it imports jax
         from .tools.compile import main as compile_main
@@ -77,6 +83,10 @@ def main(argv=None) -> int:
         return readme.main(argv[1:], prog="python -m benchmarks readme")
     if argv[:1] == ["train-example"]:
         return train_example.main(argv[1:], prog="python -m benchmarks train-example")
+    if argv[:1] == ["check-stability"]:
+        from .tools.stability import main as stability_main
+
+        return stability_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "report":
         try:
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
     bar = tqdm(suites, desc="benchmarks", unit="suite", file=sys.stderr, disable=None, dynamic_ncols=True)
     for suite in bar:
         bar.set_postfix_str(suite)
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), list(os.getloadavg())
         kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
         records = importlib.import_module(f"benchmarks.suites.{suite}").run(quick=args.quick, **kwargs)
         if not any(r.get("status", "ok") == "ok" for r in records):
@@ -137,7 +147,8 @@ def main(argv=None) -> int:
                 print(f"note: suite {suite!r} skipped on this machine {why}", flush=True)
             continue
         results[suite] = records
-        write_results(out, suite, records, info)
+        # the machine's load (1/5/15-min averages) as this suite started and ended: a busy machine moves the times
+        write_results(out, suite, records, {**info, "loadavg": load0, "loadavg_end": list(os.getloadavg())})
         print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{suite_table(suite, records)}", flush=True)
         plot = plot_suite(out, suite, records, info)
         if plot:

@@ -1,6 +1,7 @@
 """Measuring on this machine: synchronized timing, peak memory, FLOPs of attention, device and environment.
 
     t = timeit(fn, x, warmup=3, iters=20)     # {"median_s", "p10_s", "p90_s", "iters"} (jaxattn.spec.timing)
+    pair = timeit_paired({"jax": f, "torch": g})   # interleaved rounds, {"jax": {...}, "torch": {...}, "paired": ...}
 
 The loop and statistics are ``jaxattn.spec.timing``'s, the synchronisation and peak memory ``jaxattn.profiling``
 / ``torchref.profiling``'s, so trainers and benchmarks time alike (design §9; see benchmarks/NOTES.md).
@@ -8,6 +9,7 @@ The loop and statistics are ``jaxattn.spec.timing``'s, the synchronisation and p
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import sys
@@ -15,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxattn.spec.timing import time_calls
+from jaxattn.spec.timing import paired_ratio, time_calls, time_interleaved
 
 
 def sync(out: Any = None) -> None:
@@ -36,6 +38,29 @@ def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> d
     """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` synchronized calls after ``warmup`` calls
     (``jaxattn.spec.timing.time_calls``, the loop both profiling modules use, closed by :func:`sync`)."""
     return time_calls(fn, *args, warmup=warmup, iters=iters, sync=sync, **kwargs)
+
+
+def timeit_paired(calls: dict, *, rounds: int = 10, per_round: int = 3, warmup: int = 3) -> dict:
+    """JAX and torch (``calls = {"jax": f, "torch": g}``, zero-argument callables) timed alternately in rounds
+    (``jaxattn.spec.timing.time_interleaved``, closed by :func:`sync`): ``{"jax": stats, "torch": stats, "paired":
+    paired_ratio(torch rounds / jax rounds)}``, the paired ratio being the JAX speed-up with its interval."""
+    if set(calls) != {"jax", "torch"}:
+        raise ValueError(f"timeit_paired: calls must be {{'jax': ..., 'torch': ...}}, got {sorted(calls)}")
+    t = time_interleaved(calls, rounds=rounds, per_round=per_round, warmup=warmup, sync=sync)
+    paired = paired_ratio(t["torch"]["rounds"], t["jax"]["rounds"], cv=(t["jax"]["cv"], t["torch"]["cv"]))
+    return {**t, "paired": paired}
+
+
+def threads() -> dict:
+    """The thread settings a CPU timing depends on: torch's intra-/inter-op pools, the CPU count, and the XLA
+    flags (XLA's CPU client sizes its pool from the CPU count unless XLA_FLAGS says otherwise)."""
+    out = {"cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if "torch" in sys.modules:
+        import torch
+
+        out["torch_intra_op"] = torch.get_num_threads()
+        out["torch_inter_op"] = torch.get_num_interop_threads()
+    return out
 
 
 def jax_device_name() -> str:
@@ -84,6 +109,7 @@ def env_info() -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "loadavg": list(os.getloadavg()),  # 1, 5, 15 min, when the record was made
     }
     for mod in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "numpy"):
         try:
@@ -103,6 +129,7 @@ def env_info() -> dict:
         info["torch_device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:
         info["torch_device"] = None
+    info["threads"] = threads()
     return info
 
 

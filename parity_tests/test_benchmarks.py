@@ -41,6 +41,44 @@ def test_report_table_ratio():
     )
 
 
+def test_paired_rows_show_their_interval_and_unstable_rows_leave_the_headline():
+    """A row timed as a pair reports the pair's ratio and interval (not the ratio of medians); the README's
+    headline median leaves unstable rows out and counts them."""
+    from benchmarks.report import readme
+
+    def pair(ratio, lo, hi, unstable):
+        return {"ratio": ratio, "ci": [lo, hi], "unstable": unstable, "why": "x" if unstable else ""}
+
+    recs = []
+    for s, p in ((8, pair(1.2, 1.1, 1.3, False)), (16, pair(0.5, 0.3, 0.9, True))):
+        recs += [
+            {"suite": "m", "S": s, "impl": "a", "framework": "jax", "median_ms": 2.0, "paired": p},
+            {"suite": "m", "S": s, "impl": "b", "framework": "torch", "median_ms": 3.0, "paired": p},
+        ]
+    table = tables.report_table(recs)
+    assert "1.20x [1.10–1.30] |" in table and "0.50x [0.30–0.90] unstable |" in table and "1.50x" not in table
+    _, _, ratios, unstable = readme._speedup(recs)
+    assert ratios == [1.2] and unstable == 1
+
+
+def test_check_stability_compares_each_row_across_runs():
+    from benchmarks.tools.stability import compare_runs, rows_of
+
+    def run(fwd, bwd):
+        return rows_of(
+            [
+                {"suite": "m", "pass": p, "impl": "a", "framework": fw, "median_ms": ms}
+                for p, ratio in (("fwd", fwd), ("bwd", bwd))
+                for fw, ms in (("jax", 1.0), ("torch", ratio))
+            ]
+        )
+
+    rows = compare_runs([run(1.0, 2.0), run(1.1, 2.0), run(1.3, 2.1)], max_spread=1.15)
+    assert [r["row"] for r in rows] == [{"pass": "fwd"}, {"pass": "bwd"}]
+    assert rows[0]["ratios"] == [1.0, 1.1, 1.3] and not rows[0]["agree"] and abs(rows[0]["spread"] - 1.3) < 1e-12
+    assert rows[1]["agree"] and rows[1]["unstable_in_runs"] == 0
+
+
 def test_timeit_rejects_bad_counts():
     with pytest.raises(ValueError, match="iters"):
         measure.timeit(lambda: None, iters=0)

@@ -57,6 +57,57 @@ def test_step_timer_phases_in_order_with_medians():
         timing.StepTimer(skip_first=-1)
 
 
+def test_median_ci_is_the_order_statistic_interval_with_its_binomial_coverage():
+    # n = 10: [x_(2), x_(9)], coverage 1 - 2 * (1 + 10) / 1024; n = 20: [x_(6), x_(15)]; n < 6: [min, max]
+    assert timing.median_ci(range(10)) == (1, 8, 1 - 2 * 11 / 1024)
+    lo, hi, cov = timing.median_ci(range(20))
+    assert (
+        (lo, hi) == (5, 14)
+        and cov >= 0.95
+        and 1 - 2 * sum(__import__("math").comb(20, i) for i in range(7)) / 2**20 < 0.95
+    )
+    assert timing.median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)
+    with pytest.raises(ValueError, match="values is empty"):
+        timing.median_ci([])
+
+
+def test_time_interleaved_alternates_the_order_each_round_and_syncs_every_call():
+    """A fake clock that advances by the callable's cost: the per-round durations are exact, and the call order
+    is A B | B A | A B (each ``per_round`` times in a row)."""
+    now, order, synced = [0.0], [], []
+    cost = {"a": 2.0, "b": 3.0}
+
+    def make(name):
+        def call():
+            order.append(name)
+            now[0] += cost[name]
+            return name
+
+        return call
+
+    t = timing.time_interleaved(
+        {"a": make("a"), "b": make("b")}, rounds=3, per_round=2, warmup=1, sync=synced.append, clock=lambda: now[0]
+    )
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert len(synced) == len(order)
+    assert t["a"]["rounds"] == [2.0] * 3 and t["b"]["rounds"] == [3.0] * 3 and t["a"]["cv"] == 0.0
+    p = timing.paired_ratio(t["b"]["rounds"], t["a"]["rounds"], cv=(t["a"]["cv"], t["b"]["cv"]))
+    assert p["ratio"] == 1.5 and p["ci"] == [1.5, 1.5] and not p["unstable"] and p["finding"]
+    with pytest.raises(ValueError, match="at least two callables"):
+        timing.time_interleaved({"a": make("a")})
+
+
+def test_paired_ratio_labels_a_wide_interval_or_a_drifting_side_unstable():
+    steady = timing.paired_ratio([2.0] * 10, [1.0] * 10)
+    assert steady["ratio"] == 2.0 and not steady["unstable"] and steady["rounds"] == 10
+    wide = timing.paired_ratio([1.0, 3.0] * 5, [1.0] * 10)  # per-round ratios 1 and 3: interval [1, 3]
+    assert wide["unstable"] and "interval spans 3.00x > 1.5x" in wide["why"] and not wide["finding"]
+    drift = timing.paired_ratio([2.0] * 10, [1.0] * 10, cv=(0.05, 0.4))
+    assert drift["unstable"] and "rounds vary by CV 0.40 > 0.25" in drift["why"]
+    with pytest.raises(ValueError, match="equally many rounds"):
+        timing.paired_ratio([1.0], [1.0, 2.0])
+
+
 # ------------------------------------------------------------------------------------------------ jax
 def test_jax_synchronize_nested_pytree():
     x = jnp.arange(6.0).reshape(2, 3)

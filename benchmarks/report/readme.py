@@ -17,7 +17,7 @@ import sys
 
 from .plots import PLOT_FILES
 from .records import RESULTS_DIR, read_results
-from .tables import SPEEDUP_NOTE, speedup_rows
+from .tables import SPEEDUP_NOTE, row_paired, speedup_rows
 
 RESULTS = str(RESULTS_DIR)
 ROOT = os.path.dirname(os.path.dirname(RESULTS))  # the repository
@@ -157,13 +157,16 @@ UNPAIRED = {
 }
 
 
-def _speedup(records: list) -> tuple[list, list, list]:
-    """``(row keys, [(jax impls, torch impls)], speed-ups of the rows both frameworks timed)`` with the report's
-    one definition (``tables.speedup_rows``: fastest torch median / fastest JAX median in a row)."""
+def _speedup(records: list) -> tuple[list, list, list, int]:
+    """``(row keys, [(jax impls, torch impls)], speed-ups of the stable rows both frameworks timed, number of
+    unstable rows)`` with the report's one definition (``tables.speedup_rows``); a row timed as a pair whose ratio
+    is ``unstable`` is counted, not used."""
     if {r.get("framework") for r in records} < {"jax", "torch"}:  # one framework (plan, compile): no pairs
-        return [], {}, []
+        return [], {}, [], 0
     keys, rows = speedup_rows(records)
-    ratios = [ratio for _, _, ratio in rows if not math.isnan(ratio)]
+    timed = [(cells, ratio) for _, cells, ratio in rows if not math.isnan(ratio)]
+    unstable = sum(bool((row_paired(cells) or {}).get("unstable")) for cells, _ in timed)
+    ratios = [ratio for cells, ratio in timed if not (row_paired(cells) or {}).get("unstable")]
     impls = {
         fw: list(
             dict.fromkeys(
@@ -176,7 +179,17 @@ def _speedup(records: list) -> tuple[list, list, list]:
         )
         for fw in ("jax", "torch")
     }
-    return keys, impls, ratios
+    return keys, impls, ratios, unstable
+
+
+def _interval(records: list) -> str:
+    """The paired rows' widest 95% interval of the speed-up, as ``[low–high]`` of that row, or "" (unpaired)."""
+    _, rows = speedup_rows(records)
+    pairs = [p for p in (row_paired(cells) for _, cells, _ in rows) if p]
+    if not pairs:
+        return ""
+    widest = max(pairs, key=lambda p: p["ci"][1] / p["ci"][0])
+    return f"; widest interval [{widest['ci'][0]:.2f}–{widest['ci'][1]:.2f}]"
 
 
 def _spread(records: list, framework: str) -> str:
@@ -222,26 +235,43 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
         f"{SPEEDUP_NOTE} Median / min / max over the rows both frameworks timed; the widest p90/p10 of a "
         "framework's timings shows how much other jobs moved them (— where the suite keeps no percentiles).",
         "",
-        "| suite | rows keyed by | JAX vs torch implementations | paired rows | JAX speed-up median / min / max "
-        "| widest p90/p10 JAX / torch | plot |",
-        "|---|---|---|---|---|---|---|",
+        "| suite | rows keyed by | JAX vs torch implementations | rows (unstable) | JAX speed-up median / min / max "
+        "| widest p90/p10 JAX / torch | load avg | plot |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     unpaired = []
     for suite, d in found.items():
-        keys, impls, ratios = _speedup(d["records"])
+        keys, impls, ratios, unstable = _speedup(d["records"])
         png = PLOT_FILES.get(suite)
         link = f"[{png}]({rel}/{png})" if png and os.path.isfile(os.path.join(results_dir, png)) else "—"
-        if not ratios:
+        if not ratios and not unstable:
             what = UNPAIRED.get(suite, "no row timed by both frameworks")
             unpaired.append(f"- `{suite}`: {what}" + (f"; plot {link}" if link != "—" else "") + ".")
             continue
+        speedup = (
+            f"{statistics.median(ratios):.2f}× / {min(ratios):.2f}× / {max(ratios):.2f}×{_interval(d['records'])}"
+            if ratios
+            else "— (every row unstable)"
+        )
+        load = (d.get("env") or {}).get("loadavg")
         out.append(
             f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
-            f"{len(ratios)} | {statistics.median(ratios):.2f}× / {min(ratios):.2f}× / {max(ratios):.2f}× "
-            f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} | {link} |"
+            f"{len(ratios) + unstable} ({unstable}) | {speedup} "
+            f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} "
+            f"| {f'{load[0]:.2f}' if load else '—'} | {link} |"
         )
     if unpaired:
         out += ["", "Not in the table (no JAX-vs-torch times):"] + unpaired
+    out += [
+        "",
+        "Rows timed as pairs (JAX and torch alternating in rounds, the order flipped each round; `model` so far) give "
+        "the median per-round speed-up and its widest 95% interval; an `unstable` row (interval wider than 1.5×, "
+        "or per-round times varying by a CV above 0.25) is counted in parentheses and left out of the median / "
+        "min / max. "
+        "`load avg` is the machine's 1-minute load average when the suite started (2 cores: above 2, other jobs "
+        "were competing). These are CPU numbers at tiny shapes: they say how the twins' CPU paths compare on this "
+        "machine at that moment, not which framework is faster on a GPU or at real sizes.",
+    ]
     return out
 
 

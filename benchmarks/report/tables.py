@@ -30,11 +30,16 @@ MEASURED = {
     "measured",
     "summary",
     "device",
+    "cv",
+    "paired",
+    "loadavg",
 }
 SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
 SPEEDUP_NOTE = (
-    f"**{SPEEDUP_COLUMN}**: the fastest torch median over the fastest JAX median in that row; "
-    "above 1.00x JAX is faster, below it torch is."
+    f"**{SPEEDUP_COLUMN}**: where the two were timed as a pair (alternating rounds), the median of the per-round "
+    "ratios with its 95% interval, `unstable` when the interval spans more than 1.5x or the per-round times vary "
+    "by a CV above 0.25; otherwise the fastest torch median over the fastest JAX median in that row. Above 1.00x "
+    "JAX is faster, below it torch is."
 )
 # suite name -> fn(records) -> markdown, for suites whose records need their own layout
 SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {"compile": compile_tables.suite_tables}
@@ -81,8 +86,25 @@ def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, 
         }
         both = best["jax"] == best["jax"] and best["torch"] == best["torch"]  # neither is NaN
         ratio = best["torch"] / best["jax"] if both else math.nan
-        out.append((key, cells, ratio))
+        paired = row_paired(cells)
+        out.append((key, cells, paired["ratio"] if paired and both else ratio))
     return keys, out
+
+
+def row_paired(cells: dict) -> dict | None:
+    """The paired measurement of a row (``jaxattn.spec.timing.paired_ratio``'s dict, carried by its records when
+    the suite timed JAX and torch alternately), or None."""
+    return next((c["paired"] for c in cells.values() if isinstance(c.get("paired"), dict)), None)
+
+
+def format_ratio(ratio: float, paired: dict | None) -> str:
+    """A speed-up cell: ``1.31x``, with a pair's interval ``1.31x [1.22–1.40]`` and ``unstable`` where it is."""
+    if math.isnan(ratio):
+        return ""
+    if not paired:
+        return f"{ratio:.2f}x"
+    lo, hi = paired["ci"]
+    return f"{ratio:.2f}x [{lo:.2f}–{hi:.2f}]" + (" unstable" if paired.get("unstable") else "")
 
 
 def report_table(records: Iterable[dict]) -> str:
@@ -95,7 +117,7 @@ def report_table(records: Iterable[dict]) -> str:
     lines = [head, "|" + "---|" * (len(keys) + len(impls) + 1)]
     for key, cells, ratio in rows:
         vals = ["" if v is None else str(v) for v in key] + [_fmt(cells[i]) if i in cells else "" for i in impls]
-        lines.append("| " + " | ".join(vals + ["" if math.isnan(ratio) else f"{ratio:.2f}x"]) + " |")
+        lines.append("| " + " | ".join(vals + [format_ratio(ratio, row_paired(cells))]) + " |")
     return "\n".join(lines)
 
 

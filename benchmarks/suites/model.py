@@ -1,10 +1,14 @@
 """Model suite: the same Llama (one set of weights, ``twins.twin_models``) in both frameworks: logits parity to
-1e-4 first, then forward and forward+backward time side by side.
+1e-4 first, then forward and forward+backward timed as pairs: JAX and torch alternate in rounds
+(``measure.timeit_paired``), and each row carries the paired JAX speed-up with its 95% interval and an
+``unstable`` label (design §9).
 
     records = run(quick=True)
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -16,7 +20,7 @@ LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 def _shapes(quick: bool):
     # (preset, batch, seq)
-    return [("tiny", 4, 128)] if quick else [("125m", 8, 1024), ("350m", 8, 1024)]
+    return [("tiny", 8, 256)] if quick else [("125m", 8, 1024), ("350m", 8, 1024)]
 
 
 def run(quick: bool) -> list[dict]:
@@ -31,7 +35,7 @@ def run(quick: bool) -> list[dict]:
     from torchref.config import ModelConfig as TConfig
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    iters, warmup = (20, 3) if quick else (30, 5)
+    rounds, per_round, warmup = (15, 5, 3) if quick else (10, 5, 5)
     records = []
     for preset, b, s in _shapes(quick):
         tcfg = TConfig.preset(preset)
@@ -75,28 +79,30 @@ def run(quick: bool) -> list[dict]:
                 f"not timing a model pair that disagrees"
             )
         base = {"suite": "model", "preset": preset, "B": b, "S": s, "dtype": "float32"}
-        for fw, passes in (
-            ("jax", (("fwd", j_fwd, (state, j_tok)), ("fwd_bwd", j_fwd_bwd, (params, rest, j_tok)))),
-            ("torch", (("fwd", t_fwd, (t_tok,)), ("fwd_bwd", t_fwd_bwd, (t_tok,)))),
-        ):
-            for name, fn, args in passes:
-                if fw == "torch":
-                    measure.torch_reset_peak()
-                t = measure.timeit(fn, *args, warmup=warmup, iters=iters)
-                peak = measure.jax_peak_memory() if fw == "jax" else measure.torch_peak_memory()
+        passes = {
+            "fwd": {"jax": lambda: j_fwd(state, j_tok), "torch": lambda: t_fwd(t_tok)},
+            "fwd_bwd": {"jax": lambda: j_fwd_bwd(params, rest, j_tok), "torch": lambda: t_fwd_bwd(t_tok)},
+        }
+        for name, calls in passes.items():
+            measure.torch_reset_peak()
+            t = measure.timeit_paired(calls, rounds=rounds, per_round=per_round, warmup=warmup)
+            for fw in ("jax", "torch"):
                 records.append(
                     {
                         **base,
                         "impl": "jaxattn" if fw == "jax" else "torchref",
                         "framework": fw,
                         "pass": name,
-                        "median_ms": 1e3 * t["median_s"],
-                        "p10_ms": 1e3 * t["p10_s"],
-                        "p90_ms": 1e3 * t["p90_s"],
-                        "iters": t["iters"],
-                        "tokens_per_s": b * s / t["median_s"],
-                        "peak_mem_bytes": peak,
+                        "median_ms": 1e3 * t[fw]["median_s"],
+                        "p10_ms": 1e3 * t[fw]["p10_s"],
+                        "p90_ms": 1e3 * t[fw]["p90_s"],
+                        "iters": t[fw]["iters"],
+                        "cv": t[fw]["cv"],
+                        "tokens_per_s": b * s / t[fw]["median_s"],
+                        "peak_mem_bytes": measure.jax_peak_memory() if fw == "jax" else measure.torch_peak_memory(),
                         "max_abs_diff": diff,
+                        "paired": t["paired"],
+                        "loadavg": list(os.getloadavg()),
                         "status": "ok",
                     }
                 )

@@ -5,17 +5,44 @@ is only meaningful once the device work behind it has finished), so the benchmar
 frameworks time the same way.
 
     stats = time_calls(lambda: sum(range(1000)), warmup=2, iters=20)   # {"median_s", "p10_s", "p90_s", "iters"}
+    rounds = time_interleaved({"jax": f, "torch": g}, rounds=8, per_round=3)   # A B, B A, A B, ... per round
+    paired_ratio(rounds["torch"], rounds["jax"])       # {"ratio": 1.31, "ci": [1.22, 1.40], "unstable": False, ...}
+
+Paired, interleaved comparison (design §9): two callables alternate in rounds, the order flipped each round (A B,
+B A, ...) so a slow spell of the machine hits both; each round gives one duration per callable (the median of its
+``per_round`` calls) and one ratio, and the reported ratio is the median of the per-round ratios with a
+distribution-free 95% interval from order statistics (:func:`median_ci`). A ratio whose interval is wider than
+:data:`UNSTABLE_CI` or whose callables' per-round times vary more than :data:`UNSTABLE_CV` is ``unstable``: a report
+labels it and leaves it out of headline medians. Hand-written, not ``torch.utils.benchmark.Timer``: its
+``blocked_autorange`` times one statement in isolation and synchronizes only CUDA, while a pair needs the two
+frameworks alternated in one loop with each one's own synchronization (the caller's ``sync``), the same rule for both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["percentile", "summarize", "time_calls", "StepTimer"]
+__all__ = [
+    "percentile",
+    "summarize",
+    "time_calls",
+    "StepTimer",
+    "median_ci",
+    "time_interleaved",
+    "paired_ratio",
+    "UNSTABLE_CI",
+    "UNSTABLE_CV",
+]
+
+# A paired ratio is unstable when its 95% interval spans more than this factor (high / low) ...
+UNSTABLE_CI = 1.5
+# ... or when either side's per-round times have a coefficient of variation (stdev / mean) above this.
+UNSTABLE_CV = 0.25
 
 
 def _no_sync(_out: Any = None) -> None:
@@ -69,6 +96,105 @@ def time_calls(
         sync(fn(*args, **kwargs))
         times.append(time.perf_counter() - t0)
     return summarize(times)
+
+
+def median_ci(values: Iterable[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """``(low, high, coverage)``: a distribution-free interval for the median of ``values`` from order statistics,
+    ``[x_(k), x_(n+1-k)]`` with the largest ``k`` whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least
+    ``confidence``; with too few values for that (n < 6 at 95%), ``[min, max]`` and its smaller coverage."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        raise ValueError("median_ci: values is empty; need at least one measurement")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"median_ci: confidence must be in (0, 1), got {confidence!r}")
+    below = [math.comb(n, i) / 2**n for i in range(n + 1)]  # P(Binomial(n, 1/2) = i)
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(below[:k])
+
+    k = max((k for k in range(1, (n + 1) // 2 + 1) if coverage(k) >= confidence), default=1)
+    return xs[k - 1], xs[n - k], coverage(k)
+
+
+def time_interleaved(
+    calls: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int = 8,
+    per_round: int = 3,
+    warmup: int = 2,
+    sync: Callable[[Any], None] = _no_sync,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, dict]:
+    """Times the zero-argument ``calls`` alternately: ``warmup`` untimed calls each, then ``rounds`` rounds, the
+    order reversed every other round, each callable called ``per_round`` times in a row per round (each result
+    passed to ``sync`` before the clock stops). Returns ``{name: {"rounds": [per-round median s], "calls": [every
+    call's s], **summarize(calls), "cv": stdev / mean of the per-round medians}}`` (round to round, so a single
+    slow call does not decide it; a machine whose speed drifts during the pair does)."""
+    for name, value in (("rounds", rounds), ("per_round", per_round)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"time_interleaved: {name} must be an int >= 1, got {value!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"time_interleaved: warmup must be an int >= 0, got {warmup!r}")
+    names = list(calls)
+    if len(names) < 2:
+        raise ValueError(f"time_interleaved: give at least two callables to alternate, got {names}")
+    for _ in range(warmup):
+        for name in names:
+            sync(calls[name]())
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            ts = []
+            for _ in range(per_round):
+                t0 = clock()
+                sync(calls[name]())
+                ts.append(clock() - t0)
+            times[name].append(ts)
+    out = {}
+    for name, per in times.items():
+        flat = [t for ts in per for t in ts]
+        medians = [statistics.median(ts) for ts in per]
+        mean = statistics.fmean(medians)
+        cv = statistics.stdev(medians) / mean if len(medians) > 1 and mean > 0 else 0.0
+        out[name] = {"rounds": medians, "calls": flat, **summarize(flat), "cv": cv}
+    return out
+
+
+def paired_ratio(
+    numerator: Iterable[float],
+    denominator: Iterable[float],
+    *,
+    cv: Iterable[float] = (),
+    confidence: float = 0.95,
+) -> dict:
+    """The paired ratio of two callables' per-round durations (from one :func:`time_interleaved`): per round
+    ``numerator[i] / denominator[i]``, their median, its :func:`median_ci` interval, and ``unstable`` when the
+    interval spans more than :data:`UNSTABLE_CI` (high / low) or a ``cv`` (round to round) is above
+    :data:`UNSTABLE_CV`;
+    ``finding`` is False when the interval includes 1 (no difference shown)."""
+    num, den = list(numerator), list(denominator)
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired_ratio: need equally many rounds (>= 1), got {len(num)} and {len(den)}")
+    if min(num + den) <= 0:
+        raise ValueError("paired_ratio: durations must be > 0")
+    ratios = [a / b for a, b in zip(num, den)]
+    lo, hi, cov = median_ci(ratios, confidence)
+    cvs = list(cv)
+    why = []
+    if hi / lo > UNSTABLE_CI:
+        why.append(f"interval spans {hi / lo:.2f}x > {UNSTABLE_CI}x")
+    if cvs and max(cvs) > UNSTABLE_CV:
+        why.append(f"rounds vary by CV {max(cvs):.2f} > {UNSTABLE_CV}")
+    return {
+        "ratio": statistics.median(ratios),
+        "ci": [lo, hi],
+        "coverage": cov,
+        "rounds": len(ratios),
+        "unstable": bool(why),
+        "why": "; ".join(why),
+        "finding": not lo <= 1.0 <= hi,
+    }
 
 
 class _Phase:
