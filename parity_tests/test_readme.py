@@ -82,7 +82,7 @@ def test_cpu_quick_section_is_built_from_the_json_with_torch_over_jax_time(tmp_p
     text = "\n".join(readme.cpu_quick_section(str(tmp_path)))
     row = next(line for line in text.splitlines() if line.startswith("| model |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "S, pass" and cells[2] == "a, b vs ref" and cells[3] == "6 (0)"  # rows (unstable)
+    assert cells[1] == "S, pass" and cells[2] == "a, b vs ref" and cells[3] == "6 (not paired)"  # rows (unstable)
     want = f"{statistics.median(expected):.2f}× / {min(expected):.2f}× / {max(expected):.2f}×"
     assert cells[4] == want, (cells[4], want)
     assert cells[5] == "— / —" and cells[6] == "—"  # no p10/p90, no load average in these records

@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+from matplotlib.container import BarContainer
 
 from benchmarks import __main__ as cli
 from benchmarks.report import plots
@@ -35,7 +36,7 @@ def _attn(impl, fw, pss, s, causal, ms, status="ok"):
         "reason": None if status == "ok" else "needs CUDA",
     }
     if status == "ok":
-        r.update(median_ms=ms, tflops=1.0 / ms, iters=20)
+        r.update(median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.3 * ms, tflops=1.0 / ms, iters=20)
     return r
 
 
@@ -160,6 +161,8 @@ def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, drawn):
     for ax in fig.axes:
         assert ax.get_legend() is None  # no per-panel legend that names only that panel's lines
         for line in ax.get_lines():
+            if line.get_label().startswith("_"):  # an error bar's caps, not a series
+                continue
             got = (line.get_color(), line.get_marker(), line.get_linestyle())
             assert style.setdefault(line.get_label(), got) == got, line.get_label()
     assert len(set(style.values())) == len(style) == 4  # distinct per implementation
@@ -167,7 +170,7 @@ def test_attention_plot_one_style_per_impl_and_a_legend_for_all(results, drawn):
     assert (
         {t.get_text() for t in fig.legends[0].get_texts()}
         == set(style)
-        == {"jax:chunked", "jax:xla", "torch:sdpa:math", "torch:sdpa:flash"}
+        == {"JAX chunked (O(S) memory)", "JAX XLA (plain jnp)", "torch SDPA math", "torch SDPA flash"}
     )
 
 
@@ -193,7 +196,7 @@ def _train_records(rng):
             if (toggle, fw) == ("attn_fast", "torch"):
                 r.update(status="skipped", reason="flash SDPA needs CUDA", median_ms=None, tokens_per_s=None)
             recs.append(r)
-    return recs, {"jax:jaxattn", "torch:torchref"}
+    return recs, {"JAX (jaxattn)", "torch (torchref)"}
 
 
 def _remat_records(rng):
@@ -232,7 +235,7 @@ def _decode_records(rng):
     recs, labels = [], set()
     for fw, impl in (("jax", "jaxattn"), ("torch", "torchref"), ("torch", "torchref+compile")):
         for weights in ("fp32", "int8"):
-            labels.add(f"{fw}:{impl} {weights}")
+            labels.add(f"{plots.READABLE[f'{fw}:{impl}']} {weights}")
             for b in (1, 4, 64):
                 for pss in ("prefill", "decode"):
                     recs.append(
@@ -304,7 +307,7 @@ def _attention_records(rng):
         for pss in ("fwd", "fwd_bwd")
         for s in (128, 512)
     ]
-    return recs, {"jax:flash", "jax:xla", "torch:sdpa:math"}
+    return recs, {"JAX Pallas flash", "JAX XLA (plain jnp)", "torch SDPA math"}
 
 
 SYNTHETIC = {
@@ -357,16 +360,50 @@ def test_each_suite_plot_from_synthetic_records(tmp_path, drawn, suite):
     for ax in [a for a in fig.axes if a.get_visible()]:
         assert ax.get_legend() is None  # one figure legend, none per panel
         assert ax.get_xlabel() and ax.get_ylabel()
-        assert any(u in ax.get_ylabel() for u in ("tokens/s", "TFLOP/s", "GiB", "registers", "bytes", "KiB"))
+        assert any(u in ax.get_ylabel() for u in ("tokens/s", "TFLOP/s", "GiB", "MiB", "registers", "bytes", "KiB"))
         got = [
             (line.get_label(), (line.get_color(), line.get_marker(), line.get_linestyle()))
             for line in ax.get_lines()
             if not line.get_label().startswith("_")
         ]
-        got += [(c.get_label(), (tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch())) for c in ax.containers]
+        got += [
+            (c.get_label(), (tuple(c.patches[0].get_facecolor()), c.patches[0].get_hatch()))
+            for c in ax.containers
+            if isinstance(c, BarContainer)  # error bars are containers too, without a series label
+        ]
         for label, st in got:
             assert style.setdefault(label, st) == st, (label, seed)
     assert set(style) == expected and len(set(style.values())) == len(style)  # distinct per series
+
+
+def test_timing_plots_draw_p10_p90_error_bars_and_no_line_through_two_points(tmp_path, drawn):
+    """The attention records keep p10/p90: each point gets an error bar spanning the throughput at the p90 and
+    the p10 time; two sequence lengths per series: markers only, no line between them."""
+    from matplotlib.container import ErrorbarContainer
+
+    records, _ = _attention_records(random.Random(0))
+    plots.plot_suite(str(tmp_path), "attention", records, {"jax_device": "cpu"})
+    ax = next(a for a in drawn[-1].axes if a.get_visible())
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 3  # one per series
+    segs = bars[0].lines[2][0].get_segments()
+    (x, lo), (_, hi) = segs[0]
+    r = next(r for r in records if r["Sk"] == x and r["impl"] == "flash" and r["pass"] == "fwd")
+    assert abs(lo - r["tflops"] / 1.3) < 1e-9 and abs(hi - r["tflops"] / 0.9) < 1e-9
+    assert all(line.get_linestyle() == "None" for line in ax.get_lines() if not line.get_label().startswith("_"))
+    assert "p10-p90" in drawn[-1]._suptitle.get_text()
+
+
+def test_remat_plot_picks_units_that_fit(tmp_path, drawn):
+    records, _ = _remat_records(random.Random(1))
+    small = [
+        dict(r, measured={k: v / 4096 if k.endswith("_bytes") and v else v for k, v in r["measured"].items()})
+        for r in records
+        if r["target"] != "h100"
+    ]  # quick sizes, no H100 bars
+    plot = plots.plot_suite(str(tmp_path), "remat", small, {"jax_device": "cpu"})
+    ax = next(a for a in drawn[-1].axes if a.get_visible())
+    assert ax.get_ylabel() == "memory (MiB)" and "compiled, not run" not in plot.title
 
 
 @pytest.mark.parametrize("suite", sorted(SYNTHETIC))

@@ -27,7 +27,8 @@ class Panel:
     gets no slot. ``kind``: "line"
     (numeric x, ``logx`` a base or None) or "bar" (grouped bars over ``categories``, in that order). ``logy``:
     None = log when the positive values span 20x or more. ``limits``: ``(y, text)`` dotted reference lines;
-    ``note``: a text in the corner (e.g. "no spills")."""
+    ``note``: a text in the corner (e.g. "no spills"); ``errors``: ``{label: {x: (low, high)}}`` error bars (a
+    timing's p10-p90 band)."""
 
     title: str
     xlabel: str
@@ -39,6 +40,7 @@ class Panel:
     logy: bool | None = None
     limits: tuple = ()
     note: str | None = None
+    errors: dict = dataclasses.field(default_factory=dict)  # {label: {x: (low, high)}}: drawn as error bars
 
     def values(self) -> list:
         return [y for pts in self.series.values() for y in pts.values() if isinstance(y, (int, float))]
@@ -57,9 +59,46 @@ class Plot:
 
 MARKERS = "osD^vP*Xh<>p"
 
+# Legend names a reader understands, for the record labels ``framework:impl`` (``records.impl_label``).
+READABLE = {
+    "jax:flash": "JAX Pallas flash",
+    "jax:flash_decode": "JAX Pallas flash decode",
+    "jax:chunked": "JAX chunked (O(S) memory)",
+    "jax:xla": "JAX XLA (plain jnp)",
+    "jax:cudnn": "JAX cuDNN",
+    "jax:mosaic": "JAX Pallas Mosaic GPU",
+    "jax:jax.nn:xla": "JAX jax.nn.dot_product_attention (xla)",
+    "jax:jax.nn:cudnn": "JAX jax.nn.dot_product_attention (cudnn)",
+    "jax:pallas.ops:flash": "JAX pallas.ops flash (jax's own)",
+    "jax:tokamax:flash": "JAX tokamax flash",
+    "jax:jaxattn": "JAX (jaxattn)",
+    "jax:jaxattn+flash_decode": "JAX (jaxattn, flash_decode)",
+    "torch:sdpa:flash": "torch SDPA flash",
+    "torch:sdpa:math": "torch SDPA math",
+    "torch:sdpa:efficient": "torch SDPA efficient",
+    "torch:sdpa:cudnn": "torch SDPA cuDNN",
+    "torch:torchref": "torch (torchref)",
+    "torch:torchref+compile": "torch (torchref, torch.compile)",
+}
+
+
+def readable(record: dict) -> str:
+    """A record's legend name: :data:`READABLE`'s for its ``framework:impl``, else that label itself."""
+    label = impl_label(record)
+    return READABLE.get(label, label)
+
 
 def _is_torch(label: str) -> bool:
-    return label.startswith("torch")
+    return label.lower().startswith("torch")
+
+
+def time_band(r: dict, value: float) -> tuple[float, float] | None:
+    """The p10-p90 band of a throughput ``value`` derived from a timing record (throughput ~ 1 / time: the p90
+    time gives the low end), or None where the record keeps no percentiles."""
+    med, p10, p90 = r.get("median_ms"), r.get("p10_ms"), r.get("p90_ms")
+    if not (med and p10 and p90) or value is None:
+        return None
+    return value * med / p90, value * med / p10
 
 
 def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: int | None = None) -> Plot | None:
@@ -82,7 +121,12 @@ def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: int | 
     except ImportError:
         return None
     labels = list(dict.fromkeys(lab for p in panels for lab, pts in p.series.items() if pts))
-    labels.sort(key=lambda lab: not lab.startswith("jax"))  # JAX first, otherwise in order of appearance
+    labels.sort(key=lambda lab: not lab.lower().startswith("jax"))  # JAX first, otherwise in order of appearance
+    for kind in ("line", "bar"):  # one y scale for all panels of a kind: log if any of them asks for it
+        same = [p for p in panels if p.kind == kind and p.logy is None]
+        if any(_wants_log(p) for p in same):
+            for p in same:
+                p.logy = True
     colours = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20").colors
     style = {
         lab: dict(
@@ -128,14 +172,33 @@ def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: int | 
     return Plot(path, title, tuple(labels), tuple(p.title for p in panels))
 
 
-def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
+def _wants_log(panel: Panel) -> bool:
     vals = [v for v in panel.values() if v > 0]
-    logy = panel.logy if panel.logy is not None else bool(vals) and max(vals) / min(vals) >= 20
+    return bool(vals) and max(vals) / min(vals) >= 20
+
+
+def _yerr(panel: Panel, lab: str, xs: list, ys: list):
+    """``[[below...], [above...]]`` for ``ax.errorbar`` / ``ax.bar(yerr=)`` from ``panel.errors[lab]``, or None."""
+    band = panel.errors.get(lab) or {}
+    if not any(x in band for x in xs):
+        return None
+    lo = [y - band[x][0] if x in band else 0.0 for x, y in zip(xs, ys)]
+    hi = [band[x][1] - y if x in band else 0.0 for x, y in zip(xs, ys)]
+    return [[max(0.0, v) for v in lo], [max(0.0, v) for v in hi]]
+
+
+def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
+    logy = panel.logy if panel.logy is not None else _wants_log(panel)
     if panel.kind == "line":
         for lab in labels:
             pts = sorted((x, y) for x, y in panel.series[lab].items() if isinstance(y, (int, float)))
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], label=lab, **style[lab])
+                xs, ys = [x for x, _ in pts], [y for _, y in pts]
+                st = dict(style[lab], linestyle="none") if len(pts) < 3 else style[lab]  # two points: no line
+                ax.plot(xs, ys, label=lab, **st)
+                yerr = _yerr(panel, lab, xs, ys)
+                if yerr is not None:
+                    ax.errorbar(xs, ys, yerr=yerr, fmt="none", ecolor=style[lab]["color"], elinewidth=1, capsize=3)
         if panel.logx:
             ax.set_xscale("log", base=panel.logx)
             xs = sorted({x for lab in labels for x in panel.series[lab]})
@@ -158,6 +221,9 @@ def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
                         linewidth=0.5,
                         label=lab,
                     )
+                    yerr = _yerr(panel, lab, [cat], [y])
+                    if yerr is not None:
+                        ax.errorbar([x], [y], yerr=yerr, fmt="none", ecolor="0.2", elinewidth=1, capsize=3)
                 else:  # measured nothing: say so where the bar would be
                     ax.text(
                         x,
@@ -225,15 +291,21 @@ def plot_attention(out_dir: str, records: list[dict], info: dict | None = None) 
     keys = {(r["pass"], r["causal"], r["D"]) for r in ok}
     for p, c, d in sorted(keys, key=lambda k: (str(k[:2]), str(k[2]).zfill(6))):  # D numerically
         series: dict = {}
+        errors: dict = {}
         for r in ok:
             if (r["pass"], r["causal"], r["D"]) == (p, c, d):
-                series.setdefault(impl_label(r), {})[r["Sk"]] = r["tflops"]
-        panels.append(Panel(f"{p}, causal={c}, D={d}", "sequence length (tokens)", "TFLOP/s", series, logx=2))
+                series.setdefault(readable(r), {})[r["Sk"]] = r["tflops"]
+                band = time_band(r, r["tflops"])
+                if band:
+                    errors.setdefault(readable(r), {})[r["Sk"]] = band
+        panels.append(
+            Panel(f"{p}, causal={c}, D={d}", "sequence length (tokens)", "TFLOP/s", series, logx=2, errors=errors)
+        )
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in ok}))
     return draw(
         out_dir,
         PLOT_FILES["attention"],
-        f"Attention throughput ({dtypes}) — {_where(info)}",
+        f"Attention throughput ({dtypes}; bars: p10-p90 of the timed calls) — {_where(info)}",
         panels,
         ncols=min(len(panels), 4),
     )
@@ -246,9 +318,13 @@ def plot_train(out_dir: str, records: list[dict], info: dict | None = None) -> P
     for shape in dict.fromkeys((r.get("preset"), r.get("B"), r.get("S")) for r in records):
         sel = [r for r in records if (r.get("preset"), r.get("B"), r.get("S")) == shape]
         series: dict = {}
+        errors: dict = {}
         for r in sel:
             ok = r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None
-            series.setdefault(impl_label(r), {})[r["toggle"]] = r["tokens_per_s"] if ok else None
+            series.setdefault(readable(r), {})[r["toggle"]] = r["tokens_per_s"] if ok else None
+            band = time_band(r, r["tokens_per_s"]) if ok else None
+            if band:
+                errors.setdefault(readable(r), {})[r["toggle"]] = band
         cats = tuple(dict.fromkeys(r["toggle"] for r in sel))
         for pts in series.values():  # a toggle one framework has no row for (torch.compile: JAX always jits)
             pts.update({c: "n/a" for c in cats if c not in pts})
@@ -260,9 +336,11 @@ def plot_train(out_dir: str, records: list[dict], info: dict | None = None) -> P
                 series,
                 kind="bar",
                 categories=cats,
+                errors=errors,
             )
         )
-    return draw(out_dir, PLOT_FILES["train"], f"Train step throughput per toggle — {_where(info)}", panels, ncols=1)
+    title = f"Train step throughput per toggle (bars: p10-p90 of the timed steps) — {_where(info)}"
+    return draw(out_dir, PLOT_FILES["train"], title, panels, ncols=1)
 
 
 REMAT_ORDER = ("none", "save_dots", "save_qkv_attn", "full", "offload")
@@ -273,6 +351,11 @@ def plot_remat(out_dir: str, records: list[dict], info: dict | None = None) -> P
     "compiled, not run"), JAX's saved residuals, torch's bytes kept for the backward (and its peak on a GPU)."""
     panels = []
     ok = _ok(records, "measured")
+    biggest = max(
+        (v or 0 for r in ok for k, v in r["measured"].items() if k.endswith("_bytes") and isinstance(v, (int, float))),
+        default=0,
+    )
+    unit, scale = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)  # units that fit the values
     for shape in dict.fromkeys((r["preset"], r["n_layers"], r["B"], r["S"]) for r in ok):
         series: dict = {}
         for r in ok:
@@ -281,20 +364,20 @@ def plot_remat(out_dir: str, records: list[dict], info: dict | None = None) -> P
             m, pol, tgt = r["measured"], r["impl"], r["target"]
             where = "H100, compiled, not run" if tgt == "h100" else tgt
             if r["framework"] == "jax":
-                series.setdefault(f"jax: XLA temp ({where})", {})[pol] = m["temp_bytes"] / 2**30
+                series.setdefault(f"jax: XLA temp ({where})", {})[pol] = m["temp_bytes"] / scale
                 if m.get("residual_bytes") is not None:  # the same for every target: one series
-                    series.setdefault("jax: saved residuals", {}).setdefault(pol, m["residual_bytes"] / 2**30)
+                    series.setdefault("jax: saved residuals", {}).setdefault(pol, m["residual_bytes"] / scale)
             else:
-                series.setdefault(f"torch: saved for backward ({tgt})", {})[pol] = m["saved_bytes"] / 2**30
+                series.setdefault(f"torch: saved for backward ({tgt})", {})[pol] = m["saved_bytes"] / scale
                 if m.get("peak_mem_bytes"):
-                    series.setdefault(f"torch: peak allocated ({tgt})", {})[pol] = m["peak_mem_bytes"] / 2**30
+                    series.setdefault(f"torch: peak allocated ({tgt})", {})[pol] = m["peak_mem_bytes"] / scale
         pols = {p for pts in series.values() for p in pts}
         cats = tuple(p for p in REMAT_ORDER if p in pols) + tuple(sorted(pols - set(REMAT_ORDER)))
         panels.append(
             Panel(
                 f"{shape[0]} (n_layers={shape[1]}), B={shape[2]}, S={shape[3]}, bf16",
                 "remat policy",
-                "memory (GiB)",
+                f"memory ({unit})",
                 series,
                 kind="bar",
                 categories=cats,
@@ -303,7 +386,8 @@ def plot_remat(out_dir: str, records: list[dict], info: dict | None = None) -> P
     return draw(
         out_dir,
         PLOT_FILES["remat"],
-        f"Activation memory per remat policy — {_where(info)}; H100 bars compiled, not run",
+        f"Activation memory per remat policy — {_where(info)}"
+        + ("; H100 bars compiled, not run" if any(r.get("target") == "h100" for r in ok) else ""),
         panels,
         ncols=1,
     )
@@ -317,16 +401,20 @@ def plot_decode(out_dir: str, records: list[dict], info: dict | None = None) -> 
     panels = []
     for model, pss in sorted({(r["model"], r["pass"]) for r in ok}, key=lambda k: (k[0], k[1] != "decode")):
         series: dict = {}
+        errors: dict = {}
         for r in ok:
             if (r["model"], r["pass"]) == (model, pss):
-                lab = f"{impl_label(r)} {r['weights']}" + (f" ({r.get('device')})" if len(devices) > 1 else "")
+                lab = f"{readable(r)} {r['weights']}" + (f" ({r.get('device')})" if len(devices) > 1 else "")
                 series.setdefault(lab, {})[r["B"]] = r["tokens_per_s"]
+                band = time_band(r, r["tokens_per_s"])
+                if band:
+                    errors.setdefault(lab, {})[r["B"]] = band
         what = "one step, B new tokens" if pss == "decode" else f"prompt of {ok[0].get('prompt_len')} tokens"
-        panels.append(Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", series, logx=2))
+        panels.append(Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", series, logx=2, errors=errors))
     return draw(
         out_dir,
         PLOT_FILES["decode"],
-        f"Decode and prefill throughput with the KV cache — {_where(info)}",
+        f"Decode and prefill throughput with the KV cache (bars: p10-p90) — {_where(info)}",
         panels,
         ncols=2,
     )

@@ -254,9 +254,11 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
             else "— (every row unstable)"
         )
         load = (d.get("env") or {}).get("loadavg")
+        _, rows = speedup_rows(d["records"])
+        paired = any(row_paired(cells) for _, cells, _ in rows)
         out.append(
             f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
-            f"{len(ratios) + unstable} ({unstable}) | {speedup} "
+            f"{len(ratios) + unstable} ({unstable if paired else 'not paired'}) | {speedup} "
             f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} "
             f"| {f'{load[0]:.2f}' if load else '—'} | {link} |"
         )
@@ -264,10 +266,13 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
         out += ["", "Not in the table (no JAX-vs-torch times):"] + unpaired
     out += [
         "",
-        "Rows timed as pairs (JAX and torch alternating in rounds, the order flipped each round; `model` so far) give "
+        "Rows timed as pairs (JAX and torch alternating in rounds, the order flipped each round) give "
         "the median per-round speed-up and its widest 95% interval; an `unstable` row (interval wider than 1.5×, "
         "or per-round times varying by a CV above 0.25) is counted in parentheses and left out of the median / "
-        "min / max. "
+        "min / max. A suite marked `not paired` has a committed record without pairs (the attention and train "
+        "suites pair now, but no three-process `python -m benchmarks check-stability` has accepted a refresh of "
+        "their records on this machine; decode does not pair yet): its ratios carry no interval and move between "
+        'processes by up to 1.7-1.8× (`benchmarks/NOTES.md`, "Trustworthy numbers"). '
         "`load avg` is the machine's 1-minute load average when the suite started (2 cores: above 2, other jobs "
         "were competing). These are CPU numbers at tiny shapes: they say how the twins' CPU paths compare on this "
         "machine at that moment, not which framework is faster on a GPU or at real sizes.",

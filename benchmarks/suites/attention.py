@@ -125,7 +125,7 @@ def _jax_impls(quick: bool):
     return impls
 
 
-def _run_jax(records, quick, shape, iters, warmup, wanted=None):
+def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
     import jax
 
     from jaxattn.attention import available_backends
@@ -176,12 +176,16 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None):
                     reason = f"error: {_first_line(e)}"
                 continue
             fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            if calls is not None and not (quick and name == "flash"):  # interpreted Pallas: too slow to pair
+                calls[len(records)] = lambda fn=fn, args=args: fn(*args)
             records.append(
                 _record(
                     name,
                     "jax",
                     pss,
                     median_ms=t["median_s"] * 1e3,
+                    p10_ms=t["p10_s"] * 1e3,
+                    p90_ms=t["p90_s"] * 1e3,
                     iters=t["iters"],
                     tflops=fl / t["median_s"] / 1e12,
                     peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
@@ -203,7 +207,7 @@ def _kw(base):
 
 
 # --------------------------------------------------------------------------------------------- torch
-def _run_torch(records, quick, shape, iters, warmup, wanted=None):
+def _run_torch(records, quick, shape, iters, warmup, wanted=None, calls=None):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -256,12 +260,21 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None):
                 )
                 continue
             fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
+            if calls is not None:
+
+                def again(fn=fn, args=args, pss=pss):
+                    with torch.no_grad() if pss == "fwd" else torch.enable_grad():
+                        return fn(*args)
+
+                calls[len(records)] = again
             records.append(
                 _record(
                     impl,
                     "torch",
                     pss,
                     median_ms=t["median_s"] * 1e3,
+                    p10_ms=t["p10_s"] * 1e3,
+                    p90_ms=t["p90_s"] * 1e3,
                     iters=t["iters"],
                     tflops=fl / t["median_s"] / 1e12,
                     peak_mem_bytes=measure.torch_peak_memory(),
@@ -282,7 +295,8 @@ def run(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = N
     records: list[dict] = []
     wanted = None if impls is None else set([impls] if isinstance(impls, str) else impls)
     for shape in shapes:
-        _run_jax(records, quick, shape, iters, warmup, wanted)
+        calls: dict = {}  # index of an ok record -> its timed call, kept for the pair below
+        _run_jax(records, quick, shape, iters, warmup, wanted, calls)
         try:
             import torch  # noqa: F401
         except ImportError as e:
@@ -306,5 +320,26 @@ def run(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = N
                         )
                     )
             continue
-        _run_torch(records, quick, shape, iters, warmup, wanted)
+        _run_torch(records, quick, shape, iters, warmup, wanted, calls)
+        _pair_fastest(records, calls)
     return records
+
+
+def _pair_fastest(records: list[dict], calls: dict) -> None:
+    """Per pass of this shape, the fastest JAX and the fastest torch implementation timed again as a pair
+    (``measure.timeit_paired``: alternating rounds); both records get the pair (its ratio = the row's speed-up,
+    with a 95% interval and the ``unstable`` label) and the two implementations it compared."""
+    for pss in ("fwd", "fwd_bwd"):
+        best = {}
+        for i in calls:
+            r = records[i]
+            if r["pass"] == pss and (
+                r["framework"] not in best or r["median_ms"] < best[r["framework"]][1]["median_ms"]
+            ):
+                best[r["framework"]] = (i, r)
+        if set(best) != {"jax", "torch"}:
+            continue
+        t = measure.timeit_paired({fw: calls[i] for fw, (i, _) in best.items()}, rounds=10, per_round=3, warmup=1)
+        paired = dict(t["paired"], jax_impl=best["jax"][1]["impl"], torch_impl=best["torch"][1]["impl"])
+        for fw, (_, r) in best.items():
+            r.update(paired=paired, cv=t[fw]["cv"])

@@ -104,39 +104,48 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
     return step, state, {"tokens": jnp.asarray(tokens)}
 
 
-def _jax_measure(tcfg, s, tokens, warmup, iters, weights) -> dict:
-    from jaxattn.attention import attention_backend
+@contextlib.contextmanager
+def _backend(s: dict, fw: str):
+    """The row's attention backend for ``fw`` (``jaxattn`` / ``torchref`` ``attention_backend``), or nothing."""
+    if s["attention"] == "default":
+        yield
+        return
+    if fw == "jax":
+        from jaxattn.attention import attention_backend
+    else:
+        from torchref.attention import attention_backend
+    with attention_backend(s["attention"]):
+        yield
 
-    ctx = attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
-    with ctx:
+
+def _jax_prepare(tcfg, s, tokens, weights) -> dict:
+    """The JAX step, compiled by its first call: ``{"call", "first_step_s", "finish"}`` (``finish()`` -> peak
+    memory and the loss after the timed steps)."""
+    with _backend(s, "jax"):
         step, state, batch = _jax_step(tcfg, s, tokens, weights)
         box = [state]
 
         def one():
-            box[0], m = step(box[0], batch)
+            with _backend(s, "jax"):
+                box[0], m = step(box[0], batch)
             return m["loss"]
 
         t0 = time.perf_counter()
-        loss = one()
-        measure.sync(loss)
+        measure.sync(one())
         first = time.perf_counter() - t0
-        t = measure.timeit(one, warmup=warmup, iters=iters)
+
+    def finish() -> dict:
         mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
-        loss = float(one())
-    return {
-        "t": t,
-        "first_step_s": first,
-        "peak_mem_bytes": mem,
-        "mem_source": "xla memory_analysis (compiled)",
-        "loss": loss,
-    }
+        return {"peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)", "loss": float(one())}
+
+    return {"call": one, "first_step_s": first, "finish": finish}
 
 
 # ----------------------------------------------------------------------------------------------------- torch
-def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
+def _torch_prepare(tcfg, s, tokens, dev, quick, weights) -> dict:
+    """The torch step after its first call (torch.compile compiles there): ``{"call", "first_step_s", "finish"}``."""
     import torch
 
-    from torchref import attention as tattn
     from torchref import optim, remat
     from torchref.precision import get_policy
     from torchref.train_step import make_train_step
@@ -151,26 +160,28 @@ def _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights) -> dict:
         runner, opt, policy=policy, scaler=scaler, max_grad_norm=1.0, grad_accum=s["grad_accum"], loss=s["loss"]
     )
     batch = {"tokens": torch.from_numpy(tokens).long().to(dev)}
-    ctx = tattn.attention_backend(s["attention"]) if s["attention"] != "default" else contextlib.nullcontext()
-    with ctx:
-        measure.torch_reset_peak()
-        t0 = time.perf_counter()
-        loss = step(batch)["loss"]
-        measure.sync(loss)
-        first = time.perf_counter() - t0
-        if s["compile"] and quick and first > QUICK_COMPILE_LIMIT_S:
-            raise _Skip(
-                f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; not timed in --quick"
-            )
-        t = measure.timeit(lambda: step(batch)["loss"], warmup=warmup, iters=iters)
-        loss = float(step(batch)["loss"])
-    return {
-        "t": t,
-        "first_step_s": first,
-        "peak_mem_bytes": measure.torch_peak_memory(),
-        "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None,
-        "loss": loss,
-    }
+
+    def one():
+        with _backend(s, "torch"):
+            return step(batch)["loss"]
+
+    measure.torch_reset_peak()
+    t0 = time.perf_counter()
+    measure.sync(one())
+    first = time.perf_counter() - t0
+    if s["compile"] and quick and first > QUICK_COMPILE_LIMIT_S:
+        raise _Skip(
+            f"torch.compile first step took {first:.0f} s > {QUICK_COMPILE_LIMIT_S:.0f} s; not timed in --quick"
+        )
+
+    def finish() -> dict:
+        return {
+            "peak_mem_bytes": measure.torch_peak_memory(),
+            "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None,
+            "loss": float(one()),
+        }
+
+    return {"call": one, "first_step_s": first, "finish": finish}
 
 
 class _Skip(Exception):
@@ -178,8 +189,10 @@ class _Skip(Exception):
 
 
 def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: float | None = None) -> list[dict]:
-    """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). ``budget_s``: rows
-    not started within it are skipped (default None with ``quick``, else :data:`BUDGET_S`)."""
+    """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). Per toggle both
+    frameworks' steps are built and compiled, then timed as a pair (``measure.timeit_paired``: alternating rounds,
+    the row's speed-up with its interval); a toggle one framework skips is timed alone. ``budget_s``: toggles not
+    started within it are skipped (default None with ``quick``, else :data:`BUDGET_S`)."""
     import torch
 
     from torchref.config import ModelConfig as TConfig
@@ -189,7 +202,7 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
     if unknown:
         raise ValueError(f"unknown train toggle(s) {unknown}; choose from {list(TOGGLES)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    warmup, iters = (2, 5) if quick else (3, 20)
+    rounds, warmup = (10, 2) if quick else (10, 3)
     preset, b, seq = _shape(quick)
     tcfg = TConfig.preset(preset)
     fpt, n_params = flops_per_token(tcfg, seq), matmul_param_count(tcfg)
@@ -199,65 +212,86 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
     budget_s = None if quick else BUDGET_S if budget_s is None else budget_s
     t_start = time.perf_counter()
     records = []
-    # torch first: its cache is emptied after each row, JAX's allocator keeps what it grew (one GPU, both)
-    rows = [
-        (name, fw) for fw in ("torch", "jax") for name in names if not (name == "torch_compile" and fw == "jax")
-    ]  # JAX's step is always jitted
-    for name, fw in rows:
-        s = _settings(name, fw)
-        rec = {
-            "suite": "train",
-            "toggle": name,
-            "preset": preset,
-            "B": b,
-            "S": seq,
-            "framework": fw,
-            "impl": "jaxattn" if fw == "jax" else "torchref",
-        }
-        meas = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
-        try:
-            spent = time.perf_counter() - t_start
-            if budget_s is not None and spent > budget_s:
-                raise _Skip(f"time budget spent ({spent:.0f} s > {budget_s:.0f} s); not run")
-            if fw == "jax":
-                m = _jax_measure(tcfg, s, tokens, warmup, iters, weights)
-            else:
-                m = _torch_measure(tcfg, s, tokens, warmup, iters, dev, quick, weights)
-            t = m["t"]
-            tps = b * seq / t["median_s"]
-            rec.update(
-                median_ms=1e3 * t["median_s"],
-                p10_ms=1e3 * t["p10_s"],
-                p90_ms=1e3 * t["p90_s"],
-                iters=t["iters"],
-                tokens_per_s=tps,
-                peak_mem_bytes=m["peak_mem_bytes"],
-                mfu=peaks.mfu(fpt, tps, peak),
-                status="ok",
-            )
-            meas.update(
-                first_step_s=round(m["first_step_s"], 3),
-                mem_source=m["mem_source"],
-                final_loss=m["loss"],
-                mfu_reason=peak_reason,
-            )
-            log(
-                f"  train {name:13s} {fw:5s}: {rec['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
-                f"first step {m['first_step_s']:.1f} s"
-            )
-        except _Skip as e:
-            rec.update(status="skipped", reason=str(e))
-            log(f"  train {name} {fw}: skipped, {e}")
-        except Exception as e:  # one toggle that fails is a record, not the end of the suite
-            rec.update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
-            log(f"  train {name} {fw}: skipped, {rec['reason']}")
-        rec["measured"] = meas
-        records.append(rec)
+    for name in names:
+        fws = ("torch",) if name == "torch_compile" else ("torch", "jax")  # JAX's step is always jitted
+        recs, meas, prepared = {}, {}, {}
+        for fw in fws:  # torch first: its first step (torch.compile) may skip the row's torch side
+            s = _settings(name, fw)
+            recs[fw] = {
+                "suite": "train",
+                "toggle": name,
+                "preset": preset,
+                "B": b,
+                "S": seq,
+                "framework": fw,
+                "impl": "jaxattn" if fw == "jax" else "torchref",
+            }
+            meas[fw] = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
+            try:
+                spent = time.perf_counter() - t_start
+                if budget_s is not None and spent > budget_s:
+                    raise _Skip(f"time budget spent ({spent:.0f} s > {budget_s:.0f} s); not run")
+                prepared[fw] = (
+                    _jax_prepare(tcfg, s, tokens, weights)
+                    if fw == "jax"
+                    else _torch_prepare(tcfg, s, tokens, dev, quick, weights)
+                )
+            except _Skip as e:
+                recs[fw].update(status="skipped", reason=str(e))
+                log(f"  train {name} {fw}: skipped, {e}")
+            except Exception as e:  # one toggle that fails is a record, not the end of the suite
+                recs[fw].update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
+                log(f"  train {name} {fw}: skipped, {recs[fw]['reason']}")
+        if prepared:
+            try:
+                _time(prepared, rounds, warmup, recs, meas, b * seq, fpt, peak, peak_reason, name, log)
+            except Exception as e:
+                for fw in prepared:
+                    recs[fw].update(status="skipped", reason=f"{type(e).__name__}: {str(e)[:300]}")
+        for fw in fws:
+            recs[fw]["measured"] = meas[fw]
+            records.append(recs[fw])
+        prepared.clear()
         gc.collect()
-        if fw == "jax":
-            import jax
+        import jax
 
-            jax.clear_caches()
-        elif dev == "cuda":
+        jax.clear_caches()
+        if dev == "cuda":
             torch.cuda.empty_cache()
     return sorted(records, key=lambda r: (names.index(r["toggle"]), r["framework"] != "jax"))
+
+
+def _time(prepared, rounds, warmup, recs, meas, tokens_per_step, fpt, peak, peak_reason, name, log) -> None:
+    """Times the prepared steps (a pair when both frameworks are there, else the one alone) into their records."""
+    if len(prepared) == 2:
+        t = measure.timeit_paired(
+            {fw: p["call"] for fw, p in prepared.items()}, rounds=rounds, per_round=1, warmup=warmup
+        )
+        paired = t.pop("paired")
+    else:
+        ((fw, p),) = prepared.items()
+        t, paired = {fw: measure.timeit(p["call"], warmup=warmup, iters=rounds)}, None
+    for fw, p in prepared.items():
+        stats, extra = t[fw], p["finish"]()
+        tps = tokens_per_step / stats["median_s"]
+        recs[fw].update(
+            median_ms=1e3 * stats["median_s"],
+            p10_ms=1e3 * stats["p10_s"],
+            p90_ms=1e3 * stats["p90_s"],
+            iters=stats["iters"],
+            tokens_per_s=tps,
+            peak_mem_bytes=extra["peak_mem_bytes"],
+            mfu=peaks.mfu(fpt, tps, peak),
+            status="ok",
+            **({"paired": paired, "cv": stats["cv"]} if paired else {}),
+        )
+        meas[fw].update(
+            first_step_s=round(p["first_step_s"], 3),
+            mem_source=extra["mem_source"],
+            final_loss=extra["loss"],
+            mfu_reason=peak_reason,
+        )
+        log(
+            f"  train {name:13s} {fw:5s}: {recs[fw]['median_ms']:.2f} ms/step, {tps:.4g} tok/s, "
+            f"first step {p['first_step_s']:.1f} s"
+        )
