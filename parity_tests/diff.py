@@ -18,11 +18,12 @@ so 2 is the rule for one op and 4 the default for a model; ``--tolerance 2`` app
 
 Capture changes no model file. torch: forward hooks on the Hugging Face-named modules (:data:`TORCH_HOOKS`) and a
 wrapper around the ``dot_product_attention`` name ``torchref.model`` calls (q, k after RoPE). JAX: the model's own
-jitted call with ``jaxattn.model``'s ``checkpoint_name`` (the MaxText tags the remat policies use) and its
-``dot_product_attention`` / ``decoder_layer`` names wrapped to add an ordered ``jax.debug.callback``: the layers
-still run under ``lax.scan``, and the callbacks arrive in layer order. The float64 reference is the torch twin with
-``.double()`` weights, attention by the float64 softmax here (torchref's attention takes 16/32-bit floats only),
-and ``Tensor.float()`` (the twin's "at least float32" upcasts in RMSNorm and RoPE) keeping float64 while it runs.
+jitted call with ``jaxattn.model``'s ``checkpoint_name`` (the MaxText tags the remat policies use), its
+``dot_product_attention`` / ``decoder_layer`` names and ``Llama.features`` wrapped to add an ordered
+``jax.debug.callback``: the layers still run under ``lax.scan``, and the callbacks arrive in layer order. The
+float64 reference is the torch twin with ``.double()`` weights, attention by the float64 softmax here (torchref's
+attention takes 16/32-bit floats only), and ``Tensor.float()`` (the twin's "at least float32" upcasts in RMSNorm and
+RoPE) keeping float64 while it runs.
 Written by hand: no library compares two frameworks' intermediates.
 """
 
@@ -232,14 +233,16 @@ def planted_rope_bug(layer: int, n_layers: int):
 # ------------------------------------------------------------------------------------------------------- JAX side
 @contextlib.contextmanager
 def _jax_taps(record):
-    """Wraps ``jaxattn.model``'s ``checkpoint_name``, ``dot_product_attention`` and ``decoder_layer`` so each tagged
-    value also goes to ``record(kind, array)`` through an ordered ``jax.debug.callback`` (in layer order)."""
+    """Wraps ``jaxattn.model``'s ``checkpoint_name``, ``dot_product_attention``, ``decoder_layer`` and
+    ``Llama.features`` so each tagged value also goes to ``record(kind, array)`` through an ordered
+    ``jax.debug.callback`` (in layer order)."""
     import jax
 
     import jaxattn.model as jm
 
     names = ("checkpoint_name", "dot_product_attention", "decoder_layer")
     real = {n: getattr(jm, n) for n in names}
+    real_features = jm.Llama.features
 
     def tap(kind, x):
         jax.debug.callback(lambda v: record(kind, v), x, ordered=True)
@@ -257,13 +260,20 @@ def _jax_taps(record):
         tap("layer_input", x)  # layer 0's is the embedding
         return real["decoder_layer"](x, *args, **kw)
 
+    def features(self, *args, **kw):  # the final-norm hidden states the LM head reads (no cache here)
+        out = real_features(self, *args, **kw)
+        tap("final_norm", out)
+        return out
+
     for n, fn in zip(names, (checkpoint_name, dot_product_attention, decoder_layer)):
         setattr(jm, n, fn)
+    jm.Llama.features = features
     try:
         yield
     finally:
         for n in names:
             setattr(jm, n, real[n])
+        jm.Llama.features = real_features
 
 
 def _jax_state(model, policy):
@@ -290,14 +300,11 @@ def capture_jax(model, ids: np.ndarray, *, policy=None, backend=None) -> dict:
             stack.enter_context(attention_backend(backend))
         stack.enter_context(_jax_taps(lambda kind, v: seen[kind].append(np.asarray(v, np.float64))))
         logits = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.asarray(ids))
-        hidden = jax.jit(lambda st, t: nnx.merge(graphdef, st).features(t))(state, jnp.asarray(ids))
-        jax.block_until_ready((logits, hidden))
+        jax.block_until_ready(logits)
         jax.effects_barrier()
-    n = model.config.n_layers
-    out = {("embed", None): seen["layer_input"][0]}
-    for kind in LAYER_KINDS:  # the first n are the logits call's (the features call repeats them)
-        out.update({(kind, i): value for i, value in enumerate(seen[kind][:n])})
-    out[("final_norm", None)] = _np64(hidden)
+    out = {("embed", None): seen["layer_input"][0], ("final_norm", None): seen["final_norm"][0]}
+    for kind in LAYER_KINDS:  # one value per layer, in layer order
+        out.update({(kind, i): value for i, value in enumerate(seen[kind])})
     out[("logits", None)] = _np64(logits)
     return out
 
@@ -352,7 +359,7 @@ def compare(torch_out: dict, jax_out: dict, ref: dict, *, unit_roundoff: float, 
         scale = float(np.abs(r).max()) if r.size else 0.0
         err_t, err_j = rounding_error(a, r, unit_roundoff), rounding_error(b, r, unit_roundoff)
         diff = float(np.abs(a - b).max()) if r.size else 0.0
-        floor = max(min(err_t, err_j), 1.0)
+        ratio = max(err_t, err_j) / max(min(err_t, err_j), 1.0)  # the floor: the better twin, at least 1 unit
         rows.append(
             {
                 "tensor": kind,
@@ -362,9 +369,9 @@ def compare(torch_out: dict, jax_out: dict, ref: dict, *, unit_roundoff: float, 
                 "max_rel_diff": diff / scale if scale else 0.0,
                 "torch_err": err_t,
                 "jax_err": err_j,
-                "ratio": max(err_t, err_j) / floor,
+                "ratio": ratio,
                 "worse": "torch" if err_t > err_j else "jax",
-                "ok": bool(max(err_t, err_j) / floor <= tolerance),
+                "ok": bool(ratio <= tolerance),
             }
         )
     return rows

@@ -72,6 +72,7 @@ def test_capture_gives_the_models_own_numbers_and_restores_everything():
         jm.checkpoint_name,
         jm.dot_product_attention,
         jm.decoder_layer,
+        jm.Llama.features,
         tm.dot_product_attention,
         torch.Tensor.float,
     )
@@ -81,6 +82,7 @@ def test_capture_gives_the_models_own_numbers_and_restores_everything():
         jm.checkpoint_name,
         jm.dot_product_attention,
         jm.decoder_layer,
+        jm.Llama.features,
         tm.dot_product_attention,
         torch.Tensor.float,
     )
@@ -157,10 +159,11 @@ def test_low_precision_correct_twins_pass(tmp_path, flags):
 def test_a_transformers_gqa_llama_directory(tmp_path):
     """A Llama written by ``transformers`` itself (GQA 6:2, untied head, perturbed norms), loaded by each twin's own
     loader, fp32 with gradients."""
-    import transformers
+    from parity_tests.twins import hf_llama_dir
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    hf_llama_dir(
+        tmp_path / "hf",
+        seed=0,
         vocab_size=300,
         hidden_size=96,
         intermediate_size=200,
@@ -170,12 +173,6 @@ def test_a_transformers_gqa_llama_directory(tmp_path):
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path / "hf")
     rc, rec = _run(tmp_path, "--init", str(tmp_path / "hf"), "--tokens", "1 5 7 9 200 13 4 4 8 299", "--grads")
     assert rc == 0 and rec["n_layers"] == 3 and len(rec["rows"]) == 1 + 30 + 2 + 9 * 3 + 3
     assert max(r["ratio"] for r in rec["rows"]) < diff.KERNEL_RULE

@@ -18,7 +18,7 @@ import jaxattn  # noqa: E402
 import torchref  # noqa: E402
 from jaxattn.spec import hf_format  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
-from parity_tests.twins import jitted, tokens, twin_models  # noqa: E402
+from parity_tests.twins import hf_llama_dir, jitted, tokens, twin_models  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 
 LOGITS_TOL = 1e-4
@@ -43,7 +43,10 @@ HF_CASES = {  # transformers LlamaConfig kwargs
 
 
 def _hf_dir(tmp_path, case, max_shard_size=None):
-    cfg = transformers.LlamaConfig(
+    return hf_llama_dir(
+        tmp_path / case,
+        seed=7,
+        max_shard_size=max_shard_size,
         vocab_size=96,
         hidden_size=64,
         intermediate_size=112,
@@ -52,16 +55,6 @@ def _hf_dir(tmp_path, case, max_shard_size=None):
         rms_norm_eps=1e-5,
         **HF_CASES[case],
     )
-    torch.manual_seed(7)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF initialises norms to 1; randomise so a swapped norm is caught
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path / case
-    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(path, **kw)
-    return model, path
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))

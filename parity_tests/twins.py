@@ -6,7 +6,17 @@ import numpy as np
 
 from benchmarks.twins import jax_config, jitted, twin_models
 
-__all__ = ["jax_config", "jitted", "twin_models", "layer_params", "tokens", "torchrun", "jsonl_losses"]
+__all__ = [
+    "jax_config",
+    "jitted",
+    "twin_models",
+    "layer_params",
+    "tokens",
+    "hf_llama",
+    "hf_llama_dir",
+    "torchrun",
+    "jsonl_losses",
+]
 
 
 def layer_params(jmodel, i: int = 0) -> dict:
@@ -55,6 +65,23 @@ def hf_llama(config, tensors: dict):
     if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def hf_llama_dir(path, seed: int = 7, max_shard_size=None, **config):
+    """``(model, path)``: a random transformers ``LlamaForCausalLM`` (``LlamaConfig(**config)``, torch seed ``seed``,
+    norm weights perturbed by 0.1 * N(0, 1) so a swapped norm is caught) saved with its own ``save_pretrained``."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**config)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    return model, path
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 300):

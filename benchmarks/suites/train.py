@@ -135,7 +135,8 @@ def _jax_prepare(tcfg, s, tokens, weights) -> dict:
         first = time.perf_counter() - t0
 
     def finish() -> dict:
-        mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
+        with _backend(s, "jax"):  # lowered again for the analysis: under the row's backend, as compiled
+            mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
         return {"peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)", "loss": float(one())}
 
     return {"call": one, "first_step_s": first, "finish": finish}
