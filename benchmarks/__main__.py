@@ -1,4 +1,5 @@
-"""``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR]`` — measure both frameworks on this machine;
+"""``python -m benchmarks run [--suite NAME ...] [--quick] [--out DIR] [--repeat N]`` — measure both frameworks on this
+machine (``--repeat N``: in N fresh processes, pooled into one record per row, ``benchmarks/tools/repeat.py``);
 ``python -m benchmarks report DIR`` — rebuild ``DIR/report.md`` and its plots from the JSON already there;
 ``python -m benchmarks compile ...`` — compile for an H100/H200 without a GPU (its own flags, see ``--help``);
 ``python -m benchmarks readme [--check]`` — regenerate README.md's results section from the committed JSON;
@@ -32,7 +33,7 @@ from . import measure  # noqa: E402
 from .report import readme  # noqa: E402
 from .report.build import rebuild_report, write_report  # noqa: E402
 from .report.plots import plot_suite  # noqa: E402
-from .report.records import check_out_dir, default_out, write_results  # noqa: E402
+from .report.records import check_out_dir, default_out, read_results, write_results  # noqa: E402
 from .report.tables import suite_table  # noqa: E402
 from .suites import SUITES, attention  # noqa: E402
 from .tools import train_example  # noqa: E402
@@ -64,6 +65,14 @@ def main(argv=None) -> int:
         "--out",
         default=None,
         help="output directory (default benchmarks/results/local/<device>[-quick], untracked)",
+    )
+    run.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure in N fresh processes and pool them: one record per row, its pair's interval over the "
+        "processes, `unstable` where they disagree (default 1: this process)",
     )
     rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
     rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
@@ -111,6 +120,8 @@ def main(argv=None) -> int:
             check_out_dir(args.out)
     except ValueError as e:
         run.error(str(e))
+    if args.repeat < 1:
+        run.error(f"--repeat {args.repeat}: give a number of processes >= 1")
 
     info = measure.env_info()
     info["quick"] = args.quick
@@ -122,6 +133,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         run.error(str(e))
     print(f"device: {info['jax_device']} | jax {info['jax']} | torch {info['torch']} | out: {out}", flush=True)
+    if args.repeat > 1:
+        return _run_repeated(args, out)
     results, failed = {}, []
     from tqdm import tqdm
 
@@ -156,6 +169,32 @@ def main(argv=None) -> int:
     if results:
         print(f"\nreport: {write_report(out, results, info)}")
     return 1 if failed else 0
+
+
+def _run_repeated(args, out: str) -> int:
+    """``run --repeat N``: the same command (without ``--repeat``) in N fresh processes writing to a temporary
+    directory (removed after), pooled into ``out`` (``benchmarks/tools/repeat.py``)."""
+    import shutil
+    import tempfile
+
+    from .tools.repeat import run_processes, write_pooled
+
+    extra = [a for i in args.impl or () for a in ("--impl", i)]
+    extra += ["--max-seq", str(args.max_seq)] if args.max_seq is not None else []
+    tmp = tempfile.mkdtemp(prefix="benchmarks-repeat-")
+    try:
+        runs = run_processes(args.suite or ["all"], args.repeat, args.quick, tmp, extra)
+        written = write_pooled(runs, out)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}; nothing written", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only what the processes above wrote
+    for suite, d in read_results(out).items():
+        if suite in runs[0]:
+            print(f"\n## {suite} (pooled over {args.repeat} processes)\n\n{suite_table(suite, d['records'])}")
+    print("\n" + "\n".join(f"wrote {p}" for p in written))
+    return 0
 
 
 if __name__ == "__main__":

@@ -79,6 +79,99 @@ def test_check_stability_compares_each_row_across_runs():
     assert rows[1]["agree"] and rows[1]["unstable_in_runs"] == 0
 
 
+def _process(jax_ms, torch_ms, ratios, skipped=False):
+    """One process's records of a two-row suite: row S=8 paired, row S=16 unpaired (a third impl skipped or not)."""
+    pair = {"ratio": ratios[0], "ci": [min(ratios), max(ratios)], "unstable": False, "ratios": ratios}
+    recs = [
+        {
+            "suite": "m",
+            "S": 8,
+            "impl": "a",
+            "framework": "jax",
+            "median_ms": jax_ms,
+            "p10_ms": jax_ms * 0.9,
+            "p90_ms": jax_ms * 1.2,
+            "iters": 10,
+            "tokens_per_s": 800 / jax_ms,
+            "paired": pair,
+        },
+        {
+            "suite": "m",
+            "S": 8,
+            "impl": "b",
+            "framework": "torch",
+            "median_ms": torch_ms,
+            "p10_ms": torch_ms * 0.9,
+            "p90_ms": torch_ms * 1.1,
+            "iters": 10,
+            "tokens_per_s": 800 / torch_ms,
+            "paired": pair,
+        },
+        {"suite": "m", "S": 16, "impl": "a", "framework": "jax", "median_ms": 2 * jax_ms, "iters": 5},
+        {"suite": "m", "S": 16, "impl": "b", "framework": "torch", "median_ms": 2 * torch_ms, "iters": 5},
+    ]
+    recs.append(
+        {"suite": "m", "S": 16, "impl": "c", "framework": "torch", "status": "skipped", "reason": "x"}
+        if skipped
+        else {"suite": "m", "S": 16, "impl": "c", "framework": "torch", "median_ms": 9.0}
+    )
+    return recs
+
+
+def test_pool_records_pools_times_per_record_and_pairs_per_row():
+    """``run --repeat N``'s pooling: each record's median is the median of the processes' medians with their
+    p10/p90 envelope and the rates rescaled; each row's pair pools every process's rounds (pooled_ratio); a record
+    not timed in every process is kept as the first process has it, with how many processes timed it."""
+    from benchmarks.tools.repeat import pool_records
+
+    runs = [
+        _process(2.0, 3.0, [1.5, 1.6, 1.4]),
+        _process(2.2, 3.0, [1.3, 1.4, 1.35], skipped=True),
+        _process(1.8, 3.3, [1.8, 1.9, 1.7]),
+    ]
+    out = pool_records(runs)
+    assert [(r["S"], r["impl"]) for r in out] == [(r["S"], r["impl"]) for r in runs[0]]
+    a8 = out[0]
+    assert a8["median_ms"] == 2.0 and a8["process_median_ms"] == [2.0, 2.2, 1.8] and a8["iters"] == 30
+    assert a8["p10_ms"] == pytest.approx(1.8 * 0.9) and a8["p90_ms"] == pytest.approx(2.2 * 1.2)
+    assert a8["tokens_per_s"] == pytest.approx(800 / 2.0)
+    pair = a8["paired"]
+    assert pair is out[1]["paired"] and pair["processes"] == 3 and pair["rounds"] == 9
+    assert pair["process_ratios"] == [1.5, 1.35, 1.8] and pair["unstable"] and "processes moved" in pair["why"]
+    assert "paired" not in out[2] and out[2]["median_ms"] == 4.0
+    assert out[4]["median_ms"] == 9.0 and out[4]["processes"] == 2 and "process_median_ms" not in out[4]
+    _, rows = tables.speedup_rows(out)  # the pooling keys are results, not row keys: still two rows
+    assert len(rows) == 2 and rows[0][2] == pair["ratio"]
+    with pytest.raises(ValueError, match="none empty"):
+        pool_records([runs[0], []])
+
+
+def test_run_repeat_pools_fresh_processes_into_one_record_per_suite(tmp_path, monkeypatch):
+    """``run --repeat 3`` runs the command in 3 processes (here replaced by canned runs), writes one pooled JSON per
+    suite with the processes' load, the report and the plot; the temporary run directory is removed."""
+    from benchmarks.tools import repeat
+
+    seen = {}
+
+    def fake(suites, runs, quick, out, extra=(), log=print):
+        seen.update(suites=suites, runs=runs, quick=quick, out=out, extra=list(extra))
+        env = {"jax": "x", "torch": "y", "jax_device": "cpu", "time_utc": "t", "loadavg": [1.0, 1, 1]}
+        return [
+            {"model": _process(2.0 + i / 10, 3.0, [1.5, 1.4, 1.45]), "_env": {"model": env, "wall_s": 1.0}}
+            for i in range(runs)
+        ]
+
+    monkeypatch.setattr(repeat, "run_processes", fake)
+    assert cli.main(["run", "--suite", "model", "--quick", "--repeat", "3", "--out", str(tmp_path)]) == 0
+    assert seen["runs"] == 3 and seen["suites"] == ["model"] and seen["quick"] and not os.path.exists(seen["out"])
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert data["env"]["repeat"] == 3 and data["env"]["process_loadavg"] == [[1.0, 1, 1]] * 3
+    assert data["records"][0]["process_median_ms"] == [2.0, 2.1, 2.2] and data["records"][0]["paired"]["processes"] == 3
+    assert "[" in (tmp_path / "report.md").read_text()
+    rc, err = _cli("--repeat", "0", "--suite", "model", "--quick", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "--repeat 0" in err and not (tmp_path / "x").exists()
+
+
 def test_timeit_rejects_bad_counts():
     with pytest.raises(ValueError, match="iters"):
         measure.timeit(lambda: None, iters=0)
@@ -119,7 +212,7 @@ def _cli(*argv, timeout=60):
         (["--max-seq", "0"], r"--max-seq must be a positive int"),
         (
             ["--quick", "--max-seq", "64"],
-            r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 128",
+            r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 256",
         ),
         (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
     ],

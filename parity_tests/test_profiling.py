@@ -106,6 +106,30 @@ def test_paired_ratio_labels_a_wide_interval_or_a_drifting_side_unstable():
     assert drift["unstable"] and "rounds vary by CV 0.40 > 0.25" in drift["why"]
     with pytest.raises(ValueError, match="equally many rounds"):
         timing.paired_ratio([1.0], [1.0, 2.0])
+    assert steady["ratios"] == [2.0] * 10  # per-round ratios kept: processes pool them (pooled_ratio)
+
+
+def test_pooled_ratio_widens_to_the_processes_and_labels_processes_that_disagree():
+    """The same pair from several processes: median of every round; the hierarchical bootstrap interval covers the
+    spread between processes (which each process's own interval cannot); processes that moved more than
+    UNSTABLE_SPREAD make the row unstable even when each one alone was steady."""
+    rng = np.random.default_rng(0)
+    agree = [list(1.3 + 0.02 * rng.standard_normal(15)) for _ in range(3)]
+    p = timing.pooled_ratio(agree)
+    assert p["processes"] == 3 and p["rounds"] == 45 and p["spread"] < 1.05 and not p["unstable"]
+    assert p["ci"][0] < p["ratio"] < p["ci"][1] and p["ci"][1] / p["ci"][0] < 1.1 and p["finding"]
+    apart = [list(r + 0.01 * rng.standard_normal(15)) for r in (1.0, 1.2, 1.45)]
+    q = timing.pooled_ratio(apart)
+    assert q["unstable"] and "processes moved" in q["why"] and q["spread"] > 1.4
+    assert all(
+        timing.paired_ratio(r, [1.0] * 15)["ci"][1] / timing.paired_ratio(r, [1.0] * 15)["ci"][0] < 1.1 for r in apart
+    )  # each process alone: a tight interval
+    assert q["ci"][0] < 1.1 and q["ci"][1] > 1.35  # the pooled one spans the processes
+    assert timing.pooled_ratio(apart) == q  # seeded: the same record from the same rounds
+    with pytest.raises(ValueError, match="at least one process"):
+        timing.pooled_ratio([[1.0], []])
+    with pytest.raises(ValueError, match="resamples"):
+        timing.pooled_ratio(agree, resamples=10)
 
 
 # ------------------------------------------------------------------------------------------------ jax

@@ -394,6 +394,36 @@ def test_timing_plots_draw_p10_p90_error_bars_and_no_line_through_two_points(tmp
     assert "p10-p90" in drawn[-1]._suptitle.get_text()
 
 
+def test_unstable_pairs_are_drawn_hollow_and_the_title_says_so(tmp_path, drawn):
+    """A point (line plot) or bar (train) whose record carries an ``unstable`` JAX-vs-torch pair is drawn hollow
+    (white face, the series' colour as its edge); stable ones stay filled; the title explains the hollow marks."""
+    from matplotlib.container import BarContainer
+
+    records, _ = _attention_records(random.Random(2))
+    weak = {"ratio": 0.5, "ci": [0.3, 0.9], "unstable": True}
+    for r in records:
+        if r["Sk"] == 512 and r["pass"] == "fwd" and r["impl"] in ("xla", "sdpa:math"):
+            r["paired"] = weak
+    plots.plot_suite(str(tmp_path), "attention", records, {"jax_device": "cpu"})
+    fig = drawn[-1]
+    ax = next(a for a in fig.axes if a.get_visible() and a.get_title().startswith("fwd,"))
+    hollow = [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+    assert sorted(x for ln in hollow for x in ln.get_xdata()) == [512, 512]
+    assert "hollow: an unstable JAX-vs-torch pair" in fig._suptitle.get_text().replace("\n", " ")
+    other = next(a for a in fig.axes if a.get_visible() and a.get_title().startswith("fwd_bwd,"))
+    assert not [ln for ln in other.get_lines() if ln.get_markerfacecolor() == "white"]
+
+    records, _ = _train_records(random.Random(3))
+    for r in records:
+        if r["toggle"] == "bf16":
+            r["paired"] = weak
+    plots.plot_suite(str(tmp_path), "train", records, {"jax_device": "cpu"})
+    ax = next(a for a in drawn[-1].axes if a.get_visible())
+    bars = [c.patches[0] for c in ax.containers if isinstance(c, BarContainer)]
+    faces = [tuple(b.get_facecolor()) for b in bars]
+    assert faces.count((1.0, 1.0, 1.0, 1.0)) == 2  # the two bf16 bars (JAX and torch), nothing else
+
+
 def test_remat_plot_picks_units_that_fit(tmp_path, drawn):
     records, _ = _remat_records(random.Random(1))
     small = [

@@ -28,7 +28,8 @@ class Panel:
     (numeric x, ``logx`` a base or None) or "bar" (grouped bars over ``categories``, in that order). ``logy``:
     None = log when the positive values span 20x or more. ``limits``: ``(y, text)`` dotted reference lines;
     ``note``: a text in the corner (e.g. "no spills"); ``errors``: ``{label: {x: (low, high)}}`` error bars (a
-    timing's p10-p90 band)."""
+    timing's p10-p90 band); ``hollow``: ``{label: {x, ...}}`` points drawn hollow (a row whose JAX-vs-torch pair
+    is ``unstable``: noise, not a finding)."""
 
     title: str
     xlabel: str
@@ -41,6 +42,7 @@ class Panel:
     limits: tuple = ()
     note: str | None = None
     errors: dict = dataclasses.field(default_factory=dict)  # {label: {x: (low, high)}}: drawn as error bars
+    hollow: dict = dataclasses.field(default_factory=dict)  # {label: {x, ...}}: drawn hollow (unstable pair)
 
     def values(self) -> list:
         return [y for pts in self.series.values() for y in pts.values() if isinstance(y, (int, float))]
@@ -90,6 +92,21 @@ def readable(record: dict) -> str:
 
 def _is_torch(label: str) -> bool:
     return label.lower().startswith("torch")
+
+
+def unstable(r: dict) -> bool:
+    """Whether a record belongs to a JAX-vs-torch pair labelled ``unstable`` (``jaxattn.spec.timing``)."""
+    return isinstance(r.get("paired"), dict) and bool(r["paired"].get("unstable"))
+
+
+def _add_point(panel: Panel, lab: str, x, value: float, r: dict) -> None:
+    """``value`` at ``x`` in series ``lab`` of ``panel``, with the record's p10-p90 band and hollow if unstable."""
+    panel.series.setdefault(lab, {})[x] = value
+    band = time_band(r, value)
+    if band:
+        panel.errors.setdefault(lab, {})[x] = band
+    if unstable(r):
+        panel.hollow.setdefault(lab, set()).add(x)
 
 
 def time_band(r: dict, value: float) -> tuple[float, float] | None:
@@ -162,6 +179,8 @@ def draw(out_dir: str, name: str, title: str, panels: list[Panel], ncols: int | 
         for lab in labels
     ]
     fig.legend(proxies, labels, loc="outside lower center", ncol=legend_cols, fontsize=8, frameon=False)
+    if any(p.hollow for p in panels):
+        title_lines[-1] += "; hollow: an unstable JAX-vs-torch pair"
     fig.suptitle("\n".join(title_lines), fontsize=11)
     path = os.path.join(out_dir, name)
     try:
@@ -196,6 +215,9 @@ def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
                 xs, ys = [x for x, _ in pts], [y for _, y in pts]
                 st = dict(style[lab], linestyle="none") if len(pts) < 3 else style[lab]  # two points: no line
                 ax.plot(xs, ys, label=lab, **st)
+                weak = [(x, y) for x, y in pts if x in panel.hollow.get(lab, ())]
+                if weak:  # the unstable points again, hollow
+                    ax.plot(*zip(*weak), linestyle="none", marker=st["marker"], color=st["color"], mfc="white")
                 yerr = _yerr(panel, lab, xs, ys)
                 if yerr is not None:
                     ax.errorbar(xs, ys, yerr=yerr, fmt="none", ecolor=style[lab]["color"], elinewidth=1, capsize=3)
@@ -211,14 +233,15 @@ def _draw_panel(ax, panel: Panel, labels: list, style: dict) -> None:
             for j, lab in enumerate(group):  # each category's bars centred on its tick, in legend order
                 x, y = i + width * (j + 0.5 - len(group) / 2), panel.series[lab][cat]
                 if isinstance(y, (int, float)):
+                    weak = cat in panel.hollow.get(lab, ())
                     ax.bar(
                         x,
                         y,
                         width,
-                        color=style[lab]["color"],
+                        color="white" if weak else style[lab]["color"],
                         hatch="//" if _is_torch(lab) else None,
-                        edgecolor="white",
-                        linewidth=0.5,
+                        edgecolor=style[lab]["color"] if weak else "white",
+                        linewidth=1.0 if weak else 0.5,
                         label=lab,
                     )
                     yerr = _yerr(panel, lab, [cat], [y])
@@ -290,17 +313,11 @@ def plot_attention(out_dir: str, records: list[dict], info: dict | None = None) 
     panels = []
     keys = {(r["pass"], r["causal"], r["D"]) for r in ok}
     for p, c, d in sorted(keys, key=lambda k: (str(k[:2]), str(k[2]).zfill(6))):  # D numerically
-        series: dict = {}
-        errors: dict = {}
+        panel = Panel(f"{p}, causal={c}, D={d}", "sequence length (tokens)", "TFLOP/s", {}, logx=2)
         for r in ok:
             if (r["pass"], r["causal"], r["D"]) == (p, c, d):
-                series.setdefault(readable(r), {})[r["Sk"]] = r["tflops"]
-                band = time_band(r, r["tflops"])
-                if band:
-                    errors.setdefault(readable(r), {})[r["Sk"]] = band
-        panels.append(
-            Panel(f"{p}, causal={c}, D={d}", "sequence length (tokens)", "TFLOP/s", series, logx=2, errors=errors)
-        )
+                _add_point(panel, readable(r), r["Sk"], r["tflops"], r)
+        panels.append(panel)
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in ok}))
     return draw(
         out_dir,
@@ -317,28 +334,23 @@ def plot_train(out_dir: str, records: list[dict], info: dict | None = None) -> P
     panels = []
     for shape in dict.fromkeys((r.get("preset"), r.get("B"), r.get("S")) for r in records):
         sel = [r for r in records if (r.get("preset"), r.get("B"), r.get("S")) == shape]
-        series: dict = {}
-        errors: dict = {}
-        for r in sel:
-            ok = r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None
-            series.setdefault(readable(r), {})[r["toggle"]] = r["tokens_per_s"] if ok else None
-            band = time_band(r, r["tokens_per_s"]) if ok else None
-            if band:
-                errors.setdefault(readable(r), {})[r["toggle"]] = band
         cats = tuple(dict.fromkeys(r["toggle"] for r in sel))
-        for pts in series.values():  # a toggle one framework has no row for (torch.compile: JAX always jits)
-            pts.update({c: "n/a" for c in cats if c not in pts})
-        panels.append(
-            Panel(
-                f"{shape[0]}, B={shape[1]}, S={shape[2]}",
-                "training toggle (one change from the fp32 baseline)",
-                "tokens/s",
-                series,
-                kind="bar",
-                categories=cats,
-                errors=errors,
-            )
+        panel = Panel(
+            f"{shape[0]}, B={shape[1]}, S={shape[2]}",
+            "training toggle (one change from the fp32 baseline)",
+            "tokens/s",
+            {},
+            kind="bar",
+            categories=cats,
         )
+        for r in sel:
+            if r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None:
+                _add_point(panel, readable(r), r["toggle"], r["tokens_per_s"], r)
+            else:
+                panel.series.setdefault(readable(r), {})[r["toggle"]] = None
+        for pts in panel.series.values():  # a toggle one framework has no row for (torch.compile: JAX always jits)
+            pts.update({c: "n/a" for c in cats if c not in pts})
+        panels.append(panel)
     title = f"Train step throughput per toggle (bars: p10-p90 of the timed steps) — {_where(info)}"
     return draw(out_dir, PLOT_FILES["train"], title, panels, ncols=1)
 
@@ -400,17 +412,13 @@ def plot_decode(out_dir: str, records: list[dict], info: dict | None = None) -> 
     devices = {r.get("device") for r in ok}
     panels = []
     for model, pss in sorted({(r["model"], r["pass"]) for r in ok}, key=lambda k: (k[0], k[1] != "decode")):
-        series: dict = {}
-        errors: dict = {}
+        what = "one step, B new tokens" if pss == "decode" else f"prompt of {ok[0].get('prompt_len')} tokens"
+        panel = Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", {}, logx=2)
         for r in ok:
             if (r["model"], r["pass"]) == (model, pss):
                 lab = f"{readable(r)} {r['weights']}" + (f" ({r.get('device')})" if len(devices) > 1 else "")
-                series.setdefault(lab, {})[r["B"]] = r["tokens_per_s"]
-                band = time_band(r, r["tokens_per_s"])
-                if band:
-                    errors.setdefault(lab, {})[r["B"]] = band
-        what = "one step, B new tokens" if pss == "decode" else f"prompt of {ok[0].get('prompt_len')} tokens"
-        panels.append(Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", series, logx=2, errors=errors))
+                _add_point(panel, lab, r["B"], r["tokens_per_s"], r)
+        panels.append(panel)
     return draw(
         out_dir,
         PLOT_FILES["decode"],

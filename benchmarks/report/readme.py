@@ -183,9 +183,10 @@ def _speedup(records: list) -> tuple[list, list, list, int]:
 
 
 def _interval(records: list) -> str:
-    """The paired rows' widest 95% interval of the speed-up, as ``[low–high]`` of that row, or "" (unpaired)."""
+    """The stable paired rows' widest 95% interval of the speed-up (the rows the median / min / max summarise), as
+    ``[low–high]`` of that row, or "" (no stable pair)."""
     _, rows = speedup_rows(records)
-    pairs = [p for p in (row_paired(cells) for _, cells, _ in rows) if p]
+    pairs = [p for p in (row_paired(cells) for _, cells, _ in rows) if p and not p.get("unstable")]
     if not pairs:
         return ""
     widest = max(pairs, key=lambda p: p["ci"][1] / p["ci"][0])
@@ -203,6 +204,14 @@ def _spread(records: list, framework: str) -> str:
         and r.get("p90_ms")
     ]
     return f"{max(spreads):.1f}×" if spreads else "—"
+
+
+def _loads(loads: list) -> str:
+    """The 1-minute load average(s) of a suite's process(es): ``1.15``, or ``0.90–1.60`` over several."""
+    if not loads:
+        return "—"
+    lo, hi = min(loads), max(loads)
+    return f"{lo:.2f}" if len(loads) == 1 or f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
 
 
 def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
@@ -224,10 +233,13 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
         if times
         else "at an unknown time"
     )
+    repeats = sorted({int(e["repeat"]) for e in envs if e.get("repeat")})
+    repeat = f" --repeat {repeats[-1]}" if repeats else ""
     out = [
         "### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)",
         "",
-        f"From `{rel}/*.json` (`python -m benchmarks run --quick --out {rel}`, full tables in `{rel}/report.md`): "
+        f"From `{rel}/*.json` (`python -m benchmarks run --quick{repeat} --out {rel}`, full tables in "
+        f"`{rel}/report.md`): "
         f"JAX on "
         f"{distinct('jax_device')}, torch on {distinct('torch_device')}; jax {distinct('jax')}, torch "
         f"{distinct('torch')}; measured {when} (UTC). Tiny shapes on a 2-core CPU shared with other jobs: "
@@ -253,29 +265,30 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
             if ratios
             else "— (every row unstable)"
         )
-        load = (d.get("env") or {}).get("loadavg")
+        env = d.get("env") or {}
+        loads = [x[0] for x in env.get("process_loadavg") or [env.get("loadavg")] if x]
         _, rows = speedup_rows(d["records"])
         paired = any(row_paired(cells) for _, cells, _ in rows)
         out.append(
             f"| {suite} | {', '.join(keys)} | {', '.join(impls['jax'])} vs {', '.join(impls['torch'])} | "
             f"{len(ratios) + unstable} ({unstable if paired else 'not paired'}) | {speedup} "
             f"| {_spread(d['records'], 'jax')} / {_spread(d['records'], 'torch')} "
-            f"| {f'{load[0]:.2f}' if load else '—'} | {link} |"
+            f"| {_loads(loads)} | {link} |"
         )
     if unpaired:
         out += ["", "Not in the table (no JAX-vs-torch times):"] + unpaired
     out += [
         "",
         "Rows timed as pairs (JAX and torch alternating in rounds, the order flipped each round) give "
-        "the median per-round speed-up and its widest 95% interval; an `unstable` row (interval wider than 1.5×, "
-        "or per-round times varying by a CV above 0.25) is counted in parentheses and left out of the median / "
-        "min / max. A suite marked `not paired` has a committed record without pairs (the attention and train "
-        "suites pair now, but no three-process `python -m benchmarks check-stability` has accepted a refresh of "
-        "their records on this machine; decode does not pair yet): its ratios carry no interval and move between "
-        'processes by up to 1.7-1.8× (`benchmarks/NOTES.md`, "Trustworthy numbers"). '
-        "`load avg` is the machine's 1-minute load average when the suite started (2 cores: above 2, other jobs "
-        "were competing). These are CPU numbers at tiny shapes: they say how the twins' CPU paths compare on this "
-        "machine at that moment, not which framework is faster on a GPU or at real sizes.",
+        "the median per-round speed-up and its widest 95% interval; with `--repeat N` every row is measured in N "
+        "fresh processes and pooled (the interval a hierarchical bootstrap over processes and rounds). An `unstable` "
+        "row (interval wider than 1.5×, per-round times varying by a CV above 0.25, or, pooled, processes whose own "
+        "speed-ups differ by more than 1.15×) is counted in parentheses and left out of the median / min / max. A "
+        "suite marked `not paired` has a record without pairs: its ratios carry no interval. `load avg` is the "
+        "machine's 1-minute load average as the suite started (per process with `--repeat`: lowest–highest; 2 "
+        "cores: above 2, other jobs were competing). These are CPU numbers at tiny shapes: they say how the twins' "
+        "CPU paths compare on this machine at that moment, not which framework is faster on a GPU or at real sizes "
+        '(`benchmarks/NOTES.md`, "Trustworthy numbers").',
     ]
     return out
 

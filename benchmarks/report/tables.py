@@ -33,13 +33,16 @@ MEASURED = {
     "cv",
     "paired",
     "loadavg",
+    "processes",
+    "process_median_ms",
 }
 SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
 SPEEDUP_NOTE = (
     f"**{SPEEDUP_COLUMN}**: where the two were timed as a pair (alternating rounds), the median of the per-round "
     "ratios with its 95% interval, `unstable` when the interval spans more than 1.5x or the per-round times vary "
-    "by a CV above 0.25; otherwise the fastest torch median over the fastest JAX median in that row. Above 1.00x "
-    "JAX is faster, below it torch is."
+    "by a CV above 0.25 (pooled over processes, `run --repeat N`: also when the processes' speed-ups differ by more "
+    "than 1.15x), `no difference shown` when the interval includes 1.00x; otherwise the fastest torch median over "
+    "the fastest JAX median in that row. Above 1.00x JAX is faster, below it torch is."
 )
 # suite name -> fn(records) -> markdown, for suites whose records need their own layout
 SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {"compile": compile_tables.suite_tables}
@@ -98,13 +101,15 @@ def row_paired(cells: dict) -> dict | None:
 
 
 def format_ratio(ratio: float, paired: dict | None) -> str:
-    """A speed-up cell: ``1.31x``, with a pair's interval ``1.31x [1.22–1.40]`` and ``unstable`` where it is."""
+    """A speed-up cell: ``1.31x``, with a pair's interval ``1.31x [1.22–1.40]``, ``unstable`` where it is, and
+    ``no difference shown`` where a stable interval includes 1 (not a finding either way)."""
     if math.isnan(ratio):
         return ""
     if not paired:
         return f"{ratio:.2f}x"
     lo, hi = paired["ci"]
-    return f"{ratio:.2f}x [{lo:.2f}–{hi:.2f}]" + (" unstable" if paired.get("unstable") else "")
+    label = " unstable" if paired.get("unstable") else " no difference shown" if lo <= 1.0 <= hi else ""
+    return f"{ratio:.2f}x [{lo:.2f}–{hi:.2f}]{label}"
 
 
 def report_table(records: Iterable[dict]) -> str:

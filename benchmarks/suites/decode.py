@@ -263,7 +263,29 @@ def _torch_fns(tmodel, tokens, cache_len):
     return prefill, stepper
 
 
+def _timed_record(base: dict, impl: str, fw: str, device: str, pass_name: str, ntok: int, t: dict, diff) -> dict:
+    return {
+        **base,
+        "pass": pass_name,
+        "impl": impl,
+        "framework": fw,
+        "device": device,
+        "median_ms": 1e3 * t["median_s"],
+        "p10_ms": 1e3 * t["p10_s"],
+        "p90_ms": 1e3 * t["p90_s"],
+        "iters": t["iters"],
+        "tokens_per_s": ntok / t["median_s"],
+        "max_abs_diff": diff,
+        "peak_mem_bytes": None,
+        "status": "ok",
+    }
+
+
 def run(quick: bool) -> list[dict]:
+    """Per model, weights and batch: our JAX and eager torch (prefill, then decode steps on its cache) timed as a
+    pair (``measure.timeit_paired``, JAX and torch alternating in rounds: each record carries the paired JAX
+    speed-up with its interval); the extra implementations (JAX split-K decode kernel on a GPU, ``torch.compile``d
+    decode step outside ``--quick``) by :func:`timeit_budget`, unpaired."""
     import jax
 
     from jaxattn.attention import attention_backend
@@ -272,10 +294,11 @@ def run(quick: bool) -> list[dict]:
     batches = (1, 4) if quick else (1, 64)
     prompt_len = 16 if quick else 64
     warmup, iters = (2, 20) if quick else (3, 30)
+    rounds, per_round = (15, 5) if quick else (10, 3)  # the pair's (sub-millisecond calls at quick sizes)
     budget_s = BUDGET_S
     # decode steps that must fit the cache: each step function makes at most max(1, warmup) + iters calls
-    # (timeit_budget) from the prompt; the margin keeps the shapes of the runs made before adaptive iterations
-    steps = 2 * (max(1, warmup) + iters) + 8
+    # (timeit_budget), a paired one warmup + rounds * per_round; the margin keeps the shapes of earlier runs
+    steps = max(2 * (max(1, warmup) + iters) + 8, warmup + rounds * per_round)
     records = []
     for name, cfg, tensors in _models(quick):
         rng = np.random.default_rng(0)
@@ -320,8 +343,8 @@ def run(quick: bool) -> list[dict]:
                     ("torch", "torchref", functools.partial(make_torch, False)),
                 ]
                 if devices["jax"] == "gpu":  # our split-K kernel for the decode steps (interpreted on a CPU: slow)
-                    impls.insert(
-                        1, ("jax", "jaxattn+flash_decode", functools.partial(_jax_fns, jmodel, tokens, cache_len))
+                    impls.append(
+                        ("jax", "jaxattn+flash_decode", functools.partial(_jax_fns, jmodel, tokens, cache_len))
                     )
                 if not quick:
                     impls.append(("torch", "torchref+compile", functools.partial(make_torch, True)))
@@ -333,55 +356,65 @@ def run(quick: bool) -> list[dict]:
                     "prompt_len": prompt_len,
                     "weight_MB": round(wbytes / 2**20, 2),
                 }
+                label = f"decode {name} {weights} B={b}"
+
+                def skipped(fw, impl, e, base=base, label=label):
+                    records.append(
+                        {
+                            **base,
+                            "pass": "decode",
+                            "impl": impl,
+                            "framework": fw,
+                            "device": devices[fw],
+                            "status": "skipped",
+                            "reason": f"{type(e).__name__}: {e}"[:300],
+                        }
+                    )
+                    print(f"{label} {impl}: skipped ({type(e).__name__}: {str(e)[:200]})", flush=True)
+
+                made = {}
                 for fw, impl, make in impls:
                     backends = ("flash_decode", "flash") if impl.endswith("flash_decode") else None
                     try:
                         # programs are made and cached per active backend block (jaxattn.generate._programs)
                         with attention_backend(*backends) if backends else contextlib.nullcontext():
-                            prefill, step = make()
-                        timed = [("prefill", prefill, b * prompt_len), ("decode", step, b)]
-                        if impl.endswith("compile"):
-                            timed = timed[1:]  # only the decode step is compiled
+                            made[impl] = (fw, *make())
+                    except Exception as e:  # noqa: BLE001 - a backend that cannot run here is recorded, not fatal
+                        skipped(fw, impl, e)
+                if "jaxattn" in made and "torchref" in made:  # the pair: prefills first, then steps on their caches
+                    try:
+                        for pass_name, idx, ntok in (("prefill", 1, b * prompt_len), ("decode", 2, b)):
+                            calls = {"jax": made["jaxattn"][idx], "torch": made["torchref"][idx]}
+                            t = measure.timeit_paired(calls, rounds=rounds, per_round=per_round, warmup=warmup)
+                            for fw, impl in (("jax", "jaxattn"), ("torch", "torchref")):
+                                rec = _timed_record(base, impl, fw, devices[fw], pass_name, ntok, t[fw], diff)
+                                records.append(rec | {"cv": t[fw]["cv"], "paired": t["paired"]})
+                            p = t["paired"]
+                            print(
+                                f"{label} {pass_name}: JAX {1e3 * t['jax']['median_s']:.4g} ms, torch "
+                                f"{1e3 * t['torch']['median_s']:.4g} ms, JAX speed-up {p['ratio']:.2f}x "
+                                f"[{p['ci'][0]:.2f}-{p['ci'][1]:.2f}]" + (" unstable" if p["unstable"] else ""),
+                                flush=True,
+                            )
+                    except Exception as e:  # noqa: BLE001
+                        for impl in ("jaxattn", "torchref"):
+                            skipped(made[impl][0], impl, e)
+                for impl, (fw, prefill, step) in made.items():
+                    if impl in ("jaxattn", "torchref"):
+                        continue
+                    timed = [("prefill", prefill, b * prompt_len), ("decode", step, b)]
+                    if impl.endswith("compile"):
+                        timed = timed[1:]  # only the decode step is compiled
+                    try:
                         for pass_name, fn, ntok in timed:
                             t0 = time.perf_counter()
                             t = timeit_budget(fn, warmup=warmup, iters=iters, budget_s=budget_s)
-                            records.append(
-                                {
-                                    **base,
-                                    "pass": pass_name,
-                                    "impl": impl,
-                                    "framework": fw,
-                                    "device": devices[fw],
-                                    "median_ms": 1e3 * t["median_s"],
-                                    "p10_ms": 1e3 * t["p10_s"],
-                                    "p90_ms": 1e3 * t["p90_s"],
-                                    "iters": t["iters"],
-                                    "tokens_per_s": ntok / t["median_s"],
-                                    "max_abs_diff": diff,
-                                    "peak_mem_bytes": None,
-                                    "status": "ok",
-                                }
-                            )
+                            records.append(_timed_record(base, impl, fw, devices[fw], pass_name, ntok, t, diff))
                             print(
-                                f"decode {name} {weights} B={b} {impl} {pass_name}: "
-                                f"{1e3 * t['median_s']:.4g} ms ({ntok / t['median_s']:.4g} tok/s; "
-                                f"{t['warmup']} warm-up + {t['iters']} timed, {time.perf_counter() - t0:.0f} s)",
+                                f"{label} {impl} {pass_name}: {1e3 * t['median_s']:.4g} ms ({t['warmup']} warm-up "
+                                f"+ {t['iters']} timed, {time.perf_counter() - t0:.0f} s)",
                                 flush=True,
                             )
-                    except Exception as e:  # noqa: BLE001 - a backend that cannot run here is recorded, not fatal
-                        records.append(
-                            {
-                                **base,
-                                "pass": "decode",
-                                "impl": impl,
-                                "framework": fw,
-                                "device": devices[fw],
-                                "status": "skipped",
-                                "reason": f"{type(e).__name__}: {e}"[:300],
-                            }
-                        )
-                        print(
-                            f"decode {name} {weights} B={b} {impl}: skipped ({type(e).__name__}: {str(e)[:200]})",
-                            flush=True,
-                        )
+                    except Exception as e:  # noqa: BLE001
+                        skipped(fw, impl, e)
     return records

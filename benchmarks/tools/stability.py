@@ -9,8 +9,9 @@ processes show it. Each run is ``python -m benchmarks run --suite S --out <out>/
 speedup_rows``, rows every run timed) the record holds each run's speed-up, their spread (max / min) and ``agree``
 (spread <= ``--max-spread``, default 1.15: ±15% around the middle, the issue's target). Written to
 ``<out>/stability.json`` (default ``benchmarks/results/local/stability/``); exit 0 when every row agrees, 1 when
-one does not, 2 on bad flags. A committed quick record (and the README numbers from it) is refreshed only from a run
-this check accepts (benchmarks/NOTES.md, "Trustworthy numbers").
+one does not, 2 on bad flags. The processes are ``tools/repeat.py``'s, the ones ``run --repeat N`` pools: the
+committed quick records come from ``run --quick --repeat 3``, whose rows the processes disagree on are labelled
+``unstable`` and left out of the README's medians (benchmarks/NOTES.md, "Trustworthy numbers").
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-from ..report.records import SUITES, check_out_dir, default_out, read_results, write_text_atomic
+from ..report.records import SUITES, check_out_dir, default_out, write_text_atomic
 from ..report.tables import row_paired, speedup_rows
+from .repeat import run_processes
 
 
 def rows_of(records: list[dict]) -> dict[tuple, dict]:
@@ -72,25 +72,13 @@ def main(argv=None, prog: str = "python -m benchmarks check-stability") -> int:
     except ValueError as e:
         p.error(str(e))
     suites = list(dict.fromkeys(args.suite))
-    runs: dict[str, list] = {s: [] for s in suites}
-    env = []
-    for i in range(args.runs):
-        run_dir = os.path.join(out, f"run-{i}")
-        cmd = [sys.executable, "-m", "benchmarks", "run", "--out", run_dir] + ["--quick"] * args.quick
-        for s in suites:
-            cmd += ["--suite", s]
-        print(f"run {i + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            print(f"{prog}: error: run {i + 1} exited with status {proc.returncode}", file=sys.stderr)
-            return 1
-        found = read_results(run_dir)
-        for s in suites:
-            runs[s].append(rows_of(found[s]["records"]))
-        env.append(
-            {s: (found[s].get("env") or {}).get("loadavg") for s in suites} | {"wall_s": time.perf_counter() - t0}
-        )
+    try:
+        done = run_processes(suites, args.runs, args.quick, out)
+    except RuntimeError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    runs = {s: [rows_of(d[s]) for d in done] for s in suites}
+    env = [{s: d["_env"][s].get("loadavg") for s in suites} | {"wall_s": d["_env"]["wall_s"]} for d in done]
     result = {s: compare_runs(runs[s], args.max_spread) for s in suites}
     record = {"runs": args.runs, "quick": args.quick, "max_spread": args.max_spread, "loadavg": env, "suites": result}
     write_text_atomic(os.path.join(out, "stability.json"), json.dumps(record, indent=1) + "\n")

@@ -7,13 +7,18 @@ frameworks time the same way.
     stats = time_calls(lambda: sum(range(1000)), warmup=2, iters=20)   # {"median_s", "p10_s", "p90_s", "iters"}
     rounds = time_interleaved({"jax": f, "torch": g}, rounds=8, per_round=3)   # A B, B A, A B, ... per round
     paired_ratio(rounds["torch"], rounds["jax"])       # {"ratio": 1.31, "ci": [1.22, 1.40], "unstable": False, ...}
+    pooled_ratio([pair_1["ratios"], pair_2["ratios"], pair_3["ratios"]])   # the same pair from three processes
 
 Paired, interleaved comparison (design §9): two callables alternate in rounds, the order flipped each round (A B,
 B A, ...) so a slow spell of the machine hits both; each round gives one duration per callable (the median of its
 ``per_round`` calls) and one ratio, and the reported ratio is the median of the per-round ratios with a
 distribution-free 95% interval from order statistics (:func:`median_ci`). A ratio whose interval is wider than
 :data:`UNSTABLE_CI` or whose callables' per-round times vary more than :data:`UNSTABLE_CV` is ``unstable``: a report
-labels it and leaves it out of headline medians. Hand-written, not ``torch.utils.benchmark.Timer``: its
+labels it and leaves it out of headline medians. The same pair measured in several fresh processes (pyperf's
+worker processes: thread placement and memory layout change between processes, which no in-process pairing sees)
+pools with :func:`pooled_ratio`: the median of all rounds, with a hierarchical bootstrap interval (processes
+resampled, then rounds within each), ``unstable`` also when the processes' own ratios spread more than
+:data:`UNSTABLE_SPREAD`. Hand-written, not ``torch.utils.benchmark.Timer``: its
 ``blocked_autorange`` times one statement in isolation and synchronizes only CUDA, while a pair needs the two
 frameworks alternated in one loop with each one's own synchronization (the caller's ``sync``), the same rule for both.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -35,14 +41,18 @@ __all__ = [
     "median_ci",
     "time_interleaved",
     "paired_ratio",
+    "pooled_ratio",
     "UNSTABLE_CI",
     "UNSTABLE_CV",
+    "UNSTABLE_SPREAD",
 ]
 
 # A paired ratio is unstable when its 95% interval spans more than this factor (high / low) ...
 UNSTABLE_CI = 1.5
 # ... or when either side's per-round times have a coefficient of variation (stdev / mean) above this.
 UNSTABLE_CV = 0.25
+# ... or, pooled over processes, when the processes' ratios spread more than this (max / min: ±7% around the middle).
+UNSTABLE_SPREAD = 1.15
 
 
 def _no_sync(_out: Any = None) -> None:
@@ -179,22 +189,64 @@ def paired_ratio(
     if min(num + den) <= 0:
         raise ValueError("paired_ratio: durations must be > 0")
     ratios = [a / b for a, b in zip(num, den)]
-    lo, hi, cov = median_ci(ratios, confidence)
-    cvs = list(cv)
-    why = []
+    return _verdict(ratios, *median_ci(ratios, confidence), cv)
+
+
+def _verdict(ratios: list, lo: float, hi: float, coverage: float, cv: Iterable[float], why: Iterable[str] = ()) -> dict:
+    """The record of a ratio: median of ``ratios``, interval ``[lo, hi]``, and ``unstable`` with its reasons
+    (interval wider than :data:`UNSTABLE_CI`, a ``cv`` above :data:`UNSTABLE_CV`, and the caller's ``why``)."""
+    cvs, why = list(cv), list(why)
     if hi / lo > UNSTABLE_CI:
-        why.append(f"interval spans {hi / lo:.2f}x > {UNSTABLE_CI}x")
+        why.insert(0, f"interval spans {hi / lo:.2f}x > {UNSTABLE_CI}x")
     if cvs and max(cvs) > UNSTABLE_CV:
         why.append(f"rounds vary by CV {max(cvs):.2f} > {UNSTABLE_CV}")
     return {
         "ratio": statistics.median(ratios),
         "ci": [lo, hi],
-        "coverage": cov,
+        "coverage": coverage,
         "rounds": len(ratios),
         "unstable": bool(why),
         "why": "; ".join(why),
         "finding": not lo <= 1.0 <= hi,
+        "ratios": ratios,
     }
+
+
+def pooled_ratio(
+    per_process: Iterable[Iterable[float]],
+    *,
+    cv: Iterable[float] = (),
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """One paired ratio from the per-round ratios of the same pair measured in several processes
+    (``per_process[p]`` = process p's :func:`paired_ratio` ``"ratios"``): the median of all rounds, a 95% interval
+    by a hierarchical bootstrap (``resamples`` times: draw the processes with replacement, then each one's rounds
+    with replacement; the interval is the middle ``confidence`` of the resampled medians), ``process_ratios`` (each
+    process's median) and their ``spread`` (max / min). ``unstable`` as :func:`paired_ratio`, and also when the
+    spread exceeds :data:`UNSTABLE_SPREAD`: processes that disagree are noise, whatever each one's interval says."""
+    procs = [list(p) for p in per_process]
+    if not procs or not all(procs):
+        raise ValueError("pooled_ratio: need at least one process, each with at least one round")
+    if min(min(p) for p in procs) <= 0:
+        raise ValueError("pooled_ratio: ratios must be > 0")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"pooled_ratio: confidence must be in (0, 1), got {confidence!r}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 100:
+        raise ValueError(f"pooled_ratio: resamples must be an int >= 100, got {resamples!r}")
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median([x for p in rng.choices(procs, k=len(procs)) for x in rng.choices(p, k=len(p))])
+        for _ in range(resamples)
+    )
+    tail = (1.0 - confidence) / 2
+    lo, hi = percentile(medians, tail), percentile(medians, 1.0 - tail)
+    per = [statistics.median(p) for p in procs]
+    spread = max(per) / min(per)
+    moved = [f"processes moved {spread:.2f}x > {UNSTABLE_SPREAD}x"] if spread > UNSTABLE_SPREAD else []
+    out = _verdict([x for p in procs for x in p], lo, hi, confidence, cv, moved)
+    return out | {"processes": len(procs), "process_ratios": per, "spread": spread}
 
 
 class _Phase:
