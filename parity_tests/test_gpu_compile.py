@@ -41,7 +41,8 @@ QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
 
 # ------------------------------------------------------------------------------------ no plugin needed
 def test_default_order_pinned():
-    """design §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on CPU xla only.  The
+    """design §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on a TPU splash -> chunked -> xla; on
+    CPU xla only.  The
     dispatcher reads these orders from the backend table's ranks (``jaxattn.spec.attention.BACKENDS``)."""
     from jaxattn.spec.attention import default_order
 
@@ -51,7 +52,7 @@ def test_default_order_pinned():
         assert attn.default_backends() == default_order("gpu")
         assert "mosaic" not in attn.default_backends()
     with attn.target_platform("tpu"):
-        assert attn.default_backends() == default_order("tpu") == ("xla",)
+        assert attn.default_backends() == default_order("tpu") == ("splash", "chunked", "xla")
     assert attn.default_backends() == ("xla",)
 
 

@@ -1,7 +1,7 @@
 """The model runs with every attention backend and gives the same logits (issue: attention backends).
 
 JAX: the ``tiny`` model under ``attention_backend(name)`` for each backend that serves CPU calls (``xla``,
-``chunked``, ``flash`` in interpret mode) matches the ``xla`` logits and the torch model at the fp32
+``chunked``, ``flash`` and ``splash`` in interpret mode) matches the ``xla`` logits and the torch model at the fp32
 full-model tolerance. torch: the same model under each SDPA backend available on CPU. Backends that cannot
 serve (``cudnn``/``mosaic`` without a GPU) must decline with a reason, never silently fall back.
 """
@@ -33,7 +33,7 @@ def case():
     return tmodel, jmodel, tok, pos, seg, ref_t
 
 
-@pytest.mark.parametrize("backend", ["xla", "chunked", "flash"])
+@pytest.mark.parametrize("backend", ["xla", "chunked", "flash", "splash"])
 def test_jax_model_same_logits_with_each_backend(case, backend):
     tmodel, jmodel, tok, pos, seg, ref_t = case
     with attention_backend(backend):  # jit inside the context: the backend is chosen at trace time

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 from jaxattn import train as jtrainer  # noqa: E402
 from torchref import train as ttrainer  # noqa: E402
 
-JAX_BACKENDS = ("flash", "mosaic", "cudnn", "chunked", "xla")
+JAX_BACKENDS = ("flash", "mosaic", "splash", "cudnn", "chunked", "xla")
 TORCH_BACKENDS = ("xla", "flash", "chunked", "cudnn")
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--no-progress"]
 
@@ -295,6 +295,6 @@ def test_forward_only_backend_not_offered_for_training():
     with pytest.raises(
         CLIError,
         match=r"--attention 'flash_decode': expected .* jax attention backends from "
-        r"flash, mosaic, cudnn, chunked, xla",
+        r"flash, mosaic, splash, cudnn, chunked, xla",
     ):
         jt.Trainer.from_argv(["--attention", "flash_decode", "--steps", "1"])

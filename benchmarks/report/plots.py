@@ -69,6 +69,7 @@ READABLE = {
     "jax:xla": "JAX XLA (plain jnp)",
     "jax:cudnn": "JAX cuDNN",
     "jax:mosaic": "JAX Pallas Mosaic GPU",
+    "jax:splash": "JAX Pallas TPU splash (jax's)",
     "jax:jax.nn:xla": "JAX jax.nn.dot_product_attention (xla)",
     "jax:jax.nn:cudnn": "JAX jax.nn.dot_product_attention (cudnn)",
     "jax:pallas.ops:flash": "JAX pallas.ops flash (jax's own)",

@@ -149,6 +149,8 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
             reason = f"declined: {ours[name]}"
         elif ("jax", name) in MATERIALISING and s > MAX_MATERIALISED_S:
             reason = f"materialises S x S scores; skipped above S={MAX_MATERIALISED_S}"
+        elif name == "splash" and jax.default_backend() != "tpu":
+            reason = "TPU kernel: timed on a TPU only (interpreted elsewhere, a test path)"
         elif quick and name == "flash" and (s, causal) != (_shapes(True)[0][4], False):
             reason = "interpreted Pallas kernel on CPU: only the smallest quick shape is timed"
         fwd = None
