@@ -134,6 +134,13 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
         return jax.make_mesh(shape, MESH_AXES, devices=devices, **kw)
     except TypeError:  # pragma: no cover - a jax.make_mesh without devices=/axis_types=
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, **kw)
+    except NotImplementedError:
+        # a TPU torus whose physical axes cannot hold each mesh axis whole (data=8 on a 4x4x4 v5p): let an axis span
+        # two physical ones, as MaxText does (jax's make_mesh does not offer it)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, **kw)
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, str | None] = RULES) -> P:

@@ -8,7 +8,7 @@ import pytest
 import jaxattn.config as jc
 import torchref.config as tc
 
-PRESETS = ["tiny", "125m", "350m", "1b", "8b"]
+PRESETS = ["tiny", "125m", "350m", "1b", "8b", "70b"]
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -57,6 +57,7 @@ def test_param_count_of_presets_is_llama_shaped():
     sizes = {n: n_params(jc.ModelConfig.preset(n)) / 1e6 for n in PRESETS[1:]}
     assert 100 < sizes["125m"] < 150 and 300 < sizes["350m"] < 400
     assert 1200 < sizes["1b"] < 1300 and 7900 < sizes["8b"] < 8100  # Llama-3.2-1B: 1.24B, Llama-3.1-8B: 8.03B
+    assert 70000 < sizes["70b"] < 71000  # Llama-3.1-70B: 70.55B
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])

@@ -253,6 +253,22 @@ def test_gpu_compile_block_runs_as_written(tmp_path):
 
 
 @pytest.mark.slow
+def test_tpu_compile_block_runs_as_written(tmp_path):
+    from jaxattn import tpu_target
+
+    if tpu_target.unavailable_reason() is not None:
+        pytest.skip(f"the tpu-compile extra is not installed here: {tpu_target.unavailable_reason()}")
+    _, code = example("tpu-compile")
+    lines = _bash(code, tmp_path)  # the pip line is how the extra got here; skipped (no network in tests)
+    assert [line.split("#")[0].strip() for line in lines] == ["python -m benchmarks compile --target v5e --quick"]
+    out = os.path.join(ROOT, "benchmarks", "results", "local", "v5e-compiled-quick")  # git-ignored, as a user's
+    path = os.path.join(out, "tpu_kernels.json")
+    before = os.path.getmtime(path) if os.path.isfile(path) else 0
+    _run_bash(lines, 600)
+    assert os.path.getmtime(path) > before and os.path.isfile(os.path.join(out, "report.md"))
+
+
+@pytest.mark.slow
 def test_scaling_block_runs_as_written(tmp_path):
     import socket
 

@@ -235,6 +235,20 @@ def test_bad_mesh_spec(spec, message):
         sharding.make_mesh(spec)
 
 
+def test_mesh_falls_back_to_split_physical_axes_when_make_mesh_cannot_place_an_axis(monkeypatch):
+    """jax.make_mesh refuses a mesh axis no physical axis of a TPU torus can hold (NotImplementedError: data=8 on a
+    4x4x4 v5p; test_tpu_compile.py checks the real one); make_mesh then builds it with physical axes split. Here
+    the refusal is simulated on the 8 CPU devices."""
+
+    def refuse(*a, **k):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 8")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+
+
 BAD_CONFIG = [
     ("tensor=8", dict(), r"ModelConfig.n_heads=4 is not divisible by the mesh axis tensor=8"),
     ("data=2,tensor=4", dict(), r"ModelConfig.n_kv_heads=2 is not divisible by the mesh axis tensor=4"),

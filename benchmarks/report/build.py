@@ -18,9 +18,12 @@ from .tables import SPEEDUP_NOTE, suite_table
 
 # Suites written by ``python -m benchmarks compile`` / ``plan`` / ``block_search``: deviceless compiles with
 # their own report layout, not JAX-vs-torch timings; ``report`` leaves them to their own commands.
-COMPILED_SUITES = ("kernels", "programs", "plan", "block_search")
+COMPILED_SUITES = ("kernels", "programs", "plan", "block_search", "tpu_kernels", "tpu_programs")
 # the JSON that marks a tool's directory -> fn(found results, plot file name or None) -> that tool's report.md
-DIR_REPORTS: dict[str, Callable[[dict, str | None], str]] = {"kernels": compile_tables.dir_report}
+DIR_REPORTS: dict[str, Callable[[dict, str | None], str]] = {
+    "kernels": compile_tables.dir_report,
+    "tpu_kernels": compile_tables.tpu_dir_report,
+}
 
 
 def render_report(
@@ -113,7 +116,8 @@ def rebuild_report(out_dir: str) -> list[str]:
         )
     found = read_results(out_dir)
     timed = _timed(found)
-    if not timed and "kernels" not in found:
+    marker = next((m for m in DIR_REPORTS if m in found), None)  # kernels.json / tpu_kernels.json
+    if not timed and marker is None:
         what = (
             f"only deviceless-compile results ({', '.join(s + '.json' for s in found)}) without kernels.json, "
             f"whose reports their own commands write"
@@ -122,11 +126,11 @@ def rebuild_report(out_dir: str) -> list[str]:
         )
         raise ValueError(f"report: {out_dir!r} holds {what}; nothing to rebuild")
     written = []
-    for suite, d in (timed or {"kernels": found["kernels"]}).items():
+    for suite, d in (timed or {marker: found[marker]}).items():
         plot = plot_suite(out_dir, suite, d["records"], d.get("env") or {})
         if plot:
             written.append(plot.path)
     if not timed:  # `python -m benchmarks compile`'s report, redone from its JSON
-        text = DIR_REPORTS["kernels"](found, _plots_in(out_dir, ["kernels"]).get("kernels"))
+        text = DIR_REPORTS[marker](found, _plots_in(out_dir, [marker]).get(marker))
         return [write_text_atomic(os.path.join(out_dir, "report.md"), text)] + written
     return [write_text_atomic(os.path.join(out_dir, "report.md"), _timed_report(out_dir, timed))] + written

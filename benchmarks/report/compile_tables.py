@@ -120,3 +120,79 @@ def dir_report(found: dict, plot: str | None = None) -> str:
     env = found["kernels"].get("env") or {}
     programs = (found.get("programs") or {}).get("records") or []
     return report(found["kernels"]["records"], programs, env, plot)
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:,.2f}"
+
+
+def _est(r: dict) -> str:
+    s = r.get("compiler_estimate_s")
+    return "—" if s is None else f"{1e3 * s:,.3g}"
+
+
+def tpu_tables(kernels: list, programs: list, info: dict, level: str = "##") -> list:
+    """The markdown lines of a TPU compile's splash and program tables (``benchmarks/tools/tpu_compile.py``)."""
+    target, hbm = info["target"], info.get("hbm_bytes") or 0
+    lines = [
+        f"{level} Splash attention fwd+bwd (compiled for {target}, not run)",
+        "",
+        "| D | dtype | B × S × Hq/Hkv | Mosaic TPU calls | temp MiB | peak MiB | XLA GFLOPs (kernels: 0) "
+        "| attention GFLOPs | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in kernels:
+        shape = f"{r['B']} × {r['S']} × {r['Hq']}/{r['Hkv']}"
+        if r.get("status") != "ok":
+            lines.append(f"| {r['head_dim']} | {r['dtype']} | {shape} | ERROR: {str(r.get('error'))[:80]} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['head_dim']} | {r['dtype']} | {shape} | {r['tpu_custom_calls']} | {_mib(r['temp'])} | "
+            f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.3g} | {r['attention_flops'] / 1e9:,.3g} | {r['compile_s']} |"
+        )
+    if programs:
+        lines += [
+            "",
+            f"{level} Programs on one {target} chip ({_gib(hbm)} GiB HBM; compiled, not run)",
+            "",
+            "| preset | program | loss | batch × seq | temp GiB | peak GiB | fits | XLA TFLOPs | "
+            "compiler estimate ms (one layer, no attention) | Mosaic TPU calls |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in programs:
+            head = f"| {r['preset']} | {r['kind']} | {r.get('loss') or '—'} | {r['batch']} × {r['seq']} |"
+            if r.get("status") == "does_not_fit":
+                lines.append(f"{head} — | needs {r['required_temp_gib']:,.2f} (refused) | **no** | — | — | — |")
+                continue
+            if r.get("status") != "ok":
+                lines.append(f"{head} ERROR: {str(r.get('error'))[:80]} | | | | | |")
+                continue
+            lines.append(
+                f"{head} {_gib(r['temp'])} | {_gib(r['peak'])} | {'yes' if r['fits'] else '**no**'} | "
+                f"{r['xla_flops'] / 1e12:,.3g} | {_est(r)} | {r['tpu_custom_calls']} |"
+            )
+    return lines + [""]
+
+
+def tpu_report(kernels: list, programs: list, info: dict) -> str:
+    """``report.md`` of ``python -m benchmarks compile --target v5e|v5p|v6e``."""
+    lines = [
+        f"# Compiled for {info['target']}, not run",
+        "",
+        f"Deviceless TPU compile (`python -m benchmarks compile --target {info['target']}"
+        f"{' --quick' if info.get('quick') else ''}`), jax {info.get('jax')}, libtpu {info.get('libtpu')}; "
+        f"{info.get('target_device')}, {info.get('topology')}. Nothing here ran on a TPU: memory is XLA's "
+        "buffer assignment (`memory_analysis()`), FLOPs and the time estimate are XLA's cost analysis of the "
+        "compiled module, which counts our Pallas (Mosaic TPU) kernels as 0 and a while loop's body once (the "
+        "scanned layers count as one layer, a fused loss's chunk loop as one chunk): the estimate is the "
+        "compiler's for one layer plus the rest, without attention, never a measured time. Attention GFLOPs: "
+        "FlashAttention's count (forward + backward = 3.5× forward, causal halved).",
+        "",
+    ]
+    return "\n".join(lines + tpu_tables(kernels, programs, info))
+
+
+def tpu_dir_report(found: dict, plot: str | None = None) -> str:
+    """``report.md`` of a TPU compile directory, redone from its JSON (``python -m benchmarks report DIR``)."""
+    k = found["tpu_kernels"]
+    return tpu_report(k["records"], (found.get("tpu_programs") or {}).get("records", []), k.get("env") or {})

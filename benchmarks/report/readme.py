@@ -103,17 +103,30 @@ def plan_section() -> list[str]:
     if d is None:
         return []
     out = [
-        f"### Scaling plans on 8 H100s ({COMPILED})",
+        "### Scaling plans: 8 H100s, 64 H100s, v5p-64, v5e-256, v6e-256 (compiled, not run)",
         "",
         f"From `{path}` (`python -m benchmarks run --suite plan --out {os.path.dirname(path)}`): per-device memory "
-        "and the collectives of the "
-        "compiled sharded train step (full-buffer bytes per step, a layer-loop op counted once per layer).",
+        "and the collectives of the compiled sharded bf16 AdamW train step (full-buffer bytes per step, a "
+        "layer-loop op counted once per layer), deviceless: GPUs from the H100 description (`1x8x8` = 8 hosts of "
+        "8), TPU chips from libtpu's topologies; flash attention on GPUs, splash on TPUs. Pods run one sequence of "
+        "4096 per device. A TPU plan larger than its chips is refused by the TPU compiler (what it said it "
+        "needs is shown). TPU collective bytes are in the JSON but not shown: the TPU compiler's async "
+        "collective fusions put one collective in several computations, which this HLO reading counts more than "
+        "once (`benchmarks/NOTES.md`, TPU section).",
         "",
-        "| mesh | preset | batch × seq | remat | loss | peak GiB / device | all-gather / all-reduce / reduce-scatter "
-        "GiB per step | fits 80 GB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| devices | mesh | preset | batch × seq | remat | loss | peak GiB / device | all-gather / all-reduce / "
+        "reduce-scatter GiB per step | fits |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["records"]:
+        where = f"{r.get('target', 'h100')} `{r.get('topology', '1x1x8')}`"
+        limit = r.get("device_memory_bytes") or 80e9
+        if r.get("status") == "does_not_fit":
+            out.append(
+                f"| {where} | `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | "
+                f"{r.get('loss', 'dense')} | needs {r['required_temp_gib']:,.1f} (refused) | — | no |"
+            )
+            continue
         if r.get("status") != "ok":
             continue
         m, c = r["measured"], r["measured"]["collectives"]
@@ -121,11 +134,67 @@ def plan_section() -> list[str]:
         traffic = " / ".join(
             _gib(c[k].get("bytes_per_step", c[k]["bytes"])) for k in ("all-gather", "all-reduce", "reduce-scatter")
         )
+        if r.get("target") in TPU_TARGETS:  # async collective fusions: counted more than once (NOTES, "TPU")
+            traffic = "not read (TPU async fusions)"
         out.append(
-            f"| `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | {r.get('loss', 'dense')} | "
-            f"{_gib(peak)} | "
-            f"{traffic} | {'yes' if peak < 80e9 else 'no'} |"
+            f"| {where} | `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | "
+            f"{r.get('loss', 'dense')} | {_gib(peak)} | {traffic} | {'yes' if peak < limit else 'no'} "
+            f"({f'{limit / 2**30:.0f} GiB' if r.get('target') in TPU_TARGETS else f'{limit / 1e9:.0f} GB'}) |"
         )
+    return out
+
+
+TPU_TARGETS = ("v5e", "v5p", "v6e")  # jaxattn.tpu_target.CHIPS, the committed <target>-compiled directories
+
+
+def tpu_section() -> list[str]:
+    """The committed TPU compiles (``python -m benchmarks compile --target T --out benchmarks/results/T-compiled``):
+    splash fwd+bwd per target at D=128 bf16 and every program's peak against the chip's HBM."""
+    found = {
+        t: (_load(f"{t}-compiled", "tpu_kernels.json")[0], _load(f"{t}-compiled", "tpu_programs.json")[0])
+        for t in TPU_TARGETS
+    }
+    found = {t: kp for t, kp in found.items() if kp[0] is not None}
+    if not found:
+        return []
+    envs = [k["env"] for k, _ in found.values()]
+    out = [
+        "### TPU (compiled for v5e / v5p / v6e, not run)",
+        "",
+        f"From `benchmarks/results/<target>-compiled/tpu_*.json` (`python -m benchmarks compile --target T --out "
+        f"benchmarks/results/T-compiled`; jax {envs[0].get('jax')}, libtpu {envs[0].get('libtpu')}): one chip of "
+        "each generation from libtpu's topology descriptions, splash attention (the TPU default), bf16 AdamW for "
+        "train steps. Estimate = XLA's `optimal_seconds` for the compiled module, which counts the Pallas "
+        "(Mosaic TPU) attention kernels as 0 and a loop body once (the scanned layers as one layer, the fused "
+        "loss's chunks as one chunk): a compiler figure to compare programs by, not a time.",
+        "",
+        "| target | splash fwd+bwd B1 S4096 H16 D128 bf16: Mosaic calls / temp MiB | program | loss | batch × seq "
+        "| peak GiB / HBM GiB | fits | estimate ms (one layer, no attention) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t, (k, p) in found.items():
+        splash = next(
+            (r for r in k["records"] if r.get("status") == "ok" and r["head_dim"] == 128 and r["dtype"] == "bf16"),
+            None,
+        )
+        cell = f"{splash['tpu_custom_calls']} / {splash['temp'] / 2**20:,.1f}" if splash else "—"
+        for r in (p or {}).get("records", []):
+            if r.get("status") == "does_not_fit":  # refused by the TPU compiler: what it said it needs
+                out.append(
+                    f"| {t} | {cell} | {r['preset']} {r['kind']} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} "
+                    f"| needs {r['required_temp_gib']:,.2f} / {_gib(r['hbm_bytes'])} (refused) | no | — |"
+                )
+                cell = "″"
+                continue
+            if r.get("status") != "ok":
+                continue
+            est = r.get("compiler_estimate_s")
+            out.append(
+                f"| {t} | {cell} | {r['preset']} {r['kind']} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} | "
+                f"{_gib(r['peak'])} / {_gib(r['hbm_bytes'])} | {'yes' if r['fits'] else 'no'} | "
+                f"{'—' if est is None else f'{1e3 * est:,.3g}'} |"
+            )
+            cell = "″"
     return out
 
 
@@ -306,6 +375,7 @@ def render() -> str:
         kernels_section(),
         programs_section(),
         plan_section(),
+        tpu_section(),
     ):
         if section:
             parts += section + [""]

@@ -9,6 +9,7 @@ with ``python -m benchmarks run --suite plan --out benchmarks/results/h100-plan`
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -16,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import gpu_target
+from jaxattn import gpu_target, tpu_target
 
 from ..report.compile_tables import LABEL
-from ..tools.compile import memory_stats
 from ..tools.deviceless import target_config
+from ..tools.programs import memory_stats
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PLANS = ("fsdp=8", "data=2,fsdp=2,tensor=2")  # --quick: the tiny preset, these two meshes
@@ -34,8 +35,27 @@ GRID = (
     + tuple(("8b", m, "full", "dense") for m in _MESHES)
     + (("8b", "data=8", "full", "fused"), ("8b", "fsdp=8", "full", "fused"))
 )
+# Pods (issue: TPU without a TPU): the 8b and 70b steps at one sequence of 4096 per device on 64 H100s (8 hosts),
+# a 64-chip v5p slice and 256-chip v5e / v6e slices, ZeRO-3 over everything, FSDP x tensor parallel, and (64) a
+# data x FSDP hybrid: (target, topology, preset, mesh)
+POD_GRID = tuple(
+    (t, topo, preset, mesh)
+    for t, topo, meshes in (
+        ("h100", "1x8x8", ("fsdp=64", "fsdp=16,tensor=4", "data=8,fsdp=8")),
+        ("v5p", "4x4x4", ("fsdp=64", "fsdp=16,tensor=4", "data=8,fsdp=8")),
+        ("v5e", "16x16", ("fsdp=256", "fsdp=64,tensor=4")),
+        ("v6e", "16x16", ("fsdp=256", "fsdp=64,tensor=4")),
+    )
+    for preset in ("8b", "70b")
+    for mesh in meshes
+)
+GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9}  # bytes per GPU (the "80 GB" of the name)
+FULL_GRID = tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096) for p, m, r, loss in GRID) + tuple(
+    (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096) for t, topo, p, m in POD_GRID
+)
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")  # "%name (params) -> type {"
 _SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8|f64|s64)\[([0-9,]*)\]")
 
 
@@ -82,41 +102,54 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
     ``bytes`` is each op's full-buffer size (:func:`_volume`), counted once per appearance in the text (``-done``
     halves of async pairs are skipped); ``bytes_per_step`` counts each op once per run of the computation holding
     it: a while body runs its loop's ``known_trip_count`` times (``unknown_trips`` when XLA gives none) times the
-    runs of the computation holding the loop (the layer scan, a chunked loss's scan, a scan inside a scan)."""
+    runs of the computation holding the loop (the layer scan, a chunked loss's scan, a scan inside a scan), and a
+    computation a fusion or call runs (``calls=``; the TPU compiler puts collectives there) as often as its caller."""
     out = {k: {"ops": 0, "bytes": 0, "ops_in_loop": 0, "bytes_in_loop": 0} for k in COLLECTIVES}
     loops: dict[str, list] = {}  # computation -> [(body, trips)] of the while ops in it
+    called: dict[str, list] = {}  # computation -> the computations its fusions / calls run (``calls=%X``)
     ops: dict[str, list] = {}  # computation -> [(kind, bytes)]
     comp = ""
     for line in hlo.splitlines():
-        if line and not line.startswith(" "):  # a computation header
-            words = line.split()
-            comp = (words[1] if words[0] == "ENTRY" and len(words) > 1 else words[0] if words else "").lstrip("%")
+        if line and not line.startswith(" "):  # a computation header, or the tail of an instruction split over lines
+            header = _HEADER.match(line)
+            if header:
+                comp = header.group(1)
             continue
         body = re.search(r"\bwhile\(.*body=%([\w.\-]+)", line)
         if body:
             trips = re.search(r'known_trip_count"?:\{"n":"(\d+)"', line)
             loops.setdefault(comp, []).append((body.group(1), int(trips.group(1)) if trips else unknown_trips))
+        for callee in re.findall(r"\bcalls=%([\w.\-]+)", line):
+            called.setdefault(comp, []).append(callee)
         m = _OP.search(line)
         shapes = _SHAPE.findall(m.group(1)) if m else []
         if shapes:
-            ops.setdefault(comp, []).append((m.group(2), _volume(m.group(2), bool(m.group(3)), shapes, line)))
+            # the TPU compiler writes a reduce-scatter as a fusion calling "all-reduce-scatter": an all-reduce of the
+            # full buffer, then each device's slice
+            kind = "reduce-scatter" if comp.startswith("all-reduce-scatter") else m.group(2)
+            ops.setdefault(comp, []).append((kind, _volume(m.group(2), bool(m.group(3)), shapes, line)))
     runs: dict[str, int] = {}
+    looped: set = set()  # computations run inside a while loop (directly or through a fusion / call)
 
-    def visit(c: str, n: int) -> None:
+    def visit(c: str, n: int, in_loop: bool) -> None:
         runs[c] = runs.get(c, 0) + n
+        if in_loop:
+            looped.add(c)
         for b, trips in loops.get(c, ()):
-            visit(b, n * trips)
+            visit(b, n * trips, True)
+        for callee in called.get(c, ()):
+            visit(callee, n, in_loop)
 
-    bodies = {b for pairs in loops.values() for b, _ in pairs}
-    for c in set(ops) | set(loops):
-        if c not in bodies:  # the entry and any computation not run by a while: once
-            visit(c, 1)
+    reached = {b for pairs in loops.values() for b, _ in pairs} | {x for xs in called.values() for x in xs}
+    for c in set(ops) | set(loops) | set(called):
+        if c not in reached:  # the entry and any computation nothing else runs: once
+            visit(c, 1, False)
     for c, items in ops.items():
         for kind, nbytes in items:
             rec = out[kind]
             rec["ops"] += 1
             rec["bytes"] += nbytes
-            if c in bodies:
+            if c in looped:
                 rec["ops_in_loop"] += 1
                 rec["bytes_in_loop"] += nbytes
             rec["bytes_per_step"] = rec.get("bytes_per_step", 0) + runs.get(c, 1) * nbytes
@@ -126,10 +159,18 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
 
 
 def compile_plan(
-    devs, spec: str, preset: str = "1b", batch: int = 8, seq: int = 4096, remat: str = "full", loss: str = "dense"
+    devs,
+    spec: str,
+    preset: str = "1b",
+    batch: int = 8,
+    seq: int = 4096,
+    remat: str = "full",
+    loss: str = "dense",
+    target: str = "h100",
+    topology: str = "1x1x8",
 ):
-    """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs``; returns a
-    record."""
+    """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs`` (deviceless
+    GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record."""
     import optax
     from flax import nnx
 
@@ -168,8 +209,10 @@ def compile_plan(
     plan = sharding.TrainSharding(mesh, state_sh, batch_sh)  # shard_train_state's, for an abstract state
     step = make_train_step(graphdef, tx, policy="bf16", sharding=plan, loss=loss)
     t0 = time.perf_counter()
-    with attention_backend("flash"), plan.tracing():  # as the step traces itself
-        _, compiled = gpu_target.compile(None, *args, jitted=step.jitted)
+    tpu = devs[0].platform == "tpu"
+    attention, compile_fn = ("splash", tpu_target.compile) if tpu else ("flash", gpu_target.compile)
+    with attention_backend(attention), plan.tracing():  # as the step traces itself
+        _, compiled = compile_fn(None, *args, jitted=step.jitted)
     mem, coll = memory_stats(compiled), collectives(compiled.as_text(), unknown_trips=cfg.n_layers)
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
         f"{k} {v['ops']} ops ({v['ops_in_loop']} in loops) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
@@ -188,10 +231,12 @@ def compile_plan(
         remat=remat,
         loss=loss,
         optimizer="adamw",
-        attention="flash",
+        attention=attention,
         devices=len(devs),
-        topology="1x1x8",
-        label=LABEL.format(target="H100"),
+        target=target,
+        topology=topology,
+        device_memory_bytes=tpu_target.CHIPS[target].hbm_bytes if tpu else GPU_MEMORY[target],
+        label=LABEL.format(target=target if tpu else target.upper()),
         summary=summary,
         measured={
             "compile_s": round(time.perf_counter() - t0, 1),
@@ -202,27 +247,58 @@ def compile_plan(
     )
 
 
+def _pod_devices(target: str, topology: str):
+    """The devices of a deviceless slice: ``h100`` GPUs (``slices x hosts x devices``) or TPU chips."""
+    if target in tpu_target.CHIPS:
+        return tpu_target.devices(target, topology)
+    return gpu_target.devices(target_config(target), topology)
+
+
+def _unavailable(target: str) -> str | None:
+    return tpu_target.unavailable_reason() if target in tpu_target.CHIPS else gpu_target.unavailable_reason()
+
+
 def run(quick: bool = False) -> list:
-    """The plan suite: :data:`GRID` at seq 4096, batch 8 (quick: ``tiny`` at seq 128 on :data:`PLANS`)."""
-    grid = tuple(("tiny", p, "full", "dense") for p in PLANS) if quick else GRID
-    reason = gpu_target.unavailable_reason()
+    """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID` (quick: ``tiny`` at
+    seq 128 on :data:`PLANS`, 8 H100s)."""
+    grid = tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128) for p in PLANS) if quick else FULL_GRID
 
-    def row(preset, spec, remat, loss, **status):  # a record that compiled nothing
-        return dict(framework="jax", impl="sharding-plan", preset=preset, mesh=spec, remat=remat, loss=loss, **status)
+    def row(target, topology, preset, spec, remat, loss, batch, seq, **status):  # a record that compiled nothing
+        return dict(
+            framework="jax",
+            impl="sharding-plan",
+            target=target,
+            topology=topology,
+            preset=preset,
+            mesh=spec,
+            remat=remat,
+            loss=loss,
+            batch=batch,
+            seq=seq,
+            **status,
+        )
 
-    if reason is not None:
-        return [row(*g, status="skipped", reason=reason) for g in grid]
-    devs = gpu_target.devices(target_config("h100"), "1x1x8")
     records = []
-    for preset, spec, remat, loss in grid:
+    for g in grid:
+        target, topology, preset, spec, remat, loss, batch, seq = g
+        reason = _unavailable(target)
+        if reason is not None:
+            records.append(row(*g, status="skipped", reason=reason))
+            continue
         try:
-            rec = compile_plan(devs, spec, preset, *((8, 128) if quick else (8, 4096)), remat=remat, loss=loss)
+            devs = _pod_devices(target, topology)
+            rec = compile_plan(devs, spec, preset, batch, seq, remat=remat, loss=loss, target=target, topology=topology)
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
-            rec = row(preset, spec, remat, loss, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
+            refused = tpu_target.refused_for_memory(e)
+            if refused:  # the TPU compiler refuses a plan larger than the chips: a finding, not an error
+                rec = row(*g, status="does_not_fit", required_temp_gib=refused[0])
+                rec["device_memory_bytes"] = tpu_target.CHIPS[target].hbm_bytes
+            else:
+                rec = row(*g, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         print(
-            f"  plan {preset} {spec} remat={remat} loss={loss}: {rec.get('status')} "
-            f"{rec.get('summary', rec.get('error'))}",
+            f"  plan {target}:{topology} {preset} {spec} remat={remat} loss={loss}: {rec.get('status')} "
+            f"{rec.get('summary', rec.get('error', rec.get('required_temp_gib', '')))}",
             flush=True,
         )
         records.append(rec)

@@ -15,8 +15,8 @@ import weakref
 import numpy as np
 
 from .. import measure
-from ..tools.compile import cost_stats, memory_stats
 from ..tools.deviceless import target_config
+from ..tools.programs import cost_stats, memory_stats
 
 ORDER = ("none", "save_dots", "save_qkv_attn", "full")
 LABEL = "compiled for H100, not run"

@@ -1,5 +1,6 @@
 """``python -m benchmarks compile [--target h100|h200] [--quick] [--search] [--out DIR]``: compile our GPU programs
-for an H100/H200 on a machine without a GPU ("deviceless") and report what the compiler made of them.
+for an H100/H200 on a machine without a GPU ("deviceless") and report what the compiler made of them
+(``--target v5e|v5p|v6e``: one TPU chip, ``benchmarks/tools/tpu_compile.py``).
 
     python -m benchmarks compile --quick          # a few kernels + the tiny model, about 2 minutes on 2 cores
 
@@ -28,7 +29,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
-from jaxattn.spec.flops import model_flops  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report import compile_tables  # noqa: E402
@@ -37,8 +37,10 @@ from ..report.plots import plot_suite  # noqa: E402
 from ..report.records import check_out_dir, default_out, write_results, write_text_atomic  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
+from .programs import analytic_flops, build_program, cost_stats, memory_stats, program_base, program_cases  # noqa: E402
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
+TPU_TARGETS = ("v5e", "v5p", "v6e")  # jaxattn.tpu_target.CHIPS (not imported here: it would import nothing GPU-side)
 
 
 # ------------------------------------------------------------------------------------------------- cases
@@ -49,18 +51,6 @@ def kernel_cases(quick: bool):
     flash = [("flash", d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
     mosaic = [("mosaic", d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
     return flash + mosaic
-
-
-def program_cases(quick: bool):
-    """``[(preset, kind, batch, seq, overrides, loss)]``: the forward and the bf16 train step; the full run adds the
-    1b and 8b train steps at S=4096 and 8192 with the dense and the fused loss (``--loss``; benchmarks/NOTES.md)."""
-    tiny = [("tiny", "forward", 2, 128, {}, "dense"), ("tiny", "train_step", 2, 128, {}, "dense")]
-    if quick:
-        return tiny + [("tiny", "train_step", 2, 128, {}, "fused")]
-    cases = tiny + [("1b", "forward", 4, 2048, {}, "dense"), ("1b", "train_step", 4, 2048, {}, "dense")]
-    for preset in ("1b", "8b"):
-        cases += [(preset, "train_step", 2, s, {}, loss) for s in (4096, 8192) for loss in ("dense", "fused")]
-    return cases
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -156,103 +146,13 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
 
 
 # ------------------------------------------------------------------------------------------------- programs
-def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
-    """Model FLOPs of a ``forward`` or a ``train_step`` (``jaxattn.spec.flops``: 6·N·tokens + attention)."""
-    return model_flops(cfg, batch, seq, train=kind == "train_step")
-
-
-def _abstract_model(cfg):
-    from flax import nnx
-
-    from jaxattn.model import Llama
-
-    return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-
-
-def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str = "dense"):
-    """``(jitted, args, cfg)`` for the model forward or the train step (with ``loss``: ``make_train_step``'s), all
-    inputs ShapeDtypeStructs placed on the target's devices."""
-    import optax
-    from flax import nnx
-
-    from jaxattn.config import ModelConfig
-
-    cfg = ModelConfig.preset(preset, **overrides)
-    tokens = jax.ShapeDtypeStruct((batch, seq + (1 if kind == "train_step" else 0)), jnp.int32)
-    if kind == "forward":
-        graphdef, params, rest = nnx.split(_abstract_model(cfg), nnx.Param, ...)
-        params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            params,
-        )
-
-        def forward(params, rest, tokens):
-            return nnx.merge(graphdef, params, rest)(tokens)
-
-        return jax.jit(forward), gpu_target.place((params, rest, tokens), devs), cfg
-    if kind != "train_step":
-        raise ValueError(f"kind must be 'forward' or 'train_step', got {kind!r}")
-    from jaxattn.model import Llama
-    from jaxattn.train_step import TrainState, make_train_step
-
-    tx = optax.adamw(1e-4)
-    graphdef = nnx.split(_abstract_model(cfg), nnx.Param, ...)[0]
-    state = jax.eval_shape(lambda: TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx, policy="bf16")[1])
-    step = make_train_step(graphdef, tx, policy="bf16", loss=loss)
-    return step.jitted, gpu_target.place((state, {"tokens": tokens}), devs), cfg
-
-
-def memory_stats(compiled) -> dict:
-    """Compiled memory of an executable: argument / output / alias / temp bytes and the peak."""
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
-    peak = getattr(m, "peak_memory_in_bytes", None)
-    out["peak"] = int(peak) if peak else out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["peak_source"] = "memory_analysis" if peak else "argument + output - alias + temp"
-    return out
-
-
-def cost_stats(compiled) -> dict:
-    """XLA's HLO cost analysis of the compiled GPU module. The deviceless executable does not implement
-    ``cost_analysis()``, so the optimized module is analysed by the CPU client's HloCostAnalysis; custom
-    calls (our Pallas kernels) count 0 FLOPs there."""
-    try:
-        cost = compiled.cost_analysis()
-        source = "compiled.cost_analysis()"
-    except Exception:
-        cost = None
-    if not cost:
-        from jax._src.lib import _jax  # private: the only route to HloCostAnalysis for a deviceless compile
-
-        mods = compiled.runtime_executable().hlo_modules()
-        cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, mods[0])
-        source = "HloCostAnalysis of the compiled module (custom calls count 0)"
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return {
-        "xla_flops": float(cost.get("flops", 0.0)),
-        "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        "cost_source": source,
-    }
-
-
 def program_records(devs, cases, target: str, log=print) -> list:
     from jaxattn.attention import attention_backend
 
     records = []
     for preset, kind, batch, seq, overrides, loss in cases:
         t0 = time.perf_counter()
-        base = dict(
-            preset=preset,
-            kind=kind,
-            batch=batch,
-            seq=seq,
-            overrides=overrides,
-            loss=loss if kind == "train_step" else None,
-            precision="bf16",
-            attention="flash",
-            label=LABEL.format(target=target.upper()),
-        )
+        base = program_base(preset, kind, batch, seq, overrides, loss, "flash", LABEL.format(target=target.upper()))
         try:
             with tempfile.TemporaryDirectory() as dump, attention_backend("flash"):
                 jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides, loss)
@@ -320,7 +220,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", choices=TARGETS, default="h100", help="target description (default h100)")
+    parser.add_argument(
+        "--target",
+        choices=TARGETS + TPU_TARGETS,
+        default="h100",
+        help="target description (default h100); v5e / v5p / v6e: one TPU chip (benchmarks/tools/tpu_compile.py)",
+    )
     parser.add_argument("--quick", action="store_true", help="a few kernels and the tiny model (~2 minutes)")
     parser.add_argument(
         "--out",
@@ -335,6 +240,10 @@ def main(argv=None) -> int:
         "of every candidate, then timings when a GPU is present; writes block_search.json/md",
     )
     args = parser.parse_args(argv)
+    if args.target in TPU_TARGETS:  # the TPU compile has its own flags and tables
+        from .tpu_compile import main as tpu_main
+
+        return tpu_main(argv)
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a GPU here: {reason}")

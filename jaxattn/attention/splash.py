@@ -20,7 +20,9 @@ The mapping (checked against ``attention/reference.py`` in ``parity_tests/test_s
   zeroed, which also zeroes their cotangent, so they add nothing to dK/dV (such a row's block is still computed,
   so its values are finite). A causal/window band that leaves the first queries with no key at all (``Sq > Sk``)
   is declined: the library skips those blocks and returns NaN there;
-* off a TPU target the kernel runs in ``interpret`` mode (tests; slow).
+* off a TPU target the kernel runs in ``interpret`` mode (tests; slow);
+* bfloat16 inputs run the kernel at default matmul precision: a process-wide ``"highest"`` (``jaxattn.precision``)
+  would ask Mosaic for an fp32-precision dot of bf16 operands, which it refuses; the product is exact either way.
 
 Declined: float16 (TPUs compute in bfloat16/float32), static rows without a key (above). Block sizes: the largest of
 512 / 256 / 128 dividing the padded length (512 is MaxText's default; a per-generation search needs a TPU's clock).
@@ -123,6 +125,33 @@ def _rows_with_a_key(sq: int, sk: int, args: AttnArgs):
     return seen
 
 
+def _at_default_precision(fn):
+    """``fn(q, k, v, ids)`` with its forward AND backward traced at default matmul precision. For bf16 operands
+    the MXU's one-pass product is exact, and Mosaic refuses a bf16 dot asked for fp32 precision ("Bad lhs type"),
+    which a process-wide ``jax_default_matmul_precision="highest"`` would ask. The kernel's backward is traced when
+    the gradient is taken, outside any context around the call, hence the ``custom_vjp`` that re-enters it."""
+
+    def ctx():
+        return jax.default_matmul_precision("default")
+
+    @jax.custom_vjp
+    def call(q, k, v, ids):
+        with ctx():
+            return fn(q, k, v, ids)
+
+    def call_fwd(q, k, v, ids):
+        with ctx():
+            out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
+        return out, pull
+
+    def call_bwd(pull, g):
+        with ctx():
+            return (*pull(g), None)  # no cotangent for the integer segment ids
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
+
+
 def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None):
     """The contract's attention through the splash kernel: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` ->
     ``[B, Sq, Hq, D]`` in q's dtype (see the module docstring). ``interpret``: None = off a TPU target."""
@@ -151,7 +180,8 @@ def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None):
         out = jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=idb))(qg, kb, vb)
         return out.reshape(hq, sq_p, d)
 
-    out = jax.vmap(one, in_axes=(0, 0, 0, None if ids is None else 0))(qs, ks, vs, ids)
+    run = jax.vmap(one, in_axes=(0, 0, 0, None if ids is None else 0))
+    out = _at_default_precision(run)(qs, ks, vs, ids) if q.dtype == jnp.bfloat16 else run(qs, ks, vs, ids)
     out = out[:, :, :sq].swapaxes(1, 2).astype(q.dtype)  # [B, Sq, Hq, D]
     if args.has_segment_ids and args.q_segment_ids is not args.kv_segment_ids:  # a pair: rows may see no key
         out = jnp.where(_rows_with_a_key(sq, sk, args)[:, :, None, None], out, jnp.zeros((), out.dtype))

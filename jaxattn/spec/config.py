@@ -17,6 +17,10 @@ import numpy as np
 # Llama 3.1/3.2 long-context RoPE scaling: the only scaling this project implements.
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
+# Llama 3.1's RoPE scaling (8b, 70b)
+_LLAMA31_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 _PRESETS: dict[str, dict[str, Any]] = {
     # Small enough for CPU tests: GQA (4 query heads over 2 kv heads), untied head.
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256),
@@ -71,13 +75,20 @@ _PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=131072,
         norm_eps=1e-5,
         rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=dict(_LLAMA31_ROPE),
+    ),
+    # Llama-3.1-70B shape: compiled for pods (the plan suite's 64-chip / 64-GPU rows), far too big for one device.
+    "70b": dict(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA31_ROPE),
     ),
 }
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)

@@ -1,0 +1,121 @@
+"""The programs both deviceless compiles build (GPU: ``tools/compile.py``, TPU: ``tools/tpu_compile.py``) and what
+they read back from an executable: the model forward and the bf16 train step from ShapeDtypeStructs placed on the
+target's devices, its compiled memory and XLA's cost analysis.
+
+    jitted, args, cfg = build_program(devs, "tiny", "train_step", 2, 128, {})   # then gpu_target / tpu_target.compile
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import gpu_target
+from jaxattn.spec.flops import model_flops
+
+
+def program_cases(quick: bool):
+    """``[(preset, kind, batch, seq, overrides, loss)]``: the forward and the bf16 train step; the full run adds the
+    1b and 8b train steps at S=4096 and 8192 with the dense and the fused loss (``--loss``; benchmarks/NOTES.md)."""
+    tiny = [("tiny", "forward", 2, 128, {}, "dense"), ("tiny", "train_step", 2, 128, {}, "dense")]
+    if quick:
+        return tiny + [("tiny", "train_step", 2, 128, {}, "fused")]
+    cases = tiny + [("1b", "forward", 4, 2048, {}, "dense"), ("1b", "train_step", 4, 2048, {}, "dense")]
+    for preset in ("1b", "8b"):
+        cases += [(preset, "train_step", 2, s, {}, loss) for s in (4096, 8192) for loss in ("dense", "fused")]
+    return cases
+
+
+def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
+    """Model FLOPs of a ``forward`` or a ``train_step`` (``jaxattn.spec.flops``: 6·N·tokens + attention)."""
+    return model_flops(cfg, batch, seq, train=kind == "train_step")
+
+
+def _abstract_model(cfg):
+    from flax import nnx
+
+    from jaxattn.model import Llama
+
+    return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+
+
+def build_program(devs, preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str = "dense"):
+    """``(jitted, args, cfg)`` for the model forward or the train step (with ``loss``: ``make_train_step``'s), all
+    inputs ShapeDtypeStructs placed on the target's devices."""
+    import optax
+    from flax import nnx
+
+    from jaxattn.config import ModelConfig
+
+    cfg = ModelConfig.preset(preset, **overrides)
+    tokens = jax.ShapeDtypeStruct((batch, seq + (1 if kind == "train_step" else 0)), jnp.int32)
+    if kind == "forward":
+        graphdef, params, rest = nnx.split(_abstract_model(cfg), nnx.Param, ...)
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            params,
+        )
+
+        def forward(params, rest, tokens):
+            return nnx.merge(graphdef, params, rest)(tokens)
+
+        return jax.jit(forward), gpu_target.place((params, rest, tokens), devs), cfg
+    if kind != "train_step":
+        raise ValueError(f"kind must be 'forward' or 'train_step', got {kind!r}")
+    from jaxattn.model import Llama
+    from jaxattn.train_step import TrainState, make_train_step
+
+    tx = optax.adamw(1e-4)
+    graphdef = nnx.split(_abstract_model(cfg), nnx.Param, ...)[0]
+    state = jax.eval_shape(lambda: TrainState.create(Llama(cfg, rngs=nnx.Rngs(0)), tx, policy="bf16")[1])
+    step = make_train_step(graphdef, tx, policy="bf16", loss=loss)
+    return step.jitted, gpu_target.place((state, {"tokens": tokens}), devs), cfg
+
+
+def memory_stats(compiled) -> dict:
+    """Compiled memory of an executable: argument / output / alias / temp bytes and the peak."""
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
+    peak = getattr(m, "peak_memory_in_bytes", None)
+    out["peak"] = int(peak) if peak else out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["peak_source"] = "memory_analysis" if peak else "argument + output - alias + temp"
+    return out
+
+
+def cost_stats(compiled) -> dict:
+    """XLA's HLO cost analysis of the compiled GPU module. The deviceless executable does not implement
+    ``cost_analysis()``, so the optimized module is analysed by the CPU client's HloCostAnalysis; custom
+    calls (our Pallas kernels) count 0 FLOPs there."""
+    try:
+        cost = compiled.cost_analysis()
+        source = "compiled.cost_analysis()"
+    except Exception:
+        cost = None
+    if not cost:
+        from jax._src.lib import _jax  # private: the only route to HloCostAnalysis for a deviceless compile
+
+        mods = compiled.runtime_executable().hlo_modules()
+        cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, mods[0])
+        source = "HloCostAnalysis of the compiled module (custom calls count 0)"
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return {
+        "xla_flops": float(cost.get("flops", 0.0)),
+        "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "cost_source": source,
+    }
+
+
+def program_base(preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str, attention: str, label: str):
+    """The keys of a program record (``compile`` and ``tpu_compile``): what was compiled, with which attention."""
+    return dict(
+        preset=preset,
+        kind=kind,
+        batch=batch,
+        seq=seq,
+        overrides=overrides,
+        loss=loss if kind == "train_step" else None,
+        precision="bf16",
+        attention=attention,
+        label=label,
+    )

@@ -1,0 +1,191 @@
+"""``python -m benchmarks compile --target v5e|v5p|v6e [--quick] [--out DIR]``: compile our TPU programs for one chip
+of a TPU slice on a machine without a TPU (libtpu's topology descriptions, ``jaxattn.tpu_target``).
+
+    python -m benchmarks compile --target v5e --quick      # splash at one shape + the tiny model, ~20 s
+
+Kernels: the splash attention forward+backward (``dot_product_attention(backend="splash")`` under ``jax.grad``)
+per head dim and dtype: its Mosaic TPU custom calls, compiled memory, XLA's cost analysis. Programs: the model
+forward and the bf16 train step (tiny, 1b, 8b; dense and fused loss, the GPU compile's cases) with splash
+attention: compiled memory against the chip's HBM, XLA's FLOPs and bytes and the compiler's own time estimate
+(``optimal_seconds``: "compiler estimate, not run"; the Pallas custom calls are not costed and a while loop's body
+counts once, so it covers one layer of the scan and no attention); a program larger than the chip is refused by
+the TPU compiler, recorded as ``does_not_fit`` with what it says it needs. Writes ``tpu_kernels.json``,
+``tpu_programs.json`` and ``report.md`` under ``--out`` (default ``benchmarks/results/local/<target>-compiled
+[-quick]/``; the committed record: ``--out benchmarks/results/<target>-compiled``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import tpu_target
+from jaxattn.spec.flops import attention_flops
+
+from .. import measure
+from ..report import compile_tables
+from ..report.compile_tables import LABEL
+from ..report.records import check_out_dir, default_out, write_results, write_text_atomic
+from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, AttnShape
+from .programs import build_program, memory_stats, program_base, program_cases
+
+TARGETS = tuple(tpu_target.CHIPS)
+
+
+def kernel_cases(quick: bool):
+    """``[(D, dtype name)]`` of the splash compiles."""
+    return [(128, "bf16")] if quick else [(d, dt) for dt in ("bf16", "fp32") for d in (64, 128, 256)]
+
+
+def cost(compiled) -> dict:
+    """XLA's cost analysis of a compiled TPU executable: FLOPs, bytes accessed and the compiler's time estimate
+    (``optimal_seconds``; custom calls, our attention kernels, count 0 in all three)."""
+    c = compiled.cost_analysis()
+    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
+    est = c.get("optimal_seconds")
+    return {
+        "xla_flops": float(c.get("flops", 0.0)),
+        "xla_bytes_accessed": float(c.get("bytes accessed", 0.0)),
+        "compiler_estimate_s": float(est) if est is not None and est >= 0 else None,
+    }
+
+
+def _splash_grad(chip_devs, shape: AttnShape, d: int, dtype):
+    from jaxattn.attention import dot_product_attention
+
+    def loss(q, k, v):
+        return dot_product_attention(q, k, v, causal=shape.causal, backend="splash").astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
+    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
+    return tpu_target.compile(jax.grad(loss, argnums=(0, 1, 2)), *tpu_target.place((q, k, k), chip_devs))
+
+
+def kernel_records(chip_devs, cases, shape: AttnShape, target: str, log=print) -> list:
+    records = []
+    for d, dt in cases:
+        t0 = time.perf_counter()
+        base = dict(
+            impl="splash",
+            head_dim=d,
+            dtype=dt,
+            B=shape.b,
+            S=shape.s,
+            Hq=shape.hq,
+            Hkv=shape.hkv,
+            causal=shape.causal,
+            label=LABEL.format(target=target),
+        )
+        try:
+            lowered, compiled = _splash_grad(chip_devs, shape, d, DTYPES[dt])
+        except Exception as e:  # one failed compile is a record, not the end of the run
+            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
+            log(f"  splash D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rec = dict(
+            base,
+            status="ok",
+            compile_s=round(time.perf_counter() - t0, 1),
+            tpu_custom_calls=lowered.as_text().count("tpu_custom_call"),
+            attention_flops=attention_flops(shape.b, shape.hq, shape.s, shape.s, d, shape.causal, backward=True),
+            **memory_stats(compiled),
+            **cost(compiled),
+        )
+        records.append(rec)
+        log(f"  splash D={d} {dt}: {rec['tpu_custom_calls']} Mosaic calls, temp {rec['temp'] / 2**20:.1f} MiB")
+    return records
+
+
+def program_records(chip_devs, cases, target: str, hbm_bytes: int, log=print) -> list:
+    from jaxattn.attention import attention_backend
+
+    records = []
+    for preset, kind, batch, seq, overrides, loss in cases:
+        t0 = time.perf_counter()
+        base = program_base(preset, kind, batch, seq, overrides, loss, "splash", LABEL.format(target=target))
+        try:
+            with attention_backend("splash"):
+                jitted, args, cfg = build_program(chip_devs, preset, kind, batch, seq, overrides, loss)
+                lowered, compiled = tpu_target.compile(None, *args, jitted=jitted)
+            rec = dict(
+                base,
+                status="ok",
+                compile_s=round(time.perf_counter() - t0, 1),
+                tpu_custom_calls=lowered.as_text().count("tpu_custom_call"),
+                **memory_stats(compiled),
+                **cost(compiled),
+            )
+            rec["hbm_bytes"] = hbm_bytes
+            rec["fits"] = rec["peak"] <= hbm_bytes
+        except Exception as e:
+            refused = tpu_target.refused_for_memory(e)
+            if refused:  # the TPU compiler refuses a program that does not fit: a finding, not an error
+                rec = dict(base, status="does_not_fit", fits=False, hbm_bytes=hbm_bytes)
+                rec.update(required_temp_gib=refused[0], available_hbm_gib=refused[1])
+                records.append(rec)
+                log(f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: does not fit ({refused[0]} GiB temp)")
+                continue
+            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
+            log(f"  {preset} {kind} {loss}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            continue
+        records.append(rec)
+        log(
+            f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: peak {rec['peak'] / 2**30:.2f} GiB "
+            f"({'fits' if rec['fits'] else 'does not fit'} {hbm_bytes / 2**30:g} GiB), {rec['compile_s']}s"
+        )
+    return records
+
+
+def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", choices=TARGETS, required=True, help="TPU generation (one chip of its host)")
+    parser.add_argument("--quick", action="store_true", help="one splash shape and the tiny model (~20 s)")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/local/<target>-compiled[-quick]")
+    parser.add_argument("--skip-programs", action="store_true", help="kernels only")
+    args = parser.parse_args(argv)
+    reason = tpu_target.unavailable_reason()
+    if reason is not None:
+        parser.error(f"cannot compile for a TPU here: {reason}")
+    out = args.out if args.out is not None else default_out(f"{args.target}-compiled{'-quick' if args.quick else ''}")
+    try:
+        out = check_out_dir(out)
+    except ValueError as e:
+        parser.error(str(e))
+    t0 = time.perf_counter()
+    chip = tpu_target.CHIPS[args.target]
+    devs = tpu_target.devices(args.target)[:1]
+    info = measure.env_info()
+    info.update(
+        target=args.target,
+        target_device=devs[0].device_kind,
+        topology=f"{chip.prefix}:{chip.host} (one chip)",
+        hbm_bytes=chip.hbm_bytes,
+        quick=args.quick,
+        libtpu=tpu_target._version("libtpu"),
+        label=LABEL.format(target=args.target),
+    )
+    print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
+    shape = GATE_SHAPE if args.quick else BENCH_SHAPE
+    kernels = kernel_records(devs, kernel_cases(args.quick), shape, args.target)
+    programs = (
+        [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target, chip.hbm_bytes)
+    )
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    if not any(r.get("status") == "ok" for r in kernels + programs):
+        print("nothing compiled; no result written", file=sys.stderr)
+        return 1
+    write_results(out, "tpu_kernels", kernels, info)
+    if programs:
+        write_results(out, "tpu_programs", programs, info)
+    text = compile_tables.tpu_report(kernels, programs, info)
+    write_text_atomic(os.path.join(out, "report.md"), text)
+    print(text)
+    print(f"wrote {out} in {info['wall_s']}s")
+    return 1 if any(r.get("status") not in ("ok", "does_not_fit") for r in kernels + programs) else 0
