@@ -84,6 +84,45 @@ def test_collectives_counts_each_op_once_per_run_of_its_loops():
     assert c["all-reduce"]["bytes_per_step"] == 16 * 4 * 400 + 16 * 40 + 3 * 4
 
 
+# The TPU compiler's forms: a layer loop whose collectives sit in fusions (calls=), an async collective fusion whose
+# start and done each call a computation holding the same all-gather (one channel id), a reduce-scatter written as a
+# fusion calling "all-reduce-scatter" (all-reduce + slice), and an instruction split over two lines.
+TPU_HLO = """\
+%fused_computation.1 (p: bf16[4,64]) -> (bf16[4,16], bf16[4,64]) {
+  %all-gather.1 = bf16[4,64]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=2, replica_groups=mesh['axis_0'=4] {'axis_0'}
+}
+
+%fused_computation.2 (p: bf16[4,64]) -> bf16[4,64] {
+  %all-gather.2 = bf16[4,64]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=2, replica_groups=mesh['axis_0'=4] {'axis_0'}
+}
+
+%all-reduce-scatter.clone.1 (input.1: bf16[8,64]) -> bf16[2,64] {
+  %all-reduce.3 = bf16[8,64]{1,0:T(8,128)(2,1)} all-reduce(%input.1), channel_id=5, replica_groups={{0,1,2,3}}, \
+to_apply=%add
+  ROOT %dynamic-slice.1 = bf16[2,64]{1,0} dynamic-slice(%all-reduce.3, %c, %d), dynamic_slice_sizes={2,64}
+}
+
+%body (p: (s32[])) -> (s32[]) {
+  %async-collective-start.7 = (bf16[4,16], bf16[4,64]) fusion(%x), kind=kCustom, calls=%fused_computation.1
+  %async-collective-done.7 = bf16[4,64] fusion(%y), kind=kCustom, calls=%fused_computation.2
+  %fusion.9 = bf16[2,64] fusion(%z), kind=kCustom, calls=%all-reduce-scatter.clone.1, metadata={op_name="a
+b"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %w.1 = (s32[]) while(%t), condition=%c, body=%body
+}
+"""
+
+
+def test_collectives_reads_the_tpu_compilers_forms():
+    c = plan.collectives(TPU_HLO, unknown_trips=16)  # the loop has no trip count: 16 runs
+    assert c["all-gather"]["ops"] == 1 and c["all-gather"]["ops_in_loop"] == 1  # start and done: one collective
+    assert c["all-gather"]["bytes_per_step"] == 16 * 4 * 64 * 2
+    assert c["reduce-scatter"]["ops"] == 1 and c["reduce-scatter"]["bytes_per_step"] == 16 * 8 * 64 * 2
+    assert c["all-reduce"]["ops"] == 0
+
+
 _REASON = gpu_target.unavailable_reason()
 
 

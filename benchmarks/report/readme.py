@@ -110,9 +110,8 @@ def plan_section() -> list[str]:
         "layer-loop op counted once per layer), deviceless: GPUs from the H100 description (`1x8x8` = 8 hosts of "
         "8), TPU chips from libtpu's topologies; flash attention on GPUs, splash on TPUs. Pods run one sequence of "
         "4096 per device. A TPU plan larger than its chips is refused by the TPU compiler (what it said it "
-        "needs is shown). TPU collective bytes are in the JSON but not shown: the TPU compiler's async "
-        "collective fusions put one collective in several computations, which this HLO reading counts more than "
-        "once (`benchmarks/NOTES.md`, TPU section).",
+        "needs is shown). The TPU compiler may write a collective as another kind (v5p's 3-D torus: FSDP's "
+        "gathers and scatters as all-reduces, the same bytes in total), so compare TPU rows by their sum.",
         "",
         "| devices | mesh | preset | batch × seq | remat | loss | peak GiB / device | all-gather / all-reduce / "
         "reduce-scatter GiB per step | fits |",
@@ -134,8 +133,6 @@ def plan_section() -> list[str]:
         traffic = " / ".join(
             _gib(c[k].get("bytes_per_step", c[k]["bytes"])) for k in ("all-gather", "all-reduce", "reduce-scatter")
         )
-        if r.get("target") in TPU_TARGETS:  # async collective fusions: counted more than once (NOTES, "TPU")
-            traffic = "not read (TPU async fusions)"
         out.append(
             f"| {where} | `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | "
             f"{r.get('loss', 'dense')} | {_gib(peak)} | {traffic} | {'yes' if peak < limit else 'no'} "

@@ -127,7 +127,10 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
             # the TPU compiler writes a reduce-scatter as a fusion calling "all-reduce-scatter": an all-reduce of the
             # full buffer, then each device's slice
             kind = "reduce-scatter" if comp.startswith("all-reduce-scatter") else m.group(2)
-            ops.setdefault(comp, []).append((kind, _volume(m.group(2), bool(m.group(3)), shapes, line)))
+            channel = re.search(r"\bchannel_id=(\d+)", line)
+            ops.setdefault(comp, []).append(
+                (kind, _volume(m.group(2), bool(m.group(3)), shapes, line), channel and int(channel.group(1)))
+            )
     runs: dict[str, int] = {}
     looped: set = set()  # computations run inside a while loop (directly or through a fusion / call)
 
@@ -144,8 +147,12 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
     for c in set(ops) | set(loops) | set(called):
         if c not in reached:  # the entry and any computation nothing else runs: once
             visit(c, 1, False)
+    seen: set = set()  # channel ids: the TPU's async collective fusions repeat one collective in its start and done
     for c, items in ops.items():
-        for kind, nbytes in items:
+        for kind, nbytes, channel in items:
+            if channel is not None and channel in seen:
+                continue
+            seen.add(channel)
             rec = out[kind]
             rec["ops"] += 1
             rec["bytes"] += nbytes
