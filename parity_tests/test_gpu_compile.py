@@ -288,3 +288,23 @@ def test_block_search_filter_rejects_the_old_dkv_spill_and_passes_the_default():
     assert len(bsr.candidates("flash_bwd_dkv", 64, jnp.bfloat16, quick=True)) == 4
     if not bsr.has_gpu():
         assert all("time" not in r for r in bsr.time_rows(rows))
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_peer_pallas_mha_compiles_beside_ours_in_the_kernel_records():
+    """jax's own Pallas GPU attention op, the peer the compile suite puts beside our flash kernels: its three
+    kernels get the same columns (registers, shared memory, occupancy, tensor-core ops) in `kernel_records`; GQA,
+    which it does not take, is refused by name."""
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools.deviceless import AttnShape
+    from benchmarks.tools.kernel_stats import H100_LIMITS
+
+    shape = AttnShape(b=1, s=256, hq=4, hkv=4)
+    recs = bc.kernel_records(_devices(), [(bc.PEER_MHA, 64, "bf16")], shape, "h100", log=lambda *a: None)
+    assert sorted(r["kernel"] for r in recs) == sorted(bc.PEER_MHA_KERNELS)
+    for r in recs:
+        assert r["status"] == "ok" and r["impl"] == "pallas.ops:mha" and r["label"] == "compiled for H100, not run"
+        assert 0 < r["registers"] <= H100_LIMITS["max_regs_per_thread"] and 0 < r["smem_bytes"], r
+    (bad,) = bc.kernel_records(_devices(), [(bc.PEER_MHA, 64, "bf16")], AttnShape(1, 256, 4, 2), "h100", log=print)
+    assert bad["status"] == "error" and "takes no GQA: Hq=4 != Hkv=2" in bad["error"]

@@ -429,7 +429,16 @@ def plot_decode(out_dir: str, records: list[dict], info: dict | None = None) -> 
     )
 
 
-_STAGES = {"flash_fwd": "fwd", "mosaic_fwd": "fwd", "flash_bwd_dq": "bwd dq", "flash_bwd_dkv": "bwd dkv"}
+_STAGES = {
+    "flash_fwd": "fwd",
+    "mosaic_fwd": "fwd",
+    "flash_bwd_dq": "bwd dq",
+    "flash_bwd_dkv": "bwd dkv",
+    # jax's Pallas op (pallas.ops:mha), the peer: one forward, a delta pre-pass and one fused dq+dkv backward
+    "mha_forward": "fwd",
+    "mha_preprocess_backward": "bwd delta",
+    "mha_backward": "bwd dq+dkv",
+}
 
 
 def plot_kernels(out_dir: str, records: list[dict], info: dict | None = None, name: str | None = None) -> Plot | None:

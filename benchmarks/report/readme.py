@@ -51,7 +51,9 @@ def kernels_section() -> list[str]:
         f"### Kernels ({COMPILED})",
         "",
         f"From `{path}` ({_env_line(d['env'])}). B=1, S=4096, 16 heads, causal. HGMMA = wgmma (Hopper tensor "
-        "cores), HMMA = mma.sync; occupancy on the H100 limits.",
+        "cores), HMMA = mma.sync; occupancy on the H100 limits. `pallas.ops:mha` is a peer, not ours: jax's own "
+        "Pallas GPU attention op (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton; one fused dq+dkv "
+        "backward kernel), compiled at the same shape.",
         "",
         "| impl | kernel | D | dtype | threads | regs | spill st/ld B | smem B | occupancy | HGMMA | HMMA |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -40,17 +40,20 @@ from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, tar
 from .programs import analytic_flops, build_program, cost_stats, memory_stats, program_base, program_cases  # noqa: E402
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
+PEER_MHA = "pallas.ops:mha"  # jax.experimental.pallas.ops.gpu.attention.mha, compiled beside our kernels
+PEER_MHA_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
 TPU_TARGETS = ("v5e", "v5p", "v6e")  # jaxattn.tpu_target.CHIPS (not imported here: it would import nothing GPU-side)
 
 
 # ------------------------------------------------------------------------------------------------- cases
 def kernel_cases(quick: bool):
-    """``[(impl, D, dtype name)]``."""
+    """``[(impl, D, dtype name)]``: ours, and outside ``--quick`` a peer beside them: jax's own Pallas GPU attention
+    op (``pallas.ops:mha``, Triton) at bf16 D 64 / 128."""
     if quick:
         return [("flash", 64, "bf16"), ("flash", 128, "bf16"), ("mosaic", 128, "bf16")]
     flash = [("flash", d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
     mosaic = [("mosaic", d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
-    return flash + mosaic
+    return flash + mosaic + [(PEER_MHA, d, "bf16") for d in (64, 128)]
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -76,6 +79,27 @@ def compile_flash(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: 
             compiler_options={"xla_dump_to": dump},
         )
         return kernel_stats.from_xla_dump(dump, names=FLASH_KERNELS)
+
+
+def compile_pallas_mha(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
+    """jax's own Pallas GPU attention (``jax.experimental.pallas.ops.gpu.attention.mha``, Triton) forward+backward,
+    the peer of our flash kernel: ``{kernel name: record}`` for :data:`PEER_MHA_KERNELS`. Its causal mask is
+    top-left, the same as ours at ``Sq == Sk``; it takes no GQA (``shape.hkv`` must equal ``shape.hq``)."""
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    if shape.hkv != shape.hq:
+        raise ValueError(f"{PEER_MHA} takes no GQA: Hq={shape.hq} != Hkv={shape.hkv}")
+
+    def loss(q, k, v):
+        return mha(q, k, v, None, sm_scale=d**-0.5, causal=shape.causal).astype(jnp.float32).sum()
+
+    with tempfile.TemporaryDirectory(dir=workdir) as dump:
+        gpu_target.compile(
+            jax.grad(loss, argnums=(0, 1, 2)),
+            *_attn_args(devs, shape, d, dtype),
+            compiler_options={"xla_dump_to": dump},
+        )
+        return kernel_stats.from_xla_dump(dump, names=PEER_MHA_KERNELS)
 
 
 def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
@@ -132,7 +156,7 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
             label=LABEL.format(target=target.upper()),
         )
         try:
-            fn = compile_flash if impl == "flash" else compile_mosaic
+            fn = {"flash": compile_flash, "mosaic": compile_mosaic, PEER_MHA: compile_pallas_mha}[impl]
             recs = fn(devs, d, DTYPES[dt], shape)
         except Exception as e:  # one failed compile is a record, not the end of the run
             records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
