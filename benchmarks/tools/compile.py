@@ -28,21 +28,29 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxattn import gpu_target  # noqa: E402
+from jaxattn import gpu_target, tpu_target  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report import compile_tables  # noqa: E402
 from ..report.compile_tables import LABEL  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
-from ..report.records import check_out_dir, default_out, write_results, write_text_atomic  # noqa: E402
+from ..report.records import write_results, write_text_atomic  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
-from .programs import analytic_flops, build_program, cost_stats, memory_stats, program_base, program_cases  # noqa: E402
+from .programs import (  # noqa: E402
+    analytic_flops,
+    build_program,
+    cost_stats,
+    memory_stats,
+    out_dir,
+    program_base,
+    program_cases,
+)
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
 PEER_MHA = "pallas.ops:mha"  # jax.experimental.pallas.ops.gpu.attention.mha, compiled beside our kernels
 PEER_MHA_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
-TPU_TARGETS = ("v5e", "v5p", "v6e")  # jaxattn.tpu_target.CHIPS (not imported here: it would import nothing GPU-side)
+TPU_TARGETS = tuple(tpu_target.CHIPS)  # --target v5e|v5p|v6e: tools/tpu_compile.py
 
 
 # ------------------------------------------------------------------------------------------------- cases
@@ -271,11 +279,7 @@ def main(argv=None) -> int:
     reason = gpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a GPU here: {reason}")
-    out = args.out if args.out is not None else default_out(f"{args.target}-compiled{'-quick' if args.quick else ''}")
-    try:
-        out = check_out_dir(out)
-    except ValueError as e:
-        parser.error(str(e))
+    out = out_dir(parser, args)
 
     t0 = time.perf_counter()
     devs = gpu_target.devices(target_config(args.target))

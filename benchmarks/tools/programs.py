@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from jaxattn import gpu_target
 from jaxattn.spec.flops import model_flops
 
+from ..report.records import check_out_dir, default_out
+
 
 def program_cases(quick: bool):
     """``[(preset, kind, batch, seq, overrides, loss)]``: the forward and the bf16 train step; the full run adds the
@@ -82,10 +84,10 @@ def memory_stats(compiled) -> dict:
     return out
 
 
-def cost_stats(compiled) -> dict:
-    """XLA's HLO cost analysis of the compiled GPU module. The deviceless executable does not implement
-    ``cost_analysis()``, so the optimized module is analysed by the CPU client's HloCostAnalysis; custom
-    calls (our Pallas kernels) count 0 FLOPs there."""
+def xla_cost(compiled) -> tuple[dict, str]:
+    """``(cost dict, source)``: XLA's HLO cost analysis of a compiled executable. A deviceless GPU executable does
+    not implement ``cost_analysis()``, so its optimized module is analysed by the CPU client's HloCostAnalysis;
+    custom calls (our Pallas kernels) count 0 FLOPs either way."""
     try:
         cost = compiled.cost_analysis()
         source = "compiled.cost_analysis()"
@@ -97,13 +99,27 @@ def cost_stats(compiled) -> dict:
         mods = compiled.runtime_executable().hlo_modules()
         cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, mods[0])
         source = "HloCostAnalysis of the compiled module (custom calls count 0)"
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}, source
+
+
+def cost_stats(compiled) -> dict:
+    """FLOPs and bytes accessed of the compiled module (:func:`xla_cost`) and where they came from."""
+    cost, source = xla_cost(compiled)
     return {
         "xla_flops": float(cost.get("flops", 0.0)),
         "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "cost_source": source,
     }
+
+
+def out_dir(parser, args) -> str:
+    """The checked ``--out`` of a compile command (default ``benchmarks/results/local/<target>-compiled[-quick]``);
+    a bad one is the parser's error."""
+    out = args.out if args.out is not None else default_out(f"{args.target}-compiled{'-quick' if args.quick else ''}")
+    try:
+        return check_out_dir(out)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def program_base(preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str, attention: str, label: str):

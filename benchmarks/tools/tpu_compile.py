@@ -30,9 +30,9 @@ from jaxattn.spec.flops import attention_flops
 from .. import measure
 from ..report import compile_tables
 from ..report.compile_tables import LABEL
-from ..report.records import check_out_dir, default_out, write_results, write_text_atomic
+from ..report.records import write_results, write_text_atomic
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, AttnShape
-from .programs import build_program, memory_stats, program_base, program_cases
+from .programs import build_program, memory_stats, out_dir, program_base, program_cases, xla_cost
 
 TARGETS = tuple(tpu_target.CHIPS)
 
@@ -45,8 +45,7 @@ def kernel_cases(quick: bool):
 def cost(compiled) -> dict:
     """XLA's cost analysis of a compiled TPU executable: FLOPs, bytes accessed and the compiler's time estimate
     (``optimal_seconds``; custom calls, our attention kernels, count 0 in all three)."""
-    c = compiled.cost_analysis()
-    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
+    c, _ = xla_cost(compiled)
     est = c.get("optimal_seconds")
     return {
         "xla_flops": float(c.get("flops", 0.0)),
@@ -153,11 +152,7 @@ def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
     reason = tpu_target.unavailable_reason()
     if reason is not None:
         parser.error(f"cannot compile for a TPU here: {reason}")
-    out = args.out if args.out is not None else default_out(f"{args.target}-compiled{'-quick' if args.quick else ''}")
-    try:
-        out = check_out_dir(out)
-    except ValueError as e:
-        parser.error(str(e))
+    out = out_dir(parser, args)
     t0 = time.perf_counter()
     chip = tpu_target.CHIPS[args.target]
     devs = tpu_target.devices(args.target)[:1]
