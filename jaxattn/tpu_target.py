@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -62,13 +63,34 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _libtpu_wanted() -> str | None:
+    """The libtpu requirement the installed jax's ``tpu`` extra names (``"==0.0.42.*"``), None if it names none."""
+    try:
+        reqs = importlib.metadata.requires("jax") or []
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - jax is imported above
+        return None
+    for req in reqs:
+        m = re.match(r"libtpu\s*([=<>!~][^;]*);.*extra\s*==\s*['\"]tpu['\"]", req)
+        if m:
+            return m.group(1).strip()
+    return None
+
+
 def unavailable_reason() -> str | None:
-    """None when a deviceless TPU compile can work here, else why not (what to install)."""
-    if _version("libtpu") is None:
-        return (
-            "libtpu is not installed (pip install -e '.[tpu-compile]', or jax[tpu] at the installed jax's version: "
-            f"pip install 'jax[tpu]=={jax.__version__}')"
-        )
+    """None when a deviceless TPU compile can work here, else why not (what to install): libtpu absent, or not the
+    version the installed jax's ``tpu`` extra names (a jax upgrade moves both)."""
+    have = _version("libtpu")
+    fix = f"pip install 'jax[tpu]=={jax.__version__}'"
+    if have is None:
+        return f"libtpu is not installed (pip install -e '.[tpu-compile]', or jax[tpu] at the jax installed: {fix})"
+    wanted = _libtpu_wanted()
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:  # pragma: no cover - packaging comes with pip's tooling; without it the version goes unchecked
+        SpecifierSet = None
+    if wanted is not None and SpecifierSet is not None:
+        if have not in SpecifierSet(wanted):
+            return f"libtpu {have} is installed, jax {jax.__version__} wants libtpu{wanted} ({fix})"
     return None
 
 
@@ -76,6 +98,10 @@ def unavailable_reason() -> str | None:
 def _topology(name: str):
     from jax.experimental import topologies
 
+    # Every jax process on a machine with libtpu starts a TPU client and holds /tmp/libtpu_lockfile while it lives,
+    # so a second process (a pytest worker, a benchmark child) could not load libtpu for a topology: libtpu's own
+    # switch lets it. Nothing here runs on a TPU, so two processes never share a chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return topologies.get_topology_desc(name, "tpu")
 
 

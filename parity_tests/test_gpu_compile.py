@@ -308,3 +308,65 @@ def test_peer_pallas_mha_compiles_beside_ours_in_the_kernel_records():
         assert 0 < r["registers"] <= H100_LIMITS["max_regs_per_thread"] and 0 < r["smem_bytes"], r
     (bad,) = bc.kernel_records(_devices(), [(bc.PEER_MHA, 64, "bf16")], AttnShape(1, 256, 4, 2), "h100", log=print)
     assert bad["status"] == "error" and "takes no GQA: Hq=4 != Hkv=2" in bad["error"]
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_fwd_bwd_programs_of_ours_cudnn_and_xla_through_the_dispatcher():
+    """The compile report's forward+backward table at the gate's shape: flash is three Triton kernels, mosaic a
+    Mosaic GPU forward with the flash dq/dkv backward, XLA's attention no custom call and several times the
+    scratch (the S×S scores); cuDNN through our dispatcher is cuDNN's fused attention, forward and backward, where
+    its wheel is installed (the gpu-compile extra) and a named skip where not."""
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools.deviceless import GATE_SHAPE
+
+    cases = bc.attention_cases(quick=True)
+    recs = {r["impl"]: r for r in bc.attention_records(_devices(), cases, GATE_SHAPE, "h100", log=lambda *a: None)}
+    assert sorted(recs) == ["cudnn", "flash", "mosaic", "xla"]
+    assert recs["flash"]["custom_calls"] == {TRITON: 3} and recs["flash"]["launches"] >= 3
+    assert recs["mosaic"]["custom_calls"] == {MOSAIC: 1, TRITON: 2}
+    assert recs["xla"]["status"] == "ok" and not recs["xla"]["custom_calls"]
+    assert recs["xla"]["temp"] > 4 * recs["flash"]["temp"] > 0
+    if cudnn.cudnn_version() is None:
+        assert recs["cudnn"]["status"] == "skipped" and "nvidia-cudnn-cu12" in recs["cudnn"]["reason"]
+    else:
+        r = recs["cudnn"]
+        assert r["status"] == "ok", r
+        assert r["custom_calls"] == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
+        assert r["kernels"].count("cudnn") == 2 and r["label"] == "compiled for H100, not run"
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_tokamax_peers_compile_beside_ours_with_the_same_columns():
+    """tokamax's Triton pair and its three Mosaic GPU kernels get registers, threads, shared memory (Mosaic's:
+    the scratch it allocates) and occupancy like ours."""
+    pytest.importorskip("tokamax", reason="tokamax (the compile-peers extra) is not installed")
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools.deviceless import AttnShape
+    from benchmarks.tools.kernel_stats import H100_LIMITS
+
+    cases = [(bc.TOKAMAX_TRITON, 64, "bf16"), (bc.TOKAMAX_MOSAIC, 64, "bf16")]
+    recs = bc.kernel_records(_devices(), cases, AttnShape(1, 256, 4, 4), "h100", log=lambda *a: None)
+    assert [r["kernel"] for r in recs] == list(bc.TOKAMAX_TRITON_KERNELS + bc.TOKAMAX_MOSAIC_KERNELS)
+    for r in recs:
+        assert r["status"] == "ok" and 0 < r["registers"] <= H100_LIMITS["max_regs_per_thread"], r
+        assert 0 < r["smem_bytes"] <= H100_LIMITS["smem_per_block"] and 0 < r["occupancy"] <= 1, r
+    for r in recs[2:]:  # FA3-style: three warpgroups, dynamic shared memory read from Mosaic's allocation
+        assert r["threads"] == 384 and r["smem_source"].startswith("Mosaic's scratch allocation"), r
+
+
+def test_a_peer_without_its_package_is_a_named_skip(monkeypatch):
+    import sys
+
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools import programs
+
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` raises ImportError
+    reason = programs.peer_unavailable(programs.TOKAMAX_TRITON)
+    assert reason is not None and "tokamax is not installed" in reason and "compile-peers" in reason
+    (rec,) = bc.kernel_records(None, [(bc.TOKAMAX_MOSAIC, 64, "bf16")], bc.GATE_SHAPE, "h100", log=lambda *a: None)
+    assert rec["status"] == "skipped" and rec["reason"] == reason
+    assert programs.peer_unavailable("flash") is None and programs.peer_unavailable(programs.PEER_MHA) is None
+    with pytest.raises(ValueError, match="impl must be one of"):
+        programs.attention_loss("nope", bc.GATE_SHAPE, 64)

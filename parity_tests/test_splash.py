@@ -158,6 +158,43 @@ def test_block_size_is_the_largest_that_divides_the_padded_length():
     assert [S.block_size(n) for n in (128, 256, 384, 512, 640, 1024, 4096)] == [128, 256, 128, 512, 128, 512, 512]
 
 
+def test_block_size_stays_within_the_generations_vmem_cap(monkeypatch):
+    """A generation's cap (the deviceless search's largest fitting block) bounds the block; a head dim between two
+    searched rows takes the larger row's cap; an unsearched generation or head dim has none."""
+    monkeypatch.setitem(S.VMEM_CAPS, "TPU test", {(128, "float32"): 256, (256, "float32"): 128})
+    assert S.vmem_cap(96, jnp.float32, "TPU test") == 256 and S.vmem_cap(200, jnp.float32, "TPU test") == 128
+    assert S.vmem_cap(512, jnp.float32, "TPU test") is None and S.vmem_cap(128, jnp.bfloat16, "TPU test") is None
+    assert S.vmem_cap(128, jnp.float32, "TPU v9") is None
+    assert S.block_size(4096, 128, jnp.float32, "TPU test") == 256
+    assert S.block_size(4096, 256, jnp.float32, "TPU test") == 128
+    assert S.block_size(4096, 128, jnp.bfloat16, "TPU test") == 512
+    q = jnp.zeros((1, 200, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="block must divide the padded lengths 256 and 256, got 512"):
+        S.splash_attention(q, q, q, attn.normalize(q, q, q), block=512)
+
+
+def test_vmem_caps_are_the_committed_searchs_findings():
+    """``VMEM_CAPS`` equals what ``python -m benchmarks compile --target <chip> --search`` found, per generation
+    (benchmarks/results/<chip>-compiled/splash_blocks.json): the table is the search's, not typed."""
+    import json
+    import os
+
+    from jaxattn import tpu_target
+
+    for chip in tpu_target.CHIPS.values():
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.path.join(root, "benchmarks", "results", f"{chip.name}-compiled", "splash_blocks.json")
+        with open(path) as f:
+            d = json.load(f)
+        assert d["env"]["target_device"] == chip.device_kind, path
+        found: dict = {}
+        for r in d["records"]:
+            if r["status"] == "ok":
+                key = (r["head_dim"], {"bf16": "bfloat16", "fp32": "float32"}[r["dtype"]])
+                found[key] = max(found.get(key, 0), r["block"])
+        assert S.VMEM_CAPS[chip.device_kind] == found, chip.name
+
+
 # ----------------------------------------------------------------------------------------------- the model
 @pytest.fixture(scope="module")
 def tiny():

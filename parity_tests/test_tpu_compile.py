@@ -1,6 +1,7 @@
 """Compile for a TPU without one (``jaxattn.tpu_target``, ``python -m benchmarks compile --target v5e``): splash
 attention forward+backward and the tiny model's programs compiled for one v5e chip with libtpu's topology, their
-records and report; skipped, naming the extra, where libtpu is not installed (it is not in ``.ci/run``: README)."""
+records and report, jax's and tokamax's TPU attention beside splash; skipped, naming the extra, where libtpu is not
+installed (``.ci/run`` installs it)."""
 
 import json
 
@@ -21,6 +22,44 @@ def test_unavailable_reason_names_the_extra(monkeypatch):
         tpu_target.devices("v5e")
     with pytest.raises(ValueError, match="chip must be one of"):
         tpu_target.devices("v4x")
+
+
+def test_unavailable_reason_names_both_versions_when_libtpu_does_not_match_jax(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(tpu_target, "_version", lambda dist: "0.0.1")
+    monkeypatch.setattr(tpu_target, "_libtpu_wanted", lambda: "==0.0.42.*")
+    reason = tpu_target.unavailable_reason()
+    assert reason == f"libtpu 0.0.1 is installed, jax {jax.__version__} wants libtpu==0.0.42.* (pip install " + (
+        f"'jax[tpu]=={jax.__version__}')"
+    )
+    monkeypatch.setattr(tpu_target, "_version", lambda dist: "0.0.42.1")
+    assert tpu_target.unavailable_reason() is None
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+def test_peers_compile_beside_splash_for_a_v5e_chip():
+    """The TPU kernel table's peers: splash is three Mosaic TPU kernels (forward, dq, dkv), jax's Pallas TPU
+    flash_attention three too, XLA's attention none and the S×S scores in scratch; tokamax's (where installed)
+    wraps splash with a fused dq+dkv backward: two."""
+    from benchmarks.tools import tpu_compile as tc
+    from benchmarks.tools.deviceless import AttnShape
+
+    impls = ("splash", "pallas.ops.tpu:flash", "xla", "tokamax:mosaic")
+    cases = [(impl, 128, "bf16") for impl in impls]
+    devs = tpu_target.devices("v5e")[:1]
+    recs = {r["impl"]: r for r in tc.kernel_records(devs, cases, AttnShape(1, 4096, 4, 4), "v5e", log=lambda *a: None)}
+    assert all(r["status"] in ("ok", "skipped") for r in recs.values()), [r.get("error") for r in recs.values()]
+    assert recs["splash"]["tpu_custom_calls"] == recs["pallas.ops.tpu:flash"]["tpu_custom_calls"] == 3
+    assert recs["xla"]["tpu_custom_calls"] == 0
+    scores = 4 * 4096 * 4096 * 4  # one float32 [H, S, S] tensor
+    assert recs["xla"]["temp"] >= scores > recs["splash"]["temp"]
+    tk = recs["tokamax:mosaic"]
+    if tk["status"] == "skipped":
+        assert "tokamax is not installed" in tk["reason"]
+    else:
+        assert tk["status"] == "ok" and tk["tpu_custom_calls"] == 2, tk
 
 
 @pytest.mark.tpu_compile
@@ -145,3 +184,18 @@ def test_mesh_axes_that_do_not_fit_the_torus_split_physical_axes():
     mesh = sharding.make_mesh("data=8,fsdp=8", devices=devs)
     assert dict(mesh.shape) == {"data": 8, "fsdp": 8, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devs)
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+def test_block_search_tells_which_splash_blocks_fit_the_scoped_vmem():
+    """The search's knob and reading at its hardest case: D=256 float32 on v5e, where a 1024 block overflows the
+    scoped VMEM (the compiler's CompileTimeScopedVmemOom) and 512 fits, which is the cap VMEM_CAPS holds."""
+    from benchmarks.tools import tpu_compile as tc
+    from jaxattn.attention import splash
+
+    devs = tpu_target.devices("v5e")[:1]
+    recs = tc.block_search(devs, [(256, "fp32")], "v5e", blocks=(1024, 512), log=lambda *a: None)
+    assert [(r["block"], r["status"]) for r in recs] == [(1024, "vmem_oom"), (512, "ok")], recs
+    assert tc.vmem_caps(recs) == {(256, "float32"): 512} and recs[1]["temp"] > 0
+    assert splash.vmem_cap(256, "float32", devs[0].device_kind) == 512

@@ -18,7 +18,16 @@ from .tables import SPEEDUP_NOTE, suite_table
 
 # Suites written by ``python -m benchmarks compile`` / ``plan`` / ``block_search``: deviceless compiles with
 # their own report layout, not JAX-vs-torch timings; ``report`` leaves them to their own commands.
-COMPILED_SUITES = ("kernels", "programs", "plan", "block_search", "tpu_kernels", "tpu_programs")
+COMPILED_SUITES = (
+    "kernels",
+    "fwd_bwd",
+    "programs",
+    "plan",
+    "block_search",
+    "tpu_kernels",
+    "tpu_programs",
+    "splash_blocks",
+)
 # the JSON that marks a tool's directory -> fn(found results, plot file name or None) -> that tool's report.md
 DIR_REPORTS: dict[str, Callable[[dict, str | None], str]] = {
     "kernels": compile_tables.dir_report,

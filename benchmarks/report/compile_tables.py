@@ -13,9 +13,10 @@ def _mib(x) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def report(kernels: list, programs: list, info: dict, plot: str | None = None) -> str:
-    """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel and
-    program tables (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
+def report(kernels: list, programs: list, info: dict, plot: str | None = None, fwd_bwd: list | None = None) -> str:
+    """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel table,
+    the attention fwd+bwd table (:func:`fwd_bwd_table`, when ``fwd_bwd`` has records), the program table
+    (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
     target = info["target"].upper()
     lines = [
         f"# Compiled for {target}, not run",
@@ -29,7 +30,11 @@ def report(kernels: list, programs: list, info: dict, plot: str | None = None) -
         "HGMMA = wgmma, HMMA = mma.sync, TMA = UTMALDG, cp.async = LDGSTS, counted in the SASS.",
         "",
     ]
-    lines += tables(kernels, programs, target)
+    body = tables(kernels, programs, target)
+    if fwd_bwd:  # after the kernel table, before the programs
+        at = body.index(f"## Programs (compiled for {target}, not run)")
+        body[at:at] = fwd_bwd_table(fwd_bwd, target)
+    lines += body
     if plot:
         lines += [f"![kernels plot]({plot})", ""]
     return "\n".join(lines)
@@ -105,6 +110,46 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
     return lines
 
 
+def kernel_counts(names: list) -> str:
+    """``"`a`, `custom_call` ×3"``: the kernels of a launch list in first-launch order, repeats counted."""
+    counts: dict = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    return ", ".join(f"`{n}`" + (f" ×{c}" if c > 1 else "") for n, c in counts.items())
+
+
+def fwd_bwd_table(records: list, target: str, level: str = "##") -> list:
+    """The markdown lines of the attention forward+backward table: per implementation (ours, the peers, cuDNN,
+    XLA) the kernel launches and the compiled memory of ``jax.grad`` of its attention, one program each."""
+    lines = [
+        f"{level} Attention forward+backward, one program per implementation (compiled for {target}, not run)",
+        "",
+        "| impl | D | dtype | launches | kernels | temp MiB | peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("status") != "ok":
+            why = r.get("error") or r.get("reason") or ""
+            lines.append(f"| {r['impl']} | {r['head_dim']} | {r['dtype']} | {r['status'].upper()}: {why[:90]} | | | |")
+            continue
+        names = kernel_counts(r["kernels"])
+        lines.append(
+            f"| {r['impl']} | {r['head_dim']} | {r['dtype']} | {r['launches']} | {names} | {r['temp'] / 2**20:,.2f} "
+            f"| {_mib(r['peak'])} |"
+        )
+    shape = records[0] if records else {}
+    lines += [
+        "",
+        f"`jax.grad` of the float32 sum of the attention output, B={shape.get('B')}, S={shape.get('S')}, "
+        f"Hq={shape.get('Hq')}, Hkv={shape.get('Hkv')}, causal={shape.get('causal')}. Launches: XLA's thunk "
+        "sequence (fusions included; `custom_call` = a Mosaic GPU kernel or a cuDNN call). temp: the scratch "
+        "XLA allocates beside the inputs and outputs (residuals, softmax statistics, workspaces). Ours, cuDNN "
+        "and XLA through `dot_product_attention(backend=...)`; the peers as their packages document.",
+        "",
+    ]
+    return lines
+
+
 def suite_tables(records: list) -> str:
     """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records."""
     label = next((r["label"] for r in records if r.get("label")), LABEL.format(target="H100"))
@@ -119,7 +164,8 @@ def dir_report(found: dict, plot: str | None = None) -> str:
     {"env", "records"}}`` with ``kernels`` and maybe ``programs``); ``python -m benchmarks report DIR`` uses it."""
     env = found["kernels"].get("env") or {}
     programs = (found.get("programs") or {}).get("records") or []
-    return report(found["kernels"]["records"], programs, env, plot)
+    fwd_bwd = (found.get("fwd_bwd") or {}).get("records") or []
+    return report(found["kernels"]["records"], programs, env, plot, fwd_bwd)
 
 
 def _gib(x) -> str:
@@ -135,19 +181,21 @@ def tpu_tables(kernels: list, programs: list, info: dict, level: str = "##") -> 
     """The markdown lines of a TPU compile's splash and program tables (``benchmarks/tools/tpu_compile.py``)."""
     target, hbm = info["target"], info.get("hbm_bytes") or 0
     lines = [
-        f"{level} Splash attention fwd+bwd (compiled for {target}, not run)",
+        f"{level} Attention fwd+bwd: splash and its peers (compiled for {target}, not run)",
         "",
-        "| D | dtype | B × S × Hq/Hkv | Mosaic TPU calls | temp MiB | peak MiB | XLA GFLOPs (kernels: 0) "
-        "| attention GFLOPs | compile s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| impl | D | dtype | B × S × Hq/Hkv | Mosaic TPU calls | temp MiB | peak MiB | XLA GFLOPs (a kernel: its "
+        "cost estimate or 0) | attention GFLOPs | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in kernels:
         shape = f"{r['B']} × {r['S']} × {r['Hq']}/{r['Hkv']}"
+        head = f"| {r.get('impl', 'splash')} | {r['head_dim']} | {r['dtype']} | {shape} |"
         if r.get("status") != "ok":
-            lines.append(f"| {r['head_dim']} | {r['dtype']} | {shape} | ERROR: {str(r.get('error'))[:80]} | | | | | |")
+            why = str(r.get("error") or r.get("reason"))[:80]
+            lines.append(f"{head} {r.get('status', 'error').upper()}: {why} | | | | | |")
             continue
         lines.append(
-            f"| {r['head_dim']} | {r['dtype']} | {shape} | {r['tpu_custom_calls']} | {_mib(r['temp'])} | "
+            f"{head} {r['tpu_custom_calls']} | {_mib(r['temp'])} | "
             f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.3g} | {r['attention_flops'] / 1e9:,.3g} | {r['compile_s']} |"
         )
     if programs:
@@ -174,8 +222,40 @@ def tpu_tables(kernels: list, programs: list, info: dict, level: str = "##") -> 
     return lines + [""]
 
 
-def tpu_report(kernels: list, programs: list, info: dict) -> str:
-    """``report.md`` of ``python -m benchmarks compile --target v5e|v5p|v6e``."""
+def splash_blocks_table(records: list, target: str, level: str = "##") -> list:
+    """The markdown lines of the splash block-size search (``compile --target T --search``): per head dim and dtype,
+    which square block compiles within the chip's scoped VMEM, and the largest that does."""
+    blocks = sorted({r["block"] for r in records}, reverse=True)
+    cases = list(dict.fromkeys((r["head_dim"], r["dtype"]) for r in records))
+    lines = [
+        f"{level} Splash block sizes that fit the scoped VMEM (compiled for {target}, not run)",
+        "",
+        "| D | dtype | " + " | ".join(f"block {b}" for b in blocks) + " | largest that fits |",
+        "|---|---|" + "---|" * (len(blocks) + 1),
+    ]
+    for d, dt in cases:
+        row = {r["block"]: r for r in records if (r["head_dim"], r["dtype"]) == (d, dt)}
+        cells = []
+        for b in blocks:
+            r = row.get(b)
+            cell = "—" if r is None else {"ok": f"fits ({_mib(r.get('temp', 0))} MiB temp)", "vmem_oom": "VMEM OOM"}
+            cells.append(cell if isinstance(cell, str) else cell.get(r["status"], r["status"].upper()))
+        fits = [b for b in blocks if row.get(b, {}).get("status") == "ok"]
+        lines.append(f"| {d} | {dt} | " + " | ".join(cells) + f" | {max(fits) if fits else 'none'} |")
+    s, h = (records[0]["S"], records[0]["H"]) if records else (None, None)
+    lines += [
+        "",
+        f"Causal forward+backward of our `splash` backend with one square block size, B=1, S={s}, {h} heads. "
+        "`VMEM OOM` is the TPU compiler's `CompileTimeScopedVmemOom`. The compiler tells fit, not speed; "
+        "`jaxattn.attention.splash.VMEM_CAPS` holds the last column (a test checks it against this file).",
+        "",
+    ]
+    return lines
+
+
+def tpu_report(kernels: list, programs: list, info: dict, blocks: list | None = None) -> str:
+    """``report.md`` of ``python -m benchmarks compile --target v5e|v5p|v6e`` (``blocks``: its ``--search``'s
+    records, when the directory has them)."""
     lines = [
         f"# Compiled for {info['target']}, not run",
         "",
@@ -189,10 +269,14 @@ def tpu_report(kernels: list, programs: list, info: dict) -> str:
         "FlashAttention's count (forward + backward = 3.5× forward, causal halved).",
         "",
     ]
-    return "\n".join(lines + tpu_tables(kernels, programs, info))
+    lines += tpu_tables(kernels, programs, info)
+    if blocks:
+        lines += [""] + splash_blocks_table(blocks, info["target"])
+    return "\n".join(lines)
 
 
 def tpu_dir_report(found: dict, plot: str | None = None) -> str:
     """``report.md`` of a TPU compile directory, redone from its JSON (``python -m benchmarks report DIR``)."""
     k = found["tpu_kernels"]
-    return tpu_report(k["records"], (found.get("tpu_programs") or {}).get("records", []), k.get("env") or {})
+    blocks = (found.get("splash_blocks") or {}).get("records")
+    return tpu_report(k["records"], (found.get("tpu_programs") or {}).get("records", []), k.get("env") or {}, blocks)

@@ -438,6 +438,11 @@ _STAGES = {
     "mha_forward": "fwd",
     "mha_preprocess_backward": "bwd delta",
     "mha_backward": "bwd dq+dkv",
+    # tokamax: Triton forward + one fused backward; Mosaic GPU forward + dq and dkv kernels
+    "pallas_flash_attention_fwd_res": "fwd",
+    "pallas_flash_attention_vjp": "bwd dq+dkv",
+    "mosaic_bwd_dq": "bwd dq",
+    "mosaic_bwd_dkv": "bwd dkv",
 }
 
 

@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 
+from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
 from .records import RESULTS_DIR, read_results
 from .tables import SPEEDUP_NOTE, row_paired, speedup_rows
@@ -51,9 +52,10 @@ def kernels_section() -> list[str]:
         f"### Kernels ({COMPILED})",
         "",
         f"From `{path}` ({_env_line(d['env'])}). B=1, S=4096, 16 heads, causal. HGMMA = wgmma (Hopper tensor "
-        "cores), HMMA = mma.sync; occupancy on the H100 limits. `pallas.ops:mha` is a peer, not ours: jax's own "
-        "Pallas GPU attention op (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton; one fused dq+dkv "
-        "backward kernel), compiled at the same shape.",
+        "cores), HMMA = mma.sync; occupancy on the H100 limits. Peers, not ours, compiled at the same shape: "
+        "`pallas.ops:mha` is jax's own Pallas GPU attention op (`jax.experimental.pallas.ops.gpu.attention.mha`, "
+        "Triton; one fused dq+dkv backward kernel), `tokamax:triton` / `tokamax:mosaic` are tokamax's Triton and "
+        "Mosaic GPU flash attention (tokamax 0.0.12).",
         "",
         "| impl | kernel | D | dtype | threads | regs | spill st/ld B | smem B | occupancy | HGMMA | HMMA |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -70,6 +72,30 @@ def kernels_section() -> list[str]:
     png = os.path.join(RESULTS, "h100-compiled", "kernels.png")  # drawn from the same JSON by `benchmarks report`
     if os.path.isfile(png):
         out += ["", f"![registers, spills and shared memory per kernel, {COMPILED}]({os.path.relpath(png, ROOT)})"]
+    return out
+
+
+def fwd_bwd_section() -> list[str]:
+    """Launches and compiled temp memory of one attention forward+backward program per implementation."""
+    d, path = _load("h100-compiled", "fwd_bwd.json")
+    if d is None:
+        return []
+    out = [
+        f"### Attention forward+backward per implementation ({COMPILED})",
+        "",
+        f"From `{path}`: `jax.grad` of the attention at B=1, S=4096, 16 heads, D=128, bf16, causal, one program "
+        "each. Launches from XLA's thunk sequence (fusions included); temp = the scratch XLA allocates beside the "
+        "inputs and outputs. Ours, cuDNN and XLA through `dot_product_attention(backend=...)`.",
+        "",
+        "| impl | launches | kernels | temp MiB |",
+        "|---|---|---|---|",
+    ]
+    for r in d["records"]:
+        if r.get("status") != "ok":
+            out.append(f"| {r['impl']} | {r.get('status')}: {str(r.get('reason') or r.get('error'))[:70]} | | |")
+            continue
+        names = kernel_counts(r["kernels"])
+        out.append(f"| {r['impl']} | {r['launches']} | {names} | {r['temp'] / 2**20:,.2f} |")
     return out
 
 
@@ -173,7 +199,12 @@ def tpu_section() -> list[str]:
     ]
     for t, (k, p) in found.items():
         splash = next(
-            (r for r in k["records"] if r.get("status") == "ok" and r["head_dim"] == 128 and r["dtype"] == "bf16"),
+            (
+                r
+                for r in k["records"]
+                if r.get("status") == "ok" and r.get("impl", "splash") == "splash" and r["head_dim"] == 128
+                if r["dtype"] == "bf16"
+            ),
             None,
         )
         cell = f"{splash['tpu_custom_calls']} / {splash['temp'] / 2**20:,.1f}" if splash else "—"
@@ -372,6 +403,7 @@ def render() -> str:
         train_example_section(),
         cpu_quick_section(),
         kernels_section(),
+        fwd_bwd_section(),
         programs_section(),
         plan_section(),
         tpu_section(),

@@ -15,6 +15,8 @@ the block-size search instead. Every figure is "compiled for H100, not run" (det
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import os
 import re
@@ -26,7 +28,6 @@ import time
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin starts without a CUDA runtime
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target, tpu_target  # noqa: E402
 
@@ -38,30 +39,51 @@ from ..report.records import write_results, write_text_atomic  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 from .programs import (  # noqa: E402
+    PEER_MHA,
+    TOKAMAX_MOSAIC,
+    TOKAMAX_TRITON,
     analytic_flops,
+    attention_base,
+    attention_loss,
     build_program,
     cost_stats,
     memory_stats,
     out_dir,
+    peer_context,
     program_base,
     program_cases,
+    skipped_record,
 )
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
-PEER_MHA = "pallas.ops:mha"  # jax.experimental.pallas.ops.gpu.attention.mha, compiled beside our kernels
 PEER_MHA_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
+# tokamax's Triton kernels (one forward, one fused dq+dk+dv backward) and its Mosaic GPU kernels (FA3-style forward,
+# dq and dkv backward), the peers of our flash and mosaic backends.
+TOKAMAX_TRITON_KERNELS = ("pallas_flash_attention_fwd_res", "pallas_flash_attention_vjp")
+TOKAMAX_MOSAIC_KERNELS = ("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv")  # in the order Mosaic compiles them
+GPU_PEERS = (PEER_MHA, TOKAMAX_TRITON, TOKAMAX_MOSAIC)
+# One fwd+bwd program per implementation for the launches / compiled-temp table: ours, the peers, cuDNN (through
+# our dispatcher: its kernels are a library's, with no PTX to read) and XLA's own attention.
+ATTENTION_IMPLS = ("flash", "mosaic", "cudnn", "xla") + GPU_PEERS
 TPU_TARGETS = tuple(tpu_target.CHIPS)  # --target v5e|v5p|v6e: tools/tpu_compile.py
 
 
 # ------------------------------------------------------------------------------------------------- cases
 def kernel_cases(quick: bool):
-    """``[(impl, D, dtype name)]``: ours, and outside ``--quick`` a peer beside them: jax's own Pallas GPU attention
-    op (``pallas.ops:mha``, Triton) at bf16 D 64 / 128."""
+    """``[(impl, D, dtype name)]``: ours, and outside ``--quick`` the peers beside them (:data:`GPU_PEERS`: jax's own
+    Pallas GPU attention op, tokamax's Triton and Mosaic GPU kernels) at bf16 D 64 / 128."""
     if quick:
         return [("flash", 64, "bf16"), ("flash", 128, "bf16"), ("mosaic", 128, "bf16")]
     flash = [("flash", d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
     mosaic = [("mosaic", d, dt) for dt in ("bf16", "fp16") for d in (64, 128, 256)]
-    return flash + mosaic + [(PEER_MHA, d, "bf16") for d in (64, 128)]
+    return flash + mosaic + [(p, d, "bf16") for p in GPU_PEERS for d in (64, 128)]
+
+
+def attention_cases(quick: bool):
+    """``[(impl, D, dtype name)]`` of the fwd+bwd table: every implementation at bf16 D 128 (``--quick``: ours,
+    cuDNN and XLA)."""
+    impls = ATTENTION_IMPLS[:4] if quick else ATTENTION_IMPLS
+    return [(impl, 128, "bf16") for impl in impls]
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -71,62 +93,74 @@ def _attn_args(devs, shape: AttnShape, d: int, dtype):
     return gpu_target.place((q, k, k), devs)
 
 
-def compile_flash(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
-    """Compile flash fwd+bwd (``jax.grad`` through ``dot_product_attention(backend="flash")``) and return
-    ``{kernel name: record}`` for :data:`FLASH_KERNELS`."""
-    from jaxattn.attention import dot_product_attention
-
-    def loss(q, k, v):
-        out = dot_product_attention(q, k, v, causal=shape.causal, backend="flash")
-        return out.astype(jnp.float32).sum()
-
-    with tempfile.TemporaryDirectory(dir=workdir) as dump:
-        gpu_target.compile(
-            jax.grad(loss, argnums=(0, 1, 2)),
+def compile_fwd_bwd(devs, impl: str, d: int, dtype, shape: AttnShape = BENCH_SHAPE, compiler_options=None):
+    """``(lowered, compiled)``: ``jax.grad`` of :func:`_attention_loss` for ``impl`` compiled for ``devs``."""
+    with peer_context(impl, devs):
+        return gpu_target.compile(
+            jax.grad(attention_loss(impl, shape, d), argnums=(0, 1, 2)),
             *_attn_args(devs, shape, d, dtype),
-            compiler_options={"xla_dump_to": dump},
+            compiler_options=compiler_options,
         )
-        return kernel_stats.from_xla_dump(dump, names=FLASH_KERNELS)
 
 
-def compile_pallas_mha(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
-    """jax's own Pallas GPU attention (``jax.experimental.pallas.ops.gpu.attention.mha``, Triton) forward+backward,
-    the peer of our flash kernel: ``{kernel name: record}`` for :data:`PEER_MHA_KERNELS`. Its causal mask is
-    top-left, the same as ours at ``Sq == Sk``; it takes no GQA (``shape.hkv`` must equal ``shape.hq``)."""
-    from jax.experimental.pallas.ops.gpu.attention import mha
+def _triton_kernels(names, impl):
+    """A kernel compiler for a Triton implementation: compile its fwd+bwd, read ``names`` from XLA's dump."""
 
-    if shape.hkv != shape.hq:
-        raise ValueError(f"{PEER_MHA} takes no GQA: Hq={shape.hq} != Hkv={shape.hkv}")
+    def compile_kernels(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
+        with tempfile.TemporaryDirectory(dir=workdir) as dump:
+            compile_fwd_bwd(devs, impl, d, dtype, shape, compiler_options={"xla_dump_to": dump})
+            return kernel_stats.from_xla_dump(dump, names=names)
 
-    def loss(q, k, v):
-        return mha(q, k, v, None, sm_scale=d**-0.5, causal=shape.causal).astype(jnp.float32).sum()
-
-    with tempfile.TemporaryDirectory(dir=workdir) as dump:
-        gpu_target.compile(
-            jax.grad(loss, argnums=(0, 1, 2)),
-            *_attn_args(devs, shape, d, dtype),
-            compiler_options={"xla_dump_to": dump},
-        )
-        return kernel_stats.from_xla_dump(dump, names=PEER_MHA_KERNELS)
+    compile_kernels.__doc__ = f"{impl} fwd+bwd compiled for ``devs``: ``{{kernel name: record}}`` for {names}."
+    return compile_kernels
 
 
-def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
-    """Compile the Mosaic GPU forward and return ``{"mosaic_fwd": record}``; its PTX comes from Mosaic's own
-    dump (``MOSAIC_GPU_DUMP_PTX=1`` prints it on stdout while XLA compiles the custom call)."""
-    from jaxattn.attention import dot_product_attention
-    from jaxattn.attention.mosaic import MosaicBlockSizes
+# Ours: flash fwd+bwd (jax.grad through dot_product_attention(backend="flash")). jax's Pallas op: its causal mask is
+# top-left, the same as ours at Sq == Sk; it takes no GQA. tokamax's Triton pair.
+compile_flash = _triton_kernels(FLASH_KERNELS, "flash")
+compile_pallas_mha = _triton_kernels(PEER_MHA_KERNELS, PEER_MHA)
+compile_tokamax_triton = _triton_kernels(TOKAMAX_TRITON_KERNELS, TOKAMAX_TRITON)
 
-    def fwd(q, k, v):
-        return dot_product_attention(q, k, v, causal=shape.causal, backend="mosaic")
 
+@contextlib.contextmanager
+def _mosaic_smem_sizes():
+    """The dynamic shared memory of each Mosaic GPU kernel lowered inside the block, in lowering order: the size
+    Mosaic itself computes from the kernel's scratch buffers (the PTX only says "dynamic"). Reads a private seam
+    (``mosaic.gpu.core._launch``); where a jax moved it the list stays empty and the caller says so."""
+    sizes: list = []
+    try:
+        from jax.experimental.mosaic.gpu import core
+
+        orig, tree_size = core._launch, core._smem_tree_size
+    except (ImportError, AttributeError):
+        yield sizes
+        return
+
+    def launch(*args, **kwargs):
+        bufs = kwargs["smem_buffers"] if "smem_buffers" in kwargs else args[4]
+        sizes.append(int(tree_size(bufs)))
+        return orig(*args, **kwargs)
+
+    core._launch = launch
+    try:
+        yield sizes
+    finally:
+        core._launch = orig
+
+
+def _mosaic_kernels(compile_thunk, names, workdir: str | None = None) -> dict:
+    """Records of the Mosaic GPU kernels ``compile_thunk()`` compiles, named ``names`` in compile order: PTX from
+    Mosaic's own dump (``MOSAIC_GPU_DUMP_PTX=1`` prints each module on stdout while XLA compiles the custom call),
+    registers and spills from the ``ptxas -v`` report printed after it, dynamic shared memory from
+    :func:`_mosaic_smem_sizes`."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         log = os.path.join(tmp, "mosaic.log")
         flags = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS")
         old = {k: os.environ.get(k) for k in flags}
         os.environ.update({k: "1" for k in flags})
         try:
-            with kernel_stats.capture_fd_output(log):
-                gpu_target.compile(fwd, *_attn_args(devs, shape, d, dtype))
+            with kernel_stats.capture_fd_output(log), _mosaic_smem_sizes() as smem:
+                compile_thunk()
         finally:
             for k, v in old.items():
                 if v is None:
@@ -138,34 +172,61 @@ def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir:
         modules = kernel_stats.split_ptx_modules(text)
         if not modules:
             raise RuntimeError("Mosaic GPU printed no PTX (MOSAIC_GPU_DUMP_PTX=1 had no effect in this jax)")
-        itemsize = jnp.dtype(dtype).itemsize
-        smem = MosaicBlockSizes.default(d).smem_bytes(d, itemsize)
-        report = "\n".join(line for line in text.splitlines() if line.startswith(("ptxas", "    ")))
-        recs = kernel_stats.from_ptx(modules[-1], tmp, smem_dynamic=smem, ptxas_report=report or None)
-    (rec,) = recs.values()
-    rec["kernel"] = "mosaic_fwd"
-    rec["smem_source"] = "MosaicBlockSizes.smem_bytes (planned dynamic allocation)"
-    return {"mosaic_fwd": rec}
+        if len(modules) != len(names):
+            raise RuntimeError(f"Mosaic GPU compiled {len(modules)} kernels, expected {len(names)} ({names})")
+        # each module's own ptxas report: the "ptxas" lines between it and the next module
+        chunks = text.split("// Generated by LLVM NVPTX Back-End")[1:]
+        out = {}
+        for i, (name, ptx, chunk) in enumerate(zip(names, modules, chunks)):
+            report = "\n".join(line for line in chunk.splitlines() if line.startswith(("ptxas", "    ")))
+            size = smem[i] if len(smem) == len(modules) else None
+            (rec,) = kernel_stats.from_ptx(ptx, tmp, smem_dynamic=size, ptxas_report=report or None).values()
+            rec["kernel"] = name
+            rec["smem_source"] = (
+                "Mosaic's scratch allocation (mosaic.gpu.core)" if size is not None else "unknown (Mosaic moved)"
+            )
+            out[name] = rec
+    return out
+
+
+def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
+    """Compile our Mosaic GPU forward (its backward is the flash kernels) and return ``{"mosaic_fwd": record}``."""
+    from jaxattn.attention import dot_product_attention
+
+    def fwd(q, k, v):
+        return dot_product_attention(q, k, v, causal=shape.causal, backend="mosaic")
+
+    thunk = lambda: gpu_target.compile(fwd, *_attn_args(devs, shape, d, dtype))  # noqa: E731
+    return _mosaic_kernels(thunk, ("mosaic_fwd",), workdir)
+
+
+def compile_tokamax_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
+    """tokamax's Mosaic GPU fwd+bwd (FA3-style forward, a dq and a dkv kernel): ``{kernel name: record}`` for
+    :data:`TOKAMAX_MOSAIC_KERNELS`."""
+    thunk = lambda: compile_fwd_bwd(devs, TOKAMAX_MOSAIC, d, dtype, shape)  # noqa: E731
+    return _mosaic_kernels(thunk, TOKAMAX_MOSAIC_KERNELS, workdir)
+
+
+KERNEL_COMPILERS = {
+    "flash": compile_flash,
+    "mosaic": compile_mosaic,
+    PEER_MHA: compile_pallas_mha,
+    TOKAMAX_TRITON: compile_tokamax_triton,
+    TOKAMAX_MOSAIC: compile_tokamax_mosaic,
+}
 
 
 def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> list:
     records = []
     for impl, d, dt in cases:
         t0 = time.perf_counter()
-        base = dict(
-            impl=impl,
-            head_dim=d,
-            dtype=dt,
-            B=shape.b,
-            S=shape.s,
-            Hq=shape.hq,
-            Hkv=shape.hkv,
-            causal=shape.causal,
-            label=LABEL.format(target=target.upper()),
-        )
+        base = attention_base(impl, d, dt, shape, LABEL.format(target=target.upper()))
+        skip = skipped_record(base, log)
+        if skip is not None:
+            records.append(skip)
+            continue
         try:
-            fn = {"flash": compile_flash, "mosaic": compile_mosaic, PEER_MHA: compile_pallas_mha}[impl]
-            recs = fn(devs, d, DTYPES[dt], shape)
+            recs = KERNEL_COMPILERS[impl](devs, d, DTYPES[dt], shape)
         except Exception as e:  # one failed compile is a record, not the end of the run
             records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
             log(f"  {impl} D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
@@ -174,6 +235,42 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
         for rec in recs.values():
             records.append(dict(base, **rec, status="ok", compile_s=round(secs, 1)))
         log(f"  {impl} D={d} {dt}: {len(recs)} kernels in {secs:.1f}s")
+    return records
+
+
+# ------------------------------------------------------------------------------------------------- fwd+bwd
+def attention_records(devs, cases, shape: AttnShape, target: str, log=print) -> list:
+    """One record per ``(impl, D, dtype)``: its attention forward+backward compiled as one program, the kernel
+    launches in XLA's thunk sequence (fusions included: what a profiler would list), the distinct kernels, and the
+    compiled memory (temp = the scratch XLA allocates for residuals, softmax statistics and workspaces)."""
+    records = []
+    for impl, d, dt in cases:
+        base = attention_base(impl, d, dt, shape, LABEL.format(target=target.upper()))
+        skip = skipped_record(base, log)
+        if skip is not None:
+            records.append(skip)
+            continue
+        t0 = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory() as dump:
+                _, compiled = compile_fwd_bwd(devs, impl, d, DTYPES[dt], shape, compiler_options={"xla_dump_to": dump})
+                launches = kernel_stats.xla_launches(dump)
+        except Exception as e:
+            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
+            log(f"  fwd+bwd {impl}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rec = dict(
+            base,
+            status="ok",
+            compile_s=round(time.perf_counter() - t0, 1),
+            **memory_stats(compiled),
+            launches=len(launches),
+            kernels=[launch["name"] for launch in launches],
+            # what the launches are: Triton kernels, Mosaic GPU kernels, cuDNN fMHA calls, cuBLAS GEMMs, ...
+            custom_calls=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
+        )
+        records.append(rec)
+        log(f"  fwd+bwd {impl} D={d} {dt}: {rec['launches']} launches, temp {rec['temp'] / 2**20:.2f} MiB")
     return records
 
 
@@ -298,20 +395,22 @@ def main(argv=None) -> int:
         return _search_main(devs, args, info, out, t0)
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
     kernels = kernel_records(devs, kernel_cases(args.quick), shape, args.target)
+    attention = attention_records(devs, attention_cases(args.quick), shape, args.target)
     programs = [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target)
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     if not any(r.get("status") == "ok" for r in kernels + programs):
         print("nothing compiled; no result written", file=sys.stderr)
         return 1
     write_results(out, "kernels", kernels, info)
+    write_results(out, "fwd_bwd", attention, info)
     if programs:
         write_results(out, "programs", programs, info)
     plot = plot_suite(out, "kernels", kernels, info)
-    text = compile_tables.report(kernels, programs, info, os.path.basename(plot.path) if plot else None)
+    text = compile_tables.report(kernels, programs, info, os.path.basename(plot.path) if plot else None, attention)
     write_text_atomic(os.path.join(out, "report.md"), text)
     print(text)
     print(f"wrote {out} in {info['wall_s']}s")
-    failed = [r for r in kernels + programs if r.get("status") != "ok"]
+    failed = [r for r in kernels + attention + programs if r.get("status") not in ("ok", "skipped")]
     return 1 if failed else 0
 
 

@@ -179,7 +179,8 @@ _THUNK = re.compile(
 
 def xla_launches(dump_dir: str) -> list:
     """Kernel launches of the compiled program, from XLA's ``*thunk_sequence.txt``: ``[{name, grid, threads,
-    shared_memory}]`` (one per launch; custom calls such as Mosaic GPU's are ``{"name": "custom_call"}``)."""
+    shared_memory}]`` (one per launch; custom calls such as Mosaic GPU's are ``{"name": "custom_call"}``, cuDNN
+    graphs ``{"name": "cudnn"}``)."""
     files = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
     files = [f for f in files if "after_thunk_passes" not in f] or files
     out = []
@@ -200,6 +201,8 @@ def xla_launches(dump_dir: str) -> list:
                     )
                 elif "kCustomCall" in line:
                     out.append({"name": "custom_call"})
+                elif "kCuDnn" in line:
+                    out.append({"name": "cudnn"})
     return out
 
 

@@ -7,6 +7,9 @@ target's devices, its compiled memory and XLA's cost analysis.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -14,6 +17,107 @@ from jaxattn import gpu_target
 from jaxattn.spec.flops import model_flops
 
 from ..report.records import check_out_dir, default_out
+from .deviceless import AttnShape
+
+# The attention implementations both compiles put side by side. Ours (and cuDNN, XLA) go through our dispatcher; the
+# peers are other well-kept kernels called as their packages document: jax's own Pallas ops (GPU: Triton `mha`;
+# TPU: the Pallas TPU `flash_attention`) and tokamax's (`pip install tokamax`: Triton and Mosaic GPU on a GPU, Mosaic
+# TPU on a TPU).
+DISPATCHED = ("flash", "mosaic", "cudnn", "xla", "splash")
+PEER_MHA = "pallas.ops:mha"  # jax.experimental.pallas.ops.gpu.attention.mha
+PEER_TPU_FLASH = "pallas.ops.tpu:flash"  # jax.experimental.pallas.ops.tpu.flash_attention.flash_attention
+TOKAMAX_TRITON = "tokamax:triton"
+TOKAMAX_MOSAIC = "tokamax:mosaic"
+PEERS = (PEER_MHA, PEER_TPU_FLASH, TOKAMAX_TRITON, TOKAMAX_MOSAIC)
+
+
+def attention_loss(impl: str, shape: AttnShape, d: int):
+    """``loss(q, k, v)``: the float32 sum of ``impl``'s attention output, so ``jax.grad`` of it compiles the
+    forward and the backward. Ours and cuDNN / XLA go through our dispatcher (``backend=impl``); the peers are
+    called as their packages document."""
+    if impl in DISPATCHED:
+        from jaxattn.attention import dot_product_attention
+
+        fwd = functools.partial(dot_product_attention, causal=shape.causal, backend=impl)
+    elif impl == PEER_MHA:
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
+        if shape.hkv != shape.hq:
+            raise ValueError(f"{PEER_MHA} takes no GQA: Hq={shape.hq} != Hkv={shape.hkv}")
+        fwd = lambda q, k, v: mha(q, k, v, None, sm_scale=d**-0.5, causal=shape.causal)  # noqa: E731
+    elif impl == PEER_TPU_FLASH:
+        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+        def fwd(q, k, v):  # its layout is [B, H, S, D]; no GQA
+            if shape.hkv != shape.hq:
+                raise ValueError(f"{PEER_TPU_FLASH} takes no GQA: Hq={shape.hq} != Hkv={shape.hkv}")
+            t = lambda x: x.swapaxes(1, 2)  # noqa: E731
+            return t(flash_attention(t(q), t(k), t(v), causal=shape.causal, sm_scale=d**-0.5))
+    elif impl in (TOKAMAX_TRITON, TOKAMAX_MOSAIC):
+        import tokamax
+
+        fwd = functools.partial(
+            tokamax.dot_product_attention, is_causal=shape.causal, implementation=impl.split(":")[1]
+        )
+    else:
+        raise ValueError(f"impl must be one of {DISPATCHED + PEERS}, got {impl!r}")
+    return lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum()
+
+
+@contextlib.contextmanager
+def peer_context(impl: str, devs):
+    """tokamax decides whether it may lower by asking jax's default device (a CPU here) what it is, and reads its
+    options through absl flags: make the target's first device the default and set its documented
+    ``cross_compile`` option (absl flags marked parsed, as a library user's ``main`` would)."""
+    if not impl.startswith("tokamax:"):
+        yield
+        return
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with jax.default_device(devs[0]), tokamax.config.cross_compile(True):
+        yield
+
+
+def attention_base(impl: str, d: int, dt: str, shape: AttnShape, label: str) -> dict:
+    """The keys of an attention record in either compile: which implementation, head dim, dtype and shape."""
+    return dict(
+        impl=impl,
+        head_dim=d,
+        dtype=dt,
+        B=shape.b,
+        S=shape.s,
+        Hq=shape.hq,
+        Hkv=shape.hkv,
+        causal=shape.causal,
+        label=label,
+    )
+
+
+def skipped_record(base: dict, log=print) -> dict | None:
+    """The record of a peer whose package is absent (a clean skip, not a failure), None when it can compile."""
+    reason = peer_unavailable(base["impl"])
+    if reason is None:
+        return None
+    log(f"  {base['impl']} D={base['head_dim']} {base['dtype']}: skipped ({reason})")
+    return dict(base, status="skipped", reason=reason)
+
+
+def peer_unavailable(impl: str) -> str | None:
+    """None when ``impl`` can be compiled here, else why not: a clean skip, never an error."""
+    if impl.startswith("tokamax:"):
+        try:
+            import tokamax  # noqa: F401
+        except ImportError:
+            return "tokamax is not installed (pip install -e '.[compile-peers]', Python 3.11+)"
+    if impl == "cudnn":
+        from jaxattn.attention.cudnn import cudnn_version
+
+        if cudnn_version() is None:
+            return "the cuDNN library is not installed (nvidia-cudnn-cu12, in the gpu-compile extra)"
+    return None
 
 
 def program_cases(quick: bool):

@@ -4,9 +4,10 @@ of a TPU slice on a machine without a TPU (libtpu's topology descriptions, ``jax
     python -m benchmarks compile --target v5e --quick      # splash at one shape + the tiny model, ~20 s
 
 Kernels: the splash attention forward+backward (``dot_product_attention(backend="splash")`` under ``jax.grad``)
-per head dim and dtype: its Mosaic TPU custom calls, compiled memory, XLA's cost analysis. Programs: the model
-forward and the bf16 train step (tiny, 1b, 8b; dense and fused loss, the GPU compile's cases) with splash
-attention: compiled memory against the chip's HBM, XLA's FLOPs and bytes and the compiler's own time estimate
+per head dim and dtype, and beside it jax's Pallas TPU ``flash_attention``, tokamax's Mosaic TPU attention (where
+tokamax is installed) and XLA's attention: Mosaic TPU custom calls, compiled memory, XLA's cost analysis.
+Programs: the model forward and the bf16 train step (tiny, 1b, 8b; dense and fused loss, the GPU compile's cases)
+with splash attention: compiled memory against the chip's HBM, XLA's FLOPs and bytes and the compiler's time estimate
 (``optimal_seconds``: "compiler estimate, not run"; the Pallas custom calls are not costed and a while loop's body
 counts once, so it covers one layer of the scan and no attention); a program larger than the chip is refused by
 the TPU compiler, recorded as ``does_not_fit`` with what it says it needs. Writes ``tpu_kernels.json``,
@@ -30,21 +31,42 @@ from jaxattn.spec.flops import attention_flops
 from .. import measure
 from ..report import compile_tables
 from ..report.compile_tables import LABEL
-from ..report.records import write_results, write_text_atomic
+from ..report.records import read_results, write_results, write_text_atomic
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, AttnShape
-from .programs import build_program, memory_stats, out_dir, program_base, program_cases, xla_cost
+from .programs import (
+    PEER_TPU_FLASH,
+    TOKAMAX_MOSAIC,
+    attention_base,
+    attention_loss,
+    build_program,
+    memory_stats,
+    out_dir,
+    peer_context,
+    program_base,
+    program_cases,
+    skipped_record,
+    xla_cost,
+)
 
 TARGETS = tuple(tpu_target.CHIPS)
 
 
+TPU_PEERS = (PEER_TPU_FLASH, TOKAMAX_MOSAIC, "xla")  # beside splash: jax's Pallas TPU flash, tokamax, plain XLA
+
+
 def kernel_cases(quick: bool):
-    """``[(D, dtype name)]`` of the splash compiles."""
-    return [(128, "bf16")] if quick else [(d, dt) for dt in ("bf16", "fp32") for d in (64, 128, 256)]
+    """``[(impl, D, dtype name)]``: splash per head dim and dtype and, outside ``--quick``, the peers beside it
+    (:data:`TPU_PEERS`) at bf16 D 64 / 128."""
+    if quick:
+        return [("splash", 128, "bf16")]
+    splash = [("splash", d, dt) for dt in ("bf16", "fp32") for d in (64, 128, 256)]
+    return splash + [(p, d, "bf16") for p in TPU_PEERS for d in (64, 128)]
 
 
 def cost(compiled) -> dict:
     """XLA's cost analysis of a compiled TPU executable: FLOPs, bytes accessed and the compiler's time estimate
-    (``optimal_seconds``; custom calls, our attention kernels, count 0 in all three)."""
+    (``optimal_seconds``; a Pallas custom call counts what its ``cost_estimate`` says, 0 without one: splash gives
+    none here, jax's Pallas TPU flash_attention and tokamax do)."""
     c, _ = xla_cost(compiled)
     est = c.get("optimal_seconds")
     return {
@@ -54,37 +76,32 @@ def cost(compiled) -> dict:
     }
 
 
-def _splash_grad(chip_devs, shape: AttnShape, d: int, dtype):
-    from jaxattn.attention import dot_product_attention
-
-    def loss(q, k, v):
-        return dot_product_attention(q, k, v, causal=shape.causal, backend="splash").astype(jnp.float32).sum()
-
+def _fwd_bwd(chip_devs, impl: str, shape: AttnShape, d: int, dtype):
+    """``(lowered, compiled)``: ``jax.grad`` of ``impl``'s attention (:func:`.programs.attention_loss`) for the chip."""
     q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
     k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
-    return tpu_target.compile(jax.grad(loss, argnums=(0, 1, 2)), *tpu_target.place((q, k, k), chip_devs))
+    # at jax's default matmul precision, as a bf16 training step runs: Mosaic TPU refuses a bf16 dot asked for float32
+    # precision ("Bad lhs type"), which a process-wide "highest" (our parity tests' setting) would ask of the peers
+    with peer_context(impl, chip_devs), jax.default_matmul_precision("default"):
+        return tpu_target.compile(
+            jax.grad(attention_loss(impl, shape, d), argnums=(0, 1, 2)), *tpu_target.place((q, k, k), chip_devs)
+        )
 
 
 def kernel_records(chip_devs, cases, shape: AttnShape, target: str, log=print) -> list:
     records = []
-    for d, dt in cases:
+    for impl, d, dt in cases:
         t0 = time.perf_counter()
-        base = dict(
-            impl="splash",
-            head_dim=d,
-            dtype=dt,
-            B=shape.b,
-            S=shape.s,
-            Hq=shape.hq,
-            Hkv=shape.hkv,
-            causal=shape.causal,
-            label=LABEL.format(target=target),
-        )
+        base = attention_base(impl, d, dt, shape, LABEL.format(target=target))
+        skip = skipped_record(base, log)
+        if skip is not None:
+            records.append(skip)
+            continue
         try:
-            lowered, compiled = _splash_grad(chip_devs, shape, d, DTYPES[dt])
+            lowered, compiled = _fwd_bwd(chip_devs, impl, shape, d, DTYPES[dt])
         except Exception as e:  # one failed compile is a record, not the end of the run
             records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
-            log(f"  splash D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            log(f"  {impl} D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
             continue
         rec = dict(
             base,
@@ -96,8 +113,61 @@ def kernel_records(chip_devs, cases, shape: AttnShape, target: str, log=print) -
             **cost(compiled),
         )
         records.append(rec)
-        log(f"  splash D={d} {dt}: {rec['tpu_custom_calls']} Mosaic calls, temp {rec['temp'] / 2**20:.1f} MiB")
+        log(f"  {impl} D={d} {dt}: {rec['tpu_custom_calls']} Mosaic calls, temp {rec['temp'] / 2**20:.1f} MiB")
     return records
+
+
+SEARCH_SHAPE = AttnShape(b=1, s=8192, hq=8, hkv=8)  # long enough for 2048-blocks to divide it
+SEARCH_BLOCKS = (2048, 1024, 512, 256)
+
+
+def search_cases(quick: bool):
+    """``[(D, dtype name)]`` of the block-size search (``--quick``: one)."""
+    return [(256, "fp32")] if quick else [(d, dt) for dt in ("bf16", "fp32") for d in (64, 128, 256)]
+
+
+def block_search(chip_devs, cases, target: str, blocks=SEARCH_BLOCKS, log=print) -> list:
+    """Per ``(D, dtype)`` and square block size: does our splash backend's causal forward+backward, with that block
+    (``splash_attention(block=...)``), compile within the chip's scoped VMEM? ``status`` ok (with the compiled temp)
+    or ``vmem_oom`` (the compiler's ``CompileTimeScopedVmemOom``). The compiler tells fit, not speed."""
+    from jaxattn.attention import splash
+    from jaxattn.attention.args import normalize
+
+    shape = SEARCH_SHAPE
+    records = []
+    for d, dt in cases:
+        for block in blocks:
+
+            def loss(q, k, v, block=block):
+                out = splash.splash_attention(q, k, v, normalize(q, k, v, causal=True), block=block)
+                return out.astype(jnp.float32).sum()
+
+            q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), DTYPES[dt])
+            base = dict(head_dim=d, dtype=dt, block=block, S=shape.s, H=shape.hq, label=LABEL.format(target=target))
+            t0 = time.perf_counter()
+            try:
+                with jax.default_matmul_precision("default"):  # see _fwd_bwd
+                    _, compiled = tpu_target.compile(
+                        jax.grad(loss, argnums=(0, 1, 2)), *tpu_target.place((q, q, q), chip_devs)
+                    )
+                rec = dict(base, status="ok", temp=memory_stats(compiled)["temp"])
+            except Exception as e:
+                oom = "ScopedVmemOom" in str(e)
+                rec = dict(base, status="vmem_oom" if oom else "error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            rec["compile_s"] = round(time.perf_counter() - t0, 1)
+            records.append(rec)
+            log(f"  splash D={d} {dt} block {block}: {rec['status']} ({rec['compile_s']}s)")
+    return records
+
+
+def vmem_caps(records) -> dict:
+    """``{(D, jnp dtype name): largest block that compiled}`` from :func:`block_search`'s records."""
+    caps: dict = {}
+    for r in records:
+        if r["status"] == "ok":
+            key = (r["head_dim"], jnp.dtype(DTYPES[r["dtype"]]).name)
+            caps[key] = max(caps.get(key, 0), r["block"])
+    return caps
 
 
 def program_records(chip_devs, cases, target: str, hbm_bytes: int, log=print) -> list:
@@ -148,6 +218,12 @@ def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
     parser.add_argument("--quick", action="store_true", help="one splash shape and the tiny model (~20 s)")
     parser.add_argument("--out", default=None, help="default benchmarks/results/local/<target>-compiled[-quick]")
     parser.add_argument("--skip-programs", action="store_true", help="kernels only")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="splash block-size search instead: which block sizes fit the chip's scoped VMEM (writes "
+        "splash_blocks.json; jaxattn.attention.splash.VMEM_CAPS is checked against it)",
+    )
     args = parser.parse_args(argv)
     reason = tpu_target.unavailable_reason()
     if reason is not None:
@@ -167,6 +243,8 @@ def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
         label=LABEL.format(target=args.target),
     )
     print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
+    if args.search:
+        return _search_main(devs, args, info, out, t0)
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
     kernels = kernel_records(devs, kernel_cases(args.quick), shape, args.target)
     programs = (
@@ -179,8 +257,24 @@ def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
     write_results(out, "tpu_kernels", kernels, info)
     if programs:
         write_results(out, "tpu_programs", programs, info)
-    text = compile_tables.tpu_report(kernels, programs, info)
+    blocks = (read_results(out).get("splash_blocks") or {}).get("records")  # an earlier --search's, kept
+    text = compile_tables.tpu_report(kernels, programs, info, blocks)
     write_text_atomic(os.path.join(out, "report.md"), text)
     print(text)
     print(f"wrote {out} in {info['wall_s']}s")
-    return 1 if any(r.get("status") not in ("ok", "does_not_fit") for r in kernels + programs) else 0
+    return 1 if any(r.get("status") not in ("ok", "does_not_fit", "skipped") for r in kernels + programs) else 0
+
+
+def _search_main(devs, args, info, out, t0) -> int:
+    records = block_search(devs, search_cases(args.quick), args.target)
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    if not any(r["status"] == "ok" for r in records):
+        print("no block size compiled; no result written", file=sys.stderr)
+        return 1
+    write_results(out, "splash_blocks", records, info)
+    found = read_results(out)
+    if "tpu_kernels" in found:  # the directory's report gains the search's table
+        write_text_atomic(os.path.join(out, "report.md"), compile_tables.tpu_dir_report(found))
+    print("\n".join(compile_tables.splash_blocks_table(records, args.target)))
+    print(f"wrote {out} in {info['wall_s']}s")
+    return 1 if any(r["status"] == "error" for r in records) else 0

@@ -24,8 +24,13 @@ The mapping (checked against ``attention/reference.py`` in ``parity_tests/test_s
 * bfloat16 inputs run the kernel at default matmul precision: a process-wide ``"highest"`` (``jaxattn.precision``)
   would ask Mosaic for an fp32-precision dot of bf16 operands, which it refuses; the product is exact either way.
 
-Declined: float16 (TPUs compute in bfloat16/float32), static rows without a key (above). Block sizes: the largest of
-512 / 256 / 128 dividing the padded length (512 is MaxText's default; a per-generation search needs a TPU's clock).
+Declined: float16 (TPUs compute in bfloat16/float32), static rows without a key (above).
+
+Block sizes (:func:`block_size`): the largest of :data:`BLOCKS` dividing the padded length that fits the TPU
+generation's scoped VMEM for the head dim and dtype (:data:`VMEM_CAPS`). The compiler can tell fit, not speed: the
+caps come from the deviceless search (``python -m benchmarks compile --target v5e --search``, committed as
+``benchmarks/results/<chip>-compiled/splash_blocks.json``, checked against this table by a test); among the blocks
+that fit, 512 (MaxText's default) stays first until a TPU has timed the larger ones.
 """
 
 from __future__ import annotations
@@ -47,10 +52,47 @@ LANE = 128  # sequences are padded to a multiple of this (the TPU vector lane wi
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first
 KV_CHUNK = 512  # keys per step when looking for queries without a key ((q_ids, kv_ids) pairs)
 
+# The largest square block whose causal forward+backward compiles within the chip's scoped VMEM, per TPU generation
+# (jax's device kind) and (head dim, dtype): the deviceless search at S=8192 over 2048 / 1024 / 512 / 256
+# (benchmarks/results/<chip>-compiled/splash_blocks.json). A head dim between two rows takes the larger row's cap.
+_V5_CAPS = {
+    (64, "bfloat16"): 1024,
+    (64, "float32"): 1024,
+    (128, "bfloat16"): 1024,
+    (128, "float32"): 1024,
+    (256, "bfloat16"): 1024,
+    (256, "float32"): 512,
+}  # v5e and v5p found alike
+VMEM_CAPS: dict[str, dict[tuple[int, str], int]] = {
+    "TPU v5 lite": _V5_CAPS,  # v5e
+    "TPU v5": _V5_CAPS,  # v5p
+    "TPU v6 lite": {  # v6e: a larger scoped VMEM
+        (64, "bfloat16"): 2048,
+        (64, "float32"): 1024,
+        (128, "bfloat16"): 2048,
+        (128, "float32"): 1024,
+        (256, "bfloat16"): 1024,
+        (256, "float32"): 1024,
+    },
+}
 
-def block_size(padded_len: int) -> int:
-    """The splash block size for a padded sequence length: the largest of :data:`BLOCKS` dividing it."""
-    return next(b for b in BLOCKS if padded_len % b == 0)
+
+def vmem_cap(head_dim: int, dtype, device_kind: str | None) -> int | None:
+    """The largest block that fits ``device_kind``'s scoped VMEM at this head dim and dtype (:data:`VMEM_CAPS`),
+    None where the generation or a head dim this large was not searched."""
+    caps = VMEM_CAPS.get(device_kind or "")
+    if not caps:
+        return None
+    name = jnp.dtype(dtype).name
+    rows = sorted(d for d, dt in caps if dt == name and d >= head_dim)
+    return caps[(rows[0], name)] if rows else None
+
+
+def block_size(padded_len: int, head_dim: int = 128, dtype=jnp.bfloat16, device_kind: str | None = None) -> int:
+    """The splash block size for a padded sequence length: the largest of :data:`BLOCKS` dividing it, within the
+    generation's VMEM cap (:func:`vmem_cap`; no cap for an unsearched generation)."""
+    cap = vmem_cap(head_dim, dtype, device_kind) or max(BLOCKS)
+    return next((b for b in BLOCKS if padded_len % b == 0 and b <= cap), LANE)
 
 
 def _first_rows_empty(sq: int, sk: int, args: AttnArgs) -> bool:
@@ -82,8 +124,21 @@ def _pad(x, axis: int, to: int, value=0):
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads: int, sq: int, sk: int, offset: int, causal: bool, window, softcap, mqa: bool, interpret: bool):
-    """The library kernel for one padded shape and mask (its mask processing runs once per shape)."""
+def _kernel(
+    heads: int,
+    sq: int,
+    sk: int,
+    offset: int,
+    causal: bool,
+    window,
+    softcap,
+    mqa: bool,
+    interpret: bool,
+    bq: int,
+    bk: int,
+):
+    """The library kernel for one padded shape, mask and ``bq`` x ``bk`` blocks (its mask processing runs once per
+    shape)."""
     shape = (sq, sk)
     if window is not None:
         one = sa.LocalMask(shape, window_size=window, offset=offset)
@@ -91,7 +146,6 @@ def _kernel(heads: int, sq: int, sk: int, offset: int, causal: bool, window, sof
         one = sa.CausalMask(shape, offset=offset)
     else:
         one = sa.FullMask(shape)
-    bq, bk = block_size(sq), block_size(sk)
     blocks = sa.BlockSizes(
         block_q=bq,
         block_kv=bk,
@@ -152,11 +206,14 @@ def _at_default_precision(fn):
     return call
 
 
-def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None):
+def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None, block: int | None = None):
     """The contract's attention through the splash kernel: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` ->
-    ``[B, Sq, Hq, D]`` in q's dtype (see the module docstring). ``interpret``: None = off a TPU target."""
+    ``[B, Sq, Hq, D]`` in q's dtype (see the module docstring). ``interpret``: None = off a TPU target. ``block``:
+    one block size for q and k/v instead of :func:`block_size`'s (the deviceless search's knob; must divide both
+    padded lengths)."""
+    target = current_target(q)
     if interpret is None:
-        interpret = current_target(q).platform != "tpu"
+        interpret = target.platform != "tpu"
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -169,7 +226,15 @@ def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None):
         pad_id = jnp.maximum(q_ids.max(), kv_ids.max()) + 1  # an id no real position has
         ids = sa.SegmentIds(q=_pad(q_ids, 1, sq_p, pad_id), kv=_pad(kv_ids, 1, sk_p, pad_id))
     window = None if args.window is None else tuple(args.window)
-    kernel = _kernel(g if g > 1 else hq, sq_p, sk_p, sk - sq, args.causal, window, args.softcap, g > 1, interpret)
+    if block is None:
+        bq, bk = (block_size(n, d, q.dtype, target.device_kind) for n in (sq_p, sk_p))
+    elif sq_p % block or sk_p % block:
+        raise ValueError(f"block must divide the padded lengths {sq_p} and {sk_p}, got {block}")
+    else:
+        bq = bk = block
+    kernel = _kernel(
+        g if g > 1 else hq, sq_p, sk_p, sk - sq, args.causal, window, args.softcap, g > 1, interpret, bq, bk
+    )
     qs = _pad((q.astype(jnp.float32) * args.scale).astype(q.dtype).swapaxes(1, 2), 2, sq_p)  # [B, Hq, Sq_p, D]
     ks, vs = (_pad(x.swapaxes(1, 2), 2, sk_p) for x in (k, v))  # [B, Hkv, Sk_p, D]
 
