@@ -87,6 +87,20 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes: tuple):
     return fn(*args) if hook is None else hook(fn, args, in_axes, out_axes)
 
 
+# Layer-stack seam: ``None`` (``lax.scan`` over the stacked layers) unless ``jaxattn.pipeline.pipelining(mesh, m)``
+# sets a ``(layer, x, stacked, side) -> x`` that runs the stack as pipeline stages; ``side`` holds the per-row inputs
+# every layer reads (RoPE tables, segment ids), so a pipeline can split them into micro-batches with their rows.
+LAYER_STACK: contextvars.ContextVar = contextvars.ContextVar("jaxattn_layer_stack", default=None)
+
+
+def run_layers(layer, x: jax.Array, stacked: dict, side) -> jax.Array:
+    """``layer(h, p, side)`` applied over the stacked layers (leaves ``[n_layers, ...]``), in order."""
+    hook = LAYER_STACK.get()
+    if hook is not None:
+        return hook(layer, x, stacked, side)
+    return jax.lax.scan(lambda h, p: (layer(h, p, side), None), x, stacked)[0]
+
+
 try:  # an abstract value under jit / grad / vmap: its ids cannot be read
     from jax.core import Tracer as _Tracer
 except ImportError:  # pragma: no cover - a jax that no longer re-exports it
@@ -245,7 +259,8 @@ class Llama(nnx.Module):
         cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))  # [B, S, 1, head_dim]
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
 
-        def layer(x, p):
+        def layer(x, p, side):
+            cos, sin, seg = side
             return decoder_layer(x, p, cos, sin, cfg, seg)
 
         layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
@@ -254,7 +269,7 @@ class Llama(nnx.Module):
         x = jnp.take(table, jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
         x = constrain(x, ACT_AXES)
         if cache is None:
-            x, _ = jax.lax.scan(lambda h, p: (constrain(layer(h, p), ACT_AXES), None), x, stacked)
+            x = run_layers(lambda h, p, side: constrain(layer(h, p, side), ACT_AXES), x, stacked, (cos, sin, seg))
         else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
 
             def cached_layer(h, xs):

@@ -1,0 +1,81 @@
+"""Child of ``parity_tests/test_pipeline.py``, run under ``torchrun`` (gloo, CPU): for each schedule in argv[1]
+(comma-separated ``torchref.pipeline.SCHEDULES``), train the tiny model (4 layers, untied) for STEPS SGD steps with
+pipeline stages and, on every rank, in one process (no collectives); each rank writes its stages' parameter
+differences and the last stage's losses to argv[2].<rank> (JSON); argv[3], if given: rank 0 saves the initial
+weights there (Hugging Face layout)."""
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from jaxattn.spec.config import ModelConfig
+from torchref.model import LlamaForCausalLM
+from torchref.pipeline import Pipeline
+
+STEPS, BATCH, SEQ, MICRO = 3, 8, 12, 4
+CFG = ModelConfig.preset("tiny", n_layers=4, tie_embeddings=False)
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    return [
+        {"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
+        for _ in range(STEPS)
+    ]
+
+
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CFG)
+
+
+def reference():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for b in batches():
+        t = b["tokens"]
+        logits = m(t[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return m, losses
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0 and len(sys.argv) > 3:  # the initial weights, for the JAX twin's pipeline (test_pipeline.py)
+        from torchref.hf import save_pretrained
+
+        save_pretrained(model(), sys.argv[3])
+    ref, ref_losses = reference()
+    ref_params = dict(ref.named_parameters())
+    out = {}
+    for schedule in sys.argv[1].split(","):
+        m = model()
+        pipe = Pipeline(m, schedule, MICRO)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+        losses = []
+        for b in batches():
+            opt.zero_grad()
+            losses.append(pipe.step(b))
+            opt.step()
+        mine = {id(p) for p in pipe.parameters()}
+        diff = max(
+            float((p.detach() - ref_params[n].detach()).abs().max()) for n, p in m.named_parameters() if id(p) in mine
+        )
+        out[schedule] = {"losses": losses, "ref_losses": ref_losses, "param_diff": diff, "stages": pipe.indices}
+        dist.barrier()
+    with open(f"{sys.argv[2]}.{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

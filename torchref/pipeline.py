@@ -1,0 +1,139 @@
+"""Pipeline parallelism for the torch Llama through ``torch.distributed.pipelining`` (torchtitan's way; the twin of
+``jaxattn.pipeline``): the decoder layers split into contiguous stages, the embedding on the first and the final
+norm + LM head + loss on the last, micro-batches scheduled by the library (GPipe, 1F1B, interleaved 1F1B). Run under
+``torchrun``, one rank per stage (two per rank for ``interleaved``):
+
+    dist.init_process_group("gloo")
+    pipe = Pipeline(model, "1f1b", microbatches=4)     # this rank's stage(s) of ``model``, and their schedule
+    loss = pipe.step(batch)                             # forward + backward of the whole batch; grads on the stage
+
+Nothing is written by hand but the split (:class:`StageModule`) and the loss scaling: each micro-batch's loss is its
+summed token losses over the WHOLE batch's token count, so the micro-batches' gradients add up to the full batch's
+mean (the library backpropagates each micro-batch's loss). Idle fraction ``(p - 1) / (m + p - 1)`` (GPipe and 1F1B;
+interleaving divides it by the virtual stages per rank).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from jaxattn.spec.remat import check_remat
+
+from .model import LlamaForCausalLM, rope_cos_sin
+from .remat import run_layer
+
+__all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_pipeline(n_layers: int, stages: int, batch: int, microbatches: int, schedule: str = "gpipe") -> None:
+    """ValueError naming the argument when the layers do not split into ``stages`` equal stages, the batch into
+    ``microbatches`` micro-batches, or ``schedule`` is unknown."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    for name, v in (("stages", stages), ("microbatches", microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if n_layers % stages:
+        raise ValueError(f"stages: {n_layers} layers do not split into {stages} equal stages")
+    if batch % microbatches:
+        raise ValueError(f"microbatches: a batch of {batch} rows does not split into {microbatches} micro-batches")
+
+
+class StageModule(nn.Module):
+    """Stage ``index`` of ``n_stages`` of ``model``: its share of the decoder layers (the model's own modules, so
+    the stage trains the model's parameters), with the embedding on stage 0 and the final norm + LM head on the
+    last. Input: token ids ``[b, S]`` (stage 0) or hidden states ``[b, S, dim]``; output: hidden states, or float32
+    logits ``[b, S, vocab]`` on the last stage. Positions are ``0..S-1`` (RoPE recomputed per stage)."""
+
+    def __init__(self, model: LlamaForCausalLM, index: int, n_stages: int):
+        super().__init__()
+        cfg = model.config
+        if cfg.tie_embeddings and n_stages > 1:
+            raise ValueError(
+                "tie_embeddings: a pipeline puts the embedding on the first stage and the LM head on the last, so a "
+                "tied table would be two copies; use an untied config"
+            )
+        per = cfg.n_layers // n_stages
+        self.first, self.last = index == 0, index == n_stages - 1
+        self.layers = nn.ModuleList(model.model.layers[index * per : (index + 1) * per])
+        self.embed_tokens = model.model.embed_tokens if self.first else None
+        self.norm = model.model.norm if self.last else None
+        self.lm_head = model.lm_head if self.last else None
+        self.register_buffer("inv_freq", model.model.inv_freq.clone(), persistent=False)
+        self.remat = check_remat(model.remat, "model.remat")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[:2]
+        positions = torch.arange(s, device=x.device).expand(b, s)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)  # [b, 1, S, head_dim]
+        if self.first:
+            x = self.embed_tokens(x)  # [b, S, dim]
+        for layer in self.layers:
+            x = run_layer(layer, self.remat, x, cos, sin, None)
+        if self.last:
+            return self.lm_head(self.norm(x)).float()  # [b, S, vocab]
+        return x
+
+
+class Pipeline:
+    """This rank's stage(s) of ``model`` under ``schedule`` (:data:`SCHEDULES`) with ``microbatches``; one stage
+    per rank (``interleaved``: ``virtual`` stages per rank, rank r holding stages r, r + world, ...). Needs an
+    initialised process group; ``step(batch)`` runs the whole batch (``{"tokens": [B, S + 1]}``) forward and
+    backward and returns the loss on the last stage's rank (None elsewhere)."""
+
+    def __init__(self, model: LlamaForCausalLM, schedule: str, microbatches: int, *, virtual: int = 2, device=None):
+        from torch.distributed import pipelining as pp
+
+        if not dist.is_initialized():
+            raise RuntimeError("torchref.pipeline needs torch.distributed initialised (run under torchrun)")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_rank = virtual if schedule == "interleaved" else 1
+        n_stages = world * per_rank
+        check_pipeline(model.config.n_layers, n_stages, microbatches, microbatches, schedule)
+        device = device or torch.device("cpu")
+        self.indices = [rank + k * world for k in range(per_rank)]
+        self.modules = [StageModule(model, i, n_stages) for i in self.indices]
+        stages = [pp.PipelineStage(m, i, n_stages, device) for m, i in zip(self.modules, self.indices)]
+        self.first = 0 in self.indices
+        self.last = n_stages - 1 in self.indices
+        self.microbatches = microbatches
+        self._denominator = 1.0
+        cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B}[schedule]
+        # scale_grads=False: the library would divide the gradients by the micro-batch count (it assumes each
+        # micro-batch's loss is that micro-batch's mean); ours are already fractions of the whole batch's mean
+        self.schedule = cls(
+            stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
+        )
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        return nll / self._denominator  # the whole batch's token count: micro-batch losses add up to its mean
+
+    def step(self, batch: dict) -> float | None:
+        tokens = batch["tokens"]
+        check_pipeline(1, 1, tokens.shape[0], self.microbatches)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        self._denominator = float(targets.numel())
+        losses: list = []
+        if self.first and self.last:  # interleaved on one rank: both ends here
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif self.first:
+            self.schedule.step(inputs)
+        elif self.last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        return float(sum(loss.item() for loss in losses)) if self.last else None
+
+    def parameters(self):
+        """The parameters this rank's stages train (give these to the optimizer)."""
+        seen = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen[id(p)] = p
+        return list(seen.values())
