@@ -71,6 +71,15 @@ def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, a
         return a.reshape(m, batch // m, *a.shape[1:])
 
     def per_stage(x, stacked, side):  # stacked: this stage's [n_layers / stages, ...]
+        # Inside the stage region the model's per-device-block seam is off: a shard_map nested in this one fails
+        # jax's varying-axis check in the backward (jax 0.10), so attention is left to XLA's partitioner here.
+        token = model.PER_SHARD.set(None)
+        try:
+            return _per_stage(x, stacked, side)
+        finally:
+            model.PER_SHARD.reset(token)
+
+    def _per_stage(x, stacked, side):
         s = jax.lax.axis_index(axis)
         xm, sm = split(x), jax.tree.map(split, side)
 

@@ -1,17 +1,18 @@
 """Data, FSDP (ZeRO-3) and Megatron tensor parallelism for the JAX Llama, applied from OUTSIDE the model (twin of
 ``torchref.parallel``; torchtitan's ``parallelize.py`` split).
 
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (data, fsdp, tensor)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (stage, data, fsdp, tensor)
     tx, state, sharding = shard_train_state(graphdef, tx, state, mesh, batch_size=8)
     step = make_train_step(graphdef, tx, sharding=sharding)       # one jax.jit with in/out shardings
 
 Parameters: their logical axis names (the parameter table's) go through :data:`RULES` to mesh axes — ``heads``,
 ``kv_heads``, ``mlp``, ``vocab`` on ``tensor`` (Megatron: column- then row-parallel), ``embed`` on ``fsdp``,
-``layers`` never split; the optimizer state is sharded like its parameter (ZeRO-3), scalars and misfit leaves
-replicated; the batch splits over (data, fsdp). XLA's SPMD partitioner inserts the collectives. Activations: the
-model's ``constrain`` / ``per_shard`` seams become ``with_sharding_constraint`` / ``shard_map`` under
-:func:`activation_sharding` (hidden states keep ``embed`` whole, so FSDP gathers each layer's weights inside the
-loop; attention runs on each device's rows and heads, so a Pallas kernel is not gathered whole). Every
+``layers`` on ``stage`` (pipeline stages: with ``stage`` > 1 the step runs its layers through ``jaxattn.pipeline``'s
+GPipe loop in ``microbatches``); the optimizer state is sharded like its parameter (ZeRO-3), scalars and misfit
+leaves replicated; the batch splits over (data, fsdp). XLA's SPMD partitioner inserts the collectives.
+Activations: the model's ``constrain`` / ``per_shard`` seams become ``with_sharding_constraint`` / ``shard_map``
+under :func:`activation_sharding` (hidden states keep ``embed`` whole, so FSDP gathers each layer's weights inside
+the loop; attention runs on each device's rows and heads, so a Pallas kernel is not gathered whole). Every
 divisibility problem is a ValueError before a compile.
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "logical_to_spec",
     "check_config",
     "check_batch_size",
+    "check_stages",
     "state_shardings",
     "batch_sharding",
     "shard_state",
@@ -59,14 +61,14 @@ __all__ = [
     "offload_unavailable_reason",
 ]
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")  # stage outermost: pipeline stages may span hosts
 BATCH_AXES = ("data", "fsdp")
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
 RULES: dict[str, str | None] = {
     **{a: "tensor" for a in params.TENSOR_PARALLEL_AXES},
     "embed": "fsdp",
     "head_dim": None,
-    "layers": None,
+    "layers": "stage",  # pipeline stages (jaxattn.pipeline): each holds its contiguous share of the layers
 }
 # logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole
 ACTIVATION_RULES: dict[str, Any] = {
@@ -108,14 +110,14 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``Mesh`` with axes ``(data, fsdp, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis types
-    (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
+    """A ``Mesh`` with axes ``(stage, data, fsdp, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis
+    types (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
     sizes = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(sizes[a] for a in MESH_AXES)
     if int(np.prod(shape)) != len(devices):
         raise ValueError(
-            f"mesh {spec!r}: data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
+            f"mesh {spec!r}: stage*data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
             f"devices; the product of the axis sizes must equal the device count"
             + (
                 f" (on a CPU, simulate {int(np.prod(shape))} devices with "
@@ -185,6 +187,30 @@ def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
         )
 
 
+def check_stages(config, mesh: Mesh, rows: int, microbatches: int) -> None:
+    """With a ``stage`` axis > 1: the layers split into equal stages, the ``rows`` of a step into ``microbatches``
+    (each a multiple of ``data * fsdp``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming them)."""
+    stages = _axis_size(mesh, ("stage",))
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if stages == 1:
+        if microbatches > 1:
+            raise ValueError(
+                f"microbatches={microbatches} splits the batch for pipeline stages, but the mesh has no stage axis "
+                f"(add stage=N to the mesh; gradient accumulation is grad_accum)"
+            )
+        return
+    from .pipeline import check_pipeline
+
+    check_pipeline(getattr(config, "n_layers", stages), stages, rows, microbatches)
+    n = _axis_size(mesh, BATCH_AXES)
+    if (rows // microbatches) % n:
+        raise ValueError(
+            f"a micro-batch of {rows // microbatches} rows (microbatches={microbatches}) does not split over the "
+            f"data axes data*fsdp={n}"
+        )
+
+
 def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSharding:
     replicated = NamedSharding(mesh, P())
     if not isinstance(leaf, nnx.Variable):
@@ -206,7 +232,10 @@ def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSh
 def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Any:
     """A tree of ``NamedSharding`` (a prefix of ``state``: one per ``nnx.Variable`` or array leaf) for any pytree
     holding the model's ``nnx.Param`` leaves: a ``TrainState`` (params, optimizer moments: ZeRO-3), an
-    ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated."""
+    ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated. A rule
+    naming ``stage`` applies only where the mesh has a ``stage`` axis larger than 1 (no pipeline: layers whole)."""
+    if "stage" not in mesh.shape or mesh.shape["stage"] == 1:
+        rules = {k: (None if v == "stage" else v) for k, v in rules.items()}
     return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -289,7 +318,7 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     def constrain(x, names):
         spec = logical_to_spec(names, rules)
         spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(_context_mesh(mesh)[0], spec))
 
     def local(fn, args, in_axes, out_axes):
         return per_shard_map(fn, args, in_axes, out_axes, mesh, rules)
@@ -302,10 +331,25 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
         PER_SHARD.reset(tokens[1])
 
 
+def _context_mesh(mesh: Mesh):
+    """``(mesh, ())``, or inside a ``shard_map`` that already holds some axes by hand (``jaxattn.pipeline``'s
+    ``stage``) ``(that region's abstract mesh, its manual axes)``: a nested shard_map or sharding constraint must
+    name the region's mesh and leave those axes alone."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    am = get() if get is not None else None
+    manual = tuple(getattr(am, "manual_axes", ()) or ()) if am is not None and not am.empty else ()
+    return (am, manual) if manual else (mesh, ())
+
+
 def _shard_map(fn, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map`` without the replication check (a Pallas call has no rule for it); jax < 0.7 spelled it
-    ``jax.experimental.shard_map.shard_map(..., check_rep=)``."""
+    ``jax.experimental.shard_map.shard_map(..., check_rep=)``. Inside a region already manual over some axes, over
+    the others only."""
     if hasattr(jax, "shard_map"):
+        ctx, manual = _context_mesh(mesh)
+        if manual:
+            axes = frozenset(ctx.axis_names) - set(manual)
+            return jax.shard_map(fn, mesh=ctx, in_specs=in_specs, out_specs=out_specs, axis_names=axes, check_vma=False)
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
 
@@ -392,6 +436,7 @@ class TrainSharding:
     state: Any
     batch: NamedSharding
     grad_accum: int = 1
+    microbatches: int = 1  # pipeline micro-batches per (accumulation) batch, with a ``stage`` axis > 1
 
     @property
     def in_shardings(self) -> tuple:
@@ -402,7 +447,15 @@ class TrainSharding:
         return (self.state, NamedSharding(self.mesh, P()))
 
     def tracing(self):
-        return activation_sharding(self.mesh)
+        """The model's activation constraints and, with a ``stage`` axis > 1, its layers as pipeline stages."""
+        if _axis_size(self.mesh, ("stage",)) == 1:
+            return activation_sharding(self.mesh)
+        from . import pipeline  # imports the model
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(activation_sharding(self.mesh))
+        stack.enter_context(pipeline.pipelining(self.mesh, self.microbatches))
+        return stack
 
     def check_batch_size(self, batch_size: int) -> None:
         check_batch_size(batch_size, self.mesh, self.grad_accum)
@@ -422,9 +475,11 @@ def shard_train_state(
     grad_accum: int = 1,
     rules: Mapping[str, str | None] = RULES,
     offload_optimizer: bool = False,
+    microbatches: int = 1,
 ):
     """``(tx, state, sharding)`` for ``make_train_step(graphdef, tx, sharding=sharding)``: the mesh checked against
-    the model config and ``batch_size`` (ValueError naming the value, before any compile), the state's shardings
+    the model config and ``batch_size`` (ValueError naming the value, before any compile; with a ``stage`` axis the
+    layers must split into equal stages and each accumulation batch into ``microbatches``), the state's shardings
     (:func:`state_shardings`), ``state`` placed on them. ``offload_optimizer``: the optimizer state kept in host
     memory (``memory_kind="pinned_host"``, ``tx`` wrapped by :func:`offloaded`); a backend without that memory
     space is a ValueError."""
@@ -432,6 +487,7 @@ def shard_train_state(
     if config is not None:
         check_config(config, mesh)
     check_batch_size(batch_size, mesh, grad_accum)
+    check_stages(config, mesh, batch_size // max(grad_accum, 1), microbatches)
     sh = state_shardings(state, mesh, rules)
     if offload_optimizer:
         reason = offload_unavailable_reason(mesh)
@@ -443,4 +499,4 @@ def shard_train_state(
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), sh.opt_state)
         tx = offloaded(tx, jax.tree.map(lambda s: s.with_memory_kind("device"), sh.opt_state), host)
         sh = dataclasses.replace(sh, opt_state=host)
-    return tx, jax.device_put(state, sh), TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum)
+    return tx, jax.device_put(state, sh), TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum, microbatches)

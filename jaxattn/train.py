@@ -130,9 +130,12 @@ class Trainer:
                     batch_size=args.batch_size,
                     grad_accum=args.grad_accum,
                     offload_optimizer=args.offload_optimizer,
+                    microbatches=args.microbatches,
                 )
             except ValueError as e:
                 flag = "--offload-optimizer" if "offload_optimizer" in str(e) else f"--mesh {args.mesh!r}"
+                if str(e).startswith("microbatches") or "micro-batch" in str(e):
+                    flag = f"--microbatches {args.microbatches}"
                 raise CLIError(f"{flag}: {e}") from None
         self.step_fn = make_train_step(
             self.graphdef,

@@ -219,10 +219,10 @@ def test_per_shard_map_drops_an_axis_that_does_not_divide():
 BAD_MESH = [
     (
         "data=4",
-        r"data\*fsdp\*tensor = 4 but there are 8 devices; .* \(on a CPU, simulate 4 devices with "
+        r"stage\*data\*fsdp\*tensor = 4 but there are 8 devices; .* \(on a CPU, simulate 4 devices with "
         r"XLA_FLAGS=--xla_force_host_platform_device_count=4 set before jax starts\)",
     ),
-    ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('data', 'fsdp', 'tensor'\)"),
+    ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('stage', 'data', 'fsdp', 'tensor'\)"),
     ("data=2,data=4", r"expected comma-separated, non-repeated AXIS=N"),
     ("data=0,fsdp=8", r"axis 'data' has size 0"),
     ("data", r"expected comma-separated, non-repeated AXIS=N"),
@@ -245,7 +245,7 @@ def test_mesh_falls_back_to_split_physical_axes_when_make_mesh_cannot_place_an_a
 
     monkeypatch.setattr(jax, "make_mesh", refuse)
     mesh = sharding.make_mesh("data=2,fsdp=4")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
@@ -281,7 +281,9 @@ def test_cli_mesh_errors_before_any_compile():
     from jaxattn import train as trainer
     from jaxattn.spec.cli import CLIError
 
-    with pytest.raises(CLIError, match=r"--mesh 'data=2,fsdp=2': data\*fsdp\*tensor = 4 but there are 8 devices"):
+    with pytest.raises(
+        CLIError, match=r"--mesh 'data=2,fsdp=2': stage\*data\*fsdp\*tensor = 4 but there are 8 devices"
+    ):
         trainer.Trainer.from_argv(["--mesh", "data=2,fsdp=2", "--steps", "1"])
     with pytest.raises(CLIError, match=r"--mesh 'data=8': batch_size=4 .* data\*fsdp=8"):
         trainer.Trainer.from_argv(["--mesh", "data=8", "--batch-size", "4", "--steps", "1"])

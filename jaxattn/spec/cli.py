@@ -193,9 +193,17 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--mesh",
-        "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 (jaxattn.sharding)",
+        "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 or stage=2,fsdp=4 (jaxattn.sharding)",
         str,
         metavar="AXIS=N[,AXIS=N]",
+        frameworks=("jax",),
+    ),
+    Flag(
+        "--microbatches",
+        "pipeline micro-batches per step (with --mesh stage=N, N > 1: the layers run as GPipe stages, "
+        "jaxattn.pipeline); each (accumulation) batch must split into them",
+        int,
+        1,
         frameworks=("jax",),
     ),
     Flag(
@@ -298,7 +306,16 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig.preset(args.preset)
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")  # jaxattn.sharding.MESH_AXES
+
+
+def _mesh_axis(spec: str, axis: str) -> int:
+    """The size of ``axis`` in a checked ``--mesh`` spec (1 when absent)."""
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() == axis:
+            return int(size)
+    return 1
 
 
 def _mesh_devices(spec: str) -> int:
@@ -316,6 +333,26 @@ def _mesh_devices(spec: str) -> int:
         seen.add(name.strip())
         n *= int(size)
     return n
+
+
+def _check_microbatches(args: argparse.Namespace) -> None:
+    """``--microbatches``: >= 1; above 1 only with a ``stage`` axis > 1 in ``--mesh``; it divides each
+    (accumulation) batch."""
+    m = args.microbatches
+    if m < 1:
+        raise _err("--microbatches", m, "expected an int >= 1")
+    stages = 1 if args.mesh is None else _mesh_axis(args.mesh, "stage")
+    if m > 1 and stages == 1:
+        raise CLIError(
+            f"--microbatches {m} splits each batch for pipeline stages: it needs --mesh with stage=N, N > 1 "
+            f"(e.g. --mesh stage=2,data=4); gradient accumulation is --grad-accum"
+        )
+    rows = args.batch_size // max(args.grad_accum, 1)
+    if rows % m:
+        raise CLIError(
+            f"--microbatches {m}: each step's batch of {rows} rows (--batch-size {args.batch_size} / --grad-accum "
+            f"{args.grad_accum}) does not split into {m} micro-batches"
+        )
 
 
 _PROCESS_ENV = (
@@ -506,6 +543,8 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
     _check_outputs(args)
     if framework == "jax" and args.mesh is not None:
         _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
+    if framework == "jax":
+        _check_microbatches(args)
     if framework == "jax":
         _check_processes(args)
         if args.offload_optimizer and args.mesh is None:
