@@ -71,15 +71,6 @@ def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, a
         return a.reshape(m, batch // m, *a.shape[1:])
 
     def per_stage(x, stacked, side):  # stacked: this stage's [n_layers / stages, ...]
-        # Inside the stage region the model's per-device-block seam is off: a shard_map nested in this one fails
-        # jax's varying-axis check in the backward (jax 0.10), so attention is left to XLA's partitioner here.
-        token = model.PER_SHARD.set(None)
-        try:
-            return _per_stage(x, stacked, side)
-        finally:
-            model.PER_SHARD.reset(token)
-
-    def _per_stage(x, stacked, side):
         s = jax.lax.axis_index(axis)
         xm, sm = split(x), jax.tree.map(split, side)
 
@@ -101,9 +92,11 @@ def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, a
         out = jax.lax.psum(jnp.where(s == stages - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
         return out.reshape(x.shape)
 
-    return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(), P(axis), P()), out_specs=P(), axis_names={axis})(
-        x, stacked, side
-    )
+    # check_vma=False: a Pallas kernel inside (flash attention) has no varying-axis rule, and the attention's own
+    # per-device-block shard_map nested in this one (jaxattn.sharding) then differentiates too
+    return jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(P(), P(axis), P()), out_specs=P(), axis_names={axis}, check_vma=False
+    )(x, stacked, side)
 
 
 @contextlib.contextmanager

@@ -149,3 +149,20 @@ def test_compiled_plans_move_what_the_analysis_says():
     assert 2.0 <= dp["all-reduce"] <= 2.5 and dp["all-gather"] == dp["reduce-scatter"] == 0, dp
     assert fsdp["reduce-scatter"] == pytest.approx(2 * (1 - table) + 4 * table, rel=0.01), fsdp
     assert fsdp["all-gather"] == pytest.approx(4 * (1 - table) + 2 * table, rel=0.01), fsdp  # + the token ids
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
+def test_a_stage_plan_compiles_with_gpipes_bubble_in_its_loop():
+    """A ``stage`` mesh compiles as GPipe for 8 H100s: the layers sharded over the stages (each device holds half of
+    them), the stage loop one while loop of ``m + p - 1`` trips, so the idle fraction read off the compiled program
+    is GPipe's ``(p - 1) / (m + p - 1)``; stage hand-offs are collective-permutes."""
+    devs = plan._pod_devices("h100", "1x1x8")
+    rec = plan.compile_plan(devs, "stage=2,data=4", "tiny", 8, 128, microbatches=2)
+    pipe = rec["measured"]["pipeline"]
+    assert pipe["found"] and pipe["loop_trips"] == 3 and pipe["bubble_compiled"] == pipe["bubble_analytic"] == 1 / 3
+    assert rec["measured"]["collectives"]["collective-permute"]["ops"] >= 2  # forward hand-off and its transpose
+    flat = plan.compile_plan(devs, "data=8", "tiny", 8, 128)
+    assert "pipeline" not in flat["measured"]
+    with pytest.raises(ValueError, match="microbatches=2 splits the batch for pipeline stages, but the mesh has no"):
+        plan.compile_plan(devs, "data=8", "tiny", 8, 128, microbatches=2)

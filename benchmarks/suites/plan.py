@@ -175,9 +175,12 @@ def compile_plan(
     loss: str = "dense",
     target: str = "h100",
     topology: str = "1x1x8",
+    microbatches: int = 1,
 ):
     """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs`` (deviceless
-    GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record."""
+    GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record. A
+    ``stage`` axis runs the layers as GPipe stages over ``microbatches`` (``jaxattn.pipeline``): the record adds the
+    analytic bubble and the one read off the compiled program (:func:`pipeline_bubble`)."""
     import optax
     from flax import nnx
 
@@ -192,6 +195,7 @@ def compile_plan(
     mesh = sharding.make_mesh(spec, devices=devs)
     sharding.check_config(cfg, mesh)
     sharding.check_batch_size(batch, mesh)
+    sharding.check_stages(cfg, mesh, batch, microbatches)
     tx = optax.adamw(1e-4)
 
     def build():
@@ -213,14 +217,16 @@ def compile_plan(
         ),
         {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)},
     )
-    plan = sharding.TrainSharding(mesh, state_sh, batch_sh)  # shard_train_state's, for an abstract state
+    plan = sharding.TrainSharding(mesh, state_sh, batch_sh, microbatches=microbatches)  # shard_train_state's
     step = make_train_step(graphdef, tx, policy="bf16", sharding=plan, loss=loss)
     t0 = time.perf_counter()
     tpu = devs[0].platform == "tpu"
     attention, compile_fn = ("splash", tpu_target.compile) if tpu else ("flash", gpu_target.compile)
     with attention_backend(attention), plan.tracing():  # as the step traces itself
         _, compiled = compile_fn(None, *args, jitted=step.jitted)
-    mem, coll = memory_stats(compiled), collectives(compiled.as_text(), unknown_trips=cfg.n_layers)
+    text = compiled.as_text()
+    stages = mesh.shape.get("stage", 1)
+    mem, coll = memory_stats(compiled), collectives(text, unknown_trips=cfg.n_layers)
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
         f"{k} {v['ops']} ops ({v['ops_in_loop']} in loops) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
         for k, v in coll.items()
@@ -250,8 +256,30 @@ def compile_plan(
             "per_device_memory": mem,
             "collectives": coll,
             "n_layers": cfg.n_layers,
+            **({} if stages == 1 else {"pipeline": pipeline_bubble(text, stages, microbatches)}),
         },
     )
+
+
+def pipeline_bubble(hlo: str, stages: int, microbatches: int) -> dict:
+    """The GPipe schedule as compiled: the stage loop is the while loop of ``m + p - 1`` trips (XLA's
+    ``known_trip_count``) in which each stage works on a real micro-batch ``m`` times, so the idle fraction is
+    ``(trips - m) / trips``; beside it the analytic ``(p - 1) / (m + p - 1)`` (GPipe §2.2). ``found`` False when
+    no loop of that trip count is in the program (the schedule was compiled some other way)."""
+    from jaxattn.pipeline import bubble_fraction
+
+    want = microbatches + stages - 1
+    trips = sorted({int(n) for n in re.findall(r"known_trip_count[^0-9]*(\d+)", hlo)})
+    found = want in trips
+    return {
+        "stages": stages,
+        "microbatches": microbatches,
+        "loop_trips": want if found else None,
+        "while_trip_counts": trips,
+        "found": found,
+        "bubble_compiled": (want - microbatches) / want if found else None,
+        "bubble_analytic": bubble_fraction(stages, microbatches),
+    }
 
 
 def _pod_devices(target: str, topology: str):
