@@ -19,12 +19,17 @@ STEPS, BATCH, SEQ, MICRO = 3, 8, 12, 4
 CFG = ModelConfig.preset("tiny", n_layers=4, tie_embeddings=False)
 
 
-def batches():
+def batches(masked: bool = False):
+    """STEPS batches; ``masked``: each row's first 1..4 tokens are not targets (``loss_mask`` 0)."""
     rng = np.random.default_rng(0)
-    return [
-        {"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
-        for _ in range(STEPS)
-    ]
+    out = []
+    for _ in range(STEPS):
+        b = {"tokens": torch.from_numpy(rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int64))}
+        if masked:
+            lead = rng.integers(1, 5, BATCH)
+            b["loss_mask"] = torch.from_numpy((np.arange(SEQ + 1)[None] >= lead[:, None]).astype(np.int64))
+        out.append(b)
+    return out
 
 
 def model():
@@ -32,14 +37,16 @@ def model():
     return LlamaForCausalLM(CFG)
 
 
-def reference():
+def reference(masked: bool = False):
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
     losses = []
-    for b in batches():
+    for b in batches(masked):
         t = b["tokens"]
         logits = m(t[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten())
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten(), reduction="none")
+        w = b["loss_mask"][:, 1:].flatten().float() if masked else torch.ones_like(nll)
+        loss = (nll * w).sum() / w.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -54,15 +61,16 @@ def main():
         from torchref.hf import save_pretrained
 
         save_pretrained(model(), sys.argv[3])
-    ref, ref_losses = reference()
-    ref_params = dict(ref.named_parameters())
     out = {}
-    for schedule in sys.argv[1].split(","):
+    for schedule in sys.argv[1].split(",") + ["gpipe-masked"]:
+        masked = schedule.endswith("-masked")
+        ref, ref_losses = reference(masked)
+        ref_params = dict(ref.named_parameters())
         m = model()
-        pipe = Pipeline(m, schedule, MICRO)
+        pipe = Pipeline(m, schedule.removesuffix("-masked"), MICRO)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
         losses = []
-        for b in batches():
+        for b in batches(masked):
             opt.zero_grad()
             losses.append(pipe.step(b))
             opt.step()
@@ -72,6 +80,11 @@ def main():
         )
         out[schedule] = {"losses": losses, "ref_losses": ref_losses, "param_diff": diff, "stages": pipe.indices}
         dist.barrier()
+    try:  # packed rows are refused by name, on every rank, before any communication
+        pipe.step(dict(batches()[0], segment_ids=torch.zeros(BATCH, SEQ + 1, dtype=torch.int64)))
+        out["packed"] = "accepted"
+    except ValueError as e:
+        out["packed"] = str(e)
     with open(f"{sys.argv[2]}.{rank}", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()

@@ -130,11 +130,14 @@ def test_torch_pipeline_schedules_equal_one_process_and_the_jax_pipeline(tmp_pat
     out, init = tmp_path / "out", tmp_path / "init"
     torchrun(os.path.join(here, "pipeline_child.py"), "gpipe,1f1b,interleaved", str(out), str(init))
     ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
-    for schedule in ("gpipe", "1f1b", "interleaved"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "gpipe-masked"):  # masked: a loss_mask drops some targets
         first, last = ranks[0][schedule], ranks[1][schedule]
         assert first["stages"] == ([0, 2] if schedule == "interleaved" else [0]), first
+        assert last["ref_losses"] != ranks[1]["gpipe"]["ref_losses"] or schedule != "gpipe-masked"
         assert first["param_diff"] <= 1e-5 and last["param_diff"] <= 1e-5, (schedule, first, last)
         np.testing.assert_allclose(last["losses"], last["ref_losses"], rtol=0, atol=1e-5)
+    for r in ranks:
+        assert r["packed"].startswith("batch: Pipeline.step takes 'tokens' and 'loss_mask', not ['segment_ids']")
     torch_losses = ranks[1]["gpipe"]["losses"]
 
     jmodel = from_pretrained(init)

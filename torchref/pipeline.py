@@ -6,6 +6,7 @@ norm + LM head + loss on the last, micro-batches scheduled by the library (GPipe
     dist.init_process_group("gloo")
     pipe = Pipeline(model, "1f1b", microbatches=4)     # this rank's stage(s) of ``model``, and their schedule
     loss = pipe.step(batch)                             # forward + backward of the whole batch; grads on the stage
+                                                        # (the loss on the last stage's rank, None elsewhere)
 
 Nothing is written by hand but the split (:class:`StageModule`) and the loss scaling: each micro-batch's loss is its
 summed token losses over the WHOLE batch's token count, so the micro-batches' gradients add up to the full batch's
@@ -111,14 +112,26 @@ class Pipeline:
         )
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
         return nll / self._denominator  # the whole batch's token count: micro-batch losses add up to its mean
 
     def step(self, batch: dict) -> float | None:
+        """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?}``; a target whose ``loss_mask`` is 0 adds nothing and
+        the mean is over the counted targets (the train step's rule). Packed rows (``segment_ids`` / ``positions``)
+        are refused: the stages recompute positions ``0..S-1`` and pass only hidden states on."""
+        extra = sorted(k for k in batch if k not in ("tokens", "loss_mask") and batch[k] is not None)
+        if extra:
+            raise ValueError(
+                f"batch: Pipeline.step takes 'tokens' and 'loss_mask', not {extra} (packed rows do not cross the "
+                f"stages yet; train them without --packing)"
+            )
         tokens = batch["tokens"]
         check_pipeline(1, 1, tokens.shape[0], self.microbatches)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        self._denominator = float(targets.numel())
+        mask = batch.get("loss_mask")
+        if mask is not None:  # an ignored target: cross_entropy's ignore_index
+            targets = torch.where(mask[:, 1:].bool(), targets, torch.full_like(targets, -100))
+        self._denominator = max(float((targets != -100).sum()), 1.0)
         losses: list = []
         if self.first and self.last:  # interleaved on one rank: both ends here
             self.schedule.step(inputs, target=targets, losses=losses)
