@@ -214,3 +214,77 @@ def test_cli_refuses_bad_pipeline_flags_naming_them(argv, message):
 
     with pytest.raises(CLIError, match=message.replace("(", r"\(").replace(")", r"\)")):
         trainer.run(["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--no-progress", *argv])
+
+
+def _pp_argv(tmp_path):
+    from benchmarks.twins import twin_models
+    from torchref.hf import save_pretrained
+
+    tm, _ = twin_models(ModelConfig.preset("tiny"), seed=1)
+    init = save_pretrained(tm, tmp_path / "init")
+    argv = ["--init", str(init), "--data", "README.md", "--seq-len", "16", "--batch-size", "8", "--lr", "3e-3"]
+    argv += ["--no-progress", "--packing", "bucket", "--loss", "dense", "--schedule", "constant"]
+    return argv, ["--microbatches", "4"]
+
+
+def test_cli_parallel_pp_trains_like_one_process_and_the_jax_pipeline(tmp_path):
+    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp`` (1F1B, 4 micro-batches) logs the one-process
+    losses within 1e-5; ``python -m jaxattn.train --mesh stage=2,fsdp=2,tensor=2`` from the same ``--init`` logs the
+    same losses at the training tolerance (1e-4)."""
+    from jaxattn import train as jt
+    from parity_tests.twins import jsonl_losses
+    from torchref import train as tt
+
+    argv, micro = _pp_argv(tmp_path)
+    one = tt.run(argv + ["--steps", "4"])["losses"]
+    log = tmp_path / "1f1b.jsonl"
+    torchrun("-m", "torchref.train", "--parallel", "pp", "--steps", "4", "--log-json", str(log), *argv, *micro)
+    np.testing.assert_allclose(jsonl_losses(log), one, rtol=0, atol=1e-5)
+    jax_losses = jt.run(argv + micro + ["--steps", "4", "--mesh", "stage=2,fsdp=2,tensor=2"])["losses"]
+    np.testing.assert_allclose(jax_losses, one, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
+    """``--parallel pp --pp-schedule gpipe`` logs the one-process losses; its checkpoint (the stages' weights and
+    optimizer state gathered by parameter name) resumes in one process with the uninterrupted losses."""
+    import shutil
+
+    from parity_tests.twins import jsonl_losses
+    from torchref import train as tt
+
+    argv, micro = _pp_argv(tmp_path)
+    one = tt.run(argv + ["--steps", "4"])["losses"]
+    log, ck = tmp_path / "gpipe.jsonl", tmp_path / "ck"
+    torchrun(
+        "-m", "torchref.train", "--parallel", "pp", "--pp-schedule", "gpipe", "--steps", "2", "--log-json", str(log),
+        "--checkpoint-dir", str(ck), *argv, *micro,
+    )  # fmt: skip
+    np.testing.assert_allclose(jsonl_losses(log), one[:2], rtol=0, atol=1e-5)
+    shutil.rmtree(ck / "final")
+    resumed = tt.run(argv + ["--steps", "4", "--resume", "--checkpoint-dir", str(ck)])
+    assert resumed["start"] == 2
+    np.testing.assert_allclose(resumed["losses"], one[2:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--microbatches", "2"], "--microbatches 2 splits each batch for pipeline stages: it needs --parallel pp"),
+        (["--parallel", "pp", "--packing", "pack"], "--packing pack does not run with --parallel pp"),
+        (
+            ["--parallel", "pp", "--packing", "bucket", "--loss", "fused"],
+            "--loss fused does not run with --parallel pp",
+        ),
+        (["--parallel", "pp", "--packing", "bucket", "--grad-accum", "2"], "--grad-accum does not run with"),
+        (["--parallel", "pp", "--packing", "bucket", "--precision", "fp16"], "--precision fp16 does not run with"),
+        (["--parallel", "pp", "--packing", "bucket", "--microbatches", "3"], "--batch-size 8 does not split into 3"),
+    ],
+)
+def test_torch_cli_refuses_bad_pipeline_flags_naming_them(argv, message, monkeypatch):
+    from jaxattn.spec.cli import CLIError
+    from torchref import train as tt
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the flags are refused before any rank meets
+    with pytest.raises(CLIError, match=message):
+        tt.Trainer.from_argv(["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--no-progress", *argv])

@@ -56,8 +56,8 @@ def test_one_flag_table_for_both_clis():
     jax_opts, torch_opts = _options(build_parser("jax")), _options(build_parser("torch"))
     shared = {f.name for f in FLAGS if len(f.frameworks) == 2}
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
-    assert set(jax_opts) - shared == {"--mesh", "--microbatches", "--coordinator", "--num-processes", "--process-id"}
-    assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
+    assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
+    assert set(torch_opts) - shared == {"--compile", "--parallel", "--pp-schedule", "--num-workers"}
     conventions = (
         "--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
         "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
@@ -138,7 +138,11 @@ BAD = [
     (["--process-id", "0"], "torch", r"unrecognized arguments: --process-id 0"),
     (["--offload-optimizer"], "jax", r"--offload-optimizer needs --mesh"),
     (["--offload-optimizer", "--parallel", "ddp"], "torch", r"--offload-optimizer needs --parallel fsdp or fsdp\+tp"),
-    (["--parallel", "zero"], "torch", r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp\)"),
+    (
+        ["--parallel", "zero"],
+        "torch",
+        r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, pp\)",
+    ),
     (["--num-workers", "-1"], "torch", r"--num-workers -1: must be an integer >= 0"),
     (["--stpes", "3"], "both", r"unrecognized arguments: --stpes 3"),
 ]
@@ -163,7 +167,9 @@ def test_torchrun_without_parallel_is_refused(monkeypatch, tmp_path):
     ck, prof = str(tmp_path / "ck"), str(tmp_path / "p")
     parse_args(["--parallel", "fsdp+tp", "--checkpoint-dir", ck, "--profile", prof], "torch", TORCH_BACKENDS)
     assert not os.path.exists(ck) and not os.path.exists(prof)  # the writability probe leaves nothing behind
-    with pytest.raises(CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp\}"):
+    with pytest.raises(
+        CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp,pp\}"
+    ):
         parse_args([], "torch", TORCH_BACKENDS)
 
 

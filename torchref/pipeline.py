@@ -26,7 +26,7 @@ from jaxattn.spec.remat import check_remat
 from .model import LlamaForCausalLM, rope_cos_sin
 from .remat import run_layer
 
-__all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline"]
+__all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline", "make_pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -98,6 +98,7 @@ class Pipeline:
         check_pipeline(model.config.n_layers, n_stages, microbatches, microbatches, schedule)
         device = device or torch.device("cpu")
         self.indices = [rank + k * world for k in range(per_rank)]
+        self.n_stages = n_stages
         self.modules = [StageModule(model, i, n_stages) for i in self.indices]
         stages = [pp.PipelineStage(m, i, n_stages, device) for m, i in zip(self.modules, self.indices)]
         self.first = 0 in self.indices
@@ -127,7 +128,7 @@ class Pipeline:
             )
         tokens = batch["tokens"]
         check_pipeline(1, 1, tokens.shape[0], self.microbatches)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].long()  # cross_entropy takes int64 targets
         mask = batch.get("loss_mask")
         if mask is not None:  # an ignored target: cross_entropy's ignore_index
             targets = torch.where(mask[:, 1:].bool(), targets, torch.full_like(targets, -100))
@@ -150,3 +151,70 @@ class Pipeline:
             for p in m.parameters():
                 seen[id(p)] = p
         return list(seen.values())
+
+    def owned_names(self, model: nn.Module) -> set:
+        """The names (``model.named_parameters()``) of the parameters this rank's stages train."""
+        mine = {id(p) for p in self.parameters()}
+        return {n for n, p in model.named_parameters() if id(p) in mine}
+
+    def sync_model(self, model: nn.Module) -> None:
+        """Every rank's ``model`` gets every stage's current weights (each stage's owner broadcasts them): for an
+        evaluation or an export of the whole model."""
+        owner = {}
+        world = dist.get_world_size()
+        for r in range(world):
+            for i in range(r, self.n_stages, world):  # the stages rank r holds
+                owner.update({n: r for n in _stage_names(model, i, self.n_stages)})
+        for n, p in model.named_parameters():
+            if n in owner:
+                dist.broadcast(p.data, src=owner[n])
+
+    def grad_norm_and_clip(self, max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm over all stages' parameters (each rank's squares summed over the ranks); with
+        ``max_norm``, every stage's gradients scaled by ``min(1, max_norm / norm)``, as ``clip_grad_norm_`` would."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        norm = sq.sqrt()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def broadcast_loss(self, loss: float | None) -> float:
+        """The last stage's loss on every rank."""
+        t = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
+        dist.broadcast(t, src=(self.n_stages - 1) % dist.get_world_size())
+        return float(t.item())
+
+
+def _stage_names(model: nn.Module, index: int, n_stages: int) -> set:
+    """The parameter names of stage ``index`` (the split :class:`StageModule` makes)."""
+    per = model.config.n_layers // n_stages
+    names = {f"model.layers.{j}." for j in range(index * per, (index + 1) * per)}
+    out = {n for n, _ in model.named_parameters() if any(n.startswith(prefix) for prefix in names)}
+    if index == 0:
+        out |= {n for n, _ in model.named_parameters() if n.startswith("model.embed_tokens.")}
+    if index == n_stages - 1:
+        out |= {n for n, _ in model.named_parameters() if n.startswith(("model.norm.", "lm_head."))}
+    return out
+
+
+def make_pipeline_step(pipe: Pipeline, optimizer, *, max_grad_norm: float | None = None, autocast=None):
+    """``step(batch, denominator=None) -> metrics`` for ``--parallel pp``: the schedule's forward and backward of the
+    whole batch (inside ``autocast()``, the precision policy's context, when given), the global gradient norm
+    (clipped with ``max_grad_norm``), the optimizer step; metrics as ``torchref.train_step.make_train_step``'s
+    (``loss`` the whole batch's, on every rank; no loss scaling)."""
+    import contextlib
+
+    def step(batch: dict, denominator=None) -> dict:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            loss = pipe.step(batch)
+        loss = pipe.broadcast_loss(loss)
+        norm = pipe.grad_norm_and_clip(max_grad_norm)
+        optimizer.step()
+        return {"loss": torch.tensor(loss), "grad_norm": norm, "loss_scale": torch.tensor(1.0), "skipped": False}
+
+    return step

@@ -37,7 +37,7 @@ from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_docu
 from jaxattn.spec.eval import EvalResult, eval_batches
 from jaxattn.spec.runlog import DivergenceGuard, RunLog
 
-from . import hf, optim, parallel, remat
+from . import hf, optim, parallel, pipeline, remat
 from .attention import BACKENDS, attention_backend, dot_product_attention
 from .checkpoint import Checkpointer
 from .data import loader
@@ -118,6 +118,14 @@ class Trainer:
         if args.resume:
             self._resume()
         self.compiled = torch.compile(train_model) if args.compile else train_model
+        if self.parallel == "pp":  # the library's schedule runs forward and backward (torchref.pipeline)
+            self.step_fn = pipeline.make_pipeline_step(
+                self.pipe,
+                self.optimizer,
+                max_grad_norm=args.clip_grad or None,
+                autocast=lambda: self.policy.autocast(self.device.type),
+            )
+            return
         self.step_fn = make_train_step(
             self.compiled,
             self.optimizer,
@@ -152,7 +160,8 @@ class Trainer:
             ) from None
 
     def _parallelize(self, mode: str, model):
-        """``torchref.parallel`` over all ranks; this rank keeps ``batch / dp`` rows of each batch."""
+        """``torchref.parallel`` over all ranks; this rank keeps ``batch / dp`` rows of each batch (``pp``: its
+        pipeline stage(s) of the model, ``torchref.pipeline``, and every row)."""
         if not dist.is_initialized():
             rank, world, timeout = os.environ.get("RANK", "0"), os.environ["WORLD_SIZE"], self.args.distributed_timeout
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -173,6 +182,13 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
             model.to(self.device)
+        if mode == "pp":
+            try:
+                self.pipe = pipeline.Pipeline(model, self.args.pp_schedule, self.args.microbatches, device=self.device)
+            except ValueError as e:
+                raise CLIError(f"--parallel pp --pp-schedule {self.args.pp_schedule}: {e}") from None
+            self.parallel = mode
+            return model
         self.mesh = parallel.build_mesh(mode)
         n = parallel.dp_size(mode, self.mesh)
         if self.args.batch_size % (n * self.args.grad_accum):
@@ -187,12 +203,16 @@ class Trainer:
         """Data-parallel ranks divide their loss SUM by (the whole batch's real targets / dp), so the gradients
         averaged by DDP/FSDP and the mean of the ranks' losses are the whole batch's mean-token ones even when the
         ranks hold different numbers of targets (None: the step's own denominator)."""
-        if self.parallel is None:
+        if self.parallel in (None, "pp"):
             return None
         return loss_denominator(host).to(self.device) / parallel.dp_size(self.parallel, self.mesh)
 
     def rows(self, host: dict) -> dict:
-        """This rank's rows of a host batch (all of them without --parallel or with tp)."""
+        """This rank's rows of a host batch (all of them without --parallel, with tp, and with pp: there only the
+        tokens and the loss mask, one document per row, so causal attention never reaches the padding at the end and
+        the stages' own positions 0..S-1 are the rows' positions)."""
+        if self.parallel == "pp":
+            return {"tokens": host["tokens"], "loss_mask": host["loss_mask"]}
         return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:
@@ -231,10 +251,27 @@ class Trainer:
 
     def full_state_dicts(self) -> tuple[dict, dict]:
         """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
-        gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts."""
-        return get_state_dict(
+        gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts. ``pp``: the
+        stages' weights broadcast to every rank, each parameter's optimizer state gathered from its stage's rank."""
+        if self.parallel == "pp":
+            self.pipe.sync_model(self.model)
+        model_sd, optim_sd = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        if self.parallel == "pp":  # get_state_dict filled rank 0 only: each rank sends its stages' state by name
+            owned = self.pipe.owned_names(self.model)
+            mine = {
+                n: {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()
+                }
+                for n, p in self.model.named_parameters()
+                if n in owned and p in self.optimizer.state
+            }
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+            if self.rank0:
+                optim_sd["state"] = {k: v for part in parts for k, v in part.items()}
+        return model_sd, optim_sd
 
     def save(self, step: int) -> None:
         model_sd, optim_sd = self.full_state_dicts()
@@ -295,12 +332,19 @@ class Trainer:
         """Mean token loss and perplexity of the current weights on ``--eval-data``: under ``--parallel`` each rank
         scores its rows and the sums are added over all ranks (tensor-parallel ranks hold the same rows: divided
         out)."""
+        if self.parallel == "pp":  # every rank the whole current model, every row: the same sums everywhere
+            self.pipe.sync_model(self.model)
+            return self._evaluate_rows()
+        return self._evaluate_rows(reduce=self.parallel is not None)
+
+    def _evaluate_rows(self, reduce: bool = False) -> EvalResult:
         sums = []
         for host in self.eval_batches:
-            batch = {k: torch.from_numpy(v).to(self.device) for k, v in self.rows(host).items()}
+            rows = host if self.parallel == "pp" else self.rows(host)  # pp: the synced whole model, every row
+            batch = {k: torch.from_numpy(v).to(self.device) for k, v in rows.items()}
             sums.append(torch.stack(eval_sums(self.model, batch, policy=self.policy)))
         total = torch.stack(sums).double().sum(0)
-        if self.parallel is not None:
+        if reduce:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             total /= dist.get_world_size() // parallel.dp_size(self.parallel, self.mesh)
         return EvalResult(loss_sum=float(total[0]), tokens=int(round(float(total[1]))))
@@ -418,6 +462,8 @@ class Trainer:
     def _global_mean(self, loss: torch.Tensor) -> float:
         """The loss over the whole batch: the mean of the data-parallel ranks' losses (equal row blocks)."""
         t = loss.detach().float().reshape(1).clone()
+        if self.parallel == "pp":  # already the whole batch's, on every rank
+            return float(t)
         n = parallel.dp_size(self.parallel, self.mesh)
         if n > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG

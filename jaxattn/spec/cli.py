@@ -49,7 +49,8 @@ __all__ = [
 
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp")  # torchref.parallel.MODES
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "pp")  # torchref.parallel.MODES + pp (torchref.pipeline)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # torchref.pipeline.SCHEDULES
 
 
 class CLIError(ValueError):
@@ -200,11 +201,18 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--microbatches",
-        "pipeline micro-batches per step (with --mesh stage=N, N > 1: the layers run as GPipe stages, "
-        "jaxattn.pipeline); each (accumulation) batch must split into them",
+        "pipeline micro-batches per step (JAX: with --mesh stage=N, N > 1, GPipe stages, jaxattn.pipeline; torch: "
+        "with --parallel pp, torchref.pipeline); each (accumulation) batch must split into them",
         int,
         1,
-        frameworks=("jax",),
+    ),
+    Flag(
+        "--pp-schedule",
+        "pipeline schedule of --parallel pp (one stage per rank; interleaved: two per rank)",
+        str,
+        "1f1b",
+        PP_SCHEDULES,
+        frameworks=("torch",),
     ),
     Flag(
         "--offload-optimizer",
@@ -229,7 +237,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--compile", "torch.compile the model", action="store_true", frameworks=("torch",)),
     Flag(
         "--parallel",
-        "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks)",
+        "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks; pp: pipeline stages, "
+        "one per rank, torchref.pipeline)",
         str,
         None,
         PARALLEL,
@@ -333,6 +342,35 @@ def _mesh_devices(spec: str) -> int:
         seen.add(name.strip())
         n *= int(size)
     return n
+
+
+def _check_pipeline_flags(args: argparse.Namespace) -> None:
+    """torch's ``--parallel pp``: what its schedule serves (the loss inside the library's schedule: no loss scaling,
+    no fused head, no packed rows, no compile, no accumulation loop) and ``--microbatches`` dividing the batch."""
+    m = args.microbatches
+    if m < 1:
+        raise _err("--microbatches", m, "expected an int >= 1")
+    if args.parallel != "pp":
+        if m > 1:
+            raise CLIError(f"--microbatches {m} splits each batch for pipeline stages: it needs --parallel pp")
+        return
+    refused = (
+        ("--loss fused", args.loss == "fused", "the last stage computes the dense loss; use --loss dense"),
+        (
+            "--packing pack",
+            args.packing == "pack",
+            "packed rows (segment ids) do not cross the stages yet; use --packing bucket (one document per row)",
+        ),
+        ("--compile", args.compile, "torch.compile of pipeline stages is not wired"),
+        ("--grad-accum", args.grad_accum > 1, "the micro-batches are the accumulation; raise --microbatches"),
+        ("--offload-optimizer", args.offload_optimizer, "it is FSDP2's (--parallel fsdp)"),
+        ("--precision fp16", args.precision == "fp16", "loss scaling inside the schedule is not wired; use bf16"),
+    )
+    for flag, bad, why in refused:
+        if bad:
+            raise CLIError(f"{flag} does not run with --parallel pp: {why}")
+    if args.batch_size % m:
+        raise CLIError(f"--microbatches {m}: --batch-size {args.batch_size} does not split into {m} micro-batches")
 
 
 def _check_microbatches(args: argparse.Namespace) -> None:
@@ -553,8 +591,10 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
                 "device use --mesh data=1)"
             )
     if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
-        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp")
+        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", "pp")
         args.loss = "dense" if tp_head else "fused"
+    if framework == "torch":
+        _check_pipeline_flags(args)
     if framework == "torch":
         if args.loss == "fused" and args.parallel in ("tp", "fsdp+tp"):
             raise CLIError(
