@@ -59,7 +59,10 @@ def four_layers():
     return model, {"tokens": tokens}
 
 
-@pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (4, 2), (4, 8)])
+@pytest.mark.parametrize(
+    "stages,microbatches",
+    [pytest.param(2, 1, marks=pytest.mark.slow), (2, 4), (4, 2), pytest.param(4, 8, marks=pytest.mark.slow)],
+)
 def test_gpipe_equals_one_device(four_layers, stages, microbatches):
     model, batch = four_layers
     want = _loss_and_grads(model, batch)
@@ -114,6 +117,7 @@ def test_bubble_fraction_is_gpipes():
     assert pipeline.bubble_fraction(8, 32) == pytest.approx(7 / 39)
 
 
+@pytest.mark.slow
 def test_torch_pipeline_schedules_equal_one_process_and_the_jax_pipeline(tmp_path):
     """torchrun 2 ranks: each schedule's losses (last stage) and every stage's parameters after 3 SGD steps equal
     one process's within 1e-5; the JAX pipeline (stage=2, 4 micro-batches) from the same initial weights logs the

@@ -162,7 +162,5 @@ def test_a_stage_plan_compiles_with_gpipes_bubble_in_its_loop():
     pipe = rec["measured"]["pipeline"]
     assert pipe["found"] and pipe["loop_trips"] == 3 and pipe["bubble_compiled"] == pipe["bubble_analytic"] == 1 / 3
     assert rec["measured"]["collectives"]["collective-permute"]["ops"] >= 2  # forward hand-off and its transpose
-    flat = plan.compile_plan(devs, "data=8", "tiny", 8, 128)
-    assert "pipeline" not in flat["measured"]
     with pytest.raises(ValueError, match="microbatches=2 splits the batch for pipeline stages, but the mesh has no"):
         plan.compile_plan(devs, "data=8", "tiny", 8, 128, microbatches=2)

@@ -37,6 +37,7 @@ def test_unavailable_reason_names_both_versions_when_libtpu_does_not_match_jax(m
     assert tpu_target.unavailable_reason() is None
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_compile
 @needs_libtpu
 def test_peers_compile_beside_splash_for_a_v5e_chip():
@@ -186,6 +187,7 @@ def test_mesh_axes_that_do_not_fit_the_torus_split_physical_axes():
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devs)
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_compile
 @needs_libtpu
 def test_block_search_tells_which_splash_blocks_fit_the_scoped_vmem():
