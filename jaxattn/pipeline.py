@@ -25,27 +25,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import model
+from .spec.pipeline import bubble_fraction, check_pipeline
 
 __all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "gpipe", "pipelining"]
 
 STAGE_AXIS = "stage"
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe's idle fraction per device: ``(p - 1) / (m + p - 1)`` (GPipe §2.2; 1F1B has the same bubble)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-def check_pipeline(n_layers: int, stages: int, batch: int, microbatches: int) -> None:
-    """ValueError naming the argument when the layers do not split into ``stages`` equal stages or the batch into
-    ``microbatches`` equal micro-batches."""
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if n_layers % stages:
-        raise ValueError(f"stages: {n_layers} layers do not split into {stages} equal stages")
-    if batch % microbatches:
-        raise ValueError(f"microbatches: a batch of {batch} rows does not split into {microbatches} micro-batches")
 
 
 def _varying(x, axis: str):

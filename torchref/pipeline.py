@@ -21,28 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from jaxattn.spec.pipeline import SCHEDULES, check_pipeline
 from jaxattn.spec.remat import check_remat
 
 from .model import LlamaForCausalLM, rope_cos_sin
 from .remat import run_layer
 
 __all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline", "make_pipeline_step"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def check_pipeline(n_layers: int, stages: int, batch: int, microbatches: int, schedule: str = "gpipe") -> None:
-    """ValueError naming the argument when the layers do not split into ``stages`` equal stages, the batch into
-    ``microbatches`` micro-batches, or ``schedule`` is unknown."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if n_layers % stages:
-        raise ValueError(f"stages: {n_layers} layers do not split into {stages} equal stages")
-    if batch % microbatches:
-        raise ValueError(f"microbatches: a batch of {batch} rows does not split into {microbatches} micro-batches")
 
 
 class StageModule(nn.Module):

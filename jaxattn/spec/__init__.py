@@ -11,8 +11,8 @@ Modules: ``config`` (``ModelConfig``, presets, HF ``config.json``), ``hf_format`
 token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedules, 8-bit maps), ``grad_accum``,
 ``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``runlog``, ``seed``,
 ``eval`` (evaluation batches, perplexity, the eval flags), ``generate`` (sampling checks, tokenizers, the generate
-flags), ``timing`` and ``memreport`` (profiling tables), ``cuda_quiet`` (a quiet jax start on a CPU machine with
-the CUDA plugin installed).
+flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables),
+``cuda_quiet`` (a quiet jax start on a CPU machine with the CUDA plugin installed).
 """
 
 from .config import PRESET_NAMES, ModelConfig

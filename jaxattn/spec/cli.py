@@ -28,6 +28,7 @@ from .data import PACKING, SYNTHETIC, is_gguf
 from .dtypes import PRECISION_PRESETS
 from .loss import DEFAULT_CHUNK, LOSSES
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from .pipeline import SCHEDULES as PP_SCHEDULES
 from .remat import REMAT_POLICIES
 from .rundir import RUN_FLAGS, RunDirError
 from .runlog import TrainingError, tensorboard_writer_class
@@ -50,7 +51,6 @@ __all__ = [
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "pp")  # torchref.parallel.MODES + pp (torchref.pipeline)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # torchref.pipeline.SCHEDULES
 
 
 class CLIError(ValueError):
