@@ -32,14 +32,6 @@ __all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "gpipe", "pipelini
 STAGE_AXIS = "stage"
 
 
-def _varying(x, axis: str):
-    """``x`` marked as differing per ``axis`` member (a scan carry that ``ppermute`` writes must start so)."""
-    pcast = getattr(jax.lax, "pcast", None)
-    if pcast is not None:
-        return pcast(x, (axis,), to="varying")
-    return jax.lax.pvary(x, (axis,))  # pragma: no cover - the jax before pcast
-
-
 def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, axis: str = STAGE_AXIS):
     """``layer`` (``(h, params_of_one_layer, side) -> h``) applied over the stacked layers ``stacked`` (leaves
     ``[n_layers, ...]``), pipelined over ``mesh``'s ``axis``: equal to ``lax.scan`` over all layers. ``x``
@@ -71,7 +63,7 @@ def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, a
             h = jax.lax.ppermute(y, axis, [(k, (k + 1) % stages) for k in range(stages)])
             return (h, out), None
 
-        init = (_varying(jnp.zeros_like(xm[0]), axis), _varying(jnp.zeros_like(xm), axis))
+        init = (jnp.zeros_like(xm[0]), jnp.zeros_like(xm))
         (_, out), _ = jax.lax.scan(step, init, jnp.arange(m + stages - 1))
         out = jax.lax.psum(jnp.where(s == stages - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
         return out.reshape(x.shape)

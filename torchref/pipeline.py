@@ -44,9 +44,8 @@ class StageModule(nn.Module):
                 "tie_embeddings: a pipeline puts the embedding on the first stage and the LM head on the last, so a "
                 "tied table would be two copies; use an untied config"
             )
-        per = cfg.n_layers // n_stages
         self.first, self.last = index == 0, index == n_stages - 1
-        self.layers = nn.ModuleList(model.model.layers[index * per : (index + 1) * per])
+        self.layers = nn.ModuleList(model.model.layers[i] for i in stage_layers(cfg.n_layers, index, n_stages))
         self.embed_tokens = model.model.embed_tokens if self.first else None
         self.norm = model.model.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
@@ -174,10 +173,15 @@ class Pipeline:
         return float(t.item())
 
 
+def stage_layers(n_layers: int, index: int, n_stages: int) -> range:
+    """The decoder layers of stage ``index`` of ``n_stages``: a contiguous, equal share, in order."""
+    per = n_layers // n_stages
+    return range(index * per, (index + 1) * per)
+
+
 def _stage_names(model: nn.Module, index: int, n_stages: int) -> set:
     """The parameter names of stage ``index`` (the split :class:`StageModule` makes)."""
-    per = model.config.n_layers // n_stages
-    names = {f"model.layers.{j}." for j in range(index * per, (index + 1) * per)}
+    names = {f"model.layers.{j}." for j in stage_layers(model.config.n_layers, index, n_stages)}
     out = {n for n, _ in model.named_parameters() if any(n.startswith(prefix) for prefix in names)}
     if index == 0:
         out |= {n for n, _ in model.named_parameters() if n.startswith("model.embed_tokens.")}

@@ -47,6 +47,7 @@ from .programs import (  # noqa: E402
     attention_loss,
     build_program,
     cost_stats,
+    error_record,
     memory_stats,
     out_dir,
     peer_context,
@@ -228,8 +229,7 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
         try:
             recs = KERNEL_COMPILERS[impl](devs, d, DTYPES[dt], shape)
         except Exception as e:  # one failed compile is a record, not the end of the run
-            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
-            log(f"  {impl} D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            records.append(error_record(base, e, f"{impl} D={d} {dt}", log))
             continue
         secs = time.perf_counter() - t0
         for rec in recs.values():
@@ -256,8 +256,7 @@ def attention_records(devs, cases, shape: AttnShape, target: str, log=print) -> 
                 _, compiled = compile_fwd_bwd(devs, impl, d, DTYPES[dt], shape, compiler_options={"xla_dump_to": dump})
                 launches = kernel_stats.xla_launches(dump)
         except Exception as e:
-            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
-            log(f"  fwd+bwd {impl}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            records.append(error_record(base, e, f"fwd+bwd {impl}", log))
             continue
         rec = dict(
             base,
@@ -314,9 +313,7 @@ def program_records(devs, cases, target: str, log=print) -> list:
             rec["flops_ratio"] = rec["xla_flops"] / once["model_flops"]
             rec["flops_ratio_dense"] = rec["xla_flops"] / once["dense_flops"]
         except Exception as e:
-            rec = dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
-            log(f"  {preset} {kind} {loss}: ERROR {type(e).__name__}: {str(e)[:200]}")
-            records.append(rec)
+            records.append(error_record(base, e, f"{preset} {kind} {loss}", log))
             continue
         records.append(rec)
         log(

@@ -96,6 +96,12 @@ def attention_base(impl: str, d: int, dt: str, shape: AttnShape, label: str) -> 
     )
 
 
+def error_record(base: dict, e: Exception, what: str, log=print) -> dict:
+    """The record of a compile that failed (one failure is a record, not the end of the run), logged as ``what``."""
+    log(f"  {what}: ERROR {type(e).__name__}: {str(e)[:200]}")
+    return dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
+
+
 def skipped_record(base: dict, log=print) -> dict | None:
     """The record of a peer whose package is absent (a clean skip, not a failure), None when it can compile."""
     reason = peer_unavailable(base["impl"])

@@ -39,6 +39,7 @@ from .programs import (
     attention_base,
     attention_loss,
     build_program,
+    error_record,
     memory_stats,
     out_dir,
     peer_context,
@@ -100,8 +101,7 @@ def kernel_records(chip_devs, cases, shape: AttnShape, target: str, log=print) -
         try:
             lowered, compiled = _fwd_bwd(chip_devs, impl, shape, d, DTYPES[dt])
         except Exception as e:  # one failed compile is a record, not the end of the run
-            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
-            log(f"  {impl} D={d} {dt}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            records.append(error_record(base, e, f"{impl} D={d} {dt}", log))
             continue
         rec = dict(
             base,
@@ -199,8 +199,7 @@ def program_records(chip_devs, cases, target: str, hbm_bytes: int, log=print) ->
                 records.append(rec)
                 log(f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: does not fit ({refused[0]} GiB temp)")
                 continue
-            records.append(dict(base, status="error", error=f"{type(e).__name__}: {str(e)[:500]}"))
-            log(f"  {preset} {kind} {loss}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            records.append(error_record(base, e, f"{preset} {kind} {loss}", log))
             continue
         records.append(rec)
         log(
