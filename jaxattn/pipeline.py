@@ -1,17 +1,26 @@
-"""Pipeline parallelism over a ``stage`` mesh axis: the decoder layers split into contiguous stages, one per
-device group, micro-batches handed stage to stage with ``ppermute`` inside ONE ``shard_map`` (GPipe, Huang et al.
-2019 §2.2; MaxText's layout: layers ``[stages, layers_per_stage]``, the rotation in one jitted program).
+"""Pipeline parallelism over a ``stage`` mesh axis: the decoder layers split into stages, one per device group,
+micro-batches handed stage to stage with ``ppermute`` inside ONE ``shard_map`` in the one jitted step — GPipe
+(Huang et al. 2019 §2.2) and the circular schedule (MaxText's; the SPMD form of interleaved 1F1B, Narayanan et al.
+2021 §2.2): with ``virtual`` v > 1 each stage holds v non-adjacent chunks of layers and a micro-batch goes round
+the ring v times.
 
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    with pipeline.pipelining(mesh, microbatches=4):       # the model's layer stack runs through gpipe()
+    with pipeline.pipelining(mesh, microbatches=4):       # the model's layer stack runs through pipelined()
         loss, grads = jax.value_and_grad(loss_fn)(params)  # all forwards, then all backwards: GPipe
 
-Schedule: step ``t`` of ``m + p - 1``, stage ``s`` runs micro-batch ``t - s`` through its layers (a bubble step when
-that is out of range; its result is never read) and passes it on; the last stage's outputs are summed over
-``stage`` so every stage holds them (the embedding and the head run outside, replicated over ``stage``, as in
-MaxText). ``jax.grad`` transposes the forward loop into the backward one (``ppermute`` reversed), so activations of
-all ``m`` micro-batches stay live per stage until the backward: remat (``Llama.remat``) bounds them. Idle fraction
-``(p - 1) / (m + p - 1)`` (:func:`bubble_fraction`). Written by hand: jax has the collectives, not a pipeline.
+Schedule: step ``t`` of ``v m + p - 1``, stage ``s`` runs item ``i = t - s`` — micro-batch ``i mod m`` in round
+``i // m`` through its round's chunk (a bubble step when ``i`` is out of range; its result is never read) — and
+passes it on; stage 0 parks what comes back from the last stage until that micro-batch's next round (needs
+``m >= p``). The last stage's final-round outputs are summed over ``stage`` so every stage holds them (the
+embedding and the head run outside, replicated over ``stage``, as in MaxText). ``jax.grad`` transposes the forward
+loop into the backward one (``ppermute`` reversed), so the activations of all ``m`` micro-batches stay live per
+stage until the backward — 1F1B's memory gain needs the loss inside the loop; remat (``Llama.remat``) bounds them
+instead. Idle fraction ``(p - 1) / (v m + p - 1)`` (:func:`bubble_fraction`).
+
+The circular chunks are strided over the stored layers (chunk ``c = r p + s`` on stage ``s``), the parameters are
+stored in layer order (contiguous blocks per stage), so ``virtual > 1`` regathers each stage's layers inside the
+step (an all-to-all of the layer weights forward, of their gradients backward; the plan suite counts its bytes).
+Written by hand: jax has the collectives, not a pipeline.
 """
 
 from __future__ import annotations
@@ -27,45 +36,56 @@ from jax.sharding import PartitionSpec as P
 from . import model
 from .spec.pipeline import bubble_fraction, check_pipeline
 
-__all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "gpipe", "pipelining"]
+__all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "pipelined", "pipelining"]
 
 STAGE_AXIS = "stage"
 
 
-def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, axis: str = STAGE_AXIS):
+def pipelined(
+    layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, virtual: int = 1, axis: str = STAGE_AXIS
+):
     """``layer`` (``(h, params_of_one_layer, side) -> h``) applied over the stacked layers ``stacked`` (leaves
-    ``[n_layers, ...]``), pipelined over ``mesh``'s ``axis``: equal to ``lax.scan`` over all layers. ``x``
-    ``[B, ...]``; ``side``: a pytree of per-row inputs ``[B, ...]`` (RoPE tables, segment ids; None leaves kept)
-    that follow their rows into the micro-batches."""
-    stages = mesh.shape[axis]
+    ``[n_layers, ...]``), pipelined over ``mesh``'s ``axis`` with ``virtual`` chunks per stage (1: GPipe, > 1:
+    circular): equal to ``lax.scan`` over all layers. ``x`` ``[B, ...]``; ``side``: a pytree of per-row inputs
+    ``[B, ...]`` (RoPE tables, segment ids; None leaves kept) that follow their rows into the micro-batches."""
+    p, m, v = mesh.shape[axis], microbatches, virtual
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     batch = x.shape[0]
-    check_pipeline(n_layers, stages, batch, microbatches)
-    m = microbatches
+    check_pipeline(n_layers, p, batch, m, "interleaved" if v > 1 else "gpipe", virtual=v)
+    k = n_layers // (p * v)  # layers per chunk
+    if v > 1:  # chunk c = r p + s (layers [c k, (c + 1) k)) runs on stage s in round r: [L] -> stage-major
+        stacked = jax.tree.map(lambda a: a.reshape(v, p, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape), stacked)
 
     def split(a):  # [B, ...] -> [m, B/m, ...]
         return a.reshape(m, batch // m, *a.shape[1:])
 
-    def per_stage(x, stacked, side):  # stacked: this stage's [n_layers / stages, ...]
+    def per_stage(x, stacked, side):  # stacked: this stage's [v k, ...]
         s = jax.lax.axis_index(axis)
+        chunks = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), stacked)  # [v, k, ...]
         xm, sm = split(x), jax.tree.map(split, side)
 
-        def run(h, sd):
-            return jax.lax.scan(lambda h, p: (layer(h, p, sd), None), h, stacked)[0]
+        def run(h, r, sd):  # round r's chunk of this stage
+            ws = jax.tree.map(lambda a: a[r], chunks)
+            return jax.lax.scan(lambda h, w: (layer(h, w, sd), None), h, ws)[0]
 
         def step(carry, t):
-            h, out = carry
-            h = jnp.where(s == 0, xm[jnp.clip(t, 0, m - 1)], h)  # stage 0 takes micro-batch t
-            y = run(h, jax.tree.map(lambda a: a[jnp.clip(t - s, 0, m - 1)], sm))  # micro-batch t - s
-            j = jnp.clip(t - (stages - 1), 0, m - 1)
-            done = (s == stages - 1) & (t >= stages - 1)  # the last stage finished micro-batch j
+            h, park, out = carry
+            if v > 1:  # stage 0 parks item t - p (back from the last stage) until its micro-batch's next round
+                back = t - p
+                keep = (s == 0) & (back >= 0) & (back < (v - 1) * m)
+                park = park.at[back % m].set(jnp.where(keep, h, park[back % m]))
+            h = jnp.where(s == 0, park[t % m], h)  # stage 0 takes item t: a fresh micro-batch in round 0
+            i = jnp.clip(t - s, 0, v * m - 1)  # this stage's item
+            y = run(h, i // m, jax.tree.map(lambda a: a[i % m], sm))
+            done = (s == p - 1) & (t - s >= (v - 1) * m)  # the last stage finished micro-batch i mod m
+            j = i % m
             out = out.at[j].set(jnp.where(done, y, out[j]))
-            h = jax.lax.ppermute(y, axis, [(k, (k + 1) % stages) for k in range(stages)])
-            return (h, out), None
+            h = jax.lax.ppermute(y, axis, [(a, (a + 1) % p) for a in range(p)])
+            return (h, park, out), None
 
-        init = (jnp.zeros_like(xm[0]), jnp.zeros_like(xm))
-        (_, out), _ = jax.lax.scan(step, init, jnp.arange(m + stages - 1))
-        out = jax.lax.psum(jnp.where(s == stages - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
+        init = (jnp.zeros_like(xm[0]), xm, jnp.zeros_like(xm))  # park starts as the micro-batches (round 0)
+        (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(v * m + p - 1))
+        out = jax.lax.psum(jnp.where(s == p - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
         return out.reshape(x.shape)
 
     # check_vma=False: a Pallas kernel inside (flash attention) has no varying-axis rule, and the attention's own
@@ -76,14 +96,14 @@ def gpipe(layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, a
 
 
 @contextlib.contextmanager
-def pipelining(mesh: Mesh, microbatches: int, axis: str = STAGE_AXIS) -> Iterator[None]:
-    """Within the block, every trace of ``Llama`` runs its decoder layers through :func:`gpipe` over ``mesh``'s
-    ``axis`` (the model's ``LAYER_STACK`` seam; the model knows no mesh)."""
+def pipelining(mesh: Mesh, microbatches: int, virtual: int = 1, axis: str = STAGE_AXIS) -> Iterator[None]:
+    """Within the block, every trace of ``Llama`` runs its decoder layers through :func:`pipelined` over ``mesh``'s
+    ``axis`` (the model's ``LAYER_STACK`` seam; the model knows no mesh); ``virtual`` > 1: the circular schedule."""
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no {axis!r} axis (axes: {tuple(mesh.shape)}); pipelining needs one")
 
     def run(layer, x, stacked, side):
-        return gpipe(layer, x, stacked, side, mesh=mesh, microbatches=microbatches, axis=axis)
+        return pipelined(layer, x, stacked, side, mesh=mesh, microbatches=microbatches, virtual=virtual, axis=axis)
 
     token = model.LAYER_STACK.set(run)
     try:

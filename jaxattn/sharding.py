@@ -187,7 +187,7 @@ def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
         )
 
 
-def check_stages(config, mesh: Mesh, rows: int, microbatches: int) -> None:
+def check_stages(config, mesh: Mesh, rows: int, microbatches: int, virtual: int = 1) -> None:
     """With a ``stage`` axis > 1: the layers split into equal stages, the ``rows`` of a step into ``microbatches``
     (each a multiple of ``data * fsdp``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming them)."""
     stages = _axis_size(mesh, ("stage",))
@@ -202,7 +202,8 @@ def check_stages(config, mesh: Mesh, rows: int, microbatches: int) -> None:
         return
     from .pipeline import check_pipeline
 
-    check_pipeline(getattr(config, "n_layers", stages), stages, rows, microbatches)
+    schedule = "interleaved" if virtual > 1 else "gpipe"
+    check_pipeline(getattr(config, "n_layers", stages), stages, rows, microbatches, schedule, virtual)
     n = _axis_size(mesh, BATCH_AXES)
     if (rows // microbatches) % n:
         raise ValueError(
@@ -437,6 +438,7 @@ class TrainSharding:
     batch: NamedSharding
     grad_accum: int = 1
     microbatches: int = 1  # pipeline micro-batches per (accumulation) batch, with a ``stage`` axis > 1
+    virtual: int = 1  # pipeline chunks per stage: 1 GPipe, > 1 the circular schedule (jaxattn.pipeline)
 
     @property
     def in_shardings(self) -> tuple:
@@ -454,7 +456,7 @@ class TrainSharding:
 
         stack = contextlib.ExitStack()
         stack.enter_context(activation_sharding(self.mesh))
-        stack.enter_context(pipeline.pipelining(self.mesh, self.microbatches))
+        stack.enter_context(pipeline.pipelining(self.mesh, self.microbatches, self.virtual))
         return stack
 
     def check_batch_size(self, batch_size: int) -> None:
@@ -476,6 +478,7 @@ def shard_train_state(
     rules: Mapping[str, str | None] = RULES,
     offload_optimizer: bool = False,
     microbatches: int = 1,
+    virtual: int = 1,
 ):
     """``(tx, state, sharding)`` for ``make_train_step(graphdef, tx, sharding=sharding)``: the mesh checked against
     the model config and ``batch_size`` (ValueError naming the value, before any compile; with a ``stage`` axis the
@@ -487,7 +490,7 @@ def shard_train_state(
     if config is not None:
         check_config(config, mesh)
     check_batch_size(batch_size, mesh, grad_accum)
-    check_stages(config, mesh, batch_size // max(grad_accum, 1), microbatches)
+    check_stages(config, mesh, batch_size // max(grad_accum, 1), microbatches, virtual)
     sh = state_shardings(state, mesh, rules)
     if offload_optimizer:
         reason = offload_unavailable_reason(mesh)
@@ -499,4 +502,8 @@ def shard_train_state(
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), sh.opt_state)
         tx = offloaded(tx, jax.tree.map(lambda s: s.with_memory_kind("device"), sh.opt_state), host)
         sh = dataclasses.replace(sh, opt_state=host)
-    return tx, jax.device_put(state, sh), TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum, microbatches)
+    return (
+        tx,
+        jax.device_put(state, sh),
+        TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum, microbatches, virtual),
+    )

@@ -131,11 +131,14 @@ class Trainer:
                     grad_accum=args.grad_accum,
                     offload_optimizer=args.offload_optimizer,
                     microbatches=args.microbatches,
+                    virtual=args.pp_virtual,
                 )
             except ValueError as e:
                 flag = "--offload-optimizer" if "offload_optimizer" in str(e) else f"--mesh {args.mesh!r}"
                 if str(e).startswith("microbatches") or "micro-batch" in str(e):
                     flag = f"--microbatches {args.microbatches}"
+                elif "virtual stages" in str(e):
+                    flag = f"--mesh {args.mesh!r} --pp-virtual {args.pp_virtual}"
                 raise CLIError(f"{flag}: {e}") from None
         self.step_fn = make_train_step(
             self.graphdef,

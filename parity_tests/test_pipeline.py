@@ -70,6 +70,25 @@ def test_gpipe_equals_one_device(four_layers, stages, microbatches):
     _close(got, want)
 
 
+@pytest.mark.parametrize(
+    "stages,virtual,microbatches",
+    [
+        (2, 2, 2),
+        (2, 2, 4),
+        pytest.param(4, 2, 4, marks=pytest.mark.slow),
+        pytest.param(2, 3, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_circular_schedule_equals_one_device(stages, virtual, microbatches):
+    """``virtual`` chunks per stage, strided over the layers: each micro-batch goes round the ring ``virtual``
+    times, parked on stage 0 between rounds when there are more micro-batches than stages (m = 4 > p = 2)."""
+    cfg = ModelConfig.preset("tiny", n_layers=stages * virtual)
+    model = Llama(cfg, rngs=nnx.Rngs(7))
+    batch = {"tokens": jax.random.randint(jax.random.key(9), (BATCH, SEQ + 1), 0, cfg.vocab_size)}
+    want = _loss_and_grads(model, batch)
+    _close(_loss_and_grads(model, batch, pipeline.pipelining(_mesh(stages), microbatches, virtual)), want)
+
+
 def test_gpipe_with_remat_and_segment_ids(four_layers):
     """Remat inside each stage and packed rows (segment ids follow their rows into the micro-batches)."""
     model, batch = four_layers
@@ -106,15 +125,20 @@ def test_bad_splits_are_refused_naming_the_argument(four_layers):
         _loss_and_grads(model, batch, pipeline.pipelining(_mesh(2), 3))
     with pytest.raises(ValueError, match="microbatches must be an int >= 1, got 0"):
         pipeline.check_pipeline(4, 2, 8, 0)
+    with pytest.raises(ValueError, match="stages: 4 layers do not split into 4 stages x 2 virtual stages"):
+        pipeline.check_pipeline(4, 4, 8, 4, "interleaved", virtual=2)
+    with pytest.raises(ValueError, match=r"microbatches: the interleaved schedule needs at least as many .* \(2 < 4\)"):
+        pipeline.check_pipeline(8, 4, 8, 2, "interleaved", virtual=2)
     with pytest.raises(ValueError, match="mesh has no 'stage' axis"):
         with pipeline.pipelining(Mesh(np.asarray(jax.devices()[:2]), ("data",)), 2):
             pass
 
 
-def test_bubble_fraction_is_gpipes():
+def test_bubble_fraction_is_gpipes_and_shrinks_with_virtual_stages():
     assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert pipeline.bubble_fraction(1, 8) == 0.0
     assert pipeline.bubble_fraction(8, 32) == pytest.approx(7 / 39)
+    assert pipeline.bubble_fraction(8, 8, virtual=2) == pytest.approx(7 / 23)
 
 
 @pytest.mark.slow
@@ -178,6 +202,22 @@ def test_cli_stage_meshes_train_like_one_device():
         np.testing.assert_allclose(out["losses"], ref, rtol=0, atol=1e-5)
 
 
+def test_cli_circular_schedule_trains_like_one_device(tmp_path):
+    """``--pp-schedule interleaved`` (JAX: the circular schedule, 2 chunks per stage) on a 4-layer model, with
+    ``stage=2,data=2,tensor=2`` and 4 micro-batches: the losses of one device within 1e-5."""
+    import dataclasses
+    import json
+
+    from jaxattn import train as trainer
+
+    cfg = tmp_path / "four.json"
+    cfg.write_text(json.dumps(dataclasses.asdict(ModelConfig.preset("tiny", n_layers=4))))
+    flags = _CLI_FLAGS + ["--config-json", str(cfg), "--steps", "3"]
+    ref = trainer.run(flags)["losses"]
+    mesh = ["--mesh", "stage=2,data=2,tensor=2", "--microbatches", "4", "--pp-schedule", "interleaved"]
+    np.testing.assert_allclose(trainer.run(flags + mesh)["losses"], ref, rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_cli_pipeline_checkpoint_resumes_on_one_device_and_on_fsdp(tmp_path):
     """A ``--mesh stage=2,data=4`` run's checkpoint resumes on one device and on ``fsdp=8`` with the uninterrupted
@@ -210,6 +250,21 @@ def test_cli_pipeline_checkpoint_resumes_on_one_device_and_on_fsdp(tmp_path):
         (["--mesh", "stage=2,data=4", "--microbatches", "0"], "--microbatches 0: expected an int >= 1"),
         (["--mesh", "stage=8", "--microbatches", "2"], "--mesh 'stage=8': stages: 2 layers do not split into 8"),
         (["--mesh", "stage=2,data=4", "--microbatches", "4"], "--microbatches 4: a micro-batch of 2 rows"),
+        (["--pp-schedule", "gpipe"], "--pp-schedule schedules pipeline stages: it needs --mesh with stage=N, N > 1"),
+        (["--mesh", "stage=2,data=4", "--pp-schedule", "1f1b"], "--pp-schedule 1f1b: the JAX pipeline runs gpipe or"),
+        (["--mesh", "stage=2,data=4", "--pp-virtual", "2"], "--pp-virtual: virtual=2: virtual stages are the inter"),
+        (
+            ["--mesh", "stage=2,data=4", "--pp-schedule", "interleaved", "--pp-virtual", "1"],
+            "--pp-virtual: virtual must be an int >= 2 for the interleaved schedule, got 1",
+        ),
+        (
+            ["--mesh", "stage=4,data=2", "--pp-schedule", "interleaved", "--microbatches", "2"],
+            "--microbatches 2: --pp-schedule interleaved needs at least as many micro-batches as pipeline stages (4)",
+        ),
+        (
+            ["--mesh", "stage=2,data=4", "--pp-schedule", "interleaved", "--microbatches", "2"],
+            "--pp-virtual 2: stages: 2 layers do not split into 2 stages x 2 virtual stages",
+        ),
     ],
 )
 def test_cli_refuses_bad_pipeline_flags_naming_them(argv, message):

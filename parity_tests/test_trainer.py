@@ -57,7 +57,7 @@ def test_one_flag_table_for_both_clis():
     shared = {f.name for f in FLAGS if len(f.frameworks) == 2}
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
     assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
-    assert set(torch_opts) - shared == {"--compile", "--parallel", "--pp-schedule", "--num-workers"}
+    assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
     conventions = (
         "--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
         "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec.pipeline import SCHEDULES, check_pipeline
+from jaxattn.spec.pipeline import SCHEDULES, check_pipeline, virtual_stages
 from jaxattn.spec.remat import check_remat
 
 from .model import LlamaForCausalLM, rope_cos_sin
@@ -71,15 +71,17 @@ class Pipeline:
     initialised process group; ``step(batch)`` runs the whole batch (``{"tokens": [B, S + 1]}``) forward and
     backward and returns the loss on the last stage's rank (None elsewhere)."""
 
-    def __init__(self, model: LlamaForCausalLM, schedule: str, microbatches: int, *, virtual: int = 2, device=None):
+    def __init__(
+        self, model: LlamaForCausalLM, schedule: str, microbatches: int, *, virtual: int | None = None, device=None
+    ):
         from torch.distributed import pipelining as pp
 
         if not dist.is_initialized():
             raise RuntimeError("torchref.pipeline needs torch.distributed initialised (run under torchrun)")
         rank, world = dist.get_rank(), dist.get_world_size()
-        per_rank = virtual if schedule == "interleaved" else 1
+        per_rank = virtual_stages(schedule, virtual)
         n_stages = world * per_rank
-        check_pipeline(model.config.n_layers, n_stages, microbatches, microbatches, schedule)
+        check_pipeline(model.config.n_layers, world, microbatches, microbatches, schedule, per_rank)
         device = device or torch.device("cpu")
         self.indices = [rank + k * world for k in range(per_rank)]
         self.n_stages = n_stages

@@ -184,7 +184,13 @@ class Trainer:
             model.to(self.device)
         if mode == "pp":
             try:
-                self.pipe = pipeline.Pipeline(model, self.args.pp_schedule, self.args.microbatches, device=self.device)
+                self.pipe = pipeline.Pipeline(
+                    model,
+                    self.args.pp_schedule,
+                    self.args.microbatches,
+                    virtual=self.args.pp_virtual,
+                    device=self.device,
+                )
             except ValueError as e:
                 raise CLIError(f"--parallel pp --pp-schedule {self.args.pp_schedule}: {e}") from None
             self.parallel = mode

@@ -28,6 +28,7 @@ from .data import PACKING, SYNTHETIC, is_gguf
 from .dtypes import PRECISION_PRESETS
 from .loss import DEFAULT_CHUNK, LOSSES
 from .optim import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from .pipeline import JAX_SCHEDULES, virtual_stages
 from .pipeline import SCHEDULES as PP_SCHEDULES
 from .remat import REMAT_POLICIES
 from .rundir import RUN_FLAGS, RunDirError
@@ -208,11 +209,18 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--pp-schedule",
-        "pipeline schedule of --parallel pp (one stage per rank; interleaved: two per rank)",
+        "pipeline schedule (torch --parallel pp: default 1f1b, one stage per rank, interleaved: --pp-virtual per "
+        "rank; JAX --mesh stage=N: default gpipe, interleaved: the circular schedule, --pp-virtual chunks per stage)",
         str,
-        "1f1b",
+        None,
         PP_SCHEDULES,
-        frameworks=("torch",),
+    ),
+    Flag(
+        "--pp-virtual",
+        "virtual stages per rank / stage of --pp-schedule interleaved (default 2; the layers split into "
+        "stages x virtual)",
+        int,
+        metavar="V",
     ),
     Flag(
         "--offload-optimizer",
@@ -350,6 +358,7 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
+    _check_schedule(args, "torch", args.parallel == "pp")
     if args.parallel != "pp":
         if m > 1:
             raise CLIError(f"--microbatches {m} splits each batch for pipeline stages: it needs --parallel pp")
@@ -371,6 +380,29 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} does not run with --parallel pp: {why}")
     if args.batch_size % m:
         raise CLIError(f"--microbatches {m}: --batch-size {args.batch_size} does not split into {m} micro-batches")
+    _check_rounds(args, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _check_schedule(args: argparse.Namespace, framework: str, pipelined: bool) -> None:
+    """``--pp-schedule`` / ``--pp-virtual``: the framework's default schedule filled in (torch 1f1b, JAX gpipe),
+    ``args.pp_virtual`` resolved (:func:`virtual_stages`); given without a pipeline, refused naming the flag."""
+    given = args.pp_schedule is not None or args.pp_virtual is not None
+    if given and not pipelined:
+        flag = "--pp-schedule" if args.pp_schedule is not None else "--pp-virtual"
+        needs = "--mesh with stage=N, N > 1" if framework == "jax" else "--parallel pp"
+        raise CLIError(f"{flag} schedules pipeline stages: it needs {needs}")
+    if args.pp_schedule is None:
+        args.pp_schedule = "gpipe" if framework == "jax" else "1f1b"
+    if framework == "jax" and args.pp_schedule not in JAX_SCHEDULES:
+        raise CLIError(
+            f"--pp-schedule {args.pp_schedule}: the JAX pipeline runs {' or '.join(JAX_SCHEDULES)} (in one SPMD "
+            f"program jax.grad turns the forward loop into the backward one; 1F1B's gain, fewer live activations, "
+            f"comes from --remat there)"
+        )
+    try:
+        args.pp_virtual = virtual_stages(args.pp_schedule, args.pp_virtual)
+    except ValueError as e:
+        raise CLIError(f"--pp-virtual: {e}") from None
 
 
 def _check_microbatches(args: argparse.Namespace) -> None:
@@ -380,6 +412,7 @@ def _check_microbatches(args: argparse.Namespace) -> None:
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
     stages = 1 if args.mesh is None else _mesh_axis(args.mesh, "stage")
+    _check_schedule(args, "jax", stages > 1)
     if m > 1 and stages == 1:
         raise CLIError(
             f"--microbatches {m} splits each batch for pipeline stages: it needs --mesh with stage=N, N > 1 "
@@ -390,6 +423,17 @@ def _check_microbatches(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--microbatches {m}: each step's batch of {rows} rows (--batch-size {args.batch_size} / --grad-accum "
             f"{args.grad_accum}) does not split into {m} micro-batches"
+        )
+    _check_rounds(args, stages)
+
+
+def _check_rounds(args: argparse.Namespace, stages: int) -> None:
+    """The interleaved schedule: a micro-batch back from the last stage is due at the first one ``m`` steps after
+    it left, so ``--microbatches`` must be at least the stages."""
+    if args.pp_virtual > 1 and args.microbatches < stages:
+        raise CLIError(
+            f"--microbatches {args.microbatches}: --pp-schedule interleaved needs at least as many micro-batches as "
+            f"pipeline stages ({stages})"
         )
 
 
