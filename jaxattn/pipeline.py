@@ -56,8 +56,8 @@ def pipelined(
     if v > 1:  # chunk c = r p + s (layers [c k, (c + 1) k)) runs on stage s in round r: [L] -> stage-major
         stacked = jax.tree.map(lambda a: a.reshape(v, p, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape), stacked)
 
-    def split(a):  # [B, ...] -> [m, B/m, ...]
-        return a.reshape(m, batch // m, *a.shape[1:])
+    def split(a):  # [B, ...] -> [m, B/m, ...], micro-batch j = rows j, j + m, ...: a row-sharded batch splits
+        return a.reshape(batch // m, m, *a.shape[1:]).swapaxes(0, 1)  # in place, no rows move between devices
 
     def per_stage(x, stacked, side):  # stacked: this stage's [v k, ...]
         s = jax.lax.axis_index(axis)
@@ -86,7 +86,7 @@ def pipelined(
         init = (jnp.zeros_like(xm[0]), xm, jnp.zeros_like(xm))  # park starts as the micro-batches (round 0)
         (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(v * m + p - 1))
         out = jax.lax.psum(jnp.where(s == p - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
-        return out.reshape(x.shape)
+        return out.swapaxes(0, 1).reshape(x.shape)  # [m, B/m, ...] -> [B, ...]
 
     # check_vma=False: a Pallas kernel inside (flash attention) has no varying-axis rule, and the attention's own
     # per-device-block shard_map nested in this one (jaxattn.sharding) then differentiates too

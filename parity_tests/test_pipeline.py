@@ -242,6 +242,16 @@ def test_cli_pipeline_checkpoint_resumes_on_one_device_and_on_fsdp(tmp_path):
     np.testing.assert_allclose(other["losses"], ref[2:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_cli_two_processes_with_stages_across_them_like_one_of_eight(tmp_path):
+    """2 processes x 4 CPU devices (gloo), ``--mesh stage=2,fsdp=2,tensor=2``: the stage axis is the outer one, so
+    each process holds one stage and the hand-offs cross processes; the losses and the exported weights are the
+    one-process 8-device run's (``test_sharding._two_process_cli``'s checks)."""
+    from parity_tests.test_sharding import _two_process_cli
+
+    _two_process_cli(tmp_path, resume=False, mesh="stage=2,fsdp=2,tensor=2", extra=("--microbatches", "2"))
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -326,10 +336,62 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
     np.testing.assert_allclose(resumed["losses"], one[2:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
+    """torchrun 4 ranks: ``--parallel pp+fsdp`` (2 stages, each FSDP2-sharded over 2 ranks that take half the rows
+    each) and ``--parallel pp+tp`` (2 stages, each tensor-parallel over 2 ranks) log the one-process losses and
+    held-out loss within 1e-5; the ``pp+fsdp`` checkpoint (the stages' shards gathered whole by name) resumes in one
+    process with the uninterrupted losses, and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
+    import json
+    import shutil
+
+    from parity_tests.twins import jsonl_losses
+    from torchref import train as tt
+
+    argv, micro = _pp_argv(tmp_path)
+    argv += ["--eval-data", "README.md"]
+    one = tt.run(argv + ["--steps", "4"])
+    held_out = tt.run(argv + ["--steps", "2"])["evals"][-1]  # the held-out loss after step 2
+    for mode in ("pp+fsdp", "pp+tp"):
+        log, ck = tmp_path / f"{mode}.jsonl", tmp_path / mode
+        torchrun(
+            "-m", "torchref.train", "--parallel", mode, "--steps", "2", "--log-json", str(log), "--checkpoint-dir",
+            str(ck), *argv, *micro, nproc=4,
+        )  # fmt: skip
+        np.testing.assert_allclose(jsonl_losses(log), one["losses"][:2], rtol=0, atol=1e-5)
+        evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_loss" in r]
+        assert evals[-1]["step"] == held_out["step"] == 2, evals
+        assert evals[-1]["eval_loss"] == pytest.approx(held_out["eval_loss"], abs=1e-5), (evals, held_out)
+    shutil.rmtree(tmp_path / "pp+fsdp" / "final")
+    resumed = tt.run(argv + ["--steps", "4", "--resume", "--checkpoint-dir", str(tmp_path / "pp+fsdp")])
+    assert resumed["start"] == 2
+    np.testing.assert_allclose(resumed["losses"], one["losses"][2:], rtol=0, atol=1e-5)
+    log, ck = tmp_path / "fsdp.jsonl", tmp_path / "pp"
+    torchrun("-m", "torchref.train", "--parallel", "pp", "--steps", "2", "--checkpoint-dir", str(ck), *argv, *micro)
+    shutil.rmtree(ck / "final")
+    torchrun(
+        "-m", "torchref.train", "--parallel", "fsdp", "--steps", "4", "--resume", "--checkpoint-dir", str(ck),
+        "--log-json", str(log), *argv,
+    )  # fmt: skip
+    np.testing.assert_allclose(jsonl_losses(log), one["losses"][2:], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--microbatches", "2"], "--microbatches 2 splits each batch for pipeline stages: it needs --parallel pp"),
+        (["--pp-stages", "2"], r"--pp-stages sets the pipeline ranks of --parallel pp\+fsdp / pp\+tp"),
+        (["--parallel", "pp", "--packing", "bucket", "--pp-stages", "1"], "--pp-stages 1: expected the rank count 2"),
+        (
+            ["--parallel", "pp+fsdp", "--packing", "bucket", "--pp-stages", "2"],
+            r"--parallel pp\+fsdp with --pp-stages 2 of 2 ranks leaves 1 rank per stage",
+        ),
+        (["--parallel", "pp+tp", "--packing", "bucket", "--pp-stages", "3"], "--pp-stages 3: expected a divisor"),
+        (
+            ["--parallel", "pp", "--packing", "bucket", "--pp-schedule", "interleaved", "--microbatches", "1"],
+            "--microbatches 1: --pp-schedule interleaved needs at least as many micro-batches as pipeline stages",
+        ),
+        (["--parallel", "pp", "--packing", "bucket", "--pp-virtual", "3"], "--pp-virtual: virtual=3: virtual stag"),
         (["--parallel", "pp", "--packing", "pack"], "--packing pack does not run with --parallel pp"),
         (
             ["--parallel", "pp", "--packing", "bucket", "--loss", "fused"],

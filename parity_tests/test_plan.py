@@ -45,6 +45,7 @@ def test_collectives_reads_full_buffer_sizes_and_loop_ops():
         "ops_in_loop": 1,
         "bytes_in_loop": gathered,
         "bytes_per_step": 16 * gathered,  # no known_trip_count: unknown_trips runs
+        "bytes_per_step_in_loops": 16 * gathered,
     }
     # async: the input half (64*256 f32); sync: the part (2*16 bf16) times the group of 4
     assert c["reduce-scatter"]["ops"] == 2 and c["reduce-scatter"]["ops_in_loop"] == 0
@@ -123,6 +124,47 @@ def test_collectives_reads_the_tpu_compilers_forms():
     assert c["all-reduce"]["ops"] == 0
 
 
+# The GPU compiler reuses a channel id in another computation: a pipeline's forward stage loop and its transpose
+# (the backward loop) each hold a collective-permute with channel_id=1 — two collectives, told apart by their op.
+GPU_PERMUTES = """\
+%fwd (p: (s32[])) -> (s32[]) {
+  %collective-permute-start.1 = (bf16[1,8]{1,0}, bf16[1,8]{1,0}) collective-permute-start(%a), channel_id=1, \
+source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(f)/jvp()/shard_map/while/body/ppermute"}
+}
+
+%bwd (p: (s32[])) -> (s32[]) {
+  %collective-permute-start = (bf16[1,8]{1,0}, bf16[1,8]{1,0}) collective-permute-start(%b), channel_id=1, \
+source_target_pairs={{1,0},{0,1}}, metadata={op_name="jit(f)/transpose(jvp())/shard_map/while/body/ppermute"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %w.1 = (s32[]) while(%t), condition=%c, body=%fwd, backend_config={"known_trip_count":{"n":"3"}}
+  %w.2 = (s32[]) while(%u), condition=%c, body=%bwd, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_collectives_tells_apart_one_channel_id_in_two_loops():
+    c = plan.collectives(GPU_PERMUTES)["collective-permute"]
+    assert c["ops"] == 2 and c["bytes_per_step"] == c["bytes_per_step_in_loops"] == 2 * 3 * 16, c
+
+
+def test_committed_stage_plans_hand_off_what_the_schedule_says():
+    """Every committed pipeline row (``benchmarks/results/h100-plan/plan.json``): the stage loop's permute bytes
+    are exactly ``2 x trips x`` a micro-batch's hidden states per device, and its trip count gives the analytic
+    idle fraction (GPipe and circular)."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100-plan", "plan.json")
+    rows = [r for r in json.load(open(path))["records"] if "stage=" in r["mesh"] and r.get("status") == "ok"]
+    assert {r["schedule"] for r in rows} == {"gpipe", "circular v=2"} and len(rows) >= 10
+    for r in rows:
+        pipe = r["measured"]["pipeline"]
+        assert pipe["handoff_bytes_compiled"] == pipe["handoff_bytes_expected"], r["mesh"]
+        assert pipe["bubble_compiled"] == pytest.approx(pipe["bubble_analytic"]), r["mesh"]
+
+
 _REASON = gpu_target.unavailable_reason()
 
 
@@ -161,6 +203,7 @@ def test_a_stage_plan_compiles_with_gpipes_bubble_in_its_loop():
     rec = plan.compile_plan(devs, "stage=2,data=4", "tiny", 8, 128, microbatches=2)
     pipe = rec["measured"]["pipeline"]
     assert pipe["found"] and pipe["loop_trips"] == 3 and pipe["bubble_compiled"] == pipe["bubble_analytic"] == 1 / 3
-    assert rec["measured"]["collectives"]["collective-permute"]["ops"] >= 2  # forward hand-off and its transpose
+    assert rec["measured"]["collectives"]["collective-permute"]["ops"] == 2  # forward hand-off and its transpose
+    assert pipe["handoff_bytes_compiled"] == pipe["handoff_bytes_expected"] == 2 * 3 * (4 // 4) * 128 * 64 * 2
     with pytest.raises(ValueError, match="microbatches=2 splits the batch for pipeline stages, but the mesh has no"):
         plan.compile_plan(devs, "data=8", "tiny", 8, 128, microbatches=2)

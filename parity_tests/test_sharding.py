@@ -368,13 +368,13 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def _two_process_cli(tmp_path, resume: bool):
+def _two_process_cli(tmp_path, resume: bool, mesh: str = "data=2,fsdp=2,tensor=2", extra: tuple = ()):
     """2 processes x 4 CPU devices (gloo) train 3 steps through the CLI; with ``resume``, 2 steps with an orbax
     checkpoint per step first, then ``--resume`` to step 3 configured by the ``JAX_*`` variables instead of the
     flags. Compared with one in-process run on 8 devices: losses within 1e-5; only process 0 writes the log and the
     Hugging Face export, whose weights equal the 8-device run's (AdamW moves a weight by at most lr per step, so
     an entry whose gradient is within rounding of zero may differ by up to 2 * lr * steps; all but a few entries
-    agree to 1e-5)."""
+    agree to 1e-5). ``mesh`` / ``extra``: another mesh and flags for both runs."""
     import json
 
     from safetensors.numpy import load_file
@@ -382,8 +382,9 @@ def _two_process_cli(tmp_path, resume: bool):
     from jaxattn import train as trainer
 
     common = [
+        *extra,
         "--mesh",
-        "data=2,fsdp=2,tensor=2",
+        mesh,
         "--batch-size",
         "8",
         "--seq-len",

@@ -57,7 +57,7 @@ def test_one_flag_table_for_both_clis():
     shared = {f.name for f in FLAGS if len(f.frameworks) == 2}
     assert {k: jax_opts[k] for k in shared} == {k: torch_opts[k] for k in shared}
     assert set(jax_opts) - shared == {"--mesh", "--coordinator", "--num-processes", "--process-id"}
-    assert set(torch_opts) - shared == {"--compile", "--parallel", "--num-workers"}
+    assert set(torch_opts) - shared == {"--compile", "--parallel", "--pp-stages", "--num-workers"}
     conventions = (
         "--preset --config-json --init --data --seq-len --batch-size --grad-accum --steps --lr --warmup "
         "--schedule --optimizer --weight-decay --clip-grad --precision --remat --attention --seed "
@@ -141,7 +141,7 @@ BAD = [
     (
         ["--parallel", "zero"],
         "torch",
-        r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, pp\)",
+        r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, pp, pp\+fsdp, pp\+tp\)",
     ),
     (["--num-workers", "-1"], "torch", r"--num-workers -1: must be an integer >= 0"),
     (["--stpes", "3"], "both", r"unrecognized arguments: --stpes 3"),
@@ -168,7 +168,7 @@ def test_torchrun_without_parallel_is_refused(monkeypatch, tmp_path):
     parse_args(["--parallel", "fsdp+tp", "--checkpoint-dir", ck, "--profile", prof], "torch", TORCH_BACKENDS)
     assert not os.path.exists(ck) and not os.path.exists(prof)  # the writability probe leaves nothing behind
     with pytest.raises(
-        CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp,pp\}"
+        CLIError, match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp,pp,pp\+fsdp,pp\+tp\}"
     ):
         parse_args([], "torch", TORCH_BACKENDS)
 

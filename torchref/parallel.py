@@ -99,10 +99,16 @@ def tp_plan(cfg) -> tuple[dict, dict]:
 
 
 def _apply_tp(model: nn.Module, tp_mesh) -> None:
+    apply_tp(model, tp_mesh, model.model.layers)
+
+
+def apply_tp(root: nn.Module, tp_mesh, layers, prefix: str = "") -> None:
+    """The tensor-parallel plan (:func:`tp_plan`) on ``layers`` and on the model-level modules under ``root``
+    (their plan paths less ``prefix``; one a pipeline stage does not hold is skipped)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    cfg, tp = model.config, tp_mesh.size()
+    cfg, tp = root.config, tp_mesh.size()
     _check_tp(cfg, tp)
     if cfg.tie_embeddings:
         raise ValueError(
@@ -110,6 +116,7 @@ def _apply_tp(model: nn.Module, tp_mesh) -> None:
             "are split on different dimensions)"
         )
     model_plan, layer_plan = tp_plan(cfg)
+    model_plan = {m.removeprefix(prefix): st for m, st in model_plan.items() if _has(root, m.removeprefix(prefix))}
     # the embedding and the head take and give whole (replicated) activations; inside a layer Megatron's pairs
     # (column-parallel then row-parallel) keep the activations split between them
     outer = {
@@ -117,17 +124,24 @@ def _apply_tp(model: nn.Module, tp_mesh) -> None:
         "rowwise": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     }
     inner = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
-    parallelize_module(model, tp_mesh, {m: outer[s] for m, s in model_plan.items() if s is not None})
+    parallelize_module(root, tp_mesh, {m: outer[s] for m, s in model_plan.items() if s is not None})
     local = dataclasses.replace(
         cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp, head_dim=cfg.resolved_head_dim
     )
-    for layer in model.model.layers:
+    for layer in layers:
         parallelize_module(layer, tp_mesh, {m: inner[s] for m, s in layer_plan.items() if s is not None})
         layer.self_attn.cfg = local  # this rank's heads (torchtitan: attn.n_heads //= tp)
         for m in (m for m, s in layer_plan.items() if s is None):
             _replicate(layer.get_submodule(m), tp_mesh)
     for m in (m for m, s in model_plan.items() if s is None):
-        _replicate(model.get_submodule(m), tp_mesh)
+        _replicate(root.get_submodule(m), tp_mesh)
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        return root.get_submodule(path) is not None
+    except AttributeError:
+        return False
 
 
 def _replicate(module: nn.Module, mesh) -> None:

@@ -44,6 +44,7 @@ class StageModule(nn.Module):
                 "tie_embeddings: a pipeline puts the embedding on the first stage and the LM head on the last, so a "
                 "tied table would be two copies; use an untied config"
             )
+        self.config = cfg  # the tensor-parallel plan reads it (torchref.parallel.apply_tp)
         self.first, self.last = index == 0, index == n_stages - 1
         self.layers = nn.ModuleList(model.model.layers[i] for i in stage_layers(cfg.n_layers, index, n_stages))
         self.embed_tokens = model.model.embed_tokens if self.first else None
@@ -67,26 +68,43 @@ class StageModule(nn.Module):
 
 class Pipeline:
     """This rank's stage(s) of ``model`` under ``schedule`` (:data:`SCHEDULES`) with ``microbatches``; one stage
-    per rank (``interleaved``: ``virtual`` stages per rank, rank r holding stages r, r + world, ...). Needs an
+    per pipeline rank (``interleaved``: ``virtual`` stages per rank, rank r holding stages r, r + p, ...). Needs an
     initialised process group; ``step(batch)`` runs the whole batch (``{"tokens": [B, S + 1]}``) forward and
-    backward and returns the loss on the last stage's rank (None elsewhere)."""
+    backward and returns the loss on the last stage's rank (None elsewhere). ``mesh``: a 2-D ``DeviceMesh``
+    ``("pp", "dp_shard" | "tp")`` whose second dimension shards each stage (``shard``: ``"fsdp"`` — FSDP2 over
+    that dimension — or ``"tp"``, applied to the stage modules before the library wraps them, torchtitan's order);
+    None: every rank is one pipeline rank."""
 
     def __init__(
-        self, model: LlamaForCausalLM, schedule: str, microbatches: int, *, virtual: int | None = None, device=None
+        self,
+        model: LlamaForCausalLM,
+        schedule: str,
+        microbatches: int,
+        *,
+        virtual: int | None = None,
+        device=None,
+        mesh=None,
+        shard: str | None = None,
     ):
         from torch.distributed import pipelining as pp
 
         if not dist.is_initialized():
             raise RuntimeError("torchref.pipeline needs torch.distributed initialised (run under torchrun)")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        if (mesh is None) != (shard is None) or shard not in (None, "fsdp", "tp"):
+            raise ValueError(f"shard={shard!r} needs a 2-D mesh ('pp', ...) and is one of 'fsdp', 'tp'")
+        group = None if mesh is None else mesh["pp"].get_group()
+        rank = dist.get_rank() if mesh is None else mesh["pp"].get_local_rank()
+        world = dist.get_world_size() if mesh is None else mesh["pp"].size()
         per_rank = virtual_stages(schedule, virtual)
         n_stages = world * per_rank
         check_pipeline(model.config.n_layers, world, microbatches, microbatches, schedule, per_rank)
         device = device or torch.device("cpu")
         self.indices = [rank + k * world for k in range(per_rank)]
-        self.n_stages = n_stages
+        self.n_stages, self.pp_size, self.mesh, self.shard = n_stages, world, mesh, shard
         self.modules = [StageModule(model, i, n_stages) for i in self.indices]
-        stages = [pp.PipelineStage(m, i, n_stages, device) for m, i in zip(self.modules, self.indices)]
+        for m in self.modules if shard is not None else ():
+            _shard_stage(m, shard, mesh[mesh.mesh_dim_names[1]])
+        stages = [pp.PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(self.modules, self.indices)]
         self.first = 0 in self.indices
         self.last = n_stages - 1 in self.indices
         self.microbatches = microbatches
@@ -98,11 +116,26 @@ class Pipeline:
             stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
 
+    @property
+    def dp(self) -> int:
+        """Ranks that see different rows: the FSDP dimension of ``pp+fsdp``, else 1."""
+        return self.mesh["dp_shard"].size() if self.shard == "fsdp" else 1
+
+    def rows(self, batch: dict) -> dict:
+        """This rank's rows of a host batch: a block per FSDP rank (``pp+fsdp``), all of them otherwise."""
+        if self.dp == 1:
+            return batch
+        n, i = self.dp, self.mesh["dp_shard"].get_local_rank()
+        b = batch["tokens"].shape[0]
+        if b % n:
+            raise ValueError(f"batch: {b} rows do not split over the {n} FSDP ranks of each stage")
+        return {k: None if v is None else v[i * (b // n) : (i + 1) * (b // n)] for k, v in batch.items()}
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
         return nll / self._denominator  # the whole batch's token count: micro-batch losses add up to its mean
 
-    def step(self, batch: dict) -> float | None:
+    def step(self, batch: dict, denominator: float | None = None) -> float | None:
         """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?}``; a target whose ``loss_mask`` is 0 adds nothing and
         the mean is over the counted targets (the train step's rule). Packed rows (``segment_ids`` / ``positions``)
         are refused: the stages recompute positions ``0..S-1`` and pass only hidden states on."""
@@ -118,7 +151,9 @@ class Pipeline:
         mask = batch.get("loss_mask")
         if mask is not None:  # an ignored target: cross_entropy's ignore_index
             targets = torch.where(mask[:, 1:].bool(), targets, torch.full_like(targets, -100))
-        self._denominator = max(float((targets != -100).sum()), 1.0)
+        # pp+fsdp: each rank's loss is over the whole batch's count / dp, and FSDP averages the gradients over dp
+        count = float((targets != -100).sum()) if denominator is None else denominator
+        self._denominator = max(count, 1.0)
         losses: list = []
         if self.first and self.last:  # interleaved on one rank: both ends here
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -138,41 +173,103 @@ class Pipeline:
                 seen[id(p)] = p
         return list(seen.values())
 
-    def owned_names(self, model: nn.Module) -> set:
-        """The names (``model.named_parameters()``) of the parameters this rank's stages train."""
-        mine = {id(p) for p in self.parameters()}
-        return {n for n, p in model.named_parameters() if id(p) in mine}
-
-    def sync_model(self, model: nn.Module) -> None:
-        """Every rank's ``model`` gets every stage's current weights (each stage's owner broadcasts them): for an
-        evaluation or an export of the whole model."""
+    def _owner(self, model: nn.Module) -> dict:
+        """Parameter name -> the global rank that sends it: the first rank of the pipeline rank holding its stage."""
         owner = {}
-        world = dist.get_world_size()
-        for r in range(world):
-            for i in range(r, self.n_stages, world):  # the stages rank r holds
-                owner.update({n: r for n in _stage_names(model, i, self.n_stages)})
+        for r in range(self.pp_size):
+            src = r if self.mesh is None else int(self.mesh.mesh[r].flatten()[0])
+            for i in range(r, self.n_stages, self.pp_size):  # the stages pipeline rank r holds
+                owner.update({n: src for n in _stage_names(model, i, self.n_stages)})
+        return owner
+
+    def sync_model(self, target: nn.Module, model: nn.Module | None = None) -> None:
+        """``target`` (a plain model, on every rank) gets every stage's current weights: each stage's parameters
+        gathered whole on its ranks (``full_tensor()`` of a sharded stage) and broadcast by its first rank; for an
+        evaluation or an export of the whole model. ``model``: the one the stages were cut from (default
+        ``target``: plain ``pp``, where the stages share the model's parameters)."""
+        model = target if model is None else model
+        owner, live = self._owner(model), dict(model.named_parameters())
+        for n, p in target.named_parameters():
+            if n not in owner:
+                continue
+            q = live[n].detach()
+            full = q.full_tensor() if hasattr(q, "full_tensor") else q  # the stage's peers gather it together
+            buf = full.clone() if dist.get_rank() == owner[n] else torch.empty_like(p.data)
+            dist.broadcast(buf, src=owner[n])
+            p.data.copy_(buf)
+
+    def optimizer_state(self, model: nn.Module, optimizer) -> dict:
+        """``{"state": {name: {...}}, "param_groups": [...]}`` of every stage's parameters on every rank (whole
+        tensors, CPU): torch's full optimizer state dict layout, keyed by ``model``'s parameter names (a sharded
+        stage's state gathered whole on its ranks, sent by its first rank)."""
+        owner, mine, names = self._owner(model), {}, {id(p): n for n, p in model.named_parameters()}
+        stage = self._names(model)
         for n, p in model.named_parameters():
-            if n in owner:
-                dist.broadcast(p.data, src=owner[n])
+            if n not in stage or p not in optimizer.state:
+                continue
+            full = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                if torch.is_tensor(v)
+                else v
+                for k, v in optimizer.state[p].items()
+            }
+            if owner[n] == dist.get_rank():
+                mine[n] = full
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        return {"state": {k: v for part in parts for k, v in part.items()}, "param_groups": groups}
+
+    def _names(self, model: nn.Module) -> set:
+        return {n for i in self.indices for n in _stage_names(model, i, self.n_stages)}
 
     def grad_norm_and_clip(self, max_norm: float | None) -> torch.Tensor:
-        """The global gradient norm over all stages' parameters (each rank's squares summed over the ranks); with
-        ``max_norm``, every stage's gradients scaled by ``min(1, max_norm / norm)``, as ``clip_grad_norm_`` would."""
+        """The global gradient norm over all stages' parameters (each rank's squares summed over the ranks; a
+        replicated shard counted once); with ``max_norm``, every stage's gradients scaled by
+        ``min(1, max_norm / norm)``, as ``clip_grad_norm_`` would."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        sq = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            copies = 1
+            for dim, placement in enumerate(getattr(g, "placements", ())):
+                copies *= g.device_mesh.size(dim) if placement.is_replicate() else 1
+            sq = sq + local.detach().float().pow(2).sum().cpu() / copies
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
         norm = sq.sqrt()
         if max_norm is not None:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                local = g.to_local() if hasattr(g, "to_local") else g
+                local.mul_(coef.to(local.dtype))
         return norm
 
     def broadcast_loss(self, loss: float | None) -> float:
-        """The last stage's loss on every rank."""
+        """The whole batch's loss on every rank: the mean of the last stage's ranks' losses (FSDP ranks hold
+        fractions of the whole batch's mean, tensor-parallel ranks the same one)."""
         t = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
-        dist.broadcast(t, src=(self.n_stages - 1) % dist.get_world_size())
-        return float(t.item())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item()) / (dist.get_world_size() // self.pp_size)
+
+
+def _shard_stage(stage: StageModule, shard: str, mesh) -> None:
+    """``shard`` (``"fsdp"``: FSDP2 per layer and over the stage, fp32 gradient reduction, as ``--parallel
+    fsdp``; ``"tp"``: ``torchref.parallel``'s tensor-parallel plan on the stage's layers and its ends) over the
+    1-D ``mesh``."""
+    from . import parallel
+
+    if shard == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        for layer in stage.layers:
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(stage, mesh=mesh, **kw)
+    else:
+        parallel.apply_tp(stage, mesh, stage.layers, prefix="model.")
 
 
 def stage_layers(n_layers: int, index: int, n_stages: int) -> range:
@@ -202,7 +299,7 @@ def make_pipeline_step(pipe: Pipeline, optimizer, *, max_grad_norm: float | None
     def step(batch: dict, denominator=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         with autocast() if autocast is not None else contextlib.nullcontext():
-            loss = pipe.step(batch)
+            loss = pipe.step(batch, denominator)
         loss = pipe.broadcast_loss(loss)
         norm = pipe.grad_norm_and_clip(max_grad_norm)
         optimizer.step()

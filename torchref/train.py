@@ -20,6 +20,7 @@ did and wrote; the CLI prints it on stdout from rank 0 (progress, lines and ``--
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import os
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
+from jaxattn.spec.cli import PP_MODES, CLIError, TrainingError, checkpointer_options, cli_main, parse_args
 from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
 from jaxattn.spec.eval import EvalResult, eval_batches
 from jaxattn.spec.runlog import DivergenceGuard, RunLog
@@ -118,7 +119,7 @@ class Trainer:
         if args.resume:
             self._resume()
         self.compiled = torch.compile(train_model) if args.compile else train_model
-        if self.parallel == "pp":  # the library's schedule runs forward and backward (torchref.pipeline)
+        if self.parallel in PP_MODES:  # the library's schedule runs forward and backward (torchref.pipeline)
             self.step_fn = pipeline.make_pipeline_step(
                 self.pipe,
                 self.optimizer,
@@ -182,7 +183,16 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
             model.to(self.device)
-        if mode == "pp":
+        if mode in PP_MODES:
+            mesh, shard = None, None
+            if mode != "pp":  # (stages, ranks sharding each stage); the whole model kept plain for eval / export
+                from torch.distributed.device_mesh import init_device_mesh
+
+                shard, stages = mode.split("+")[1], self.args.pp_stages
+                dims = (stages, dist.get_world_size() // stages)
+                names = ("pp", "dp_shard" if shard == "fsdp" else "tp")
+                mesh = init_device_mesh(self.device.type, dims, mesh_dim_names=names)
+                self.whole = copy.deepcopy(model)
             try:
                 self.pipe = pipeline.Pipeline(
                     model,
@@ -190,9 +200,11 @@ class Trainer:
                     self.args.microbatches,
                     virtual=self.args.pp_virtual,
                     device=self.device,
+                    mesh=mesh,
+                    shard=shard,
                 )
             except ValueError as e:
-                raise CLIError(f"--parallel pp --pp-schedule {self.args.pp_schedule}: {e}") from None
+                raise CLIError(f"--parallel {mode} --pp-schedule {self.args.pp_schedule}: {e}") from None
             self.parallel = mode
             return model
         self.mesh = parallel.build_mesh(mode)
@@ -209,7 +221,9 @@ class Trainer:
         """Data-parallel ranks divide their loss SUM by (the whole batch's real targets / dp), so the gradients
         averaged by DDP/FSDP and the mean of the ranks' losses are the whole batch's mean-token ones even when the
         ranks hold different numbers of targets (None: the step's own denominator)."""
-        if self.parallel in (None, "pp"):
+        if self.parallel in PP_MODES:  # FSDP ranks of a stage: the whole batch's count over them
+            return None if self.pipe.dp == 1 else float(loss_denominator(host)) / self.pipe.dp
+        if self.parallel is None:
             return None
         return loss_denominator(host).to(self.device) / parallel.dp_size(self.parallel, self.mesh)
 
@@ -217,8 +231,8 @@ class Trainer:
         """This rank's rows of a host batch (all of them without --parallel, with tp, and with pp: there only the
         tokens and the loss mask, one document per row, so causal attention never reaches the padding at the end and
         the stages' own positions 0..S-1 are the rows' positions)."""
-        if self.parallel == "pp":
-            return {"tokens": host["tokens"], "loss_mask": host["loss_mask"]}
+        if self.parallel in PP_MODES:  # pp+fsdp: the rows of this rank's block
+            return self.pipe.rows({"tokens": host["tokens"], "loss_mask": host["loss_mask"]})
         return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:
@@ -259,25 +273,22 @@ class Trainer:
         """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
         gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts. ``pp``: the
         stages' weights broadcast to every rank, each parameter's optimizer state gathered from its stage's rank."""
-        if self.parallel == "pp":
-            self.pipe.sync_model(self.model)
-        model_sd, optim_sd = get_state_dict(
+        if self.parallel in PP_MODES:  # each stage's weights and optimizer state, whole, sent by name
+            whole = self.synced_model()
+            optim_sd = self.pipe.optimizer_state(self.model, self.optimizer)
+            if not self.rank0:
+                return {}, {}
+            return {k: v.detach().cpu().clone() for k, v in whole.state_dict().items()}, optim_sd
+        return get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        if self.parallel == "pp":  # get_state_dict filled rank 0 only: each rank sends its stages' state by name
-            owned = self.pipe.owned_names(self.model)
-            mine = {
-                n: {
-                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()
-                }
-                for n, p in self.model.named_parameters()
-                if n in owned and p in self.optimizer.state
-            }
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
-            if self.rank0:
-                optim_sd["state"] = {k: v for part in parts for k, v in part.items()}
-        return model_sd, optim_sd
+
+    def synced_model(self):
+        """Pipeline modes: a plain whole model holding every stage's current weights, on every rank (``pp``: the
+        model itself, whose stages share its parameters; ``pp+fsdp`` / ``pp+tp``: the plain copy kept for this)."""
+        whole = getattr(self, "whole", self.model)
+        self.pipe.sync_model(whole, self.model)
+        return whole
 
     def save(self, step: int) -> None:
         model_sd, optim_sd = self.full_state_dicts()
@@ -338,17 +349,16 @@ class Trainer:
         """Mean token loss and perplexity of the current weights on ``--eval-data``: under ``--parallel`` each rank
         scores its rows and the sums are added over all ranks (tensor-parallel ranks hold the same rows: divided
         out)."""
-        if self.parallel == "pp":  # every rank the whole current model, every row: the same sums everywhere
-            self.pipe.sync_model(self.model)
-            return self._evaluate_rows()
+        if self.parallel in PP_MODES:  # every rank the whole current model, every row: the same sums everywhere
+            return self._evaluate_rows(model=self.synced_model())
         return self._evaluate_rows(reduce=self.parallel is not None)
 
-    def _evaluate_rows(self, reduce: bool = False) -> EvalResult:
+    def _evaluate_rows(self, reduce: bool = False, model=None) -> EvalResult:
         sums = []
         for host in self.eval_batches:
-            rows = host if self.parallel == "pp" else self.rows(host)  # pp: the synced whole model, every row
+            rows = self.rows(host) if model is None else host  # a synced whole model: every row
             batch = {k: torch.from_numpy(v).to(self.device) for k, v in rows.items()}
-            sums.append(torch.stack(eval_sums(self.model, batch, policy=self.policy)))
+            sums.append(torch.stack(eval_sums(model or self.model, batch, policy=self.policy)))
         total = torch.stack(sums).double().sum(0)
         if reduce:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -468,7 +478,7 @@ class Trainer:
     def _global_mean(self, loss: torch.Tensor) -> float:
         """The loss over the whole batch: the mean of the data-parallel ranks' losses (equal row blocks)."""
         t = loss.detach().float().reshape(1).clone()
-        if self.parallel == "pp":  # already the whole batch's, on every rank
+        if self.parallel in PP_MODES:  # already the whole batch's, on every rank
             return float(t)
         n = parallel.dp_size(self.parallel, self.mesh)
         if n > 1:

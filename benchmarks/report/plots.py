@@ -514,6 +514,47 @@ def plot_kernels(out_dir: str, records: list[dict], info: dict | None = None, na
     return draw(out_dir, name or PLOT_FILES["kernels"], title, panels, ncols=1)
 
 
+def plot_plan(out_dir: str, records: list[dict], info: dict | None = None) -> Plot | None:
+    """The plan suite's micro-batch sweeps (pipeline rows of one devices x preset x mesh x schedule x loss at two or
+    more micro-batch counts; the single rows are the README table's): peak memory per device and the idle fraction
+    read off the compiled stage loop, beside the analytic curve, against the micro-batches; None (nothing written)
+    without a sweep."""
+    from jaxattn.spec.pipeline import bubble_fraction
+
+    def key(r):
+        return r["devices"], r["preset"], r["mesh"], r["schedule"], r.get("loss", "dense")
+
+    ok = [r for r in _ok(records, "measured") if "pipeline" in r["measured"]]
+    counts: dict = {}
+    for r in ok:
+        counts[key(r)] = counts.get(key(r), 0) + 1
+    ok = [r for r in ok if counts[key(r)] > 1]
+    if not ok:
+        return None
+    mem = Panel("peak memory per device", "micro-batches per step", "GiB", {}, logx=2, logy=False)
+    idle = Panel("idle fraction (points: compiled loop)", "micro-batches per step", "", {})
+    idle.logx, idle.logy = 2, False
+    limits = set()
+    for r in ok:
+        pipe, lab = r["measured"]["pipeline"], f"{r['devices']} GPUs {r['preset']} {r['mesh']} {r['schedule']}"
+        lab += "" if r.get("loss", "dense") == "dense" else f" loss={r['loss']}"
+        mem.series.setdefault(lab, {})[r["microbatches"]] = r["measured"]["per_device_memory"]["peak"] / 2**30
+        if pipe["bubble_compiled"] is not None:
+            idle.series.setdefault(lab, {})[r["microbatches"]] = pipe["bubble_compiled"]
+        limits.add(r.get("device_memory_bytes") or 80e9)
+    for p, v in sorted({(r["measured"]["pipeline"]["stages"], r["measured"]["pipeline"]["virtual"]) for r in ok}):
+        name = f"analytic p={p}" + ("" if v == 1 else f" v={v}")
+        idle.series[name] = {m: bubble_fraction(p, m, v) for m in (1, 2, 4, 8, 16) if v == 1 or m >= p}
+    mem.limits = tuple((b / 2**30, f"{b / 1e9:.0f} GB") for b in sorted(limits))
+    return draw(
+        out_dir,
+        PLOT_FILES["plan"],
+        "Pipeline stages: memory and bubble vs micro-batches — H100s, compiled, not run",
+        [mem, idle],
+        ncols=2,
+    )
+
+
 PLOT_FILES = {
     "attention": "attention_tflops.png",
     "train": "train_tokens_per_s.png",
@@ -521,6 +562,7 @@ PLOT_FILES = {
     "decode": "decode_tokens_per_s.png",
     "compile": "compile_kernels.png",
     "kernels": "kernels.png",
+    "plan": "pipeline_plans.png",
 }
 PLOTTERS: dict[str, Callable] = {
     "attention": plot_attention,
@@ -529,6 +571,7 @@ PLOTTERS: dict[str, Callable] = {
     "decode": plot_decode,
     "compile": plot_kernels,
     "kernels": plot_kernels,
+    "plan": plot_plan,
 }
 
 

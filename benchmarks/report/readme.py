@@ -146,6 +146,8 @@ def plan_section() -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["records"]:
+        if "stage=" in r["mesh"]:  # pipeline_section's
+            continue
         where = f"{r.get('target', 'h100')} `{r.get('topology', '1x1x8')}`"
         limit = r.get("device_memory_bytes") or 80e9
         if r.get("status") == "does_not_fit":
@@ -165,6 +167,52 @@ def plan_section() -> list[str]:
             f"| {where} | `{r['mesh']}` | {r['preset']} | {r['batch']}×{r['seq']} | {r['remat']} | "
             f"{r.get('loss', 'dense')} | {_gib(peak)} | {traffic} | {'yes' if peak < limit else 'no'} "
             f"({f'{limit / 2**30:.0f} GiB' if r.get('target') in TPU_TARGETS else f'{limit / 1e9:.0f} GB'}) |"
+        )
+    return out
+
+
+def pipeline_section() -> list[str]:
+    """The plan suite's ``stage`` rows: memory, the stage hand-offs (compiled beside expected), the other
+    collectives and the idle fraction read off the compiled stage loop beside the analytic one."""
+    d, path = _load("h100-plan", "plan.json")
+    rows = [r for r in (d or {}).get("records", []) if "stage=" in r.get("mesh", "") and r.get("status") == "ok"]
+    if not rows:
+        return []
+    plot = os.path.join(os.path.dirname(path), "pipeline_plans.png")
+    out = [
+        "### Pipeline stages: 8 and 64 H100s (compiled, not run)",
+        "",
+        f"From `{path}` (the same suite): the bf16 AdamW train step with the layers split over a `stage` axis "
+        "(`jaxattn.pipeline`: GPipe, or the circular schedule with 2 chunks per stage), one sequence of 4096 per "
+        "device, full remat. Hand-offs = the stage loop's collective-permute bytes per step (the reader follows "
+        "the loop's trip count) beside `2 × trips × one micro-batch's hidden states per device` (forward, and "
+        "the cotangents back). Idle = the stage loop's `trips − v·m` over its `trips` (XLA's trip count) beside "
+        "`(p − 1) / (v·m + p − 1)`. Other = every other collective per step (all-gather / all-reduce / "
+        "reduce-scatter / all-to-all / permutes outside the loop): FSDP's gathers run inside the stage loop, "
+        "once per trip; the circular schedule regathers the stages' strided layer chunks each step."
+        + (f" Plot: [`{plot}`]({plot})." if os.path.exists(os.path.join(ROOT, plot)) else ""),
+        "",
+        "| devices | mesh | preset | schedule | micro-batches | loss | peak GiB / device | hand-offs GiB / step: "
+        "compiled = expected | other GiB / step | idle: compiled / analytic |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r["measured"]
+        pipe, c, peak = m["pipeline"], m["collectives"], m["per_device_memory"]["peak"]
+        limit = r.get("device_memory_bytes") or 80e9
+        other = (
+            " / ".join(
+                _gib(c[k]["bytes_per_step"]) for k in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+            )
+            + f" / {_gib(c['collective-permute']['bytes_per_step'] - pipe['handoff_bytes_compiled'])}"
+        )
+        same = "=" if pipe["handoff_bytes_compiled"] == pipe["handoff_bytes_expected"] else "≠"
+        idle = "not found" if pipe["bubble_compiled"] is None else f"{pipe['bubble_compiled']:.3f}"
+        out.append(
+            f"| {r['devices']} × {r['target']} `{r['topology']}` | `{r['mesh']}` | {r['preset']} | {r['schedule']} | "
+            f"{r['microbatches']} | {r.get('loss', 'dense')} | {_gib(peak)} ({'fits' if peak < limit else 'over'} "
+            f"{limit / 1e9:.0f} GB) | {_gib(pipe['handoff_bytes_compiled'])} {same} "
+            f"{_gib(pipe['handoff_bytes_expected'])} | {other} | {idle} / {pipe['bubble_analytic']:.3f} |"
         )
     return out
 
@@ -406,6 +454,7 @@ def render() -> str:
         fwd_bwd_section(),
         programs_section(),
         plan_section(),
+        pipeline_section(),
         tpu_section(),
     ):
         if section:

@@ -49,9 +49,31 @@ POD_GRID = tuple(
     for preset in ("8b", "70b")
     for mesh in meshes
 )
+# Pipeline stages (issue: model parallel): (topology, preset, mesh, loss, microbatches, virtual) on H100s at one
+# sequence of 4096 per device — the 8b stage=8 step over 1..8 micro-batches (the bubble / memory plot), the
+# circular schedule, the fused loss (the head runs outside the stages), stage x FSDP / tensor on 8 GPUs, the 70b
+# shape, and 64 GPUs with the stages across the 8 hosts and FSDP or tensor parallel inside each
+STAGE_GRID = (
+    tuple(("1x1x8", "8b", "stage=8", "dense", m, 1) for m in (1, 2, 4, 8))
+    + (("1x1x8", "8b", "stage=8", "dense", 8, 2), ("1x1x8", "8b", "stage=8", "fused", 8, 1))
+    + tuple(("1x1x8", "8b", "stage=4,fsdp=2", "dense", m, 1) for m in (1, 2, 4))
+    + (("1x1x8", "8b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1),)
+    + tuple(("1x1x8", "70b", mesh, "dense", m, 1) for mesh, m in (("stage=8", 8), ("stage=4,fsdp=2", 4)))
+    + (("1x1x8", "70b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1),)
+    + tuple(("1x8x8", p, mesh, "dense", 8, 1) for p in ("8b", "70b") for mesh in ("stage=8,fsdp=8", "stage=8,tensor=8"))
+    + (("1x8x8", "70b", "stage=8,fsdp=8", "dense", 8, 2),)
+)
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9}  # bytes per GPU (the "80 GB" of the name)
-FULL_GRID = tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096) for p, m, r, loss in GRID) + tuple(
-    (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096) for t, topo, p, m in POD_GRID
+# (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual)
+FULL_GRID = (
+    tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096, 1, 1) for p, m, r, loss in GRID)
+    + tuple(
+        (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1) for t, topo, p, m in POD_GRID
+    )
+    + tuple(
+        ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v)
+        for topo, p, mesh, loss, mb, v in STAGE_GRID
+    )
 )
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -98,7 +120,8 @@ def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
 
 
 def collectives(hlo: str, unknown_trips: int = 1) -> dict:
-    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop", "bytes_per_step"}}`` from compiled HLO text:
+    """``{kind: {"ops", "bytes", "ops_in_loop", "bytes_in_loop", "bytes_per_step", "bytes_per_step_in_loops"}}``
+    from compiled HLO text:
     ``bytes`` is each op's full-buffer size (:func:`_volume`), counted once per appearance in the text (``-done``
     halves of async pairs are skipped); ``bytes_per_step`` counts each op once per run of the computation holding
     it: a while body runs its loop's ``known_trip_count`` times (``unknown_trips`` when XLA gives none) times the
@@ -127,10 +150,12 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
             # the TPU compiler writes a reduce-scatter as a fusion calling "all-reduce-scatter": an all-reduce of the
             # full buffer, then each device's slice
             kind = "reduce-scatter" if comp.startswith("all-reduce-scatter") else m.group(2)
+            # one collective = one channel id AND one source op: the GPU compiler reuses a channel id in another
+            # computation (a forward loop's collective-permute and its transpose's both had channel_id=1)
             channel = re.search(r"\bchannel_id=(\d+)", line)
-            ops.setdefault(comp, []).append(
-                (kind, _volume(m.group(2), bool(m.group(3)), shapes, line), channel and int(channel.group(1)))
-            )
+            source = re.search(r'op_name="([^"]*)"', line)
+            key = channel and (int(channel.group(1)), source and source.group(1))
+            ops.setdefault(comp, []).append((kind, _volume(m.group(2), bool(m.group(3)), shapes, line), key))
     runs: dict[str, int] = {}
     looped: set = set()  # computations run inside a while loop (directly or through a fusion / call)
 
@@ -147,7 +172,7 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
     for c in set(ops) | set(loops) | set(called):
         if c not in reached:  # the entry and any computation nothing else runs: once
             visit(c, 1, False)
-    seen: set = set()  # channel ids: the TPU's async collective fusions repeat one collective in its start and done
+    seen: set = set()  # (channel id, op): the TPU's async collective fusions repeat one collective in start and done
     for c, items in ops.items():
         for kind, nbytes, channel in items:
             if channel is not None and channel in seen:
@@ -160,8 +185,11 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
                 rec["ops_in_loop"] += 1
                 rec["bytes_in_loop"] += nbytes
             rec["bytes_per_step"] = rec.get("bytes_per_step", 0) + runs.get(c, 1) * nbytes
+            if c in looped:
+                rec["bytes_per_step_in_loops"] = rec.get("bytes_per_step_in_loops", 0) + runs.get(c, 1) * nbytes
     for rec in out.values():
         rec.setdefault("bytes_per_step", 0)
+        rec.setdefault("bytes_per_step_in_loops", 0)
     return out
 
 
@@ -176,11 +204,13 @@ def compile_plan(
     target: str = "h100",
     topology: str = "1x1x8",
     microbatches: int = 1,
+    virtual: int = 1,
 ):
     """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs`` (deviceless
     GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record. A
-    ``stage`` axis runs the layers as GPipe stages over ``microbatches`` (``jaxattn.pipeline``): the record adds the
-    analytic bubble and the one read off the compiled program (:func:`pipeline_bubble`)."""
+    ``stage`` axis runs the layers as pipeline stages over ``microbatches`` (``jaxattn.pipeline``; ``virtual`` > 1:
+    the circular schedule): the record adds the analytic bubble and the one read off the compiled program, and the
+    stage hand-off bytes expected beside the compiled ones (:func:`pipeline_bubble`)."""
     import optax
     from flax import nnx
 
@@ -195,7 +225,7 @@ def compile_plan(
     mesh = sharding.make_mesh(spec, devices=devs)
     sharding.check_config(cfg, mesh)
     sharding.check_batch_size(batch, mesh)
-    sharding.check_stages(cfg, mesh, batch, microbatches)
+    sharding.check_stages(cfg, mesh, batch, microbatches, virtual)
     tx = optax.adamw(1e-4)
 
     def build():
@@ -217,7 +247,7 @@ def compile_plan(
         ),
         {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)},
     )
-    plan = sharding.TrainSharding(mesh, state_sh, batch_sh, microbatches=microbatches)  # shard_train_state's
+    plan = sharding.TrainSharding(mesh, state_sh, batch_sh, microbatches=microbatches, virtual=virtual)
     step = make_train_step(graphdef, tx, policy="bf16", sharding=plan, loss=loss)
     t0 = time.perf_counter()
     tpu = devs[0].platform == "tpu"
@@ -227,11 +257,24 @@ def compile_plan(
     text = compiled.as_text()
     stages = mesh.shape.get("stage", 1)
     mem, coll = memory_stats(compiled), collectives(text, unknown_trips=cfg.n_layers)
+    pipe = {}
+    if stages > 1:
+        pipe = pipeline_bubble(text, stages, microbatches, virtual)
+        # each trip hands one micro-batch's hidden states [rows per data device, seq, dim] (bf16) on, forward, and
+        # their cotangents back in the backward: the stage loop's collective-permute bytes should be exactly these
+        rows = batch // microbatches // (mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+        pipe["handoff_bytes_expected"] = 2 * (virtual * microbatches + stages - 1) * rows * seq * cfg.dim * 2
+        pipe["handoff_bytes_compiled"] = coll["collective-permute"]["bytes_per_step_in_loops"]
     summary = f"peak {mem['peak'] / 2**30:.2f} GiB/device; " + ", ".join(
         f"{k} {v['ops']} ops ({v['ops_in_loop']} in loops) {v['bytes_per_step'] / 2**30:.2f} GiB/step"
         for k, v in coll.items()
         if v["ops"]
     )
+    if pipe:
+        b = pipe["bubble_compiled"]
+        summary += (
+            f"; bubble {'not found' if b is None else f'{b:.3f}'} compiled, {pipe['bubble_analytic']:.3f} analytic"
+        )
     return dict(
         framework="jax",
         impl="sharding-plan",
@@ -256,29 +299,37 @@ def compile_plan(
             "per_device_memory": mem,
             "collectives": coll,
             "n_layers": cfg.n_layers,
-            **({} if stages == 1 else {"pipeline": pipeline_bubble(text, stages, microbatches)}),
+            **({"pipeline": pipe} if pipe else {}),
         },
+        **({} if stages == 1 else {"microbatches": microbatches, "schedule": _schedule(virtual)}),
     )
 
 
-def pipeline_bubble(hlo: str, stages: int, microbatches: int) -> dict:
-    """The GPipe schedule as compiled: the stage loop is the while loop of ``m + p - 1`` trips (XLA's
-    ``known_trip_count``) in which each stage works on a real micro-batch ``m`` times, so the idle fraction is
-    ``(trips - m) / trips``; beside it the analytic ``(p - 1) / (m + p - 1)`` (GPipe §2.2). ``found`` False when
-    no loop of that trip count is in the program (the schedule was compiled some other way)."""
+def _schedule(virtual: int) -> str:
+    return "gpipe" if virtual == 1 else f"circular v={virtual}"
+
+
+def pipeline_bubble(hlo: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """The schedule as compiled: the stage loop is the while loop of ``v m + p - 1`` trips (XLA's
+    ``known_trip_count``) in which each stage works on a real micro-batch chunk ``v m`` times, so the idle fraction
+    is ``(trips - v m) / trips``; beside it the analytic ``(p - 1) / (v m + p - 1)`` (GPipe §2.2; circular:
+    interleaved 1F1B's). ``found`` False when no loop of that trip count is in the program (the schedule was
+    compiled some other way)."""
     from jaxattn.pipeline import bubble_fraction
 
-    want = microbatches + stages - 1
+    work = virtual * microbatches
+    want = work + stages - 1
     trips = sorted({int(n) for n in re.findall(r"known_trip_count[^0-9]*(\d+)", hlo)})
     found = want in trips
     return {
         "stages": stages,
         "microbatches": microbatches,
+        "virtual": virtual,
         "loop_trips": want if found else None,
         "while_trip_counts": trips,
         "found": found,
-        "bubble_compiled": (want - microbatches) / want if found else None,
-        "bubble_analytic": bubble_fraction(stages, microbatches),
+        "bubble_compiled": (want - work) / want if found else None,
+        "bubble_analytic": bubble_fraction(stages, microbatches, virtual),
     }
 
 
@@ -294,11 +345,11 @@ def _unavailable(target: str) -> str | None:
 
 
 def run(quick: bool = False) -> list:
-    """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID` (quick: ``tiny`` at
-    seq 128 on :data:`PLANS`, 8 H100s)."""
-    grid = tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128) for p in PLANS) if quick else FULL_GRID
+    """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID` and :data:`STAGE_GRID`
+    (quick: ``tiny`` at seq 128 on :data:`PLANS`, 8 H100s)."""
+    grid = tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1) for p in PLANS) if quick else FULL_GRID
 
-    def row(target, topology, preset, spec, remat, loss, batch, seq, **status):  # a record that compiled nothing
+    def row(target, topology, preset, spec, remat, loss, batch, seq, mb, v, **status):  # a record compiling nothing
         return dict(
             framework="jax",
             impl="sharding-plan",
@@ -310,19 +361,22 @@ def run(quick: bool = False) -> list:
             loss=loss,
             batch=batch,
             seq=seq,
+            **({"microbatches": mb, "schedule": _schedule(v)} if "stage=" in spec else {}),
             **status,
         )
 
     records = []
     for g in grid:
-        target, topology, preset, spec, remat, loss, batch, seq = g
+        target, topology, preset, spec, remat, loss, batch, seq, mb, v = g
         reason = _unavailable(target)
         if reason is not None:
             records.append(row(*g, status="skipped", reason=reason))
             continue
         try:
             devs = _pod_devices(target, topology)
-            rec = compile_plan(devs, spec, preset, batch, seq, remat=remat, loss=loss, target=target, topology=topology)
+            rec = compile_plan(
+                devs, spec, preset, batch, seq, remat, loss, target, topology, microbatches=mb, virtual=v
+            )
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
             refused = tpu_target.refused_for_memory(e)
@@ -332,7 +386,9 @@ def run(quick: bool = False) -> list:
             else:
                 rec = row(*g, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         print(
-            f"  plan {target}:{topology} {preset} {spec} remat={remat} loss={loss}: {rec.get('status')} "
+            f"  plan {target}:{topology} {preset} {spec} remat={remat} loss={loss}"
+            + (f" microbatches={mb} {_schedule(v)}" if "stage=" in spec else "")
+            + f": {rec.get('status')} "
             f"{rec.get('summary', rec.get('error', rec.get('required_temp_gib', '')))}",
             flush=True,
         )

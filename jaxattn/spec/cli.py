@@ -51,7 +51,8 @@ __all__ = [
 
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", "pp")  # torchref.parallel.MODES + pp (torchref.pipeline)
+PP_MODES = ("pp", "pp+fsdp", "pp+tp")  # torchref.pipeline: stages alone, each sharded by FSDP2 or tensor parallel
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", *PP_MODES)  # torchref.parallel.MODES + torchref.pipeline's
 
 
 class CLIError(ValueError):
@@ -246,10 +247,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--parallel",
         "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks; pp: pipeline stages, "
-        "one per rank, torchref.pipeline)",
+        "one per rank, torchref.pipeline; pp+fsdp / pp+tp: --pp-stages stages, each sharded over the other ranks)",
         str,
         None,
         PARALLEL,
+        frameworks=("torch",),
+    ),
+    Flag(
+        "--pp-stages",
+        "pipeline ranks of --parallel pp+fsdp / pp+tp (default: half the ranks, so 2 shard each stage; pp: all)",
+        int,
         frameworks=("torch",),
     ),
     Flag("--num-workers", "DataLoader worker processes", int, 1, frameworks=("torch",)),
@@ -358,11 +365,24 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
-    _check_schedule(args, "torch", args.parallel == "pp")
-    if args.parallel != "pp":
+    _check_schedule(args, "torch", args.parallel in PP_MODES)
+    if args.parallel not in PP_MODES:
         if m > 1:
             raise CLIError(f"--microbatches {m} splits each batch for pipeline stages: it needs --parallel pp")
+        if args.pp_stages is not None:
+            raise CLIError("--pp-stages sets the pipeline ranks of --parallel pp+fsdp / pp+tp")
         return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    stages = args.pp_stages if args.pp_stages is not None else world if args.parallel == "pp" else world // 2
+    if stages < 1 or world % stages or (args.parallel == "pp" and stages != world):
+        need = "the rank count" if args.parallel == "pp" else "a divisor of the rank count"
+        raise _err("--pp-stages", stages, f"expected {need} {world} for --parallel {args.parallel}")
+    if args.parallel != "pp" and world // stages < 2:
+        raise CLIError(
+            f"--parallel {args.parallel} with --pp-stages {stages} of {world} ranks leaves 1 rank per stage to shard "
+            f"it; use --parallel pp or fewer --pp-stages"
+        )
+    args.pp_stages = stages
     refused = (
         ("--loss fused", args.loss == "fused", "the last stage computes the dense loss; use --loss dense"),
         (
@@ -377,10 +397,14 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
     )
     for flag, bad, why in refused:
         if bad:
-            raise CLIError(f"{flag} does not run with --parallel pp: {why}")
-    if args.batch_size % m:
-        raise CLIError(f"--microbatches {m}: --batch-size {args.batch_size} does not split into {m} micro-batches")
-    _check_rounds(args, int(os.environ.get("WORLD_SIZE", "1")))
+            raise CLIError(f"{flag} does not run with --parallel {args.parallel}: {why}")
+    rows = args.batch_size // (world // stages if args.parallel == "pp+fsdp" else 1)  # an FSDP rank's rows
+    if args.batch_size % m or rows % m or (args.parallel == "pp+fsdp" and args.batch_size % (world // stages)):
+        raise CLIError(
+            f"--microbatches {m}: --batch-size {args.batch_size} does not split into {m} micro-batches"
+            + (f" on each of the {world // stages} FSDP ranks of a stage" if args.parallel == "pp+fsdp" else "")
+        )
+    _check_rounds(args, stages)
 
 
 def _check_schedule(args: argparse.Namespace, framework: str, pipelined: bool) -> None:
@@ -635,7 +659,7 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
                 "device use --mesh data=1)"
             )
     if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
-        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", "pp")
+        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", *PP_MODES)
         args.loss = "dense" if tp_head else "fused"
     if framework == "torch":
         _check_pipeline_flags(args)
