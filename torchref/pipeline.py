@@ -108,7 +108,7 @@ class Pipeline:
         self.first = 0 in self.indices
         self.last = n_stages - 1 in self.indices
         self.microbatches = microbatches
-        self._denominator = 1.0
+        self._denominator, self.loss_scale = 1.0, 1.0
         cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B}[schedule]
         # scale_grads=False: the library would divide the gradients by the micro-batch count (it assumes each
         # micro-batch's loss is that micro-batch's mean); ours are already fractions of the whole batch's mean
@@ -133,7 +133,8 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
-        return nll / self._denominator  # the whole batch's token count: micro-batch losses add up to its mean
+        # the whole batch's token count: micro-batch losses add up to its mean (times the loss scale under fp16)
+        return nll / self._denominator * self.loss_scale
 
     def step(self, batch: dict, denominator: float | None = None) -> float | None:
         """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?}``; a target whose ``loss_mask`` is 0 adds nothing and
@@ -289,20 +290,52 @@ def _stage_names(model: nn.Module, index: int, n_stages: int) -> set:
     return out
 
 
-def make_pipeline_step(pipe: Pipeline, optimizer, *, max_grad_norm: float | None = None, autocast=None):
-    """``step(batch, denominator=None) -> metrics`` for ``--parallel pp``: the schedule's forward and backward of the
-    whole batch (inside ``autocast()``, the precision policy's context, when given), the global gradient norm
-    (clipped with ``max_grad_norm``), the optimizer step; metrics as ``torchref.train_step.make_train_step``'s
-    (``loss`` the whole batch's, on every rank; no loss scaling)."""
+def make_pipeline_step(
+    pipe: Pipeline, optimizer, *, max_grad_norm: float | None = None, autocast=None, scaler=None, grad_accum: int = 1
+):
+    """``step(batch, denominator=None) -> metrics`` for the pipeline modes: the schedule's forward and backward of
+    the batch (``grad_accum`` row blocks one after another, the gradients adding up; inside ``autocast()``, the
+    precision policy's context, when given), the global gradient norm (clipped with ``max_grad_norm``), the
+    optimizer step; metrics as ``torchref.train_step.make_train_step``'s (``loss`` the whole batch's, on every
+    rank). ``scaler`` (fp16): a ``ShardedGradScaler`` over all ranks — the schedule's losses are scaled, the
+    gradients unscaled before the norm, and a non-finite gradient on any rank skips the step on every rank."""
     import contextlib
+
+    from .train_step import loss_denominator
+
+    scaling = scaler is not None and scaler.is_enabled()
 
     def step(batch: dict, denominator=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            loss = pipe.step(batch, denominator)
-        loss = pipe.broadcast_loss(loss)
+        rows = batch["tokens"].shape[0]
+        if rows % grad_accum:
+            raise ValueError(f"batch: {rows} rows do not split into grad_accum={grad_accum} blocks")
+        if denominator is None:  # the whole batch's targets: the blocks' losses add up to its mean
+            denominator = float(loss_denominator({k: v for k, v in batch.items() if v is not None}))
+        # scaler.scale(1) sets the scaler up for this step (its scale lives on the first tensor it scales)
+        pipe.loss_scale = loss_scale = float(scaler.scale(torch.ones(()))) if scaling else 1.0
+        total, b = 0.0, rows // grad_accum
+        for i in range(grad_accum):
+            block = {k: v if v is None else v[i * b : (i + 1) * b] for k, v in batch.items()}
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                loss = pipe.step(block, float(denominator))
+            total += loss or 0.0
+        loss = pipe.broadcast_loss(total if pipe.last else None) / loss_scale
+        if scaling:
+            scaler.unscale_(optimizer)  # all ranks agree on a non-finite gradient (ShardedGradScaler's all-reduce)
         norm = pipe.grad_norm_and_clip(max_grad_norm)
-        optimizer.step()
-        return {"loss": torch.tensor(loss), "grad_norm": norm, "loss_scale": torch.tensor(1.0), "skipped": False}
+        skipped = False
+        if scaling:
+            scaler.step(optimizer)
+            scaler.update()
+            skipped = scaler.get_scale() < loss_scale  # the scale shrinks exactly on a skipped step
+        else:
+            optimizer.step()
+        return {
+            "loss": torch.tensor(loss),
+            "grad_norm": norm,
+            "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
+            "skipped": torch.tensor(skipped),
+        }
 
     return step

@@ -115,6 +115,10 @@ class Trainer:
             steps=args.steps,
         )
         self.scaler = self.policy.make_grad_scaler(self.device)
+        if self.parallel in PP_MODES and self.scaler.is_enabled():  # every rank skips a step any rank overflowed
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type)
         self.start = 0
         if args.resume:
             self._resume()
@@ -125,6 +129,8 @@ class Trainer:
                 self.optimizer,
                 max_grad_norm=args.clip_grad or None,
                 autocast=lambda: self.policy.autocast(self.device.type),
+                scaler=self.scaler,
+                grad_accum=args.grad_accum,
             )
             return
         self.step_fn = make_train_step(

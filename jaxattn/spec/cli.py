@@ -360,8 +360,9 @@ def _mesh_devices(spec: str) -> int:
 
 
 def _check_pipeline_flags(args: argparse.Namespace) -> None:
-    """torch's ``--parallel pp``: what its schedule serves (the loss inside the library's schedule: no loss scaling,
-    no fused head, no packed rows, no compile, no accumulation loop) and ``--microbatches`` dividing the batch."""
+    """torch's pipeline modes: what the library's schedule serves (the loss inside it: no fused head, no packed
+    rows, no compile), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation
+    block."""
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
@@ -391,18 +392,18 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
             "packed rows (segment ids) do not cross the stages yet; use --packing bucket (one document per row)",
         ),
         ("--compile", args.compile, "torch.compile of pipeline stages is not wired"),
-        ("--grad-accum", args.grad_accum > 1, "the micro-batches are the accumulation; raise --microbatches"),
         ("--offload-optimizer", args.offload_optimizer, "it is FSDP2's (--parallel fsdp)"),
-        ("--precision fp16", args.precision == "fp16", "loss scaling inside the schedule is not wired; use bf16"),
     )
     for flag, bad, why in refused:
         if bad:
             raise CLIError(f"{flag} does not run with --parallel {args.parallel}: {why}")
-    rows = args.batch_size // (world // stages if args.parallel == "pp+fsdp" else 1)  # an FSDP rank's rows
-    if args.batch_size % m or rows % m or (args.parallel == "pp+fsdp" and args.batch_size % (world // stages)):
+    dp = world // stages if args.parallel == "pp+fsdp" else 1  # FSDP ranks of a stage: each takes its rows
+    k = max(args.grad_accum, 1)  # then accumulation blocks, each split into the micro-batches
+    if args.batch_size % (dp * k * m):
         raise CLIError(
             f"--microbatches {m}: --batch-size {args.batch_size} does not split into {m} micro-batches"
-            + (f" on each of the {world // stages} FSDP ranks of a stage" if args.parallel == "pp+fsdp" else "")
+            + (f" on each of the {dp} FSDP ranks of a stage" if dp > 1 else "")
+            + (f" per --grad-accum block of {args.batch_size // dp // k} rows" if k > 1 else "")
         )
     _check_rounds(args, stages)
 
