@@ -11,8 +11,10 @@ the ring v times.
 Schedule: step ``t`` of ``v m + p - 1``, stage ``s`` runs item ``i = t - s`` — micro-batch ``i mod m`` in round
 ``i // m`` through its round's chunk (a bubble step when ``i`` is out of range; its result is never read) — and
 passes it on; stage 0 parks what comes back from the last stage until that micro-batch's next round (needs
-``m >= p``). The last stage's final-round outputs are summed over ``stage`` so every stage holds them (the
-embedding and the head run outside, replicated over ``stage``, as in MaxText). ``jax.grad`` transposes the forward
+``m >= p``). Outside the loop the rows are split over ``stage`` too (the embedding, head and loss run
+data-parallel over the stages, ``jaxattn.sharding.batch_axes``): the loop gathers the rows on entry and
+reduce-scatters the last stage's outputs back to each stage's rows (a batch that does not split over the stages
+enters whole and leaves summed). ``jax.grad`` transposes the forward
 loop into the backward one (``ppermute`` reversed), so the activations of all ``m`` micro-batches stay live per
 stage until the backward — 1F1B's memory gain needs the loss inside the loop; remat (``Llama.remat``) bounds them
 instead. Idle fraction ``(p - 1) / (v m + p - 1)`` (:func:`bubble_fraction`).
@@ -59,8 +61,14 @@ def pipelined(
     def split(a):  # [B, ...] -> [m, B/m, ...], micro-batch j = rows j, j + m, ...: a row-sharded batch splits
         return a.reshape(batch // m, m, *a.shape[1:]).swapaxes(0, 1)  # in place, no rows move between devices
 
+    rows = batch % p == 0  # the rows split over the stages outside the loop (jaxattn.sharding.batch_axes)
+
+    def gather(a):  # this stage's rows -> all of them (every stage's loop sees the whole batch)
+        return jax.lax.all_gather(a, axis, axis=0, tiled=True) if rows else a
+
     def per_stage(x, stacked, side):  # stacked: this stage's [v k, ...]
         s = jax.lax.axis_index(axis)
+        x, side = gather(x), jax.tree.map(gather, side)
         chunks = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), stacked)  # [v, k, ...]
         xm, sm = split(x), jax.tree.map(split, side)
 
@@ -85,13 +93,16 @@ def pipelined(
 
         init = (jnp.zeros_like(xm[0]), xm, jnp.zeros_like(xm))  # park starts as the micro-batches (round 0)
         (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(v * m + p - 1))
-        out = jax.lax.psum(jnp.where(s == p - 1, out, jnp.zeros((), out.dtype)), axis)  # [m, B/m, ...]
-        return out.swapaxes(0, 1).reshape(x.shape)  # [m, B/m, ...] -> [B, ...]
+        out = jnp.where(s == p - 1, out, jnp.zeros((), out.dtype)).swapaxes(0, 1).reshape(x.shape)  # [B, ...]
+        if rows:  # each stage its rows of the last stage's outputs; the backward gathers their cotangents
+            return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(out, axis)
 
     # check_vma=False: a Pallas kernel inside (flash attention) has no varying-axis rule, and the attention's own
     # per-device-block shard_map nested in this one (jaxattn.sharding) then differentiates too
+    spec = P(axis) if rows else P()
     return jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(P(), P(axis), P()), out_specs=P(), axis_names={axis}, check_vma=False
+        per_stage, mesh=mesh, in_specs=(spec, P(axis), spec), out_specs=spec, axis_names={axis}, check_vma=False
     )(x, stacked, side)
 
 

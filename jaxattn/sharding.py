@@ -40,6 +40,7 @@ from .spec import params
 __all__ = [
     "MESH_AXES",
     "BATCH_AXES",
+    "batch_axes",
     "RULES",
     "parse_mesh",
     "make_mesh",
@@ -155,6 +156,24 @@ def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, str | None]
     return P(*out)
 
 
+def batch_axes(mesh: Mesh) -> tuple:
+    """The mesh axes a batch's rows split over: (``data``, ``fsdp``), and ``stage`` first with a ``stage`` axis > 1
+    (outside the pipelined layers the embedding, head and loss run data-parallel over the stages; the stage loop
+    gathers the rows it pipelines, ``jaxattn.pipeline``)."""
+    return (("stage",) if _axis_size(mesh, ("stage",)) > 1 else ()) + BATCH_AXES
+
+
+def _unused(spec, taken) -> P:
+    """``spec`` without the mesh axes in ``taken`` (a pipeline region's manual axes, or axes an earlier dimension
+    holds)."""
+    out, used = [], set(taken)
+    for a in spec:
+        axes = tuple(x for x in (a if isinstance(a, tuple) else (a,)) if x is not None and x not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
 def _axis_size(mesh: Mesh, axis) -> int:
     if axis is None:
         return 1
@@ -177,13 +196,13 @@ def check_config(config, mesh: Mesh) -> None:
 
 
 def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
-    """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp``."""
-    n = _axis_size(mesh, BATCH_AXES)
+    """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp`` (times ``stage``)."""
+    n = _axis_size(mesh, batch_axes(mesh))
     if batch_size % grad_accum or (batch_size // grad_accum) % n:
         raise ValueError(
             f"batch_size={batch_size} (grad_accum={grad_accum}) is not divisible by the data axes "
-            f"data*fsdp={n}: each (micro)batch's rows are split over (data, fsdp); use a multiple of "
-            f"{n * grad_accum}"
+            f"{'*'.join(batch_axes(mesh))}={n}: each (micro)batch's rows are split over "
+            f"({', '.join(batch_axes(mesh))}); use a multiple of {n * grad_accum}"
         )
 
 
@@ -224,7 +243,7 @@ def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSh
     shape = getattr(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value, "shape", ())
     if not names or len(names) != len(shape):
         return replicated  # no names, or a leaf that is not the param's shape (e.g. a factored moment)
-    spec = logical_to_spec(names, rules)
+    spec = _unused(logical_to_spec(names, rules), ())  # a layer's stacked axis holds stage: its embed not again
     if any(dim % _axis_size(mesh, a) for dim, a in zip(shape, spec)):
         return replicated
     return NamedSharding(mesh, spec)
@@ -237,12 +256,15 @@ def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RU
     naming ``stage`` applies only where the mesh has a ``stage`` axis larger than 1 (no pipeline: layers whole)."""
     if "stage" not in mesh.shape or mesh.shape["stage"] == 1:
         rules = {k: (None if v == "stage" else v) for k, v in rules.items()}
+    elif rules.get("embed") == "fsdp":  # the embedding, head and norms (outside the stages) sharded over them too
+        rules = {**rules, "embed": ("stage", "fsdp")}
     return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows over (``data``, ``fsdp``), the sequence replicated (a prefix for every array of a batch dict)."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """Rows over (``data``, ``fsdp``) — and ``stage`` with pipeline stages, :func:`batch_axes` — the sequence
+    replicated (a prefix for every array of a batch dict)."""
+    return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def global_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict:
@@ -316,10 +338,14 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))`` with ``spec`` from ``rules``; a dimension
     its mesh axes do not divide stays unsplit. Outside it the hook is a no-op."""
 
+    if rules.get("batch") == BATCH_AXES:  # with pipeline stages the rows outside the stage loop split over them
+        rules = {**rules, "batch": batch_axes(mesh)}
+
     def constrain(x, names):
-        spec = logical_to_spec(names, rules)
+        ctx, manual = _context_mesh(mesh)  # inside the stage loop, stage is held by hand: not named here
+        spec = _unused(logical_to_spec(names, rules), manual)
         spec = P(*(a if d % _axis_size(mesh, a) == 0 else None for d, a in zip(x.shape, spec)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(_context_mesh(mesh)[0], spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(ctx, spec))
 
     def local(fn, args, in_axes, out_axes):
         return per_shard_map(fn, args, in_axes, out_axes, mesh, rules)
@@ -370,8 +396,9 @@ def per_shard_map(
     it divides EVERY dimension named onto it (else that axis is dropped everywhere: q heads and kv heads must split
     together or GQA's head groups would change), so the result always equals ``fn(*args)``. ``None`` args stay
     ``None``."""
-    named = [(x, logical_to_spec(n, rules)) for x, n in zip(args, in_axes) if x is not None]
-    dropped = set()
+    manual = _context_mesh(mesh)[1]  # a pipeline region's manual axes: not named here
+    named = [(x, _unused(logical_to_spec(n, rules), manual)) for x, n in zip(args, in_axes) if x is not None]
+    dropped = set(manual)
     for x, spec in named:
         for leaf in jax.tree.leaves(x):
             for d, a in zip(leaf.shape, spec):
@@ -386,7 +413,7 @@ def per_shard_map(
         return P(*out)
 
     specs = [keep(s) for _, s in named]
-    out_spec = keep(logical_to_spec(out_axes, rules))
+    out_spec = keep(_unused(logical_to_spec(out_axes, rules), manual))
     present = [i for i, x in enumerate(args) if x is not None]
 
     def body(*blocks):
