@@ -61,7 +61,12 @@ def four_layers():
 
 @pytest.mark.parametrize(
     "stages,microbatches",
-    [pytest.param(2, 1, marks=pytest.mark.slow), (2, 4), (4, 2), pytest.param(4, 8, marks=pytest.mark.slow)],
+    [
+        pytest.param(2, 1, marks=pytest.mark.slow),
+        pytest.param(2, 4, marks=pytest.mark.slow),  # default run: the remat / segment-ids case below is stage=2, m=4
+        (4, 2),
+        pytest.param(4, 8, marks=pytest.mark.slow),
+    ],
 )
 def test_gpipe_equals_one_device(four_layers, stages, microbatches):
     model, batch = four_layers
@@ -73,8 +78,8 @@ def test_gpipe_equals_one_device(four_layers, stages, microbatches):
 @pytest.mark.parametrize(
     "stages,virtual,microbatches",
     [
-        (2, 2, 2),
-        (2, 2, 4),
+        pytest.param(2, 2, 2, marks=pytest.mark.slow),
+        (2, 2, 4),  # m > p: micro-batches parked between rounds
         pytest.param(4, 2, 4, marks=pytest.mark.slow),
         pytest.param(2, 3, 2, marks=pytest.mark.slow),
     ],
@@ -142,6 +147,23 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_virtual_stages():
 
 
 @pytest.mark.slow
+def test_torch_pipeline_four_stages_on_four_ranks_equal_one_process(tmp_path):
+    """torchrun 4 ranks, one layer per stage: GPipe and 1F1B (and GPipe with a loss mask) — every stage's
+    parameters after 3 SGD steps and the last stage's losses equal one process's within 1e-5."""
+    import json
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    torchrun(os.path.join(here, "pipeline_child.py"), "gpipe,1f1b", str(tmp_path / "out"), nproc=4)
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+    for schedule in ("gpipe", "1f1b", "gpipe-masked"):
+        assert [rank[schedule]["stages"] for rank in ranks] == [[0], [1], [2], [3]]
+        assert max(rank[schedule]["param_diff"] for rank in ranks) <= 1e-5, schedule
+        last = ranks[3][schedule]
+        np.testing.assert_allclose(last["losses"], last["ref_losses"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_torch_pipeline_schedules_equal_one_process_and_the_jax_pipeline(tmp_path):
     """torchrun 2 ranks: each schedule's losses (last stage) and every stage's parameters after 3 SGD steps equal
     one process's within 1e-5; the JAX pipeline (stage=2, 4 micro-batches) from the same initial weights logs the
@@ -191,15 +213,34 @@ _CLI_FLAGS = ["--batch-size", "8", "--seq-len", "16", "--no-progress", "--seed",
 _CLI_FLAGS += ["--schedule", "constant"]
 
 
-def test_cli_stage_meshes_train_like_one_device():
+@pytest.mark.parametrize(
+    "mesh, m", [pytest.param("stage=2,data=4", "2", marks=pytest.mark.slow), ("stage=2,fsdp=2,tensor=2", "4")]
+)
+def test_cli_stage_meshes_train_like_one_device(mesh, m):
     """``python -m jaxattn.train --mesh stage=2,... --microbatches N``: the parameters' layer axis sharded over the
     stages, the losses those of one device within 1e-5, composed with data and with fsdp + tensor."""
     from jaxattn import train as trainer
 
     ref = trainer.run(_CLI_FLAGS + ["--steps", "3"])["losses"]
-    for mesh, m in (("stage=2,data=4", "2"), ("stage=2,fsdp=2,tensor=2", "4")):
-        out = trainer.run(_CLI_FLAGS + ["--steps", "3", "--mesh", mesh, "--microbatches", m])
-        np.testing.assert_allclose(out["losses"], ref, rtol=0, atol=1e-5)
+    out = trainer.run(_CLI_FLAGS + ["--steps", "3", "--mesh", mesh, "--microbatches", m])
+    np.testing.assert_allclose(out["losses"], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device():
+    """Stages composed with the step's other options: ``--grad-accum 2`` (the stage loop inside the accumulation
+    scan), ``--offload-optimizer`` and ``--loss fused`` give one device's losses within 1e-5."""
+    from jaxattn import train as trainer
+
+    flags = _CLI_FLAGS + ["--steps", "3", "--grad-accum", "2", "--batch-size", "16"]
+    ref = trainer.run(flags)["losses"]
+    for extra in (
+        ["--mesh", "stage=2,data=4"],
+        ["--mesh", "stage=2,fsdp=4", "--offload-optimizer"],
+        ["--mesh", "stage=2,data=4", "--loss", "fused"],
+    ):
+        out = trainer.run(flags + extra + ["--microbatches", "2"])["losses"]
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5, err_msg=str(extra))
 
 
 def test_cli_circular_schedule_trains_like_one_device(tmp_path):
