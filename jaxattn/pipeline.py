@@ -32,10 +32,11 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import model
+from .spec.params import TENSOR_PARALLEL_AXES
 from .spec.pipeline import bubble_fraction, check_pipeline
 
 __all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "pipelined", "pipelining"]
@@ -44,12 +45,24 @@ STAGE_AXIS = "stage"
 
 
 def pipelined(
-    layer: Callable, x, stacked, side, *, mesh: Mesh, microbatches: int, virtual: int = 1, axis: str = STAGE_AXIS
+    layer: Callable,
+    x,
+    stacked,
+    side,
+    *,
+    mesh: Mesh,
+    microbatches: int,
+    virtual: int = 1,
+    axis: str = STAGE_AXIS,
+    gather_once: bool = False,
 ):
     """``layer`` (``(h, params_of_one_layer, side) -> h``) applied over the stacked layers ``stacked`` (leaves
     ``[n_layers, ...]``), pipelined over ``mesh``'s ``axis`` with ``virtual`` chunks per stage (1: GPipe, > 1:
     circular): equal to ``lax.scan`` over all layers. ``x`` ``[B, ...]``; ``side``: a pytree of per-row inputs
-    ``[B, ...]`` (RoPE tables, segment ids; None leaves kept) that follow their rows into the micro-batches."""
+    ``[B, ...]`` (RoPE tables, segment ids; None leaves kept) that follow their rows into the micro-batches.
+    ``gather_once``: each stage's weights gathered whole over the mesh's other axes (tensor parallel kept) once per
+    step, before the loop, instead of once per trip inside it (MaxText's ``pipeline_fsdp_ag_once``; torch's twin is
+    FSDP2's ``reshard_after_forward=False``): FSDP traffic for memory."""
     p, m, v = mesh.shape[axis], microbatches, virtual
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     batch = x.shape[0]
@@ -57,6 +70,9 @@ def pipelined(
     k = n_layers // (p * v)  # layers per chunk
     if v > 1:  # chunk c = r p + s (layers [c k, (c + 1) k)) runs on stage s in round r: [L] -> stage-major
         stacked = jax.tree.map(lambda a: a.reshape(v, p, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape), stacked)
+
+    if gather_once:
+        stacked = {k: _gathered(w, k, mesh, axis) for k, w in stacked.items()}
 
     def split(a):  # [B, ...] -> [m, B/m, ...], micro-batch j = rows j, j + m, ...: a row-sharded batch splits
         return a.reshape(batch // m, m, *a.shape[1:]).swapaxes(0, 1)  # in place, no rows move between devices
@@ -106,15 +122,33 @@ def pipelined(
     )(x, stacked, side)
 
 
+def _gathered(w, name: str, mesh: Mesh, axis: str):
+    """Stacked layer weight ``name`` constrained to its layers over ``axis`` and its tensor-parallel dimensions over
+    ``tensor`` only (every other axis gathered); a weight the model does not name is left alone."""
+    axes = model.PARAM_AXES.get(name)
+    if axes is None or len(axes) != w.ndim:
+        return w
+    spec = []
+    for d, a in zip(w.shape, axes):
+        mesh_axis = axis if a == "layers" else "tensor" if a in TENSOR_PARALLEL_AXES else None
+        spec.append(mesh_axis if mesh_axis in mesh.shape and d % mesh.shape[mesh_axis] == 0 else None)
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*spec)))
+
+
 @contextlib.contextmanager
-def pipelining(mesh: Mesh, microbatches: int, virtual: int = 1, axis: str = STAGE_AXIS) -> Iterator[None]:
+def pipelining(
+    mesh: Mesh, microbatches: int, virtual: int = 1, axis: str = STAGE_AXIS, gather_once: bool = False
+) -> Iterator[None]:
     """Within the block, every trace of ``Llama`` runs its decoder layers through :func:`pipelined` over ``mesh``'s
     ``axis`` (the model's ``LAYER_STACK`` seam; the model knows no mesh); ``virtual`` > 1: the circular schedule."""
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no {axis!r} axis (axes: {tuple(mesh.shape)}); pipelining needs one")
 
     def run(layer, x, stacked, side):
-        return pipelined(layer, x, stacked, side, mesh=mesh, microbatches=microbatches, virtual=virtual, axis=axis)
+        return pipelined(
+            layer, x, stacked, side, mesh=mesh, microbatches=microbatches, virtual=virtual, axis=axis,
+            gather_once=gather_once,
+        )  # fmt: skip
 
     token = model.LAYER_STACK.set(run)
     try:

@@ -466,6 +466,7 @@ class TrainSharding:
     grad_accum: int = 1
     microbatches: int = 1  # pipeline micro-batches per (accumulation) batch, with a ``stage`` axis > 1
     virtual: int = 1  # pipeline chunks per stage: 1 GPipe, > 1 the circular schedule (jaxattn.pipeline)
+    gather_once: bool = False  # each stage's weights gathered once per step, not once per trip (jaxattn.pipeline)
 
     @property
     def in_shardings(self) -> tuple:
@@ -483,7 +484,9 @@ class TrainSharding:
 
         stack = contextlib.ExitStack()
         stack.enter_context(activation_sharding(self.mesh))
-        stack.enter_context(pipeline.pipelining(self.mesh, self.microbatches, self.virtual))
+        stack.enter_context(
+            pipeline.pipelining(self.mesh, self.microbatches, self.virtual, gather_once=self.gather_once)
+        )
         return stack
 
     def check_batch_size(self, batch_size: int) -> None:
@@ -506,6 +509,7 @@ def shard_train_state(
     offload_optimizer: bool = False,
     microbatches: int = 1,
     virtual: int = 1,
+    gather_once: bool = False,
 ):
     """``(tx, state, sharding)`` for ``make_train_step(graphdef, tx, sharding=sharding)``: the mesh checked against
     the model config and ``batch_size`` (ValueError naming the value, before any compile; with a ``stage`` axis the
@@ -532,5 +536,5 @@ def shard_train_state(
     return (
         tx,
         jax.device_put(state, sh),
-        TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum, microbatches, virtual),
+        TrainSharding(mesh, sh, batch_sharding(mesh), grad_accum, microbatches, virtual, gather_once),
     )

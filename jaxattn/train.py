@@ -132,6 +132,7 @@ class Trainer:
                     offload_optimizer=args.offload_optimizer,
                     microbatches=args.microbatches,
                     virtual=args.pp_virtual,
+                    gather_once=args.pp_gather_once,
                 )
             except ValueError as e:
                 flag = "--offload-optimizer" if "offload_optimizer" in str(e) else f"--mesh {args.mesh!r}"

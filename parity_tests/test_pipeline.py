@@ -229,7 +229,7 @@ def test_cli_stage_meshes_train_like_one_device(mesh, m):
 @pytest.mark.slow
 def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device():
     """Stages composed with the step's other options: ``--grad-accum 2`` (the stage loop inside the accumulation
-    scan), ``--offload-optimizer`` and ``--loss fused`` give one device's losses within 1e-5."""
+    scan), ``--offload-optimizer``, ``--loss fused`` and ``--pp-gather-once`` give one device's losses within 1e-5."""
     from jaxattn import train as trainer
 
     flags = _CLI_FLAGS + ["--steps", "3", "--grad-accum", "2", "--batch-size", "16"]
@@ -238,6 +238,7 @@ def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device
         ["--mesh", "stage=2,data=4"],
         ["--mesh", "stage=2,fsdp=4", "--offload-optimizer"],
         ["--mesh", "stage=2,data=4", "--loss", "fused"],
+        ["--mesh", "stage=2,fsdp=2,tensor=2", "--pp-gather-once"],
     ):
         out = trainer.run(flags + extra + ["--microbatches", "2"])["losses"]
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5, err_msg=str(extra))
@@ -302,6 +303,7 @@ def test_cli_two_processes_with_stages_across_them_like_one_of_eight(tmp_path):
         (["--mesh", "stage=8", "--microbatches", "2"], "--mesh 'stage=8': stages: 2 layers do not split into 8"),
         (["--mesh", "stage=2,data=4", "--microbatches", "4"], "--microbatches 4: a micro-batch of 2 rows"),
         (["--pp-schedule", "gpipe"], "--pp-schedule schedules pipeline stages: it needs --mesh with stage=N, N > 1"),
+        (["--mesh", "stage=2,data=4", "--pp-gather-once"], "--pp-gather-once keeps FSDP-gathered stage weights: it n"),
         (["--mesh", "stage=2,data=4", "--pp-schedule", "1f1b"], "--pp-schedule 1f1b: the JAX pipeline runs gpipe or"),
         (["--mesh", "stage=2,data=4", "--pp-virtual", "2"], "--pp-virtual: virtual=2: virtual stages are the inter"),
         (
@@ -379,10 +381,11 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
-    """torchrun 4 ranks: ``--parallel pp+fsdp`` (2 stages, each FSDP2-sharded over 2 ranks that take half the rows
-    each) and ``--parallel pp+tp`` (2 stages, each tensor-parallel over 2 ranks) log the one-process losses and
-    held-out loss within 1e-5; the ``pp+fsdp`` checkpoint (the stages' shards gathered whole by name) resumes in one
-    process with the uninterrupted losses, and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
+    """torchrun 4 ranks: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each FSDP2-sharded over 2 ranks that
+    take half the rows each, the gathered weights kept for the step) and ``--parallel pp+tp`` (2 stages, each
+    tensor-parallel over 2 ranks) log the one-process losses and held-out loss within 1e-5; the ``pp+fsdp``
+    checkpoint (the stages' shards gathered whole by name) resumes in one process with the uninterrupted losses,
+    and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
     import json
     import shutil
 
@@ -393,11 +396,11 @@ def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_pa
     argv += ["--eval-data", "README.md"]
     one = tt.run(argv + ["--steps", "4"])
     held_out = tt.run(argv + ["--steps", "2"])["evals"][-1]  # the held-out loss after step 2
-    for mode in ("pp+fsdp", "pp+tp"):
+    for mode, extra in (("pp+fsdp", ["--pp-gather-once"]), ("pp+tp", [])):
         log, ck = tmp_path / f"{mode}.jsonl", tmp_path / mode
         torchrun(
             "-m", "torchref.train", "--parallel", mode, "--steps", "2", "--log-json", str(log), "--checkpoint-dir",
-            str(ck), *argv, *micro, nproc=4,
+            str(ck), *argv, *micro, *extra, nproc=4,
         )  # fmt: skip
         np.testing.assert_allclose(jsonl_losses(log), one["losses"][:2], rtol=0, atol=1e-5)
         evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_loss" in r]
@@ -454,6 +457,7 @@ def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_proc
     [
         (["--microbatches", "2"], "--microbatches 2 splits each batch for pipeline stages: it needs --parallel pp"),
         (["--pp-stages", "2"], r"--pp-stages sets the pipeline ranks of --parallel pp\+fsdp / pp\+tp"),
+        (["--parallel", "pp", "--packing", "bucket", "--pp-gather-once"], r"it needs --parallel pp\+fsdp"),
         (["--parallel", "pp", "--packing", "bucket", "--pp-stages", "1"], "--pp-stages 1: expected the rank count 2"),
         (
             ["--parallel", "pp+fsdp", "--packing", "bucket", "--pp-stages", "2"],

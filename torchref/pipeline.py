@@ -73,7 +73,9 @@ class Pipeline:
     backward and returns the loss on the last stage's rank (None elsewhere). ``mesh``: a 2-D ``DeviceMesh``
     ``("pp", "dp_shard" | "tp")`` whose second dimension shards each stage (``shard``: ``"fsdp"`` — FSDP2 over
     that dimension — or ``"tp"``, applied to the stage modules before the library wraps them, torchtitan's order);
-    None: every rank is one pipeline rank."""
+    None: every rank is one pipeline rank. ``gather_once`` (fsdp): FSDP2 keeps each layer's gathered weights from
+    its forward to the step's end (``reshard_after_forward=False``, torchtitan's setting under pipelining) instead
+    of regathering them for every micro-batch."""
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class Pipeline:
         device=None,
         mesh=None,
         shard: str | None = None,
+        gather_once: bool = False,
     ):
         from torch.distributed import pipelining as pp
 
@@ -103,7 +106,7 @@ class Pipeline:
         self.n_stages, self.pp_size, self.mesh, self.shard = n_stages, world, mesh, shard
         self.modules = [StageModule(model, i, n_stages) for i in self.indices]
         for m in self.modules if shard is not None else ():
-            _shard_stage(m, shard, mesh[mesh.mesh_dim_names[1]])
+            _shard_stage(m, shard, mesh[mesh.mesh_dim_names[1]], gather_once)
         stages = [pp.PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(self.modules, self.indices)]
         self.first = 0 in self.indices
         self.last = n_stages - 1 in self.indices
@@ -256,7 +259,7 @@ class Pipeline:
         return float(t.item()) / (dist.get_world_size() // self.pp_size)
 
 
-def _shard_stage(stage: StageModule, shard: str, mesh) -> None:
+def _shard_stage(stage: StageModule, shard: str, mesh, gather_once: bool = False) -> None:
     """``shard`` (``"fsdp"``: FSDP2 per layer and over the stage, fp32 gradient reduction, as ``--parallel
     fsdp``; ``"tp"``: ``torchref.parallel``'s tensor-parallel plan on the stage's layers and its ends) over the
     1-D ``mesh``."""
@@ -265,7 +268,7 @@ def _shard_stage(stage: StageModule, shard: str, mesh) -> None:
     if shard == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32), reshard_after_forward=not gather_once)
         for layer in stage.layers:
             fully_shard(layer, mesh=mesh, **kw)
         fully_shard(stage, mesh=mesh, **kw)

@@ -208,6 +208,7 @@ class Trainer:
                     device=self.device,
                     mesh=mesh,
                     shard=shard,
+                    gather_once=self.args.pp_gather_once,
                 )
             except ValueError as e:
                 raise CLIError(f"--parallel {mode} --pp-schedule {self.args.pp_schedule}: {e}") from None

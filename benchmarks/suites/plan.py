@@ -52,27 +52,36 @@ POD_GRID = tuple(
 # Pipeline stages (issue: model parallel): (topology, preset, mesh, loss, microbatches, virtual) on H100s at one
 # sequence of 4096 per device — the 8b stage=8 step over 1..8 micro-batches (the bubble / memory plot), the
 # circular schedule, the fused loss (the head runs outside the stages), stage x FSDP / tensor on 8 GPUs, the 70b
-# shape, and 64 GPUs with the stages across the 8 hosts and FSDP or tensor parallel inside each
+# shape, and 64 GPUs with the stages across the 8 hosts and FSDP or tensor parallel inside each; the last field:
+# each stage's weights gathered once per step (``gather_once``) instead of per trip
 STAGE_GRID = (
-    tuple(("1x1x8", "8b", "stage=8", "dense", m, 1) for m in (1, 2, 4, 8))
-    + (("1x1x8", "8b", "stage=8", "dense", 8, 2), ("1x1x8", "8b", "stage=8", "fused", 8, 1))
-    + tuple(("1x1x8", "8b", "stage=4,fsdp=2", "dense", m, 1) for m in (1, 2, 4))
-    + (("1x1x8", "8b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1),)
-    + tuple(("1x1x8", "70b", mesh, "dense", m, 1) for mesh, m in (("stage=8", 8), ("stage=4,fsdp=2", 4)))
-    + (("1x1x8", "70b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1),)
-    + tuple(("1x8x8", p, mesh, "dense", 8, 1) for p in ("8b", "70b") for mesh in ("stage=8,fsdp=8", "stage=8,tensor=8"))
-    + (("1x8x8", "70b", "stage=8,fsdp=8", "dense", 8, 2),)
+    tuple(("1x1x8", "8b", "stage=8", "dense", m, 1, False) for m in (1, 2, 4, 8))
+    + (("1x1x8", "8b", "stage=8", "dense", 8, 2, False), ("1x1x8", "8b", "stage=8", "fused", 8, 1, False))
+    + tuple(("1x1x8", "8b", "stage=4,fsdp=2", "dense", m, 1, False) for m in (1, 2, 4))
+    + (
+        ("1x1x8", "8b", "stage=4,fsdp=2", "dense", 4, 1, True),
+        ("1x1x8", "8b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1, False),
+    )
+    + tuple(("1x1x8", "70b", mesh, "dense", m, 1, False) for mesh, m in (("stage=8", 8), ("stage=4,fsdp=2", 4)))
+    + (("1x1x8", "70b", "stage=2,fsdp=2,tensor=2", "dense", 4, 1, False),)
+    + tuple(
+        ("1x8x8", p, mesh, "dense", 8, 1, False)
+        for p in ("8b", "70b")
+        for mesh in ("stage=8,fsdp=8", "stage=8,tensor=8")
+    )
+    + (("1x8x8", "8b", "stage=8,fsdp=8", "dense", 8, 1, True), ("1x8x8", "70b", "stage=8,fsdp=8", "dense", 8, 2, False))
 )
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9}  # bytes per GPU (the "80 GB" of the name)
-# (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual)
+# (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual, gather_once)
 FULL_GRID = (
-    tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096, 1, 1) for p, m, r, loss in GRID)
+    tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096, 1, 1, False) for p, m, r, loss in GRID)
     + tuple(
-        (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1) for t, topo, p, m in POD_GRID
+        (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False)
+        for t, topo, p, m in POD_GRID
     )
     + tuple(
-        ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v)
-        for topo, p, mesh, loss, mb, v in STAGE_GRID
+        ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v, go)
+        for topo, p, mesh, loss, mb, v, go in STAGE_GRID
     )
 )
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
@@ -205,6 +214,7 @@ def compile_plan(
     topology: str = "1x1x8",
     microbatches: int = 1,
     virtual: int = 1,
+    gather_once: bool = False,
 ):
     """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs`` (deviceless
     GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record. A
@@ -247,7 +257,9 @@ def compile_plan(
         ),
         {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sh)},
     )
-    plan = sharding.TrainSharding(mesh, state_sh, batch_sh, microbatches=microbatches, virtual=virtual)
+    plan = sharding.TrainSharding(
+        mesh, state_sh, batch_sh, microbatches=microbatches, virtual=virtual, gather_once=gather_once
+    )
     step = make_train_step(graphdef, tx, policy="bf16", sharding=plan, loss=loss)
     t0 = time.perf_counter()
     tpu = devs[0].platform == "tpu"
@@ -301,12 +313,12 @@ def compile_plan(
             "n_layers": cfg.n_layers,
             **({"pipeline": pipe} if pipe else {}),
         },
-        **({} if stages == 1 else {"microbatches": microbatches, "schedule": _schedule(virtual)}),
+        **({} if stages == 1 else {"microbatches": microbatches, "schedule": _schedule(virtual, gather_once)}),
     )
 
 
-def _schedule(virtual: int) -> str:
-    return "gpipe" if virtual == 1 else f"circular v={virtual}"
+def _schedule(virtual: int, gather_once: bool = False) -> str:
+    return ("gpipe" if virtual == 1 else f"circular v={virtual}") + (", gather once" if gather_once else "")
 
 
 def pipeline_bubble(hlo: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
@@ -347,9 +359,11 @@ def _unavailable(target: str) -> str | None:
 def run(quick: bool = False) -> list:
     """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID` and :data:`STAGE_GRID`
     (quick: ``tiny`` at seq 128 on :data:`PLANS`, 8 H100s)."""
-    grid = tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1) for p in PLANS) if quick else FULL_GRID
+    grid = (
+        tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1, False) for p in PLANS) if quick else FULL_GRID
+    )
 
-    def row(target, topology, preset, spec, remat, loss, batch, seq, mb, v, **status):  # a record compiling nothing
+    def row(target, topology, preset, spec, remat, loss, batch, seq, mb, v, go, **status):  # compiled nothing
         return dict(
             framework="jax",
             impl="sharding-plan",
@@ -361,13 +375,13 @@ def run(quick: bool = False) -> list:
             loss=loss,
             batch=batch,
             seq=seq,
-            **({"microbatches": mb, "schedule": _schedule(v)} if "stage=" in spec else {}),
+            **({"microbatches": mb, "schedule": _schedule(v, go)} if "stage=" in spec else {}),
             **status,
         )
 
     records = []
     for g in grid:
-        target, topology, preset, spec, remat, loss, batch, seq, mb, v = g
+        target, topology, preset, spec, remat, loss, batch, seq, mb, v, go = g
         reason = _unavailable(target)
         if reason is not None:
             records.append(row(*g, status="skipped", reason=reason))
@@ -375,7 +389,18 @@ def run(quick: bool = False) -> list:
         try:
             devs = _pod_devices(target, topology)
             rec = compile_plan(
-                devs, spec, preset, batch, seq, remat, loss, target, topology, microbatches=mb, virtual=v
+                devs,
+                spec,
+                preset,
+                batch,
+                seq,
+                remat,
+                loss,
+                target,
+                topology,
+                microbatches=mb,
+                virtual=v,
+                gather_once=go,
             )
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
@@ -387,7 +412,7 @@ def run(quick: bool = False) -> list:
                 rec = row(*g, status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         print(
             f"  plan {target}:{topology} {preset} {spec} remat={remat} loss={loss}"
-            + (f" microbatches={mb} {_schedule(v)}" if "stage=" in spec else "")
+            + (f" microbatches={mb} {_schedule(v, go)}" if "stage=" in spec else "")
             + f": {rec.get('status')} "
             f"{rec.get('summary', rec.get('error', rec.get('required_temp_gib', '')))}",
             flush=True,

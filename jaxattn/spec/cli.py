@@ -224,6 +224,13 @@ FLAGS: tuple[Flag, ...] = (
         metavar="V",
     ),
     Flag(
+        "--pp-gather-once",
+        "keep each pipeline stage's FSDP-gathered weights for the whole step instead of regathering them per "
+        "micro-batch (JAX: one gather before the stage loop, needs --mesh stage=N with fsdp; torch: FSDP2 "
+        "reshard_after_forward=False, needs --parallel pp+fsdp): FSDP traffic for memory",
+        action="store_true",
+    ),
+    Flag(
         "--offload-optimizer",
         "keep the optimizer state in host memory (JAX: pinned_host, needs --mesh, e.g. "
         "--mesh data=1 on one device; torch: FSDP2 CPUOffloadPolicy, needs --parallel fsdp or "
@@ -367,6 +374,8 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
     _check_schedule(args, "torch", args.parallel in PP_MODES)
+    if args.pp_gather_once and args.parallel != "pp+fsdp":
+        raise CLIError("--pp-gather-once keeps FSDP-gathered stage weights: it needs --parallel pp+fsdp")
     if args.parallel not in PP_MODES:
         if m > 1:
             raise CLIError(f"--microbatches {m} splits each batch for pipeline stages: it needs --parallel pp")
@@ -438,6 +447,8 @@ def _check_microbatches(args: argparse.Namespace) -> None:
         raise _err("--microbatches", m, "expected an int >= 1")
     stages = 1 if args.mesh is None else _mesh_axis(args.mesh, "stage")
     _check_schedule(args, "jax", stages > 1)
+    if args.pp_gather_once and (stages == 1 or _mesh_axis(args.mesh, "fsdp") == 1):
+        raise CLIError("--pp-gather-once keeps FSDP-gathered stage weights: it needs --mesh with stage=N and fsdp=M")
     if m > 1 and stages == 1:
         raise CLIError(
             f"--microbatches {m} splits each batch for pipeline stages: it needs --mesh with stage=N, N > 1 "
