@@ -189,7 +189,8 @@ def pipeline_section() -> list[str]:
         "the cotangents back). Idle = the stage loop's `trips − v·m` over its `trips` (XLA's trip count) beside "
         "`(p − 1) / (v·m + p − 1)`. Other = every other collective per step (all-gather / all-reduce / "
         "reduce-scatter / all-to-all / permutes outside the loop): FSDP's gathers run inside the stage loop, "
-        "once per trip; the circular schedule regathers the stages' strided layer chunks each step."
+        "once per trip (`gather once`, `--pp-gather-once`: once per step before it, the gradients then all-reduced "
+        "per trip); the circular schedule regathers the stages' strided layer chunks each step."
         + (f" Plot: [`{plot}`]({plot})." if os.path.exists(os.path.join(ROOT, plot)) else ""),
         "",
         "| devices | mesh | preset | schedule | micro-batches | loss | peak GiB / device | hand-offs GiB / step: "
