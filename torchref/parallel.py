@@ -32,7 +32,7 @@ from torch import nn
 
 from jaxattn.spec import params
 
-__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "dp_size", "tp_plan"]
+__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "row_block", "dp_size", "tp_plan", "apply_tp"]
 
 MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
 
@@ -72,9 +72,15 @@ def local_rows(batch: dict, mode: str, mesh) -> dict:
     """This rank's rows of a global batch (consecutive blocks, rank order); ValueError if they do not divide."""
     n = dp_size(mode, mesh)
     rank = 0 if n == 1 else (mesh["dp"].get_local_rank() if mode == "fsdp+tp" else mesh.get_local_rank())
+    return row_block(batch, n, rank, f"the {n} data-parallel ranks ({mode})")
+
+
+def row_block(batch: dict, n: int, rank: int, ranks: str) -> dict:
+    """Block ``rank`` of ``n`` equal consecutive row blocks of every array in ``batch`` (None kept); ValueError
+    naming ``ranks`` (who shares the rows) when the rows do not divide."""
     b = batch["tokens"].shape[0]
     if b % n:
-        raise ValueError(f"batch size {b} is not divisible by the {n} data-parallel ranks ({mode})")
+        raise ValueError(f"batch size {b} is not divisible by {ranks}")
     m = b // n
     return {k: None if v is None else v[rank * m : (rank + 1) * m] for k, v in batch.items()}
 

@@ -24,6 +24,7 @@ from torch import nn
 from jaxattn.spec.pipeline import SCHEDULES, check_pipeline, virtual_stages
 from jaxattn.spec.remat import check_remat
 
+from . import parallel
 from .model import LlamaForCausalLM, rope_cos_sin
 from .remat import run_layer
 
@@ -128,11 +129,8 @@ class Pipeline:
         """This rank's rows of a host batch: a block per FSDP rank (``pp+fsdp``), all of them otherwise."""
         if self.dp == 1:
             return batch
-        n, i = self.dp, self.mesh["dp_shard"].get_local_rank()
-        b = batch["tokens"].shape[0]
-        if b % n:
-            raise ValueError(f"batch: {b} rows do not split over the {n} FSDP ranks of each stage")
-        return {k: None if v is None else v[i * (b // n) : (i + 1) * (b // n)] for k, v in batch.items()}
+        rank = self.mesh["dp_shard"].get_local_rank()
+        return parallel.row_block(batch, self.dp, rank, f"the {self.dp} FSDP ranks of each stage")
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
@@ -263,8 +261,6 @@ def _shard_stage(stage: StageModule, shard: str, mesh, gather_once: bool = False
     """``shard`` (``"fsdp"``: FSDP2 per layer and over the stage, fp32 gradient reduction, as ``--parallel
     fsdp``; ``"tp"``: ``torchref.parallel``'s tensor-parallel plan on the stage's layers and its ends) over the
     1-D ``mesh``."""
-    from . import parallel
-
     if shard == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -190,7 +190,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
             model.to(self.device)
         if mode in PP_MODES:
-            mesh, shard = None, None
+            mesh, shard, self.whole = None, None, model  # pp: the stages share the model's parameters
             if mode != "pp":  # (stages, ranks sharding each stage); the whole model kept plain for eval / export
                 from torch.distributed.device_mesh import init_device_mesh
 
@@ -293,9 +293,8 @@ class Trainer:
     def synced_model(self):
         """Pipeline modes: a plain whole model holding every stage's current weights, on every rank (``pp``: the
         model itself, whose stages share its parameters; ``pp+fsdp`` / ``pp+tp``: the plain copy kept for this)."""
-        whole = getattr(self, "whole", self.model)
-        self.pipe.sync_model(whole, self.model)
-        return whole
+        self.pipe.sync_model(self.whole, self.model)
+        return self.whole
 
     def save(self, step: int) -> None:
         model_sd, optim_sd = self.full_state_dicts()
