@@ -7,7 +7,9 @@
 
 Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head, with
 the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
-parameters those of the table ``jaxattn.spec.params``. The model computes in its parameters' dtype (a precision
+parameters those of the table ``jaxattn.spec.params``. Mixtral / Qwen3-MoE configs (``cfg.n_experts > 0``) swap the
+MLP for ``jaxattn.moe.moe_block`` (Qwen3 also normalises each query / key head); ``model(tokens, moe_stats=True)``
+then also returns the router's losses and loads (``jaxattn.moe.moe_losses``). The model computes in its parameters' dtype (a precision
 policy casts the state from outside); norm statistics, softmax and logits are float32.
 
 Seams for outside code, nothing more: logical axis names on every ``nnx.Param``; ``checkpoint_name`` tags
@@ -32,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .attention import dot_product_attention
 from .config import ModelConfig
 from .kv_cache import KVCache, cached_attention
+from .moe import moe_block, moe_losses
 from .quant import QArray, matmul
 from .remat import wrap_layer
 from .spec import params
@@ -39,7 +42,7 @@ from .spec.batch import check_logits_at, check_logits_at_values, check_model_inp
 
 # Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
-LAYER_PARAMS: tuple[str, ...] = tuple(r.name for r in params.layer_rows())
+LAYER_PARAMS: tuple[str, ...] = tuple(r.name for r in params.layer_rows())  # every config's: see layer_rows(cfg)
 PARAM_AXES: dict[str, tuple[str, ...]] = {r.name: r.jax_axes for r in params.ROWS}
 
 # Logical axis names of the activations the model constrains (see ``constrain``).
@@ -93,11 +96,19 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes: tuple):
 LAYER_STACK: contextvars.ContextVar = contextvars.ContextVar("jaxattn_layer_stack", default=None)
 
 
-def run_layers(layer, x: jax.Array, stacked: dict, side) -> jax.Array:
-    """``layer(h, p, side)`` applied over the stacked layers (leaves ``[n_layers, ...]``), in order."""
+def run_layers(layer, x: jax.Array, stacked: dict, side, stats: bool = False):
+    """``layer(h, p, side)`` applied over the stacked layers (leaves ``[n_layers, ...]``), in order. ``stats``: the
+    layer returns ``(h, per-layer stats)`` (an MoE's router sums) and this returns ``(h, stats stacked)``."""
     hook = LAYER_STACK.get()
     if hook is not None:
+        if stats:
+            raise NotImplementedError(
+                "Mixture-of-Experts layers inside pipeline stages are not supported yet (the stage loop carries "
+                "hidden states only, not the router statistics); use a mesh without a stage axis"
+            )
         return hook(layer, x, stacked, side)
+    if stats:
+        return jax.lax.scan(lambda h, p: layer(h, p, side), x, stacked)
     return jax.lax.scan(lambda h, p: (layer(h, p, side), None), x, stacked)[0]
 
 
@@ -142,6 +153,8 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     q = checkpoint_name(matmul(x, p["wq"]), "query_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
     k = checkpoint_name(matmul(x, p["wk"]), "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is None:
         o = per_shard(
@@ -163,16 +176,24 @@ def mlp_block(x, p):
     return matmul(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"), p["w_down"])
 
 
-def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
+def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None, moe_mask=None):
     """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters. With ``kv`` (this layer's
-    cache, see ``attention_block``) returns ``(x, (k_cache, v_cache))``."""
+    cache, see ``attention_block``) returns ``(x, (k_cache, v_cache))``; else an MoE layer returns ``(x, stats)``
+    (``jaxattn.moe.moe_block``'s router sums over the tokens ``moe_mask`` keeps) and a dense one ``x``."""
     a = attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids, kv)
     if kv is not None:
         a, kv = a
     x = x + a
-    x = x + mlp_block(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
-    x = checkpoint_name(x, "decoder_layer_output")
-    return x if kv is None else (x, kv)
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    stats = None
+    if cfg.is_moe:
+        h, stats = moe_block(h, p, cfg, moe_mask)
+    else:
+        h = mlp_block(h, p)
+    x = checkpoint_name(x + h, "decoder_layer_output")
+    if kv is not None:
+        return x, kv
+    return x if stats is None else (x, stats)
 
 
 def set_value(variable: nnx.Variable, value) -> None:
@@ -242,10 +263,15 @@ class Llama(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
+        *,
+        moe_stats: bool = False,
+        moe_mask: jax.Array | None = None,
     ):
-        """Final-norm hidden states ``[B, S, dim]`` (``(hidden, kv_cache')`` with a cache); see the class doc."""
+        """Final-norm hidden states ``[B, S, dim]`` (``(hidden, kv_cache')`` with a cache, ``(hidden, moe)`` with
+        ``moe_stats``); see the class doc."""
         cfg = self.config
         check_model_inputs(tokens, positions, segment_ids, arg="tokens")
+        _check_moe_args(cfg, tokens, cache, moe_stats, moe_mask)
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
             check_token_ids(tokens, cfg.vocab_size, arg="tokens")
         b, s = tokens.shape
@@ -260,16 +286,22 @@ class Llama(nnx.Module):
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
 
         def layer(x, p, side):
-            cos, sin, seg = side
-            return decoder_layer(x, p, cos, sin, cfg, seg)
+            cos, sin, seg, mask = side
+            return decoder_layer(x, p, cos, sin, cfg, seg, moe_mask=mask)
 
         layer = wrap_layer(layer, self.remat, "Llama.remat")  # jax.checkpoint with the named policy (jaxattn.remat)
         stacked = {r.name: getattr(self.layers, r.name)[...] for r in params.layer_rows(cfg)}  # [n_layers, ...]
         table = constrain(self.embed[...], PARAM_AXES["embed"])  # sharded runs: gathered over embed (FSDP-style)
         x = jnp.take(table, jnp.asarray(tokens), axis=0, mode="fill", fill_value=0)  # [B, S, dim]
         x = constrain(x, ACT_AXES)
-        if cache is None:
-            x = run_layers(lambda h, p, side: constrain(layer(h, p, side), ACT_AXES), x, stacked, (cos, sin, seg))
+        mask = None if moe_mask is None else jnp.asarray(moe_mask, bool)
+        stats = None
+        if cache is None and cfg.is_moe:
+            x, stats = run_layers(
+                lambda h, p, side: _constrain_first(layer(h, p, side)), x, stacked, (cos, sin, seg, mask), stats=True
+            )
+        elif cache is None:
+            x = run_layers(lambda h, p, side: constrain(layer(h, p, side), ACT_AXES), x, stacked, (cos, sin, seg, mask))
         else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
 
             def cached_layer(h, xs):
@@ -279,7 +311,9 @@ class Llama(nnx.Module):
             x, (k, v) = jax.lax.scan(cached_layer, x, (stacked, cache.k, cache.v))
             cache = KVCache(k, v, cache.lengths + s)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)  # [B, S, dim]
-        return x if cache is None else (x, cache)
+        if cache is not None:
+            return x, cache
+        return (x, moe_losses(stats, cfg)) if moe_stats else x
 
     def __call__(
         self,
@@ -288,15 +322,20 @@ class Llama(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         logits_at: jax.Array | None = None,
+        *,
+        moe_stats: bool = False,
+        moe_mask: jax.Array | None = None,
     ):
         if logits_at is not None:  # checked first, as in torch's twin (whose cache is written in place)
             check_model_inputs(tokens, positions, segment_ids, arg="tokens")
             check_logits_at(logits_at, tokens.shape)
             if not isinstance(logits_at, _Tracer):
                 check_logits_at_values(logits_at, tokens.shape[-1])
-        x = self.features(tokens, positions, segment_ids, cache)  # [B, S, dim]
+        x = self.features(tokens, positions, segment_ids, cache, moe_stats=moe_stats, moe_mask=moe_mask)  # [B, S, dim]
         if cache is not None:
             x, cache = x
+        elif moe_stats:
+            x, moe = x
         if logits_at is not None:  # only the kept positions reach the head
             x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, :, None], axis=1)  # [B, K, dim]
         if self.config.tie_embeddings:
@@ -306,8 +345,26 @@ class Llama(nnx.Module):
         else:
             logits = jnp.dot(x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
         logits = constrain(logits, LOGITS_AXES)  # [B, S or K, vocab]
-        return logits if cache is None else (logits, cache)
+        if cache is not None:
+            return logits, cache
+        return (logits, moe) if moe_stats else logits
 
 
 # Hugging Face's (and torchref's) class name; both names work in both packages.
 LlamaForCausalLM = Llama
+
+
+def _constrain_first(out):
+    x, stats = out
+    return constrain(x, ACT_AXES), stats
+
+
+def _check_moe_args(cfg: ModelConfig, tokens, cache, moe_stats, moe_mask) -> None:
+    if not isinstance(moe_stats, bool):
+        raise ValueError(f"moe_stats must be True or False, got {moe_stats!r}")
+    if moe_stats and not cfg.is_moe:
+        raise ValueError("moe_stats=True needs a Mixture-of-Experts config (n_experts > 0); this model is dense")
+    if moe_stats and cache is not None:
+        raise ValueError("moe_stats=True cannot be combined with a KV cache (router statistics are for training)")
+    if moe_mask is not None and tuple(jnp.shape(moe_mask)) != tuple(tokens.shape):
+        raise ValueError(f"moe_mask must be [B, S] like tokens {tuple(tokens.shape)}, got {tuple(jnp.shape(moe_mask))}")

@@ -69,6 +69,7 @@ RULES: dict[str, str | None] = {
     **{a: "tensor" for a in params.TENSOR_PARALLEL_AXES},
     "embed": "fsdp",
     "head_dim": None,
+    "experts": None,  # an MoE's experts: replicated (an ``expert`` mesh axis is expert parallelism's)
     "layers": "stage",  # pipeline stages (jaxattn.pipeline): each holds its contiguous share of the layers
 }
 # logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole

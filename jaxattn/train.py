@@ -44,7 +44,7 @@ from .spec import optim as spec_optim
 from .spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
 from .spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
 from .spec.eval import EvalResult, eval_batches
-from .spec.runlog import DivergenceGuard, RunLog
+from .spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
 from .train_step import (  # noqa: F401
     BATCH_KEYS,
     CHECK_IDS,
@@ -337,6 +337,7 @@ class Trainer:
                 tokens=tokens,
                 seconds=now - t_last,
                 peak_mem_bytes=peak_memory_bytes(mem_device),
+                **{k: m[k] for k in MOE_KEYS if k in m},  # an MoE's router metrics
             )
             t_last = now
             self.applied += 0 if skipped else 1

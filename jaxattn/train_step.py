@@ -40,6 +40,7 @@ __all__ = [
     "make_train_step",
     "CHECK_IDS",
     "loss_fn",
+    "moe_metrics",
     "loss_weights",
     "loss_denominator",
     "cross_entropy",
@@ -164,16 +165,28 @@ def loss_fn(
     denominator: jax.Array | None = None,
     loss: str = "dense",
     loss_chunk: int = DEFAULT_CHUNK,
-) -> jax.Array:
+    moe_scale: float | None = None,
+):
     """Next-token loss of ``model`` on ``batch`` (inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``);
     ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the model's final hidden states
     (``model.features``) and its LM head (the embedding when tied) go to :func:`jaxattn.fused_ce.fused_cross_entropy`
-    in chunks of ``loss_chunk`` tokens: the same number, never the ``[tokens, vocab]`` logits."""
+    in chunks of ``loss_chunk`` tokens: the same number, never the ``[tokens, vocab]`` logits.
+
+    ``moe_scale`` (training): returns ``(loss, moe)``; for a Mixture-of-Experts model the loss then also holds
+    ``moe_scale * (router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss)`` and ``moe`` the router metrics
+    (:func:`moe_metrics`; ``{}`` for a dense model). The router statistics count the tokens whose segment id is not
+    0 (the data pipeline's padding), all tokens without segment ids."""
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     inputs = dict(positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1])
+    routed = moe_scale is not None and getattr(getattr(model, "config", None), "is_moe", False)
+    if routed:
+        inputs.update(moe_stats=True, moe_mask=None if seg is None else seg[:, :-1] != 0)
+    moe = None
     if loss == "fused":
         hidden = model.features(tokens[:, :-1], **inputs)  # [B, S, dim]
+        if routed:
+            hidden, moe = hidden
         tied = model.config.tie_embeddings
         head = model.embed[...] if tied else model.lm_head[...]  # [vocab, dim] tied, [dim, vocab] untied
         weights = loss_weights(batch)
@@ -193,8 +206,34 @@ def loss_fn(
             (ACT_AXES, (None, None), ("batch", "seq"), ("batch", "seq"), ()),
             ("batch",),
         )
-        return jnp.sum(parts)  # [devices along the batch] partial losses
-    return cross_entropy(model(tokens[:, :-1], **inputs), tokens[:, 1:], loss_weights(batch), denominator)
+        value = jnp.sum(parts)  # [devices along the batch] partial losses
+    else:
+        logits = model(tokens[:, :-1], **inputs)
+        if routed:
+            logits, moe = logits
+        value = cross_entropy(logits, tokens[:, 1:], loss_weights(batch), denominator)
+    if moe_scale is None:
+        return value
+    if moe is None:
+        return value, {}
+    cfg = model.config
+    value = value + moe_scale * (cfg.router_aux_loss_coef * moe["aux_loss"] + cfg.router_z_loss_coef * moe["z_loss"])
+    return value, moe_metrics(moe, cfg)
+
+
+def moe_metrics(moe: Mapping[str, jax.Array], cfg) -> Metrics:
+    """The train step's router metrics from ``jaxattn.moe.moe_losses``: ``aux_loss`` and ``z_loss`` (unweighted),
+    ``expert_load_min`` / ``expert_load_max`` (the least and most loaded expert of any layer, as a multiple of a
+    perfectly balanced share: 1.0 = balanced) and ``dropped_fraction`` (capacity-factor drops)."""
+    load = moe["tokens_per_expert"].astype(jnp.float32)  # [L, E]
+    balanced = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0) / cfg.n_experts
+    return {
+        "aux_loss": moe["aux_loss"],
+        "z_loss": moe["z_loss"],
+        "expert_load_min": jnp.min(load / balanced),
+        "expert_load_max": jnp.max(load / balanced),
+        "dropped_fraction": moe["dropped_fraction"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -241,9 +280,10 @@ def _check_ids_in_jit(tokens: jax.Array, vocab: int) -> None:
 
 
 def _accumulated_grads(grad_fn: Callable, params: nnx.State, batch: Batch, grad_accum: int):
-    """``(sum of grads, sum of losses)`` of ``grad_fn(params, microbatch, denominator)`` over ``grad_accum``
+    """``(sum of grads, sum of aux)`` of ``grad_fn(params, microbatch, denominator)`` over ``grad_accum``
     microbatches (consecutive row blocks of ``batch``), as ONE ``lax.scan`` (one compiled body). The denominator
-    is the WHOLE batch's target weight, so the sums equal the full batch's mean-token loss and its gradient."""
+    is the WHOLE batch's target weight, so the sums equal the full batch's mean-token loss and its gradient (an
+    MoE's router terms are each micro-batch's, weighted ``1 / grad_accum``: their mean, as torch's twin)."""
     denominator = loss_denominator(batch)
     if grad_accum == 1:
         return grad_fn(params, batch, denominator)
@@ -254,7 +294,8 @@ def _accumulated_grads(grad_fn: Callable, params: nnx.State, batch: Batch, grad_
         grads, loss = grad_fn(params, mb, denominator)
         return jax.tree.map(jnp.add, acc, (grads, loss)), None
 
-    zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda v: v[0], split), denominator))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return jax.lax.scan(body, zeros, split)[0]
 
 
@@ -282,10 +323,10 @@ def _train_step(
 
     def scaled_loss(params, mb, denominator):
         model = nnx.merge(graphdef, policy.cast_to_compute(params), state.rest)
-        value = loss_fn(model, mb, denominator, loss, loss_chunk)
-        return ls.scale(value), value
+        value, moe = loss_fn(model, mb, denominator, loss, loss_chunk, moe_scale=1.0 / grad_accum)
+        return ls.scale(value), (value, jax.tree.map(lambda m: m / grad_accum, moe))
 
-    grads, loss_value = _accumulated_grads(jax.grad(scaled_loss, has_aux=True), state.params, batch, grad_accum)
+    grads, (loss_value, moe) = _accumulated_grads(jax.grad(scaled_loss, has_aux=True), state.params, batch, grad_accum)
     finite = ls.all_finite(grads)  # on the SCALED gradients, like GradScaler's kernel
     grads = ls.unscale(grads)
     grad_norm = global_norm(grads)
@@ -300,6 +341,7 @@ def _train_step(
         "grad_norm": grad_norm,
         "loss_scale": ls.loss_scale.astype(jnp.float32),
         "skipped": skipped,
+        **moe,  # an MoE's router metrics (mean over micro-batches): see moe_metrics
     }
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=ls.update(finite))
     return new_state, metrics

@@ -21,9 +21,9 @@ __all__ = [
 
 def layer_params(jmodel, i: int = 0) -> dict:
     """Layer ``i``'s parameters from the stacked JAX layers, as the dict ``decoder_layer`` takes."""
-    from jaxattn.model import LAYER_PARAMS
+    from jaxattn.spec import params
 
-    return {name: getattr(jmodel.layers, name)[...][i] for name in LAYER_PARAMS}
+    return {r.name: getattr(jmodel.layers, r.name)[...][i] for r in params.layer_rows(jmodel.config)}
 
 
 def tokens(rng: np.random.Generator, vocab: int, b: int, s: int) -> np.ndarray:

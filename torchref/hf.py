@@ -1,8 +1,9 @@
 """Checkpoints in and out of ``torchref.model.LlamaForCausalLM``: Hugging Face directories and llama.cpp GGUF files
 (twin of ``jaxattn/hf.py``).
 
-Our module names are HF's, so this is ``load_state_dict`` plus the directory format, which is shared with the
-JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a ``.gguf`` file is read
+Our module names are HF's, so this is ``load_state_dict`` plus the directory format (and, for an MoE, the renames
+of the parameter table: stacked experts <-> one HF tensor per expert, Mixtral's ``block_sparse_moe`` names), which
+is shared with the JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a ``.gguf`` file is read
 and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the dtype stored in the files; names are
 ``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32`` (``spec.dtypes.DTYPE_ALIASES``), or torch dtypes.
 The model is built on the ``meta`` device and the tensors are assigned, so loading a large checkpoint allocates its
@@ -20,13 +21,13 @@ from collections.abc import Mapping
 import safetensors.torch
 import torch
 
-from jaxattn.spec import hf_format
+from jaxattn.spec import hf_format, params
 from jaxattn.spec.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
 from jaxattn.spec.gguf import read_gguf
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM
-from .quant import Int8Linear
+from .quant import QUANTIZED
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -43,11 +44,26 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     )
 
 
+def _renames(config: ModelConfig):
+    """``(torch key, [(HF key, expert index or None)])`` for every parameter whose HF name differs from ours."""
+    for row in params.rows(config):
+        if row.hf_pattern(config) == row.hf and not row.expert:
+            continue
+        for i in range(config.n_layers) if row.per_layer else (None,):
+            at = {} if i is None else {"i": i}
+            experts = range(config.n_experts) if row.expert else (None,)
+            yield row.torch.format(**at), [(row.hf_pattern(config).format(**at, e=e), e) for e in experts]
+
+
 def to_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF-named tensors as HF writes them: ``lm_head.weight`` dropped when embeddings are tied."""
+    """HF-named tensors as HF writes them: ``lm_head.weight`` dropped when embeddings are tied; stacked experts as
+    one tensor per expert."""
     sd = model.state_dict()
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)
+    for key, names in _renames(model.config):
+        w = sd.pop(key)
+        sd.update({name: w if e is None else w[e] for name, e in names})
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
@@ -60,6 +76,9 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dt
         model = LlamaForCausalLM(config)
     wanted = hf_format.expected_shapes(config)
     sd = {k: (v if dt is None else v.to(dt)) for k, v in tensors.items() if k in wanted}
+    for key, names in _renames(config):
+        parts = [sd.pop(name) for name, _ in names]
+        sd[key] = parts[0] if names[0][1] is None else torch.stack(parts)
     if config.tie_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     model.load_state_dict(sd, strict=True, assign=True)
@@ -103,7 +122,7 @@ def save_pretrained(
     """
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"save_pretrained expects a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if any(isinstance(m, QUANTIZED) for m in model.modules()):
         raise hf_format.quantized_model_error("torchref")
     hf_format.check_max_shard_bytes(max_shard_bytes)
     dt = _resolve_dtype(dtype)

@@ -8,7 +8,10 @@
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so ``state_dict()`` keys are HF's
 (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``) and a
 real HF checkpoint loads with ``load_state_dict``. Attention goes through ``torchref.attention`` (SDPA under the
-active ``sdpa_kernel`` backends). Logits are returned in float32.
+active ``sdpa_kernel`` backends). Logits are returned in float32. Mixtral / Qwen3-MoE configs (``n_experts > 0``)
+swap the MLP for ``torchref.moe.MoEBlock`` (HF's ``mlp.gate`` / ``mlp.experts``, experts stacked as in transformers
+5: ``torchref.hf`` maps them to the per-expert tensors of HF files); ``model(ids, moe_stats=True)`` then also returns
+the router's losses and loads (``torchref.moe.moe_losses``).
 
 Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
 skipped while ``torch.compile`` traces). ``remat`` (one of ``jaxattn.spec.remat.REMAT_POLICIES``, set from
@@ -27,6 +30,7 @@ from jaxattn.spec.remat import check_remat
 
 from .attention import dot_product_attention
 from .config import ModelConfig
+from .moe import MoEBlock, moe_losses
 from .remat import run_layer
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "Llama"]
@@ -69,6 +73,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
+            self.q_norm = RMSNorm(d, cfg.norm_eps)
+            self.k_norm = RMSNorm(d, cfg.norm_eps)
 
     def forward(self, x, cos, sin, segment_ids=None, kv=None):
         """``kv``: this layer's view of a ``torchref.kv_cache.KVCache`` (written in place)."""
@@ -77,6 +84,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.cfg.n_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
             o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
@@ -100,13 +109,17 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoEBlock(cfg) if cfg.is_moe else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, segment_ids=None, kv=None):
+    def forward(self, x, cos, sin, segment_ids=None, kv=None, moe_mask=None):
+        """``x`` after the layer; an MoE layer returns ``(x, stats)`` (``torchref.moe.MoEBlock``) unless ``kv``."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, stats = self.mlp(self.post_attention_layernorm(x), moe_mask)
+        return x + h if kv is not None else (x + h, stats)
 
 
 class LlamaModel(nn.Module):
@@ -134,8 +147,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         cache=None,
-    ) -> torch.Tensor:
+        *,
+        moe_stats: bool = False,
+        moe_mask: torch.Tensor | None = None,
+    ):
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
+        _check_moe_args(self.config, input_ids, cache, moe_stats, moe_mask)
         if not torch.compiler.is_compiling():
             _check_ids(input_ids, self.config.vocab_size)
         remat = check_remat(self.remat, "LlamaModel.remat")
@@ -151,14 +168,19 @@ class LlamaModel(nn.Module):
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [B, 1, S, head_dim]
         x = self.embed_tokens(input_ids)  # [B, S, dim]
+        stats = []  # an MoE's per-layer router sums
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = run_layer(layer, remat, x, cos, sin, segment_ids)
+                x = run_layer(layer, remat, x, cos, sin, segment_ids, None, moe_mask)
+                if self.config.is_moe:
+                    x, st = x
+                    stats.append(st)
             else:
                 x = layer(x, cos, sin, None, cache.layer(i))
         if cache is not None:
             cache.lengths += s
-        return self.norm(x)  # [B, S, dim]
+        x = self.norm(x)  # [B, S, dim]
+        return (x, moe_losses(stats, self.config)) if moe_stats else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,10 +227,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         cache=None,
-    ) -> torch.Tensor:
+        **moe,
+    ):
         """The final-norm hidden states ``[B, S, dim]``: ``self.model(...)`` (the twin of ``jaxattn``'s
-        ``Llama.features``)."""
-        return self.model(input_ids, positions, segment_ids, cache)
+        ``Llama.features``; ``moe_stats`` / ``moe_mask`` as for the model)."""
+        return self.model(input_ids, positions, segment_ids, cache, **moe)
 
     def forward(
         self,
@@ -219,19 +242,25 @@ class LlamaForCausalLM(nn.Module):
         logits_at: torch.Tensor | None = None,
         *,
         head: bool = True,
-    ) -> torch.Tensor:
+        moe_stats: bool = False,
+        moe_mask: torch.Tensor | None = None,
+    ):
         """Logits; ``head=False``: the final hidden states instead, for a loss that applies ``lm_head`` itself
         (``--loss fused``) while the call still goes through whatever wraps the model (DDP, FSDP, torch.compile)."""
         check_remat(self.remat, "LlamaForCausalLM.remat")
         if logits_at is not None:  # checked before the cache is written
             _check_logits_at(logits_at, input_ids, positions, segment_ids)
-        hidden = self.model(input_ids, positions, segment_ids, cache)  # [B, S, dim]
+        hidden = self.model(input_ids, positions, segment_ids, cache, moe_stats=moe_stats, moe_mask=moe_mask)
+        moe = None
+        if moe_stats:
+            hidden, moe = hidden  # [B, S, dim], the router's losses and loads
         if not head:
-            return hidden
+            return hidden if moe is None else (hidden, moe)
         if logits_at is not None:  # only the kept positions reach the head
             index = logits_at.long()[:, :, None].expand(-1, -1, hidden.shape[-1])  # [B, K, dim]
             hidden = hidden.gather(1, index)  # [B, K, dim]
-        return self.lm_head(hidden).float()  # [B, S or K, vocab]
+        logits = self.lm_head(hidden).float()  # [B, S or K, vocab]
+        return logits if moe is None else (logits, moe)
 
 
 # The JAX twin's class name (``jaxattn.Llama``); both names work in both packages.
@@ -242,6 +271,19 @@ def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """ValueError naming the first id outside ``[0, vocab_size)``; one device sync, a host copy only on error."""
     if bool(((ids < 0) | (ids >= vocab_size)).any()):
         check_token_ids(ids.detach().cpu(), vocab_size, arg="input_ids")
+
+
+def _check_moe_args(cfg: ModelConfig, input_ids, cache, moe_stats, moe_mask) -> None:
+    if not isinstance(moe_stats, bool):
+        raise ValueError(f"moe_stats must be True or False, got {moe_stats!r}")
+    if moe_stats and not cfg.is_moe:
+        raise ValueError("moe_stats=True needs a Mixture-of-Experts config (n_experts > 0); this model is dense")
+    if moe_stats and cache is not None:
+        raise ValueError("moe_stats=True cannot be combined with a KV cache (router statistics are for training)")
+    if moe_mask is not None and tuple(moe_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"moe_mask must be [B, S] like input_ids {tuple(input_ids.shape)}, got {tuple(moe_mask.shape)}"
+        )
 
 
 def _check_logits_at(logits_at: torch.Tensor, input_ids, positions, segment_ids) -> None:

@@ -86,6 +86,11 @@ def row_block(batch: dict, n: int, rank: int, ranks: str) -> dict:
 
 
 def _check_tp(cfg, tp: int) -> None:
+    if cfg.is_moe:
+        raise ValueError(
+            "tensor parallelism of a Mixture-of-Experts model is not supported in torchref (its experts are stacked "
+            "parameters, not nn.Linear modules a TP plan splits); use fsdp / ddp"
+        )
     axes = {a for r in params.rows(cfg) for a in r.axes if a in params.TENSOR_PARALLEL_AXES}
     for field in (params.AXIS_FIELDS[a] for a in params.TENSOR_PARALLEL_AXES if a in axes):
         if getattr(cfg, field) % tp:

@@ -92,6 +92,11 @@ class Pipeline:
     ):
         from torch.distributed import pipelining as pp
 
+        if model.config.is_moe:
+            raise NotImplementedError(
+                "Mixture-of-Experts models in pipeline stages are not supported yet (a stage passes hidden states "
+                "only, not the router statistics the loss needs); use --parallel fsdp / ddp"
+            )
         if not dist.is_initialized():
             raise RuntimeError("torchref.pipeline needs torch.distributed initialised (run under torchrun)")
         if (mesh is None) != (shard is None) or shard not in (None, "fsdp", "tp"):

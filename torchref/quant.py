@@ -26,17 +26,19 @@ from torch import nn
 from jaxattn.spec import params
 
 from .model import LlamaForCausalLM
+from .moe import Experts
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q int8 [out, in], scale float32 [out])`` of a float ``[out, in]`` weight."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"quantize_weight: w must be a float tensor [out, in], got {w.dtype}{list(w.shape)}")
+    """``(q int8 [..., out, in], scale float32 [..., out])`` of a float ``[..., out, in]`` weight (stacked experts
+    carry a leading ``experts`` axis)."""
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_weight: w must be a float tensor [..., out, in], got {w.dtype}{list(w.shape)}")
     w = w.detach().float()
-    amax = w.abs().amax(dim=1, keepdim=True)
+    amax = w.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
-    return q, scale[:, 0].contiguous()
+    return q, scale[..., 0].contiguous()
 
 
 class Int8Linear(nn.Module):
@@ -58,18 +60,46 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+class Int8Experts(Experts):
+    """``torchref.moe.Experts`` with int8 stacked weights ``[E, out, in]`` and per-(expert, output channel) float32
+    scales, dequantized in the input's dtype for each grouped product."""
+
+    def __init__(self, experts: Experts):
+        nn.Module.__init__(self)
+        for name in _EXPERT_WEIGHTS:
+            q, scale = quantize_weight(getattr(experts, name))
+            self.register_buffer(f"{name}_int8", q)
+            self.register_buffer(f"{name}_scale", scale)
+
+    def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [
+            getattr(self, f"{n}_int8").to(dtype) * getattr(self, f"{n}_scale").to(dtype)[..., None]
+            for n in _EXPERT_WEIGHTS
+        ]
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_proj_int8.shape[0]}, int8 per-channel"
+
+
+_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+QUANTIZED = (Int8Linear, Int8Experts)
+
+
 def quantize(model):
-    """A copy of ``model`` (a ``torchref.model.LlamaForCausalLM``) with :class:`Int8Linear` projections."""
+    """A copy of ``model`` (a ``torchref.model.LlamaForCausalLM``) with :class:`Int8Linear` projections (and
+    :class:`Int8Experts` for an MoE's experts; the router stays float)."""
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"quantize: model must be a torchref.model.LlamaForCausalLM, got {type(model).__name__}")
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if any(isinstance(m, QUANTIZED) for m in model.modules()):
         raise ValueError("quantize: model is already quantized")
     out = copy.deepcopy(model)
     for row in params.quantizable_rows(model.config):  # the parameter table's linear weights
         for root in out.model.layers if row.per_layer else (out,):
             parent_path, _, name = row.module.rpartition(".")
             parent = root.get_submodule(parent_path)
-            setattr(parent, name, Int8Linear(getattr(parent, name)))
+            module = getattr(parent, name)
+            if not isinstance(module, QUANTIZED):  # the experts' three rows share one module
+                setattr(parent, name, Int8Experts(module) if isinstance(module, Experts) else Int8Linear(module))
     return out
 
 
@@ -78,7 +108,7 @@ def weight_bytes(model: nn.Module) -> int:
     weight counts once."""
     seen, total = set(), 0
     for t in list(model.parameters()) + [
-        b for n, b in model.named_buffers() if n.split(".")[-1] in ("weight_int8", "scale")
+        b for n, b in model.named_buffers() if n.split(".")[-1].endswith(("weight_int8", "scale", "_int8"))
     ]:
         if t.data_ptr() in seen:
             continue

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from jaxattn.spec.cli import PP_MODES, CLIError, TrainingError, checkpointer_options, cli_main, parse_args
 from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
 from jaxattn.spec.eval import EvalResult, eval_batches
-from jaxattn.spec.runlog import DivergenceGuard, RunLog
+from jaxattn.spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
 
 from . import hf, optim, parallel, pipeline, remat
 from .attention import BACKENDS, attention_backend, dot_product_attention
@@ -429,6 +429,7 @@ class Trainer:
                         tokens=tokens,
                         seconds=now - t_last,
                         peak_mem_bytes=peak_memory_bytes(self.device),
+                        **{k: _scalar(m[k]) for k in MOE_KEYS if k in m},  # an MoE's router metrics (this rank's)
                     )
                     t_last = now
                     losses.append(rec["loss"])

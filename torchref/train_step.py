@@ -30,7 +30,15 @@ from jaxattn.spec.loss import DEFAULT_CHUNK, check_loss
 from .fused_ce import fused_cross_entropy
 from .precision import Policy, get_policy
 
-__all__ = ["make_train_step", "loss_fn", "loss_weights", "loss_denominator", "cross_entropy", "BATCH_KEYS"]
+__all__ = [
+    "make_train_step",
+    "loss_fn",
+    "moe_metrics",
+    "loss_weights",
+    "loss_denominator",
+    "cross_entropy",
+    "BATCH_KEYS",
+]
 
 _FP16_NO_SCALE = (
     "fp16 training WITHOUT dynamic loss scaling: float16 gradients underflow to zero and "
@@ -88,19 +96,57 @@ def loss_fn(
     denominator: torch.Tensor | None = None,
     loss: str = "dense",
     loss_chunk: int = DEFAULT_CHUNK,
-) -> torch.Tensor:
+    moe_scale: float | None = None,
+):
     """Next-token loss (forward under the policy's autocast; the loss itself in float32, outside autocast);
     ``denominator``: see :func:`cross_entropy`. ``loss="fused"``: the final hidden states (``model(...,
     head=False)``, through any DDP / FSDP / torch.compile wrapper) and the LM head go to
     :func:`torchref.fused_ce.fused_cross_entropy` in chunks of ``loss_chunk`` tokens (the same number, never the
-    ``[tokens, vocab]`` logits)."""
+    ``[tokens, vocab]`` logits).
+
+    ``moe_scale`` (training): returns ``(loss, moe)`` as ``jaxattn.train_step.loss_fn`` does — for a
+    Mixture-of-Experts model the loss also holds ``moe_scale * (router_aux_loss_coef * aux_loss +
+    router_z_loss_coef * z_loss)`` and ``moe`` the router metrics (:func:`moe_metrics`; ``{}`` when dense)."""
     check_loss(loss, loss_chunk)
     policy = get_policy(policy)
     tokens = batch["tokens"]
     pos, seg = batch.get("positions"), batch.get("segment_ids")
     inputs = dict(positions=None if pos is None else pos[:, :-1], segment_ids=None if seg is None else seg[:, :-1])
+    cfg = getattr(_unwrap(model), "config", None)
+    routed = moe_scale is not None and getattr(cfg, "is_moe", False)
+    if routed:
+        inputs.update(moe_stats=True, moe_mask=None if seg is None else seg[:, :-1] != 0)
     with policy.autocast(tokens.device.type):
         out = model(tokens[:, :-1], **inputs, head=loss != "fused")  # fused: [B, S, dim] hidden states
+    moe = None
+    if routed:
+        out, moe = out
+    value = _next_token_loss(model, out, batch, policy, denominator, loss, loss_chunk)
+    if moe_scale is None:
+        return value
+    if moe is None:
+        return value, {}
+    value = value + moe_scale * (cfg.router_aux_loss_coef * moe["aux_loss"] + cfg.router_z_loss_coef * moe["z_loss"])
+    return value, moe_metrics(moe, cfg)
+
+
+def moe_metrics(moe: Mapping[str, torch.Tensor], cfg) -> Metrics:
+    """The train step's router metrics (``jaxattn.train_step.moe_metrics``' twin): ``aux_loss``, ``z_loss``
+    (unweighted), ``expert_load_min`` / ``expert_load_max`` (the least / most loaded expert of any layer as a
+    multiple of a balanced share) and ``dropped_fraction``; detached."""
+    load = moe["tokens_per_expert"].float()  # [L, E]
+    balanced = load.sum(-1, keepdim=True).clamp_min(1.0) / cfg.n_experts
+    return {
+        "aux_loss": moe["aux_loss"].detach().float(),
+        "z_loss": moe["z_loss"].detach().float(),
+        "expert_load_min": (load / balanced).min(),
+        "expert_load_max": (load / balanced).max(),
+        "dropped_fraction": moe["dropped_fraction"].detach().float(),
+    }
+
+
+def _next_token_loss(model, out, batch, policy, denominator, loss, loss_chunk) -> torch.Tensor:
+    tokens = batch["tokens"]
     if loss == "fused":
         weights = loss_weights(batch)
         return fused_cross_entropy(
@@ -198,11 +244,21 @@ def make_train_step(
         denominator = loss_denominator(batch) if denominator is None else denominator  # torchref.parallel: global
         loss_scale = scaler.get_scale() if scaling else 1.0
         total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        moe: dict[str, torch.Tensor] = {}  # an MoE's router metrics, mean over micro-batches
         for i in range(grad_accum):
             mb = {k: v if v is None else v[i * micro : (i + 1) * micro] for k, v in batch.items()}
-            mb_loss = loss_fn(model, mb, policy=policy, denominator=denominator, loss=loss, loss_chunk=loss_chunk)
+            mb_loss, mb_moe = loss_fn(
+                model,
+                mb,
+                policy=policy,
+                denominator=denominator,
+                loss=loss,
+                loss_chunk=loss_chunk,
+                moe_scale=1.0 / grad_accum,
+            )
             (scaler.scale(mb_loss) if scaling else mb_loss).backward()
             total = total + mb_loss.detach()
+            moe = {k: moe.get(k, 0.0) + v / grad_accum for k, v in mb_moe.items()}
         if scaling:
             scaler.unscale_(optimizer)
         if max_grad_norm is not None:
@@ -222,6 +278,7 @@ def make_train_step(
             "grad_norm": grad_norm.detach().float(),
             "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
             "skipped": torch.tensor(skipped),
+            **moe,
         }
 
     return step

@@ -1,8 +1,13 @@
 """Model configuration shared by both twins (``jaxattn.config`` and ``torchref.config`` re-export it).
 
 ``ModelConfig`` holds the Llama-style decoder's shape; ``preset(name)`` gives the project's standard sizes and
-``from_hf`` / ``to_hf`` read and write a Hugging Face Llama ``config.json`` dictionary (both the transformers 4.x
-keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood).
+``from_hf`` / ``to_hf`` read and write a Hugging Face ``config.json`` dictionary (both the transformers 4.x
+keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the three families the
+model covers (``model_type``): ``llama``; ``mixtral`` (every layer's MLP a sparse Mixture of Experts); ``qwen3_moe``
+(the same, plus RMSNorm on each query / key head, ``qk_norm``).
+
+    cfg = ModelConfig.preset("moe-tiny")         # 4 experts, 2 per token
+    cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn_dim, cfg.capacity_factor   # (4, 2, 32, None)
 """
 
 from __future__ import annotations
@@ -91,7 +96,50 @@ _PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(_LLAMA31_ROPE),
     ),
 }
+# Mixture-of-Experts shapes: a CPU-test size, and Mixtral-8x7B / Qwen3-30B-A3B for the compiled plans.
+_PRESETS["moe-tiny"] = dict(
+    _PRESETS["tiny"], model_type="mixtral", ffn_dim=64, n_experts=4, experts_per_token=2, router_aux_loss_coef=0.02
+)
+_PRESETS["mixtral-8x7b"] = dict(
+    model_type="mixtral",
+    vocab_size=32000,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=14336,
+    max_seq_len=32768,
+    norm_eps=1e-5,
+    rope_theta=1e6,
+    n_experts=8,
+    experts_per_token=2,
+    router_aux_loss_coef=0.02,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_PRESETS["qwen3-30b-a3b"] = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    dim=2048,
+    n_layers=48,
+    n_heads=32,
+    n_kv_heads=4,
+    head_dim=128,
+    ffn_dim=6144,
+    moe_ffn_dim=768,
+    max_seq_len=40960,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    n_experts=128,
+    experts_per_token=8,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+MODEL_TYPES: tuple[str, ...] = ("llama", "mixtral", "qwen3_moe")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +159,17 @@ class ModelConfig:
     # the tokenizer's special ids, as HF's config.json keeps them: generate() stops at eos_token_id by default
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # several for e.g. Llama 3.1 Instruct
+    # the Hugging Face family (names on disk, config.json keys): "llama", "mixtral" or "qwen3_moe"
+    model_type: str = "llama"
+    # Mixture of Experts (0 experts = the dense SwiGLU MLP): every layer's MLP is n_experts SwiGLU experts of
+    # moe_ffn_dim (None = ffn_dim), each token sent to experts_per_token of them by a float32 softmax router
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_dim: int | None = None
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral always does)
+    router_aux_loss_coef: float = 0.001  # x transformers' load_balancing_loss_func, added to the training loss
+    router_z_loss_coef: float = 0.0  # x the ST-MoE router z-loss, mean over tokens of logsumexp(logits)^2
+    capacity_factor: float | None = None  # None: dropless; c: each row sends <= ceil(c*S*k/E) tokens per expert
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -141,6 +200,71 @@ class ModelConfig:
             object.__setattr__(
                 self, name, _check_token_ids(getattr(self, name), f"ModelConfig.{name}", self.vocab_size)
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
+        if not isinstance(self.norm_topk_prob, (bool, np.bool_)):
+            raise ValueError(f"ModelConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
+        e, k = self.n_experts, self.experts_per_token
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = a dense MLP), got {e!r}")
+        if (self.model_type == "llama") != (e == 0):
+            raise ValueError(
+                f"ModelConfig.model_type={self.model_type!r} with n_experts={e}: 'llama' is the dense model "
+                f"(n_experts=0); 'mixtral' and 'qwen3_moe' need n_experts >= 1"
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ModelConfig.experts_per_token must be a positive int, got {k!r}")
+        if e and k > e:
+            raise ValueError(
+                f"ModelConfig.experts_per_token={k} is more than n_experts={e}: a token can be sent to at most "
+                f"every expert once"
+            )
+        f = self.moe_ffn_dim
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f <= 0):
+            raise ValueError(f"ModelConfig.moe_ffn_dim must be None (= ffn_dim) or a positive int, got {f!r}")
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("ModelConfig.norm_topk_prob=False with model_type='mixtral': Mixtral always renormalises")
+        if self.model_type == "mixtral" and f not in (None, self.ffn_dim):
+            raise ValueError(
+                f"ModelConfig.moe_ffn_dim={f} with model_type='mixtral': Mixtral's experts are ffn_dim wide "
+                f"(its config.json has one intermediate_size); set ffn_dim={f} instead"
+            )
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"ModelConfig.{name} must be a finite float >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        c = self.capacity_factor
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+                raise ValueError(f"ModelConfig.capacity_factor must be None (dropless) or a positive float, got {c!r}")
+            object.__setattr__(self, "capacity_factor", float(c))
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each query and key head before RoPE (Qwen3's attention)."""
+        return self.model_type == "qwen3_moe"
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a Mixture of Experts."""
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """One expert's SwiGLU hidden size (``moe_ffn_dim``, or ``ffn_dim`` when that is None)."""
+        return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
+
+    def expert_capacity(self, tokens: int) -> int | None:
+        """Assignments each expert takes from a group of ``tokens`` tokens (one batch row):
+        ``ceil(capacity_factor * tokens * k / n_experts)``; None when dropless."""
+        if self.capacity_factor is None or not self.is_moe:
+            return None
+        return max(1, math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.n_experts))
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -186,7 +310,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
-        """Build from a Hugging Face Llama ``config.json`` dictionary; refuses what the model cannot represent."""
+        """Build from a Hugging Face ``config.json`` dictionary (``model_type`` llama, mixtral or qwen3_moe);
+        refuses what the model cannot represent, naming the key."""
         if not isinstance(hf, dict):
             raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
         missing = [
@@ -196,8 +321,9 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"HF config is missing required keys {missing}")
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"HF config model_type={hf['model_type']!r}: only 'llama' is supported")
+        model_type = hf.get("model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"HF config model_type={model_type!r}: supported are {', '.join(MODEL_TYPES)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"HF config hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         for key in ("attention_bias", "mlp_bias"):
@@ -242,16 +368,18 @@ class ModelConfig:
             tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False),
             bos_token_id=_check_token_ids(hf.get("bos_token_id"), "config.json bos_token_id", None),
             eos_token_id=_check_token_ids(hf.get("eos_token_id"), "config.json eos_token_id", None),
+            **_moe_from_hf(hf, model_type),
         )
 
     def to_hf(self) -> dict:
-        """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM``."""
+        """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM`` (or
+        ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those ``model_type``\ s)."""
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        out = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "hidden_act": "silu",
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -273,6 +401,81 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.is_moe:
+            out.update(_moe_to_hf(self))
+        return out
+
+
+def _moe_from_hf(hf: dict, model_type: str) -> dict:
+    """The MoE fields of a Mixtral / Qwen3-MoE ``config.json``; what the model cannot do is refused by key."""
+    if model_type == "llama":
+        return {}
+    if model_type == "mixtral":
+        n_experts = _hf_int(hf, "num_local_experts")
+        jitter = hf.get("router_jitter_noise", 0.0)
+        if jitter not in (0, 0.0, None):
+            raise ValueError(f"HF config router_jitter_noise={jitter!r}: only 0 (no router noise) is supported")
+        if hf.get("sliding_window") is not None:
+            raise ValueError(
+                f"HF config sliding_window={hf['sliding_window']!r}: sliding-window attention is not supported "
+                f"(Mixtral-8x7B and 8x22B use null)"
+            )
+        fields = dict(norm_topk_prob=True, experts_per_token=_hf_int(hf, "num_experts_per_tok", 2))
+    else:  # qwen3_moe
+        key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
+        n_experts = _hf_int(hf, key)
+        if _hf_bool(hf, "use_sliding_window", False):
+            raise ValueError("HF config use_sliding_window=True: sliding-window attention is not supported")
+        step = _hf_int(hf, "decoder_sparse_step", 1)
+        dense = hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ValueError(
+                f"HF config decoder_sparse_step={step}, mlp_only_layers={dense!r}: only models whose every layer is "
+                f"sparse are supported (the layers are stacked and scanned as identical ones); need 1 and []"
+            )
+        fields = dict(
+            experts_per_token=_hf_int(hf, "num_experts_per_tok", 8),
+            moe_ffn_dim=_hf_int(hf, "moe_intermediate_size", 768),
+            norm_topk_prob=_hf_bool(hf, "norm_topk_prob", False),
+        )
+    coef = hf.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"HF config router_aux_loss_coef={coef!r}: expected a finite number >= 0")
+    z = hf.get("router_z_loss_coef", 0.0)  # not a Mixtral / Qwen3 key: ours, written by to_hf
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+        raise ValueError(f"HF config router_z_loss_coef={z!r}: expected a finite number >= 0")
+    return dict(
+        model_type=model_type,
+        n_experts=n_experts,
+        router_aux_loss_coef=float(coef),
+        router_z_loss_coef=float(z),
+        capacity_factor=hf.get("capacity_factor"),  # ours too; None = dropless (checked by ModelConfig)
+        **fields,
+    )
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict:
+    """The Mixtral / Qwen3-MoE keys of ``cfg``'s ``config.json`` (and our z-loss / capacity keys)."""
+    out = {
+        "num_experts_per_tok": cfg.experts_per_token,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "router_z_loss_coef": cfg.router_z_loss_coef,
+        "capacity_factor": cfg.capacity_factor,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+    if cfg.model_type == "mixtral":
+        out.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.expert_ffn_dim, router_jitter_noise=0.0)
+    else:
+        out.update(
+            num_experts=cfg.n_experts,
+            moe_intermediate_size=cfg.expert_ffn_dim,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+        )
+    return out
 
 
 def _check_token_ids(value: Any, name: str, vocab_size: int | None):

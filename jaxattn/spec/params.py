@@ -12,7 +12,10 @@ parameters and axes (``jaxattn.model``), the int8 targets (both ``quant`` module
 :func:`matmul_param_count`). A new tensor (a bias, a QK-norm) is one row here plus its use in the two model files.
 
 A key may also hold ``{e}`` (an expert index): such a row's JAX shape then starts with the ``experts`` axis and each
-expert is its own HF tensor.
+expert is its own HF tensor, while torch keeps the experts stacked in one parameter (:attr:`ParamRow.torch`, e.g.
+``model.layers.{i}.mlp.experts.gate_proj`` ``[experts, out, in]``, transformers 5's layout). A row's ``hf`` is the
+name of the Llama / Qwen3-MoE families; ``hf_alt`` names it for another ``model_type`` (Mixtral's
+``block_sparse_moe.experts.{e}.w1``): :meth:`ParamRow.hf_pattern`.
 """
 
 from __future__ import annotations
@@ -39,13 +42,22 @@ __all__ = [
     "tp_style",
     "param_count",
     "matmul_param_count",
+    "active_matmul_param_count",
 ]
 
-KINDS = ("embedding", "linear", "norm")
+KINDS = ("embedding", "linear", "router", "norm")  # a router is a linear layer that int8 leaves in float
 # Logical axes that Megatron tensor parallelism splits (JAX: the ``tensor`` mesh axis; torch: the TP plan).
-TENSOR_PARALLEL_AXES = ("vocab", "heads", "kv_heads", "mlp")
+TENSOR_PARALLEL_AXES = ("vocab", "heads", "kv_heads", "mlp", "expert_mlp")
 # The config field whose divisibility a split of each logical axis needs.
-AXIS_FIELDS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "ffn_dim", "vocab": "vocab_size", "embed": "dim"}
+AXIS_FIELDS = {
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "mlp": "ffn_dim",
+    "expert_mlp": "expert_ffn_dim",
+    "vocab": "vocab_size",
+    "embed": "dim",
+    "experts": "n_experts",
+}
 
 
 def _always(cfg) -> bool:
@@ -64,6 +76,22 @@ class ParamRow:
     gguf: str
     gguf_permute: str | None = None
     present: Callable = _always
+    hf_alt: tuple = ()  # ((model_type, hf pattern), ...) where a family names the tensor differently
+
+    def hf_pattern(self, cfg) -> str:
+        """The HF key pattern of this row in ``cfg.model_type``'s checkpoints."""
+        return dict(self.hf_alt).get(getattr(cfg, "model_type", "llama"), self.hf)
+
+    @property
+    def expert(self) -> bool:
+        """One tensor per expert in HF files; stacked on a leading ``experts`` axis in both twins."""
+        return "{e}" in self.hf
+
+    @property
+    def torch(self) -> str:
+        """The torch ``state_dict`` key pattern: the HF key, or for expert rows the stacked parameter
+        (``...experts.{e}.gate_proj.weight`` -> ``...experts.gate_proj``)."""
+        return self.hf.replace(".{e}", "").removesuffix(".weight") if self.expert else self.hf
 
     @property
     def per_layer(self) -> bool:
@@ -72,7 +100,7 @@ class ParamRow:
     @property
     def transposed(self) -> bool:
         """HF (and torch ``nn.Linear``) store linear weights ``[out, in]``; ours are ``[in, out]``."""
-        return self.kind == "linear"
+        return self.kind in ("linear", "router")
 
     @property
     def quantizable(self) -> bool:
@@ -89,18 +117,27 @@ class ParamRow:
 
     def hf_shape(self, cfg) -> tuple:
         """One HF tensor's shape (one layer, one expert)."""
-        s = tuple(self.shape(cfg))[1 if "{e}" in self.hf else 0 :]
+        s = tuple(self.shape(cfg))[1 if self.expert else 0 :]
         return s[::-1] if self.transposed else s
 
     @property
     def module(self) -> str:
-        """The torch module path under a decoder layer (per-layer rows) or the model (others)."""
-        key = self.hf.split("{i}.", 1)[1] if self.per_layer else self.hf
+        """The torch module path under a decoder layer (per-layer rows) or the model (others): the owner of
+        :attr:`torch` (``mlp.experts`` for the three expert rows)."""
+        key = self.torch.split("{i}.", 1)[1] if self.per_layer else self.torch
         return key.rsplit(".", 1)[0]
 
 
 def _hd(c) -> int:
     return c.resolved_head_dim
+
+
+def _dense(c) -> bool:
+    return not c.is_moe
+
+
+def _moe(c) -> bool:
+    return c.is_moe
 
 
 ROWS: tuple[ParamRow, ...] = (
@@ -147,12 +184,31 @@ ROWS: tuple[ParamRow, ...] = (
         "blk.{i}.attn_output.weight",
     ),
     ParamRow(
+        "q_norm",
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "norm",
+        lambda c: (_hd(c),),
+        ("head_dim",),
+        "blk.{i}.attn_q_norm.weight",
+        present=lambda c: c.qk_norm,
+    ),
+    ParamRow(
+        "k_norm",
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "norm",
+        lambda c: (_hd(c),),
+        ("head_dim",),
+        "blk.{i}.attn_k_norm.weight",
+        present=lambda c: c.qk_norm,
+    ),
+    ParamRow(
         "w_gate",
         "model.layers.{i}.mlp.gate_proj.weight",
         "linear",
         lambda c: (c.dim, c.ffn_dim),
         ("embed", "mlp"),
         "blk.{i}.ffn_gate.weight",
+        present=_dense,
     ),
     ParamRow(
         "w_up",
@@ -161,6 +217,7 @@ ROWS: tuple[ParamRow, ...] = (
         lambda c: (c.dim, c.ffn_dim),
         ("embed", "mlp"),
         "blk.{i}.ffn_up.weight",
+        present=_dense,
     ),
     ParamRow(
         "w_down",
@@ -169,6 +226,48 @@ ROWS: tuple[ParamRow, ...] = (
         lambda c: (c.ffn_dim, c.dim),
         ("mlp", "embed"),
         "blk.{i}.ffn_down.weight",
+        present=_dense,
+    ),
+    # Mixture of Experts (cfg.n_experts > 0): the router and every expert's SwiGLU, stacked [experts, in, out]
+    ParamRow(
+        "router",
+        "model.layers.{i}.mlp.gate.weight",
+        "router",
+        lambda c: (c.dim, c.n_experts),
+        ("embed", None),
+        "blk.{i}.ffn_gate_inp.weight",
+        present=_moe,
+        hf_alt=(("mixtral", "model.layers.{i}.block_sparse_moe.gate.weight"),),
+    ),
+    ParamRow(
+        "e_gate",
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+        "linear",
+        lambda c: (c.n_experts, c.dim, c.expert_ffn_dim),
+        ("experts", "embed", "expert_mlp"),
+        "blk.{i}.ffn_gate_exps.weight",
+        present=_moe,
+        hf_alt=(("mixtral", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"),),
+    ),
+    ParamRow(
+        "e_up",
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+        "linear",
+        lambda c: (c.n_experts, c.dim, c.expert_ffn_dim),
+        ("experts", "embed", "expert_mlp"),
+        "blk.{i}.ffn_up_exps.weight",
+        present=_moe,
+        hf_alt=(("mixtral", "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"),),
+    ),
+    ParamRow(
+        "e_down",
+        "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        "linear",
+        lambda c: (c.n_experts, c.expert_ffn_dim, c.dim),
+        ("experts", "expert_mlp", "embed"),
+        "blk.{i}.ffn_down_exps.weight",
+        present=_moe,
+        hf_alt=(("mixtral", "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"),),
     ),
     ParamRow(
         "attn_norm",
@@ -234,8 +333,9 @@ def _expand(pattern: str, cfg) -> Iterator[tuple[str, tuple]]:
 
 
 def hf_keys(r: ParamRow, cfg) -> list[tuple[str, tuple]]:
-    """``[(HF key, index into the JAX parameter)]`` of one row: ``(i,)`` per layer, ``(i, e)`` per expert."""
-    return list(_expand(r.hf, cfg))
+    """``[(HF key, index into the JAX parameter)]`` of one row in ``cfg.model_type``'s names: ``(i,)`` per layer,
+    ``(i, e)`` per expert."""
+    return list(_expand(r.hf_pattern(cfg), cfg))
 
 
 def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -263,12 +363,14 @@ def match_gguf(name: str) -> tuple[ParamRow, tuple] | None:
 def tp_style(r: ParamRow) -> str | None:
     """Megatron tensor parallelism of a weight, read off its logical axes: ``"colwise"`` when its output (last JAX)
     axis is split, ``"rowwise"`` when its first axis is (an ``nn.Embedding``'s vocabulary rows, or a linear's input
-    features), None when neither is (norms: replicated)."""
+    features), None when neither is (norms: replicated). An expert row is read past its ``experts`` axis (each
+    expert's matrix split as a dense one's)."""
     if r.kind == "norm":
         return None
-    if r.kind == "linear" and r.axes[-1] in TENSOR_PARALLEL_AXES:
+    axes = r.axes[1:] if r.expert else r.axes
+    if r.kind == "linear" and axes[-1] in TENSOR_PARALLEL_AXES:
         return "colwise"
-    return "rowwise" if r.axes[0] in TENSOR_PARALLEL_AXES else None
+    return "rowwise" if axes[0] in TENSOR_PARALLEL_AXES else None
 
 
 def _numel(r: ParamRow, cfg) -> int:
@@ -283,5 +385,15 @@ def param_count(cfg) -> int:
 def matmul_param_count(cfg) -> int:
     """Parameters that take part in a matmul per token: every linear weight, plus the embedding when it is also the
     (tied) head; the embedding lookup and the norms do no matmul. The N of the 6·N·tokens FLOP rule."""
-    n = sum(_numel(r, cfg) for r in rows(cfg) if r.kind == "linear")
+    n = sum(_numel(r, cfg) for r in rows(cfg) if r.kind in ("linear", "router"))
     return n + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+
+
+def active_matmul_param_count(cfg) -> int:
+    """:func:`matmul_param_count` counting only the ``experts_per_token`` experts a token runs through (an MoE's
+    "active" parameters: the N of 6·N·tokens for a sparse model); the same number for a dense one."""
+    n = matmul_param_count(cfg)
+    if cfg.is_moe:
+        idle = cfg.n_experts - cfg.experts_per_token
+        n -= sum(_numel(r, cfg) // cfg.n_experts * idle for r in rows(cfg) if r.expert)
+    return n

@@ -53,11 +53,14 @@ __all__ = [
     "TrainingError",
     "host_peak_rss_bytes",
     "read_log",
+    "MOE_KEYS",
     "tensorboard_writer_class",
     "TENSORBOARD_MISSING",
 ]
 
 KEYS = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s", "peak_mem_bytes")
+# a Mixture-of-Experts run's router metrics (train_step.moe_metrics), after KEYS in its records (and train/<key>)
+MOE_KEYS = ("aux_loss", "z_loss", "expert_load_min", "expert_load_max", "dropped_fraction")
 EVAL_KEYS = ("step", "eval_loss", "eval_perplexity", "eval_tokens")
 LOG_KINDS = ("train", "eval", "all")
 PROGRESS_LINES = 10  # a piped run's progress: a line per tenth of --steps ...
@@ -209,7 +212,11 @@ class RunLog:
         tokens: int,
         seconds: float,
         peak_mem_bytes: int,
+        **moe: float,
     ) -> dict:
+        unknown = sorted(set(moe) - set(MOE_KEYS))
+        if unknown:
+            raise TypeError(f"RunLog.step: unknown metrics {unknown}; the extra ones are {MOE_KEYS}")
         rec = {
             "step": int(step),
             "loss": float(loss),
@@ -219,6 +226,7 @@ class RunLog:
             "skipped": bool(skipped),
             "tokens_per_s": float(tokens / seconds) if seconds > 0 else None,
             "peak_mem_bytes": int(peak_mem_bytes),
+            **{k: float(moe[k]) for k in MOE_KEYS if k in moe},
         }
         if self.file is not None:  # strict JSON: a non-finite loss or norm is null, never a bare NaN
             strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
@@ -228,7 +236,7 @@ class RunLog:
         if rec["tokens_per_s"] is not None:
             self.tokens_per_s.append(rec["tokens_per_s"])
         if self.tb is not None:
-            keys = TB_TRAIN + (("loss_scale",) if self.loss_scaling else ())
+            keys = TB_TRAIN + (("loss_scale",) if self.loss_scaling else ()) + tuple(k for k in MOE_KEYS if k in rec)
             for key in keys:
                 if rec[key] is not None:
                     self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
@@ -250,6 +258,8 @@ class RunLog:
         if not due:
             return
         tps = f", {statistics.median(self._window):,.0f} tokens/s" if self._window else ""
+        if "aux_loss" in rec:  # an MoE: the balance loss and the least / most loaded expert (1.0 = balanced)
+            tps += f", aux {rec['aux_loss']:.4f}, expert load {rec['expert_load_min']:.2f}-{rec['expert_load_max']:.2f}"
         print(
             f"{self.desc}: step {step}/{self.total} ({100 * step // self.total}%), loss {rec['loss']:.4f}{tps}, "
             f"{_duration(now - self.t0)} elapsed",

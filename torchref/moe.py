@@ -1,0 +1,157 @@
+"""Mixture of Experts for the torch model (twin: ``jaxattn/moe.py``): the router, its load-balancing and z losses, and
+the experts' SwiGLUs — dropless (tokens sorted by expert, one ``torch._grouped_mm`` per projection) or with a
+capacity factor (static ``[rows, experts, capacity]`` buffers; assignments past an expert's capacity are dropped).
+
+    block = MoEBlock(cfg)                     # HF names: block.gate (the router), block.experts.gate_proj ...
+    y, stats = block(x)                       # x [B, S, dim]
+    losses = moe_losses([stats, ...], cfg)    # aux_loss, z_loss, tokens_per_expert [L, E], dropped_fraction
+
+The router follows transformers' Mixtral / Qwen3-MoE order (float32 logits, softmax, top-k, optional
+renormalisation); the losses are ``load_balancing_loss_func``'s and ST-MoE's z-loss (derivations in
+``jaxattn/moe.py``). Experts are stacked ``[E, out, in]`` parameters (transformers 5's layout; ``torchref.hf`` splits
+them into the per-expert tensors of HF files). ``torch._grouped_mm`` needs 16-byte-aligned feature sizes and
+float32/bf16/fp16; elsewhere (or on a build without it) :func:`grouped_mm` runs one matmul per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MoEBlock", "Experts", "route", "grouped_mm", "moe_losses", "STAT_KEYS"]
+
+STAT_KEYS = ("counts", "probs", "z", "tokens", "kept", "routed")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
+        return False
+    size = x.element_size()
+    return all(n * size % 16 == 0 for n in (x.shape[-1], w.shape[-2], w.shape[-1]))
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x [T, in]`` grouped by ``sizes [E]`` (consecutive, summing to T), group e times ``w[e] [in, out]``:
+    ``[T, out]``. ``torch._grouped_mm`` where it applies; else one matmul per expert (a host sync for the sizes)."""
+    if _grouped_mm_ok(x, w):
+        return torch._grouped_mm(x, w, offs=torch.cumsum(sizes, 0, dtype=torch.int32))
+    parts = torch.split(x, sizes.tolist())
+    return torch.cat([p @ w[e] for e, p in enumerate(parts)]) if parts else x.new_zeros(0, w.shape[-1])
+
+
+class Experts(nn.Module):
+    """``n_experts`` SwiGLUs, stacked: ``gate_proj`` / ``up_proj`` ``[E, ffn, dim]``, ``down_proj`` ``[E, dim, ffn]``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_ffn_dim
+        self.gate_proj = nn.Parameter(torch.empty(e, f, d))
+        self.up_proj = nn.Parameter(torch.empty(e, f, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, matmul) -> torch.Tensor:
+        """``matmul(x, w [E, in, out])`` is the grouped (or batched) product, in autocast's dtype when it is on
+        (``torch._grouped_mm`` is not on autocast's op lists: cast here, as autocast casts a Linear)."""
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        w = [m.transpose(-2, -1) for m in self.weights(x.dtype)]  # [E, in, out]
+        return matmul(F.silu(matmul(x, w[0])) * matmul(x, w[1]), w[2])
+
+    def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """``[gate_proj, up_proj, down_proj]`` in ``dtype`` (HF layout ``[E, out, in]``)."""
+        return [p.to(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+
+
+def route(x: torch.Tensor, router: nn.Linear, cfg):
+    """``x [T, dim]`` -> ``(logits [T, E] f32, probs [T, E] f32, weights [T, k] f32, experts [T, k] int64)``."""
+    with torch.autocast(x.device.type, enabled=False):  # float32 logits (JAX: an f32-accumulated dot)
+        logits = F.linear(x.float(), router.weight.float())
+    probs = torch.softmax(logits, dim=-1)
+    weights, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, probs, weights, experts
+
+
+def _dropless(x, weights, experts, mlp: Experts, n_experts):
+    t, k = experts.shape
+    flat = experts.reshape(t * k)
+    order = torch.sort(flat, stable=True).indices  # [T*k] assignments grouped by expert
+    sizes = torch.bincount(flat, minlength=n_experts)  # [E]
+    ys = mlp(x[order // k], lambda a, w: grouped_mm(a, w, sizes))  # [T*k, dim]
+    y = torch.empty_like(ys).index_copy_(0, order, ys).view(t, k, -1)  # back in (token, choice) order
+    return torch.einsum("tkd,tk->td", y.float(), weights).to(x.dtype), sizes
+
+
+def _with_capacity(x, weights, experts, mlp: Experts, n_experts, capacity):
+    b, s, k = experts.shape
+    flat = experts.reshape(b, s * k)  # [B, S*k], token-major
+    onehot = F.one_hot(flat, n_experts)  # [B, S*k, E]
+    pos = (onehot.cumsum(1) * onehot).sum(-1) - 1  # [B, S*k] place in its expert's queue
+    keep = pos < capacity
+    slot = torch.where(keep, flat * capacity + pos, n_experts * capacity)  # dropped -> a spare slot
+    rows = torch.arange(b, device=x.device)[:, None]
+    xr = x[:, :, None, :].expand(b, s, k, x.shape[-1]).reshape(b, s * k, -1)  # [B, S*k, dim]
+    buf = x.new_zeros(b, n_experts * capacity + 1, x.shape[-1]).index_put((rows, slot), xr)
+    buf = buf[:, :-1].reshape(b, n_experts, capacity, -1)  # [B, E, C, dim]
+    ys = mlp(buf, lambda a, w: torch.einsum("becd,edf->becf", a, w))  # [B, E, C, dim]
+    ys = torch.cat([ys.reshape(b, n_experts * capacity, -1), ys.new_zeros(b, 1, ys.shape[-1])], dim=1)
+    y = ys[rows, slot].view(b, s, k, -1)  # [B, S, k, dim]; dropped read the zero slot
+    w = torch.where(keep.view(b, s, k), weights.view(b, s, k), 0.0)
+    kept = (onehot * keep[..., None]).sum((0, 1))  # [E]
+    return torch.einsum("bskd,bsk->bsd", y.float(), w).to(x.dtype), kept
+
+
+class MoEBlock(nn.Module):
+    """The sparse MLP (HF's ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` names: ``gate``, ``experts``):
+    ``block(x [B, S, dim], mask=None) -> (y [B, S, dim], stats)``; ``mask [B, S]`` bool marks the real tokens the
+    balance and z statistics count (padding is still routed)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
+        cfg = self.cfg
+        b, s, d = x.shape
+        e, k = cfg.n_experts, cfg.experts_per_token
+        logits, probs, weights, experts = route(x.reshape(b * s, d), self.gate, cfg)  # [T, E], [T, k]
+        capacity = cfg.expert_capacity(s)
+        if capacity is None:
+            y, kept = _dropless(x.reshape(b * s, d), weights, experts, self.experts, e)
+            y = y.view(b, s, d)
+        else:
+            y, kept = _with_capacity(x, weights.view(b, s, k), experts.view(b, s, k), self.experts, e, capacity)
+        m = x.new_ones(b * s, dtype=torch.float32) if mask is None else mask.reshape(b * s).float()
+        chosen = F.one_hot(experts, e).sum(1).float()  # [T, E]
+        lse = torch.logsumexp(logits, dim=-1)  # [T]
+        stats = {
+            "counts": m @ chosen,
+            "probs": m @ probs,
+            "z": (m * lse * lse).sum(),
+            "tokens": m.sum(),
+            "kept": kept,
+            "routed": torch.tensor(b * s * k),
+        }
+        return y, stats
+
+
+def moe_losses(stats: list[dict], cfg) -> dict:
+    """Each layer's ``stats`` -> ``aux_loss`` (transformers' load-balancing loss, NOT multiplied by
+    ``router_aux_loss_coef``), ``z_loss`` (unweighted), ``tokens_per_expert [L, E]`` and ``dropped_fraction``."""
+    stacked = {key: torch.stack([st[key] for st in stats]) for key in STAT_KEYS}
+    n = stacked["tokens"].sum().clamp(min=1.0)
+    f = stacked["counts"].sum(0) / n
+    share = stacked["probs"].sum(0) / n
+    return {
+        "aux_loss": cfg.n_experts * (f * share).sum(),
+        "z_loss": stacked["z"].sum() / n,
+        "tokens_per_expert": stacked["kept"],
+        "dropped_fraction": 1.0 - stacked["kept"].sum().float() / stacked["routed"].sum().float(),
+    }
