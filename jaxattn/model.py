@@ -9,8 +9,8 @@ Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU M
 the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
 parameters those of the table ``jaxattn.spec.params``. Mixtral / Qwen3-MoE configs (``cfg.n_experts > 0``) swap the
 MLP for ``jaxattn.moe.moe_block`` (Qwen3 also normalises each query / key head); ``model(tokens, moe_stats=True)``
-then also returns the router's losses and loads (``jaxattn.moe.moe_losses``). The model computes in its parameters' dtype (a precision
-policy casts the state from outside); norm statistics, softmax and logits are float32.
+then also returns the router's losses and loads (``jaxattn.moe.moe_losses``). The model computes in its parameters'
+dtype (a precision policy casts the state from outside); norm statistics, softmax, router and logits are float32.
 
 Seams for outside code, nothing more: logical axis names on every ``nnx.Param``; ``checkpoint_name`` tags
 (:data:`REMAT_NAMES`) and a remat policy NAME (``Llama.remat``, set by ``jaxattn.remat.apply``); :func:`constrain`

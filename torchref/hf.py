@@ -3,12 +3,12 @@
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format (and, for an MoE, the renames
 of the parameter table: stacked experts <-> one HF tensor per expert, Mixtral's ``block_sparse_moe`` names), which
-is shared with the JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a ``.gguf`` file is read
-and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the dtype stored in the files; names are
-``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32`` (``spec.dtypes.DTYPE_ALIASES``), or torch dtypes.
-The model is built on the ``meta`` device and the tensors are assigned, so loading a large checkpoint allocates its
-weights once. Saving writes into the directory crash-safely and touches only our files (see
-``jaxattn.spec.hf_format``).
+is shared with the JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a
+``.gguf`` file is read and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the dtype stored in the
+files; names are ``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32``
+(``spec.dtypes.DTYPE_ALIASES``), or torch dtypes. The model is built on the ``meta`` device and the tensors are
+assigned, so loading a large checkpoint allocates its weights once. Saving writes into the directory crash-safely
+and touches only our files (see ``jaxattn.spec.hf_format``).
 
     torchref.hf.save_pretrained(model, "ckpt"); model = torchref.hf.from_pretrained("ckpt", dtype="bfloat16")
 """

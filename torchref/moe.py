@@ -42,7 +42,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.T
 
 
 class Experts(nn.Module):
-    """``n_experts`` SwiGLUs, stacked: ``gate_proj`` / ``up_proj`` ``[E, ffn, dim]``, ``down_proj`` ``[E, dim, ffn]``."""
+    """``n_experts`` SwiGLUs, stacked: ``gate_proj`` / ``up_proj`` ``[E, ffn, dim]``, ``down_proj``
+    ``[E, dim, ffn]``."""
 
     def __init__(self, cfg):
         super().__init__()

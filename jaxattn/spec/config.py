@@ -373,7 +373,7 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM`` (or
-        ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those ``model_type``\ s)."""
+        ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those model types)."""
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
