@@ -154,7 +154,8 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     k = checkpoint_name(matmul(x, p["wk"]), "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q = rms_norm(q, p["q_norm"], cfg.norm_eps).astype(q.dtype)  # a float32 norm weight: keep q's dtype
+        k = rms_norm(k, p["k_norm"], cfg.norm_eps).astype(k.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is None:
         o = per_shard(

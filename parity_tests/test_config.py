@@ -37,6 +37,14 @@ def test_fields_and_defaults_identical():
         "tie_embeddings",
         "bos_token_id",
         "eos_token_id",
+        "model_type",
+        "n_experts",
+        "experts_per_token",
+        "moe_ffn_dim",
+        "norm_topk_prob",
+        "router_aux_loss_coef",
+        "router_z_loss_coef",
+        "capacity_factor",
     ]
 
 

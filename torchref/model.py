@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.cfg.n_kv_heads, d).transpose(1, 2)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)  # a float32 norm weight: keep q's dtype
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
             o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)

@@ -36,7 +36,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.T
     """Rows of ``x [T, in]`` grouped by ``sizes [E]`` (consecutive, summing to T), group e times ``w[e] [in, out]``:
     ``[T, out]``. ``torch._grouped_mm`` where it applies; else one matmul per expert (a host sync for the sizes)."""
     if _grouped_mm_ok(x, w):
-        return torch._grouped_mm(x, w, offs=torch.cumsum(sizes, 0, dtype=torch.int32))
+        y = torch._grouped_mm(x, w, offs=torch.cumsum(sizes, 0, dtype=torch.int32))
+        if y.requires_grad:  # its backward refuses a broadcast (stride-0) gradient, e.g. the one of a .sum()
+            y.register_hook(lambda g: g.contiguous())
+        return y
     parts = torch.split(x, sizes.tolist())
     return torch.cat([p @ w[e] for e, p in enumerate(parts)]) if parts else x.new_zeros(0, w.shape[-1])
 
@@ -84,17 +87,20 @@ def _dropless(x, weights, experts, mlp: Experts, n_experts):
     order = torch.sort(flat, stable=True).indices  # [T*k] assignments grouped by expert
     sizes = torch.bincount(flat, minlength=n_experts)  # [E]
     ys = mlp(x[order // k], lambda a, w: grouped_mm(a, w, sizes))  # [T*k, dim]
-    y = torch.empty_like(ys).index_copy_(0, order, ys).view(t, k, -1)  # back in (token, choice) order
+    y = torch.zeros_like(ys).index_copy(0, order, ys).view(t, k, -1)  # back in (token, choice) order (out of
+    # place: selective checkpointing refuses an in-place write to a tensor it may have cached)
     return torch.einsum("tkd,tk->td", y.float(), weights).to(x.dtype), sizes
 
 
 def _with_capacity(x, weights, experts, mlp: Experts, n_experts, capacity):
     b, s, k = experts.shape
     flat = experts.reshape(b, s * k)  # [B, S*k], token-major
-    onehot = F.one_hot(flat, n_experts)  # [B, S*k, E]
-    pos = (onehot.cumsum(1) * onehot).sum(-1) - 1  # [B, S*k] place in its expert's queue
-    keep = pos < capacity
-    slot = torch.where(keep, flat * capacity + pos, n_experts * capacity)  # dropped -> a spare slot
+    with torch.no_grad():  # integer bookkeeping (out of selective checkpointing's cache: one_hot writes in place)
+        onehot = F.one_hot(flat, n_experts)  # [B, S*k, E]
+        pos = (onehot.cumsum(1) * onehot).sum(-1) - 1  # [B, S*k] place in its expert's queue
+        keep = pos < capacity
+        slot = torch.where(keep, flat * capacity + pos, n_experts * capacity)  # dropped -> a spare slot
+        kept = (onehot * keep[..., None]).sum((0, 1))  # [E]
     rows = torch.arange(b, device=x.device)[:, None]
     xr = x[:, :, None, :].expand(b, s, k, x.shape[-1]).reshape(b, s * k, -1)  # [B, S*k, dim]
     buf = x.new_zeros(b, n_experts * capacity + 1, x.shape[-1]).index_put((rows, slot), xr)
@@ -103,7 +109,6 @@ def _with_capacity(x, weights, experts, mlp: Experts, n_experts, capacity):
     ys = torch.cat([ys.reshape(b, n_experts * capacity, -1), ys.new_zeros(b, 1, ys.shape[-1])], dim=1)
     y = ys[rows, slot].view(b, s, k, -1)  # [B, S, k, dim]; dropped read the zero slot
     w = torch.where(keep.view(b, s, k), weights.view(b, s, k), 0.0)
-    kept = (onehot * keep[..., None]).sum((0, 1))  # [E]
     return torch.einsum("bskd,bsk->bsd", y.float(), w).to(x.dtype), kept
 
 
@@ -130,11 +135,13 @@ class MoEBlock(nn.Module):
         else:
             y, kept = _with_capacity(x, weights.view(b, s, k), experts.view(b, s, k), self.experts, e, capacity)
         m = x.new_ones(b * s, dtype=torch.float32) if mask is None else mask.reshape(b * s).float()
-        chosen = F.one_hot(experts, e).sum(1).float()  # [T, E]
+        # top-k assignments of real tokens per expert (no gradient, as in transformers)
+        counts = m.new_zeros(e).index_add(0, experts.reshape(-1), m.repeat_interleave(k))  # [E]
         lse = torch.logsumexp(logits, dim=-1)  # [T]
         stats = {
-            "counts": m @ chosen,
-            "probs": m @ probs,
+            "counts": counts,
+            "probs": (probs * m[:, None]).sum(0),  # not m @ probs: its mm output is squeezed in place, which
+            # selective checkpointing (the save_dots remat policy caches mm outputs) refuses
             "z": (m * lse * lse).sum(),
             "tokens": m.sum(),
             "kept": kept,
