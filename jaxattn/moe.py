@@ -15,16 +15,23 @@ keeps transformers' exact numbers; the capacity rule (token-major priority withi
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .quant import QArray
 
-__all__ = ["route", "moe_block", "moe_losses", "expert_weight", "STAT_KEYS"]
+__all__ = ["route", "moe_block", "moe_losses", "expert_weight", "STAT_KEYS", "EXPERT_PARALLEL"]
 
 # Per-layer statistics a block returns (summed over its tokens): the model stacks them over layers.
 STAT_KEYS = ("counts", "probs", "z", "tokens", "kept", "routed")
+
+# Per-device seam (no mesh here): ``None`` (the block on the whole arrays) unless ``jaxattn.sharding``'s
+# ``activation_sharding(mesh)`` sets a ``(x, p, cfg, mask) -> (y, stats)`` that runs :func:`moe_block` on each
+# device's rows under ``shard_map`` (tokens routed locally; with an ``expert`` mesh axis, expert parallelism).
+EXPERT_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("jaxattn_expert_parallel", default=None)
 
 
 def expert_weight(w, dtype) -> jax.Array:
@@ -52,22 +59,58 @@ def _swiglu(x, p, matmul):
     return matmul(hidden, expert_weight(p["e_down"], x.dtype))
 
 
-def _dropless(x, weights, experts, p, n_experts):
-    """``x [T, dim]``: every assignment computed. Sorted by expert (stable), one grouped GEMM per projection."""
+def _dropless(x, weights, experts, n_experts, grouped):
+    """``x [T, dim]``: every assignment computed. Sorted by expert (stable); ``grouped(rows, sizes)`` runs the
+    experts' SwiGLU on rows grouped by expert (``sizes [E]``): one grouped GEMM per projection, or
+    :func:`_exchange_grouped`'s all-to-all round trip."""
     t, k = experts.shape
     flat = experts.reshape(t * k)
     order = jnp.argsort(flat, stable=True)  # [T*k] assignments grouped by expert
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
-    xs = x[order // k]  # [T*k, dim]
-    ys = _swiglu(xs, p, lambda a, w: jax.lax.ragged_dot(a, w, sizes))  # [T*k, dim]
+    ys = grouped(x[order // k], sizes)  # [T*k, dim]
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)  # back in (token, choice) order
     out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
     return out.astype(x.dtype), sizes
 
 
-def _with_capacity(x, weights, experts, p, n_experts, capacity):
+def _local_grouped(p):
+    return lambda rows, sizes: _swiglu(rows, p, lambda a, w: jax.lax.ragged_dot(a, w, sizes))
+
+
+def _exchange_grouped(p, axis: str, n: int, k: int):
+    """Expert parallelism, dropless: this device's rows (grouped by expert, ``sizes [E]``) go to the ``n`` devices
+    of ``axis`` that own ``E / n`` experts each (``p`` holds this device's), and come back computed.
+
+    ``all_to_all`` needs equal-sized blocks, so each destination gets a block of ``R = T * min(k, E/n)`` rows
+    (the most it can receive: a token picks an expert once), the valid rows first; ``ragged_all_to_all`` would send only those
+    but XLA:CPU cannot run it. The received rows are regrouped by local expert (padding last, outside the group
+    sizes, so the grouped GEMM skips it)."""
+
+    def grouped(rows, sizes):
+        total, d = rows.shape
+        e_local = sizes.shape[0] // n
+        per_rank = sizes.reshape(n, e_local)  # [n, E/n]
+        r = total // k * min(k, e_local)  # T tokens send each expert at most T rows, a device at most T*k
+        dest = jnp.repeat(jnp.arange(n), jnp.sum(per_rank, axis=1), total_repeat_length=total)  # [T*k] sorted
+        start = jnp.cumsum(jnp.sum(per_rank, axis=1)) - jnp.sum(per_rank, axis=1)  # [n]
+        pos = jnp.arange(total) - start[dest]
+        send = jnp.zeros((n, r, d), rows.dtype).at[dest, pos].set(rows)  # [n, R, dim]
+        recv = jax.lax.all_to_all(send, axis, 0, 0)  # [n sources, R, dim]
+        counts = jax.lax.all_to_all(per_rank, axis, 0, 0)  # [n sources, E/n]: what each source sent per expert
+        ends = jnp.cumsum(counts, axis=1)  # [n, E/n]
+        local = jnp.sum(jnp.arange(r)[None, :, None] >= ends[:, None, :], axis=-1)  # [n, R]; E/n = padding
+        order = jnp.argsort(local.reshape(n * r), stable=True)
+        ys = _swiglu(recv.reshape(n * r, d)[order], p, lambda a, w: jax.lax.ragged_dot(a, w, jnp.sum(counts, 0)))
+        back = jax.lax.all_to_all(jnp.zeros_like(ys).at[order].set(ys).reshape(n, r, d), axis, 0, 0)
+        return back[dest, pos]  # [T*k, dim] in this device's sorted order
+
+    return grouped
+
+
+def _with_capacity(x, weights, experts, n_experts, capacity, buffers):
     """``x [B, S, dim]``: per batch row each expert takes its first ``capacity`` assignments in (token, choice)
-    order; the rest are dropped (contribute 0). Static shapes: ``[B, E, capacity, dim]`` buffers."""
+    order; the rest are dropped (contribute 0). Static shapes: ``buffers([B, E, capacity, dim])`` runs the experts
+    (locally, or through :func:`_exchange_buffers`)."""
     b, s, k = experts.shape
     flat = experts.reshape(b, s * k)  # [B, S*k], token-major
     onehot = jax.nn.one_hot(flat, n_experts, dtype=jnp.int32)  # [B, S*k, E]
@@ -77,8 +120,7 @@ def _with_capacity(x, weights, experts, p, n_experts, capacity):
     rows = jnp.arange(b)[:, None]
     xr = jnp.broadcast_to(x[:, :, None, :], (b, s, k, x.shape[-1])).reshape(b, s * k, -1)  # [B, S*k, dim]
     buf = jnp.zeros((b, n_experts * capacity + 1, x.shape[-1]), x.dtype).at[rows, slot].set(xr)
-    buf = buf[:, :-1].reshape(b, n_experts, capacity, -1)  # [B, E, C, dim]
-    ys = _swiglu(buf, p, lambda a, w: jnp.einsum("becd,edf->becf", a, w))  # [B, E, C, dim]
+    ys = buffers(buf[:, :-1].reshape(b, n_experts, capacity, -1))  # [B, E, C, dim]
     ys = jnp.concatenate([ys.reshape(b, n_experts * capacity, -1), jnp.zeros_like(ys[:, 0, :1])], axis=1)
     y = ys[rows, slot].reshape(b, s, k, -1)  # [B, S, k, dim]; dropped read the zero slot
     w = jnp.where(keep.reshape(b, s, k), weights.reshape(b, s, k), 0.0)
@@ -87,19 +129,51 @@ def _with_capacity(x, weights, experts, p, n_experts, capacity):
     return out.astype(x.dtype), kept
 
 
-def moe_block(x: jax.Array, p, cfg, mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def _local_buffers(p):
+    return lambda buf: _swiglu(buf, p, lambda a, w: jnp.einsum("becd,edf->becf", a, w))
+
+
+def _exchange_buffers(p, axis: str, n: int):
+    """Expert parallelism with a capacity (GShard): the ``[B, E, C, dim]`` buffers split over experts, one
+    ``all_to_all`` to the owners of ``E / n`` experts each, computed there, and one back."""
+
+    def buffers(buf):
+        b, e, c, d = buf.shape
+        send = buf.transpose(1, 0, 2, 3).reshape(n, e // n, b * c, d)  # [n owners, E/n, B*C, dim]
+        recv = jax.lax.all_to_all(send, axis, 0, 0)  # [n sources, E/n, B*C, dim]
+        local = recv.transpose(1, 0, 2, 3).reshape(e // n, n * b * c, d)
+        ys = _swiglu(local, p, lambda a, w: jnp.einsum("ecd,edf->ecf", a, w))  # [E/n, n*B*C, dim]
+        back = jax.lax.all_to_all(ys.reshape(e // n, n, b * c, d).transpose(1, 0, 2, 3), axis, 0, 0)
+        return back.reshape(e, b, c, d).transpose(1, 0, 2, 3)  # [B, E, C, dim]
+
+    return buffers
+
+
+def moe_block(
+    x: jax.Array, p, cfg, mask: jax.Array | None = None, *, expert_axis: str | None = None, expert_shards: int = 1
+) -> tuple[jax.Array, dict]:
     """The sparse MLP: ``x [B, S, dim]`` -> ``(y [B, S, dim], stats)``. ``mask [B, S]`` (bool; None = all): the
     real tokens, the only ones the balance and z statistics count (transformers' ``attention_mask``); padding is
-    still routed and computed. ``stats``: :data:`STAT_KEYS` sums for :func:`moe_losses`."""
+    still routed and computed. ``stats``: :data:`STAT_KEYS` sums for :func:`moe_losses`.
+
+    Under ``jaxattn.sharding`` (the :data:`EXPERT_PARALLEL` seam) each device runs this on its rows inside
+    ``shard_map``; with ``expert_axis`` (``expert_shards`` devices) ``p`` holds this device's ``E / n`` experts and
+    the assignments travel to their experts' devices and back by all-to-all."""
+    hook = EXPERT_PARALLEL.get()
+    if hook is not None and expert_axis is None:
+        return hook(x, p, cfg, mask)
     b, s, d = x.shape
     e, k = cfg.n_experts, cfg.experts_per_token
     logits, probs, weights, experts = route(x.reshape(b * s, d), p["router"], cfg)  # [T, E], [T, k]
     capacity = cfg.expert_capacity(s)
+    ep = expert_axis is not None and expert_shards > 1
     if capacity is None:
-        y, kept = _dropless(x.reshape(b * s, d), weights, experts, p, e)
+        grouped = _exchange_grouped(p, expert_axis, expert_shards, k) if ep else _local_grouped(p)
+        y, kept = _dropless(x.reshape(b * s, d), weights, experts, e, grouped)
         y = y.reshape(b, s, d)
     else:
-        y, kept = _with_capacity(x, weights.reshape(b, s, k), experts.reshape(b, s, k), p, e, capacity)
+        buffers = _exchange_buffers(p, expert_axis, expert_shards) if ep else _local_buffers(p)
+        y, kept = _with_capacity(x, weights.reshape(b, s, k), experts.reshape(b, s, k), e, capacity, buffers)
     m = jnp.ones((b * s,), jnp.float32) if mask is None else mask.reshape(b * s).astype(jnp.float32)
     chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=1)  # [T, E]: 1 where chosen
     lse = jax.nn.logsumexp(logits, axis=-1)  # [T]

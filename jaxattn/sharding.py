@@ -1,15 +1,17 @@
 """Data, FSDP (ZeRO-3) and Megatron tensor parallelism for the JAX Llama, applied from OUTSIDE the model (twin of
 ``torchref.parallel``; torchtitan's ``parallelize.py`` split).
 
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (stage, data, fsdp, tensor)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")                    # axes (stage, data, fsdp, expert, tensor)
     tx, state, sharding = shard_train_state(graphdef, tx, state, mesh, batch_size=8)
     step = make_train_step(graphdef, tx, sharding=sharding)       # one jax.jit with in/out shardings
 
 Parameters: their logical axis names (the parameter table's) go through :data:`RULES` to mesh axes — ``heads``,
 ``kv_heads``, ``mlp``, ``vocab`` on ``tensor`` (Megatron: column- then row-parallel), ``embed`` on ``fsdp``,
 ``layers`` on ``stage`` (pipeline stages: with ``stage`` > 1 the step runs its layers through ``jaxattn.pipeline``'s
-GPipe loop in ``microbatches``); the optimizer state is sharded like its parameter (ZeRO-3), scalars and misfit
-leaves replicated; the batch splits over (data, fsdp). XLA's SPMD partitioner inserts the collectives.
+GPipe loop in ``microbatches``), an MoE's ``experts`` on ``expert`` (expert parallelism: ``jaxattn.moe`` exchanges
+the routed tokens by all-to-all inside ``shard_map``); the optimizer state is sharded like its parameter (ZeRO-3),
+scalars and misfit leaves replicated; the batch splits over (data, fsdp, expert). XLA's SPMD partitioner inserts
+the other collectives.
 Activations: the model's ``constrain`` / ``per_shard`` seams become ``with_sharding_constraint`` / ``shard_map``
 under :func:`activation_sharding` (hidden states keep ``embed`` whole, so FSDP gathers each layer's weights inside
 the loop; attention runs on each device's rows and heads, so a Pallas kernel is not gathered whole). Every
@@ -35,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import remat
 from .model import ACTIVATION_CONSTRAINT, PER_SHARD
+from .moe import EXPERT_PARALLEL, moe_block
 from .spec import params
 
 __all__ = [
@@ -58,18 +61,19 @@ __all__ = [
     "ACTIVATION_RULES",
     "activation_sharding",
     "per_shard_map",
+    "expert_parallel_map",
     "offloaded",
     "offload_unavailable_reason",
 ]
 
-MESH_AXES = ("stage", "data", "fsdp", "tensor")  # stage outermost: pipeline stages may span hosts
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")  # stage outermost: pipeline stages may span hosts
+BATCH_AXES = ("data", "fsdp", "expert")  # expert parallelism splits the tokens too (each device routes its own)
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
 RULES: dict[str, str | None] = {
     **{a: "tensor" for a in params.TENSOR_PARALLEL_AXES},
     "embed": "fsdp",
     "head_dim": None,
-    "experts": None,  # an MoE's experts: replicated (an ``expert`` mesh axis is expert parallelism's)
+    "experts": "expert",  # an MoE's experts: expert parallelism (jaxattn.moe's all-to-all under shard_map)
     "layers": "stage",  # pipeline stages (jaxattn.pipeline): each holds its contiguous share of the layers
 }
 # logical axis name of an activation (jaxattn.model.ACT_AXES / LOGITS_AXES) -> mesh axes; embed stays whole
@@ -112,14 +116,14 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``Mesh`` with axes ``(stage, data, fsdp, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis
+    """A ``Mesh`` with axes ``(stage, data, fsdp, expert, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis
     types (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
     sizes = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(sizes[a] for a in MESH_AXES)
     if int(np.prod(shape)) != len(devices):
         raise ValueError(
-            f"mesh {spec!r}: stage*data*fsdp*tensor = {int(np.prod(shape))} but there are {len(devices)} "
+            f"mesh {spec!r}: stage*data*fsdp*expert*tensor = {int(np.prod(shape))} but there are {len(devices)} "
             f"devices; the product of the axis sizes must equal the device count"
             + (
                 f" (on a CPU, simulate {int(np.prod(shape))} devices with "
@@ -197,7 +201,7 @@ def check_config(config, mesh: Mesh) -> None:
 
 
 def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
-    """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp`` (times ``stage``)."""
+    """The batch (each microbatch with ``grad_accum``) must divide by ``data * fsdp * expert`` (times ``stage``)."""
     n = _axis_size(mesh, batch_axes(mesh))
     if batch_size % grad_accum or (batch_size // grad_accum) % n:
         raise ValueError(
@@ -209,7 +213,7 @@ def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
 
 def check_stages(config, mesh: Mesh, rows: int, microbatches: int, virtual: int = 1) -> None:
     """With a ``stage`` axis > 1: the layers split into equal stages, the ``rows`` of a step into ``microbatches``
-    (each a multiple of ``data * fsdp``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming them)."""
+    (each a multiple of ``data * fsdp * expert``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming them)."""
     stages = _axis_size(mesh, ("stage",))
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -228,7 +232,7 @@ def check_stages(config, mesh: Mesh, rows: int, microbatches: int, virtual: int 
     if (rows // microbatches) % n:
         raise ValueError(
             f"a micro-batch of {rows // microbatches} rows (microbatches={microbatches}) does not split over the "
-            f"data axes data*fsdp={n}"
+            f"data axes data*fsdp*expert={n}"
         )
 
 
@@ -351,12 +355,43 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     def local(fn, args, in_axes, out_axes):
         return per_shard_map(fn, args, in_axes, out_axes, mesh, rules)
 
-    tokens = ACTIVATION_CONSTRAINT.set(constrain), PER_SHARD.set(local)
+    def experts(x, p, cfg, mask):
+        return expert_parallel_map(x, p, cfg, mask, mesh)
+
+    tokens = ACTIVATION_CONSTRAINT.set(constrain), PER_SHARD.set(local), EXPERT_PARALLEL.set(experts)
     try:
         yield
     finally:
         ACTIVATION_CONSTRAINT.reset(tokens[0])
         PER_SHARD.reset(tokens[1])
+        EXPERT_PARALLEL.reset(tokens[2])
+
+
+MOE_PARAMS = ("router", "e_gate", "e_up", "e_down")
+
+
+def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
+    """``jaxattn.moe.moe_block`` on each device's rows under ``shard_map``: tokens are routed where they live (no
+    global sort), the experts split over the ``expert`` axis (their weights gathered over ``fsdp`` / ``tensor``)
+    with the assignments exchanged by all-to-all when it is > 1; the router statistics are summed over devices
+    after the map (so they equal one device's)."""
+    if _context_mesh(mesh)[1]:
+        raise NotImplementedError("Mixture-of-Experts layers inside pipeline stages are not supported yet")
+    n = _axis_size(mesh, "expert")
+    rows = P(batch_axes(mesh))
+    weights = {k: p[k] for k in MOE_PARAMS}
+    specs = {k: P() if k == "router" else P("expert") for k in MOE_PARAMS}
+    specs = {k: jax.tree.map(lambda _: specs[k], weights[k]) for k in MOE_PARAMS}  # an int8 weight: q and scale
+
+    def body(x, weights, mask):
+        y, stats = moe_block(x, weights, cfg, mask, expert_axis="expert", expert_shards=n)
+        return y, jax.tree.map(lambda v: v[None], stats)  # [1, ...] per device, summed outside
+
+    if mask is None:
+        y, stats = _shard_map(lambda x, w: body(x, w, None), mesh, (rows, specs), (rows, rows))(x, weights)
+    else:
+        y, stats = _shard_map(body, mesh, (rows, specs, rows), (rows, rows))(x, weights, mask)
+    return y, jax.tree.map(lambda v: v.sum(0), stats)
 
 
 def _context_mesh(mesh: Mesh):
@@ -457,7 +492,7 @@ class TrainSharding:
     """How a train step is laid out on ``mesh``; ``jaxattn.train_step.make_train_step(..., sharding=...)`` reads it.
 
     ``state``: a tree of ``NamedSharding`` for the ``TrainState`` (ZeRO-3; the optimizer state in ``pinned_host``
-    memory when offloaded); ``batch``: rows over (data, fsdp). The step is jitted with :attr:`in_shardings` /
+    memory when offloaded); ``batch``: rows over (data, fsdp, expert). The step is jitted with :attr:`in_shardings` /
     :attr:`out_shardings`, checks a batch with :meth:`check_batch_size`, turns a host batch into a global array
     with :meth:`place` (multi-process) and traces under :meth:`tracing` (the model's activation constraints)."""
 

@@ -15,11 +15,15 @@ float32/bf16/fp16; elsewhere (or on a build without it) :func:`grouped_mm` runs 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoEBlock", "Experts", "route", "grouped_mm", "moe_losses", "STAT_KEYS"]
+__all__ = ["MoEBlock", "Experts", "ExpertParallel", "route", "grouped_mm", "moe_losses", "STAT_KEYS"]
 
 STAT_KEYS = ("counts", "probs", "z", "tokens", "kept", "routed")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,17 +61,24 @@ class Experts(nn.Module):
         for w in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(w, std=0.02)
 
-    def forward(self, x: torch.Tensor, matmul) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, matmul, ep: ExpertParallel | None = None) -> torch.Tensor:
         """``matmul(x, w [E, in, out])`` is the grouped (or batched) product, in autocast's dtype when it is on
-        (``torch._grouped_mm`` is not on autocast's op lists: cast here, as autocast casts a Linear)."""
+        (``torch._grouped_mm`` is not on autocast's op lists: cast here, as autocast casts a Linear); under expert
+        parallelism ``ep`` the local experts' weights."""
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        w = [m.transpose(-2, -1) for m in self.weights(x.dtype)]  # [E, in, out]
+        w = self.weights(x.dtype) if ep is None else ep.weights(self, x.dtype)
+        w = [m.transpose(-2, -1) for m in w]  # [E, in, out]
         return matmul(F.silu(matmul(x, w[0])) * matmul(x, w[1]), w[2])
 
     def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """``[gate_proj, up_proj, down_proj]`` in ``dtype`` (HF layout ``[E, out, in]``)."""
-        return [p.to(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        """``[gate_proj, up_proj, down_proj]`` in ``dtype`` (HF layout ``[E, out, in]``; this rank's experts when
+        they are DTensors sharded by expert parallelism)."""
+        return [_local(p).to(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def route(x: torch.Tensor, router: nn.Linear, cfg):
@@ -81,18 +92,20 @@ def route(x: torch.Tensor, router: nn.Linear, cfg):
     return logits, probs, weights, experts
 
 
-def _dropless(x, weights, experts, mlp: Experts, n_experts):
+def _dropless(x, weights, experts, n_experts, grouped):
+    """Every assignment computed: sorted by expert (stable), ``grouped(rows, sizes)`` runs the experts on the rows
+    grouped by expert (locally, or through :meth:`ExpertParallel.grouped`)."""
     t, k = experts.shape
     flat = experts.reshape(t * k)
     order = torch.sort(flat, stable=True).indices  # [T*k] assignments grouped by expert
     sizes = torch.bincount(flat, minlength=n_experts)  # [E]
-    ys = mlp(x[order // k], lambda a, w: grouped_mm(a, w, sizes))  # [T*k, dim]
+    ys = grouped(x[order // k], sizes)  # [T*k, dim]
     y = torch.zeros_like(ys).index_copy(0, order, ys).view(t, k, -1)  # back in (token, choice) order (out of
     # place: selective checkpointing refuses an in-place write to a tensor it may have cached)
     return torch.einsum("tkd,tk->td", y.float(), weights).to(x.dtype), sizes
 
 
-def _with_capacity(x, weights, experts, mlp: Experts, n_experts, capacity):
+def _with_capacity(x, weights, experts, n_experts, capacity, buffers):
     b, s, k = experts.shape
     flat = experts.reshape(b, s * k)  # [B, S*k], token-major
     with torch.no_grad():  # integer bookkeeping (out of selective checkpointing's cache: one_hot writes in place)
@@ -104,12 +117,78 @@ def _with_capacity(x, weights, experts, mlp: Experts, n_experts, capacity):
     rows = torch.arange(b, device=x.device)[:, None]
     xr = x[:, :, None, :].expand(b, s, k, x.shape[-1]).reshape(b, s * k, -1)  # [B, S*k, dim]
     buf = x.new_zeros(b, n_experts * capacity + 1, x.shape[-1]).index_put((rows, slot), xr)
-    buf = buf[:, :-1].reshape(b, n_experts, capacity, -1)  # [B, E, C, dim]
-    ys = mlp(buf, lambda a, w: torch.einsum("becd,edf->becf", a, w))  # [B, E, C, dim]
+    ys = buffers(buf[:, :-1].reshape(b, n_experts, capacity, -1))  # [B, E, C, dim]
     ys = torch.cat([ys.reshape(b, n_experts * capacity, -1), ys.new_zeros(b, 1, ys.shape[-1])], dim=1)
     y = ys[rows, slot].view(b, s, k, -1)  # [B, S, k, dim]; dropped read the zero slot
     w = torch.where(keep.view(b, s, k), weights.view(b, s, k), 0.0)
     return torch.einsum("bskd,bsk->bsd", y.float(), w).to(x.dtype), kept
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (an expert's gradient summed over every rank's tokens)."""
+
+    @staticmethod
+    def forward(ctx, w, scale):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+@dataclasses.dataclass
+class ExpertParallel:
+    """A block's expert parallelism (set by ``torchref.parallel``): the ``group`` of ``size`` ranks over which the
+    experts are split (rank r holds experts ``[r * E / size, (r + 1) * E / size)``, the stacked parameters DTensors
+    sharded on dim 0); ``grad_scale``: each rank's loss counts its rows ``dp`` times (the global-mean denominator
+    divided by the data-parallel size), so the local experts' gradients, summed over every rank's tokens by the
+    all-to-all's backward, are scaled by ``1 / dp``."""
+
+    group: Any
+    size: int
+    grad_scale: float
+
+    def weights(self, experts: Experts, dtype):
+        return [_ScaleGrad.apply(w, self.grad_scale) for w in experts.weights(dtype)]
+
+    def grouped(self, experts: Experts):
+        """Dropless: rows grouped by expert (``sizes [E]``) go to their experts' ranks by ``all_to_all_single``
+        (exact split sizes: a host sync each), regrouped there by local expert, computed, and sent back."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        def run(rows, sizes):
+            n, e_local = self.size, sizes.numel() // self.size
+            per_rank = sizes.view(n, e_local)
+            counts = torch.empty_like(per_rank)
+            dist.all_to_all_single(counts, per_rank.contiguous(), group=self.group)  # [n sources, E/n]
+            send, recv = per_rank.sum(1).tolist(), counts.sum(1).tolist()
+            got = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=self.group)
+            local = torch.arange(e_local, device=rows.device).repeat(n).repeat_interleave(counts.reshape(-1))
+            order = torch.sort(local, stable=True).indices  # by local expert, then source
+            ys = experts(got[order], lambda a, w: grouped_mm(a, w, counts.sum(0)), self)
+            ys = torch.zeros_like(ys).index_copy(0, order, ys)
+            return all_to_all_single(rows.new_empty(rows.shape[0], ys.shape[1]), ys, send, recv, group=self.group)
+
+        return run
+
+    def buffers(self, experts: Experts):
+        """With a capacity: the ``[B, E, C, dim]`` buffers split over experts, one equal-split all-to-all to their
+        owners and one back (GShard)."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        def run(buf):
+            b, e, c, d = buf.shape
+            n = self.size
+            send = buf.transpose(0, 1).reshape(n, e // n, b * c, d).contiguous()
+            got = all_to_all_single(torch.empty_like(send), send, group=self.group)  # [n sources, E/n, B*C, dim]
+            local = got.transpose(0, 1).reshape(e // n, n * b * c, d)
+            ys = experts(local, lambda a, w: torch.einsum("ecd,edf->ecf", a, w), self)  # [E/n, n*B*C, dim]
+            ys = ys.reshape(e // n, n, b * c, d).transpose(0, 1).contiguous()
+            back = all_to_all_single(torch.empty_like(ys), ys, group=self.group)  # [n owners, E/n, B*C, dim]
+            return back.reshape(e, b, c, d).transpose(0, 1)
+
+        return run
 
 
 class MoEBlock(nn.Module):
@@ -122,6 +201,8 @@ class MoEBlock(nn.Module):
         self.cfg = cfg
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
+        self.ep: ExpertParallel | None = None  # set by torchref.parallel (expert parallelism)
+        self.stats_group = None  # set by torchref.parallel: the router statistics are summed over these ranks
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         cfg = self.cfg
@@ -129,11 +210,14 @@ class MoEBlock(nn.Module):
         e, k = cfg.n_experts, cfg.experts_per_token
         logits, probs, weights, experts = route(x.reshape(b * s, d), self.gate, cfg)  # [T, E], [T, k]
         capacity = cfg.expert_capacity(s)
+        mlp, ep = self.experts, self.ep
         if capacity is None:
-            y, kept = _dropless(x.reshape(b * s, d), weights, experts, self.experts, e)
+            grouped = ep.grouped(mlp) if ep else lambda rows, sizes: mlp(rows, lambda a, w: grouped_mm(a, w, sizes))
+            y, kept = _dropless(x.reshape(b * s, d), weights, experts, e, grouped)
             y = y.view(b, s, d)
         else:
-            y, kept = _with_capacity(x, weights.view(b, s, k), experts.view(b, s, k), self.experts, e, capacity)
+            buffers = ep.buffers(mlp) if ep else lambda buf: mlp(buf, lambda a, w: torch.einsum("becd,edf->becf", a, w))
+            y, kept = _with_capacity(x, weights.view(b, s, k), experts.view(b, s, k), e, capacity, buffers)
         m = x.new_ones(b * s, dtype=torch.float32) if mask is None else mask.reshape(b * s).float()
         # top-k assignments of real tokens per expert (no gradient, as in transformers)
         counts = m.new_zeros(e).index_add(0, experts.reshape(-1), m.repeat_interleave(k))  # [E]
@@ -145,9 +229,25 @@ class MoEBlock(nn.Module):
             "z": (m * lse * lse).sum(),
             "tokens": m.sum(),
             "kept": kept,
-            "routed": torch.tensor(b * s * k),
+            "routed": torch.tensor(b * s * k, device=x.device),
         }
+        if self.stats_group is not None:  # data / expert parallel: the whole batch's sums, as one process has
+            stats = _all_reduce(stats, self.stats_group)
         return y, stats
+
+
+def _all_reduce(stats: dict, group) -> dict:
+    """The sums over ``group``'s ranks: differentiable (``torch.distributed.nn``) where the loss takes gradients."""
+    from torch.distributed.nn.functional import all_reduce
+
+    out = {}
+    for key, v in stats.items():
+        if v.requires_grad:
+            out[key] = all_reduce(v, group=group)
+        else:
+            out[key] = v.clone()
+            dist.all_reduce(out[key], group=group)
+    return out
 
 
 def moe_losses(stats: list[dict], cfg) -> dict:

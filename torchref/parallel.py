@@ -32,9 +32,21 @@ from torch import nn
 
 from jaxattn.spec import params
 
-__all__ = ["MODES", "build_mesh", "parallelize", "local_rows", "row_block", "dp_size", "tp_plan", "apply_tp"]
+__all__ = [
+    "MODES",
+    "EP_MODES",
+    "apply_ep",
+    "build_mesh",
+    "parallelize",
+    "local_rows",
+    "row_block",
+    "dp_size",
+    "tp_plan",
+    "apply_tp",
+]
 
-MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
+MODES = ("ddp", "fsdp", "tp", "fsdp+tp", "ep", "ep+fsdp")
+EP_MODES = ("ep", "ep+fsdp")  # expert parallelism (a Mixture-of-Experts model): experts split over the ranks
 
 
 def _check_mode(mode: str) -> None:
@@ -65,7 +77,7 @@ def build_mesh(mode: str, tp: int | None = None, device_type: str | None = None)
 
 def dp_size(mode: str, mesh) -> int:
     """Number of data-parallel ranks (ranks that see different rows)."""
-    return 1 if mode == "tp" else mesh["dp"].size() if mode == "fsdp+tp" else mesh.size()
+    return 1 if mode == "tp" else mesh["dp"].size() if mode == "fsdp+tp" else mesh.size()  # ep: every rank
 
 
 def local_rows(batch: dict, mode: str, mesh) -> dict:
@@ -179,6 +191,40 @@ def _replicate(module: nn.Module, mesh) -> None:
 OFFLOAD_MODES = ("fsdp", "fsdp+tp")
 
 
+def apply_ep(model: nn.Module, mesh, dp: int, split: bool) -> set:
+    """An MoE model's blocks under data / expert parallelism: their router statistics summed over the ``dp``
+    ranks (the load-balancing loss of the whole batch, as one process computes it); with ``split`` the stacked
+    experts become DTensors sharded on dim 0 over ``mesh`` (rank r keeps ``E / ranks`` experts) and the blocks
+    exchange tokens by all-to-all (``torchref.moe.ExpertParallel``). Returns the expert parameters (empty when
+    not split) for FSDP / replicate to leave alone. A dense model is left as it is."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from .moe import ExpertParallel, MoEBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        if split:
+            raise ValueError("--parallel ep / ep+fsdp splits a Mixture-of-Experts model's experts; this model is dense")
+        return set()
+    n = mesh.size()
+    if split and model.config.n_experts % n:
+        raise ValueError(
+            f"ModelConfig.n_experts={model.config.n_experts} is not divisible by the {n} expert-parallel ranks"
+        )
+    group = mesh.get_group()
+    out = set()
+    for block in blocks:
+        block.stats_group = group if dp > 1 else None
+        if not split:
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w = getattr(block.experts, name)
+            setattr(block.experts, name, nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(0)])))
+            out.add(getattr(block.experts, name))
+        block.ep = ExpertParallel(group, n, 1.0 / dp)
+    return out
+
+
 def parallelize(
     model: nn.Module,
     mode: str,
@@ -198,17 +244,26 @@ def parallelize(
         raise ValueError(f"offload=True needs an FSDP mode {OFFLOAD_MODES}, got mode {mode!r}")
     if mode in ("tp", "fsdp+tp"):
         _apply_tp(model, mesh["tp"] if mode == "fsdp+tp" else mesh)
+    experts = apply_ep(model, mesh, dp_size(mode, mesh), mode in EP_MODES)
+    if mode == "ep":  # the rest data-parallel: FSDP2's replicate (DDP semantics on DTensors, like the experts)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for layer in model.model.layers:
+            replicate(layer, mesh=mesh, ignored_params=experts)
+        replicate(model, mesh=mesh, ignored_params=experts)
+        return model
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=None if mesh.device_type == "cpu" else [torch.cuda.current_device()])
-    if mode in ("fsdp", "fsdp+tp"):
+    if mode in ("fsdp", "fsdp+tp", "ep+fsdp"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         dp_mesh = mesh["dp"] if mode == "fsdp+tp" else mesh
         kw = dict(
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
+            ignored_params=experts or None,  # ep+fsdp: the experts stay split by expert, not FSDP-sharded
         )
         for layer in model.model.layers:
             fully_shard(layer, mesh=dp_mesh, **kw)

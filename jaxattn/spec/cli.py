@@ -52,7 +52,8 @@ __all__ = [
 FRAMEWORKS = ("jax", "torch")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 PP_MODES = ("pp", "pp+fsdp", "pp+tp")  # torchref.pipeline: stages alone, each sharded by FSDP2 or tensor parallel
-PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", *PP_MODES)  # torchref.parallel.MODES + torchref.pipeline's
+EP_MODES = ("ep", "ep+fsdp")  # torchref.parallel: an MoE's experts split over the ranks (the rest ddp / fsdp)
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", *EP_MODES, *PP_MODES)  # torchref.parallel.MODES + torchref.pipeline's
 
 
 class CLIError(ValueError):
@@ -196,7 +197,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--mesh",
-        "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2 or stage=2,fsdp=4 (jaxattn.sharding)",
+        "device mesh over all devices, e.g. data=2,fsdp=2,tensor=2, stage=2,fsdp=4 or (an MoE's expert parallelism) "
+        "data=2,expert=4 (jaxattn.sharding)",
         str,
         metavar="AXIS=N[,AXIS=N]",
         frameworks=("jax",),
@@ -254,7 +256,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--parallel",
         "parallelism under torchrun (torchref.parallel; fsdp+tp: tensor parallel over 2 ranks; pp: pipeline stages, "
-        "one per rank, torchref.pipeline; pp+fsdp / pp+tp: --pp-stages stages, each sharded over the other ranks)",
+        "one per rank, torchref.pipeline; pp+fsdp / pp+tp: --pp-stages stages, each sharded over the other ranks; "
+        "ep / ep+fsdp: a Mixture-of-Experts model's experts split over the ranks, the rest ddp / fsdp)",
         str,
         None,
         PARALLEL,
@@ -337,7 +340,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig.preset(args.preset)
 
 
-MESH_AXES = ("stage", "data", "fsdp", "tensor")  # jaxattn.sharding.MESH_AXES
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")  # jaxattn.sharding.MESH_AXES
 
 
 def _mesh_axis(spec: str, axis: str) -> int:

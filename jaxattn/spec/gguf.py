@@ -1,8 +1,12 @@
-"""GGUF (llama.cpp) Llama files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer.
+"""GGUF (llama.cpp) files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer, for the families the
+model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``) and
+Qwen3-MoE ("qwen3moe").
 
 Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
-dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/k projections is undone.
+dequantized by ``gguf.quants.dequantize``; llama.cpp's row permutation of the q/k projections ("llama" files only) is
+undone; each layer's merged expert tensor (``blk.N.ffn_gate_exps.weight``: every expert in one tensor) is split into
+the per-expert HF keys (``model.layers.N.mlp.experts.E.gate_proj.weight``, Mixtral's ``...experts.E.w1.weight``).
 
 Before anything is read, the tensor-info records are checked against the file as llama.cpp's
 ``gguf_init_from_file`` checks them (:func:`check_tensor_data`): every type is a ggml type, every row length a
@@ -41,6 +45,34 @@ CONFIG_KEYS = (
     ("norm_eps", "attention.layer_norm_rms_epsilon", None),
     ("rope_theta", "rope.freq_base", 10000.0),
 )
+
+# What llama.cpp's converter writes for the two mixture-of-experts families, verified in ggml-org/llama.cpp
+# (conversion/base.py TextModel.set_gguf_parameters, conversion/llama.py LlamaModel, conversion/qwen.py
+# Qwen2MoeModel / Qwen3MoeModel; src/models/llama.cpp, src/models/qwen3moe.cpp, src/llama-model.cpp
+# llama_model_rope_type) and gguf-py 0.19 (constants.py MODEL_ARCH_NAMES / TENSOR_NAMES / Keys.LLM, tensor_mapping.py):
+# - MixtralForCausalLM converts as LlamaModel: arch "llama", q/k rows permuted as for Llama, llama.expert_count
+#   (num_local_experts), llama.expert_used_count (num_experts_per_tok), the experts' width in
+#   llama.feed_forward_length (intermediate_size); no sliding-window key. Per layer, experts.{e}.w1 / w3 / w2 are
+#   torch.stack-ed on dim 0 into blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps.weight: numpy [experts, out, in]
+#   (ggml ne {in, out, experts}); the router is blk.N.ffn_gate_inp.weight.
+# - Qwen3MoeForCausalLM converts as Qwen2MoeModel, a TextModel (not LlamaModel: no q/k permutation; llama.cpp ropes
+#   qwen3moe NEOX-style): arch "qwen3moe", keys qwen3moe.* with expert_count (num_experts), expert_used_count,
+#   expert_feed_forward_length (moe_intermediate_size; llama.cpp falls back to feed_forward_length //
+#   expert_used_count), attention.key_length / value_length (head_dim); extra tensors blk.N.attn_q_norm /
+#   attn_k_norm.weight; experts merged as for Mixtral (mlp.experts.{e}.gate_proj / up_proj / down_proj).
+# - norm_topk_prob is not written for either: both graphs call build_moe_ffn with norm_w=true and softmax gating, so
+#   an absent {arch}.expert_weights_norm reads as True. Routers and norms stay F32 in quantized files.
+# MoE keys these two converters never write, refused when present with another value: (key, allowed, what it is)
+MOE_REFUSED = (
+    ("attention.sliding_window", (0,), "sliding-window attention"),
+    ("expert_shared_count", (0,), "shared experts"),
+    ("leading_dense_block_count", (0,), "leading dense (non-MoE) layers"),
+    ("expert_gating_func", (1,), "a router gating function other than softmax (1)"),
+    ("expert_weights_scale", (0.0, 1.0), "scaled expert weights"),
+    ("expert_group_count", (0, 1), "grouped expert routing"),
+)
+FAMILY_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+ARCHITECTURES = ("llama", "qwen3moe")  # general.architecture values that load
 
 # tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
 # "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
@@ -152,9 +184,7 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
             f"{where} uses {what}: not supported; a GGUF file loads only without RoPE scaling "
             f"(rope.scaling.type absent or 'none', no rope_freqs.weight)"
         )
-    experts = _get(reader, f"{arch}.expert_count", where, 0)
-    if experts:
-        raise CheckpointError(f"{where}: {arch}.expert_count={experts}: mixture-of-experts is not supported")
+    moe = _read_moe(reader, where, arch, kw["ffn_dim"], names)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else _get(reader, f"{arch}.vocab_size", where, None)
     if vocab is None:
@@ -169,7 +199,59 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
         head_dim=None if head_dim * kw["n_heads"] == kw["dim"] else head_dim,
         tie_embeddings="output.weight" not in names,
         **special,
+        **moe,
         **kw,
+    )
+
+
+def _read_moe(reader, where: str, arch: str, ffn_dim: int, names: set) -> dict:
+    """The mixture-of-experts ``ModelConfig`` fields (none for a dense "llama" file); refuses by key what the model
+    cannot represent."""
+    experts = _get(reader, f"{arch}.expert_count", where, _REQUIRED if arch == "qwen3moe" else 0)
+    if arch == "llama" and not experts:
+        return {}
+    n_experts = _positive(experts, f"{arch}.expert_count", where)
+    key = f"{arch}.expert_used_count"
+    used = _positive(_get(reader, key, where), key, where)
+    if used > n_experts:
+        raise CheckpointError(
+            f"{where}: {key}={used} is more than {arch}.expert_count={n_experts}: a token can be sent to at most "
+            f"every expert once"
+        )
+    for name, allowed, what in MOE_REFUSED:
+        value = _get(reader, f"{arch}.{name}", where, None)
+        if value is not None and value not in allowed:
+            raise CheckpointError(f"{where}: {arch}.{name}={value!r}: {what} is not supported")
+    dense = sorted(n for n in names if (m := params.match_gguf(n)) and m[0].name in ("w_gate", "w_up", "w_down"))
+    if dense:
+        raise CheckpointError(
+            f"{where} is a mixture-of-experts file with dense MLP tensors ({', '.join(dense[:6])}"
+            f"{' ...' if len(dense) > 6 else ''}): only models whose every layer is sparse load (the layers are "
+            f"stacked and scanned as identical ones)"
+        )
+    norm = _get(reader, f"{arch}.expert_weights_norm", where, True)
+    expert_ffn = _get(reader, f"{arch}.expert_feed_forward_length", where, None)
+    if arch == "llama":  # Mixtral
+        if not norm:
+            raise CheckpointError(
+                f"{where}: {arch}.expert_weights_norm={norm!r}: Mixtral always renormalises its top-k router weights"
+            )
+        if expert_ffn is not None and expert_ffn != ffn_dim:
+            raise CheckpointError(
+                f"{where}: {arch}.expert_feed_forward_length={expert_ffn!r} differs from feed_forward_length="
+                f"{ffn_dim}; Mixtral's experts are feed_forward_length wide"
+            )
+        return dict(model_type="mixtral", n_experts=n_experts, experts_per_token=used)
+    if expert_ffn is None:
+        moe_ffn = max(1, ffn_dim // used)  # llama.cpp's fallback (src/models/qwen3moe.cpp)
+    else:
+        moe_ffn = _positive(expert_ffn, f"{arch}.expert_feed_forward_length", where)
+    return dict(
+        model_type="qwen3_moe",
+        n_experts=n_experts,
+        experts_per_token=used,
+        moe_ffn_dim=moe_ffn,
+        norm_topk_prob=bool(norm),
     )
 
 
@@ -400,7 +482,8 @@ def check_tensor_data(path: str, where: str | None = None) -> list[TensorInfo]:
 
 
 def _open(path: str | os.PathLike):
-    """``(gguf.GGUFReader, where)`` of a llama.cpp Llama file (memory-mapped: nothing is read yet); errors name it."""
+    """``(gguf.GGUFReader, where, arch)`` of a llama.cpp file of a supported architecture (memory-mapped: nothing is
+    read yet); errors name it."""
     try:
         import gguf
     except ImportError as e:
@@ -419,25 +502,29 @@ def _open(path: str | os.PathLike):
     except (ValueError, IndexError, TypeError) as e:  # the reader's own errors do not name the file
         raise CheckpointError(f"{where} cannot be parsed: {e}") from e
     arch = _get(reader, "general.architecture", where)
-    if arch != "llama":
-        raise CheckpointError(f"{where}: general.architecture={arch!r} is not supported; only 'llama' loads")
-    return reader, where
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{where}: general.architecture={arch!r} is not supported; only 'llama' (Llama, Mixtral) and "
+            f"'qwen3moe' (Qwen3-MoE) load"
+        )
+    return reader, where, arch
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """The ``ModelConfig`` of a llama.cpp Llama file, from its metadata alone (no tensor is dequantized)."""
-    reader, where = _open(path)
-    return _read_config(reader, where, "llama", {t.name for t in reader.tensors})
+    """The ``ModelConfig`` of a llama.cpp file, from its metadata (and tensor names) alone: nothing is dequantized."""
+    reader, where, arch = _open(path)
+    return _read_config(reader, where, arch, {t.name for t in reader.tensors})
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> GGUFTokenizer:
     """The file's tokenizer, without reading the tensors (CheckpointError naming the key if it is unsupported)."""
-    reader, where = _open(path)
+    reader, where, _ = _open(path)
     return _build_tokenizer(reader, where)
 
 
 def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool = True) -> GGUFModel:
-    """``(config, tensors, tokenizer)`` of a llama.cpp Llama file; tensors are HF-named ``dtype`` numpy arrays.
+    """``(config, tensors, tokenizer)`` of a llama.cpp file; tensors are HF-named ``dtype`` numpy arrays (one per
+    expert, as in HF files, for a mixture of experts).
 
     ``dtype`` is ``"float32"`` or ``"float16"`` (for bfloat16 read float32 and let the framework cast);
     ``tokenizer=False`` skips the tokenizer (the third element is then None).
@@ -449,23 +536,33 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
             f"dtype={dtype!r} is not supported by read_gguf; use one of {', '.join(GGUF_READ_DTYPES)} "
             f"(for bfloat16 read float32 and cast in the framework: from_gguf(path, 'bfloat16'))"
         )
-    reader, where = _open(path)
-    arch = "llama"
+    reader, where, arch = _open(path)
     by_name = {t.name: t for t in reader.tensors}
     config = _read_config(reader, where, arch, set(by_name))
-    names = params.gguf_names(config)  # GGUF name -> HF key, from the parameter table
+    names = params.gguf_names(config)  # GGUF name -> HF key (a merged expert tensor: its experts' keys, in order)
     unknown = sorted(n for n in by_name if params.match_gguf(n) is None)
     missing = [n for n in names if n not in by_name]
     extra = sorted(set(by_name) - set(names) - set(unknown))  # e.g. blk.30.* beyond block_count
     if missing or unknown or extra:
-        parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer Llama:"]
+        parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer {FAMILY_NAMES[config.model_type]}:"]
         for title, items in (("missing", missing), ("unsupported", unknown), ("unexpected", extra)):
             if items:
                 parts.append(
                     f"  {title} ({len(items)}): " + ", ".join(items[:20]) + (" ..." if len(items) > 20 else "")
                 )
         raise CheckpointError("\n".join(parts))
-    shapes = {hf: tuple(int(d) for d in reversed(by_name[n].shape)) for n, hf in names.items()}
+    full = {n: tuple(int(d) for d in reversed(by_name[n].shape)) for n in names}  # numpy order
+    shapes = {}
+    for name, hf in names.items():
+        if isinstance(hf, str):
+            shapes[hf] = full[name]
+        elif len(full[name]) != 3 or full[name][0] != len(hf):
+            raise CheckpointError(
+                f"{where}: tensor {name} has GGUF shape {list(full[name][::-1])}; expected [in, out, experts] "
+                f"with {arch}.expert_count={len(hf)} experts on its last axis"
+            )
+        else:
+            shapes.update(dict.fromkeys(hf, full[name][1:]))
     check_state_shapes(config, shapes, where)  # before any dequantization
     tensors = {}
     for name, hf in names.items():
@@ -477,9 +574,12 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
                 f"{where}: tensor {name} has type {t.tensor_type.name}, which gguf "
                 f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}"
             ) from e
-        w = np.asarray(w).reshape(shapes[hf])
+        w = np.asarray(w).reshape(full[name])
         permute = params.match_gguf(name)[0].gguf_permute
-        if permute is not None:
+        if permute is not None and arch == "llama":  # llama.cpp permutes q/k rows for its LlamaModel family only
             w = unpermute_rows(w, getattr(config, permute))
-        tensors[hf] = w.astype(dtype, copy=True)  # a copy: nothing points into the file's mmap
+        if isinstance(hf, str):
+            tensors[hf] = w.astype(dtype, copy=True)  # a copy: nothing points into the file's mmap
+        else:
+            tensors.update((key, w[e].astype(dtype, copy=True)) for e, key in enumerate(hf))
     return GGUFModel(config, tensors, _build_tokenizer(reader, where) if tokenizer else None)

@@ -73,7 +73,7 @@ class ParamRow:
     kind: str
     shape: Callable
     axes: tuple
-    gguf: str
+    gguf: str  # llama.cpp's name ({i} = layer, never {e}: an expert row names the merged per-layer tensor)
     gguf_permute: str | None = None
     present: Callable = _always
     hf_alt: tuple = ()  # ((model_type, hf pattern), ...) where a family names the tensor differently
@@ -297,6 +297,7 @@ ROWS: tuple[ParamRow, ...] = (
     ),
 )
 assert all(r.kind in KINDS for r in ROWS) and len({r.name for r in ROWS}) == len(ROWS)
+assert not any("{e}" in r.gguf for r in ROWS)
 
 
 def rows(cfg=None) -> tuple[ParamRow, ...]:
@@ -343,18 +344,26 @@ def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return {key: r.hf_shape(cfg) for r in rows(cfg) for key, _ in hf_keys(r, cfg)}
 
 
-def gguf_names(cfg) -> dict[str, str]:
-    """GGUF name -> HF key for every tensor of ``cfg``."""
-    out = {}
+def gguf_names(cfg) -> dict[str, str | tuple[str, ...]]:
+    """GGUF name -> HF key for every tensor of ``cfg``; for an expert row the value is the tuple of that layer's
+    ``n_experts`` HF keys in expert order: llama.cpp merges them into one GGUF tensor (``blk.{i}.ffn_gate_exps``,
+    numpy shape ``[experts, out, in]``), whose leading axis is the expert index."""
+    out: dict[str, str | tuple[str, ...]] = {}
     for r in rows(cfg):
-        out.update(zip((k for k, _ in _expand(r.gguf, cfg)), (k for k, _ in hf_keys(r, cfg))))
+        by_layer: dict[tuple, list[str]] = {}  # (layer,) or () -> HF keys (an expert row's: e ascending)
+        for key, index in hf_keys(r, cfg):
+            by_layer.setdefault(index[:1] if r.expert else index, []).append(key)
+        for name, index in _expand(r.gguf, cfg):
+            out[name] = tuple(by_layer[index]) if r.expert else by_layer[index][0]
     return out
 
 
 def match_gguf(name: str) -> tuple[ParamRow, tuple] | None:
-    """``(row, (layer[, expert]))`` of a GGUF tensor name, whatever the layer count; None for a name of no row."""
+    """``(row, index)`` of a GGUF tensor name, whatever the layer count; None for a name of no row. ``index`` is
+    ``(layer,)`` for a per-layer name (for an expert row's merged tensor: the whole ``[experts, ...]`` slice of the
+    stacked parameter) and ``()`` for a global one."""
     for r in ROWS:
-        m = re.fullmatch(re.escape(r.gguf).replace(r"\{i\}", r"(\d+)").replace(r"\{e\}", r"(\d+)"), name)
+        m = re.fullmatch(re.escape(r.gguf).replace(r"\{i\}", r"(\d+)"), name)
         if m:
             return r, tuple(int(g) for g in m.groups())
     return None
