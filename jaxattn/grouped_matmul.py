@@ -13,11 +13,12 @@ GPU); jax ships megablox (``pallas/ops/tpu/megablox``) for TPUs only.  The desig
 MegaBlocks, 2022): three kernels, all writing ``bm x bn`` output tiles with a contraction in blocks of ``bk``:
 
 * ``gmm`` (forward): a tile schedule over (group, m-tile) pairs, computed with ``jnp`` from ``group_sizes``
-  (megablox's ``make_group_metadata``); a program per (work item, n-tile) multiplies its m-tile by its group's
-  expert and stores only its group's rows, so two programs sharing a boundary tile write disjoint rows.
-* ``gmm`` with ``transpose_rhs`` (d_lhs = d_out @ rhs[g]^T): the same kernel reading ``rhs`` tiles transposed,
+  (megablox's ``make_group_metadata``, plus a tail item that zeroes the rows past the sum); a program per (work
+  item, n-tile), in L2-friendly super-rows (Triton's matmul ordering), multiplies its m-tile by its group's expert
+  and stores only its group's rows, so two programs sharing a boundary tile write disjoint rows.
+* ``gmm`` with ``transpose=True`` (d_lhs = d_out @ rhs[g]^T): the same kernel reading ``rhs`` tiles transposed,
   so ``rhs^T`` is never materialised.
-* ``tgmm`` (d_rhs[g] = lhs_g^T @ d_out_g): a program per (group, K-tile, N-tile) loops over the group's rows in
+* ``tgmm`` (d_rhs[g] = lhs_g^T @ d_out_g): a program per (K-tile, N-tile, group) loops over the group's rows in
   chunks of ``bk`` (a trip count read from the group offsets; an empty group stores exact zeros).
 
 Any M, K, N (padded inside to the blocks; no copy when they divide), empty groups, rows past ``sum(group_sizes)``
@@ -149,6 +150,20 @@ def tile_schedule(group_sizes, m: int, bm: int):
 
 
 # ----------------------------------------------------------------------------------------- kernels
+_GROUP_M = 8  # work items per L2 super-row (Triton's matmul tutorial, GROUP_SIZE_M)
+
+
+def _swizzle(pid, *, n_w: int, n_j: int):
+    """``(work item, n-tile)`` of program ``pid`` on the 1-D grid of ``n_w * n_j``: ``_GROUP_M`` consecutive items
+    sweep every n-tile before the next ones start, so a wave of programs reads a few lhs m-tiles and rhs column
+    strips that stay in L2 (item-major order would stream all of lhs once per wave)."""
+    per = jnp.int32(_GROUP_M * n_j)
+    first = lax.div(pid, per) * _GROUP_M
+    size = lax.min(jnp.int32(n_w) - first, jnp.int32(_GROUP_M))
+    local = lax.rem(pid, per)
+    return first + lax.rem(local, size), lax.div(local, size)
+
+
 def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, n_k, groups, transpose):
     """One (work item, n-tile): ``out[rows of the item, n-tile] = lhs[m-tile] @ rhs[g][:, n-tile]`` (or
     ``rhs[g][n-tile, :]^T``).  ``lhs_ref [Mp, Cp]``, ``rhs_ref [G, Cp, bn]`` (``[G, bn, Cp]`` transposed),
@@ -242,19 +257,21 @@ def _gmm(cfg: _Cfg, lhs, rhs, group_sizes, out_dtype, transpose: bool = False):
     lhs = _pad_to(lhs, (mp, cp))
     rhs = _pad_to(rhs, (groups, np_, cp) if transpose else (groups, cp, np_))
     sched = tile_schedule(group_sizes, m, bm)
-    item = pl.BlockSpec((None,), lambda w, j: (w,))
+    n_w, n_j = sched[0].shape[0], np_ // bn
+    wj = functools.partial(_swizzle, n_w=n_w, n_j=n_j)
+    item = pl.BlockSpec((None,), lambda p: (wj(p)[0],))
     if transpose:
-        rhs_spec = pl.BlockSpec((groups, bn, cp), lambda w, j: (0, j, 0))
+        rhs_spec = pl.BlockSpec((groups, bn, cp), lambda p: (0, wj(p)[1], 0))
     else:
-        rhs_spec = pl.BlockSpec((groups, cp, bn), lambda w, j: (0, 0, j))
+        rhs_spec = pl.BlockSpec((groups, cp, bn), lambda p: (0, 0, wj(p)[1]))
     kernel = functools.partial(_gmm_kernel, bm=bm, bk=bk, n_k=cp // bk, groups=groups, transpose=transpose)
     out = _call(
         kernel,
         cfg,
         name="grouped_matmul_t" if transpose else "grouped_matmul",
-        grid=(sched[0].shape[0], np_ // bn),
-        in_specs=[item] * 4 + [pl.BlockSpec((mp, cp), lambda w, j: (0, 0)), rhs_spec],
-        out_spec=pl.BlockSpec((mp, bn), lambda w, j: (0, j)),
+        grid=(n_w * n_j,),
+        in_specs=[item] * 4 + [pl.BlockSpec((mp, cp), lambda p: (0, 0)), rhs_spec],
+        out_spec=pl.BlockSpec((mp, bn), lambda p: (0, wj(p)[1])),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         args=[*sched, lhs, rhs],
     )
@@ -271,19 +288,21 @@ def _tgmm(cfg: _Cfg, lhs, dout, group_sizes, out_dtype):
     lhs = _pad_to(lhs, (mp, kp))
     dout = _pad_to(dout, (mp, np_))
     starts, ends = _group_bounds(group_sizes, m)
-    item = pl.BlockSpec((None,), lambda g, i, j: (g,))
+    # K-tiles fastest, the group slowest: a wave of programs shares one group, whose lhs rows ([rows_g, K], a few
+    # MiB) stay in L2 while the N-tiles sweep past (group-major order would re-read lhs once per N-tile).
+    item = pl.BlockSpec((None,), lambda i, j, g: (g,))
     out = _call(
         functools.partial(_tgmm_kernel, bk=bk),
         cfg,
         name="grouped_matmul_tgmm",
-        grid=(groups, kp // bm, np_ // bn),
+        grid=(kp // bm, np_ // bn, groups),
         in_specs=[
             item,
             item,
-            pl.BlockSpec((mp, bm), lambda g, i, j: (0, i)),
-            pl.BlockSpec((mp, bn), lambda g, i, j: (0, j)),
+            pl.BlockSpec((mp, bm), lambda i, j, g: (0, i)),
+            pl.BlockSpec((mp, bn), lambda i, j, g: (0, j)),
         ],
-        out_spec=pl.BlockSpec((None, bm, bn), lambda g, i, j: (g, i, j)),
+        out_spec=pl.BlockSpec((None, bm, bn), lambda i, j, g: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
         args=[starts, ends, lhs, dout],
     )
@@ -355,8 +374,9 @@ def grouped_matmul(
 ):
     """``out[r] = lhs[r] @ rhs[g]`` for each row r of group g: ``lhs [M, K]`` with rows in consecutive groups,
     ``rhs [G, K, N]``, ``group_sizes`` integer ``[G]`` (groups past row M are clipped; rows past
-    ``sum(group_sizes)`` are zero in the output).  ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``'s contract, so it
-    drops in where that is called; differentiable in ``lhs`` and ``rhs`` (Pallas kernels both ways).
+    ``sum(group_sizes)`` are zero in the output).  ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``'s contract (its default
+    dimension numbers; no ``precision``/``group_offset``), so it drops in where that is called; differentiable in
+    ``lhs`` and ``rhs`` (Pallas kernels both ways).
 
     lhs and rhs share a dtype (float32, bfloat16, float16); the output has ``preferred_element_type`` (default
     lhs's), accumulation is float32.  ``block_sizes`` (default :meth:`BlockSizes.default` of the dtype) and
@@ -365,7 +385,7 @@ def grouped_matmul(
     """
     out_dtype = _check(lhs, rhs, group_sizes, preferred_element_type, block_sizes)
     m, k = lhs.shape
-    g, _, n = rhs.shape
+    n = rhs.shape[2]
     if m == 0 or n == 0 or k == 0:  # nothing to contract or nothing to write: ragged_dot's zeros
         return jnp.zeros((m, n), out_dtype)
     bs = BlockSizes.default(lhs.dtype) if block_sizes is None else block_sizes

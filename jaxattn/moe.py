@@ -59,14 +59,25 @@ def _swiglu(x, p, matmul):
     return matmul(hidden, expert_weight(p["e_down"], x.dtype))
 
 
+def _group_order(keys: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Array]:
+    """``(order, sizes)``: the stable permutation grouping ``keys [N]`` (ints in ``[0, n_groups)``) by value —
+    ``keys[order]`` ascending, equal keys in their original order — and the group sizes. A counting sort (one-hot
+    ranks, one scatter), not ``argsort``: XLA:GPU lowers a sort of more than 16K keys to CUB, whose scratch size it
+    asks the CUDA runtime for while compiling, so a deviceless compile fails on it."""
+    onehot = jax.nn.one_hot(keys, n_groups, dtype=jnp.int32)  # [N, G]
+    sizes = jnp.sum(onehot, axis=0)  # [G]
+    rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # [N] place within its group
+    dest = (jnp.cumsum(sizes) - sizes)[keys] + rank  # [N] position in the grouped order
+    return jnp.zeros_like(keys).at[dest].set(jnp.arange(keys.shape[0], dtype=keys.dtype)), sizes
+
+
 def _dropless(x, weights, experts, n_experts, grouped):
     """``x [T, dim]``: every assignment computed. Sorted by expert (stable); ``grouped(rows, sizes)`` runs the
     experts' SwiGLU on rows grouped by expert (``sizes [E]``): one grouped GEMM per projection, or
     :func:`_exchange_grouped`'s all-to-all round trip."""
     t, k = experts.shape
     flat = experts.reshape(t * k)
-    order = jnp.argsort(flat, stable=True)  # [T*k] assignments grouped by expert
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
+    order, sizes = _group_order(flat, n_experts)  # [T*k] assignments grouped by expert, [E]
     ys = grouped(x[order // k], sizes)  # [T*k, dim]
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)  # back in (token, choice) order
     out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
@@ -99,7 +110,7 @@ def _exchange_grouped(p, axis: str, n: int, k: int):
         counts = jax.lax.all_to_all(per_rank, axis, 0, 0)  # [n sources, E/n]: what each source sent per expert
         ends = jnp.cumsum(counts, axis=1)  # [n, E/n]
         local = jnp.sum(jnp.arange(r)[None, :, None] >= ends[:, None, :], axis=-1)  # [n, R]; E/n = padding
-        order = jnp.argsort(local.reshape(n * r), stable=True)
+        order = _group_order(local.reshape(n * r), e_local + 1)[0]
         ys = _swiglu(recv.reshape(n * r, d)[order], p, lambda a, w: jax.lax.ragged_dot(a, w, jnp.sum(counts, 0)))
         back = jax.lax.all_to_all(jnp.zeros_like(ys).at[order].set(ys).reshape(n, r, d), axis, 0, 0)
         return back[dest, pos]  # [T*k, dim] in this device's sorted order

@@ -111,10 +111,14 @@ def _vjp(lhs, rhs, sizes, dout, *, fn):
     return (out, *pull(dout.astype(out.dtype)))
 
 
-def _kernel(case: Case):
+def _kernel(case: Case, interpret: bool = True):
     bs = None if case.blocks is None else GM.BlockSizes(*case.blocks, num_warps=4, num_stages=2)
     return functools.partial(
-        GM.grouped_matmul, block_sizes=bs, interpret=True, preferred_element_type=case.out_dtype, _poison_outputs=True
+        GM.grouped_matmul,
+        block_sizes=bs,
+        interpret=interpret,
+        preferred_element_type=case.out_dtype,
+        _poison_outputs=True,
     )
 
 
@@ -124,8 +128,27 @@ def _maxabs(a, ref) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernel_matches_float64(case, rng):
+    _check_case(case, rng, interpret=True)
+
+
+# Larger shapes for the compiled run on a GPU (the interpreted cases run there too).
+GPU_CASES = CASES + [
+    Case(4096, 512, 768, 8, "random", dtype="bfloat16", blocks=None),
+    Case(2048 + 77, 1000, 1400, 8, "random", dtype="float16", blocks=None),
+    Case(1500, 256, 384, 16, "full", blocks=None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_compiled_kernel_matches_float64_on_gpu(case, rng):
+    """The same checks with the Triton kernels compiled and run on a GPU (skipped without one)."""
+    _check_case(case, rng, interpret=False)
+
+
+def _check_case(case: Case, rng, *, interpret: bool):
     lhs, rhs, sizes, dout = _inputs(rng, case)
-    got = _vjp(lhs, rhs, sizes, dout, fn=_kernel(case))
+    got = _vjp(lhs, rhs, sizes, dout, fn=_kernel(case, interpret))
     refs = _reference_f64(lhs, rhs, sizes, dout)
     names = ("out", "d_lhs", "d_rhs")
     assert got[0].dtype == jnp.dtype(case.out_dtype or case.dtype)
@@ -159,11 +182,12 @@ def test_kernel_matches_float64(case, rng):
 def test_tile_schedule_covers_every_row_once(rng):
     """The forward's work list: each row of group g is stored by exactly one item of group g, the tail rows by one
     tail item (group G), nothing else stores, and the item count stays within ``cdiv(M, bm) + G``."""
+    schedule = jax.jit(GM.tile_schedule, static_argnums=(1, 2))
     for m, g, bm in ((37, 4, 16), (256, 8, 32), (100, 1, 64), (64, 5, 16)):
         for _ in range(5):
             case = Case(m, 16, 16, g, str(rng.choice(["random", "full", "one"])))
             sizes = _group_sizes(rng, case)
-            group, tile, lo, hi = (np.asarray(x) for x in GM.tile_schedule(jnp.asarray(sizes), m, bm))
+            group, tile, lo, hi = (np.asarray(x) for x in schedule(jnp.asarray(sizes), m, bm))
             assert len(group) == -(-m // bm) + g
             owner = np.repeat(np.arange(g + 1), np.append(sizes, m - sizes.sum()))  # G: the tail
             hits = np.zeros(m, int)
@@ -173,6 +197,15 @@ def test_tile_schedule_covers_every_row_once(rng):
                 assert np.all(owner[rows] == group[it]), (sizes, it)
                 hits[rows] += 1
             assert np.all(hits == 1), (sizes, hits)
+
+
+def test_swizzle_visits_every_program_once():
+    """The forward's 1-D grid order (L2 super-rows of ``_GROUP_M`` work items): a bijection onto (item, n-tile)."""
+    for n_w, n_j in ((1, 1), (7, 3), (9, 2), (17, 5), (72, 112)):
+        w, j = jax.jit(jax.vmap(functools.partial(GM._swizzle, n_w=n_w, n_j=n_j)))(jnp.arange(n_w * n_j))
+        assert sorted(zip(np.asarray(w).tolist(), np.asarray(j).tolist())) == [
+            (a, b) for a in range(n_w) for b in range(n_j)
+        ]
 
 
 def test_poison_catches_an_unwritten_tail(rng, monkeypatch):
@@ -195,6 +228,16 @@ def test_poison_catches_an_unwritten_tail(rng, monkeypatch):
         assert np.isfinite(out[:30]).all() and np.isnan(out[30:]).all()
     finally:
         GM._run.clear_cache()  # the broken schedule must not serve a later call of the same shape
+
+
+def test_groups_past_m_are_clipped(rng):
+    """``sum(group_sizes) > M``: a group is cut at row M and the groups after it are empty (the reference's rule)."""
+    lhs = jnp.asarray(rng.standard_normal((41, 24)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 24, 20)), jnp.float32)
+    sizes = jnp.asarray([30, 30, 5], jnp.int32)
+    out = GM.grouped_matmul(lhs, rhs, sizes, block_sizes=GM.BlockSizes(16, 16, 16), interpret=True)
+    ref, _, _ = _reference_f64(lhs, rhs, np.asarray([30, 11, 0]), jnp.zeros((41, 20)))
+    assert _maxabs(out, ref) <= 1e-5 * max(1.0, float(np.max(np.abs(ref))))
 
 
 def test_degenerate_shapes_give_zeros(rng):
