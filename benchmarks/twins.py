@@ -27,6 +27,7 @@ def twin_models(tcfg, seed: int = 0, *, perturb_norms: bool = True):
     import torch
 
     from jaxattn import hf as jhf
+    from torchref.hf import to_state_dict
     from torchref.model import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -36,7 +37,7 @@ def twin_models(tcfg, seed: int = 0, *, perturb_norms: bool = True):
             for name, p in tmodel.named_parameters():
                 if name.endswith("norm.weight"):
                     p.add_(0.1 * torch.randn_like(p))
-    jmodel = jhf.from_state_dict(jax_config(tcfg), {k: v.detach().numpy() for k, v in tmodel.state_dict().items()})
+    jmodel = jhf.from_state_dict(jax_config(tcfg), {k: v.numpy() for k, v in to_state_dict(tmodel).items()})
     return tmodel, jmodel
 
 

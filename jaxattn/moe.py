@@ -1,5 +1,6 @@
 """Mixture of Experts for the JAX model (twin: ``torchref/moe.py``): the router, its load-balancing and z losses, and
-the experts' SwiGLUs — dropless (tokens sorted by expert, one ``jax.lax.ragged_dot`` per projection) or with a
+the experts' SwiGLUs — dropless (tokens sorted by expert, one grouped GEMM per projection: ``jax.lax.ragged_dot``,
+or on a GPU our Pallas kernel ``jaxattn.grouped_matmul``, see :data:`GROUPED_GEMM`) or with a
 capacity factor (static ``[rows, experts, capacity]`` buffers; assignments past an expert's capacity are dropped).
 
     y, stats = moe_block(x, p, cfg)          # x [B, S, dim]; p: one layer's router / e_gate / e_up / e_down
@@ -15,15 +16,27 @@ keeps transformers' exact numbers; the capacity rule (token-major priority withi
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from .attention.target import platform_of
+from .grouped_matmul import grouped_matmul
 from .quant import QArray
 
-__all__ = ["route", "moe_block", "moe_losses", "expert_weight", "STAT_KEYS", "EXPERT_PARALLEL"]
+__all__ = [
+    "route",
+    "moe_block",
+    "moe_losses",
+    "expert_weight",
+    "grouped_gemm",
+    "GROUPED_GEMMS",
+    "STAT_KEYS",
+    "EXPERT_PARALLEL",
+]
 
 # Per-layer statistics a block returns (summed over its tokens): the model stacks them over layers.
 STAT_KEYS = ("counts", "probs", "z", "tokens", "kept", "routed")
@@ -84,8 +97,35 @@ def _dropless(x, weights, experts, n_experts, grouped):
     return out.astype(x.dtype), sizes
 
 
+GROUPED_GEMMS = ("auto", "xla", "pallas")
+# The grouped GEMM's implementation: "auto" (our Pallas kernel, jaxattn.grouped_matmul, when the trace targets a GPU,
+# where XLA lowers ragged_dot to dense masked dots; jax.lax.ragged_dot elsewhere), "xla" or "pallas" (interpreted
+# off a GPU: the CPU tests' parity).
+GROUPED_GEMM: contextvars.ContextVar = contextvars.ContextVar("jaxattn_grouped_gemm", default="auto")
+
+
+@contextlib.contextmanager
+def grouped_gemm(name: str):
+    """Within the block, traced MoE blocks run their expert GEMMs with ``name`` (one of :data:`GROUPED_GEMMS`)."""
+    if name not in GROUPED_GEMMS:
+        raise ValueError(f"grouped_gemm: {name!r} is not one of {GROUPED_GEMMS}")
+    token = GROUPED_GEMM.set(name)
+    try:
+        yield
+    finally:
+        GROUPED_GEMM.reset(token)
+
+
+def _ragged(a, w, sizes):
+    """``a [M, K]`` rows grouped by ``sizes [G]`` times ``w [G, K, N]``, by the :data:`GROUPED_GEMM` choice."""
+    name = GROUPED_GEMM.get()
+    if name == "pallas" or (name == "auto" and platform_of(a) == "gpu"):
+        return grouped_matmul(a, w, sizes)
+    return jax.lax.ragged_dot(a, w, sizes)
+
+
 def _local_grouped(p):
-    return lambda rows, sizes: _swiglu(rows, p, lambda a, w: jax.lax.ragged_dot(a, w, sizes))
+    return lambda rows, sizes: _swiglu(rows, p, lambda a, w: _ragged(a, w, sizes))
 
 
 def _exchange_grouped(p, axis: str, n: int, k: int):
@@ -93,8 +133,8 @@ def _exchange_grouped(p, axis: str, n: int, k: int):
     of ``axis`` that own ``E / n`` experts each (``p`` holds this device's), and come back computed.
 
     ``all_to_all`` needs equal-sized blocks, so each destination gets a block of ``R = T * min(k, E/n)`` rows
-    (the most it can receive: a token picks an expert once), the valid rows first; ``ragged_all_to_all`` would send only those
-    but XLA:CPU cannot run it. The received rows are regrouped by local expert (padding last, outside the group
+    (the most it can receive: a token picks an expert once), the valid rows first; ``ragged_all_to_all`` would
+    send only those but XLA:CPU cannot run it. The received rows are regrouped by local expert (padding last, outside the group
     sizes, so the grouped GEMM skips it)."""
 
     def grouped(rows, sizes):
@@ -111,7 +151,7 @@ def _exchange_grouped(p, axis: str, n: int, k: int):
         ends = jnp.cumsum(counts, axis=1)  # [n, E/n]
         local = jnp.sum(jnp.arange(r)[None, :, None] >= ends[:, None, :], axis=-1)  # [n, R]; E/n = padding
         order = _group_order(local.reshape(n * r), e_local + 1)[0]
-        ys = _swiglu(recv.reshape(n * r, d)[order], p, lambda a, w: jax.lax.ragged_dot(a, w, jnp.sum(counts, 0)))
+        ys = _swiglu(recv.reshape(n * r, d)[order], p, lambda a, w: _ragged(a, w, jnp.sum(counts, 0)))
         back = jax.lax.all_to_all(jnp.zeros_like(ys).at[order].set(ys).reshape(n, r, d), axis, 0, 0)
         return back[dest, pos]  # [T*k, dim] in this device's sorted order
 

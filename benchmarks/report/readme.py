@@ -146,7 +146,7 @@ def plan_section() -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["records"]:
-        if "stage=" in r["mesh"]:  # pipeline_section's
+        if "stage=" in r["mesh"] or r["preset"] in MOE_PRESETS:  # pipeline_section's, moe_section's
             continue
         where = f"{r.get('target', 'h100')} `{r.get('topology', '1x1x8')}`"
         limit = r.get("device_memory_bytes") or 80e9
@@ -214,6 +214,49 @@ def pipeline_section() -> list[str]:
             f"{r['microbatches']} | {r.get('loss', 'dense')} | {_gib(peak)} ({'fits' if peak < limit else 'over'} "
             f"{limit / 1e9:.0f} GB) | {_gib(pipe['handoff_bytes_compiled'])} {same} "
             f"{_gib(pipe['handoff_bytes_expected'])} | {other} | {idle} / {pipe['bubble_analytic']:.3f} |"
+        )
+    return out
+
+
+MOE_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b")
+
+
+def moe_section() -> list[str]:
+    """The plan suite's Mixture-of-Experts rows: memory, the all-to-all bytes compiled beside the expected
+    (padded) and the ragged minimum, and FSDP's traffic."""
+    d, path = _load("h100-plan", "plan.json")
+    rows = [r for r in (d or {}).get("records", []) if r.get("preset") in MOE_PRESETS and r.get("status") == "ok"]
+    if not rows:
+        return []
+    out = [
+        "### Mixture of Experts: 8 and 64 H100s (compiled, not run)",
+        "",
+        f"From `{path}` (the same suite): the bf16 AdamW train step of the Mixtral-8x7B / Qwen3-30B-A3B shapes, one "
+        "sequence of 4096 per GPU, full remat, dropless routing, the experts' GEMMs in our Pallas grouped matmul "
+        "(`jaxattn.grouped_matmul`). `expert=n`: the experts split over n GPUs, tokens exchanged by all-to-all "
+        "(`jaxattn.moe`: equal blocks of `T·min(k, E/n)` rows per destination, sent out and back in the forward, "
+        "the remat recompute and the backward); expected = that count, ragged = the `T·k` rows a "
+        "`ragged_all_to_all` would send (XLA:CPU cannot run it, so the tested path pads). `fsdp=n`: experts "
+        "sharded like every weight (gathered per layer, no token exchange).",
+        "",
+        "| devices | mesh | preset | peak GiB / device | all-to-all GiB / step: compiled / expected / ragged | "
+        "all-gather / reduce-scatter / all-reduce GiB per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r["measured"]
+        c, peak, moe = m["collectives"], m["per_device_memory"]["peak"], m.get("moe", {})
+        limit = r.get("device_memory_bytes") or 80e9
+        a2a = (
+            "—"
+            if not moe.get("all_to_all_bytes_expected")
+            else f"{_gib(moe['all_to_all_bytes_compiled'])} / {_gib(moe['all_to_all_bytes_expected'])} / "
+            f"{_gib(moe['all_to_all_bytes_ragged'])}"
+        )
+        fsdp = " / ".join(_gib(c[k]["bytes_per_step"]) for k in ("all-gather", "reduce-scatter", "all-reduce"))
+        out.append(
+            f"| {r['devices']} × {r['target']} `{r['topology']}` | `{r['mesh']}` | {r['preset']} | {_gib(peak)} "
+            f"({'fits' if peak < limit else 'over'} {limit / 1e9:.0f} GB) | {a2a} | {fsdp} |"
         )
     return out
 
@@ -456,6 +499,7 @@ def render() -> str:
         programs_section(),
         plan_section(),
         pipeline_section(),
+        moe_section(),
         tpu_section(),
     ):
         if section:

@@ -71,6 +71,14 @@ STAGE_GRID = (
     )
     + (("1x8x8", "8b", "stage=8,fsdp=8", "dense", 8, 1, True), ("1x8x8", "70b", "stage=8,fsdp=8", "dense", 8, 2, False))
 )
+# Mixture of Experts (issue: MoE): (topology, preset, mesh) at one sequence of 4096 per GPU — Mixtral-8x7B and
+# Qwen3-30B-A3B on 8 H100s with their experts over FSDP (fsdp=8) or split by expert (expert=8, and Mixtral's
+# fsdp=2 x expert=4), and Mixtral on 64 H100s (8 hosts) ZeRO-3 over all or expert=8 x fsdp=8
+MOE_GRID = (
+    tuple(("1x1x8", p, m) for p in ("mixtral-8x7b", "qwen3-30b-a3b") for m in ("fsdp=8", "expert=8"))
+    + (("1x1x8", "mixtral-8x7b", "fsdp=2,expert=4"),)
+    + tuple(("1x8x8", "mixtral-8x7b", m) for m in ("fsdp=64", "fsdp=8,expert=8"))
+)
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9}  # bytes per GPU (the "80 GB" of the name)
 # (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual, gather_once)
 FULL_GRID = (
@@ -82,6 +90,10 @@ FULL_GRID = (
     + tuple(
         ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v, go)
         for topo, p, mesh, loss, mb, v, go in STAGE_GRID
+    )
+    + tuple(
+        ("h100", topo, p, mesh, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False)
+        for topo, p, mesh in MOE_GRID
     )
 )
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
@@ -123,6 +135,8 @@ def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
         return sum(sizes[half : 2 * half]) if kind == "all-gather" else sum(sizes[:half])
     if start and kind == "collective-permute":
         return sizes[0]
+    if start and kind == "all-to-all":  # ((inputs...), (outputs...)): one buffer's worth
+        return sum(sizes[: max(1, len(sizes) // 2)])
     if kind == "reduce-scatter":
         return sum(sizes) * _group_size(line)
     return sum(sizes)
@@ -181,12 +195,14 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict:
     for c in set(ops) | set(loops) | set(called):
         if c not in reached:  # the entry and any computation nothing else runs: once
             visit(c, 1, False)
-    seen: set = set()  # (channel id, op): the TPU's async collective fusions repeat one collective in start and done
+    # (channel id, op) -> the computation it was first seen in: the TPU's async collective fusions repeat one collective
+    # in a start and a done computation; inside ONE computation every instruction counts (the GPU compiler gives an
+    # MoE layer's all-to-alls one channel id and one op name: its forward's dispatch and return, its counts)
+    seen: dict = {}
     for c, items in ops.items():
         for kind, nbytes, channel in items:
-            if channel is not None and channel in seen:
+            if channel is not None and seen.setdefault(channel, c) != c:
                 continue
-            seen.add(channel)
             rec = out[kind]
             rec["ops"] += 1
             rec["bytes"] += nbytes
@@ -282,6 +298,9 @@ def compile_plan(
         for k, v in coll.items()
         if v["ops"]
     )
+    moe = moe_exchange(cfg, mesh, batch, seq, remat, coll) if cfg.is_moe else {}
+    if moe:
+        summary += f"; all-to-all {moe['all_to_all_bytes_expected'] / 2**30:.2f} GiB/step expected"
     if pipe:
         b = pipe["bubble_compiled"]
         summary += (
@@ -312,9 +331,32 @@ def compile_plan(
             "collectives": coll,
             "n_layers": cfg.n_layers,
             **({"pipeline": pipe} if pipe else {}),
+            **({"moe": moe} if moe else {}),
         },
         **({} if stages == 1 else {"microbatches": microbatches, "schedule": _schedule(virtual, gather_once)}),
     )
+
+
+def moe_exchange(cfg, mesh, batch: int, seq: int, remat: str, coll: dict) -> dict:
+    """An MoE step's expected all-to-all bytes (``jaxattn.moe``'s dropless exchange over the ``expert`` axis, n
+    devices): each layer's forward sends a ``[n, R, dim]`` bf16 block out and back, ``R = T * min(k, E / n)`` rows
+    for the ``T`` tokens a device holds (equal-sized blocks: the most one device can receive), once more for a
+    remat recompute, and twice transposed in the backward; beside them the ragged minimum (``T * k`` rows each
+    way, what ``ragged_all_to_all`` would send) and the compiled bytes (which add the few per-expert counts)."""
+    n = mesh.shape.get("expert", 1)
+    if n == 1:
+        return {"expert_shards": 1, "all_to_all_bytes_expected": 0, "all_to_all_bytes_compiled": 0}
+    t = batch * seq // (mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1) * n)
+    k, per_device = cfg.experts_per_token, cfg.n_experts // n
+    passes = 2 * (3 if remat != "none" else 2)  # out and back, per forward / recompute / backward
+    block = n * t * min(k, per_device) * cfg.dim * 2
+    return {
+        "expert_shards": n,
+        "tokens_per_device": t,
+        "all_to_all_bytes_expected": cfg.n_layers * passes * block,
+        "all_to_all_bytes_ragged": cfg.n_layers * passes * t * k * cfg.dim * 2,
+        "all_to_all_bytes_compiled": coll["all-to-all"]["bytes_per_step"],
+    }
 
 
 def _schedule(virtual: int, gather_once: bool = False) -> str:
@@ -357,8 +399,8 @@ def _unavailable(target: str) -> str | None:
 
 
 def run(quick: bool = False) -> list:
-    """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID` and :data:`STAGE_GRID`
-    (quick: ``tiny`` at seq 128 on :data:`PLANS`, 8 H100s)."""
+    """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID`, :data:`STAGE_GRID` and
+    :data:`MOE_GRID` (quick: ``tiny`` at seq 128 on :data:`PLANS`, 8 H100s)."""
     grid = (
         tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1, False) for p in PLANS) if quick else FULL_GRID
     )

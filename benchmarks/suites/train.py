@@ -55,8 +55,10 @@ def _shape(quick: bool):
 def _weights(tcfg) -> dict:
     """HF-named fp32 numpy tensors of the twin models (``benchmarks.twins.twin_models(seed=0,
     perturb_norms=False)``), drawn once per run and copied into each row's models."""
+    from torchref.hf import to_state_dict
+
     tmodel = twin_models(tcfg, seed=0, perturb_norms=False)[0]
-    return {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
+    return {k: v.numpy() for k, v in to_state_dict(tmodel).items()}  # HF names (an MoE's experts one by one)
 
 
 def _jax_model(tcfg, weights: dict):
