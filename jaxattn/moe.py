@@ -134,8 +134,8 @@ def _exchange_grouped(p, axis: str, n: int, k: int):
 
     ``all_to_all`` needs equal-sized blocks, so each destination gets a block of ``R = T * min(k, E/n)`` rows
     (the most it can receive: a token picks an expert once), the valid rows first; ``ragged_all_to_all`` would
-    send only those but XLA:CPU cannot run it. The received rows are regrouped by local expert (padding last, outside the group
-    sizes, so the grouped GEMM skips it)."""
+    send only those but XLA:CPU cannot run it. The received rows are regrouped by local expert (padding last,
+    outside the group sizes, so the grouped GEMM skips it)."""
 
     def grouped(rows, sizes):
         total, d = rows.shape

@@ -116,8 +116,9 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``Mesh`` with axes ``(stage, data, fsdp, expert, tensor)`` over ``devices`` (default ``jax.devices()``), auto axis
-    types (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the device count."""
+    """A ``Mesh`` with axes ``(stage, data, fsdp, expert, tensor)`` over ``devices`` (default ``jax.devices()``),
+    auto axis types (newer jax defaults ``jax.make_mesh`` to explicit ones). The sizes' product must equal the
+    device count."""
     sizes = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(sizes[a] for a in MESH_AXES)
@@ -213,7 +214,8 @@ def check_batch_size(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
 
 def check_stages(config, mesh: Mesh, rows: int, microbatches: int, virtual: int = 1) -> None:
     """With a ``stage`` axis > 1: the layers split into equal stages, the ``rows`` of a step into ``microbatches``
-    (each a multiple of ``data * fsdp * expert``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming them)."""
+    (each a multiple of ``data * fsdp * expert``); ``microbatches`` > 1 needs a ``stage`` axis (ValueError naming
+    them)."""
     stages = _axis_size(mesh, ("stage",))
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -380,8 +382,11 @@ def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
     n = _axis_size(mesh, "expert")
     rows = P(batch_axes(mesh))
     weights = {k: p[k] for k in MOE_PARAMS}
-    specs = {k: P() if k == "router" else P("expert") for k in MOE_PARAMS}
-    specs = {k: jax.tree.map(lambda _: specs[k], weights[k]) for k in MOE_PARAMS}  # an int8 weight: q and scale
+
+    def spec(name):  # an int8 weight is a pytree (q, scale): one spec per leaf
+        return jax.tree.map(lambda _: P() if name == "router" else P("expert"), weights[name])
+
+    specs = {k: spec(k) for k in MOE_PARAMS}
 
     def body(x, weights, mask):
         y, stats = moe_block(x, weights, cfg, mask, expert_axis="expert", expert_shards=n)

