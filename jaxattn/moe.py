@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .attention.target import platform_of
-from .grouped_matmul import grouped_matmul
 from .quant import QArray
 
 __all__ = [
@@ -120,6 +119,8 @@ def _ragged(a, w, sizes):
     """``a [M, K]`` rows grouped by ``sizes [G]`` times ``w [G, K, N]``, by the :data:`GROUPED_GEMM` choice."""
     name = GROUPED_GEMM.get()
     if name == "pallas" or (name == "auto" and platform_of(a) == "gpu"):
+        from .grouped_matmul import grouped_matmul  # Pallas on first use: importing it starts jax's TPU probing
+
         return grouped_matmul(a, w, sizes)
     return jax.lax.ragged_dot(a, w, sizes)
 

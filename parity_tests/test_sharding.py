@@ -125,8 +125,9 @@ def test_activation_constraints_applied_under_mesh_only():
     lines = [ln for ln in text.splitlines() if re.search(r"sharding_constraint|@Sharding", ln)]
     logits = f"tensor<{BATCH}x{SEQ}x{CFG.vocab_size}xf32>"
     hidden = f"tensor<{BATCH}x{SEQ}x{CFG.dim}xf32>"
-    assert any(logits in ln and '[{"data", "fsdp"}, {}, {"tensor"}]' in ln for ln in lines), lines
-    assert any(hidden in ln and '[{"data", "fsdp"}, {}, {}]' in ln for ln in lines), lines
+    rows = '{"data", "fsdp", "expert"}'  # the batch's axes (expert parallelism splits the tokens too)
+    assert any(logits in ln and f'[{rows}, {{}}, {{"tensor"}}]' in ln for ln in lines), lines
+    assert any(hidden in ln and f"[{rows}, {{}}, {{}}]" in ln for ln in lines), lines
     # the embedding table is gathered over fsdp before the lookup (vocab stays on tensor): without it XLA's
     # partitioner falls back to replicating the lookup's gradient ("Involuntary full rematerialization")
     table = f"tensor<{CFG.vocab_size}x{CFG.dim}xf32>"
@@ -219,10 +220,10 @@ def test_per_shard_map_drops_an_axis_that_does_not_divide():
 BAD_MESH = [
     (
         "data=4",
-        r"stage\*data\*fsdp\*tensor = 4 but there are 8 devices; .* \(on a CPU, simulate 4 devices with "
+        r"stage\*data\*fsdp\*expert\*tensor = 4 but there are 8 devices; .* \(on a CPU, simulate 4 devices with "
         r"XLA_FLAGS=--xla_force_host_platform_device_count=4 set before jax starts\)",
     ),
-    ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('stage', 'data', 'fsdp', 'tensor'\)"),
+    ("data=2,pipe=4", r"unknown axis 'pipe'; the axes are \('stage', 'data', 'fsdp', 'expert', 'tensor'\)"),
     ("data=2,data=4", r"expected comma-separated, non-repeated AXIS=N"),
     ("data=0,fsdp=8", r"axis 'data' has size 0"),
     ("data", r"expected comma-separated, non-repeated AXIS=N"),
@@ -245,7 +246,7 @@ def test_mesh_falls_back_to_split_physical_axes_when_make_mesh_cannot_place_an_a
 
     monkeypatch.setattr(jax, "make_mesh", refuse)
     mesh = sharding.make_mesh("data=2,fsdp=4")
-    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
@@ -267,12 +268,12 @@ def test_bad_config_for_mesh(spec, overrides, message):
 def test_bad_batch_raises_before_any_compile():
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
     graphdef, state = TrainState.create(Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), _tx())
-    with pytest.raises(ValueError, match=r"batch_size=6 .* not divisible by the data axes data\*fsdp=4"):
+    with pytest.raises(ValueError, match=r"batch_size=6 .* not divisible by the data axes data\*fsdp\*expert=4"):
         _sharded(graphdef, _tx(), state, mesh, batch_size=6)
     with pytest.raises(ValueError, match=r"ModelConfig.n_kv_heads=2 is not divisible by the mesh axis tensor=4"):
         _sharded(graphdef, _tx(), state, sharding.make_mesh("data=2,tensor=4"), batch_size=8)
     step, state = _sharded(graphdef, _tx(), state, mesh, batch_size=8)
-    with pytest.raises(ValueError, match=r"batch_size=2 .* not divisible by the data axes data\*fsdp=4"):
+    with pytest.raises(ValueError, match=r"batch_size=2 .* not divisible by the data axes data\*fsdp\*expert=4"):
         step(state, {"tokens": np.zeros((2, 9), np.int32) + 1})
     assert step.jitted._cache_size() == 0
 
@@ -282,10 +283,10 @@ def test_cli_mesh_errors_before_any_compile():
     from jaxattn.spec.cli import CLIError
 
     with pytest.raises(
-        CLIError, match=r"--mesh 'data=2,fsdp=2': stage\*data\*fsdp\*tensor = 4 but there are 8 devices"
+        CLIError, match=r"--mesh 'data=2,fsdp=2': stage\*data\*fsdp\*expert\*tensor = 4 but there are 8 devices"
     ):
         trainer.Trainer.from_argv(["--mesh", "data=2,fsdp=2", "--steps", "1"])
-    with pytest.raises(CLIError, match=r"--mesh 'data=8': batch_size=4 .* data\*fsdp=8"):
+    with pytest.raises(CLIError, match=r"--mesh 'data=8': batch_size=4 .* data\*fsdp\*expert=8"):
         trainer.Trainer.from_argv(["--mesh", "data=8", "--batch-size", "4", "--steps", "1"])
     with pytest.raises(CLIError, match=r"--mesh 'tensor=8': ModelConfig.n_heads=4 is not divisible"):
         trainer.Trainer.from_argv(["--mesh", "tensor=8", "--steps", "1"])
