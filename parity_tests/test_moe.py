@@ -339,7 +339,10 @@ def test_int8_experts_torch_vs_jax(rng):
         thf.save_pretrained(tq, "unused-dir")
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots", "save_qkv_attn"])
+@pytest.mark.parametrize(
+    "policy",
+    [pytest.param("full", marks=pytest.mark.slow), "save_dots", pytest.param("save_qkv_attn", marks=pytest.mark.slow)],
+)
 def test_remat_policies_keep_moe_gradients(policy, rng):
     """A remat policy (the MoE block's tags are MaxText's mlpwi_0 / mlpwi_1 / mlp_hidden) changes no gradient."""
     from jaxattn import remat as jremat
@@ -524,7 +527,7 @@ def test_both_clis_train_moe_20_steps_alike(moe_init, tmp_path):
     np.testing.assert_allclose([r["aux_loss"] for r in jr], [r["aux_loss"] for r in tr], rtol=1e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.parametrize("framework", [pytest.param("jax", marks=pytest.mark.slow), "torch"])
 def test_moe_resume_equals_uninterrupted(framework, moe_init, tmp_path):
     """bucketed padded rows (segment id 0 outside the router statistics) in bf16 with a capacity factor: 3 steps,
     then --resume to 5 = 5 straight, exactly (§7: same framework, deterministic; a constant schedule, as the
@@ -594,6 +597,7 @@ def test_jax_expert_parallel_equals_one_device(spec, capacity, rng):
     assert e_gate.sharding.spec[1] == "expert"  # [layers, experts, embed, mlp]: really split by expert
 
 
+@pytest.mark.slow
 def test_jax_cli_expert_mesh_trains_like_one_device(moe_init, tmp_path):
     """``jaxattn.train --mesh data=2,expert=4`` (4 experts, 1 per device) = one device, 4 steps (§7 steps rule)."""
     from parity_tests.twins import jsonl_losses

@@ -189,6 +189,7 @@ def test_committed_moe_plans_exchange_what_the_analysis_says():
         assert moe["all_to_all_bytes_ragged"] < moe["all_to_all_bytes_expected"], r["mesh"]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(gpu_target.unavailable_reason() is not None, reason="deviceless GPU compile unavailable")
 def test_a_tiny_moe_plan_compiles_with_its_exchange():

@@ -183,7 +183,7 @@ def test_mesh_axes_that_do_not_fit_the_torus_split_physical_axes():
 
     devs = tpu_target.devices("v5p", "4x4x4")
     mesh = sharding.make_mesh("data=8,fsdp=8", devices=devs)
-    assert dict(mesh.shape) == {"stage": 1, "data": 8, "fsdp": 8, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 8, "fsdp": 8, "expert": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devs)
 
 
