@@ -141,7 +141,8 @@ BAD = [
     (
         ["--parallel", "zero"],
         "torch",
-        r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, ep, ep\+fsdp, pp, pp\+fsdp, pp\+tp\)",
+        r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, ep, ep\+fsdp, pp, pp\+fsdp, "
+        r"pp\+tp\)",
     ),
     (["--num-workers", "-1"], "torch", r"--num-workers -1: must be an integer >= 0"),
     (["--stpes", "3"], "both", r"unrecognized arguments: --stpes 3"),
@@ -169,7 +170,8 @@ def test_torchrun_without_parallel_is_refused(monkeypatch, tmp_path):
     assert not os.path.exists(ck) and not os.path.exists(prof)  # the writability probe leaves nothing behind
     with pytest.raises(
         CLIError,
-        match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp,ep,ep\+fsdp,pp,pp\+fsdp,pp\+tp\}",
+        match=r"under torchrun with WORLD_SIZE=2 needs --parallel \{ddp,fsdp,tp,fsdp\+tp,ep,ep\+fsdp,pp,pp\+fsdp,"
+        r"pp\+tp\}",
     ):
         parse_args([], "torch", TORCH_BACKENDS)
 
