@@ -38,7 +38,7 @@ from .moe import moe_block, moe_losses
 from .quant import QArray, matmul
 from .remat import wrap_layer
 from .spec import params
-from .spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_token_ids
+from .spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_moe_args, check_token_ids
 
 # Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
@@ -272,7 +272,7 @@ class Llama(nnx.Module):
         ``moe_stats``); see the class doc."""
         cfg = self.config
         check_model_inputs(tokens, positions, segment_ids, arg="tokens")
-        _check_moe_args(cfg, tokens, cache, moe_stats, moe_mask)
+        check_moe_args(cfg, tokens.shape, cache, moe_stats, moe_mask)
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
             check_token_ids(tokens, cfg.vocab_size, arg="tokens")
         b, s = tokens.shape
@@ -358,14 +358,3 @@ LlamaForCausalLM = Llama
 def _constrain_first(out):
     x, stats = out
     return constrain(x, ACT_AXES), stats
-
-
-def _check_moe_args(cfg: ModelConfig, tokens, cache, moe_stats, moe_mask) -> None:
-    if not isinstance(moe_stats, bool):
-        raise ValueError(f"moe_stats must be True or False, got {moe_stats!r}")
-    if moe_stats and not cfg.is_moe:
-        raise ValueError("moe_stats=True needs a Mixture-of-Experts config (n_experts > 0); this model is dense")
-    if moe_stats and cache is not None:
-        raise ValueError("moe_stats=True cannot be combined with a KV cache (router statistics are for training)")
-    if moe_mask is not None and tuple(jnp.shape(moe_mask)) != tuple(tokens.shape):
-        raise ValueError(f"moe_mask must be [B, S] like tokens {tuple(tokens.shape)}, got {tuple(jnp.shape(moe_mask))}")

@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_token_ids
+from jaxattn.spec.batch import (
+    check_logits_at,
+    check_logits_at_values,
+    check_model_inputs,
+    check_moe_args,
+    check_token_ids,
+)
 from jaxattn.spec.remat import check_remat
 
 from .attention import dot_product_attention
@@ -152,7 +158,7 @@ class LlamaModel(nn.Module):
         moe_mask: torch.Tensor | None = None,
     ):
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
-        _check_moe_args(self.config, input_ids, cache, moe_stats, moe_mask)
+        check_moe_args(self.config, input_ids.shape, cache, moe_stats, moe_mask, arg="input_ids")
         if not torch.compiler.is_compiling():
             _check_ids(input_ids, self.config.vocab_size)
         remat = check_remat(self.remat, "LlamaModel.remat")
@@ -271,19 +277,6 @@ def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """ValueError naming the first id outside ``[0, vocab_size)``; one device sync, a host copy only on error."""
     if bool(((ids < 0) | (ids >= vocab_size)).any()):
         check_token_ids(ids.detach().cpu(), vocab_size, arg="input_ids")
-
-
-def _check_moe_args(cfg: ModelConfig, input_ids, cache, moe_stats, moe_mask) -> None:
-    if not isinstance(moe_stats, bool):
-        raise ValueError(f"moe_stats must be True or False, got {moe_stats!r}")
-    if moe_stats and not cfg.is_moe:
-        raise ValueError("moe_stats=True needs a Mixture-of-Experts config (n_experts > 0); this model is dense")
-    if moe_stats and cache is not None:
-        raise ValueError("moe_stats=True cannot be combined with a KV cache (router statistics are for training)")
-    if moe_mask is not None and tuple(moe_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"moe_mask must be [B, S] like input_ids {tuple(input_ids.shape)}, got {tuple(moe_mask.shape)}"
-        )
 
 
 def _check_logits_at(logits_at: torch.Tensor, input_ids, positions, segment_ids) -> None:

@@ -78,6 +78,19 @@ def check_model_inputs(tokens: Any, positions: Any = None, segment_ids: Any = No
             raise ValueError(f"{name} must have the {arg}' shape {tuple(tokens.shape)}, got {tuple(v.shape)}")
 
 
+def check_moe_args(config, tokens_shape: tuple, cache: Any, moe_stats: Any, moe_mask: Any, arg: str = "tokens") -> None:
+    """A model call's Mixture-of-Experts arguments: ``moe_stats`` a bool, True only for an MoE config and without a
+    KV cache; ``moe_mask`` None or ``[B, S]`` like the ``arg`` ids. ValueError naming the argument otherwise."""
+    if not isinstance(moe_stats, bool):
+        raise ValueError(f"moe_stats must be True or False, got {moe_stats!r}")
+    if moe_stats and not config.is_moe:
+        raise ValueError("moe_stats=True needs a Mixture-of-Experts config (n_experts > 0); this model is dense")
+    if moe_stats and cache is not None:
+        raise ValueError("moe_stats=True cannot be combined with a KV cache (router statistics are for training)")
+    if moe_mask is not None and tuple(np.shape(moe_mask)) != tuple(tokens_shape):
+        raise ValueError(f"moe_mask must be [B, S] like {arg} {tuple(tokens_shape)}, got {tuple(np.shape(moe_mask))}")
+
+
 def check_logits_at(logits_at: Any, tokens_shape: tuple, arg: str = "logits_at") -> None:
     """A model call's ``logits_at``: an int array ``[batch, K >= 1]`` (the tokens' batch) of indices into the
     sequence axis of tokens shaped ``tokens_shape = (batch, seq)``. Reads the shape and dtype only (works on
