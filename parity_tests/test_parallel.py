@@ -51,7 +51,7 @@ def test_bad_mode_and_tp_divisibility():
 @pytest.mark.parametrize(
     "mode",
     [
-        "fsdp",
+        pytest.param("fsdp", marks=pytest.mark.slow),  # fsdp with one more flag, below, in the default run
         pytest.param("ddp", marks=pytest.mark.slow),
         pytest.param("tp", marks=pytest.mark.slow),
         pytest.param("fsdp+tp", marks=pytest.mark.slow),
