@@ -336,6 +336,7 @@ def test_fwd_bwd_programs_of_ours_cudnn_and_xla_through_the_dispatcher():
         assert r["kernels"].count("cudnn") == 2 and r["label"] == "compiled for H100, not run"
 
 
+@pytest.mark.slow  # the committed compile records hold the peers' rows (test_report / test_readme read them)
 @pytest.mark.gpu_compile
 @needs_plugin
 def test_tokamax_peers_compile_beside_ours_with_the_same_columns():

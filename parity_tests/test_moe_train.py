@@ -99,8 +99,9 @@ def _sub_mesh(spec: str):
 )
 def test_jax_expert_parallel_equals_one_device(spec, capacity, rng):
     """8 experts over an ``expert`` mesh axis (all-to-all inside shard_map; with data / fsdp / tensor beside it):
-    the training loss, the router metrics and every gradient equal one device's (loss and metrics within 1e-5;
-    gradients within 1e-5 relative to each tensor's largest: the sharded reductions add in another order)."""
+    the training loss and the router metrics equal one device's within 1e-5 and every gradient within §7's fp32
+    gradient rule (rtol = atol = 1e-3; measured ~1e-5 of each tensor's largest: the sharded reductions and the
+    exchanged rows' GEMMs add in another order)."""
     from jaxattn import sharding
 
     cfg = moe_config(n_experts=8, capacity_factor=capacity, router_z_loss_coef=0.01)
@@ -123,7 +124,7 @@ def test_jax_expert_parallel_equals_one_device(spec, capacity, rng):
     for k in want_m:
         assert abs(float(got_m[k]) - float(want_m[k])) <= 1e-5, k
     for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
-        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(a).max())
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-3)
     e_gate = sharding.shard_state(params, mesh)["layers"]["e_gate"]
     assert e_gate.sharding.spec[1] == "expert"  # [layers, experts, embed, mlp]: really split by expert
 

@@ -244,6 +244,7 @@ def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5, err_msg=str(extra))
 
 
+@pytest.mark.slow  # the library's circular cases (m > p) stay in the default run
 def test_cli_circular_schedule_trains_like_one_device(tmp_path):
     """``--pp-schedule interleaved`` (JAX: the circular schedule, 2 chunks per stage) on a 4-layer model, with
     ``stage=2,data=2,tensor=2`` and 4 micro-batches: the losses of one device within 1e-5."""
