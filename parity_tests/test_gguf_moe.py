@@ -176,7 +176,12 @@ def _twin_logits(path, ids: np.ndarray):
 
 @pytest.mark.parametrize(
     "model_type,qtype,tied",
-    [("mixtral", None, False), ("qwen3_moe", None, False), ("mixtral", Q8_0, True), ("qwen3_moe", Q8_0, True)],
+    [
+        ("mixtral", None, False),
+        ("qwen3_moe", None, False),
+        pytest.param("mixtral", Q8_0, True, marks=pytest.mark.slow),
+        ("qwen3_moe", Q8_0, True),
+    ],
     ids=["mixtral-f32", "qwen3_moe-f32", "mixtral-q8_0-tied", "qwen3_moe-q8_0-tied"],
 )
 def test_converted_file_loads_into_both(tmp_path, rng, model_type, qtype, tied):

@@ -126,8 +126,9 @@ def _maxabs(a, ref) -> float:
     return float(np.max(np.abs(np.asarray(jnp.asarray(a, jnp.float32), np.float64) - ref), initial=0.0))
 
 
-# the default run: odd sizes, one group, G = 1 with a tail, bf16 with a float32 output, fp16; the rest under slow
-_DEFAULT = {0, 2, 4, 7, 8}
+# the default run: odd sizes with an empty group and a tail, one group, bf16 with a float32 output; the rest (G = 1,
+# fp16, ...) under slow
+_DEFAULT = {0, 2, 7}
 
 
 @pytest.mark.parametrize(

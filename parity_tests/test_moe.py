@@ -276,7 +276,7 @@ def test_block_matches_float64_loop(kw, rng):
     np.testing.assert_array_equal(np.asarray(jst["kept"]), kept)
 
 
-@pytest.mark.parametrize("capacity", [None, 1.0])
+@pytest.mark.parametrize("capacity", [None, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_every_token_to_one_expert_and_empty_experts(capacity, rng):
     """Positive inputs and a router column of +1 (the others -1): every token's first choice is expert 2 (k=1).
     Dropless, expert 2 takes all 18 assignments and the others none (empty groups of the grouped GEMM); with a
@@ -463,6 +463,7 @@ def test_moe_call_arguments_are_checked():
 # ----------------------------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # the default run: 20 CLI steps with grad accumulation (test_moe_train.py), capacity drops here
 def test_train_steps_agree_with_grad_accum_and_capacity(rng):
     """Three SGD steps with grad_accum=2 (router terms each micro-batch's, weighted 1/2 on both sides) and a
     capacity factor: loss, grad norm and the router metrics agree every step (§7: after optimizer steps)."""
