@@ -168,8 +168,9 @@ def test_loss_aux_and_every_gradient_torch_vs_jax(capacity, rng):
     batch = {"tokens": tokens, "segment_ids": seg, "loss_mask": (seg != 0).astype(np.int32)}
     t_loss, j_loss, t_moe, j_moe, grads = _grads_hf(cfg, tm, jm, batch)
     assert abs(t_loss - j_loss) <= 1e-5
-    for k in t_moe:
-        np.testing.assert_allclose(float(t_moe[k]), float(j_moe[k]), rtol=0, atol=1e-6, err_msg=k)
+    assert abs(float(t_moe["aux_loss"]) - float(j_moe["aux_loss"])) <= 1e-6  # the issue's bound
+    for k in t_moe:  # z_loss ~ logsumexp^2 (7 here): float32's relative rounding
+        np.testing.assert_allclose(float(t_moe[k]), float(j_moe[k]), rtol=1e-6, atol=1e-6, err_msg=k)
     assert (float(t_moe["dropped_fraction"]) > 0) == (capacity is not None)
     assert set(grads) == set(params.hf_shapes(cfg))
     for k, (tg, jg) in grads.items():
