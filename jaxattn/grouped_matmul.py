@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .attention.tiling import MIN_BLOCK, cdiv, dot, is_pow2, next_pow2, plt, resolve_interpret, triton_compiler_params
+from .attention.tiling import MIN_BLOCK, cdiv, dot, is_pow2, next_pow2, plt, resolve_interpret, triton_call
 
 __all__ = ["BlockSizes", "grouped_matmul", "grouped_matmul_reference", "tile_schedule"]
 
@@ -221,30 +221,21 @@ def _tgmm_kernel(lo_ref, hi_ref, lhs_ref, dout_ref, out_ref, *, bk):
 
 # ----------------------------------------------------------------------------------------- pallas calls
 def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_spec, out_shape, args):
-    """``pl.pallas_call`` with the Triton params; with ``cfg.poison`` the output buffer is first filled with NaN
-    (passed in and aliased to the output), so a row the kernel forgets to write shows up on a GPU too (interpret
-    mode already starts outputs as NaN)."""
-    in_specs, args, aliases, body = list(in_specs), list(args), {}, kernel
-    if cfg.poison:
-        n_in = len(args)
-        aliases[n_in] = 0
-        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-        in_specs.append(out_spec)
-
-        def body(*refs):  # drop the poisoned input ref; the output ref aliases it
-            return kernel(*refs[:n_in], refs[-1])
-
-    return pl.pallas_call(
-        body,
+    """:func:`~jaxattn.attention.tiling.triton_call` of one output (poisoned with NaN under ``cfg.poison``)."""
+    (out,) = triton_call(
+        kernel,
+        name=name,
         grid=grid,
         in_specs=in_specs,
-        out_specs=out_spec,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
+        out_specs=[out_spec],
+        out_shapes=[out_shape],
+        args=args,
         interpret=cfg.interpret,
-        name=name,
-        compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
-    )(*args)
+        poison=cfg.poison,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
 
 
 def _gmm(cfg: _Cfg, lhs, rhs, group_sizes, out_dtype, transpose: bool = False):

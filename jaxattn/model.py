@@ -40,9 +40,8 @@ from .remat import wrap_layer
 from .spec import params
 from .spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_moe_args, check_token_ids
 
-# Per-layer parameter names and every parameter's logical axis names, from the parameter table (``spec.params``):
+# Every parameter's logical axis names, from the parameter table (``spec.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
-LAYER_PARAMS: tuple[str, ...] = tuple(r.name for r in params.layer_rows())  # every config's: see layer_rows(cfg)
 PARAM_AXES: dict[str, tuple[str, ...]] = {r.name: r.jax_axes for r in params.ROWS}
 
 # Logical axis names of the activations the model constrains (see ``constrain``).

@@ -143,8 +143,9 @@ def _exchange_grouped(p, axis: str, n: int, k: int):
         e_local = sizes.shape[0] // n
         per_rank = sizes.reshape(n, e_local)  # [n, E/n]
         r = total // k * min(k, e_local)  # T tokens send each expert at most T rows, a device at most T*k
-        dest = jnp.repeat(jnp.arange(n), jnp.sum(per_rank, axis=1), total_repeat_length=total)  # [T*k] sorted
-        start = jnp.cumsum(jnp.sum(per_rank, axis=1)) - jnp.sum(per_rank, axis=1)  # [n]
+        to_rank = jnp.sum(per_rank, axis=1)  # [n] rows for each destination
+        dest = jnp.repeat(jnp.arange(n), to_rank, total_repeat_length=total)  # [T*k] sorted
+        start = jnp.cumsum(to_rank) - to_rank  # [n]
         pos = jnp.arange(total) - start[dest]
         send = jnp.zeros((n, r, d), rows.dtype).at[dest, pos].set(rows)  # [n, R, dim]
         recv = jax.lax.all_to_all(send, axis, 0, 0)  # [n sources, R, dim]
@@ -230,7 +231,7 @@ def moe_block(
     chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=1)  # [T, E]: 1 where chosen
     lse = jax.nn.logsumexp(logits, axis=-1)  # [T]
     stats = {
-        "counts": jax.lax.stop_gradient(m @ chosen),  # [E] top-k assignments of real tokens
+        "counts": m @ chosen,  # [E] top-k assignments of real tokens (integer-valued: no gradient)
         "probs": m @ probs,  # [E]
         "z": jnp.sum(m * lse * lse),
         "tokens": jnp.sum(m),

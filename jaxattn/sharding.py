@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -392,10 +393,8 @@ def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
         y, stats = moe_block(x, weights, cfg, mask, expert_axis="expert", expert_shards=n)
         return y, jax.tree.map(lambda v: v[None], stats)  # [1, ...] per device, summed outside
 
-    if mask is None:
-        y, stats = _shard_map(lambda x, w: body(x, w, None), mesh, (rows, specs), (rows, rows))(x, weights)
-    else:
-        y, stats = _shard_map(body, mesh, (rows, specs, rows), (rows, rows))(x, weights, mask)
+    mask = jnp.ones(x.shape[:2], bool) if mask is None else mask  # None = every token (moe_block's default)
+    y, stats = _shard_map(body, mesh, (rows, specs, rows), (rows, rows))(x, weights, mask)
     return y, jax.tree.map(lambda v: v.sum(0), stats)
 
 

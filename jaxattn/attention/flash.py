@@ -43,7 +43,7 @@ from .tiling import (
     resolve_interpret,
     scores,
     tile_mask,
-    triton_compiler_params,
+    triton_call,
 )
 
 __all__ = [
@@ -465,38 +465,21 @@ def _dq_kernel(*refs, cfg: _Cfg):
 
 # ----------------------------------------------------------------------------------------- pallas calls
 def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, args):
-    """``pl.pallas_call`` with the Triton params; with ``cfg.poison`` every output buffer is first filled
-    with NaN (passed in and aliased to the output), so a block the kernel forgets to write shows up as NaN
-    on the GPU too (interpret mode already starts outputs as NaN)."""
-    in_specs = list(in_specs)
-    args = list(args)
-    aliases = {}
-    body = kernel
-    if cfg.poison:
-        n_in, n_out = len(args), len(out_shapes)
-        for idx, (shape, spec) in enumerate(zip(out_shapes, out_specs)):
-            aliases[n_in + idx] = idx
-            args.append(jnp.full(shape.shape, jnp.nan, shape.dtype))
-            in_specs.append(spec)
-
-        def body(*refs):  # drop the poisoned input refs; the output refs alias them
-            return kernel(*refs[:n_in], *refs[n_in + n_out :])
-
-    return pl.pallas_call(
-        body,
+    """:func:`~jaxattn.attention.tiling.triton_call` with the forward's or the backward's launch knobs."""
+    warps, stages = (cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else (cfg.num_warps_bwd, cfg.num_stages_bwd)
+    return triton_call(
+        kernel,
+        name=name,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=out_shapes,
-        input_output_aliases=aliases,
+        out_shapes=out_shapes,
+        args=args,
         interpret=cfg.interpret,
-        name=name,
-        compiler_params=(
-            triton_compiler_params(cfg.num_warps, cfg.num_stages)
-            if name == "flash_fwd"
-            else triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)
-        ),
-    )(*args)
+        poison=cfg.poison,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def _fwd_call(cfg: _Cfg, q, k, v, q_ids, kv_ids):

@@ -41,6 +41,7 @@ __all__ = [
     "split_tf32",
     "tile_mask",
     "to_tf32",
+    "triton_call",
     "triton_compiler_params",
 ]
 
@@ -150,6 +151,36 @@ def tile_mask(
 
 
 # ----------------------------------------------------------------------------------------- launch
+def triton_call(
+    kernel, *, name, grid, in_specs, out_specs, out_shapes, args, interpret, poison, num_warps, num_stages
+) -> list:
+    """``pl.pallas_call`` of ``kernel`` with the Triton params (lists of outputs in and out); with ``poison`` every
+    output buffer is first filled with NaN (passed in and aliased to the output), so a block the kernel forgets to
+    write shows up as NaN on a GPU too (interpret mode already starts outputs as NaN)."""
+    in_specs, args, aliases, body = list(in_specs), list(args), {}, kernel
+    if poison:
+        n_in, n_out = len(args), len(out_shapes)
+        for idx, (shape, spec) in enumerate(zip(out_shapes, out_specs)):
+            aliases[n_in + idx] = idx
+            args.append(jnp.full(shape.shape, jnp.nan, shape.dtype))
+            in_specs.append(spec)
+
+        def body(*refs):  # drop the poisoned input refs; the output refs alias them
+            return kernel(*refs[:n_in], *refs[n_in + n_out :])
+
+    return pl.pallas_call(
+        body,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=list(out_specs),
+        out_shape=list(out_shapes),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name=name,
+        compiler_params=triton_compiler_params(num_warps, num_stages),
+    )(*args)
+
+
 def triton_compiler_params(num_warps: int, num_stages: int):
     """``CompilerParams`` for the Triton lowering: ``jax.experimental.pallas.triton.CompilerParams`` on
     jax >= 0.6 (0.10 and 0.11 included), ``TritonCompilerParams`` in older releases."""
