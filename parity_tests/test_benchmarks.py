@@ -188,9 +188,10 @@ def test_main_job_model_suite(tmp_path):
         ("torch", "fwd"),
         ("torch", "fwd_bwd"),
     }
+    assert {r["preset"] for r in recs} == {"tiny", "moe-tiny"}  # the dense twin and the MoE twin
     for r in recs:
         assert r["status"] == "ok" and r["iters"] >= 20 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
-        assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0
+        assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0 and r["first_call_s"] > 0
     assert "JAX speed-up = torch time / JAX time" in (tmp_path / "report.md").read_text()
 
 
@@ -381,6 +382,7 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     """`run --suite compile` stores what `benchmarks compile` measures as one record list (kernel records, then
     program records, each with its `part`), draws the kernel plot and gives report.md the compile tables and the
     plot's link; the compiles themselves are faked here (the real ones are the gpu_compile tests')."""
+    import benchmarks.suites.compile as compile_suite
     import benchmarks.tools.compile as bc
 
     label = "compiled for H100, not run"
@@ -429,6 +431,13 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
     monkeypatch.setattr(bc.gpu_target, "devices", lambda *a, **k: ["fake-h100"])
     monkeypatch.setattr(bc, "kernel_records", lambda devs, cases, shape, target, log=print: kernels)
     monkeypatch.setattr(bc, "program_records", lambda devs, cases, target, log=print: [program])
+    grouped = [
+        dict(what="lowering", impl="pallas", dtype="bf16", G=4, M=512, K=256, N=512, label=label, status="ok")
+        | {"pass": "fwd", "launches": 2, "triton_calls": 1, "xla_dots": 0, "largest_dot_operand": None}
+        | dict(temp=3624, peak=2**20, xla_flops=0.0, grouped_flops=1.3e8),
+        dict(kernels[0], what="kernel", impl="pallas", kernel="grouped_matmul", head_dim=None),
+    ]
+    monkeypatch.setattr(compile_suite, "grouped_records", lambda devs, quick, target, label, log=print: grouped)
     out = tmp_path / "out"
     assert cli.main(["run", "--suite", "compile", "--quick", "--out", str(out)]) == 0
     recs = json.loads((out / "compile.json").read_text())["records"]
@@ -436,6 +445,8 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
         ("kernel", "jax", "flash_fwd"),
         ("kernel", "jax", "flash_bwd_dq"),
         ("kernel", "jax", "flash_bwd_dkv"),
+        ("grouped_gemm", "jax", None),
+        ("grouped_gemm", "jax", "grouped_matmul"),
         ("program", "jax", "train_step"),
     ]
     assert (out / "compile_kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -446,6 +457,9 @@ def test_compile_suite_writes_records_plot_and_report_section(tmp_path, monkeypa
         and "| tiny | train_step | dense | 2×128 |" in report
     )
     assert "![compile plot](compile_kernels.png)" in report
+    assert "### MoE grouped GEMM (compiled for H100, not run)" in report
+    assert "| pallas | fwd | 2 | 1 | 0 | — | 0.00 |" in report
+    assert "| pallas | `grouped_matmul` | bf16 | 128 |" in report
 
 
 # ------------------------------------------------------------------------------------- decode: adaptive iterations

@@ -293,49 +293,16 @@ def test_bad_options_name_the_argument():
 # ------------------------------------------------------------------------------------------------ deviceless H100
 _REASON = gpu_target.unavailable_reason()
 needs_plugin = pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
-TRITON = "__gpu$xla.gpu.triton"
-MIXTRAL = dict(g=8, m=8192, k=4096, n=14336)  # one Mixtral-8x7B expert projection, 8192 routed rows
-_DOT_OPERAND = re.compile(r"(?:bf16|f16|f32)\[([\d,]+)\]\{[\d,]*\} parameter")
 
 
-def _compile(impl: str, *, backward: bool, dump: str | None = None):
-    """Compile ``impl`` ("ours" | "ragged_dot") at the Mixtral shape, bf16, for one deviceless H100: forward, or
-    forward + backward (``jax.vjp`` with the cotangent as an input)."""
+def _compile(impl: str, *, backward: bool, dump: str | None = None) -> dict:
+    """``benchmarks.tools.grouped_compile`` at the Mixtral shape, one deviceless H100: temp bytes and the lowering."""
+    from benchmarks.tools import grouped_compile as gc
     from benchmarks.tools.deviceless import target_config
 
     devs = gpu_target.devices(target_config("h100"))
-    g, m, k, n = (MIXTRAL[x] for x in "gmkn")
-    sds = (
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
-        jax.ShapeDtypeStruct((g,), jnp.int32),
-        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-    )
-    mm = GM.grouped_matmul if impl == "ours" else jax.lax.ragged_dot
-
-    def fwd(a, w, s):
-        return mm(a, w, s)
-
-    def fwd_bwd(a, w, s, ct):
-        out, pull = jax.vjp(lambda a, w: mm(a, w, s), a, w)
-        return out, pull(ct)
-
-    args = gpu_target.place(sds if backward else sds[:3], devs)
-    opts = {"xla_dump_to": dump} if dump else None
-    _, compiled = gpu_target.compile(fwd_bwd if backward else fwd, *args, compiler_options=opts)
-    text = compiled.as_text()
-    dots = [tuple(int(d) for d in s.split(",")) for s in _DOT_OPERAND.findall(_dot_computations(text))]
-    return dict(
-        temp=compiled.memory_analysis().temp_size_in_bytes,
-        triton=text.count(f'custom_call_target="{TRITON}"'),
-        xla_dots=len(re.findall(r"\bdot\(", text)),
-        dot_operands=dots,
-    )
-
-
-def _dot_computations(text: str) -> str:
-    """The HLO computations that hold a ``dot`` (XLA's GEMM fusions): their parameters are the dots' operands."""
-    return "\n".join(c for c in text.split("\n\n") if re.search(r"\bdot\(", c))
+    _, compiled = gc.compile_grouped(devs, impl, gc.MIXTRAL, backward=backward, dump=dump)
+    return dict(temp=compiled.memory_analysis().temp_size_in_bytes, **gc.lowering(compiled))
 
 
 @pytest.mark.slow  # its figures are in benchmarks/NOTES.md; the MoE plan rows compile the kernel in whole steps
@@ -350,11 +317,11 @@ def test_mixtral_shape_compiles_to_our_kernels_for_h100():
     from benchmarks.tools.kernel_stats import H100_LIMITS
 
     names = ("grouped_matmul", "grouped_matmul_t", "grouped_matmul_tgmm")
-    fwd = _compile("ours", backward=False)
+    fwd = _compile("pallas", backward=False)
     with tempfile.TemporaryDirectory() as dump:
-        both = _compile("ours", backward=True, dump=dump)
+        both = _compile("pallas", backward=True, dump=dump)
         recs = kernel_stats.from_xla_dump(dump, names=names)
-    assert fwd["triton"] == 1 and both["triton"] == 3, (fwd, both)
+    assert fwd["triton_calls"] == 1 and both["triton_calls"] == 3, (fwd, both)
     assert fwd["xla_dots"] == 0 and both["xla_dots"] == 0, (fwd, both)
     assert sorted(recs) == sorted(names)
     for name, r in recs.items():
@@ -370,6 +337,8 @@ def test_mixtral_shape_compiles_to_our_kernels_for_h100():
     assert both["temp"] < 2**20, both  # the tile schedule only: no padded or transposed copy of anything
 
     ragged = {b: _compile("ragged_dot", backward=b) for b in (False, True)}
+    from benchmarks.tools.grouped_compile import MIXTRAL
+
     m, gk = MIXTRAL["m"], MIXTRAL["g"] * MIXTRAL["k"]
     print(
         f"\n[compiled for H100, not run] ours: fwd temp {fwd['temp']} B, fwd+bwd temp {both['temp']} B; "
@@ -381,4 +350,4 @@ def test_mixtral_shape_compiles_to_our_kernels_for_h100():
         f"{ragged[True]['temp']} B, dot operands {ragged[True]['dot_operands']}"
     )
     assert ragged[True]["temp"] >= both["temp"]
-    assert (m, gk) not in both["dot_operands"]
+    assert [m, gk] not in both["dot_operands"]

@@ -37,6 +37,13 @@ def test_flops_per_token_counts_matmul_params():
     assert matmul_param_count(cfg) == n
     fpt = flops_per_token(cfg, 128)
     assert fpt > 6 * n and fpt == model_flops(cfg, 2, 128, train=True)["model_flops"] / 256
+    # an MoE counts the experts a token runs through: moe-tiny's 2 of 4, plus its router
+    moe = ModelConfig.preset("moe-tiny")
+    named = dict(LlamaForCausalLM(moe).named_parameters())
+    per_expert = sum(p[0].numel() for k, p in named.items() if ".experts." in k)
+    active = sum(p.numel() for k, p in named.items() if not k.endswith("norm.weight") and "embed_tokens" not in k)
+    active -= (moe.n_experts - moe.experts_per_token) * per_expert
+    assert model_flops(moe, 1, 128, train=True)["matmul_params"] == active
 
 
 def test_unknown_toggle_is_refused():
@@ -45,12 +52,14 @@ def test_unknown_toggle_is_refused():
 
 
 def test_quick_records_format(tmp_path):
-    records = train.run(quick=True, toggles=["baseline", "grad_accum2"], log=lambda *a: None)
+    records = train.run(quick=True, toggles=["baseline", "grad_accum2", "moe_capacity"], log=lambda *a: None)
     assert [(r["toggle"], r["framework"]) for r in records] == [
         ("baseline", "jax"),
         ("baseline", "torch"),
         ("grad_accum2", "jax"),
         ("grad_accum2", "torch"),
+        ("moe_capacity", "jax"),
+        ("moe_capacity", "torch"),
     ]
     for r in records:
         assert r["suite"] == "train" and r["status"] == "ok", r.get("reason")
@@ -60,10 +69,18 @@ def test_quick_records_format(tmp_path):
         assert m["first_step_s"] > 0 and math.isfinite(m["final_loss"])
         assert m["grad_accum"] == (2 if r["toggle"] == "grad_accum2" else 1)
         assert m["precision"] == "fp32" and m["remat"] == "none" and m["optimizer"] == "adamw"
+        moe = r["toggle"] == "moe_capacity"
+        assert r["preset"] == ("moe-tiny" if moe else "tiny") and m["capacity_factor"] == (1.25 if moe else None)
+        assert (m["active_params"] < m["n_params"]) == moe  # 2 of 4 experts per token
+        assert ("aux_loss" in m and "dropped_fraction" in m) == moe
         if m["peak_flops"] is None:
             assert r["mfu"] is None and m["mfu_reason"]
         else:
             assert 0 < r["mfu"] < 1
+    # the MoE twins start from one set of weights and drop the same tokens on the first steps
+    j, t = (r["measured"] for r in records[4:])
+    assert j["final_loss"] == pytest.approx(t["final_loss"], abs=1e-4)
+    assert 0 < j["dropped_fraction"] == pytest.approx(t["dropped_fraction"], abs=1e-6)
     # the records go through the suite writer and the report table like every other suite
     result_files.write_results(str(tmp_path), "train", records, {"jax_device": "test"})
     assert json.loads((tmp_path / "train.json").read_text())["records"][0]["toggle"] == "baseline"

@@ -30,7 +30,9 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
+    # under torch.compile the op's fake kernel (what Dynamo traces) takes bf16 only, whatever eager accepts
+    dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else _GROUPED_DTYPES
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in dtypes or w.dtype != x.dtype:
         return False
     size = x.element_size()
     return all(n * size % 16 == 0 for n in (x.shape[-1], w.shape[-2], w.shape[-1]))

@@ -21,6 +21,7 @@ from .tables import SPEEDUP_NOTE, suite_table
 COMPILED_SUITES = (
     "kernels",
     "fwd_bwd",
+    "grouped_gemm",
     "programs",
     "plan",
     "block_search",

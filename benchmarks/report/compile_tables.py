@@ -13,7 +13,14 @@ def _mib(x) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def report(kernels: list, programs: list, info: dict, plot: str | None = None, fwd_bwd: list | None = None) -> str:
+def report(
+    kernels: list,
+    programs: list,
+    info: dict,
+    plot: str | None = None,
+    fwd_bwd: list | None = None,
+    grouped: list | None = None,
+) -> str:
     """``report.md`` of ``python -m benchmarks compile``: what was compiled and how it was read, the kernel table,
     the attention fwd+bwd table (:func:`fwd_bwd_table`, when ``fwd_bwd`` has records), the program table
     (:func:`tables`) and, when ``plot`` names one beside it, a link to the kernel plot."""
@@ -31,9 +38,10 @@ def report(kernels: list, programs: list, info: dict, plot: str | None = None, f
         "",
     ]
     body = tables(kernels, programs, target)
-    if fwd_bwd:  # after the kernel table, before the programs
-        at = body.index(f"## Programs (compiled for {target}, not run)")
-        body[at:at] = fwd_bwd_table(fwd_bwd, target)
+    at = body.index(f"## Programs (compiled for {target}, not run)")  # after the kernel table, before the programs
+    body[at:at] = (fwd_bwd_table(fwd_bwd, target) if fwd_bwd else []) + (
+        grouped_table(grouped, target) if grouped else []
+    )
     lines += body
     if plot:
         lines += [f"![kernels plot]({plot})", ""]
@@ -57,16 +65,7 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
                 f"{why[:80]} | | | | | | | | | | |"
             )
             continue
-        sass = r.get("sass") or {}
-        ops = [sass.get(k, "n/a") for k in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")]
-        spill = f"{r['spill_stores']}/{r['spill_loads']}"
-        if r["spill_stores"] or r["spill_loads"]:
-            spill = f"**{spill}**"
-        lines.append(
-            f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {r['threads']} | "
-            f"{r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | {r.get('blocks_per_sm')} | "
-            f"{r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]} |"
-        )
+        lines.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {_resources(r)} |")
     shape = kernels[0] if kernels else {}
     lines += [
         "",
@@ -84,12 +83,12 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
         if r.get("status") != "ok":
             why = r.get("error") or r.get("reason") or ""
             lines.append(
-                f"| {r['preset']} | {r['kind']} | {r.get('loss') or '—'} | {r.get('status', 'error').upper()}: "
+                f"| {_preset(r)} | {_program(r)} | {r.get('loss') or '—'} | {r.get('status', 'error').upper()}: "
                 f"{why[:80]} | | | | | | | | | | | |"
             )
             continue
         lines.append(
-            f"| {r['preset']} | {r['kind']} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
+            f"| {_preset(r)} | {_program(r)} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
             f"{r['launches']} | {_mib(r['argument'])} | {_mib(r['output'])} | {_mib(r['temp'])} | "
             f"{_mib(r['peak'])} | {r['xla_flops'] / 1e9:,.1f} | {r['model_flops'] / 1e9:,.1f} | "
             f"{r['flops_ratio']:.3f} | {r['flops_ratio_dense']:.3f} | {r['xla_bytes_accessed'] / 1e9:,.2f} |"
@@ -97,17 +96,94 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
     lines += [
         "",
         "Model FLOPs = 6·N·tokens + attention fwd+bwd (train step) or 2·N·tokens + attention fwd "
-        "(forward), N = matmul parameters (layers + LM head, no embedding lookup); attention by the "
+        "(forward), N = matmul parameters a token uses (layers + LM head, no embedding lookup; an MoE counts "
+        "its top-k experts and the router); attention by the "
         "FlashAttention convention, causal. XLA FLOPs: HloCostAnalysis of the compiled module (the "
         "deviceless executable has no cost_analysis), which counts a while loop's body once, so the "
-        "layer scan counts as ONE layer, and our Pallas attention kernels (custom calls) as 0: the ratios "
+        "layer scan counts as ONE layer, and our Pallas kernels (custom calls: attention, the MoE grouped GEMM "
+        "`experts: pallas`) as 0: the ratios "
         "divide by the analytic FLOPs of the same one-layer program (`layers_counted_by_xla` in the "
         "JSON), and `XLA / dense` (no attention) is the one to compare with 1.0; above 1.0 is the "
-        "elementwise work (norms, RoPE, softmax of the loss, optimizer update). bf16 policy, flash "
+        "elementwise work (norms, RoPE, softmax of the loss, optimizer update) — or, for `experts: xla`, "
+        "`jax.lax.ragged_dot` lowered to dense masked dots over every expert. bf16 policy, flash "
         "attention, AdamW.",
         "",
     ]
     return lines
+
+
+def _resources(r: dict) -> str:
+    """The resource cells of a compiled kernel's row, threads to cp.async (spills in bold)."""
+    sass = r.get("sass") or {}
+    ops = [sass.get(k, "n/a") for k in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS")]
+    spill = f"{r['spill_stores']}/{r['spill_loads']}"
+    if r["spill_stores"] or r["spill_loads"]:
+        spill = f"**{spill}**"
+    return (
+        f"{r['threads']} | {r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | "
+        f"{r.get('blocks_per_sm')} | {r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]}"
+    )
+
+
+def grouped_table(records: list, target: str, level: str = "##") -> list:
+    """The markdown lines of the MoE grouped-GEMM section (``benchmarks/tools/grouped_compile.py``): per
+    implementation and pass what it lowered to, then our Pallas kernels' resources."""
+    programs = [r for r in records if r.get("what") == "lowering"]
+    kernels = [r for r in records if r.get("what") == "kernel"]
+    r0 = records[0] if records else {}
+    lines = [
+        f"{level} MoE grouped GEMM (compiled for {target}, not run)",
+        "",
+        "| impl | pass | launches | Triton calls | XLA dots | largest dot operand | temp MiB | peak MiB | "
+        "XLA GFLOP | grouped GFLOP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in programs:
+        if r.get("status") != "ok":
+            why = r.get("error") or r.get("reason") or ""
+            lines.append(
+                f"| {r['impl']} | {r['pass']} | {r.get('status', 'error').upper()}: {why[:90]} | | | | | | | |"
+            )
+            continue
+        op = r["largest_dot_operand"]
+        lines.append(
+            f"| {r['impl']} | {r['pass']} | {r['launches']} | {r['triton_calls']} | {r['xla_dots']} | "
+            f"{'[' + ', '.join(map(str, op)) + ']' if op else '—'} | {r['temp'] / 2**20:,.2f} | {_mib(r['peak'])} | "
+            f"{r['xla_flops'] / 1e9:,.1f} | {r['grouped_flops'] / 1e9:,.1f} |"
+        )
+    if kernels:
+        lines += [
+            "",
+            "| impl | kernel | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | occupancy | "
+            "HGMMA | HMMA | TMA | cp.async |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {r['impl']} | `{r['kernel']}` | {r['dtype']} | {_resources(r)} |" for r in kernels]
+    lines += [
+        "",
+        f"bf16 `out[r] = lhs[r] @ rhs[group(r)]`, G={r0.get('G')} experts, M={r0.get('M')} routed rows, "
+        f"K={r0.get('K')}, N={r0.get('N')}, group sizes a runtime vector; `fwd_bwd` = `jax.vjp` with the "
+        "cotangent as an input. pallas = `jaxattn.grouped_matmul` (Triton: `grouped_matmul` out, "
+        "`grouped_matmul_t` d_lhs, `grouped_matmul_tgmm` d_rhs), ragged_dot = `jax.lax.ragged_dot`. Largest dot "
+        "operand: the biggest parameter of XLA's GEMM fusions (all of them: `dot_operands` in the JSON; at the "
+        "Mixtral shape ragged_dot's forward multiplies the rows expanded to `[M, G·K]` by the weights as one "
+        "`[G·K, N]` matrix, G× the grouped FLOPs). "
+        "grouped GFLOP = 2·M·K·N (×3 with the backward); XLA GFLOP = HloCostAnalysis (custom calls count 0).",
+        "",
+    ]
+    return lines
+
+
+def _preset(r: dict) -> str:
+    """A program's preset with its config overrides: ``mixtral-8x7b (n_layers=2)``."""
+    extra = ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items())
+    return f"{r['preset']} ({extra})" if extra else r["preset"]
+
+
+def _program(r: dict) -> str:
+    """A program's kind with an MoE's grouped GEMM: ``train_step, experts: pallas``."""
+    gemm = r.get("expert_gemm")
+    return f"{r['kind']}, experts: {gemm}" if gemm else r["kind"]
 
 
 def kernel_counts(names: list) -> str:
@@ -151,12 +227,18 @@ def fwd_bwd_table(records: list, target: str, level: str = "##") -> list:
 
 
 def suite_tables(records: list) -> str:
-    """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records."""
+    """The compile suite's section of ``report.md``: :func:`tables` of its kernel and program records, and
+    :func:`grouped_table` of its MoE grouped-GEMM records."""
     label = next((r["label"] for r in records if r.get("label")), LABEL.format(target="H100"))
     target = label.replace("compiled for ", "").replace(", not run", "")
     kernels = [r for r in records if r.get("part") == "kernel"]
     programs = [r for r in records if r.get("part") == "program"]
-    return "\n".join(tables(kernels, programs, target, level="###")).rstrip()
+    grouped = [r for r in records if r.get("part") == "grouped_gemm"]
+    lines = tables(kernels, programs, target, level="###")
+    if grouped:
+        at = lines.index(f"### Programs (compiled for {target}, not run)")
+        lines[at:at] = grouped_table(grouped, target, level="###")
+    return "\n".join(lines).rstrip()
 
 
 def dir_report(found: dict, plot: str | None = None) -> str:
@@ -165,7 +247,8 @@ def dir_report(found: dict, plot: str | None = None) -> str:
     env = found["kernels"].get("env") or {}
     programs = (found.get("programs") or {}).get("records") or []
     fwd_bwd = (found.get("fwd_bwd") or {}).get("records") or []
-    return report(found["kernels"]["records"], programs, env, plot, fwd_bwd)
+    grouped = (found.get("grouped_gemm") or {}).get("records") or []
+    return report(found["kernels"]["records"], programs, env, plot, fwd_bwd, grouped)
 
 
 def _gib(x) -> str:

@@ -35,6 +35,7 @@ MEASURED = {
     "loadavg",
     "processes",
     "process_median_ms",
+    "first_call_s",
 }
 SPEEDUP_COLUMN = "JAX speed-up = torch time / JAX time"
 SPEEDUP_NOTE = (

@@ -1,6 +1,6 @@
 """The ``compile`` suite: what ``python -m benchmarks compile`` measures, as one record list of a run.
 
-    records = run(quick=True)   # kernel records, then program records ("compiled for H100, not run")
+    records = run(quick=True)   # kernel, MoE grouped-GEMM, then program records ("compiled for H100, not run")
 
 The measurements are the compile tool's (``benchmarks/tools/compile.py``), its report.md section the tool's
 tables (``benchmarks/report/compile_tables.py``); without the gpu-compile extra every record is skipped.
@@ -13,12 +13,14 @@ from jaxattn import gpu_target
 from ..report.compile_tables import LABEL
 from ..tools import compile as tc
 from ..tools.deviceless import BENCH_SHAPE, GATE_SHAPE, target_config
+from ..tools.grouped_compile import grouped_records
 
 
 def run(quick: bool = False, target: str = "h100", log=print) -> list:
     """The ``compile`` suite of ``python -m benchmarks run``: what ``python -m benchmarks compile`` measures
     (``--quick``: its quick kernels at the small gate shape and the tiny programs), as one record list: kernel
-    records (``part`` "kernel": registers, spills, shared memory, ...) then program records (``part``
+    records (``part`` "kernel": registers, spills, shared memory, ...), the MoE grouped GEMM's (``part``
+    "grouped_gemm": ours beside ``ragged_dot``) then program records (``part``
     "program": compiled memory and FLOPs of the forward and the train step), each labelled "compiled for
     H100, not run". Without the gpu-compile extra every record is ``skipped`` with the reason (``all`` then
     skips the suite with a note)."""
@@ -53,7 +55,10 @@ def run(quick: bool = False, target: str = "h100", log=print) -> list:
         ]
     devs = gpu_target.devices(target_config(target))
     kernels = tc.kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)
+    grouped = grouped_records(devs, quick, target, label, log=log)
     programs = tc.program_records(devs, pcases, target, log=log)
-    return [dict(r, part="kernel", framework="jax") for r in kernels] + [
-        dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs
-    ]
+    return (
+        [dict(r, part="kernel", framework="jax") for r in kernels]
+        + [dict(r, part="grouped_gemm", framework="jax") for r in grouped]
+        + [dict(r, part="program", framework="jax", impl=r["kind"]) for r in programs]
+    )

@@ -1,7 +1,8 @@
-"""Model suite: the same Llama (one set of weights, ``twins.twin_models``) in both frameworks: logits parity to
-1e-4 first, then forward and forward+backward timed as pairs: JAX and torch alternate in rounds
-(``measure.timeit_paired``), and each row carries the paired JAX speed-up with its 95% interval and an
-``unstable`` label (design §9).
+"""Model suite: the same Llama (one set of weights, ``twins.twin_models``) in both frameworks, dense and Mixture of
+Experts (Mixtral-style, dropless: ``ragged_dot`` / ``torch._grouped_mm``): logits parity to 1e-4 first, then forward
+and forward+backward timed as pairs: JAX and torch alternate in rounds (``measure.timeit_paired``), and each row
+carries the paired JAX speed-up with its 95% interval and an ``unstable`` label (design §9), and the time of its
+first call (``first_call_s``: JAX's trace and compile, torch's first eager call).
 
     records = run(quick=True)
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -20,7 +22,9 @@ LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 def _shapes(quick: bool):
     # (preset, batch, seq)
-    return [("tiny", 8, 256)] if quick else [("125m", 8, 1024), ("350m", 8, 1024)]
+    if quick:
+        return [("tiny", 8, 256), ("moe-tiny", 8, 256)]
+    return [("125m", 8, 1024), ("350m", 8, 1024), ("moe-350m", 8, 1024)]
 
 
 def run(quick: bool) -> list[dict]:
@@ -35,7 +39,7 @@ def run(quick: bool) -> list[dict]:
     from torchref.config import ModelConfig as TConfig
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    rounds, per_round, warmup = (15, 5, 3) if quick else (10, 5, 5)
+    rounds, per_round, warmup = (10, 3, 2) if quick else (10, 5, 5)  # quick: 30 timed calls a side, 2 shapes
     records = []
     for preset, b, s in _shapes(quick):
         tcfg = TConfig.preset(preset)
@@ -85,6 +89,7 @@ def run(quick: bool) -> list[dict]:
         }
         for name, calls in passes.items():
             measure.torch_reset_peak()
+            first = {fw: _first_call_s(call) for fw, call in calls.items()}
             t = measure.timeit_paired(calls, rounds=rounds, per_round=per_round, warmup=warmup)
             for fw in ("jax", "torch"):
                 records.append(
@@ -99,6 +104,7 @@ def run(quick: bool) -> list[dict]:
                         "iters": t[fw]["iters"],
                         "cv": t[fw]["cv"],
                         "tokens_per_s": b * s / t[fw]["median_s"],
+                        "first_call_s": round(first[fw], 4),
                         "peak_mem_bytes": measure.jax_peak_memory() if fw == "jax" else measure.torch_peak_memory(),
                         "max_abs_diff": diff,
                         "paired": t["paired"],
@@ -107,3 +113,10 @@ def run(quick: bool) -> list[dict]:
                     }
                 )
     return records
+
+
+def _first_call_s(call) -> float:
+    """Seconds of ``call``'s first run (a jitted function traces and compiles there), synchronised."""
+    t0 = time.perf_counter()
+    measure.sync(call())
+    return time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Train suite: one training step of the same Llama in both frameworks, each technique as a toggle from a baseline.
+"""Train suite: one training step of the same Llama in both frameworks, each technique as a toggle from a baseline
+(``moe`` / ``moe_capacity``: the Mixture-of-Experts twin, dropless or with a capacity factor of 1.25).
 
     records = run(quick=True, toggles=["baseline", "bf16"])   # python -m benchmarks run --suite train [--quick]
 
@@ -14,7 +15,8 @@ import time
 import numpy as np
 
 from jaxattn.spec.flops import flops_per_token
-from jaxattn.spec.params import matmul_param_count
+from jaxattn.spec.params import active_matmul_param_count, matmul_param_count
+from jaxattn.spec.runlog import MOE_KEYS
 
 from .. import measure
 from ..twins import jax_config, twin_models
@@ -28,6 +30,8 @@ BASELINE = {
     "attention": None,
     "compile": False,
     "loss": "dense",
+    "model": "dense",
+    "capacity_factor": None,
 }
 # name -> changes from BASELINE; attention as {framework: backend name} (torch names are torchref.attention's,
 # "xla" = SDPA math, "flash" = SDPA flash).
@@ -42,13 +46,19 @@ TOGGLES: dict[str, dict] = {
     "grad_accum2": {"grad_accum": 2},
     "adamw8bit": {"optimizer": "adamw8bit"},
     "fused_loss": {"loss": "fused"},
+    "moe": {"model": "moe"},
+    "moe_capacity": {"model": "moe", "capacity_factor": 1.25},
 }
 QUICK_COMPILE_LIMIT_S = 60.0
 BUDGET_S = 480.0  # outside --quick: rows not started by then are skipped (gpu_session.sh gives the suite 570 s)
 LR = 1e-4
 
 
-def _shape(quick: bool):
+def _shape(quick: bool, model: str = "dense"):
+    """(preset, batch, seq) of the ``model`` rows: the dense Llama, or its Mixtral-style MoE twin of about the same
+    active size."""
+    if model == "moe":
+        return ("moe-tiny", 4, 128) if quick else ("moe-350m", 1, 2048)
     return ("tiny", 4, 128) if quick else ("1b", 1, 2048)
 
 
@@ -125,12 +135,12 @@ def _jax_prepare(tcfg, s, tokens, weights) -> dict:
     memory and the loss after the timed steps)."""
     with _backend(s, "jax"):
         step, state, batch = _jax_step(tcfg, s, tokens, weights)
-        box = [state]
+        box, last = [state], [{}]
 
         def one():
             with _backend(s, "jax"):
-                box[0], m = step(box[0], batch)
-            return m["loss"]
+                box[0], last[0] = step(box[0], batch)
+            return last[0]["loss"]
 
         t0 = time.perf_counter()
         measure.sync(one())
@@ -139,7 +149,8 @@ def _jax_prepare(tcfg, s, tokens, weights) -> dict:
     def finish() -> dict:
         with _backend(s, "jax"):  # lowered again for the analysis: under the row's backend, as compiled
             mem = measure.jax_compiled_memory(step.jitted, box[0], batch)
-        return {"peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)", "loss": float(one())}
+        loss = float(one())
+        return {"peak_mem_bytes": mem, "mem_source": "xla memory_analysis (compiled)", "loss": loss, **_moe(last[0])}
 
     return {"call": one, "first_step_s": first, "finish": finish}
 
@@ -164,9 +175,12 @@ def _torch_prepare(tcfg, s, tokens, dev, quick, weights) -> dict:
     )
     batch = {"tokens": torch.from_numpy(tokens).long().to(dev)}
 
+    last = [{}]
+
     def one():
         with _backend(s, "torch"):
-            return step(batch)["loss"]
+            last[0] = step(batch)
+        return last[0]["loss"]
 
     measure.torch_reset_peak()
     t0 = time.perf_counter()
@@ -178,13 +192,20 @@ def _torch_prepare(tcfg, s, tokens, dev, quick, weights) -> dict:
         )
 
     def finish() -> dict:
+        loss = float(one())
         return {
             "peak_mem_bytes": measure.torch_peak_memory(),
             "mem_source": "torch.cuda.max_memory_allocated" if dev == "cuda" else None,
-            "loss": float(one()),
+            "loss": loss,
+            **_moe(last[0]),
         }
 
     return {"call": one, "first_step_s": first, "finish": finish}
+
+
+def _moe(metrics: dict) -> dict:
+    """An MoE step's router metrics (``runlog.MOE_KEYS``: aux and z loss, expert load, dropped tokens) as floats."""
+    return {k: float(metrics[k]) for k in MOE_KEYS if k in metrics}
 
 
 class _Skip(Exception):
@@ -206,20 +227,37 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
         raise ValueError(f"unknown train toggle(s) {unknown}; choose from {list(TOGGLES)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rounds, warmup = (10, 2) if quick else (10, 3)
-    preset, b, seq = _shape(quick)
-    tcfg = TConfig.preset(preset)
-    fpt, n_params = flops_per_token(tcfg, seq), matmul_param_count(tcfg)
     peak, peak_reason = peaks.peak_flops(measure.jax_device_name())
-    tokens = np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32)
-    weights = _weights(tcfg)
+    models: dict = {}
+
+    def model(kind: str) -> dict:  # each model's config, tokens and weights, drawn once, when a row first needs it
+        if kind not in models:
+            preset, b, seq = _shape(quick, kind)
+            tcfg = TConfig.preset(preset)
+            models[kind] = dict(
+                preset=preset,
+                b=b,
+                seq=seq,
+                tcfg=tcfg,
+                tokens=np.random.default_rng(0).integers(0, tcfg.vocab_size, (b, seq + 1), dtype=np.int32),
+                weights=_weights(tcfg),
+                fpt=flops_per_token(tcfg, seq),
+                n_params=matmul_param_count(tcfg),
+                active_params=active_matmul_param_count(tcfg),
+            )
+        return models[kind]
+
     budget_s = None if quick else BUDGET_S if budget_s is None else budget_s
     t_start = time.perf_counter()
     records = []
     for name in names:
         fws = ("torch",) if name == "torch_compile" else ("torch", "jax")  # JAX's step is always jitted
         recs, meas, prepared = {}, {}, {}
+        m = model(_settings(name, "jax")["model"])
+        preset, b, seq, tokens, weights, fpt = (m[k] for k in ("preset", "b", "seq", "tokens", "weights", "fpt"))
         for fw in fws:  # torch first: its first step (torch.compile) may skip the row's torch side
             s = _settings(name, fw)
+            tcfg = m["tcfg"].replace(capacity_factor=s["capacity_factor"])
             recs[fw] = {
                 "suite": "train",
                 "toggle": name,
@@ -229,7 +267,14 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
                 "framework": fw,
                 "impl": "jaxattn" if fw == "jax" else "torchref",
             }
-            meas[fw] = {**s, "n_params": n_params, "flops_per_token": fpt, "peak_flops": peak, "device": dev}
+            meas[fw] = {
+                **s,
+                "n_params": m["n_params"],
+                "active_params": m["active_params"],
+                "flops_per_token": fpt,
+                "peak_flops": peak,
+                "device": dev,
+            }
             try:
                 spent = time.perf_counter() - t_start
                 if budget_s is not None and spent > budget_s:
@@ -292,6 +337,7 @@ def _time(prepared, rounds, warmup, recs, meas, tokens_per_step, fpt, peak, peak
             first_step_s=round(p["first_step_s"], 3),
             mem_source=extra["mem_source"],
             final_loss=extra["loss"],
+            **{k: extra[k] for k in MOE_KEYS if k in extra},
             mfu_reason=peak_reason,
         )
         log(

@@ -5,8 +5,10 @@ for an H100/H200 on a machine without a GPU ("deviceless") and report what the c
     python -m benchmarks compile --quick          # a few kernels + the tiny model, about 2 minutes on 2 cores
 
 Kernels: the flash forward / dq / dkv and Mosaic forward kernels per head dim and dtype (registers, spills, shared
-memory, occupancy, tensor-core instructions); programs: the model forward and the bf16 train step (compiled
-memory, XLA's FLOPs beside the analytic count). Writes ``kernels.json``, ``programs.json``, ``report.md`` and
+memory, occupancy, tensor-core instructions); the MoE grouped GEMM, ours beside ``ragged_dot``
+(``grouped_compile.py``); programs: the model forward and the bf16 train step, dense and MoE (compiled memory, XLA's
+FLOPs beside the analytic count). Writes ``kernels.json``, ``fwd_bwd.json``, ``grouped_gemm.json``,
+``programs.json``, ``report.md`` and
 ``kernels.png`` under ``--out`` (default ``benchmarks/results/local/<target>-compiled[-quick]/``, untracked; the
 committed record is refreshed with ``--out benchmarks/results/h100-compiled``); ``--search`` runs
 the block-size search instead. Every figure is "compiled for H100, not run" (details: benchmarks/NOTES.md).
@@ -38,6 +40,7 @@ from ..report.plots import plot_suite  # noqa: E402
 from ..report.records import write_results, write_text_atomic  # noqa: E402
 from . import block_search, kernel_stats  # noqa: E402
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
+from .grouped_compile import grouped_records  # noqa: E402
 from .programs import (  # noqa: E402
     PEER_MHA,
     TOKAMAX_MOSAIC,
@@ -48,6 +51,7 @@ from .programs import (  # noqa: E402
     build_program,
     cost_stats,
     error_record,
+    gemm_context,
     memory_stats,
     out_dir,
     peer_context,
@@ -278,11 +282,12 @@ def program_records(devs, cases, target: str, log=print) -> list:
     from jaxattn.attention import attention_backend
 
     records = []
-    for preset, kind, batch, seq, overrides, loss in cases:
+    for preset, kind, batch, seq, overrides, loss, gemm in cases:
         t0 = time.perf_counter()
-        base = program_base(preset, kind, batch, seq, overrides, loss, "flash", LABEL.format(target=target.upper()))
+        label = LABEL.format(target=target.upper())
+        base = program_base(preset, kind, batch, seq, overrides, loss, "flash", label, gemm)
         try:
-            with tempfile.TemporaryDirectory() as dump, attention_backend("flash"):
+            with tempfile.TemporaryDirectory() as dump, attention_backend("flash"), gemm_context(gemm):
                 jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides, loss)
                 lowered, compiled = gpu_target.compile(
                     None, *args, jitted=jitted, compiler_options={"xla_dump_to": dump}
@@ -298,6 +303,7 @@ def program_records(devs, cases, target: str, log=print) -> list:
                 **analytic_flops(cfg, kind, batch, seq),
                 launches=len(launches),
                 flash_kernels=sorted({l["name"] for l in launches if l["name"].startswith("flash_")}),
+                grouped_kernels=sorted({l["name"] for l in launches if l["name"].startswith("grouped_matmul")}),
                 triton_calls=text.count("__gpu$xla.gpu.triton"),
             )
             # HloCostAnalysis counts a while loop's body once: the layer scan's n_layers count as one layer.
@@ -393,6 +399,7 @@ def main(argv=None) -> int:
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
     kernels = kernel_records(devs, kernel_cases(args.quick), shape, args.target)
     attention = attention_records(devs, attention_cases(args.quick), shape, args.target)
+    grouped = grouped_records(devs, args.quick, args.target, LABEL.format(target=args.target.upper()))
     programs = [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target)
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     if not any(r.get("status") == "ok" for r in kernels + programs):
@@ -400,14 +407,17 @@ def main(argv=None) -> int:
         return 1
     write_results(out, "kernels", kernels, info)
     write_results(out, "fwd_bwd", attention, info)
+    write_results(out, "grouped_gemm", grouped, info)
     if programs:
         write_results(out, "programs", programs, info)
     plot = plot_suite(out, "kernels", kernels, info)
-    text = compile_tables.report(kernels, programs, info, os.path.basename(plot.path) if plot else None, attention)
+    text = compile_tables.report(
+        kernels, programs, info, os.path.basename(plot.path) if plot else None, attention, grouped
+    )
     write_text_atomic(os.path.join(out, "report.md"), text)
     print(text)
     print(f"wrote {out} in {info['wall_s']}s")
-    failed = [r for r in kernels + attention + programs if r.get("status") not in ("ok", "skipped")]
+    failed = [r for r in kernels + attention + grouped + programs if r.get("status") not in ("ok", "skipped")]
     return 1 if failed else 0
 
 

@@ -127,15 +127,32 @@ def peer_unavailable(impl: str) -> str | None:
 
 
 def program_cases(quick: bool):
-    """``[(preset, kind, batch, seq, overrides, loss)]``: the forward and the bf16 train step; the full run adds the
-    1b and 8b train steps at S=4096 and 8192 with the dense and the fused loss (``--loss``; benchmarks/NOTES.md)."""
-    tiny = [("tiny", "forward", 2, 128, {}, "dense"), ("tiny", "train_step", 2, 128, {}, "dense")]
+    """``[(preset, kind, batch, seq, overrides, loss, expert_gemm)]``: the forward and the bf16 train step; the full
+    run adds the 1b and 8b train steps at S=4096 and 8192 with the dense and the fused loss (``--loss``;
+    benchmarks/NOTES.md). MoE train steps (``expert_gemm``: ``jaxattn.moe.grouped_gemm``'s "pallas" = our kernel,
+    "xla" = ``jax.lax.ragged_dot``; None for a dense model): ``moe-tiny`` in ``--quick``, else two-layer Mixtral-8x7B
+    and Qwen3-30B-A3B steps (every layer of the scan is the same program) with each grouped GEMM."""
+    tiny = [("tiny", "forward", 2, 128, {}, "dense", None), ("tiny", "train_step", 2, 128, {}, "dense", None)]
     if quick:
-        return tiny + [("tiny", "train_step", 2, 128, {}, "fused")]
-    cases = tiny + [("1b", "forward", 4, 2048, {}, "dense"), ("1b", "train_step", 4, 2048, {}, "dense")]
+        return tiny + [
+            ("tiny", "train_step", 2, 128, {}, "fused", None),
+            ("moe-tiny", "train_step", 2, 128, {}, "dense", "pallas"),
+        ]
+    cases = tiny + [("1b", "forward", 4, 2048, {}, "dense", None), ("1b", "train_step", 4, 2048, {}, "dense", None)]
     for preset in ("1b", "8b"):
-        cases += [(preset, "train_step", 2, s, {}, loss) for s in (4096, 8192) for loss in ("dense", "fused")]
+        cases += [(preset, "train_step", 2, s, {}, loss, None) for s in (4096, 8192) for loss in ("dense", "fused")]
+    for preset in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        cases += [(preset, "train_step", 1, 4096, {"n_layers": 2}, "fused", g) for g in ("pallas", "xla")]
     return cases
+
+
+def gemm_context(expert_gemm: str | None):
+    """The MoE grouped-GEMM choice of a program case (``jaxattn.moe.grouped_gemm``), or nothing for a dense one."""
+    if expert_gemm is None:
+        return contextlib.nullcontext()
+    from jaxattn.moe import grouped_gemm
+
+    return grouped_gemm(expert_gemm)
 
 
 def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
@@ -232,8 +249,19 @@ def out_dir(parser, args) -> str:
         parser.error(str(e))
 
 
-def program_base(preset: str, kind: str, batch: int, seq: int, overrides: dict, loss: str, attention: str, label: str):
-    """The keys of a program record (``compile`` and ``tpu_compile``): what was compiled, with which attention."""
+def program_base(
+    preset: str,
+    kind: str,
+    batch: int,
+    seq: int,
+    overrides: dict,
+    loss: str,
+    attention: str,
+    label: str,
+    expert_gemm: str | None = None,
+):
+    """The keys of a program record (``compile`` and ``tpu_compile``): what was compiled, with which attention (and
+    an MoE's grouped GEMM)."""
     return dict(
         preset=preset,
         kind=kind,
@@ -243,5 +271,6 @@ def program_base(preset: str, kind: str, batch: int, seq: int, overrides: dict, 
         loss=loss if kind == "train_step" else None,
         precision="bf16",
         attention=attention,
+        expert_gemm=expert_gemm,
         label=label,
     )

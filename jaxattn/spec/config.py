@@ -96,9 +96,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(_LLAMA31_ROPE),
     ),
 }
-# Mixture-of-Experts shapes: a CPU-test size, and Mixtral-8x7B / Qwen3-30B-A3B for the compiled plans.
+# Mixture-of-Experts shapes: a CPU-test size, a benchmark size, and Mixtral-8x7B / Qwen3-30B-A3B for the compiled plans.
 _PRESETS["moe-tiny"] = dict(
     _PRESETS["tiny"], model_type="mixtral", ffn_dim=64, n_experts=4, experts_per_token=2, router_aux_loss_coef=0.02
+)
+# The 350m shape with Mixtral's 8 experts, 2 per token (each expert the dense FFN): 1.8B parameters, 0.56B active; the
+# MoE rows of the model and train suites on a GPU.
+_PRESETS["moe-350m"] = dict(
+    _PRESETS["350m"], model_type="mixtral", n_experts=8, experts_per_token=2, router_aux_loss_coef=0.02
 )
 _PRESETS["mixtral-8x7b"] = dict(
     model_type="mixtral",
