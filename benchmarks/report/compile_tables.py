@@ -50,20 +50,13 @@ def report(
 
 def tables(kernels: list, programs: list, target: str, level: str = "##") -> list:
     """The markdown lines of the kernel and program tables, under ``level`` headings."""
-    lines = [
-        f"{level} Kernels (compiled for {target}, not run)",
-        "",
-        "| impl | kernel | D | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | "
-        "occupancy | HGMMA | HMMA | TMA | cp.async |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"{level} Kernels (compiled for {target}, not run)", ""] + _head(
+        ["impl", "kernel", "D", "dtype", *RESOURCE_COLUMNS]
+    )
     for r in kernels:
         if r.get("status") != "ok":
-            why = r.get("error") or r.get("reason") or ""
-            lines.append(
-                f"| {r['impl']} | {r.get('status', 'error').upper()} | {r['head_dim']} | {r['dtype']} | "
-                f"{why[:80]} | | | | | | | | | | |"
-            )
+            status, why = _failure(r, 80)
+            lines.append(_row([r["impl"], status, r["head_dim"], r["dtype"], why], 15))
             continue
         lines.append(f"| {r['impl']} | `{r['kernel']}` | {r['head_dim']} | {r['dtype']} | {_resources(r)} |")
     shape = kernels[0] if kernels else {}
@@ -81,11 +74,8 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
     ]
     for r in programs:
         if r.get("status") != "ok":
-            why = r.get("error") or r.get("reason") or ""
-            lines.append(
-                f"| {_preset(r)} | {_program(r)} | {r.get('loss') or '—'} | {r.get('status', 'error').upper()}: "
-                f"{why[:80]} | | | | | | | | | | | |"
-            )
+            status, why = _failure(r, 80)
+            lines.append(_row([_preset(r), _program(r), r.get("loss") or "—", f"{status}: {why}"], 15))
             continue
         lines.append(
             f"| {_preset(r)} | {_program(r)} | {r.get('loss') or '—'} | {r['batch']}×{r['seq']} | {r['compile_s']} | "
@@ -112,6 +102,37 @@ def tables(kernels: list, programs: list, target: str, level: str = "##") -> lis
     return lines
 
 
+# the columns of :func:`_resources`
+RESOURCE_COLUMNS = (
+    "threads",
+    "regs",
+    "spill st/ld B",
+    "stack B",
+    "smem B",
+    "blocks/SM",
+    "occupancy",
+    "HGMMA",
+    "HMMA",
+    "TMA",
+    "cp.async",
+)
+
+
+def _head(columns: list) -> list[str]:
+    """A markdown table's header and separator lines."""
+    return [_row(list(columns), len(columns)), "|" + "---|" * len(columns)]
+
+
+def _failure(r: dict, width: int) -> tuple[str, str]:
+    """``(STATUS, why)`` of a record that did not compile (``why`` cut to ``width`` characters)."""
+    return r.get("status", "error").upper(), (r.get("error") or r.get("reason") or "")[:width]
+
+
+def _row(cells: list, n_cols: int) -> str:
+    """A markdown table row of ``cells`` padded with empty cells to ``n_cols``."""
+    return "| " + " | ".join(str(c) for c in cells + [""] * (n_cols - len(cells))) + " |"
+
+
 def _resources(r: dict) -> str:
     """The resource cells of a compiled kernel's row, threads to cp.async (spills in bold)."""
     sass = r.get("sass") or {}
@@ -131,19 +152,13 @@ def grouped_table(records: list, target: str, level: str = "##") -> list:
     programs = [r for r in records if r.get("what") == "lowering"]
     kernels = [r for r in records if r.get("what") == "kernel"]
     r0 = records[0] if records else {}
-    lines = [
-        f"{level} MoE grouped GEMM (compiled for {target}, not run)",
-        "",
-        "| impl | pass | launches | Triton calls | XLA dots | largest dot operand | temp MiB | peak MiB | "
-        "XLA GFLOP | grouped GFLOP |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    cols = ["impl", "pass", "launches", "Triton calls", "XLA dots", "largest dot operand", "temp MiB", "peak MiB"]
+    lines = [f"{level} MoE grouped GEMM (compiled for {target}, not run)", ""]
+    lines += _head(cols + ["XLA GFLOP", "grouped GFLOP"])
     for r in programs:
         if r.get("status") != "ok":
-            why = r.get("error") or r.get("reason") or ""
-            lines.append(
-                f"| {r['impl']} | {r['pass']} | {r.get('status', 'error').upper()}: {why[:90]} | | | | | | | |"
-            )
+            status, why = _failure(r, 90)
+            lines.append(_row([r["impl"], r["pass"], f"{status}: {why}"], 10))
             continue
         op = r["largest_dot_operand"]
         lines.append(
@@ -152,12 +167,7 @@ def grouped_table(records: list, target: str, level: str = "##") -> list:
             f"{r['xla_flops'] / 1e9:,.1f} | {r['grouped_flops'] / 1e9:,.1f} |"
         )
     if kernels:
-        lines += [
-            "",
-            "| impl | kernel | dtype | threads | regs | spill st/ld B | stack B | smem B | blocks/SM | occupancy | "
-            "HGMMA | HMMA | TMA | cp.async |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += [""] + _head(["impl", "kernel", "dtype", *RESOURCE_COLUMNS])
         lines += [f"| {r['impl']} | `{r['kernel']}` | {r['dtype']} | {_resources(r)} |" for r in kernels]
     lines += [
         "",

@@ -111,7 +111,7 @@ def programs_section() -> list[str]:
         "`--loss fused` (head + cross-entropy in chunks of 1024 tokens). "
         "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once; "
         "not shown for `fused`, whose chunk loop XLA also counts once). The MoE steps of the same file are in "
-        "\"Mixture of Experts: the expert GEMM on one H100\" below.",
+        '"Mixture of Experts: the expert GEMM on one H100" below.',
         "",
         "| preset | program | loss | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
         "|---|---|---|---|---|---|---|---|",
