@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,8 +109,12 @@ def _main_job_then_tests(clone: str, main_job: list[str], timeout: int) -> None:
 
 def test_main_job_then_tests_in_a_clone(clone):
     """The README's order with the main job cut to one suite (its other suites write the same way): seconds, not
-    minutes, in the default suite; the whole main job as written is the ``slow`` test below."""
+    minutes, in the default suite; the whole main job as written is the ``slow`` test below. What the model suite
+    wrote is checked too (``test_benchmarks.check_model_suite_output``)."""
+    from parity_tests.test_benchmarks import check_model_suite_output
+
     _main_job_then_tests(clone, _python_part(setup_commands()[0]) + ["--suite", "model"], 600)
+    check_model_suite_output(Path(clone) / "benchmarks" / "results" / "local" / "cpu-quick")
 
 
 @pytest.mark.slow
