@@ -6,7 +6,8 @@
     step = make_train_step(graphdef, tx, sharding=sharding)       # one jax.jit with in/out shardings
 
 Parameters: their logical axis names (the parameter table's) go through :data:`RULES` to mesh axes — ``heads``,
-``kv_heads``, ``mlp``, ``vocab`` on ``tensor`` (Megatron: column- then row-parallel), ``embed`` on ``fsdp``,
+``kv_heads``, ``mlp``, ``vocab`` on ``tensor`` (Megatron: column- then row-parallel), ``embed`` on ``fsdp`` and
+``expert`` (ZeRO-3 over every device of expert parallelism, as MaxText does; an expert weight's on ``fsdp`` only),
 ``layers`` on ``stage`` (pipeline stages: with ``stage`` > 1 the step runs its layers through ``jaxattn.pipeline``'s
 GPipe loop in ``microbatches``), an MoE's ``experts`` on ``expert`` (expert parallelism: ``jaxattn.moe`` exchanges
 the routed tokens by all-to-all inside ``shard_map``); the optimizer state is sharded like its parameter (ZeRO-3),
@@ -72,7 +73,9 @@ BATCH_AXES = ("data", "fsdp", "expert")  # expert parallelism splits the tokens 
 # logical axis name (jaxattn.model.PARAM_AXES) -> mesh axis (None: replicated)
 RULES: dict[str, str | None] = {
     **{a: "tensor" for a in params.TENSOR_PARALLEL_AXES},
-    "embed": "fsdp",
+    # ZeRO-3 over fsdp AND expert (MaxText's rule): expert parallelism splits the tokens, so the dense weights shard
+    # over its devices too; an expert weight's embed keeps fsdp only (its experts dim holds expert, _unused)
+    "embed": ("fsdp", "expert"),
     "head_dim": None,
     "experts": "expert",  # an MoE's experts: expert parallelism (jaxattn.moe's all-to-all under shard_map)
     "layers": "stage",  # pipeline stages (jaxattn.pipeline): each holds its contiguous share of the layers
@@ -193,11 +196,13 @@ def check_config(config, mesh: Mesh) -> None:
     ``tensor``, ``dim`` on ``fsdp``) must divide by its mesh axis. ValueError otherwise."""
     for logical, field in params.AXIS_FIELDS.items():
         axis = RULES.get(logical)
-        value, n = getattr(config, field), mesh.shape[axis] if axis else 1
+        value, n = getattr(config, field), _axis_size(mesh, axis)
         if value % n:
+            axes = axis if isinstance(axis, tuple) else (axis,)
+            name = "*".join(a for a in axes if mesh.shape[a] > 1)  # the axes that split it
             raise ValueError(
-                f"ModelConfig.{field}={value} is not divisible by the mesh axis {axis}={n}; use a "
-                f"{axis} size that divides it (divisors <= 8: "
+                f"ModelConfig.{field}={value} is not divisible by the mesh axis {name}={n}; use a "
+                f"{name} size that divides it (divisors <= 8: "
                 f"{[d for d in range(1, 9) if value % d == 0]})"
             )
 
@@ -264,8 +269,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RU
     naming ``stage`` applies only where the mesh has a ``stage`` axis larger than 1 (no pipeline: layers whole)."""
     if "stage" not in mesh.shape or mesh.shape["stage"] == 1:
         rules = {k: (None if v == "stage" else v) for k, v in rules.items()}
-    elif rules.get("embed") == "fsdp":  # the embedding, head and norms (outside the stages) sharded over them too
-        rules = {**rules, "embed": ("stage", "fsdp")}
+    elif rules.get("embed") == RULES["embed"]:  # the embedding, head and norms (outside the stages) over them too
+        rules = {**rules, "embed": ("stage", *RULES["embed"])}
     return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

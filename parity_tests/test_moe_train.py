@@ -169,8 +169,13 @@ def test_jax_expert_parallel_equals_one_device(spec, capacity, rng):
         assert abs(float(got_m[k]) - float(want_m[k])) <= 1e-5, k
     for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-3)
-    e_gate = sharding.shard_state(params, mesh)["layers"]["e_gate"]
-    assert e_gate.sharding.spec[1] == "expert"  # [layers, experts, embed, mlp]: really split by expert
+    placed = sharding.shard_state(params, mesh)["layers"]
+    # [layers, experts, embed, mlp]: really split by expert, its embed over fsdp only; a dense weight's embed over
+    # fsdp and expert (ZeRO-3 over the expert-parallel devices too)
+    assert tuple(placed["e_gate"].sharding.spec)[1:3] == ("expert", "fsdp")
+    assert tuple(placed["wq"].sharding.spec)[1] == ("fsdp", "expert")
+    per_device = placed["wq"].addressable_shards[0].data.shape[1]
+    assert per_device == cfg.dim // (mesh.shape["fsdp"] * mesh.shape["expert"])
 
 
 @pytest.mark.slow

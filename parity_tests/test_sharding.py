@@ -79,10 +79,11 @@ def test_mesh_gives_single_device_losses_and_params(name, reference):
 
     fs, ts = ("fsdp" if f > 1 else None), ("tensor" if t > 1 else None)
     # jax drops size-1 mesh axes from nothing: the spec is what the rules say; check the real shard shapes too
-    assert spec(p["layers"]["wq"]) == P(None, "fsdp", "tensor")  # column-parallel, FSDP on embed, layers whole
-    assert spec(p["layers"]["wo"]) == P(None, "tensor", "fsdp")  # row-parallel
-    assert spec(p["layers"]["w_down"]) == P(None, "tensor", "fsdp")
-    assert spec(p["embed"]) == P("tensor", "fsdp") and spec(p["lm_head"]) == P("fsdp", "tensor")  # vocab-split
+    zero = ("fsdp", "expert")  # embed: ZeRO-3 over fsdp and the expert-parallel devices
+    assert spec(p["layers"]["wq"]) == P(None, zero, "tensor")  # column-parallel, FSDP on embed, layers whole
+    assert spec(p["layers"]["wo"]) == P(None, "tensor", zero)  # row-parallel
+    assert spec(p["layers"]["w_down"]) == P(None, "tensor", zero)
+    assert spec(p["embed"]) == P("tensor", zero) and spec(p["lm_head"]) == P(zero, "tensor")  # vocab-split
     shard = p["layers"]["w_up"][...].addressable_shards[0].data.shape
     assert shard == (CFG.n_layers, CFG.dim // f, CFG.ffn_dim // t), (shard, fs, ts)
     momentum = state.opt_state[0].trace  # ZeRO-3: optimizer state sharded like its parameter
@@ -98,8 +99,8 @@ def test_adamw_cli_mesh_matches_single_device(tmp_path):
     argv = ["--preset", "tiny", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--lr", "1e-3"]
     single = trainer.run(argv)["losses"]
     r = trainer.Trainer.from_argv(argv + ["--mesh", "data=2,fsdp=2,tensor=2"])
-    assert r.state.opt_state[0].mu["layers"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor")
-    assert r.state.opt_state[0].nu["embed"][...].sharding.spec == P("tensor", "fsdp")
+    assert r.state.opt_state[0].mu["layers"]["wq"][...].sharding.spec == P(None, ("fsdp", "expert"), "tensor")
+    assert r.state.opt_state[0].nu["embed"][...].sharding.spec == P("tensor", ("fsdp", "expert"))
     out = r.fit()
     np.testing.assert_allclose(out["losses"], single, rtol=0, atol=1e-5)
     assert out["compiles"] == 1
@@ -256,6 +257,7 @@ BAD_CONFIG = [
     ("data=4,tensor=2", dict(ffn_dim=161), r"ModelConfig.ffn_dim=161 is not divisible by the mesh axis tensor=2"),
     ("data=4,tensor=2", dict(vocab_size=255), r"ModelConfig.vocab_size=255 is not divisible by .* tensor=2"),
     ("fsdp=8", dict(dim=52, n_heads=2), r"ModelConfig.dim=52 is not divisible by the mesh axis fsdp=8"),
+    ("fsdp=2,expert=4", dict(dim=52, n_heads=2), r"ModelConfig.dim=52 is not divisible by .* fsdp\*expert=8"),
 ]
 
 
