@@ -324,7 +324,8 @@ def _moe_plan_lines() -> list[str]:
         "(`jaxattn.grouped_matmul`). `expert=n`: the experts split over n GPUs, tokens exchanged by all-to-all "
         "(`jaxattn.moe`: equal blocks of `T·min(k, E/n)` rows per destination, sent out and back in the forward, "
         "the remat recompute and the backward); expected = that count, ragged = the `T·k` rows a "
-        "`ragged_all_to_all` would send (XLA:CPU cannot run it, so the tested path pads). `fsdp=n`: experts "
+        "`ragged_all_to_all` would send (XLA:CPU cannot run it, so the tested path pads); the dense weights "
+        "(attention, embedding, head) ZeRO-3 over the same GPUs (`embed` on `fsdp` × `expert`). `fsdp=n`: experts "
         "sharded like every weight (gathered per layer, no token exchange).",
         "",
         "| devices | mesh | preset | peak GiB / device | all-to-all GiB / step: compiled / expected / ragged | "
