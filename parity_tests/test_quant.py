@@ -234,7 +234,7 @@ def _logits(fw: str, model, seq) -> np.ndarray:
     return np.asarray(jitted(model)(jnp.asarray([seq], jnp.int32)), np.float32)[0]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])  # fp16: the narrow one
 def test_smollm2_int8_half_precision_is_finite_and_agrees_with_fp32(smollm2_fp32, dtype):
     """``generate --int8 --dtype {float16,bfloat16}`` on SmolLM2-135M: the model loaded in ``dtype``, then
     quantized (the CLI's order), over the chat prompt + the fp32 int8 greedy answer (45 positions), in both twins.
