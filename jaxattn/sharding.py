@@ -375,9 +375,6 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
         EXPERT_PARALLEL.reset(tokens[2])
 
 
-MOE_PARAMS = ("router", "e_gate", "e_up", "e_down")
-
-
 def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
     """``jaxattn.moe.moe_block`` on each device's rows under ``shard_map``: tokens are routed where they live (no
     global sort), the experts split over the ``expert`` axis (their weights gathered over ``fsdp`` / ``tensor``)
@@ -387,12 +384,11 @@ def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
         raise NotImplementedError("Mixture-of-Experts layers inside pipeline stages are not supported yet")
     n = _axis_size(mesh, "expert")
     rows = P(batch_axes(mesh))
-    weights = {k: p[k] for k in MOE_PARAMS}
-
-    def spec(name):  # an int8 weight is a pytree (q, scale): one spec per leaf
-        return jax.tree.map(lambda _: P() if name == "router" else P("expert"), weights[name])
-
-    specs = {k: spec(k) for k in MOE_PARAMS}
+    # the block's weights (the parameter table's router and expert rows): experts split over `expert`, router whole;
+    # an int8 weight is a pytree (q, scale): one spec per leaf
+    moe_rows = [r for r in params.layer_rows(cfg) if r.expert or r.kind == "router"]
+    weights = {r.name: p[r.name] for r in moe_rows}
+    specs = {r.name: jax.tree.map(lambda _, r=r: P("expert") if r.expert else P(), weights[r.name]) for r in moe_rows}
 
     def body(x, weights, mask):
         y, stats = moe_block(x, weights, cfg, mask, expert_axis="expert", expert_shards=n)

@@ -15,11 +15,10 @@ pytest.importorskip("tokenizers")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from jaxattn.hf import from_gguf as jax_from_gguf  # noqa: E402
 from jaxattn.spec.config import ModelConfig  # noqa: E402
 from jaxattn.spec.gguf import read_gguf  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
-from parity_tests.twins import hf_llama, jitted  # noqa: E402
+from parity_tests.twins import gguf_twin_logits, hf_llama, jitted, llama_cpp_permute  # noqa: E402
 from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
@@ -61,11 +60,6 @@ def _hf_tensors(cfg: ModelConfig, seed: int = 0) -> dict:
         k: ((1 + 0.1 * rng.standard_normal(s)) if len(s) == 1 else 0.05 * rng.standard_normal(s)).astype(np.float32)
         for k, s in expected_shapes(cfg).items()
     }
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF rotate_half rows -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # llama.cpp's names (convert_hf_to_gguf.py), written out here as the oracle for the parameter table's GGUF column.
@@ -132,9 +126,9 @@ def _write_gguf(
         if name in drop:
             continue
         if name.endswith("attn_q.weight"):
-            t = _permute(t, cfg.n_heads)
+            t = llama_cpp_permute(t, cfg.n_heads)
         elif name.endswith("attn_k.weight"):
-            t = _permute(t, cfg.n_kv_heads)
+            t = llama_cpp_permute(t, cfg.n_kv_heads)
         if qtype is not None and t.ndim == 2:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
@@ -156,14 +150,6 @@ def _hf_logits(cfg: ModelConfig, tensors: dict, tok: np.ndarray) -> np.ndarray:
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         return model(torch.from_numpy(tok)).logits.double().numpy()
-
-
-def _twin_logits(path, tok: np.ndarray):
-    tmodel = torch_from_gguf(path)
-    with torch.no_grad():
-        out_t = tmodel(torch.from_numpy(tok)).double().numpy()
-    out_j = np.asarray(jitted(jax_from_gguf(path))(jnp.asarray(tok, jnp.int32)), np.float64)
-    return out_t, out_j
 
 
 @pytest.mark.parametrize("qtype,tied", [(None, False), (Q8_0, True)], ids=["f32-untied", "q8_0-tied"])
@@ -189,7 +175,7 @@ def test_synthetic_file_loads_into_both(tmp_path, qtype, tied):
             assert not np.array_equal(tensors[k], v)
     tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 13))
     ref = _hf_logits(config, tensors, tok)  # transformers from the same dequantized weights
-    out_t, out_j = _twin_logits(path, tok)
+    out_t, out_j = gguf_twin_logits(path, tok)
     assert np.abs(out_t - ref).max() <= LOGITS_TOL
     assert np.abs(out_j - ref).max() <= LOGITS_TOL
     if qtype is None:  # F32 is lossless: the original weights give the same numbers

@@ -4,7 +4,6 @@ written here as llama.cpp's ``convert_hf_to_gguf.py`` writes them from a random 
 F32 logits within 1e-4 of transformers', Q8_0 twins within 1e-4 of each other; bad files are refused by key.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,12 +12,10 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from jaxattn.hf import from_gguf as jax_from_gguf  # noqa: E402
 from jaxattn.spec.config import ModelConfig  # noqa: E402
 from jaxattn.spec.gguf import read_gguf, read_gguf_config  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError, expected_shapes  # noqa: E402
-from parity_tests.twins import jitted  # noqa: E402
-from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
+from parity_tests.twins import gguf_twin_logits, llama_cpp_permute  # noqa: E402
 
 LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -73,11 +70,6 @@ GLOBAL_NAMES = {
 }
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """conversion/llama.py ``LlamaModel.permute`` (HF rotate_half rows -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_tensors(cfg: ModelConfig, hf: dict) -> dict:
     """GGUF name -> numpy tensor, as the converter builds them from an HF state dict with one tensor per expert."""
     out, experts = {}, {}
@@ -91,9 +83,9 @@ def _gguf_tensors(cfg: ModelConfig, hf: dict) -> dict:
             experts.setdefault(f"blk.{i}.{EXPERT_NAMES[proj]}", {})[int(e)] = t
             continue
         if cfg.model_type == "mixtral" and rest == "self_attn.q_proj.weight":  # LlamaModel.modify_tensors
-            t = _permute(t, cfg.n_heads)
+            t = llama_cpp_permute(t, cfg.n_heads)
         elif cfg.model_type == "mixtral" and rest == "self_attn.k_proj.weight":
-            t = _permute(t, cfg.n_kv_heads)
+            t = llama_cpp_permute(t, cfg.n_kv_heads)
         out[f"blk.{i}.{LAYER_NAMES[rest]}"] = t
     for name, by_e in experts.items():  # torch.stack(datas, dim=0) over the expert ids
         assert sorted(by_e) == list(range(cfg.n_experts))
@@ -167,13 +159,6 @@ def _hf_model(cfg: ModelConfig, path, seed: int):
     return model, safetensors.numpy.load_file(str(path / "model.safetensors"))
 
 
-def _twin_logits(path, ids: np.ndarray):
-    with torch.no_grad():
-        out_t = torch_from_gguf(path)(torch.from_numpy(ids)).double().numpy()
-    out_j = np.asarray(jitted(jax_from_gguf(path))(jnp.asarray(ids, jnp.int32)), np.float64)
-    return out_t, out_j
-
-
 @pytest.mark.parametrize(
     "model_type,qtype,tied",
     [
@@ -197,7 +182,7 @@ def test_converted_file_loads_into_both(tmp_path, rng, model_type, qtype, tied):
         want = gguf.quants.dequantize(gguf.quants.quantize(hf[k], qtype), qtype) if quantized else hf[k]
         np.testing.assert_array_equal(v, want, err_msg=k)  # each expert in its place; q/k un-permuted exactly
     ids = rng.integers(0, cfg.vocab_size, (2, 11))
-    out_t, out_j = _twin_logits(path, ids)
+    out_t, out_j = gguf_twin_logits(path, ids)
     if qtype is None:
         with torch.no_grad():
             ref = model(torch.from_numpy(ids)).logits.double().numpy()

@@ -16,6 +16,8 @@ __all__ = [
     "hf_llama_dir",
     "torchrun",
     "jsonl_losses",
+    "llama_cpp_permute",
+    "gguf_twin_logits",
 ]
 
 
@@ -111,3 +113,23 @@ def jsonl_losses(path) -> list[float]:
     from jaxattn.spec.runlog import read_log
 
     return [r["loss"] for r in read_log(str(path))]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF rotate_half rows -> interleaved pairs): what a
+    GGUF writer does to q/k rows, and the loader undoes."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_twin_logits(path, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(torch, JAX) float64 logits of the GGUF file at ``path`` loaded into each twin, on tokens ``tok``."""
+    import jax.numpy as jnp
+    import torch
+
+    from jaxattn.hf import from_gguf as jax_from_gguf
+    from torchref.hf import from_gguf as torch_from_gguf
+
+    with torch.no_grad():
+        out_t = torch_from_gguf(path)(torch.from_numpy(tok)).double().numpy()
+    out_j = np.asarray(jitted(jax_from_gguf(path))(jnp.asarray(tok, jnp.int32)), np.float64)
+    return out_t, out_j
