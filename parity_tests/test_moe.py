@@ -306,7 +306,9 @@ def test_every_token_to_one_expert_and_empty_experts(capacity, rng):
         for e in (0, 1, 3):
             assert not tg[e].any() and not jg[e].any()
         assert np.abs(jg[2]).max() > 0
-        np.testing.assert_allclose(jg, tg, rtol=1e-4, atol=1e-5)
+        # §7's fp32 gradient rule, as the other gradient checks here: 1e-4 / 1e-5 failed on a seed (1731609650:
+        # 2 of 16384 elements of expert 2's gate gradient, 5.5e-5 apart at 0.1, a sum over 18 tokens that cancels)
+        np.testing.assert_allclose(jg, tg, rtol=1e-3, atol=1e-3)
 
 
 def test_grouped_mm_fallback_equals_grouped_mm(rng):
