@@ -8,6 +8,7 @@ our kernels' resources (registers, spills, shared memory, wgmma), the evidence b
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 import time
@@ -64,20 +65,13 @@ def lowering(compiled) -> dict:
     text = compiled.as_text()
     gemm_fusions = "\n".join(c for c in text.split("\n\n") if re.search(r"\bdot\(", c))
     operands = sorted({tuple(int(d) for d in s.split(",")) for s in _DOT_OPERAND.findall(gemm_fusions)})
-    largest = max(operands, key=lambda o: (_numel(o), o), default=None)
+    largest = max(operands, key=lambda o: (math.prod(o), o), default=None)
     return dict(
         triton_calls=text.count(f'custom_call_target="{TRITON}"'),
         xla_dots=len(re.findall(r"\bdot\(", text)),
         dot_operands=[list(o) for o in operands],
         largest_dot_operand=list(largest) if largest else None,
     )
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def grouped_flops(shape: dict, backward: bool) -> float:
