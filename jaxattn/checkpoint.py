@@ -9,7 +9,9 @@ A checkpoint holds the whole ``TrainState`` pytree, the root PRNG key data and a
 orbax writes it into a temporary directory and renames it when complete, so a kill leaves the previous steps whole.
 orbax's own pruning and step discovery are off: the run marker (``spec.rundir``) records each step before it is
 written and its files' sha256 after, so ``keep`` deletes only steps this run wrote and :meth:`latest_step` is the
-newest step whose checksums match (a corrupt one is skipped with a warning). Saves are synchronous."""
+newest step whose checksums match (a corrupt one is skipped with a warning). Saves are synchronous. The writer holds
+the directory's lock from construction (a directory in use is refused before orbax's manager is built) to
+:meth:`close` or the end of :meth:`locked`."""
 
 from __future__ import annotations
 
@@ -56,7 +58,10 @@ class Checkpointer:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
         self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
-        self.run_dir = RunDir(self.directory, "jax", run or {}, resume=resume, overwrite=overwrite)
+        # the lock before anything is read, and before orbax's manager deletes the temporary directories it finds (a
+        # live trainer's in-flight step): held until close() or the end of locked() (process 0 only: the others
+        # share its run, and orbax cleans on process 0 only)
+        self.run_dir = RunDir(self.directory, "jax", run or {}, resume=resume, overwrite=overwrite, lock=writer)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,
             create=True,
@@ -64,11 +69,15 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             step_prefix=STEP_PREFIX,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        except BaseException:
+            self.run_dir.release()
+            raise
         self.problems: list[str] = []
 
     def locked(self):
-        """The directory's lock for the duration of a run (process 0 only: the others share its run)."""
+        """The directory's lock (taken at construction) held for the block, released at its end (process 0 only)."""
         return self.run_dir.locked() if self.writer else contextlib.nullcontext()
 
     def latest_step(self) -> int | None:
@@ -114,4 +123,8 @@ class Checkpointer:
         return out["state"], out["meta"]
 
     def close(self) -> None:
-        self.manager.close()
+        """Close orbax's manager and let the directory's lock go."""
+        try:
+            self.manager.close()
+        finally:
+            self.run_dir.release()

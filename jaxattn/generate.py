@@ -13,7 +13,8 @@ place where the backend supports donation). Sampling: ``temperature == 0`` is gr
 / temperature, then top-k, then top-p (nucleus: the smallest set of most-likely tokens whose probability reaches
 ``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)``: a fixed seed
 reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
-returned); finished rows keep feeding EOS until every row is done, their outputs discarded.
+returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
+finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``spec.generate.emit``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .model import Llama
 from .quant import quantize
 from .spec.generate import (
     FROM_CONFIG,
+    NON_FINITE,
     build_parser,
     cli,
     collect,
@@ -65,6 +67,13 @@ def sample(logits: jax.Array, key, temperature: float, top_k: int | None, top_p:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _sample_finite(logits: jax.Array, key, temperature: float, top_k, top_p) -> jax.Array:
+    """:func:`sample`, with ``NON_FINITE`` for a row whose logits are not all finite (one reduction in the same
+    program; the host sees it in the ids it fetches anyway, and ``emit`` refuses it)."""
+    finite = jnp.isfinite(logits).all(axis=-1)
+    return jnp.where(finite, sample(logits, key, temperature, top_k, top_p), jnp.int32(NON_FINITE))
+
+
 def _programs(graphdef, temperature: float, top_k, top_p):
     """(prefill, decode) jitted pure functions of the model state for one sampling setting, traced under the
     attention backends active NOW (``attention_backend(...)``: part of the cache key, so entering another backend
@@ -77,11 +86,11 @@ def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
 
     def prefill(state, tokens, lengths, cache, key):  # only each row's last real position reaches the LM head
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
-        return sample(logits[:, 0], key, temperature, top_k, top_p), cache.with_lengths(lengths)
+        return _sample_finite(logits[:, 0], key, temperature, top_k, top_p), cache.with_lengths(lengths)
 
     def decode(state, token, cache, key):
         logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
-        return sample(logits[:, 0], key, temperature, top_k, top_p), cache
+        return _sample_finite(logits[:, 0], key, temperature, top_k, top_p), cache
 
     def traced_under(fn):  # the programs trace lazily: re-enter the backends they were made for
         @functools.wraps(fn)
@@ -119,7 +128,7 @@ def stream(
     for step in range(max_new_tokens):
         if step:
             token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
-        yield emit(np.asarray(token), done, eos)
+        yield emit(np.asarray(token), done, eos, step)
         if done.all():
             return
         if eos:  # finished rows keep feeding an EOS

@@ -5,15 +5,17 @@
 ``.gguf`` file; ``save_pretrained(model, path)`` writes a directory ``transformers`` loads. The HF names, shapes and
 transposes come from the parameter table (``jaxattn.spec.params``): HF stores linear weights ``[out, in]``, our
 model ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly (an fp32 round trip is
-bit-exact). ``dtype=None`` keeps the stored dtype; names are ``MODEL_DTYPES`` or their short names ``bf16``,
-``fp16``, ``fp32`` (``spec.dtypes.DTYPE_ALIASES``), or jnp dtypes. Saving writes into the directory crash-safely
-and touches only our files (``jaxattn.spec.hf_format``).
+bit-exact). ``dtype=None`` keeps the stored dtype (layers stored in mixed dtypes are stacked in the widest, so each
+is held exactly as stored); names are ``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32``
+(``spec.dtypes.DTYPE_ALIASES``), or jnp dtypes. Saving writes into the directory crash-safely and touches only our
+files (``jaxattn.spec.hf_format``).
 
     jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -71,8 +73,9 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtyp
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     for row in params.rows(config):
         keys = params.hf_keys(row, config)
-        first = np.asarray(tensors[keys[0][0]])
-        value = np.empty(row.jax_shape(config), dtype=first.dtype)
+        # the widest dtype of the group (bf16 + fp16 -> fp32, as torch.stack): each tensor is held exactly as stored
+        stored = functools.reduce(jnp.promote_types, [np.asarray(tensors[k]).dtype for k, _ in keys])
+        value = np.empty(row.jax_shape(config), dtype=stored)
         for key, index in keys:
             w = np.asarray(tensors[key])
             value[index] = np.swapaxes(w, -1, -2) if row.transposed else w

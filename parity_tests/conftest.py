@@ -134,3 +134,60 @@ def smollm2_gguf():
 
     path = smollm2_path()
     return (path, *read_gguf(path))
+
+
+# ---- the deviceless compile tests: what each marker did, printed in the summary; a run that skipped all of one
+# marker's tests fails when $JAXATTN_REQUIRE_COMPILE_TESTS is set (.ci/run sets it: the extras are installed there,
+# so a skip means a version drift, e.g. a plugin or libtpu that no longer matches jax, and would hide every check).
+_COMPILE_MARKERS = ("gpu_compile", "tpu_compile")
+_compile_outcomes: dict[str, dict[str, list[str]]] = {
+    m: {"passed": [], "failed": [], "skipped": []} for m in _COMPILE_MARKERS
+}
+
+
+def pytest_runtest_logreport(report):  # runs in the xdist controller too, with every worker's reports
+    for marker in _COMPILE_MARKERS:
+        if marker not in report.keywords:
+            continue
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            _compile_outcomes[marker]["skipped"].append(reason.removeprefix("Skipped: "))
+        elif report.failed:
+            _compile_outcomes[marker]["failed"].append(report.nodeid)
+        elif report.when == "call":
+            _compile_outcomes[marker]["passed"].append(report.nodeid)
+
+
+def _compile_summary() -> tuple[list[str], list[str]]:
+    lines, errors = [], []
+    for marker, got in _compile_outcomes.items():
+        n = sum(len(v) for v in got.values())
+        if not n:
+            continue
+        lines.append(
+            f"{marker}: {len(got['passed'])} passed, {len(got['failed'])} failed, {len(got['skipped'])} skipped"
+        )
+        for reason in sorted(set(got["skipped"])):
+            lines.append(f"  skipped ({got['skipped'].count(reason)}): {reason}")
+        if not got["passed"] and not got["failed"]:
+            errors.append(f"every {marker} test skipped ({n}): {sorted(set(got['skipped']))[0]}")
+    return lines, errors
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines, errors = _compile_summary()
+    if not lines:
+        return
+    terminalreporter.section("deviceless compile tests")
+    for line in lines:
+        terminalreporter.write_line(line)
+    if errors and os.environ.get("JAXATTN_REQUIRE_COMPILE_TESTS") == "1":
+        for e in errors:
+            terminalreporter.write_line(f"FAIL ($JAXATTN_REQUIRE_COMPILE_TESTS=1): {e}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("JAXATTN_REQUIRE_COMPILE_TESTS") != "1" or hasattr(session.config, "workerinput"):
+        return
+    if _compile_summary()[1] and exitstatus == 0:
+        session.exitstatus = 1

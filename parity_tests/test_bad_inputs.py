@@ -233,6 +233,28 @@ def _log_is_input(flag):
 
 
 # --------------------------------------------------------------------------------------------- bad inputs
+def _moe_in_pipeline_stages(pkg, tmp_path):
+    """An MoE preset with pipeline stages: refused with the flags (exit 2), not at the first step."""
+    flags = ["--preset", "moe-tiny", "--microbatches", "2", "--batch-size", "8"]
+    if pkg == "jax":
+        thunk = _train_main(pkg, [*flags, "--mesh", "stage=2,data=4"])
+        return thunk, ["--mesh 'stage=2,data=4': a stage axis", "Mixture-of-Experts (MoE)", "without stage"]
+    import socket
+    from unittest import mock
+
+    with socket.socket() as s:  # a port nobody listens on: a late refusal would wait for rank 1, then time out
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    thunk = _train_main(pkg, [*flags, "--parallel", "pp", "--packing", "bucket", "--distributed-timeout", "5"])
+
+    def run():
+        with mock.patch.dict(os.environ, env):
+            thunk()
+
+    return run, ["--parallel pp: pipeline stages", "Mixture-of-Experts (MoE)", "--parallel ddp / fsdp or ep"]
+
+
 @dataclass(frozen=True)
 class Bad:
     """``build(pkg, tmp_path) -> (thunk, fragments)``: calling ``thunk()`` must raise ``exc`` whose message
@@ -532,6 +554,7 @@ BAD = [
         SystemExit,
         _train_row(lambda t: ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
     ),
+    Bad("m-moe-in-pipeline-stages", BOTH, SystemExit, _moe_in_pipeline_stages),
     Bad(
         "m-parallel-outside-torchrun",
         ("torch",),

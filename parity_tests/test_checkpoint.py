@@ -128,7 +128,13 @@ def test_torch_writer_crash_keeps_previous_checkpoint(tmp_path, monkeypatch):
     ck.save(3, {"w": torch.ones(3)})
     ck.save(4, {"w": torch.ones(3)})
     assert ck.all_steps() == [3, 4]
-    listing = ["notes.txt", "torchref-step-00000003.pt", "torchref-step-00000004.pt", "train-run.json"]
+    listing = [
+        ".train-run.lock",
+        "notes.txt",
+        "torchref-step-00000003.pt",
+        "torchref-step-00000004.pt",
+        "train-run.json",
+    ]
     assert sorted(os.listdir(tmp_path)) == listing
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from jaxattn.attention import flash as F
-from jaxattn.attention import normalize, tiling
+from jaxattn.attention import normalize, target_platform, tiling
 from jaxattn.attention.reference import attention_reference
 
 HI = jax.lax.Precision.HIGHEST
@@ -497,7 +497,8 @@ def test_triton_lowering_without_gpu(dtype, hq, hkv, d, opts):
         (o, l), pull = jax.vjp(fn, q, k, v)
         return o, l, pull((o, l))
 
-    text = jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    with target_platform("gpu", compute_capability=(9, 0)):  # jax >= 0.11 lowers Triton only for a named GPU
+        text = jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3, "expected the fwd, dkv and dq Triton kernels"
 
 

@@ -174,6 +174,35 @@ def test_prefill_needs_an_empty_cache(twins):
 
 
 # ------------------------------------------------------------------------------------------ the real model
+def _poisoned(tmodel, where: str):
+    """Copies of the twins with NaN weights: ``"head"`` (every prompt's logits NaN) or ``"token"`` (the embedding
+    of the first greedy token of ``[5, 6, 7]``: the prefill is finite, the first decode step is not)."""
+    import copy
+
+    bad = copy.deepcopy(tmodel)
+    with torch.no_grad():
+        if where == "head":
+            bad.lm_head.weight[3, 0] = float("nan")
+        else:
+            first = tgen.generate(tmodel, [[5, 6, 7]], 1, eos_id=None)[0][0]
+            assert first not in (5, 6, 7)
+            bad.model.embed_tokens.weight[first] = float("nan")
+    jbad = jhf.from_state_dict(jax_config(bad.config), {k: v.detach().numpy() for k, v in bad.state_dict().items()})
+    return bad, jbad
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_generate_refuses_non_finite_logits(twins, framework):
+    """NaN weights: a one-line ValueError instead of tokens sampled from NaN (argmax 0: NUL bytes), at the prefill
+    and at a decode step, greedy or sampled."""
+    for where, at, temperatures in (("head", "the prompt", (0.0, 0.8)), ("token", "generation step 1", (0.0,))):
+        models = _poisoned(twins[0], where)
+        model, gen = (models[1], jgen) if framework == "jax" else (models[0], tgen)
+        for temperature in temperatures:  # (a draw need not pick the poisoned token)
+            with pytest.raises(ValueError, match=rf"the logits at {at} are not finite \(NaN or inf\)"):
+                gen.generate(model, [[5, 6, 7]], 4, temperature=temperature, eos_id=None)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     from torchref import hf as thf
@@ -284,6 +313,17 @@ def _not_gguf(pkg, tmp_path):
     return ["--init", str(f)], [f"--init {str(f)!r} is a file whose name does not end in .gguf"]
 
 
+def _nan_weights(pkg, tmp_path):
+    from torchref import hf
+    from torchref.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM(ModelConfig.preset("tiny"))
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    hf.save_pretrained(model, str(tmp_path / "nan"))  # an --init directory, the same for both twins
+    return ["--init", str(tmp_path / "nan")], ["the logits at the prompt are not finite (NaN or inf)", "--init"]
+
+
 BAD_GENERATE = [
     ("max-new-tokens-0", lambda p, t: (["--max-new-tokens", "0"], ["--max-new-tokens: must be an int >= 1, got 0"])),
     ("temperature-nan", lambda p, t: (["--temperature", "nan"], ["--temperature: must be a finite float >= 0"])),
@@ -297,6 +337,7 @@ BAD_GENERATE = [
     ("init-missing", lambda p, t: (["--init", str(t / "none")], ["no such file or directory; expected a .gguf"])),
     ("init-gguf-without-suffix", _not_gguf),
     ("init-corrupt-tokenizer", _corrupt_tokenizer),
+    ("init-nan-weights", _nan_weights),
     ("prompt-empty", lambda p, t: (["--prompt", ""], ["--prompt '': an empty prompt"])),
     ("prompt-not-utf8", lambda p, t: (["--prompt", "a\udcff"], ["--prompt is not valid UTF-8 text"])),
     ("chat-without-template", lambda p, t: (["--chat"], ["--chat needs a chat template"])),

@@ -203,3 +203,36 @@ def test_save_rejects_wrong_model_type(tmp_path):
         jaxattn.save_pretrained(object(), tmp_path / "x")
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         torchref.save_pretrained(object(), tmp_path / "x")
+
+
+def test_a_mixed_dtype_checkpoint_loads_each_tensor_as_stored(tmp_path):
+    """Layer 0's norm weights stored in bfloat16, layer 1's in float32: ``dtype=None`` stacks the layers in the
+    widest dtype of the group (float32), so layer 1 is not rounded to bfloat16 and the logits are torch's."""
+    from safetensors import safe_open
+
+    tmodel, _ = twin_models(ModelConfig.preset("tiny"), seed=6)
+    with torch.no_grad():  # norm weights away from 1.0 (exact in bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        for name, p in tmodel.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    torchref.save_pretrained(tmodel, tmp_path / "m")
+    f = str(tmp_path / "m" / hf_format.SINGLE_FILE)
+    with safe_open(f, "pt") as sf:
+        metadata, tensors = sf.metadata(), {k: sf.get_tensor(k) for k in sf.keys()}
+    for k in [k for k in tensors if k.startswith("model.layers.0.") and k.endswith("layernorm.weight")]:
+        tensors[k] = tensors[k].to(torch.bfloat16)
+    safetensors_torch.save_file(tensors, f, metadata=metadata)
+
+    tloaded = torchref.from_pretrained(tmp_path / "m")
+    jloaded = jaxattn.from_pretrained(tmp_path / "m")
+    assert tloaded.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    stacked = np.asarray(jloaded.layers.attn_norm[...])
+    assert stacked.dtype == np.float32
+    want = tensors["model.layers.1.input_layernorm.weight"].numpy()
+    assert np.array_equal(stacked[1].view(np.uint32), want.view(np.uint32))  # bit-exact, not rounded to bf16
+    tok = tokens(np.random.default_rng(2), 256, 2, 9)
+    with torch.no_grad():
+        want_logits = tloaded(torch.from_numpy(tok)).numpy()
+    got = np.asarray(jitted(jloaded)(jnp.asarray(tok)))
+    assert np.abs(got - want_logits).max() <= 1e-6

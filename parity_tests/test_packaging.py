@@ -230,7 +230,9 @@ def test_jax_starts_quietly_through_jaxattn_where_the_cuda_plugin_has_no_driver(
         pytest.skip("the CUDA plugin (gpu-compile extra) is not installed: jax starts quietly by itself")
     if os.path.exists("/proc/driver/nvidia"):
         pytest.skip("an NVIDIA driver is present: the plugin starts for real and nothing is filtered")
-    loud = _start_jax("import jax")  # what a plain `import jax` prints here: the test sees the noise it removes
-    assert "Could not find cuda drivers" in loud and "Jax plugin configuration error" in loud
+    # What a plain `import jax` prints here: the test sees the noise it removes. jaxlib 0.10 also logs "Could not find
+    # cuda drivers" lines while the plugin loads; 0.11+ logs only the plugin's failed version check (a traceback).
+    loud = _start_jax("import jax")
+    assert "Jax plugin configuration error" in loud
     assert _start_jax("import jaxattn.model, jax").strip() == ""  # a CLI's start: jaxattn first
-    assert "Could not find cuda drivers" in _start_jax("import jaxattn, jax", JAXATTN_CUDA_QUIET="0")
+    assert "Jax plugin configuration error" in _start_jax("import jaxattn, jax", JAXATTN_CUDA_QUIET="0")

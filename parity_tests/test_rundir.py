@@ -90,6 +90,9 @@ def test_a_new_run_refuses_another_runs_directory_and_overwrite_removes_only_its
     ck.save(2, 2)
     written = ck.files(2)
     (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match=r"is in use by another trainer"):  # the writer holds the lock until closed
+        TWINS[twin](tmp_path, keep=3, run=RUN)
+    ck.ck.close()
     with pytest.raises(
         RunDirError, match=r"holds the checkpoints of another run .*steps \[1, 2\].*--resume.*--overwrite"
     ):
@@ -133,6 +136,7 @@ def test_latest_valid_skips_a_corrupt_or_missing_checkpoint(tmp_path, twin):
     for step in (1, 2, 3):
         ck.save(step, step)
     _flip(max(ck.files(3), key=os.path.getsize))
+    ck.ck.close()
     resumed = TWINS[twin](tmp_path, keep=3, run=RUN, resume=True)
     assert resumed.ck.latest_step() == 2 and resumed.load(2) == 2.0
     assert len(resumed.ck.problems) == 1 and "step 3: " in resumed.ck.problems[0]
@@ -156,6 +160,7 @@ def test_a_killed_write_is_pending_and_removed_by_the_next_prune(tmp_path, twin)
     (tmp_path / name).mkdir() if twin == "jax" else (tmp_path / name).write_bytes(b"half")
     marker = json.loads((tmp_path / MARKER).read_text())
     assert marker["steps"]["2"]["status"] == "pending"
+    ck.ck.close()  # the kill
     resumed = TWINS[twin](tmp_path, keep=2, run=RUN, resume=True)
     assert resumed.ck.latest_step() == 1 and resumed.ck.problems == []
     resumed.save(3, 3)
@@ -350,3 +355,61 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
         os.waitpid(pid, 0)
         os.close(ready_r)
         os.close(ready_w)
+
+
+def _tree_bytes(root):
+    """``{relative path: bytes}`` of every file under ``root`` (directories included as ``None``)."""
+    out = {}
+    for dirpath, dirs, names in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for n in names:
+            with open(os.path.join(dirpath, n), "rb") as f:
+                out[os.path.relpath(os.path.join(dirpath, n), root)] = f.read()
+    return out
+
+
+def test_a_second_trainer_on_a_live_run_is_refused_and_touches_nothing(tmp_path, twin, capsys, monkeypatch):
+    """A trainer holding the directory mid-save (an in-flight ``step_9``, its checkpoints complete): a second
+    ``--resume`` or ``--overwrite`` is refused naming the holder's pid before it reads, validates, cleans or
+    deletes anything (orbax's temporary-directory cleanup included)."""
+    main = _main(twin)
+    ck = tmp_path / "ck"
+    argv = [*TRAIN, "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    live = RunDir(str(ck), twin, json.loads((ck / MARKER).read_text())["run"], resume=True)
+    validated = []
+    real = RunDir.latest_valid
+    monkeypatch.setattr(RunDir, "latest_valid", lambda self, *a: validated.append(self) or real(self, *a))
+    with live.locked():  # the live trainer, writing step 9
+        if twin == "jax":
+            live.begin(9, ["step_9"])
+            (ck / "step_9.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+            (ck / "step_9.orbax-checkpoint-tmp" / "state" / "half").write_bytes(b"in flight")
+        else:
+            live.begin(9, ["torchref-step-00000009.pt"])
+            (ck / f".torchref-step-00000009.pt.tmp-{os.getpid()}-abcd").write_bytes(b"in flight")
+        before = _tree_bytes(ck)
+        for flag in ("--resume", "--overwrite"):
+            assert main([*argv, "--steps", "12", flag]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"is in use by another trainer (pid {os.getpid()} on " in err[0], err
+            assert _tree_bytes(ck) == before, flag
+        assert validated == []  # never read for a checkpoint while another trainer writes them
+
+
+def test_a_locking_run_dir_is_refused_before_it_reads_the_directory(tmp_path):
+    """``lock=True`` (the trainers): the lock comes first, so a directory in use is refused naming its holder even
+    where reading it would fail (a marker mid-write by the live trainer), and nothing of it is read or changed."""
+    first = RunDir(str(tmp_path), "jax", RUN, resume=False, lock=True)
+    (tmp_path / MARKER).write_text("{half-written")
+    for resume in (True, False):
+        with pytest.raises(RunDirError, match=rf"is in use by another trainer \(pid {os.getpid()} on "):
+            RunDir(str(tmp_path), "jax", RUN, resume=resume, overwrite=True, lock=True)
+    assert (tmp_path / MARKER).read_text() == "{half-written"
+    first.release()
+    with pytest.raises(RunDirError, match=r"is not a readable run marker"):  # read once the lock is held
+        RunDir(str(tmp_path), "jax", RUN, resume=True, lock=True)
+    (tmp_path / MARKER).unlink()
+    RunDir(str(tmp_path), "jax", RUN, resume=False, lock=True).release()  # the refusal let the lock go

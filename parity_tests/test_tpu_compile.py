@@ -75,7 +75,8 @@ def test_compile_for_v5e_writes_splash_and_program_records(tmp_path):
     assert kernels["env"]["target_device"] == "TPU v5 lite" and kernels["env"]["hbm_bytes"] == 16 * 2**30
     (k,) = kernels["records"]
     assert k["status"] == "ok" and k["impl"] == "splash" and k["tpu_custom_calls"] >= 3  # fwd, dq, dkv
-    assert 0 < k["temp"] and k["label"] == "compiled for v5e, not run"
+    # libtpu 0.0.50 (jax 0.12) keeps this tiny kernel's scratch out of XLA's temp (0 B); 0.0.42 reported some
+    assert 0 <= k["temp"] < k["peak"] and k["label"] == "compiled for v5e, not run"
     for r in programs["records"]:
         assert r["status"] == "ok" and r["attention"] == "splash" and r["tpu_custom_calls"] >= 1, r
         assert r["fits"] and 0 < r["peak"] <= r["hbm_bytes"] and r["xla_flops"] > 0

@@ -57,7 +57,8 @@ class Checkpointer:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
         self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
-        self.run_dir = RunDir(self.directory, "torch", run or {}, resume=resume, overwrite=overwrite)
+        # the lock before anything is read (rank 0; held until close() or the end of locked())
+        self.run_dir = RunDir(self.directory, "torch", run or {}, resume=resume, overwrite=overwrite, lock=writer)
         self.problems: list[str] = []
 
     def locked(self):
@@ -106,4 +107,5 @@ class Checkpointer:
         return torch.load(self.path(step), map_location=map_location, weights_only=True)
 
     def close(self) -> None:
-        pass
+        """Let the directory's lock go."""
+        self.run_dir.release()

@@ -11,7 +11,7 @@ Same rules as the JAX twin: right-padded prompts, a length per cache row, prefil
 temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
 (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
 runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
-step has static shapes).
+step has static shapes). Logits that are not finite are refused as in the JAX twin (``spec.generate.emit``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from jaxattn.spec.generate import (
     FROM_CONFIG,
+    NON_FINITE,
     build_parser,
     cli,
     collect,
@@ -61,6 +62,16 @@ def sample(
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
+def _sample_finite(logits: torch.Tensor, generator, temperature: float, top_k, top_p) -> torch.Tensor:
+    """:func:`sample`, with ``NON_FINITE`` for a row whose logits are not all finite (no extra sync: the host sees
+    it in the ids it fetches anyway, and ``emit`` refuses it); such a row draws from zeros, not from NaN. One pass:
+    a row's float32 sum is finite iff its logits are (|logits| < 1e34), ~10 us a step on a CPU."""
+    finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+    if temperature:
+        logits = logits.masked_fill(~finite[:, None], 0.0)
+    return torch.where(finite, sample(logits, generator, temperature, top_k, top_p), NON_FINITE)
+
+
 def _prefill(model, tokens, lengths, cache) -> torch.Tensor:
     """Fills the empty ``cache`` from right-padded ``tokens [B, P]`` (its lengths set to ``lengths [B]``) and
     returns the logits ``[B, V]`` of each row's last real position, the only ones computed (``logits_at``)."""
@@ -95,13 +106,13 @@ def stream(
     gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
     lengths = torch.from_numpy(lengths).long().to(device)
     logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
-    token = sample(logits, gen, temperature, top_k, top_p)
+    token = _sample_finite(logits, gen, temperature, top_k, top_p)
     step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
     done = np.zeros(b, bool)
     for step in range(max_new_tokens):
         if step:
-            token = sample(step_fn(model, token, cache), gen, temperature, top_k, top_p)
-        yield emit(token.cpu().numpy(), done, eos)
+            token = _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+        yield emit(token.cpu().numpy(), done, eos, step)
         if done.all():
             return
         if eos:  # finished rows keep feeding an EOS

@@ -60,11 +60,19 @@ class Trainer:
 
     def __init__(self, args, config):
         self.args, self.config = args, config
-        # the checkpoint directory first: another run's, or a changed run on --resume, fails before anything is built
+        # the checkpoint directory first: its lock (held until fit() ends), then another run's, or a changed run on
+        # --resume, fails before anything is built
         self.ckpt = None
         if args.checkpoint_dir:
             writer = int(os.environ.get("RANK", "0")) == 0
             self.ckpt = Checkpointer(args.checkpoint_dir, **checkpointer_options(args, config), writer=writer)
+        try:
+            self._build(args, config)
+        except BaseException:
+            self.close()  # the directory's lock goes with a trainer that could not be built
+            raise
+
+    def _build(self, args, config) -> None:
         self.last_saved = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         set_matmul_precision(args.matmul_precision)
@@ -143,6 +151,11 @@ class Trainer:
             loss=args.loss,
             loss_chunk=args.loss_chunk,
         )
+
+    def close(self) -> None:
+        """Let the checkpoint directory go (its lock), for a trainer whose :meth:`fit` will not run; fit does it."""
+        if self.ckpt is not None:
+            self.ckpt.close()
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> Trainer:

@@ -137,6 +137,9 @@ def _volume(kind: str, start: bool, shapes: list, line: str) -> int:
         return sizes[0]
     if start and kind == "all-to-all":  # ((inputs...), (outputs...)): one buffer's worth
         return sum(sizes[: max(1, len(sizes) // 2)])
+    if start and kind == "all-reduce" and re.search(r"=\s*\(\(", line):
+        # jaxlib >= 0.11 writes ((inputs...), outputs...) (the outputs alias the inputs); older ones the outputs only
+        return sum(sizes[: len(sizes) // 2])
     if kind == "reduce-scatter":
         return sum(sizes) * _group_size(line)
     return sum(sizes)

@@ -29,6 +29,7 @@ __all__ = [
     "sass_counts",
     "xla_launches",
     "from_xla_dump",
+    "NoPtxDump",
     "from_ptx",
     "capture_fd_output",
     "split_ptx_modules",
@@ -282,10 +283,21 @@ def from_ptx(
     return out
 
 
+class NoPtxDump(RuntimeError):
+    """An XLA dump with compiled modules but no ``*.ptx`` file: jaxlib >= 0.11's GPU compiler writes the thunk list
+    (kernel names, grid, threads, shared memory) under ``xla_dump_to`` but not the kernels' PTX, so registers,
+    spills and SASS counts of XLA-compiled kernels (our Triton ones) cannot be read this way on those versions."""
+
+
 def from_xla_dump(dump_dir: str, names: Iterable[str] | None = None, arch: str = "sm_90a") -> dict[str, dict]:
     """Records for the kernels XLA compiled into ``dump_dir`` (all PTX entries, or only ``names``): registers
     and spills from ``ptxas -v``, threads and dynamic shared memory from the launch list, occupancy, SASS
-    counts.  Fusions XLA generated itself are included when ``names`` is None."""
+    counts.  Fusions XLA generated itself are included when ``names`` is None.  Raises :class:`NoPtxDump` when
+    the dump holds compiled modules but no PTX (an empty answer would read as "no kernels, nothing spills")."""
+    if not glob.glob(os.path.join(dump_dir, "*.ptx")) and glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+        import jaxlib
+
+        raise NoPtxDump(f"no PTX in the XLA dump {dump_dir}: jaxlib {jaxlib.__version__}'s GPU compiler writes none")
     launches = {}
     for launch in xla_launches(dump_dir):
         launches.setdefault(launch["name"], launch)

@@ -119,9 +119,33 @@ def target_platform(platform: str, *, compute_capability=None, device_kind: str 
         cc = _cc_from_kind(device_kind)
     token = _TARGET.set(Target(plat, cc, device_kind))
     try:
-        yield _TARGET.get()
+        with _jax_abstract_gpu(device_kind, cc) if plat == "gpu" else contextlib.nullcontext():
+            yield _TARGET.get()
     finally:
         _TARGET.reset(token)
+
+
+def _kind_for(cc: tuple[int, int] | None) -> str | None:
+    for key, known in _KIND_CC:
+        if known == cc:
+            return f"NVIDIA {key}"
+    return None
+
+
+def _jax_abstract_gpu(device_kind: str | None, cc: tuple[int, int] | None):
+    """jax >= 0.11 asks the GPU's properties when it lowers a Pallas Triton kernel, and on a CPU host it reads them
+    from the abstract device of the mesh in context ("please specify an abstract GPU device using AbstractDevice",
+    jax.sharding.use_abstract_mesh); jax 0.10 reads them lazily and ignores it.  A mesh with no axes carries the
+    device without fixing a mesh size, so a sharded program inside (whose own mesh jax enters while lowering) is
+    unaffected.  Nothing is entered when the mesh in context already names a device (a deviceless topology's)."""
+    kind = device_kind or _kind_for(cc)
+    sharding = jax.sharding
+    if kind is None or not hasattr(sharding, "AbstractDevice") or not hasattr(sharding, "use_abstract_mesh"):
+        return contextlib.nullcontext()
+    if getattr(sharding.get_abstract_mesh(), "abstract_device", None) is not None:
+        return contextlib.nullcontext()
+    device = sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    return sharding.use_abstract_mesh(sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def _device_target(dev) -> Target:

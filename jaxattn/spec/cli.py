@@ -369,6 +369,24 @@ def _mesh_devices(spec: str) -> int:
     return n
 
 
+def _check_moe_pipeline(args: argparse.Namespace, framework: str, config: ModelConfig) -> None:
+    """Pipeline stages carry hidden states only, not the router statistics an MoE's loss needs: refused here, not
+    at the first step (a 47-line NotImplementedError from the traced model, or a traceback under torchrun)."""
+    if not config.is_moe:
+        return
+    why = "the stages pass hidden states only, not the router statistics its loss needs"
+    if framework == "jax" and args.mesh is not None and _mesh_axis(args.mesh, "stage") > 1:
+        raise CLIError(
+            f"--mesh {args.mesh!r}: a stage axis (pipeline stages) does not run a Mixture-of-Experts (MoE) model "
+            f"yet ({why}); use a mesh without stage, e.g. data=N,expert=M"
+        )
+    if framework == "torch" and args.parallel in PP_MODES:
+        raise CLIError(
+            f"--parallel {args.parallel}: pipeline stages do not run a Mixture-of-Experts (MoE) model yet ({why}); "
+            f"use --parallel ddp / fsdp or {' / '.join(EP_MODES)}"
+        )
+
+
 def _check_pipeline_flags(args: argparse.Namespace) -> None:
     """torch's pipeline modes: what the library's schedule serves (the loss inside it: no fused head, no packed
     rows, no compile), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation
@@ -701,6 +719,7 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         if world > 1 and args.parallel is None:
             raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
     config = model_config(args)
+    _check_moe_pipeline(args, framework, config)
     if args.seq_len > config.max_seq_len:
         raise _err("--seq-len", args.seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}")
     if args.packing == "bucket" and args.seq_len < 2:
@@ -723,8 +742,9 @@ def cli_main(
     argv: Sequence[str] | None = None,
 ) -> int:
     """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``, raised before anything compiles) or a
-    checkpoint directory in use (``RunDirError``) prints ``prog: error: ...`` and returns 2; a run that cannot go on
-    (``TrainingError``) prints the same and returns 1; otherwise 0."""
+    checkpoint directory in use (``RunDirError``, raised when the trainer is built: its lock comes first) prints
+    ``prog: error: ...`` and returns 2; a run that cannot go on (``TrainingError``) prints the same and returns 1;
+    otherwise 0."""
     import sys
 
     try:
@@ -734,7 +754,7 @@ def cli_main(
         return 2
     try:
         train(run)
-    except RunDirError as e:  # the checkpoint directory is taken (its lock) at the start of training
+    except RunDirError as e:  # a lock given back and taken again by locked() (library use)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:

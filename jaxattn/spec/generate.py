@@ -118,9 +118,20 @@ def prepare(
     return tokens, lengths, t, eos_ids(eos_id, config)
 
 
-def emit(host: np.ndarray, done: np.ndarray, eos: tuple[int, ...]) -> list:
+NON_FINITE = -1  # the id both step programs give a row whose logits are not all finite (emit refuses it)
+
+
+def emit(host: np.ndarray, done: np.ndarray, eos: tuple[int, ...], step: int = 0) -> list:
     """One step's ids as ``stream`` yields them (None for a row that stopped before this step); marks in ``done``
-    (updated in place) the rows that emitted one of the ``eos`` ids now."""
+    (updated in place) the rows that emitted one of the ``eos`` ids now. A live row's :data:`NON_FINITE` id (NaN /
+    inf logits: NaN weights, or an overflow in the model's dtype) is a ValueError: greedy would print id 0 (NUL
+    bytes) and a draw from NaN fails deep inside torch."""
+    if np.any(host[~done] == NON_FINITE):
+        where = "the prompt" if step == 0 else f"generation step {step}"
+        raise ValueError(
+            f"the logits at {where} are not finite (NaN or inf), so no token is sampled from them: the model's "
+            f"weights (--init) hold NaN or inf, or overflow in their dtype (--dtype float32 is the widest)"
+        )
     ids = [None if d else int(x) for x, d in zip(host, done)]
     if eos:
         done |= np.isin(np.asarray(host), eos)

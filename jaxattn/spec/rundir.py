@@ -2,8 +2,8 @@
 checkpoint the run wrote (with sha256 checksums), a lock against a second trainer, and the run-defining flags a
 ``--resume`` must not change. Shared by both trainers (numpy-free, framework-free).
 
-    rd = RunDir(path, "jax", run={"seed": 0, ...}, resume=False, overwrite=False)   # refuses another run's dir
-    with rd.locked():                                   # a second trainer on the same dir gets a RunDirError
+    rd = RunDir(path, "jax", run={"seed": 0, ...}, resume=False, lock=True)  # the lock, then refuses another run's
+    with rd.locked():                                   # (or here without lock=True) a second trainer: RunDirError
         rd.begin(10, ["step_10"]); ...write step 10...; rd.commit(10); rd.prune(keep=3)
     step, problems = rd.latest_valid()                  # newest step whose checksums match, and why newer ones did not
 
@@ -12,7 +12,9 @@ Marker ``train-run.json``: ``{format, framework, run_id, created_utc, run, steps
 they are provably ours) before anything is written; ``commit`` hashes every file under them and marks the step
 *complete*. A kill between the two leaves a pending step, which the next ``prune`` removes. Pruning and
 ``--overwrite`` delete only what the marker lists — files of complete steps, pending steps' paths — never a file
-or folder the run did not write. Every marker write is atomic (``spec.atomic``).
+or folder the run did not write. Every marker write is atomic (``spec.atomic``). A trainer takes the lock before
+it reads the directory (``lock=True``): a second trainer on a live run is refused naming the holder's pid, before it
+validates, cleans or deletes anything (a live run's files change under a reader).
 """
 
 from __future__ import annotations
@@ -99,14 +101,24 @@ class RunDir:
         resume: bool,
         overwrite: bool = False,
         flag: str = "--checkpoint-dir",
+        lock: bool = False,
     ):
         self.path, self.framework, self.flag = os.path.abspath(path), framework, flag
         self.run = json.loads(json.dumps(dict(run), default=str))  # JSON-normalised, comparable with the marker's
+        self.resume, self.overwrite = resume, overwrite
         self.marker_path = os.path.join(self.path, MARKER)
-        self._lock_fd = None
+        self._lock_fd, self._replaced, self.marker = None, None, None
+        if lock:
+            self.acquire()  # the lock first: a live trainer's directory is refused before anything of it is read
+        else:
+            self._open()
+
+    def _open(self) -> None:
+        """Read the marker and check that this run may use the directory (another run's is refused)."""
         old = self._read() if os.path.isfile(self.marker_path) else None
-        where = f"{flag} {path!r}"
-        if resume:
+        where = f"{self.flag} {self.path!r}"
+        framework = self.framework
+        if self.resume:
             if old is None:
                 raise RunDirError(
                     f"--resume: {where} holds no training run of ours (no {MARKER}); nothing to "
@@ -133,7 +145,7 @@ class RunDir:
             self.marker, self._replaced = old, None
             return
         if old is not None and any(s["status"] == "complete" for s in old["steps"].values()):
-            if not overwrite:
+            if not self.overwrite:
                 steps = sorted(int(s) for s, v in old["steps"].items() if v["status"] == "complete")
                 raise RunDirError(
                     f"{where} holds the checkpoints of another run ({old['framework']}, started "
@@ -181,9 +193,17 @@ class RunDir:
         os.makedirs(self.path, exist_ok=True)
         write_text_atomic(self.marker_path, json.dumps(self.marker, indent=1, sort_keys=True) + "\n")
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the directory's lock (an exclusive ``flock``, released when the process ends, even by SIGKILL)."""
+    @property
+    def held(self) -> bool:
+        """This object holds the directory's lock."""
+        return self._lock_fd is not None
+
+    def acquire(self) -> None:
+        """Take the directory's lock (an exclusive ``flock``, released by :meth:`release` or when the process ends,
+        even by SIGKILL), then read the marker again and check it: what another trainer wrote before it let go
+        counts. A directory in use is refused before anything of it is read."""
+        if self._lock_fd is not None:
+            return
         os.makedirs(self.path, exist_ok=True)
         fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         _LOCK_FDS.add(fd)  # a forked child (a DataLoader worker) closes its copy: the lock ends with this process
@@ -199,6 +219,33 @@ class RunDir:
                     ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            on_disk = self._read() if os.path.isfile(self.marker_path) else None
+            if self.marker is None or self.resume or (on_disk or {}).get("run_id") != self.marker["run_id"]:
+                self._open()  # read under the lock (a marker this object wrote is already its own)
+        except BaseException:
+            _LOCK_FDS.discard(fd)
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let the directory's lock go (a no-op when not held)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            _LOCK_FDS.discard(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)  # releases the flock
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's lock for the block (taken unless :meth:`acquire` took it already; released at its
+        end). The files of a run that ``--overwrite`` replaces are deleted here, when training starts."""
+        self.acquire()
+        try:
             if self._replaced is not None:
                 for step in sorted(self._replaced["steps"], key=int):
                     self._remove(self._replaced, step)
@@ -208,8 +255,7 @@ class RunDir:
                 self._write()
             yield
         finally:
-            _LOCK_FDS.discard(fd)
-            os.close(fd)  # releases the flock
+            self.release()
 
     # ------------------------------------------------------------------------------------------------ steps
     def complete_steps(self) -> list[int]:
