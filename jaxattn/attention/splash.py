@@ -8,7 +8,10 @@ module maps the contract onto the library's masks, layout and segment ids, and d
 The mapping (checked against ``attention/reference.py`` in ``parity_tests/test_splash.py``, interpreted on a CPU):
 
 * layout: the kernel takes one sequence's ``[H, S, D]`` (MHA) or ``[G, S, D]`` queries against one K/V head
-  (MQA); batches are ``vmap``-ed, GQA is the MQA kernel ``vmap``-ed over the KV heads (K/V never repeated);
+  (MQA); batches are ``vmap``-ed, GQA is the MQA kernel ``vmap``-ed over the KV heads (K/V never repeated), both
+  in ONE ``vmap`` over ``B * Hkv``: nested ``vmap``-s of size 1 (B = Hkv = 1) give the kernel's bf16 backward a
+  ``sum(o * do)`` that XLA:CPU (jaxlib 0.10-0.12) sends to a YNNPACK reduce fusion that returns wrong values, so dq/dk
+  changed from call to call under ``jit`` (interpret mode only; TPUs have no YNNPACK);
 * scale: the kernel multiplies nothing, so q is scaled first (MaxText's way); ``softcap`` is the kernel's
   ``attn_logits_soft_cap``, applied to the scaled logits as the contract says;
 * bottom-right causal and windows: ``CausalMask`` / ``LocalMask`` with ``offset = Sk - Sq``;
@@ -237,17 +240,16 @@ def splash_attention(q, k, v, args: AttnArgs, *, interpret: bool | None = None, 
     )
     qs = _pad((q.astype(jnp.float32) * args.scale).astype(q.dtype).swapaxes(1, 2), 2, sq_p)  # [B, Hq, Sq_p, D]
     ks, vs = (_pad(x.swapaxes(1, 2), 2, sk_p) for x in (k, v))  # [B, Hkv, Sk_p, D]
+    if g > 1:  # the MQA kernel per (sequence, KV head): head h reads KV head h // G
+        qs, ks, vs = qs.reshape(b * hkv, g, sq_p, d), ks.reshape(b * hkv, sk_p, d), vs.reshape(b * hkv, sk_p, d)
+        ids = None if ids is None else jax.tree.map(lambda x: jnp.repeat(x, hkv, axis=0), ids)
 
-    def one(qb, kb, vb, idb):  # one sequence
-        if g == 1:
-            return kernel(qb, kb, vb, segment_ids=idb)
-        qg = qb.reshape(hkv, g, sq_p, d)  # head h reads KV head h // G
-        out = jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=idb))(qg, kb, vb)
-        return out.reshape(hq, sq_p, d)
+    def run(qs, ks, vs, ids):  # one flat vmap, not nested ones (module docstring: XLA:CPU)
+        call = lambda qb, kb, vb, idb: kernel(qb, kb, vb, segment_ids=idb)  # noqa: E731
+        return jax.vmap(call, in_axes=(0, 0, 0, None if ids is None else 0))(qs, ks, vs, ids)
 
-    run = jax.vmap(one, in_axes=(0, 0, 0, None if ids is None else 0))
     out = _at_default_precision(run)(qs, ks, vs, ids) if q.dtype == jnp.bfloat16 else run(qs, ks, vs, ids)
-    out = out[:, :, :sq].swapaxes(1, 2).astype(q.dtype)  # [B, Sq, Hq, D]
+    out = out.reshape(b, hq, sq_p, d)[:, :, :sq].swapaxes(1, 2).astype(q.dtype)  # [B, Sq, Hq, D]
     if args.has_segment_ids and args.q_segment_ids is not args.kv_segment_ids:  # a pair: rows may see no key
         out = jnp.where(_rows_with_a_key(sq, sk, args)[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out
