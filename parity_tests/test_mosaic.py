@@ -27,7 +27,9 @@ that exist both on Mosaic GPU register arrays and on ``jnp`` arrays, so the forw
   barriers and TMA simulated, race detector on).  The interpreter lacks ``layout_cast``, layout-annotated
   iotas, ``wgmma`` on transposed refs and ``run_state``, so under it those four are replaced by plain
   equivalents (identity, ``lax.broadcasted_iota``, ``jnp.dot`` on SMEM values, ``acc + ...``) and the two
-  scheduling hints (``set_max_registers``, ``optimization_barrier``) are skipped;
+  scheduling hints (``set_max_registers``, ``optimization_barrier``) are skipped.  The ``jnp.dot`` loads go
+  through the generic proxy where wgmma reads through the async proxy (as TMA writes), so each is followed
+  by ``commit_smem`` (``fence.proxy.async``) before the consumed arrive lets TMA refill the slot;
 * ``impl="emulate"``: a pure-jnp vmapped tile loop with the same bounds and tile math (also float32).
 
 Backward: the custom VJP saves ``out`` and the LSE and calls ``flash.flash_backward`` (the flash dq and
@@ -39,6 +41,7 @@ vs the oracle <= 2x the error of a naive implementation in the same dtype (outpu
 ``slow``: more interpreter configurations.
 """
 
+import contextlib
 import math
 
 import jax
@@ -267,23 +270,47 @@ def test_emulated_low_precision_two_x_rule(dtype, causal):
         assert _maxabs(g, r) <= 2 * _maxabs(n, r), f"d{name}"
 
 
-def _check_interpret_case(b, sq, sk, hq, hkv, d, causal, cfg=None, seed=5):
-    """The kernel body under the Mosaic GPU interpreter with its happens-before race detector on (a TMA
-    write into a K/V slot that a consumer may still read is reported; checked by hand by swapping the
-    producer's wait and copy), which also poisons unwritten memory with NaN and raises if a thread leaves a
-    barrier phase unobserved. Then: bf16 2x rule vs the oracle, agreement with the emulation (same tile
-    math, so equal up to bf16 rounding), lse, and no unwritten (NaN) blocks."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # private, jax 0.10/0.11
+@contextlib.contextmanager
+def _race_detector():
+    """Runs ``impl="interpret"`` kernels with the interpreter's happens-before race detector on; yields a
+    ``check()`` to call after a kernel has run.  ``_forward``'s jit cache is cleared on both sides: the
+    interpreter's options are read when the kernel is traced, so a trace made without the detector must
+    not be reused.  jax 0.10.x already has the detector (one vector clock per thread); jax >= 0.11 also
+    keeps a separate clock for the async proxy (TMA), so a generic-proxy SMEM read that TMA overwrites
+    without a ``commit_smem`` (``fence.proxy.async``) in between is a race there too.  A race fails the
+    test: jax >= 0.11 raises ``RACE DETECTED`` from the kernel, jax 0.10 sets ``races_found``."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # private, jax 0.10 - 0.12
 
-    q, k, v, _ = _inputs(seed, b, sq, sk, hq, hkv, d, jnp.bfloat16)
-    scale = 1 / math.sqrt(d)
+    def check():
+        races = gpu_callbacks.get_races()
+        assert races.writes, "the race detector saw no SMEM writes: it did not run"
+        assert not races.races_found, "race detected: see the RACE DETECTED report in the captured output"
+
+    M._forward.clear_cache()
     M._INTERPRET_OPTIONS["detect_races"] = True
     try:
-        out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="interpret", return_lse=True)
-        jax.block_until_ready((out, lse))
-        assert not gpu_callbacks.get_races().races_found, "race between TMA and wgmma reads"
+        yield check
+    except BaseException:
+        gpu_callbacks.reset_gpu_interpret_mode_state()  # a failed kernel may leave the interpreter's state behind
+        raise
     finally:
         M._INTERPRET_OPTIONS.pop("detect_races", None)
+        M._forward.clear_cache()
+
+
+def _check_interpret_case(b, sq, sk, hq, hkv, d, causal, cfg=None, seed=5):
+    """The kernel body under the Mosaic GPU interpreter with its race detector on (:func:`_race_detector`;
+    a TMA write into a K/V slot that a consumer may still read is reported: checked by hand by swapping the
+    producer's wait and copy, and on jax >= 0.11 by dropping the interpret branch's ``commit_smem``), which
+    also poisons unwritten memory with NaN and raises if a thread leaves a barrier phase unobserved. Then:
+    bf16 2x rule vs the oracle, agreement with the emulation (same tile math, so equal up to bf16
+    rounding), lse, and no unwritten (NaN) blocks."""
+    q, k, v, _ = _inputs(seed, b, sq, sk, hq, hkv, d, jnp.bfloat16)
+    scale = 1 / math.sqrt(d)
+    with _race_detector() as check_races:
+        out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="interpret", return_lse=True)
+        jax.block_until_ready((out, lse))
+        check_races()
     e_out, e_lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="emulate", return_lse=True)
     r_out, r_lse = _ref(q, k, v, causal, scale)
     r_lse = np.asarray(r_lse, np.float64)
@@ -302,6 +329,29 @@ def test_interpreted_kernel_causal_gqa_ragged():
     """Causal, Sq < Sk, GQA, kv ring refilled (3 kv blocks > 2 slots), warpgroup 0 (2 kv steps) drains
     the ring while warpgroup 1 (3 kv steps) still computes, padded q and k."""
     _check_interpret_case(1, 100, 150, 2, 1, 64, True, M.MosaicBlockSizes(block_kv=64))
+
+
+_B64 = M.MosaicBlockSizes(block_kv=64)
+
+
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,causal,cfg",
+    [
+        # non-causal, GQA (2 CTAs share a kv head), 5 kv blocks: slot 0 holds steps 0, 2, 4 (every barrier
+        # phase parity reused), masked padded last block
+        pytest.param(1, 70, 280, 2, 1, 64, False, _B64, id="noncausal-gqa-ring-wraps"),
+        # causal, Sq > Sk: rows 0-69 see no key, warpgroup 0 has no kv step and only drains; one kv block,
+        # fewer than the ring's slots
+        pytest.param(1, 110, 40, 1, 1, 128, True, _B64, id="causal-nokey-wg0-drains-d128"),
+        # the default block sizes (block_kv 128), causal Sq < Sk with unmasked and masked steps, a refill
+        pytest.param(1, 100, 300, 1, 1, 128, True, None, id="causal-default-blocks-d128"),
+    ],
+)
+def test_interpreted_kernel_race_free(b, sq, sk, hq, hkv, d, causal, cfg):
+    """The race detector over the kernel's variants at tiny sizes, no race and the output checks of
+    :func:`_check_interpret_case` (the causal Sq < Sk GQA case with warpgroup 0 draining while the ring is
+    refilled is ``test_interpreted_kernel_causal_gqa_ragged``)."""
+    _check_interpret_case(b, sq, sk, hq, hkv, d, causal, cfg)
 
 
 @pytest.mark.slow
@@ -341,6 +391,7 @@ def _export_for_cuda(fn, *shapes):
         (2048, 1000, 256, True, jnp.bfloat16),
         (1, 4096, 64, True, jnp.float16),
         (4096, 4096, 128, False, jnp.bfloat16),
+        (200, 100, 64, True, jnp.float16),  # one kv block, fewer than the ring's slots
     ],
 )
 def test_real_kernel_lowers_for_cuda_on_cpu(sq, sk, d, causal, dtype):

@@ -299,7 +299,11 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
     def qk_matmul(q_smem, k_smem, during):
         if interpret:
             during()
-            return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+            qk = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+            # These loads go through the generic proxy (wgmma reads SMEM through the async proxy, as TMA
+            # writes it): fence them (fence.proxy.async) before the consumed arrive hands the slot to TMA.
+            plgpu.commit_smem()
+            return qk
 
         def body(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
@@ -311,7 +315,9 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
     def pv_matmul(acc, p16, v_smem, during):
         if interpret:
             during()
-            return acc + jnp.dot(p16, v_smem[...], preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(p16, v_smem[...], preferred_element_type=jnp.float32)
+            plgpu.commit_smem()  # generic-proxy loads before the TMA refill: see qk_matmul
+            return acc
 
         def body(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem)
@@ -426,7 +432,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                 plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], k_bars.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], v_bars.at[slot])
 
-            for i in range(mcs):
+            for i in range(min(mcs, kp.shape[1] // bkv)):  # none past the last kv block: a static OOB slice
                 _when(i < cta_steps, functools.partial(load, i, i))
 
             def refill(t, _):
