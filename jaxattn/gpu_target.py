@@ -176,7 +176,9 @@ def compile(
     """Lower ``fn(*args)`` for CUDA and compile it for the devices ``args`` are placed on (see :func:`place`);
     returns ``(lowered, compiled)``.  ``jitted``: an already-jitted function to use instead of
     ``jax.jit(fn, **jit_kwargs)``.  ``compiler_options``: XLA flags for this compile only, e.g.
-    ``{"xla_dump_to": DIR}`` to get every kernel's PTX.  Attention inside traces for the GPU."""
+    ``{"xla_dump_to": DIR}`` to get every kernel's PTX (``xla_dump_emitter_re`` is set to ``"ptx"`` with it
+    unless given: jaxlib >= 0.11 dumps the PTX only for emitters that option matches; 0.10's dump is the same
+    with or without it).  Attention inside traces for the GPU."""
     from jaxattn.attention import target_platform
 
     dev = _first_device(args)
@@ -190,5 +192,7 @@ def compile(
         "gpu", compute_capability=compute_capability(dev), device_kind=getattr(dev, "device_kind", None)
     ):
         lowered = f.trace(*args).lower(lowering_platforms=("cuda",))
+    if compiler_options and "xla_dump_to" in compiler_options and "xla_dump_emitter_re" not in compiler_options:
+        compiler_options = {**compiler_options, "xla_dump_emitter_re": "ptx"}
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     return lowered, compiled

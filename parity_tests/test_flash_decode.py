@@ -41,7 +41,7 @@ import pytest
 from jaxattn import attention as attn
 from jaxattn.attention import decode as DEC
 from jaxattn.attention.reference import attention_reference
-from parity_tests.test_gpu_compile import TRITON, _custom_calls, _devices, needs_plugin, xfail_no_ptx
+from parity_tests.test_gpu_compile import TRITON, _custom_calls, _devices, needs_plugin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,7 +427,6 @@ def test_lowers_to_one_triton_kernel_for_cuda():
         assert _custom_calls(_kv_cache_step, *_h100_args()).count(TRITON) == 1
 
 
-@xfail_no_ptx
 @pytest.mark.gpu_compile
 @needs_plugin
 @pytest.mark.parametrize("path", ["lengths", "kv_cache_ids"])

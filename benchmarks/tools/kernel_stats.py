@@ -115,25 +115,51 @@ def _ptxas_candidates() -> list:
     return list(dict.fromkeys(p for p in found if p))
 
 
+_PTX_VERSION_LINE = re.compile(r"^(\s*\.version\s+)\d+\.\d+", re.M)
+_PTXAS_TOO_OLD = re.compile(r"Unsupported \.version \d+\.\d+; current version is '(\d+\.\d+)'")
+
+
 def ptxas_stats(ptx_path: str, arch: str = "sm_90a", cubin_path: str | None = None) -> dict[str, dict]:
     """Run ``ptxas -v --gpu-name=<arch>`` on a PTX file; returns :func:`parse_ptxas` of its report and keeps
     the cubin at ``cubin_path`` (for :func:`sass_counts`) when given.  A ptxas too old for the file's PTX
-    version is skipped for the next one found."""
+    version is skipped for the next one found.  When none here knows that version, the ``.version`` directive is
+    lowered to the newest one the first ptxas accepts and assembled again, as XLA does before it runs ptxas
+    (jaxlib >= 0.11's LLVM writes PTX ISA 9.4, its dump keeps that, CUDA 12.9's ptxas reads up to 8.8)."""
     candidates = _ptxas_candidates()
     if not candidates:
         raise RuntimeError("ptxas not found: pip install nvidia-cuda-nvcc-cu12 (the gpu-compile extra)")
-    errors = []
-    for ptxas in candidates:
-        res = subprocess.run(
-            [ptxas, "-v", f"--gpu-name={arch}", ptx_path, "-o", cubin_path or os.devnull],
+
+    def run(ptxas: str, path: str):
+        return subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", path, "-o", cubin_path or os.devnull],
             capture_output=True,
             text=True,
         )
+
+    errors, too_old = [], []
+    for ptxas in candidates:
+        res = run(ptxas, ptx_path)
         if res.returncode == 0:
             return parse_ptxas(res.stderr + res.stdout)
         errors.append(f"{ptxas}: {res.stderr.strip()[-300:]}")
-        if "Unsupported .version" not in res.stderr:
+        m = _PTXAS_TOO_OLD.search(res.stderr)
+        if m is None:
             break
+        too_old.append((ptxas, m.group(1)))
+    else:
+        with open(ptx_path) as f:
+            ptx = f.read()
+        for ptxas, version in too_old:
+            fd, lowered = tempfile.mkstemp(suffix=".ptx", dir=os.path.dirname(ptx_path) or None)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(_PTX_VERSION_LINE.sub(rf"\g<1>{version}", ptx, count=1))
+                res = run(ptxas, lowered)
+            finally:
+                os.unlink(lowered)
+            if res.returncode == 0:
+                return parse_ptxas(res.stderr + res.stdout)
+            errors.append(f"{ptxas} (.version {version}): {res.stderr.strip()[-300:]}")
     raise RuntimeError(f"ptxas failed on {ptx_path}: " + " | ".join(errors))
 
 
@@ -285,8 +311,9 @@ def from_ptx(
 
 class NoPtxDump(RuntimeError):
     """An XLA dump with compiled modules but no ``*.ptx`` file: jaxlib >= 0.11's GPU compiler writes the thunk list
-    (kernel names, grid, threads, shared memory) under ``xla_dump_to`` but not the kernels' PTX, so registers,
-    spills and SASS counts of XLA-compiled kernels (our Triton ones) cannot be read this way on those versions."""
+    (kernel names, grid, threads, shared memory) under ``xla_dump_to`` but the kernels' PTX only with
+    ``xla_dump_emitter_re`` matching ``"ptx"`` (which :func:`jaxattn.gpu_target.compile` sets), so registers, spills
+    and SASS counts of XLA-compiled kernels (our Triton ones) cannot be read from a dump made without it."""
 
 
 def from_xla_dump(dump_dir: str, names: Iterable[str] | None = None, arch: str = "sm_90a") -> dict[str, dict]:
@@ -297,7 +324,10 @@ def from_xla_dump(dump_dir: str, names: Iterable[str] | None = None, arch: str =
     if not glob.glob(os.path.join(dump_dir, "*.ptx")) and glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
         import jaxlib
 
-        raise NoPtxDump(f"no PTX in the XLA dump {dump_dir}: jaxlib {jaxlib.__version__}'s GPU compiler writes none")
+        raise NoPtxDump(
+            f"no PTX in the XLA dump {dump_dir}: jaxlib {jaxlib.__version__}'s GPU compiler writes it only with "
+            "xla_dump_emitter_re='ptx' (gpu_target.compile sets it with xla_dump_to)"
+        )
     launches = {}
     for launch in xla_launches(dump_dir):
         launches.setdefault(launch["name"], launch)
