@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 
 import pytest
 
@@ -14,6 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _pyproject():
+    import tomllib  # Python >= 3.11 (ruff's target is 3.10, where it is not stdlib)
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         return tomllib.load(f)
 
