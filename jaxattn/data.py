@@ -97,3 +97,6 @@ def prefetch_to_device(
             yield item
     finally:
         stopped.set()
+        # and ended: a daemon thread still in jax.device_put at interpreter exit aborts the process (exit 134,
+        # "terminate called after throwing ..."), e.g. after the trainer's divergence stop; it stops at its next put
+        thread.join()

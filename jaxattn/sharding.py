@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +40,7 @@ from . import remat
 from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 from .moe import EXPERT_PARALLEL, moe_block
 from .spec import params
+from .spec.cli import print_line
 
 __all__ = [
     "MESH_AXES",
@@ -316,10 +316,8 @@ def initialize_distributed(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # pragma: no cover - a jax without the option
         pass
-    print(
-        f"jaxattn: process {process_id} waiting up to {timeout:g} s for all {num_processes} processes at {coordinator}",
-        file=sys.stderr,
-        flush=True,
+    print_line(
+        f"jaxattn: process {process_id} waiting up to {timeout:g} s for all {num_processes} processes at {coordinator}"
     )
     # jax's own deadline ends the process from C++ (a CHECK failure and a stack dump), so ours fires first: one line
     # and exit status 2; jax's is set later so that it never wins the race
@@ -335,12 +333,10 @@ def initialize_distributed(
 
 
 def _rendezvous_timed_out(process_id: int, num_processes: int, coordinator: str, timeout: float) -> None:
-    print(
+    print_line(
         f"jaxattn: error: process {process_id}: the {num_processes} processes did not all meet at {coordinator} "
         f"within {timeout:g} s; start every process with the same --coordinator and --num-processes, or raise "
-        f"--distributed-timeout",
-        file=sys.stderr,
-        flush=True,
+        f"--distributed-timeout"
     )
     os._exit(2)
 

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +40,15 @@ from .profiling import StepTimer, peak_memory_bytes, start_trace, stop_trace
 from .seed import host_rng_state, seed_all, set_host_rng_state
 from .sharding import initialize_distributed, make_mesh, parse_mesh, shard_train_state
 from .spec import optim as spec_optim
-from .spec.cli import CLIError, TrainingError, checkpointer_options, cli_main, parse_args
+from .spec.cli import (
+    CLIError,
+    TrainingError,
+    check_tokenizer_fits,
+    checkpointer_options,
+    cli_main,
+    parse_args,
+    print_line,
+)
 from .spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
 from .spec.eval import EvalResult, eval_batches
 from .spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
@@ -88,11 +95,7 @@ class Trainer:
         set_matmul_precision(args.matmul_precision)
         self.keys = seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)
-        if self.tokenizer.vocab_size > config.vocab_size:
-            raise CLIError(
-                f"--init {args.init!r}: its tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                f"vocab_size is {config.vocab_size}"
-            )
+        check_tokenizer_fits(args, config, self.tokenizer)
         self.data = Dataset.from_source(
             args.data,
             seq_len=args.seq_len,
@@ -249,7 +252,7 @@ class Trainer:
     def _resume(self) -> None:
         step = self.ckpt.latest_step()
         for problem in self.ckpt.problems:
-            print(f"{PROG}: warning: --resume skips a checkpoint: {problem}", file=sys.stderr)
+            print_line(f"{PROG}: warning: --resume skips a checkpoint: {problem}")
         if step is None:
             raise CLIError(
                 f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"

@@ -11,10 +11,12 @@ the torch twin (design §7): each twin's error is measured in units of the compu
 (:func:`rounding_error`), and ``ratio`` is the worse twin's error over the rounding floor, the better twin's (at least
 one unit). Both twins right: the two errors are rounding of the same size, ratio ~1. One twin wrong: its error is
 many floors, ratio 10^2 to 10^7. The table marks the FIRST tensor above ``--tolerance`` (default 4); exit 0 when
-none is, 1 when one is, 2 on bad input. Rows between §7's kernel rule (2) and the tolerance are marked ``~``: through
-a whole model the twins' per-op differences compound (SmolLM2-135M, ``benchmarks/results/porting-diff/``: correct
-twins reach 1.99 in fp32 at layer 29 and 2.49 on bf16 logits, which torch rounds to bf16 and JAX keeps in float32),
-so 2 is the rule for one op and 4 the default for a model; ``--tolerance 2`` applies the kernel rule everywhere.
+none is, 1 when one is, 2 on bad input (also a Mixture-of-Experts model, whose routed experts have no per-layer
+MLP to hook, another architecture's ``model_type``, and non-finite weights, which have no rounding floor). Rows
+between §7's kernel rule (2) and the tolerance are marked ``~``: through a whole model the twins' per-op differences
+compound (SmolLM2-135M, ``benchmarks/results/porting-diff/``: correct twins reach 1.99 in fp32 at layer 29 and 2.49
+on bf16 logits, which torch rounds to bf16 and JAX keeps in float32), so 2 is the rule for one op and 4 the default
+for a model; ``--tolerance 2`` applies the kernel rule everywhere.
 
 Capture changes no model file. torch: forward hooks on the Hugging Face-named modules (:data:`TORCH_HOOKS`) and a
 wrapper around the ``dot_product_attention`` name ``torchref.model`` calls (q, k after RoPE). JAX: the model's own
@@ -490,7 +492,7 @@ def _parse(argv):
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--init", help="a Hugging Face Llama directory or a llama.cpp .gguf file")
-    src.add_argument("--preset", choices=PRESET_NAMES, help="random weights of a preset (with --seed)")
+    src.add_argument("--preset", choices=PRESET_NAMES, help="random weights of a dense preset (with --seed)")
     p.add_argument("--seed", type=int, default=0, help="--preset: the torch seed of the weights (default 0)")
     toks = p.add_mutually_exclusive_group()
     toks.add_argument("--tokens", help="token ids, comma- or space-separated (one row)")
@@ -529,6 +531,10 @@ def _check(args) -> None:
         raise CLIError(
             f"--init {args.init!r}: no such directory or .gguf file; expected a Hugging Face Llama directory or a GGUF"
         )
+    if args.preset is not None:
+        from jaxattn.spec import ModelConfig
+
+        _dense_only(ModelConfig.preset(args.preset), f"--preset {args.preset}")
     if args.precision_policy is not None and args.dtype != "fp32":
         raise CLIError(
             f"--dtype {args.dtype} and --precision-policy {args.precision_policy}: give one (a policy keeps fp32 "
@@ -594,10 +600,35 @@ def load_twins(args):
         from torchref.config import ModelConfig
 
         return twin_models(ModelConfig.preset(args.preset), seed=args.seed)
+    where = f"--init {args.init!r}"
     try:
-        return thf.from_pretrained(args.init).eval(), jhf.from_pretrained(args.init)
+        tmodel = thf.from_pretrained(args.init).eval()
+        _dense_only(tmodel.config, where)
+        _finite_weights(thf.to_state_dict(tmodel), where)
+        return tmodel, jhf.from_pretrained(args.init)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CLIError(f"--init {args.init!r}: cannot be loaded ({e})") from None
+        raise CLIError(f"{where}: cannot be loaded ({e})") from None
+
+
+def _dense_only(cfg, where: str) -> None:
+    """Refuses an MoE: its routed experts have no ``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` to capture."""
+    if cfg.is_moe:
+        raise CLIError(
+            f"{where}: a Mixture-of-Experts model (model_type {cfg.model_type!r}, {cfg.n_experts} experts); the "
+            f"debugger compares dense Llama layers only (it captures each layer's gate/up/down MLP projections)"
+        )
+
+
+def _finite_weights(tensors: dict, where: str) -> None:
+    """Refuses non-finite weights, naming the first such tensor: NaN has no rounding error to measure."""
+    torch = _torch()
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise CLIError(
+                f"{where}: the checkpoint has non-finite weights, first {name} ({nan} NaN, {inf} inf of "
+                f"{t.numel()}); the debugger compares finite numbers only"
+            )
 
 
 def run(args) -> dict:

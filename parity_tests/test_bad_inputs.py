@@ -232,6 +232,29 @@ def _log_is_input(flag):
     return build
 
 
+def _small_vocab_json(tmp_path, vocab=250) -> str:
+    f = tmp_path / "small-vocab.json"
+    f.write_text(__import__("json").dumps(_hf_config(vocab_size=vocab)))
+    return str(f)
+
+
+def _small_vocab_text_data(flag):
+    """A --config-json vocabulary smaller than the byte tokenizer that encodes text ``flag`` data: the message
+    names the flags given (not an --init that was not)."""
+
+    def build(pkg, tmp_path):
+        cfg = _small_vocab_json(tmp_path)
+        text = tmp_path / "text.txt"
+        text.write_text("some text to train on, " * 20)
+        argv = ["--config-json", cfg, flag, str(text)]
+        return _train_main(pkg, argv), [
+            f"--config-json {cfg!r}: vocab_size 250 < the 256 ids of the byte tokenizer",
+            f"{flag} {str(text)!r}",
+        ]
+
+    return build
+
+
 # --------------------------------------------------------------------------------------------- bad inputs
 def _moe_in_pipeline_stages(pkg, tmp_path):
     """An MoE preset with pipeline stages: refused with the flags (exit 2), not at the first step."""
@@ -555,6 +578,8 @@ BAD = [
         _train_row(lambda t: ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
     ),
     Bad("m-moe-in-pipeline-stages", BOTH, SystemExit, _moe_in_pipeline_stages),
+    Bad("m-config-json-vocab-under-bytes-data", BOTH, SystemExit, _small_vocab_text_data("--data")),
+    Bad("m-config-json-vocab-under-bytes-eval-data", BOTH, SystemExit, _small_vocab_text_data("--eval-data")),
     Bad(
         "m-parallel-outside-torchrun",
         ("torch",),
@@ -641,20 +666,29 @@ def _lazy_submodules(pkg):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def _small_vocab_synthetic(pkg, tmp_path):
+    """A vocabulary under 256 trains on synthetic data: no tokenizer encodes anything."""
+    _train_main(pkg, ["--config-json", _small_vocab_json(tmp_path), "--data", "synthetic"])()
+
+
 GOOD = [
     ("i-loss-scale-numpy-scalars", ("jax",), _np_scalar_loss_scale),
     ("k-uint8-ids", BOTH, _uint8_ids),
     ("k-causal-np-bool", BOTH, _np_bool_causal),
     ("f-num-kv-heads-null", BOTH, _kv_heads_null),
     ("m-lazy-submodules", BOTH, _lazy_submodules),
+    ("m-config-json-vocab-under-bytes-synthetic", BOTH, _small_vocab_synthetic),
 ]
 
 
 @pytest.mark.parametrize(
     "fn, pkg", [pytest.param(fn, pkg, id=f"{name}-{pkg}") for name, pkgs, fn in GOOD for pkg in pkgs]
 )
-def test_good_input(fn, pkg):
-    fn(pkg)
+def test_good_input(fn, pkg, tmp_path):
+    if "tmp_path" in __import__("inspect").signature(fn).parameters:
+        fn(pkg, tmp_path)
+    else:
+        fn(pkg)
 
 
 def test_row_names_unique():

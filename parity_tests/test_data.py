@@ -127,3 +127,28 @@ def test_jax_prefetch_and_torch_loader_deliver_the_same_batches():
             np.testing.assert_array_equal(np.asarray(j[k]), w[k])
             assert t[k].dtype == torch.int32
             np.testing.assert_array_equal(t[k].numpy(), w[k])
+
+
+def test_jax_prefetch_thread_has_ended_when_the_iterator_is_closed():
+    """A consumer that stops early (the trainer's divergence stop) closes the iterator: its thread must have ended
+    by then. A daemon thread still inside ``jax.device_put`` at interpreter exit aborts the process (exit 134,
+    ``terminate called after throwing ...``) instead of the trainer's exit 1."""
+    import threading
+    import time
+
+    from jaxattn.data import prefetch_to_device
+
+    ds = Dataset.from_source("synthetic", seq_len=16, batch_size=2, seed=3, packing="bucket")
+    placing = threading.Event()
+
+    def slow_place(host):  # a device_put that takes a while (the window the abort needs)
+        placing.set()
+        time.sleep(0.5)
+        return host
+
+    batches = prefetch_to_device(ds, 0, 100, place=slow_place)
+    next(batches)
+    placing.clear()
+    assert placing.wait(5)  # the thread is placing a later batch
+    batches.close()
+    assert not [t for t in threading.enumerate() if t.name == "prefetch_to_device"]

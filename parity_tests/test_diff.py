@@ -213,6 +213,7 @@ BAD = [
     (["--preset", "tiny", "--backend", "mosaic", "--torch-backend", "xla"], "--backend mosaic: JAX cannot run"),
     (["--preset", "tiny", "--plant-rope-bug", "2"], "--plant-rope-bug 2: the model's layers are 0..1"),
     (["--preset", "tiny", "--tolerance", "nan"], "--tolerance nan: must be a finite number >= 1"),
+    (["--preset", "moe-tiny"], "--preset moe-tiny: a Mixture-of-Experts model (model_type 'mixtral', 4 experts)"),
 ]
 
 
@@ -223,6 +224,53 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert diff.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m parity_tests.diff: error: ") and message in err[0], err
+    assert not (tmp_path / "d.json").exists()
+
+
+def _gpt2_dir(tmp_path) -> str:
+    """A GPT-2 directory: another architecture's config.json (and a weights file)."""
+    import safetensors.numpy
+
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    hf = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12}
+    (d / "config.json").write_text(json.dumps(hf))
+    safetensors.numpy.save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(d / "model.safetensors"))
+    return str(d)
+
+
+def _saved_tiny(tmp_path, preset="tiny", nan=None) -> str:
+    """A preset's random weights saved by torchref; ``nan``: the HF tensor given a NaN."""
+    from torchref import hf as thf
+    from torchref.config import ModelConfig
+    from torchref.model import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.preset(preset))
+    if nan is not None:
+        with torch.no_grad():
+            dict(model.named_parameters())[nan].view(-1)[3] = float("nan")
+    return thf.save_pretrained(model, str(tmp_path / preset))
+
+
+BAD_CHECKPOINTS = [
+    (_gpt2_dir, ["model_type='gpt2'", "supported are llama, mixtral, qwen3_moe"]),
+    (
+        lambda t: _saved_tiny(t, nan="model.layers.1.mlp.up_proj.weight"),
+        ["non-finite weights", "model.layers.1.mlp.up_proj.weight (1 NaN, 0 inf of 10240)"],
+    ),
+    (lambda t: _saved_tiny(t, "moe-tiny"), ["a Mixture-of-Experts model (model_type 'mixtral', 4 experts)"]),
+]
+
+
+@pytest.mark.parametrize("build,fragments", BAD_CHECKPOINTS, ids=["gpt2", "nan-weights", "moe"])
+def test_bad_checkpoint_is_one_line_and_exit_2(build, fragments, tmp_path, capsys):
+    """Another architecture, non-finite weights and an MoE are refused naming the checkpoint, not compared."""
+    path = build(tmp_path)
+    assert diff.main(["--init", path, "--tokens", "1 2 3", "--json", str(tmp_path / "d.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m parity_tests.diff: error: --init {path!r}: "), err
+    assert all(f in err[0] for f in fragments), err
     assert not (tmp_path / "d.json").exists()
 
 

@@ -413,3 +413,23 @@ def test_a_locking_run_dir_is_refused_before_it_reads_the_directory(tmp_path):
         RunDir(str(tmp_path), "jax", RUN, resume=True, lock=True)
     (tmp_path / MARKER).unlink()
     RunDir(str(tmp_path), "jax", RUN, resume=False, lock=True).release()  # the refusal let the lock go
+
+
+def test_a_lock_taken_but_not_yet_signed_names_its_holder_once_signed(tmp_path):
+    """Between a trainer's flock and the write of its pid the lock file is empty (a new one) or holds the last
+    holder's line: a second trainer waits briefly for the new holder's line instead of saying "another process"."""
+    import fcntl
+    import threading
+
+    from jaxattn.spec.rundir import LOCK
+
+    fd = os.open(tmp_path / LOCK, os.O_RDWR | os.O_CREAT)  # a trainer that has the flock but not yet its pid line
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    signer = threading.Timer(0.2, lambda: os.pwrite(fd, b"pid 4242 on elsewhere\n", 0))
+    signer.start()
+    try:
+        with pytest.raises(RunDirError, match=r"is in use by another trainer \(pid 4242 on elsewhere\)"):
+            RunDir(str(tmp_path), "jax", RUN, resume=False, lock=True)
+    finally:
+        signer.join()
+        os.close(fd)

@@ -200,6 +200,42 @@ def test_main_exits_2_with_the_message(tmp_path, capsys):
             assert prog in err and re.search(message, err), err
 
 
+class _Writes:
+    """A stderr that records each write call (torchrun's ranks share one pipe: a line written in two calls can
+    have another rank's line between its text and its newline)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, s):
+        self.calls.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def test_main_writes_each_error_line_in_one_call(monkeypatch, tmp_path):
+    """Several ranks' one-line errors (torchrun, several JAX processes) stay one per line: each is one write
+    holding its newline (print writes the text and the newline in two calls to an unbuffered stderr)."""
+    from jaxattn.spec.cli import TrainingError, cli_main
+
+    def fails(exc):
+        def raise_(_):
+            raise exc
+
+        return raise_
+
+    for prepare, train, code in (
+        (fails(CLIError("--lr -1: bad")), None, 2),
+        (lambda argv: None, fails(TrainingError("training diverged")), 1),
+    ):
+        err = _Writes()
+        monkeypatch.setattr("sys.stderr", err)
+        assert cli_main("prog", prepare, train, []) == code
+        assert len(err.calls) == 1 and err.calls[0].startswith("prog: error: ") and err.calls[0].endswith("\n")
+
+
 def _both(argv):
     a = jtrainer.run(argv)
     b = ttrainer.run(argv + ["--num-workers", "0"])

@@ -24,7 +24,6 @@ import copy
 import datetime
 import functools
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.cli import PP_MODES, CLIError, TrainingError, checkpointer_options, cli_main, parse_args
+from jaxattn.spec.cli import (
+    PP_MODES,
+    CLIError,
+    TrainingError,
+    check_tokenizer_fits,
+    checkpointer_options,
+    cli_main,
+    parse_args,
+    print_line,
+)
 from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
 from jaxattn.spec.eval import EvalResult, eval_batches
 from jaxattn.spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
@@ -78,11 +86,7 @@ class Trainer:
         set_matmul_precision(args.matmul_precision)
         seed_all(args.seed, deterministic=args.deterministic)
         self.tokenizer = load_tokenizer(args.init)
-        if self.tokenizer.vocab_size > config.vocab_size:
-            raise CLIError(
-                f"--init {args.init!r}: its tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                f"vocab_size is {config.vocab_size}"
-            )
+        check_tokenizer_fits(args, config, self.tokenizer)
         self.data = Dataset.from_source(
             args.data,
             seq_len=args.seq_len,
@@ -185,9 +189,7 @@ class Trainer:
         if not dist.is_initialized():
             rank, world, timeout = os.environ.get("RANK", "0"), os.environ["WORLD_SIZE"], self.args.distributed_timeout
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            print(
-                f"torchref: rank {rank} waiting up to {timeout:g} s for all {world} ranks at {where}", file=sys.stderr
-            )
+            print_line(f"torchref: rank {rank} waiting up to {timeout:g} s for all {world} ranks at {where}")
             try:
                 dist.init_process_group(
                     "nccl" if self.device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout)
@@ -258,7 +260,7 @@ class Trainer:
     def _resume(self) -> None:
         step = self.ckpt.latest_step()
         for problem in self.ckpt.problems:
-            print(f"{PROG}: warning: --resume skips a checkpoint: {problem}", file=sys.stderr)
+            print_line(f"{PROG}: warning: --resume skips a checkpoint: {problem}")
         if step is None:
             raise CLIError(
                 f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -727,6 +728,37 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
     return config
 
 
+def check_tokenizer_fits(args: argparse.Namespace, config: ModelConfig, tokenizer) -> None:
+    """The tokenizer's ids fit the model's vocabulary where they matter: ``--init``'s own tokenizer always (the
+    export carries it), the byte tokenizer (no ``--init`` tokenizer) only when it encodes text ``--data`` /
+    ``--eval-data``. The error names the flags actually given: the one the vocabulary came from and the text."""
+    from .tokenizer import ByteTokenizer
+
+    n, vocab = tokenizer.vocab_size, config.vocab_size
+    if n <= vocab:
+        return
+    if not isinstance(tokenizer, ByteTokenizer):
+        raise CLIError(f"--init {args.init!r}: its tokenizer has {n} ids but the model's vocab_size is {vocab}")
+    text = [
+        f"{flag} {src!r}"
+        for flag, src in (("--data", args.data), ("--eval-data", args.eval_data))
+        if src is not None and src != SYNTHETIC and not (os.path.isfile(src) and src.endswith(".npy"))
+    ]
+    if not text:
+        return  # synthetic / pre-tokenized ids: no tokenizer encodes anything (ids are checked against vocab_size)
+    source = (
+        f"--init {args.init!r}"
+        if args.init is not None
+        else f"--config-json {args.config_json!r}"
+        if args.config_json is not None
+        else f"--preset {args.preset}"
+    )
+    raise CLIError(
+        f"{source}: vocab_size {vocab} < the {n} ids of the byte tokenizer that encodes {' and '.join(text)} (no "
+        f"--init tokenizer.json); give a vocab_size >= {n}, an --init with its tokenizer, or pre-tokenized .npy data"
+    )
+
+
 def parse_args(
     argv: Sequence[str] | None, framework: str, attention_backends: Sequence[str] = ()
 ) -> tuple[argparse.Namespace, ModelConfig]:
@@ -744,20 +776,26 @@ def cli_main(
     """Both trainers' ``main``: a bad flag (``CLIError`` / ``ValueError``, raised before anything compiles) or a
     checkpoint directory in use (``RunDirError``, raised when the trainer is built: its lock comes first) prints
     ``prog: error: ...`` and returns 2; a run that cannot go on (``TrainingError``) prints the same and returns 1;
-    otherwise 0."""
-    import sys
-
+    otherwise 0. Each in one write (:func:`print_line`): torchrun's ranks share one stderr."""
     try:
         run = prepare(argv)
     except (CLIError, ValueError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print_line(f"{prog}: error: {e}")
         return 2
     try:
         train(run)
     except RunDirError as e:  # a lock given back and taken again by locked() (library use)
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print_line(f"{prog}: error: {e}")
         return 2
     except TrainingError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print_line(f"{prog}: error: {e}")
         return 1
     return 0
+
+
+def print_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: processes sharing a stderr (torchrun's ranks, JAX's
+    processes) would otherwise glue their lines, as ``print`` writes the text and the newline in two calls to
+    Python's unbuffered stderr."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()

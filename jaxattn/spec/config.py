@@ -319,6 +319,9 @@ class ModelConfig:
         refuses what the model cannot represent, naming the key."""
         if not isinstance(hf, dict):
             raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
+        model_type = hf.get("model_type", "llama")  # first: another architecture's keys are not "missing"
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"HF config model_type={model_type!r}: supported are {', '.join(MODEL_TYPES)}")
         missing = [
             k
             for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -326,9 +329,6 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"HF config is missing required keys {missing}")
-        model_type = hf.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"HF config model_type={model_type!r}: supported are {', '.join(MODEL_TYPES)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"HF config hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
         for key in ("attention_bias", "mlp_bias"):

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -62,6 +63,19 @@ def _close_inherited_locks() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _holder(fd: int, wait: float = 2.0) -> str:
+    """The lock holder's line ("pid N on HOST"): a holder between its flock and its write has not signed yet, so an
+    empty file is read again for up to ``wait`` seconds before it is just "another process"."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = os.pread(fd, 200, 0).decode(errors="replace")
+        line = text.splitlines()[0].strip() if text.strip() else ""
+        if line or time.monotonic() >= deadline:
+            return line or "another process"
+        time.sleep(0.01)
+
 
 _CHECKPOINT_NAME = re.compile(r"step_\d+|torchref-step-\d+\.pt")
 
@@ -212,13 +226,14 @@ class RunDir:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                    holder = _holder(fd)
                     raise RunDirError(
                         f"{self.flag} {self.path!r} is in use by another trainer ({holder}); "
                         f"two runs must not share a checkpoint directory"
                     ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            line = f"pid {os.getpid()} on {os.uname().nodename}\n".encode()
+            os.pwrite(fd, line, 0)  # then cut the last holder's longer line: the file is never empty once signed
+            os.ftruncate(fd, len(line))
             on_disk = self._read() if os.path.isfile(self.marker_path) else None
             if self.marker is None or self.resume or (on_disk or {}).get("run_id") != self.marker["run_id"]:
                 self._open()  # read under the lock (a marker this object wrote is already its own)
@@ -237,8 +252,10 @@ class RunDir:
                 os.close(fd)  # releases the flock
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # no contextlib here: at interpreter exit the module's globals may already be None
             self.release()
+        except Exception:
+            pass
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
