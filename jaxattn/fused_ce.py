@@ -9,7 +9,9 @@ with ``transposed=True``), ``targets`` int ``[N]``, ``weights`` float32 ``[N]``;
 full logits, with targets of weight 0 dropped before the softmax (a NaN there stays out). The tokens are cut into
 chunks of ``chunk`` (the last padded with weight 0); a ``lax.scan`` computes each chunk's float32 logits
 ``[chunk, vocab]``, its log-sum-exp and the target logit, and keeps only the per-token log-sum-exp ``[N]`` for the
-backward. The backward (``custom_vjp``) scans again, recomputes each chunk's logits, forms
+backward, as two floats: the max logit ``m`` and ``log(sum(exp(logits - m)))`` (one float32 ``m + log-sum`` rounds at
+``ulp(m)``, and with it the softmax of logits near 1e4). The backward (``custom_vjp``) scans again, recomputes each
+chunk's logits, forms
 ``dlogits = (softmax - onehot(target)) * w / denominator`` and produces ``d hidden = dlogits @ head.T`` per chunk and
 ``d head`` summed over chunks in float32 — Liger-Kernel's FusedLinearCrossEntropy and Apple's Cut Cross-Entropy,
 written as a scan because neither runs on a CPU (written by hand: no jax library has one). Memory: one chunk's
@@ -89,6 +91,12 @@ def _masked(logits, t, w):
     return jnp.where(keep[:, None], logits, 0.0), jnp.where(keep, t, 0)
 
 
+def _max_and_log_sum(logits):
+    """``(m, log(sum(exp(logits - m))))`` per token ``[chunk]`` each: the log-sum-exp with the max kept apart."""
+    m = jnp.max(logits, axis=-1)
+    return m, jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+
+
 def _split(a, chunk):
     return a.reshape(a.shape[0] // chunk, chunk, *a.shape[1:])  # [n_chunks, chunk, ...]
 
@@ -102,9 +110,9 @@ def _fused_fwd(hidden, head, targets, weights, denominator, chunk, transposed):
     def body(total, xs):
         x, t, w = xs
         logits, t = _masked(_chunk_logits(x, head, transposed), t, w)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [chunk]
+        m, log_sum = _max_and_log_sum(logits)  # [chunk] each
         target_logit = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-        return total + jnp.sum((lse - target_logit) * w), lse
+        return total + jnp.sum(((m - target_logit) + log_sum) * w), (m, log_sum)
 
     total, lse = jax.lax.scan(
         body, jnp.float32(0), (_split(hidden, chunk), _split(targets, chunk), _split(weights, chunk))
@@ -117,9 +125,9 @@ def _fused_bwd(chunk, transposed, res, g):
     scale = g / denominator
 
     def body(dhead, xs):
-        x, t, w, l = xs
+        x, t, w, (m, log_sum) = xs
         logits, t = _masked(_chunk_logits(x, head, transposed), t, w)
-        probs = jnp.exp(logits - l[:, None])  # softmax, from the forward's log-sum-exp
+        probs = jnp.exp((logits - m[:, None]) - log_sum[:, None])  # softmax, from the forward's log-sum-exp
         dlogits = (probs - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * (w * scale)[:, None]
         dlogits_c = dlogits.astype(x.dtype)  # the head's compute dtype, float32 accumulation below
         w_c = head.astype(x.dtype)
@@ -131,7 +139,7 @@ def _fused_bwd(chunk, transposed, res, g):
             dw = jnp.dot(x.T, dlogits_c, preferred_element_type=jnp.float32)
         return dhead + dw, dx.astype(x.dtype)
 
-    xs = (_split(hidden, chunk), _split(targets, chunk), _split(weights, chunk), lse)  # lse: [n_chunks, chunk]
+    xs = (_split(hidden, chunk), _split(targets, chunk), _split(weights, chunk), lse)  # lse: 2 x [n_chunks, chunk]
     dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), xs)
     dhidden = dx.reshape(hidden.shape)
     return dhidden, dhead.astype(head.dtype), None, jnp.zeros_like(weights), jnp.zeros_like(denominator)

@@ -2,6 +2,7 @@
 side-by-side table are right; bad command lines fail before any work and never replace a result."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from benchmarks import __main__ as cli  # noqa: E402
 from benchmarks import measure  # noqa: E402
 from benchmarks.report import records, tables  # noqa: E402
 from benchmarks.suites import attention as attention_suite  # noqa: E402
+from jaxattn.spec import timing  # noqa: E402
 from jaxattn.spec.flops import attention_flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +81,32 @@ def test_check_stability_compares_each_row_across_runs():
     assert rows[1]["agree"] and rows[1]["unstable_in_runs"] == 0
 
 
+def test_timeit_paired_ratio_is_torch_time_over_jax_time(monkeypatch):
+    """The pair's ratio is the JAX speed-up: per round torch's time over JAX's, so a torch side 3x slower gives 3,
+    not 1/3 (a clock advanced by the calls themselves: exact, and no sleeping)."""
+    import functools
+
+    from jaxattn.spec.timing import time_interleaved
+
+    now = [0.0]
+
+    def call(cost):
+        def run():
+            now[0] += cost.pop(0) if isinstance(cost, list) else cost
+            return None
+
+        return run
+
+    clock = functools.partial(time_interleaved, clock=lambda: now[0])
+    monkeypatch.setattr(measure, "time_interleaved", clock)
+    torch_costs = [3.0, 3.5, 2.5, 3.0, 4.0, 2.5]  # 6 rounds x per_round 1 (warmup 0); halves: exact sums
+    t = measure.timeit_paired({"jax": call(1.0), "torch": call(torch_costs)}, rounds=6, per_round=1, warmup=0)
+    p = t["paired"]
+    assert t["torch"]["rounds"] == [3.0, 3.5, 2.5, 3.0, 4.0, 2.5] and t["jax"]["rounds"] == [1.0] * 6
+    assert p["ratios"] == [3.0, 3.5, 2.5, 3.0, 4.0, 2.5] and p["ratio"] == 3.0
+    assert p["ci"][0] > 1 and p["finding"]
+
+
 def _process(jax_ms, torch_ms, ratios, skipped=False):
     """One process's records of a two-row suite: row S=8 paired, row S=16 unpaired (a third impl skipped or not)."""
     pair = {"ratio": ratios[0], "ci": [min(ratios), max(ratios)], "unstable": False, "ratios": ratios}
@@ -138,6 +166,7 @@ def test_pool_records_pools_times_per_record_and_pairs_per_row():
     pair = a8["paired"]
     assert pair is out[1]["paired"] and pair["processes"] == 3 and pair["rounds"] == 9
     assert pair["process_ratios"] == [1.5, 1.35, 1.8] and pair["unstable"] and "processes moved" in pair["why"]
+    assert pair["ci"] == timing.pooled_ratio([r[0]["paired"]["ratios"] for r in runs])["ci"]  # the bootstrap's
     assert "paired" not in out[2] and out[2]["median_ms"] == 4.0
     assert out[4]["median_ms"] == 9.0 and out[4]["processes"] == 2 and "process_median_ms" not in out[4]
     _, rows = tables.speedup_rows(out)  # the pooling keys are results, not row keys: still two rows
@@ -194,6 +223,15 @@ def check_model_suite_output(out) -> None:
         assert r["status"] == "ok" and r["iters"] >= 20 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
         assert r["max_abs_diff"] <= 1e-4 and r["tokens_per_s"] > 0 and r["first_call_s"] > 0
     assert "JAX speed-up = torch time / JAX time" in (out / "report.md").read_text()
+    for preset, name in {(r["preset"], r["pass"]) for r in recs}:  # one pair per row, its ratio torch / JAX
+        jax_rec, torch_rec = (
+            next(r for r in recs if (r["preset"], r["pass"], r["framework"]) == (preset, name, fw))
+            for fw in ("jax", "torch")
+        )
+        pair, medians = jax_rec["paired"], torch_rec["median_ms"] / jax_rec["median_ms"]
+        assert torch_rec["paired"] == pair and pair["rounds"] == len(pair["ratios"]) >= 5
+        if abs(math.log(medians)) > math.log(1.3):  # a clear gap (measured 2-3x): the pair sides with the medians
+            assert math.log(pair["ratio"]) * math.log(medians) > 0, (preset, name, pair["ratio"], medians)
 
 
 @pytest.mark.slow  # the default run checks the same output of the same command in a clone (test_setup_order.py)

@@ -497,3 +497,68 @@ def test_torch_cli_refuses_bad_pipeline_flags_naming_them(argv, message, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the flags are refused before any rank meets
     with pytest.raises(CLIError, match=message):
         tt.Trainer.from_argv(["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--no-progress", *argv])
+
+
+def test_torch_pipeline_stages_go_round_robin_over_the_ranks():
+    """Interleaved: rank r holds stages r, r + p, ... (the library's "loop" stage-to-rank mapping, which its
+    interleaved schedule sends by), never a contiguous block; ``sync_model`` and the checkpoint gather each stage's
+    parameters from the rank that holds it (``_owner``)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    from torchref.model import LlamaForCausalLM
+    from torchref.pipeline import Pipeline, rank_stages
+
+    for ranks, per_rank in ((2, 2), (4, 2), (2, 3), (3, 1)):
+        library = generate_stage_to_rank_mapping(ranks, ranks * per_rank)
+        for r in range(ranks):
+            assert rank_stages(r, ranks, per_rank) == [s for s, owner in library.items() if owner == r]
+    assert rank_stages(1, 2, 2) == [1, 3]
+    pipe = object.__new__(Pipeline)  # the owner map only: no process group
+    pipe.pp_size, pipe.n_stages, pipe.mesh = 2, 4, None
+    model = LlamaForCausalLM(ModelConfig.preset("tiny", n_layers=4, tie_embeddings=False))
+    owner = pipe._owner(model)
+    assert {n.split(".")[2]: r for n, r in owner.items() if n.startswith("model.layers.")} == {
+        "0": 0, "1": 1, "2": 0, "3": 1,
+    }  # fmt: skip
+    assert owner["model.embed_tokens.weight"] == 0 and owner["lm_head.weight"] == owner["model.norm.weight"] == 1
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group in this process (torchrun without torchrun), destroyed after the test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_torch_pipeline_loss_is_the_token_weighted_mean_over_micro_batches(one_rank_group, schedule):
+    """One rank (every stage here), 4 micro-batches of one row each whose counted targets differ (3, 8, 6, 1 of
+    8: ``loss_mask``): the loss and gradients are the one-process masked mean's, the mean over ALL counted tokens
+    (each micro-batch's summed loss over the whole batch's count), not the mean of the micro-batches' means
+    (which weighs row 4's single target like row 2's eight). Twin of the slow 2- and 4-rank masked runs
+    (``pipeline_child.py``) at the cost of one process."""
+    import torch
+
+    from torchref.model import LlamaForCausalLM
+    from torchref.pipeline import Pipeline
+    from torchref.train_step import loss_fn as torch_loss_fn
+
+    cfg = ModelConfig.preset("tiny", n_layers=2, tie_embeddings=False)
+    torch.manual_seed(0)
+    model, ref = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (4, 9))
+    mask = (torch.arange(9)[None] >= torch.tensor([[6], [1], [3], [8]])).long()  # targets counted: 3, 8, 6, 1
+    batch = {"tokens": tokens, "loss_mask": mask}
+    want = torch_loss_fn(ref, batch)
+    want = want[0] if isinstance(want, tuple) else want
+    want.backward()
+    loss = Pipeline(model, schedule, 4).step(batch)
+    assert loss == pytest.approx(float(want), rel=1e-6, abs=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)

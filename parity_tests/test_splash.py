@@ -245,3 +245,34 @@ def test_tiny_train_step_traced_for_a_tpu_lowers_to_splash_kernels(tiny):
         text = jax.jit(fn).trace(params).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") >= 3
     assert "splash" in text
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 100, 150, 2, 1, 32, causal=True, segments="packed"),  # 150 keys: chunks 0-31, ..., 128-159
+        Case(1, 60, 130, 2, 2, 32, window=(20, 10), segments="random"),  # the band, not only the ids, per chunk
+    ],
+    ids=str,
+)
+def test_rows_without_a_key_are_found_across_kv_chunks(monkeypatch, case):
+    """Paired ids over several ``KV_CHUNK``-key chunks (the chunk cut to 32: every other paired case fits one
+    chunk of 512): the queries that see a key are exactly the contract mask's (each chunk's keys at their own
+    positions, the padding past Sk masked), and the output through the kernel equals the oracle's, zero on the
+    rows without a key. Row 0's ids are set so that causality alone empties rows: id 0 for keys from 96 on (the
+    fourth chunk), so under the causal band (offset 50) queries 0-45 of id 0 see none."""
+    monkeypatch.setattr(S, "KV_CHUNK", 32)
+    q, k, v, do, _, q_ids, kv_ids = _inputs(case)
+    q_ids = q_ids.at[:, 40:44].set(99)  # a run of queries whose id no key has (the "packed" ids have one too)
+    if case.causal:
+        kv_ids = kv_ids.at[0].set(jnp.where(jnp.arange(case.sk) >= 96, 0, 1))
+        q_ids = q_ids.at[0].set(jnp.where(jnp.arange(case.sq) < 60, 0, 1))
+    args = attn.normalize(q, k, v, causal=case.causal, window=case.window, segment_ids=(q_ids, kv_ids))
+    want = np.asarray(attn.mask(case.sq, case.sk, args).any(-1))
+    assert not want.all() and want.any()  # some queries see no key, some do
+    np.testing.assert_array_equal(np.asarray(S._rows_with_a_key(case.sq, case.sk, args)), want)
+    kw = dict(causal=case.causal, window=case.window, segment_ids=(q_ids, kv_ids))
+    out = jax.jit(lambda q, k, v: attn.dot_product_attention(q, k, v, **kw, backend="splash"))(q, k, v)
+    ref = attention_reference(q, k, v, **kw)
+    assert _maxabs(out, ref) <= 1e-5 * max(1.0, _finite_scale(ref))
+    assert np.all(np.asarray(out)[~want] == 0.0)

@@ -5,7 +5,9 @@
 ``hidden`` ``[N, dim]``, ``weight`` ``[vocab, dim]`` (``nn.Linear``'s layout, tied or not), ``targets`` int ``[N]``,
 ``weights`` float ``[N]``: ``sum(w * nll) / denominator`` (default ``max(sum(w), 1)``) as ``train_step``'s dense loss
 computes it, without ever holding ``[N, vocab]`` logits: an ``autograd.Function`` whose forward keeps one chunk's
-float32 logits at a time and saves the per-token log-sum-exp; its backward recomputes each chunk's logits and gives
+float32 logits at a time and saves the per-token log-sum-exp as two floats (the max logit ``m`` and
+``log(sum(exp(logits - m)))``: one float32 ``m + log-sum`` rounds at ``ulp(m)``, and with it the softmax of logits
+near 1e4); its backward recomputes each chunk's logits and gives
 ``d hidden`` and ``d weight`` directly (``dlogits = (softmax - onehot) * w / denominator``; float32 accumulation).
 Liger-Kernel's FusedLinearCrossEntropy does this in Triton (GPU only); this is the same algorithm in plain torch ops,
 a Python loop over a fixed number of chunks, which ``torch.compile`` unrolls. Written by hand: no torch library
@@ -33,20 +35,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, weights, denominator, chunk):
         total = hidden.new_zeros((), dtype=torch.float32)
-        lse = []
+        maxes, log_sums = [], []
         for s in range(0, hidden.shape[0], chunk):
             x, t, w = hidden[s : s + chunk], targets[s : s + chunk], weights[s : s + chunk]
             logits, t = _chunk_logits(x, weight, t, w)
-            lse_c = torch.logsumexp(logits, dim=-1)  # [chunk]
-            total = total + ((lse_c - logits.gather(1, t[:, None])[:, 0]) * w).sum()
-            lse.append(lse_c)
-        ctx.save_for_backward(hidden, weight, targets, weights, denominator, torch.cat(lse))
+            m = logits.amax(dim=-1)  # [chunk]
+            target_logit = logits.gather(1, t[:, None])[:, 0]
+            log_sum = logits.sub_(m[:, None]).exp_().sum(dim=-1).log_()  # in place: one chunk buffer
+            total = total + (((m - target_logit) + log_sum) * w).sum()
+            maxes.append(m)
+            log_sums.append(log_sum)
+        ctx.save_for_backward(hidden, weight, targets, weights, denominator, torch.cat(maxes), torch.cat(log_sums))
         ctx.chunk = chunk
         return total / denominator
 
     @staticmethod
     def backward(ctx, g):
-        hidden, weight, targets, weights, denominator, lse = ctx.saved_tensors
+        hidden, weight, targets, weights, denominator, m, log_sum = ctx.saved_tensors
         scale = g / denominator
         dhidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -54,7 +59,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             x, t, w = hidden[s : s + ctx.chunk], targets[s : s + ctx.chunk], weights[s : s + ctx.chunk]
             logits, t = _chunk_logits(x, weight, t, w)
-            dlogits = logits.sub_(lse[s : s + ctx.chunk, None]).exp_()  # softmax from the forward's lse, in place
+            # softmax from the forward's log-sum-exp, in place
+            dlogits = logits.sub_(m[s : s + ctx.chunk, None]).sub_(log_sum[s : s + ctx.chunk, None]).exp_()
             dlogits[torch.arange(len(t), device=t.device), t] -= 1.0
             dlogits = dlogits.mul_((w * scale)[:, None]).to(hidden.dtype)
             if dhidden is not None:

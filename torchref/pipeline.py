@@ -28,7 +28,7 @@ from . import parallel
 from .model import LlamaForCausalLM, rope_cos_sin
 from .remat import run_layer
 
-__all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline", "make_pipeline_step"]
+__all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline", "make_pipeline_step", "rank_stages"]
 
 
 class StageModule(nn.Module):
@@ -108,7 +108,7 @@ class Pipeline:
         n_stages = world * per_rank
         check_pipeline(model.config.n_layers, world, microbatches, microbatches, schedule, per_rank)
         device = device or torch.device("cpu")
-        self.indices = [rank + k * world for k in range(per_rank)]
+        self.indices = rank_stages(rank, world, per_rank)
         self.n_stages, self.pp_size, self.mesh, self.shard = n_stages, world, mesh, shard
         self.modules = [StageModule(model, i, n_stages) for i in self.indices]
         for m in self.modules if shard is not None else ():
@@ -185,7 +185,7 @@ class Pipeline:
         owner = {}
         for r in range(self.pp_size):
             src = r if self.mesh is None else int(self.mesh.mesh[r].flatten()[0])
-            for i in range(r, self.n_stages, self.pp_size):  # the stages pipeline rank r holds
+            for i in rank_stages(r, self.pp_size, self.n_stages // self.pp_size):
                 owner.update({n: src for n in _stage_names(model, i, self.n_stages)})
         return owner
 
@@ -275,6 +275,12 @@ def _shard_stage(stage: StageModule, shard: str, mesh, gather_once: bool = False
         fully_shard(stage, mesh=mesh, **kw)
     else:
         parallel.apply_tp(stage, mesh, stage.layers, prefix="model.")
+
+
+def rank_stages(rank: int, ranks: int, per_rank: int) -> list[int]:
+    """The stages pipeline rank ``rank`` of ``ranks`` holds: ``rank, rank + ranks, ...`` (``per_rank`` of them; round
+    robin, so stage ``i + 1`` is always on the next rank, as the library's interleaved schedule sends it)."""
+    return [rank + k * ranks for k in range(per_rank)]
 
 
 def stage_layers(n_layers: int, index: int, n_stages: int) -> range:
