@@ -545,3 +545,87 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
     assert (t["warmup"], t["iters"]) == (1, 30) and t["median_s"] == pytest.approx(0.01)
     t, calls = timed([60.0, 20.0, 0.01])  # a recompile on the first timed call is outvoted by the median
     assert t["iters"] == 30 and t["median_s"] == pytest.approx(0.01)
+
+
+def _attention_file(path, when, jax_version, cells):
+    """An attention-suite JSON at ``path``: ``cells`` = ``[(S, framework, impl, median_ms, pair or None)]``."""
+    env = {"jax_device": "NVIDIA H200", "torch_device": "NVIDIA H200", "jax_backend": "gpu", "jax": jax_version}
+    recs = [
+        {
+            "suite": "attention",
+            "impl": impl,
+            "framework": fw,
+            "pass": "fwd",
+            "dtype": "bfloat16",
+            "B": 1,
+            "Hq": 2,
+            "Hkv": 2,
+            "Sq": s,
+            "Sk": s,
+            "D": 64,
+            "causal": False,
+            "median_ms": ms,
+            "tflops": 1.0 / ms,
+            "status": "ok",
+            "reason": None,
+            **({"paired": pair} if pair else {}),
+        }
+        for s, fw, impl, ms, pair in cells
+    ]
+    path.write_text(json.dumps({"env": {**env, "time_utc": when}, "suite": "attention", "records": recs}))
+
+
+def test_report_merges_several_files_of_one_suite(tmp_path):
+    """Two `run --suite attention --impl ...` files in one folder are one attention table (rows merged, not
+    repeated), each file named with its time and its own environment; a merged row's speed-up uses a pair only if it
+    paired that row's fastest JAX and torch implementations, else the ratio of the medians."""
+    from benchmarks.report.build import rebuild_report
+
+    def pair(j, t, ratio):
+        return {"ratio": ratio, "ci": [ratio - 0.05, ratio + 0.05], "unstable": False, "jax_impl": j, "torch_impl": t}
+
+    pa8, pa16, pb8, pb16 = pair("a", "ta", 0.9), pair("a", "ta", 0.8), pair("b", "tb", 0.41), pair("b", "tb", 0.3)
+    _attention_file(
+        tmp_path / "attention-a.json",
+        "2030-01-01T00:00:00Z",
+        "1.0",
+        [
+            (8, "jax", "a", 2.0, pa8),
+            (8, "torch", "ta", 1.8, pa8),
+            (16, "jax", "a", 2.0, pa16),
+            (16, "torch", "ta", 1.6, pa16),
+        ],
+    )
+    _attention_file(
+        tmp_path / "attention-b.json",
+        "2030-01-01T00:05:00Z",
+        "1.1",
+        [
+            (8, "jax", "b", 1.0, pb8),
+            (8, "torch", "tb", 0.4, pb8),
+            (16, "jax", "b", 3.0, pb16),
+            (16, "torch", "tb", 0.9, pb16),
+        ],
+    )
+    found = records.read_results(str(tmp_path))
+    assert list(found) == ["attention"] and len(found["attention"]["records"]) == 8
+    assert [f["file"] for f in found["attention"]["files"]] == ["attention-a.json", "attention-b.json"]
+    assert [f["env"]["jax"] for f in found["attention"]["files"]] == ["1.0", "1.1"]
+    assert found["attention"]["env"]["time_utc"] == "2030-01-01T00:05:00Z"  # the newest file's
+
+    rebuild_report(str(tmp_path))
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("## attention") == 1 and "jax=1.1" in text.split("## attention")[0]  # header: the newest
+    assert "- `attention-a.json`: measured at 2030-01-01T00:00:00Z, 4 records (jax:a, torch:ta)" in text
+    assert "environment the header's except jax=1.0" in text
+    assert "- `attention-b.json`: measured at 2030-01-01T00:05:00Z, 4 records (jax:b, torch:tb)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| fwd |")]
+    assert len(rows) == 2 and all(row.count(" ms (") == 4 for row in rows)  # every impl in one row per shape
+    s8, s16 = (next(r for r in rows if f"| {s} | {s} |" in r) for s in (8, 16))
+    assert s8.endswith("| 0.41x [0.36–0.46] |")  # b and tb are the row's fastest: their pair
+    assert s16.endswith("| 0.45x |")  # fastest a (2.0) and tb (0.9): no pair of those two, the medians' ratio
+
+    (tmp_path / "attention-b.json").unlink()
+    rebuild_report(str(tmp_path))
+    text = (tmp_path / "report.md").read_text()
+    assert "From attention-a.json, measured at 2030-01-01T00:00:00Z." in text and "0.90x [0.85–0.95]" in text

@@ -102,3 +102,81 @@ def test_setup_times_come_from_the_committed_record():
     text = open("README.md", encoding="utf-8").read()
     quoted = [int(m) * 60 + int(sec) for m, sec in re.findall(r"(\d+) min (\d+) s measured", text)]
     assert quoted == [round(r["seconds"]) for r in recs], (quoted, [r["seconds"] for r in recs])
+
+
+def test_gpu_attention_section_from_several_runs(tmp_path):
+    """The GPU attention table: TFLOP/s of every implementation per shape and the speed-ups (torch time / JAX
+    time of each side's fastest among the named implementations, median / min / max over the shapes), forward and
+    forward+backward, from two runs of the suite in one folder; nothing for a folder without GPU records."""
+    rng = random.Random()
+    impls = {"a": ("flash", "sdpa:flash"), "b": ("mosaic", "cudnn", "jax.nn:cudnn", "sdpa:cudnn")}
+    shapes = [(s, c, p) for s in (512, 1024, 2048) for c in (False, True) for p in ("fwd", "fwd_bwd")]
+    times = {(shape, impl): rng.uniform(0.5, 3.0) for shape in shapes for ii in impls.values() for impl in ii}
+    for name, names in impls.items():
+        recs = [
+            dict(
+                suite="attention",
+                impl=impl,
+                framework="torch" if impl.startswith("sdpa") else "jax",
+                **{"pass": p},
+                dtype="bfloat16",
+                B=2,
+                Hq=4,
+                Hkv=4,
+                Sq=s,
+                Sk=s,
+                D=128,
+                causal=c,
+                median_ms=times[(s, c, p), impl],
+                tflops=100.0 / times[(s, c, p), impl],
+                status="ok",
+            )
+            for s, c, p in shapes
+            for impl in names
+        ]
+        env = dict(jax_device="NVIDIA H200", torch_device="NVIDIA H200", jax_backend="gpu", jax="9.1", torch="8.2")
+        env["time_utc"] = f"2031-01-01T00:0{len(name)}:{'05' if name == 'b' else '00'}Z"
+        (tmp_path / f"attention-{name}.json").write_text(
+            json.dumps({"env": env, "suite": "attention", "records": recs})
+        )
+    text = "\n".join(readme.gpu_attention_section(str(tmp_path)))
+    assert "### Attention on one NVIDIA H200 (measured)" in text and "jax 9.1" in text and "torch 8.2" in text
+    assert "`attention-a.json` (`flash`, `sdpa:flash`; 2031-01-01T00:01:00Z)" in text
+    head = next(line for line in text.splitlines() if line.startswith("| D | S |"))
+    assert head.endswith(
+        "| ours: flash | ours: mosaic | ours: cudnn | jax.nn:cudnn | torch sdpa:flash | torch sdpa:cudnn |"
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| 128 | 1024 | 2 × 4 | yes | forward+backward |"))
+    t = {impl: times[(1024, True, "fwd_bwd"), impl] for ii in impls.values() for impl in ii}
+    want = [f"{100.0 / t[i]:.0f}" for i in ("flash", "mosaic", "cudnn", "jax.nn:cudnn", "sdpa:flash", "sdpa:cudnn")]
+    assert row.strip("|").split("|")[5:] == [f" {w} " for w in want]
+
+    def speedup(jax_names, torch_names, p):
+        r = [
+            min(times[(s, c, p), i] for i in torch_names) / min(times[(s, c, p), i] for i in jax_names)
+            for s, c, pp in shapes
+            if pp == p
+        ]
+        return f"{statistics.median(r):.2f}× ({min(r):.2f}–{max(r):.2f}), {len(r)} shapes"
+
+    torch_all = ("sdpa:flash", "sdpa:cudnn")
+    lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    for label, j, tt in (
+        ("our best Pallas kernel / torch's best", ("flash", "mosaic"), torch_all),
+        ("JAX's best (cuDNN included) / torch's best", ("flash", "mosaic", "cudnn", "jax.nn:cudnn"), torch_all),
+        ("JAX cuDNN (ours: `cudnn`) / torch cuDNN (`sdpa:cudnn`)", ("cudnn",), ("sdpa:cudnn",)),
+    ):
+        assert lines[label] == f"| {label} | {speedup(j, tt, 'fwd')} | {speedup(j, tt, 'fwd_bwd')} |"
+    assert readme.gpu_attention_section(str(tmp_path / "missing")) == []
+    for f in tmp_path.glob("*.json"):  # the same records measured on a CPU: not a GPU table
+        d = json.loads(f.read_text())
+        d["env"]["jax_backend"] = "cpu"
+        f.write_text(json.dumps(d))
+    assert readme.gpu_attention_section(str(tmp_path)) == []
+
+
+def test_readme_says_which_gpu_ran_what():
+    """With the committed H200 records the README shows their table and no longer says no GPU has run the code."""
+    text = readme.render()
+    assert "### Attention on one NVIDIA H200 (measured)" in text
+    assert "No GPU has run this code yet" not in text and "The attention suite has run on a GPU" in text

@@ -40,8 +40,8 @@ def render_report(
     suites: list[tuple[str, list[dict], str | None]], info: dict, generated_by: str, plots: dict | None = None
 ) -> str:
     """The markdown of ``report.md``: a header naming the device, how it was made and the environment, then per
-    ``(suite, records, measured_at)`` its table (``measured_at`` None: this run), the skipped implementations and
-    its plot (``plots``: ``{suite: file name beside report.md}``)."""
+    ``(suite, records, source)`` the sentence naming its JSON file(s) and when they were measured (``source`` None:
+    none), its table, the skipped implementations and its plot (``plots``: ``{suite: file name beside report.md}``)."""
     parts = [
         f"# Benchmark report — {info.get('jax_device')}",
         "",
@@ -52,8 +52,8 @@ def render_report(
         SPEEDUP_NOTE,
         "",
     ]
-    for suite, recs, when in suites:
-        parts += [f"## {suite}", ""] + ([f"From {suite}.json, measured at {when}.", ""] if when else [])
+    for suite, recs, source in suites:
+        parts += [f"## {suite}", ""] + ([source, ""] if source else [])
         parts += [suite_table(suite, recs), ""]
         skipped = [r for r in recs if r.get("status") == "skipped"]
         if skipped:
@@ -93,13 +93,34 @@ def _timed(found: dict[str, dict]) -> dict[str, dict]:
     return {s: d for s, d in found.items() if s not in COMPILED_SUITES or (s == "plan" and "kernels" not in found)}
 
 
+def _impls(records: list[dict]) -> str:
+    return ", ".join(dict.fromkeys(impl_label(r) for r in records))
+
+
+def _source(suite: str, d: dict, header_env: dict) -> str:
+    """The sentence under a suite's heading: its file and when it was measured; for a suite merged from several
+    files (``records.read_results``), each file with its time, its implementations and where its environment
+    differs from the header's (the rows of the table are the files' records together)."""
+    files = d.get("files") or [{"file": f"{suite}.json", "env": d.get("env") or {}}]
+    if len(files) == 1:
+        return f"From {files[0]['file']}, measured at {(files[0]['env'] or {}).get('time_utc', 'an unknown time')}."
+    recs, start, lines = d["records"], 0, []
+    for f in files:
+        env, part = f["env"] or {}, recs[start : start + f["records"]]
+        start += f["records"]
+        other = [f"{k}={v}" for k, v in env.items() if k != "time_utc" and v is not None and header_env.get(k) != v]
+        lines.append(
+            f"- `{f['file']}`: measured at {env.get('time_utc', 'an unknown time')}, {len(part)} records "
+            f"({_impls(part)}); environment "
+            + (f"the header's except {', '.join(other)}." if other else "the header's.")
+        )
+    return f"Merged from {len(files)} files of this suite (one table, their records together):\n\n" + "\n".join(lines)
+
+
 def _timed_report(out_dir: str, timed: dict[str, dict]) -> str:
     """``report.md`` of the ``timed`` suites in ``out_dir``: the same text whether ``run`` or ``report`` writes it."""
     info = max((d.get("env") or {} for d in timed.values()), key=lambda e: str(e.get("time_utc", "")))
-    suites = [
-        (s, timed[s]["records"], (timed[s].get("env") or {}).get("time_utc", "an unknown time"))
-        for s in _ordered(timed)
-    ]
+    suites = [(s, timed[s]["records"], _source(s, timed[s], info)) for s in _ordered(timed)]
     return render_report(suites, info, GENERATED, _plots_in(out_dir, timed))
 
 
@@ -108,7 +129,14 @@ def write_report(out_dir: str, results: dict[str, list[dict]], info: dict) -> st
     JSON is already in ``out_dir`` (a run of one suite keeps the others' tables), with links to the plots there,
     written atomically; :func:`rebuild_report` on the same directory writes the same text."""
     found = read_results(out_dir)
-    found.update({s: {"env": info, "suite": s, "records": r} for s, r in results.items()})
+    # a suite read from several files already holds this run's records (written before the report)
+    found.update(
+        {
+            s: {"env": info, "suite": s, "records": r}
+            for s, r in results.items()
+            if len(found.get(s, {}).get("files", ())) < 2
+        }
+    )
     return write_text_atomic(os.path.join(out_dir, "report.md"), _timed_report(out_dir, _timed(found)))
 
 

@@ -15,6 +15,8 @@ import os
 import statistics
 import sys
 
+from jaxattn.spec.attention import BACKENDS
+
 from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
 from .records import RESULTS_DIR, read_results
@@ -426,6 +428,138 @@ def train_example_section() -> list[str]:
     ]
 
 
+# The committed measurements on a GPU: ``benchmarks/results/<device>/`` as ``measure.device_slug`` names it.
+GPU_DIRS = ("nvidia-h200",)
+# Our Pallas attention kernels (the backend table's "Pallas ..." rows; flash = Triton, mosaic = Mosaic GPU).
+PALLAS = tuple(b.name for b in BACKENDS if b.title.startswith("Pallas"))
+# (label, JAX implementations, torch implementations): a speed-up = the fastest torch median over the fastest JAX
+# median of a row among these, as report.md's column (torch time / JAX time; below 1 torch is faster).
+GPU_SPEEDUPS = (
+    ("our best Pallas kernel / torch's best", PALLAS, None),
+    ("JAX's best (cuDNN included) / torch's best", None, None),
+    ("JAX cuDNN (ours: `cudnn`) / torch cuDNN (`sdpa:cudnn`)", ("cudnn",), ("sdpa:cudnn",)),
+    ("JAX cuDNN (`jax.nn:cudnn`) / torch cuDNN (`sdpa:cudnn`)", ("jax.nn:cudnn",), ("sdpa:cudnn",)),
+)
+PASSES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+
+
+def _gpu_label(r: dict) -> str:
+    impl = r.get("impl", "?")
+    if r.get("framework") == "torch":
+        return f"torch {impl}"
+    return impl if impl.startswith("jax.nn:") else f"ours: {impl}"
+
+
+def _versions(envs: list[dict]) -> str:
+    """The software line of several runs' environments: each version once, ``a / b`` where the runs differ."""
+    keys = ("python", "jax", "jaxlib", "flax", "torch", "triton", "numpy")
+    return ", ".join(
+        f"{k} {' / '.join(dict.fromkeys(str(e[k]) for e in envs if e.get(k)))}"
+        for k in keys
+        if any(e.get(k) for e in envs)
+    )
+
+
+def gpu_speedups(records: list[dict]) -> list[tuple[str, dict[str, tuple[float, float, float, int]]]]:
+    """``[(label, {pass: (median, min, max, rows)})]`` per :data:`GPU_SPEEDUPS` line: over the rows (one per shape
+    and pass) where both sides ran, the fastest torch ``median_ms`` over the fastest JAX one among the named
+    implementations (None: every implementation of that framework); a line neither side of which ran is left out."""
+    rows: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("status", "ok") == "ok" and isinstance(r.get("median_ms"), (int, float)):
+            key = tuple(r.get(k) for k in ("pass", "dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "causal"))
+            rows.setdefault(key, {})[(r.get("framework"), r.get("impl"))] = r["median_ms"]
+
+    def fastest(cells: dict, fw: str, names) -> float | None:
+        times = [t for (f, i), t in cells.items() if f == fw and (names is None or i in names)]
+        return min(times) if times else None
+
+    out = []
+    for label, jax_names, torch_names in GPU_SPEEDUPS:
+        by_pass: dict[str, list[float]] = {}
+        for key, cells in rows.items():
+            j, t = fastest(cells, "jax", jax_names), fastest(cells, "torch", torch_names)
+            if j and t:
+                by_pass.setdefault(key[0], []).append(t / j)
+        if by_pass:
+            out.append((label, {p: (statistics.median(v), min(v), max(v), len(v)) for p, v in sorted(by_pass.items())}))
+    return out
+
+
+def gpu_attention_section(results_dir: str) -> list[str]:
+    """The attention suite measured on a GPU (``benchmarks/results/<device>/attention*.json``, one file or several
+    runs of the suite merged by ``records.read_results``): TFLOP/s per implementation and shape, and the median
+    speed-ups of :func:`gpu_speedups`, with the device and each file's environment."""
+    d = (read_results(results_dir) if os.path.isdir(results_dir) else {}).get("attention")
+    if not d or (d.get("env") or {}).get("jax_backend") != "gpu":
+        return []
+    recs = [r for r in d["records"] if r.get("status", "ok") == "ok" and r.get("tflops")]
+    if not recs:
+        return []
+    rel = os.path.relpath(results_dir, ROOT)
+    env = d["env"]
+    impls = list(dict.fromkeys((r["framework"], r["impl"]) for r in recs if r["framework"] == "jax"))
+    impls += list(dict.fromkeys((r["framework"], r["impl"]) for r in recs if r["framework"] == "torch"))
+    label = {(r["framework"], r["impl"]): _gpu_label(r) for r in recs}
+    files = d.get("files") or [{"file": "attention.json", "env": env, "records": len(d["records"])}]
+    runs, start = [], 0
+    for f in files:
+        part = d["records"][start : start + f["records"]]
+        start += f["records"]
+        names = ", ".join(f"`{i}`" for i in dict.fromkeys(r.get("impl") for r in part))
+        runs.append(f"`{f['file']}` ({names}; {(f['env'] or {}).get('time_utc', 'an unknown time')})")
+    dtypes = ", ".join(dict.fromkeys(str(r.get("dtype")) for r in recs))
+    out = [
+        f"### Attention on one {env.get('jax_device')} (measured)",
+        "",
+        f"From `{rel}/*.json` (`python -m benchmarks run --suite attention --impl ...`, one run per file, full "
+        f"tables with the paired intervals in `{rel}/report.md`): JAX on {env.get('jax_device')}, torch on "
+        f"{env.get('torch_device')}; {_versions([f['env'] or {} for f in files])}; runs: {'; '.join(runs)} "
+        f"(UTC). {dtypes}, TFLOP/s by the suite's FLOP count (`jaxattn.spec.flops`: causal counts half), each the "
+        "median of the timed calls.",
+        "",
+        "| D | S | B × H | causal | pass | " + " | ".join(label[i] for i in impls) + " |",
+        "|---|---|---|---|---|" + "---|" * len(impls),
+    ]
+    rows: dict[tuple, dict] = {}
+    for r in recs:
+        key = (r.get("D"), r.get("Sq"), r.get("B"), r.get("Hq"), r.get("causal"), r.get("pass"))
+        rows.setdefault(key, {})[(r["framework"], r["impl"])] = r["tflops"]
+    for (dim, seq, b, h, causal, pss), cells in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5])
+    ):
+        vals = [f"{cells[i]:.0f}" if i in cells else "—" for i in impls]
+        out.append(
+            f"| {dim} | {seq} | {b} × {h} | {'yes' if causal else 'no'} | {PASSES.get(pss, pss)} | "
+            + " | ".join(vals)
+            + " |"
+        )
+    speedups = gpu_speedups(d["records"])
+    if speedups:
+        passes = list(dict.fromkeys(p for _, by in speedups for p in by))
+        out += [
+            "",
+            "| speed-up = torch time / JAX time (below 1.00× torch is faster): median (min–max) over the shapes | "
+            + " | ".join(PASSES.get(p, p) for p in passes)
+            + " |",
+            "|---|" + "---|" * len(passes),
+        ]
+        for name, by in speedups:
+            cells = [
+                f"{by[p][0]:.2f}× ({by[p][1]:.2f}–{by[p][2]:.2f}), {by[p][3]} shapes" if p in by else "—"
+                for p in passes
+            ]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out += [
+            "",
+            "Each ratio compares the medians of a row's fastest implementations on each side, from the same run or "
+            "from two of the runs above (not a paired measurement; the pairs each run timed are in "
+            f"`report.md`). Pallas: {', '.join(f'`{p}`' for p in PALLAS if any(r.get('impl') == p for r in recs))}; "
+            "torch's best: the faster of its SDPA backends measured.",
+        ]
+    return out
+
+
 QUICK = os.path.join(RESULTS, "cpu-quick")
 # What a suite without a JAX-vs-torch timed row measures (one line each; numbers still come from its JSON).
 UNPAIRED = {
@@ -574,13 +708,20 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
 
 
 def render() -> str:
+    gpu = [line for name in GPU_DIRS for line in gpu_attention_section(os.path.join(RESULTS, name)) + [""]]
     parts = [
         "## Results (generated by `python -m benchmarks.readme` from committed JSON)",
         "",
-        "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host.",
+        (
+            "The attention suite has run on a GPU (the first table below); every other GPU figure below is from a "
+            "deviceless compile on a CPU host."
+            if gpu
+            else "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host."
+        ),
         "",
     ]
     for section in (
+        gpu[:-1],
         train_example_section(),
         cpu_quick_section(),
         kernels_section(),

@@ -55,8 +55,14 @@ def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> 
 
 
 def read_results(out_dir: str) -> dict[str, dict]:
-    """``{suite: {"env", "suite", "records"}}`` for every readable ``<suite>.json`` in ``out_dir``."""
-    found = {}
+    """``{suite: {"env", "suite", "records", "files"}}`` for every suite with a readable JSON in ``out_dir``.
+
+    A suite measured in several runs (e.g. ``attention-flash-vs-sdpa-flash.json`` and
+    ``attention-mosaic-cudnn-vs-sdpa-cudnn.json``, each ``run --suite attention --impl ...``) is one entry: its
+    records merged in file-name order, ``env`` the most recent file's (by ``time_utc``) and ``files`` every file's
+    ``{"file", "env", "records"}`` (name, its own environment, its number of records) in that order; a suite of
+    one file has one entry in ``files``."""
+    found: dict[str, dict] = {}
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         if not name.endswith(".json") or name.startswith("."):
             continue
@@ -65,6 +71,15 @@ def read_results(out_dir: str) -> dict[str, dict]:
                 data = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and isinstance(data.get("records"), list) and data.get("suite"):
-            found[data["suite"]] = data
+        if not (isinstance(data, dict) and isinstance(data.get("records"), list) and data.get("suite")):
+            continue
+        env = data.get("env") or {}
+        source = {"file": name, "env": env, "records": len(data["records"])}
+        if data["suite"] not in found:
+            found[data["suite"]] = {**data, "files": [source]}
+            continue
+        merged = found[data["suite"]]
+        merged["records"] = merged["records"] + data["records"]
+        merged["files"].append(source)
+        merged["env"] = max((f["env"] for f in merged["files"]), key=lambda e: str(e.get("time_utc", "")))
     return found

@@ -97,8 +97,29 @@ def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, 
 
 def row_paired(cells: dict) -> dict | None:
     """The paired measurement of a row (``jaxattn.spec.timing.paired_ratio``'s dict, carried by its records when
-    the suite timed JAX and torch alternately), or None."""
-    return next((c["paired"] for c in cells.values() if isinstance(c.get("paired"), dict)), None)
+    the suite timed JAX and torch alternately), or None. A row merged from several runs (``records.read_results``)
+    may carry several pairs naming different implementations (``jax_impl``/``torch_impl``): then only the pair of
+    the row's fastest JAX and fastest torch implementation is the row's, and None (the plain ratio of medians)
+    when no run paired those two."""
+    pairs = [c["paired"] for c in cells.values() if isinstance(c.get("paired"), dict)]
+    named = {(p.get("jax_impl"), p.get("torch_impl")) for p in pairs}
+    if len(named) <= 1 or (None, None) in named:
+        return pairs[0] if pairs else None
+    fastest = tuple(
+        min(
+            (
+                c
+                for c in cells.values()
+                if c.get("framework") == fw
+                and c.get("status", "ok") == "ok"
+                and isinstance(c.get("median_ms"), (int, float))
+            ),
+            key=lambda c: c["median_ms"],
+            default={},
+        ).get("impl")
+        for fw in ("jax", "torch")
+    )
+    return next((p for p in pairs if (p.get("jax_impl"), p.get("torch_impl")) == fastest), None)
 
 
 def format_ratio(ratio: float, paired: dict | None) -> str:
