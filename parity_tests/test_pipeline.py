@@ -535,7 +535,20 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def _torch_before(version: str) -> bool:
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < tuple(map(int, version.split(".")))
+
+
+# One rank running two virtual stages sends to itself; torch 2.11's gloo pair refuses ("Pair is not connected"),
+# 2.13's works. Real runs are under torchrun with >= 2 ranks (the slow tests); tracked, strict.
+_SELF_SEND = pytest.mark.xfail(
+    _torch_before("2.13"), reason="torch < 2.13: gloo cannot send to self (one-rank interleaved)", strict=True
+)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=_SELF_SEND)])
 def test_torch_pipeline_loss_is_the_token_weighted_mean_over_micro_batches(one_rank_group, schedule):
     """One rank (every stage here), 4 micro-batches of one row each whose counted targets differ (3, 8, 6, 1 of
     8: ``loss_mask``): the loss and gradients are the one-process masked mean's, the mean over ALL counted tokens

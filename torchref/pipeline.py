@@ -154,7 +154,9 @@ class Pipeline:
             )
         tokens = batch["tokens"]
         check_pipeline(1, 1, tokens.shape[0], self.microbatches)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:].long()  # cross_entropy takes int64 targets
+        # contiguous: torch 2.11's stages check each micro-batch's strides against the first one's ([B, S+1] sliced
+        # to [B, S] has stride S+1: "stride mismatch: expected (16, 1) actual (17, 1)")
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].long()  # cross_entropy takes int64 targets
         mask = batch.get("loss_mask")
         if mask is not None:  # an ignored target: cross_entropy's ignore_index
             targets = torch.where(mask[:, 1:].bool(), targets, torch.full_like(targets, -100))
