@@ -141,7 +141,7 @@ def smollm2_gguf():
 # so a skip means a version drift, e.g. a plugin or libtpu that no longer matches jax, and would hide every check).
 _COMPILE_MARKERS = ("gpu_compile", "tpu_compile")
 _compile_outcomes: dict[str, dict[str, list[str]]] = {
-    m: {"passed": [], "failed": [], "skipped": []} for m in _COMPILE_MARKERS
+    m: {"passed": [], "failed": [], "skipped": [], "xfailed": []} for m in _COMPILE_MARKERS
 }
 
 
@@ -149,7 +149,10 @@ def pytest_runtest_logreport(report):  # runs in the xdist controller too, with 
     for marker in _COMPILE_MARKERS:
         if marker not in report.keywords:
             continue
-        if report.skipped:
+        if hasattr(report, "wasxfail"):  # a tracked strict xfail: failed as expected (an XPASS(strict) is a failure)
+            key = "xfailed" if report.skipped else "failed"
+            _compile_outcomes[marker][key].append(report.wasxfail if report.skipped else report.nodeid)
+        elif report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             _compile_outcomes[marker]["skipped"].append(reason.removeprefix("Skipped: "))
         elif report.failed:
@@ -165,11 +168,12 @@ def _compile_summary() -> tuple[list[str], list[str]]:
         if not n:
             continue
         lines.append(
-            f"{marker}: {len(got['passed'])} passed, {len(got['failed'])} failed, {len(got['skipped'])} skipped"
+            f"{marker}: " + ", ".join(f"{len(got[k])} {k}" for k in ("passed", "failed", "skipped", "xfailed"))
         )
-        for reason in sorted(set(got["skipped"])):
-            lines.append(f"  skipped ({got['skipped'].count(reason)}): {reason}")
-        if not got["passed"] and not got["failed"]:
+        for kind in ("skipped", "xfailed"):
+            for reason in sorted(set(got[kind])):
+                lines.append(f"  {kind} ({got[kind].count(reason)}): {reason}")
+        if not got["passed"] and not got["failed"] and not got["xfailed"]:
             errors.append(f"every {marker} test skipped ({n}): {sorted(set(got['skipped']))[0]}")
     return lines, errors
 
