@@ -550,26 +550,10 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
 def _attention_file(path, when, jax_version, cells):
     """An attention-suite JSON at ``path``: ``cells`` = ``[(S, framework, impl, median_ms, pair or None)]``."""
     env = {"jax_device": "NVIDIA H200", "torch_device": "NVIDIA H200", "jax_backend": "gpu", "jax": jax_version}
+    from parity_tests.test_report import _attn
+
     recs = [
-        {
-            "suite": "attention",
-            "impl": impl,
-            "framework": fw,
-            "pass": "fwd",
-            "dtype": "bfloat16",
-            "B": 1,
-            "Hq": 2,
-            "Hkv": 2,
-            "Sq": s,
-            "Sk": s,
-            "D": 64,
-            "causal": False,
-            "median_ms": ms,
-            "tflops": 1.0 / ms,
-            "status": "ok",
-            "reason": None,
-            **({"paired": pair} if pair else {}),
-        }
+        {**_attn(impl, fw, "fwd", s, False, ms), "dtype": "bfloat16", **({"paired": pair} if pair else {})}
         for s, fw, impl, ms, pair in cells
     ]
     path.write_text(json.dumps({"env": {**env, "time_utc": when}, "suite": "attention", "records": recs}))
