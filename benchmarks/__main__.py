@@ -33,9 +33,9 @@ from . import measure  # noqa: E402
 from .report import readme  # noqa: E402
 from .report.build import rebuild_report, write_report  # noqa: E402
 from .report.plots import plot_suite  # noqa: E402
-from .report.records import check_out_dir, default_out, read_results, write_results  # noqa: E402
+from .report.records import LiveRows, check_out_dir, default_out, read_results, write_results  # noqa: E402
 from .report.tables import suite_table  # noqa: E402
-from .suites import SUITES, attention  # noqa: E402
+from .suites import SUITES, attention, decode, train  # noqa: E402
 from .tools import train_example  # noqa: E402
 
 
@@ -56,6 +56,19 @@ def main(argv=None) -> int:
         help="attention suite: keep only these implementations (repeatable, e.g. flash, sdpa:flash)",
     )
     run.add_argument(
+        "--decode-impl",
+        action="append",
+        default=None,
+        help="decode suite: which extras run beside the jaxattn/torchref pair (repeatable: jaxattn+flash_decode, "
+        "torchref+compile; default both)",
+    )
+    run.add_argument(
+        "--toggle",
+        action="append",
+        default=None,
+        help="train suite: only these technique toggles (repeatable, e.g. baseline, bf16; default: all)",
+    )
+    run.add_argument(
         "--max-seq",
         type=int,
         default=None,
@@ -73,6 +86,19 @@ def main(argv=None) -> int:
         metavar="N",
         help="measure in N fresh processes and pool them: one record per row, its pair's interval over the "
         "processes, `unstable` where they disagree (default 1: this process)",
+    )
+    run.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="train / decode suites: rows not started within S seconds are recorded as skipped (train's default: "
+        "480 outside --quick; decode's: none)",
+    )
+    run.add_argument(
+        "--no-report",
+        action="store_true",
+        help="write only the suites' JSON (no report.md, no plots): `python -m benchmarks report DIR` builds them",
     )
     rep = sub.add_parser("report", help="rebuild report.md and plots from the JSON in DIR (runs nothing)")
     rep.add_argument("dir", metavar="DIR", help="a results directory holding <suite>.json files")
@@ -111,8 +137,15 @@ def main(argv=None) -> int:
     # is measured, and writes nothing.
     if (args.impl is not None or args.max_seq is not None) and "attention" not in suites:
         run.error(f"--impl/--max-seq filter the attention suite, which is not selected (suites: {suites})")
+    if args.decode_impl is not None and "decode" not in suites:
+        run.error(f"--decode-impl picks decode suite rows; the decode suite is not selected (suites: {suites})")
+    if args.toggle is not None and "train" not in suites:
+        run.error(f"--toggle picks train suite rows; the train suite is not selected (suites: {suites})")
     try:
         attention.check_filters(args.quick, args.impl, args.max_seq)
+        decode.check_impls(args.decode_impl)
+        if args.toggle is not None:
+            train.check_toggles(args.toggle)
     except ValueError as e:
         run.error(str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq"))
     try:
@@ -120,6 +153,8 @@ def main(argv=None) -> int:
             check_out_dir(args.out)
     except ValueError as e:
         run.error(str(e))
+    if args.budget_s is not None and (args.budget_s <= 0 or not {"train", "decode"} & set(suites)):
+        run.error(f"--budget-s {args.budget_s}: give seconds > 0 for the train or decode suite (suites: {suites})")
     if args.repeat < 1:
         run.error(f"--repeat {args.repeat}: give a number of processes >= 1")
 
@@ -144,7 +179,18 @@ def main(argv=None) -> int:
         bar.set_postfix_str(suite)
         t0, load0 = time.perf_counter(), list(os.getloadavg())
         kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
-        records = importlib.import_module(f"benchmarks.suites.{suite}").run(quick=args.quick, **kwargs)
+        if suite == "decode":
+            kwargs["impls"] = args.decode_impl
+        if suite == "train":
+            kwargs["toggles"] = args.toggle
+        if suite in ("train", "decode") and args.budget_s is not None:
+            kwargs["budget_s"] = args.budget_s
+        # the suite's JSON is rewritten after each row ("complete": false), so a kill keeps the rows before it
+        measure._ROWS = LiveRows(out, suite, {**info, "loadavg": load0})
+        try:
+            records = importlib.import_module(f"benchmarks.suites.{suite}").run(quick=args.quick, **kwargs)
+        finally:
+            measure._ROWS = None
         if not any(r.get("status", "ok") == "ok" for r in records):
             # never replace a result with an empty one or one made only of skips
             reasons = sorted({str(r.get("reason")) for r in records})
@@ -163,10 +209,13 @@ def main(argv=None) -> int:
         # the machine's load (1/5/15-min averages) as this suite started and ended: a busy machine moves the times
         write_results(out, suite, records, {**info, "loadavg": load0, "loadavg_end": list(os.getloadavg())})
         print(f"\n## {suite} ({time.perf_counter() - t0:.0f} s)\n\n{suite_table(suite, records)}", flush=True)
+        if args.no_report:
+            print(f"wrote {os.path.join(out, suite + '.json')}", flush=True)
+            continue
         plot = plot_suite(out, suite, records, info)
         if plot:
             print(f"plot: {plot.path}", flush=True)
-    if results:
+    if results and not args.no_report:
         print(f"\nreport: {write_report(out, results, info)}")
     return 1 if failed else 0
 

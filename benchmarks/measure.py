@@ -19,6 +19,17 @@ from typing import Any
 
 from jaxattn.spec.timing import paired_ratio, time_calls, time_interleaved
 
+_ROWS: list | None = None  # the running suite's record list (records.LiveRows), set by `python -m benchmarks run`
+
+
+def rows() -> list:
+    """The list a suite appends its records to: under ``python -m benchmarks run`` the run's
+    ``report.records.LiveRows`` (the suite's JSON rewritten after every row, one progress line each), else a
+    plain list (a suite called from a test or a tool)."""
+    global _ROWS
+    sink, _ROWS = _ROWS, None  # taken once: a suite calling another suite's run() gets a plain list
+    return sink if sink is not None else []
+
 
 def sync(out: Any = None) -> None:
     """Wait for device work behind ``out`` with each loaded framework's ``profiling.synchronize`` (jax arrays,

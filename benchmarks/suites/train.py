@@ -212,6 +212,14 @@ class _Skip(Exception):
     pass
 
 
+def check_toggles(toggles) -> list[str]:
+    """``toggles`` as a list, after checking each names one of :data:`TOGGLES` (ValueError naming the others)."""
+    unknown = [n for n in toggles if n not in TOGGLES]
+    if unknown:
+        raise ValueError(f"unknown train toggle(s) {unknown}; choose from {list(TOGGLES)}")
+    return list(toggles)
+
+
 def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: float | None = None) -> list[dict]:
     """Records for ``toggles`` (default: all of :data:`TOGGLES`, in order; JAX before torch). Per toggle both
     frameworks' steps are built and compiled, then timed as a pair (``measure.timeit_paired``: alternating rounds,
@@ -221,10 +229,7 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
 
     from torchref.config import ModelConfig as TConfig
 
-    names = list(TOGGLES) if toggles is None else list(toggles)
-    unknown = [n for n in names if n not in TOGGLES]
-    if unknown:
-        raise ValueError(f"unknown train toggle(s) {unknown}; choose from {list(TOGGLES)}")
+    names = list(TOGGLES) if toggles is None else check_toggles(toggles)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rounds, warmup = (10, 2) if quick else (10, 3)
     peak, peak_reason = peaks.peak_flops(measure.jax_device_name())
@@ -249,7 +254,7 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
 
     budget_s = None if quick else BUDGET_S if budget_s is None else budget_s
     t_start = time.perf_counter()
-    records = []
+    records = measure.rows()
     for name in names:
         fws = ("torch",) if name == "torch_compile" else ("torch", "jax")  # JAX's step is always jitted
         recs, meas, prepared = {}, {}, {}

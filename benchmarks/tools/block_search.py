@@ -194,9 +194,10 @@ def has_gpu() -> bool:
         return False
 
 
-def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20) -> list[dict]:
+def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20, on_row=None) -> list[dict]:
     """On a GPU: the median time of each passing row's kernel alone (``measure.timeit``, random inputs of
-    ``shape``), and its rank.  Without a GPU, returns ``rows`` unchanged (the caller says so)."""
+    ``shape``), and its rank; ``on_row(row)`` after each timed row (e.g. an incremental write).  Without a GPU,
+    returns ``rows`` unchanged (the caller says so)."""
     if not has_gpu():
         return rows
     for row in rows:
@@ -219,6 +220,8 @@ def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20)
             row["time"] = measure.timeit(fn, *args, iters=iters)
         except Exception as e:  # pragma: no cover - GPU only
             row["time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if on_row is not None:
+            on_row(row)
     timed = sorted((r for r in rows if "time" in r), key=lambda r: r["time"]["median_s"])
     for i, r in enumerate(timed):
         r["time_rank"] = i
@@ -326,33 +329,60 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--target", default="h100")
     p.add_argument("--out", default=None, help="merge the rows into DIR/block_search.{json,md}")
+    p.add_argument(
+        "--survivors",
+        metavar="FILE",
+        default=None,
+        help="skip the filter: time the rows of FILE (a block_search.json) that passed it, for the --kernel/--d/"
+        "--dtype given (on a GPU; a GPU session's search, e.g. benchmarks/results/h100-compiled/block_search.json)",
+    )
     args = p.parse_args(argv)
-    devs = gpu_target.devices(target_config(args.target))
-    rows = []
-    for kernel in args.kernel or KERNELS:
-        for d in args.d or (64, 128, 256):
-            for dt in args.dtype or ("bf16",):
-                print(f"  {kernel} D={d} {dt}", flush=True)
-                got = filter_kernel(
-                    devs,
-                    kernel,
-                    d,
-                    DTYPES[dt],
-                    candidates(kernel, d, DTYPES[dt], args.quick),
-                    log=lambda *a: print(*a, flush=True),
-                )
-                rows += time_rows(got)
+    groups = [
+        (kernel, d, dt)
+        for kernel in args.kernel or KERNELS
+        for d in args.d or (64, 128, 256)
+        for dt in args.dtype or ("bf16",)
+    ]
+    rows: list[dict] = []
+    info = dict(measure.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run")
+
+    def save(_row=None):  # after every timed row: a kill keeps what was timed
+        if args.out and rows:
+            timed_on = measure.jax_device_name() if any("time" in r for r in rows) else None
+            label = info["label"] if timed_on is None else f"compiled for {args.target.upper()}, timed on {timed_on}"
+            write(args.out, rows, dict(info, timed_on=timed_on, label=label))
+
+    if args.survivors:
+        stored = read_results(os.path.dirname(os.path.abspath(args.survivors))).get("block_search", {})
+        for kernel, d, dt in groups:
+            got = [
+                dict(r)
+                for r in stored.get("records", [])
+                if (r["kernel"], r["head_dim"], r["dtype"]) == (kernel, d, jnp.dtype(DTYPES[dt]).name)
+            ]
+            if not got:
+                p.error(f"--survivors {args.survivors}: no rows for {kernel} D={d} {dt}")
+            print(f"  {kernel} D={d} {dt}: timing {sum(r['passed'] for r in got)} survivors", flush=True)
+            rows += got
+            time_rows(got, on_row=save)
+    else:
+        devs = gpu_target.devices(target_config(args.target))
+        for kernel, d, dt in groups:
+            print(f"  {kernel} D={d} {dt}", flush=True)
+            got = filter_kernel(
+                devs,
+                kernel,
+                d,
+                DTYPES[dt],
+                candidates(kernel, d, DTYPES[dt], args.quick),
+                log=lambda *a: print(*a, flush=True),
+            )
+            rows += time_rows(got, on_row=save)
     if not has_gpu():
         print("no GPU here: timing skipped (deviceless filter only)")
     print(table(rows))
     if args.out:
-        info = dict(
-            measure.env_info(),
-            target=args.target,
-            label=f"compiled for {args.target.upper()}, not run",
-            timed_on=measure.jax_device_name() if any("time" in r for r in rows) else None,
-        )
-        write(args.out, rows, info)
+        save()
         print(f"merged into {args.out}/block_search.json")
     return 0
 

@@ -1,61 +1,148 @@
 #!/usr/bin/env bash
-# Device calls for a session that has a GPU: compiled-kernel tests first, then the benchmark suites.
-# Run from the repository root on the GPU machine; writes under $OUT.
-#   bash benchmarks/tools/gpu_session.sh                               # every step, in order
-#   bash benchmarks/tools/gpu_session.sh tests attention model order   # only these steps
-# Steps: tests, attention, model, order (reads the tests log and attention.json of the same $OUT), train, decode.
-# Where a device call is limited to 10 minutes, give each call steps whose timeouts add up to less: e.g.
-# `tests attention order`, then `model`, then `train`, then `decode`. A suite killed by its timeout writes
-# nothing (results are replaced only by complete ones).
-# Results go to $OUT/results/<device>/ (the committed layout): copy that folder into benchmarks/results/ and commit
-# it, then `python -m benchmarks.readme`; never type a GPU number by hand.
+# The GPU session: what the project wants from a lent GPU, in two device calls that fit its 15 minutes
+# (the machine's start takes 1-2 of them). Run from the repository root; writes under $OUT.
+#   bash benchmarks/tools/gpu_session.sh --plan              # the plan (steps, budgets, expected GPU times); runs nothing
+#   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, model, attention, order
+#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, blocks
+#   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
+#   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
+# Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
+# finished: they are written one by one). $OUT holds at most 6 files per call (a device call returns 8):
+# session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, block_search.{json,md}.
+# Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
+# `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
+# (jax with its CUDA plugin, torch, pytest-xdist, pytest-timeout); $PYTHON picks the interpreter (default python).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}
-ALL_STEPS=(tests attention model order train decode)
-if [ "$#" -gt 0 ]; then STEPS=("$@"); else STEPS=("${ALL_STEPS[@]}"); fi
-for s in "${STEPS[@]}"; do
-  case " ${ALL_STEPS[*]} " in
-    *" $s "*) ;;
-    *) echo "gpu_session.sh: unknown step '$s'; steps: ${ALL_STEPS[*]}" >&2; exit 2 ;;
+PY=${PYTHON:-python}
+# step | call | budget s | expected on one H100, s | what (the reasoning behind each expectation: benchmarks/NOTES.md)
+PLAN="tests|1|90|70|gpu tests: 8 pytest-xdist workers, 60 s per test (compiles dominate)
+model|1|140|130|model suite: 125m, 350m, moe-350m fp32, a fresh process per preset
+attention|1|70|60|attention suite: ours (flash, mosaic) and torch cuDNN, S <= 4096
+order|1|10|5|default attention order by evidence (tests log + attention records)
+train|2|130|120|train suite 1b B=1 S=2048: baseline, bf16, attn_fast, fused_loss
+decode|2|90|80|decode suite: 125m-random and tiny, fp32/bf16/int8, B 1 and 64, our split-K kernel
+blocks|2|60|55|flash D=128 bf16 block sizes: time the deviceless filter's survivors"
+ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
+DRY=0 PLAN_ONLY=0 CALL="" STEPS=()
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --plan) PLAN_ONLY=1 ;;
+    --call) CALL=${2:-}; shift ;;
+    --call=*) CALL=${1#--call=} ;;
+    -*) echo "gpu_session.sh: unknown option '$1'; options: --plan, --dry-run, --call 1|2" >&2; exit 2 ;;
+    *)
+      case " ${ALL_STEPS[*]} " in
+        *" $1 "*) STEPS+=("$1") ;;
+        *) echo "gpu_session.sh: unknown step '$1'; steps: ${ALL_STEPS[*]}" >&2; exit 2 ;;
+      esac ;;
   esac
+  shift
 done
+if [ -n "$CALL" ] && [ "$CALL" != 1 ] && [ "$CALL" != 2 ]; then
+  echo "gpu_session.sh: --call '$CALL': give 1 or 2" >&2; exit 2
+fi
+field() { grep "^$1|" <<<"$PLAN" | cut -d'|' -f"$2"; }
+if [ "${#STEPS[@]}" -eq 0 ]; then
+  for s in "${ALL_STEPS[@]}"; do
+    if [ -z "$CALL" ] || [ "$(field "$s" 2)" = "$CALL" ]; then STEPS+=("$s"); fi
+  done
+fi
+budget() {  # a step's budget in seconds; BUDGET_<step>=S overrides it (the rehearsal's tests use this)
+  local var="BUDGET_$1"
+  echo "${!var:-$(field "$1" 3)}"
+}
+print_plan() {
+  local s total=0 expect=0
+  printf '%-10s %4s %8s %10s  %s\n' step call budget expected what
+  for s in "${STEPS[@]}"; do
+    printf '%-10s %4s %7ss %9ss  %s\n' "$s" "$(field "$s" 2)" "$(budget "$s")" "$(field "$s" 4)" "$(field "$s" 5)"
+    total=$((total + $(budget "$s"))) expect=$((expect + $(field "$s" 4)))
+  done
+  echo "total: budget ${total} s, expected ${expect} s on one H100 (a device call may run 600 s; keep each <= 360 s)"
+}
+if [ "$PLAN_ONLY" = 1 ]; then print_plan; exit 0; fi
+
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.log") 2>&1
+echo "gpu_session.sh $(date -u +%FT%TZ) call=${CALL:-all} dry_run=$DRY steps: ${STEPS[*]}"
+print_plan
+if [ "$DRY" = 1 ]; then
+  QUICK=(--quick)
+  echo "dry run: the same steps on this machine at --quick sizes (a CPU rehearsal: gpu tests skip, nothing is timed on a GPU)"
+else
+  QUICK=()
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || echo "nvidia-smi: unavailable"
+fi
+$PY -c "import sys, jax, torch; print('python', sys.version.split()[0], '| jax', jax.__version__, jax.devices(), '| torch', torch.__version__, torch.cuda.is_available())"
+DEVICE=$($PY -c "from benchmarks import measure; print(measure.device_slug(measure.env_info()))")
+RES="$OUT/results/$DEVICE"
+mkdir -p "$RES"
+SUMMARY=()
+step() {  # step NAME COMMAND...: run under the step's budget (output also to $STEP_LOG if set), note exit and seconds
+  local name=$1 b t0 rc
+  shift
+  b=$(budget "$name")
+  echo
+  echo "=== step $name (budget ${b} s, expected $(field "$name" 4) s on one H100) ==="
+  t0=$(date +%s.%N)
+  if [ -n "${STEP_LOG:-}" ]; then
+    timeout -s INT -k 15 "$b" "$@" 2>&1 | tee "$STEP_LOG"
+    rc=${PIPESTATUS[0]}
+  else
+    timeout -s INT -k 15 "$b" "$@"
+    rc=$?
+  fi
+  local dt
+  dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  local why=""
+  [ "$rc" = 124 ] && why=" (its budget ended it; finished rows are kept)"
+  echo "=== step $name: exit $rc after ${dt} s of ${b} s$why ==="
+  SUMMARY+=("$name: exit $rc, ${dt} s of ${b} s$why")
+}
 want() {
   local s
   for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done
   return 1
 }
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-# the results directory name of this device, as `python -m benchmarks run` names it by default
-DEVICE=$(python -c "from benchmarks import measure; print(measure.device_slug(measure.env_info()))")
-RES="$OUT/results/$DEVICE"
-# 1. correctness of the compiled kernels (flash via Triton, mosaic via Mosaic GPU, cudnn, precision flags);
-#    -rA lists every test's outcome, which step "order" reads (no -x: one backend's failure must not hide the others)
+# one benchmark suite into $RES, JSON only (the report is built off the device)
+BENCH=("$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$RES")
 if want tests; then
-  timeout 240 python -m pytest parity_tests -m gpu -q -rA -p no:warnings --durations=10 2>&1 | tee "$OUT/gpu_tests.log"
-fi
-# 2. benchmarks (split the attention sweep with --max-seq / --impl if one call cannot hold it)
-if want attention; then
-  timeout 300 python -m benchmarks run --suite attention --max-seq "${MAX_SEQ:-8192}" --out "$RES" 2>&1 \
-    | tee "$OUT/bench_attention.log"
+  # -rA lists every test's outcome (step "order" reads it); the conftest prints a verdict per backend
+  STEP_LOG="$OUT/gpu_tests.log" step tests "$PY" -m pytest parity_tests -m "gpu and not slow" -n 8 --timeout 60 \
+    -q -rA -p no:warnings -p no:cacheprovider --durations=10
 fi
 if want model; then
-  timeout 120 python -m benchmarks run --suite model --out "$RES" 2>&1 | tee "$OUT/bench_model.log"
+  step model "${BENCH[@]}" --suite model
 fi
-# 3. the default attention order by evidence (design §4): advice printed, never applied by the script
+if want attention; then
+  if [ "$DRY" = 1 ]; then
+    step attention "${BENCH[@]}" --suite attention --impl xla --impl sdpa:math
+  else
+    step attention "${BENCH[@]}" --suite attention --max-seq 4096 --impl flash --impl mosaic --impl sdpa:cudnn
+  fi
+fi
 if want order; then
-  for f in "$RES"/attention.json; do
-    [ -e "$f" ] && python -m benchmarks.tools.default_order --tests "$OUT/gpu_tests.log" --attention "$f" 2>&1 \
-      | tee "$OUT/default_order.txt"
-  done
+  if [ -e "$RES/attention.json" ] && [ -e "$OUT/gpu_tests.log" ]; then
+    step order "$PY" -m benchmarks.tools.default_order --tests "$OUT/gpu_tests.log" --attention "$RES/attention.json"
+  else
+    echo "order: needs gpu_tests.log and attention.json from this call's tests and attention steps; not run"
+  fi
 fi
-# 4. train: one step of the 1b preset at B=1, S=2048 per technique toggle, torch and JAX (benchmarks/suites/train.py;
-#    rows not started within its 480 s budget are recorded as skipped, so the suite ends inside this timeout)
 if want train; then
-  timeout 570 python -m benchmarks run --suite train --out "$RES" 2>&1 | tee "$OUT/bench_train.log"
+  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(baseline bf16 attn_fast fused_loss); fi
+  step train "${BENCH[@]}" --suite train "${TOGGLES[@]/#/--toggle=}" --budget-s $(($(budget train) - 30))
 fi
-# 5. decode: prefill and KV-cache decode tokens/s per batch size, fp32 / bf16 / int8 weights
 if want decode; then
-  timeout 540 python -m benchmarks run --suite decode --out "$RES" 2>&1 | tee "$OUT/bench_decode.log"
+  step decode "${BENCH[@]}" --suite decode --decode-impl jaxattn+flash_decode --budget-s $(($(budget decode) - 30))
 fi
+if want blocks; then
+  step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
+    --kernel flash_fwd --kernel flash_bwd_dq --kernel flash_bwd_dkv --d 128 --dtype bf16 --out "$RES"
+fi
+echo
+echo "=== session summary (call ${CALL:-all}) ==="
+printf '%s\n' "${SUMMARY[@]}"
+ls -l "$RES"

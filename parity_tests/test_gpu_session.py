@@ -1,0 +1,224 @@
+"""The GPU session (``benchmarks/tools/gpu_session.sh``) rehearsed on the CPU: its plan fits two device calls, every
+step runs under its budget, suites write their JSON row by row (a kill keeps the rows before it), the model suite
+releases memory between presets and turns an out-of-memory into a ``skipped`` record, and the report builds from
+what a session writes. The whole session at quick sizes is the ``slow`` test at the end."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from benchmarks import measure  # noqa: E402
+from benchmarks.report.records import LiveRows, read_results  # noqa: E402
+from benchmarks.suites import model as model_suite  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "tools", "gpu_session.sh")
+CALL_LIMIT_S = 360  # 15 min of device time: a 1-2 min start, two calls, the turn-around between them
+
+
+def _session(*args, out, env=None, timeout=600):
+    full = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def _plan(*args, tmp_path):
+    r = _session("--plan", *args, out=tmp_path / "unused")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[1:] if ln and not ln.startswith("total")]
+    return {row[0]: (int(row[1]), int(row[2].rstrip("s")), int(row[3].rstrip("s"))) for row in rows}, r.stdout
+
+
+def test_plan_fits_two_device_calls(tmp_path):
+    plan, text = _plan(tmp_path=tmp_path)
+    assert list(plan) == ["tests", "model", "attention", "order", "train", "decode", "blocks"]
+    for call in (1, 2):
+        steps = {s: v for s, v in plan.items() if v[0] == call}
+        assert steps, f"call {call} has no step"
+        assert sum(b for _, b, _ in steps.values()) <= CALL_LIMIT_S, f"call {call}'s budgets exceed {CALL_LIMIT_S} s"
+        one, text_one = _plan("--call", str(call), tmp_path=tmp_path)
+        assert one == steps
+        assert re.search(rf"total: budget {sum(b for _, b, _ in steps.values())} s", text_one)
+    for step, (_, budget, expected) in plan.items():
+        assert 0 < expected <= budget, f"{step}: expected {expected} s must be under its budget {budget} s"
+    assert not (tmp_path / "unused").exists(), "--plan must write nothing"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--call", "3"], r"--call '3': give 1 or 2"),
+        (["nope"], r"unknown step 'nope'; steps: tests model attention order train decode blocks"),
+        (["--fast"], r"unknown option '--fast'"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_runs(tmp_path, args, message):
+    r = _session(*args, out=tmp_path / "out")
+    assert r.returncode == 2 and re.search(message, r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_budget_ends_a_step_and_the_session_goes_on(tmp_path):
+    """A step over its budget is interrupted (exit 124, said in the summary) and the next step still runs."""
+    r = _session("--dry-run", "tests", "blocks", out=tmp_path, env={"BUDGET_tests": "3"}, timeout=300)
+    log = (tmp_path / "session.log").read_text()
+    assert r.returncode == 0, log[-3000:]
+    assert re.search(r"tests: exit 124, [\d.]+ s of 3 s \(its budget ended it", log), log[-3000:]
+    assert re.search(r"blocks: exit 0, [\d.]+ s of 60 s", log), log[-3000:]
+    dirs = os.listdir(tmp_path / "results")
+    assert len(dirs) == 1
+    got = read_results(str(tmp_path / "results" / dirs[0]))["block_search"]
+    assert {r["kernel"] for r in got["records"]} == {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkv"}
+    assert {r["head_dim"] for r in got["records"]} == {128}
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert len(files) <= 8, f"a device call returns at most 8 files: {files}"
+
+
+# ---- rows written as they finish
+def test_live_rows_rewrite_the_file_after_each_row(tmp_path):
+    lines = []
+    rows = LiveRows(str(tmp_path), "model", {"jax": "x"}, log=lines.append)
+    rows.append({"impl": "a", "framework": "jax", "status": "skipped", "reason": "no GPU"})
+    assert not (tmp_path / "model.json").exists(), "a run of skips alone must not write (it could replace a result)"
+    rows.append({"impl": "a", "framework": "jax", "preset": "tiny", "median_ms": 1.5, "status": "ok"})
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert data["complete"] is False and len(data["records"]) == 2
+    rows.extend([{"impl": "b", "framework": "torch", "median_ms": 2.0}, {"impl": "c", "framework": "torch"}])
+    assert len(json.loads((tmp_path / "model.json").read_text())["records"]) == 4
+    assert [ln.split("]")[0] for ln in lines] == [f"[model row {i}" for i in (1, 2, 3, 4)]
+    assert "skipped (no GPU)" in lines[0] and "preset=tiny" in lines[1] and "1.500 ms" in lines[1]
+
+
+def test_rows() -> None:
+    """``measure.rows()`` hands the run's sink to one suite only; elsewhere a plain list."""
+    sink = LiveRows("/nonexistent", "x", {})
+    measure._ROWS = sink
+    try:
+        assert measure.rows() is sink
+        assert measure.rows() == [] and measure.rows() is not sink
+    finally:
+        measure._ROWS = None
+
+
+def test_killed_suite_keeps_the_rows_it_finished(tmp_path):
+    """SIGKILL the model suite once its first preset's rows are printed: they are on disk, marked incomplete."""
+    cmd = [sys.executable, "-m", "benchmarks", "run", "--suite", "model", "--quick", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    seen, t0 = [], time.time()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("[model row 4]") or time.time() - t0 > 240:
+                break
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert seen and seen[-1].startswith("[model row 4]"), "".join(seen)[-2000:]
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert data["complete"] is False
+    assert [r["preset"] for r in data["records"]] == ["tiny"] * 4
+    assert all(r["status"] == "ok" for r in data["records"])
+    assert read_results(str(tmp_path))["model"]["records"] == data["records"]
+
+
+# ---- the model suite on one device
+def test_model_suite_releases_memory_between_presets():
+    """No JAX buffer of a finished preset is still alive (the next preset starts from what was there before)."""
+    import jax
+
+    before = {id(a) for a in jax.live_arrays()}
+    recs = model_suite.preset_rows("tiny", 2, 32, quick=True)
+    assert [r["status"] for r in recs] == ["ok"] * 4
+    left = [a for a in jax.live_arrays() if id(a) not in before]
+    assert not left, f"{len(left)} arrays of the finished preset still alive: {[a.shape for a in left][:5]}"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda: __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        lambda: RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34359738368 bytes."),
+    ],
+    ids=["torch", "jax"],
+)
+def test_out_of_memory_is_a_skipped_record(monkeypatch, error):
+    def boom(*a, **k):
+        raise error()
+
+    monkeypatch.setattr(model_suite, "_measure", boom)
+    recs = model_suite.preset_rows("350m", 8, 1024)
+    assert len(recs) == 4 and {r["status"] for r in recs} == {"skipped"}
+    assert {(r["framework"], r["pass"]) for r in recs} == {(f, p) for f in ("jax", "torch") for p in ("fwd", "fwd_bwd")}
+    assert all(r["reason"].startswith("out of memory: ") and "allocate" in r["reason"] for r in recs)
+
+
+def test_other_errors_are_not_hidden(monkeypatch):
+    monkeypatch.setattr(model_suite, "_measure", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model_suite.preset_rows("tiny", 2, 32)
+
+
+def test_a_preset_whose_process_dies_is_skipped_with_its_last_line():
+    recs = model_suite._in_fresh_process("nope", 1, 8, True)
+    assert {r["status"] for r in recs} == {"skipped"} and len(recs) == 4
+    assert re.match(r"its process exited with status 1: ValueError: unknown preset 'nope'", recs[0]["reason"])
+
+
+# ---- the whole rehearsal
+@pytest.mark.slow
+def test_whole_session_rehearsed_on_cpu(tmp_path):
+    """Both calls at quick sizes: every step exits 0 within its budget, each suite's JSON is complete, the report
+    builds from the results folder a session leaves."""
+    for call in ("1", "2"):
+        out = tmp_path / f"call{call}"
+        r = _session("--dry-run", "--call", call, out=out, timeout=900)
+        log = (out / "session.log").read_text()
+        assert r.returncode == 0, log[-3000:]
+        summary = log.split("=== session summary")[1]
+        assert "exit 124" not in summary and re.findall(r"exit 0", summary), summary
+        (res,) = [out / "results" / d for d in os.listdir(out / "results")]
+        found = read_results(str(res))
+        want = {"1": {"model", "attention"}, "2": {"train", "decode", "block_search"}}[call]
+        assert set(found) == want
+        assert all(found[s].get("complete", True) for s in want)
+        rep = subprocess.run(
+            [sys.executable, "-m", "benchmarks", "report", str(res)], cwd=ROOT, capture_output=True, text=True
+        )
+        assert rep.returncode == 0 and (res / "report.md").exists(), rep.stderr
+
+
+def test_gpu_summary_names_each_backend():
+    """The per-backend verdict a GPU run prints (conftest): node ids map to the backend they check."""
+    from parity_tests.conftest import gpu_backend_of, gpu_summary_lines
+
+    ids = {
+        "parity_tests/test_attention.py::test_gpu_backends_bf16[b21_s512x512_h4/4_d128-mosaic]": "mosaic",
+        "parity_tests/test_attention.py::test_gpu_torch_sdpa_bf16[cudnn]": "torch sdpa",
+        "parity_tests/test_flash.py::TestFlashGPU::test_parity[case3]": "flash",
+        "parity_tests/test_flash_decode.py::TestFlashDecodeGPU::test_parity[case0]": "decode",
+        "parity_tests/test_grouped_matmul.py::test_compiled_kernel_matches_float64_on_gpu[x]": "grouped matmul",
+        "parity_tests/test_mosaic.py::test_gpu_kernel_bf16_two_x_rule[False-64-1000]": "mosaic",
+        "parity_tests/test_precision.py::test_matmul_precision_settings_error_on_gpu": "precision",
+    }
+    for nodeid, backend in ids.items():
+        assert gpu_backend_of(nodeid) == backend, nodeid
+    lines = gpu_summary_lines(
+        {
+            "flash": {"passed": ["a", "b"], "failed": ["c (timeout)"], "skipped": []},
+            "cudnn": {"passed": ["d"], "failed": [], "skipped": ["e"]},
+        }
+    )
+    assert lines == [
+        "cudnn: 1 passed, 0 failed, 1 skipped",
+        "flash: 2 passed, 1 failed, 0 skipped",
+        "  FAILED c (timeout)",
+    ]
