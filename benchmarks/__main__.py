@@ -35,7 +35,7 @@ from .report.build import rebuild_report, write_report  # noqa: E402
 from .report.plots import plot_suite  # noqa: E402
 from .report.records import LiveRows, check_out_dir, default_out, read_results, write_results  # noqa: E402
 from .report.tables import suite_table  # noqa: E402
-from .suites import SUITES, attention, decode, train  # noqa: E402
+from .suites import SUITES, attention, decode, model, train  # noqa: E402
 from .tools import train_example  # noqa: E402
 
 
@@ -61,6 +61,12 @@ def main(argv=None) -> int:
         default=None,
         help="decode suite: which extras run beside the jaxattn/torchref pair (repeatable: jaxattn+flash_decode, "
         "torchref+compile; default both)",
+    )
+    run.add_argument(
+        "--preset",
+        action="append",
+        default=None,
+        help="model suite: only these presets (repeatable, e.g. 350m, moe-350m; default: all of the suite's)",
     )
     run.add_argument(
         "--toggle",
@@ -139,6 +145,8 @@ def main(argv=None) -> int:
         run.error(f"--impl/--max-seq filter the attention suite, which is not selected (suites: {suites})")
     if args.decode_impl is not None and "decode" not in suites:
         run.error(f"--decode-impl picks decode suite rows; the decode suite is not selected (suites: {suites})")
+    if args.preset is not None and "model" not in suites:
+        run.error(f"--preset picks model suite rows; the model suite is not selected (suites: {suites})")
     if args.toggle is not None and "train" not in suites:
         run.error(f"--toggle picks train suite rows; the train suite is not selected (suites: {suites})")
     try:
@@ -146,6 +154,8 @@ def main(argv=None) -> int:
         decode.check_impls(args.decode_impl)
         if args.toggle is not None:
             train.check_toggles(args.toggle)
+        if args.preset is not None:
+            model.check_presets(args.quick, args.preset)
     except ValueError as e:
         run.error(str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq"))
     try:
@@ -183,6 +193,8 @@ def main(argv=None) -> int:
             kwargs["impls"] = args.decode_impl
         if suite == "train":
             kwargs["toggles"] = args.toggle
+        if suite == "model":
+            kwargs["presets"] = args.preset
         if suite in ("train", "decode") and args.budget_s is not None:
             kwargs["budget_s"] = args.budget_s
         # the suite's JSON is rewritten after each row ("complete": false), so a kill keeps the rows before it

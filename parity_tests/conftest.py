@@ -145,33 +145,18 @@ _compile_outcomes: dict[str, dict[str, list[str]]] = {
 }
 
 
+from benchmarks.tools.default_order import backend_of_test  # noqa: E402 - the mapping the GPU session's advice uses
+
 # ---- the GPU tests (compiled kernels on a real GPU): one verdict line per backend in the summary, also when a
 # time budget interrupts the run (SIGINT: pytest still prints its summary), so a short GPU session says which
 # kernels are right there. A test killed by pytest-timeout counts as failed with "Timeout" in its line.
-_GPU_FILES = {
-    "test_flash.py": "flash",
-    "test_mosaic.py": "mosaic",
-    "test_flash_decode.py": "decode",
-    "test_grouped_matmul.py": "grouped matmul",
-    "test_precision.py": "precision",
-}
 _gpu_outcomes: dict[str, dict[str, list[str]]] = {}
-
-
-def gpu_backend_of(nodeid: str) -> str:
-    """The backend a ``gpu`` test checks, from its node id (test_attention's parametrized backend, else its file)."""
-    path, _, name = nodeid.partition("::")
-    if name.startswith("test_gpu_backends_bf16["):
-        return name[:-1].rsplit("-", 1)[-1]  # ids: [<case>-<backend>]
-    if name.startswith("test_gpu_torch_sdpa_bf16["):
-        return "torch sdpa"
-    return _GPU_FILES.get(os.path.basename(path), os.path.basename(path))
 
 
 def _record_gpu(report) -> None:
     if "gpu" not in report.keywords or (report.when != "call" and not (report.failed or report.skipped)):
         return
-    got = _gpu_outcomes.setdefault(gpu_backend_of(report.nodeid), {"passed": [], "failed": [], "skipped": []})
+    got = _gpu_outcomes.setdefault(backend_of_test(report.nodeid), {"passed": [], "failed": [], "skipped": []})
     if report.failed:
         timeout = "Timeout" in str(report.longrepr)
         got["failed"].append(report.nodeid + (" (timeout)" if timeout else ""))

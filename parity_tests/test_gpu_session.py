@@ -92,7 +92,8 @@ def test_live_rows_rewrite_the_file_after_each_row(tmp_path):
     assert data["complete"] is False and len(data["records"]) == 2
     rows.extend([{"impl": "b", "framework": "torch", "median_ms": 2.0}, {"impl": "c", "framework": "torch"}])
     assert len(json.loads((tmp_path / "model.json").read_text())["records"]) == 4
-    assert [ln.split("]")[0] for ln in lines] == [f"[model row {i}" for i in (1, 2, 3, 4)]
+    assert [ln.split(",")[0] for ln in lines] == [f"[model row {i}" for i in (1, 2, 3, 4)]
+    assert all(re.match(r"\[model row \d, \d+\.\d s\] ", ln) for ln in lines), lines
     assert "skipped (no GPU)" in lines[0] and "preset=tiny" in lines[1] and "1.500 ms" in lines[1]
 
 
@@ -117,12 +118,12 @@ def test_killed_suite_keeps_the_rows_it_finished(tmp_path):
     try:
         for line in proc.stdout:
             seen.append(line)
-            if line.startswith("[model row 4]") or time.time() - t0 > 240:
+            if line.startswith("[model row 4,") or time.time() - t0 > 240:
                 break
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-    assert seen and seen[-1].startswith("[model row 4]"), "".join(seen)[-2000:]
+    assert seen and seen[-1].startswith("[model row 4,"), "".join(seen)[-2000:]
     data = json.loads((tmp_path / "model.json").read_text())
     assert data["complete"] is False
     assert [r["preset"] for r in data["records"]] == ["tiny"] * 4
@@ -198,7 +199,8 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
 
 def test_gpu_summary_names_each_backend():
     """The per-backend verdict a GPU run prints (conftest): node ids map to the backend they check."""
-    from parity_tests.conftest import gpu_backend_of, gpu_summary_lines
+    from benchmarks.tools.default_order import backend_of_test as gpu_backend_of
+    from parity_tests.conftest import gpu_summary_lines
 
     ids = {
         "parity_tests/test_attention.py::test_gpu_backends_bf16[b21_s512x512_h4/4_d128-mosaic]": "mosaic",

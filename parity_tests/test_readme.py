@@ -176,7 +176,13 @@ def test_gpu_attention_section_from_several_runs(tmp_path):
 
 
 def test_readme_says_which_gpu_ran_what():
-    """With the committed H200 records the README shows their table and no longer says no GPU has run the code."""
+    """With the committed H100 and H200 records the README shows their tables and says what each session left out."""
     text = readme.render()
     assert "### Attention on one NVIDIA H200 (measured)" in text
-    assert "No GPU has run this code yet" not in text and "The attention suite has run on a GPU" in text
+    assert "No GPU has run this code yet" not in text
+    assert "Suites have run on a GPU (NVIDIA H100 80GB HBM3, NVIDIA H200: the first tables below)" in text
+    for suite in ("Model", "Train", "Decode"):  # the H100 session's suites, each with its set-up and its gaps
+        assert f"### {suite} suite on one NVIDIA H100 80GB HBM3 (measured)" in text
+    assert "JAX computes fp32 dots in TF32 and torch in full fp32" in text
+    assert "no `torch.compile`d decode step was measured here" in text
+    assert text.count("the session's time budget stopped the suite") == 3  # model, train, attention (not decode)

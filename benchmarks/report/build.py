@@ -102,8 +102,16 @@ def _source(suite: str, d: dict, header_env: dict) -> str:
     files (``records.read_results``), each file with its time, its implementations and where its environment
     differs from the header's (the rows of the table are the files' records together)."""
     files = d.get("files") or [{"file": f"{suite}.json", "env": d.get("env") or {}}]
+    if d.get("complete") is False:  # written row by row and stopped before its end (a time budget, a kill)
+        stopped = (
+            f" **Incomplete**: the run stopped after these {len(d['records'])} records (a time budget or a kill "
+            "ended it; the rows it had not reached are missing, not skipped)."
+        )
+    else:
+        stopped = ""
     if len(files) == 1:
-        return f"From {files[0]['file']}, measured at {(files[0]['env'] or {}).get('time_utc', 'an unknown time')}."
+        when = (files[0]["env"] or {}).get("time_utc", "an unknown time")
+        return f"From {files[0]['file']}, measured at {when}.{stopped}"
     recs, start, lines = d["records"], 0, []
     for f in files:
         env, part = f["env"] or {}, recs[start : start + f["records"]]
@@ -114,7 +122,8 @@ def _source(suite: str, d: dict, header_env: dict) -> str:
             f"({_impls(part)}); environment "
             + (f"the header's except {', '.join(other)}." if other else "the header's.")
         )
-    return f"Merged from {len(files)} files of this suite (one table, their records together):\n\n" + "\n".join(lines)
+    head = f"Merged from {len(files)} files of this suite (one table, their records together):{stopped}"
+    return head + "\n\n" + "\n".join(lines)
 
 
 def _timed_report(out_dir: str, timed: dict[str, dict]) -> str:

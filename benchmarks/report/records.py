@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from jaxattn.spec.atomic import atomic_path, check_writable, write_text_atomic  # noqa: F401 - the benchmarks' writes
@@ -70,6 +71,7 @@ class LiveRows(list):
         super().__init__()
         self.out_dir, self.suite, self.info = out_dir, suite, info
         self.log = log or (lambda line: print(line, flush=True))
+        self.t0 = time.perf_counter()
         self.path = None
 
     def append(self, record: dict) -> None:
@@ -87,7 +89,7 @@ class LiveRows(list):
         if any(r.get("status", "ok") == "ok" for r in self):  # on disk before its line is printed
             self.path = write_results(self.out_dir, self.suite, self, self.info, complete=False)
         for i, r in enumerate(new, len(self) - len(new) + 1):
-            self.log(f"[{self.suite} row {i}] {row_line(r)}")
+            self.log(f"[{self.suite} row {i}, {time.perf_counter() - self.t0:.1f} s] {row_line(r)}")
 
 
 def row_line(r: dict) -> str:
@@ -126,6 +128,8 @@ def read_results(out_dir: str) -> dict[str, dict]:
             continue
         merged = found[data["suite"]]
         merged["records"] = merged["records"] + data["records"]
+        if data.get("complete") is False:  # one stopped file makes the merged suite incomplete
+            merged["complete"] = False
         merged["files"].append(source)
         merged["env"] = max((f["env"] for f in merged["files"]), key=lambda e: str(e.get("time_utc", "")))
     return found

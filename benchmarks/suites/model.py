@@ -28,6 +28,15 @@ def _shapes(quick: bool):
     return [("125m", 8, 1024), ("350m", 8, 1024), ("moe-350m", 8, 1024)]
 
 
+def check_presets(quick: bool, presets) -> list[str]:
+    """``presets`` as a list, after checking each is one of this suite's (ValueError naming them)."""
+    known = [p for p, _, _ in _shapes(quick)]
+    bad = [p for p in presets if p not in known]
+    if bad:
+        raise ValueError(f"--preset: {bad} not in the model suite{' (quick)' if quick else ''}; choose from {known}")
+    return list(presets)
+
+
 def run(quick: bool, presets: list[str] | None = None, isolate: bool = True) -> list[dict]:
     """Records of every (preset, pass, framework). ``isolate`` (the default) measures each preset in a fresh
     process (``python -m benchmarks.suites.model PRESET B S QUICK OUT``), so no preset inherits the memory an

@@ -286,7 +286,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(out: str, rows: list[dict], info: dict) -> str:
+def write(out: str, rows: list[dict], info: dict, complete: bool = True) -> str:
     """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype) searched now replace the
     stored ones, the others stay, so a partial search never erases a finished one) and rewrite
     ``block_search.md``; returns the markdown."""
@@ -296,7 +296,7 @@ def write(out: str, rows: list[dict], info: dict) -> str:
     now = {key(r) for r in rows}
     merged = [r for r in old if key(r) not in now] + list(rows)
     merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"]))
-    write_results(out, "block_search", merged, info)
+    write_results(out, "block_search", merged, info, complete=complete)
     timed = any("time" in r for r in merged)
     text = (
         f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
@@ -346,11 +346,11 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     info = dict(measure.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run")
 
-    def save(_row=None):  # after every timed row: a kill keeps what was timed
+    def save(_row=None, complete=False):  # after every timed row (complete: false): a kill keeps what was timed
         if args.out and rows:
             timed_on = measure.jax_device_name() if any("time" in r for r in rows) else None
             label = info["label"] if timed_on is None else f"compiled for {args.target.upper()}, timed on {timed_on}"
-            write(args.out, rows, dict(info, timed_on=timed_on, label=label))
+            write(args.out, rows, dict(info, timed_on=timed_on, label=label), complete=complete)
 
     if args.survivors:
         stored = read_results(os.path.dirname(os.path.abspath(args.survivors))).get("block_search", {})
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
         print("no GPU here: timing skipped (deviceless filter only)")
     print(table(rows))
     if args.out:
-        save()
+        save(complete=True)
         print(f"merged into {args.out}/block_search.json")
     return 0
 

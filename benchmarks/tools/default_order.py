@@ -22,17 +22,36 @@ _GPU_DEFAULT = default_order("gpu")  # the backend table's GPU ranks
 JAX_BACKENDS = backend_names(forward_only=False)  # the trainable ones (flash_decode is forward-only, opt-in)
 
 
+# The backend a `gpu` test checks, by file (test_attention's tests name theirs in their ids); parity_tests/conftest.py
+# prints its per-backend summary with the same mapping.
+TEST_FILES = {
+    "test_flash.py": "flash",
+    "test_mosaic.py": "mosaic",
+    "test_flash_decode.py": "decode",
+    "test_grouped_matmul.py": "grouped matmul",
+    "test_precision.py": "precision",
+}
+
+
+def backend_of_test(nodeid: str) -> str:
+    """The backend a ``gpu`` test checks, from its node id: test_attention's parametrized JAX backend
+    (``test_gpu_backends_bf16[<case>-<backend>]``), ``torch sdpa`` for its torch test, else by file."""
+    path, _, name = nodeid.partition("::")
+    if name.startswith("test_gpu_backends_bf16["):
+        return name[:-1].rsplit("-", 1)[-1]
+    if name.startswith("test_gpu_torch_sdpa_bf16["):
+        return "torch sdpa"
+    base = path.rsplit("/", 1)[-1]
+    return TEST_FILES.get(base, base)
+
+
 def tests_passed(log_text: str) -> dict:
-    """``{backend: True/False/None}``: whether every ``gpu`` test naming the backend passed (None: none ran)."""
-    out = {}
-    for name in JAX_BACKENDS:
-        lines = [
-            ln
-            for ln in log_text.splitlines()
-            if re.search(rf"\b{name}\b", ln, re.I) and re.search(r"\b(PASSED|FAILED|ERROR)\b", ln)
-        ]
-        out[name] = None if not lines else not any(re.search(r"\b(FAILED|ERROR)\b", ln) for ln in lines)
-    return out
+    """``{backend: True/False/None}`` over the JAX backends: whether every ``gpu`` test of the backend in a
+    ``pytest -rA`` log passed (None: none ran). torch's own SDPA tests count for no JAX backend."""
+    seen: dict[str, list[bool]] = {}
+    for m in re.finditer(r"^(PASSED|FAILED|ERROR) (\S+)", log_text, re.M):
+        seen.setdefault(backend_of_test(m.group(2)), []).append(m.group(1) == "PASSED")
+    return {name: (all(seen[name]) if name in seen else None) for name in JAX_BACKENDS}
 
 
 def ranking(records: list) -> list:
@@ -63,11 +82,16 @@ def main(argv=None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--tests", required=True, help="log of `pytest -m gpu -rA` from the GPU session")
+    p.add_argument(
+        "--tests", required=True, action="append", help="log of `pytest -m gpu -rA` from the GPU session (repeatable)"
+    )
     p.add_argument("--attention", required=True, help="attention.json written by the attention suite")
     args = p.parse_args(argv)
-    with open(args.tests, errors="replace") as f:
-        passed = tests_passed(f.read())
+    text = ""
+    for path in args.tests:
+        with open(path, errors="replace") as f:
+            text += f.read() + "\n"
+    passed = tests_passed(text)
     with open(args.attention) as f:
         records = json.load(f)["records"]
     ranked = [b for b in ranking(records) if passed.get(b)]
