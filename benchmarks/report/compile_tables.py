@@ -373,3 +373,22 @@ def tpu_dir_report(found: dict, plot: str | None = None) -> str:
     k = found["tpu_kernels"]
     blocks = (found.get("splash_blocks") or {}).get("records")
     return tpu_report(k["records"], (found.get("tpu_programs") or {}).get("records", []), k.get("env") or {}, blocks)
+
+
+def suite_memory_table(rows: list[dict]) -> str:
+    """``suite_memory.json`` (``benchmarks/tools/suite_memory.py``): per model / train suite row, JAX's compiled
+    memory for the target, whether it fits, and with torch's estimate beside it."""
+    lines = [
+        "| suite | row | B | S | JAX compiled GiB | fits (JAX) | + torch estimate GiB | fits (both) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    yes = {True: "yes", False: "**no**"}
+    for r in rows:
+        name = f"{r.get('preset', '')} {r.get('pass', r.get('toggle', ''))}"
+        gib = f"{r['memory']['peak'] / 2**30:.2f}" if r.get("status") == "ok" else r.get("reason", "")
+        est = f"{r['torch_estimate_bytes'] / 2**30:.2f}" if "torch_estimate_bytes" in r else "—"
+        lines.append(
+            f"| {r['suite']} | {name} | {r['B']} | {r['S']} | {gib} | {yes.get(r.get('fits'), '—')} | {est} | "
+            f"{yes.get(r.get('fits_both'), '—')} |"
+        )
+    return "\n".join(lines)

@@ -46,7 +46,10 @@ SPEEDUP_NOTE = (
     "the fastest JAX median in that row. Above 1.00x JAX is faster, below it torch is."
 )
 # suite name -> fn(records) -> markdown, for suites whose records need their own layout
-SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {"compile": compile_tables.suite_tables}
+SUITE_TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "compile": compile_tables.suite_tables,
+    "suite_memory": compile_tables.suite_memory_table,
+}
 
 
 def _fmt(r: dict) -> str:

@@ -21,16 +21,18 @@ from ..twins import twin_models
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 
-def _shapes(quick: bool):
-    # (preset, batch, seq)
+def shapes(quick: bool) -> list[tuple[str, int, int]]:
+    """``[(preset, B, S)]`` of the suite's rows."""
     if quick:
         return [("tiny", 8, 256), ("moe-tiny", 8, 256)]
-    return [("125m", 8, 1024), ("350m", 8, 1024), ("moe-350m", 8, 1024)]
+    # moe-350m at B=2: its fwd_bwd compiles to 50 GiB at B=8 and 32 GiB at B=4 for an H100
+    # (benchmarks/tools/suite_memory.py); with torch's ~1.45x beside it in one process, B=4 would not fit 80 GB
+    return [("125m", 8, 1024), ("350m", 8, 1024), ("moe-350m", 2, 1024)]
 
 
 def check_presets(quick: bool, presets) -> list[str]:
     """``presets`` as a list, after checking each is one of this suite's (ValueError naming them)."""
-    known = [p for p, _, _ in _shapes(quick)]
+    known = [p for p, _, _ in shapes(quick)]
     bad = [p for p in presets if p not in known]
     if bad:
         raise ValueError(f"--preset: {bad} not in the model suite{' (quick)' if quick else ''}; choose from {known}")
@@ -43,7 +45,7 @@ def run(quick: bool, presets: list[str] | None = None, isolate: bool = True) -> 
     earlier one left in JAX's or torch's allocator pool; either way a preset that runs out of memory is recorded
     as ``skipped`` with the reason, and its buffers are released before the next (:func:`release_memory`)."""
     records = measure.rows()
-    for preset, b, s in _shapes(quick):
+    for preset, b, s in shapes(quick):
         if presets is not None and preset not in presets:
             continue
         records.extend(_in_fresh_process(preset, b, s, quick) if isolate else preset_rows(preset, b, s, quick))
@@ -120,10 +122,28 @@ def _in_fresh_process(preset: str, b: int, s: int, quick: bool) -> list[dict]:
         return _skipped(preset, b, s, f"its process exited with status {proc.returncode}: {last[0][:300]}")
 
 
+def jax_passes(graphdef) -> dict:
+    """The suite's two jitted JAX programs over a split model (the real one here, an abstract one in
+    ``benchmarks/tools/suite_memory.py``): ``{"fwd": f(state, tokens) -> logits, "fwd_bwd": g(params, rest,
+    tokens[B, S+1]) -> (mean next-token cross-entropy, grads)}``."""
+    import jax
+    import optax
+    from flax import nnx
+
+    @jax.jit
+    def fwd(state, tok):
+        return nnx.merge(graphdef, state)(tok)
+
+    def loss(params, rest, tok):
+        logits = nnx.merge(graphdef, params, rest)(tok[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+    return {"fwd": fwd, "fwd_bwd": jax.jit(jax.value_and_grad(loss))}
+
+
 def _measure(preset: str, b: int, s: int, quick: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    import optax
     import torch
     from flax import nnx
 
@@ -142,16 +162,7 @@ def _measure(preset: str, b: int, s: int, quick: bool) -> list[dict]:
     graphdef, state = nnx.split(jmodel)
     params, rest = nnx.split(jmodel, nnx.Param, ...)[1:]
     del jmodel
-
-    @jax.jit
-    def j_fwd(state, tok):
-        return nnx.merge(graphdef, state)(tok)
-
-    def j_loss(params, rest, tok):
-        logits = nnx.merge(graphdef, params, rest)(tok[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
-
-    j_fwd_bwd = jax.jit(jax.value_and_grad(j_loss))
+    j_fwd, j_fwd_bwd = jax_passes(graphdef).values()
 
     def t_fwd(tok):
         with torch.no_grad():

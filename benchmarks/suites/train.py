@@ -95,16 +95,10 @@ def _settings(toggle: str, fw: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- JAX
-def _jax_step(tcfg, s: dict, tokens, weights: dict):
-    import jax.numpy as jnp
+def _jax_train_step(graphdef, tx, s: dict):
+    from jaxattn.train_step import make_train_step
 
-    from jaxattn import optim, remat
-    from jaxattn.train_step import TrainState, make_train_step
-
-    jmodel = remat.apply(_jax_model(tcfg, weights), s["remat"])
-    tx = optim.build(s["optimizer"], LR, 0.1)
-    graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
-    step = make_train_step(
+    return make_train_step(
         graphdef,
         tx,
         policy=s["precision"],
@@ -113,7 +107,46 @@ def _jax_step(tcfg, s: dict, tokens, weights: dict):
         check_ids="off",
         loss=s["loss"],
     )
-    return step, state, {"tokens": jnp.asarray(tokens)}
+
+
+def _jax_step(tcfg, s: dict, tokens, weights: dict):
+    import jax.numpy as jnp
+
+    from jaxattn import optim, remat
+    from jaxattn.train_step import TrainState
+
+    jmodel = remat.apply(_jax_model(tcfg, weights), s["remat"])
+    tx = optim.build(s["optimizer"], LR, 0.1)
+    graphdef, state = TrainState.create(jmodel, tx, policy=s["precision"])
+    return _jax_train_step(graphdef, tx, s), state, {"tokens": jnp.asarray(tokens)}
+
+
+def jax_program(toggle: str, quick: bool = False):
+    """``(jitted, (state, batch), backend, preset)`` of a toggle's JAX step at the suite's shape with abstract inputs
+    (``jax.ShapeDtypeStruct``s, no weights drawn) and the attention backend block it runs under: what
+    ``benchmarks/tools/suite_memory.py`` compiles for an H100 without one."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxattn import optim, remat
+    from jaxattn.model import Llama
+    from jaxattn.train_step import TrainState
+    from torchref.config import ModelConfig as TConfig
+
+    s = _settings(toggle, "jax")
+    preset, b, seq = _shape(quick, s["model"])
+    b = b if b % s["grad_accum"] == 0 else b * s["grad_accum"]  # as run() does
+    cfg = jax_config(TConfig.preset(preset).replace(capacity_factor=s["capacity_factor"]))
+    tx = optim.build(s["optimizer"], LR, 0.1)
+
+    def make():
+        return remat.apply(Llama(cfg, rngs=nnx.Rngs(0)), s["remat"])
+
+    graphdef = nnx.split(nnx.eval_shape(make), nnx.Param, ...)[0]
+    state = jax.eval_shape(lambda: TrainState.create(make(), tx, policy=s["precision"])[1])
+    batch = {"tokens": jax.ShapeDtypeStruct((b, seq + 1), jnp.int32)}
+    return _jax_train_step(graphdef, tx, s).jitted, (state, batch), lambda: _backend(s, "jax"), preset
 
 
 @contextlib.contextmanager
@@ -260,6 +293,9 @@ def run(quick: bool, toggles: list[str] | None = None, log=print, budget_s: floa
         recs, meas, prepared = {}, {}, {}
         m = model(_settings(name, "jax")["model"])
         preset, b, seq, tokens, weights, fpt = (m[k] for k in ("preset", "b", "seq", "tokens", "weights", "fpt"))
+        accum = _settings(name, "jax")["grad_accum"]
+        if b % accum:  # B=1 cannot be split: the global batch is `accum` micro-batches of B rows (the rows repeated)
+            b, tokens = b * accum, np.concatenate([tokens] * accum)
         for fw in fws:  # torch first: its first step (torch.compile) may skip the row's torch side
             s = _settings(name, fw)
             tcfg = m["tcfg"].replace(capacity_factor=s["capacity_factor"])

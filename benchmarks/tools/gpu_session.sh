@@ -7,7 +7,8 @@
 #   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
 #   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
 # Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
-# finished: they are written one by one). $OUT holds at most 6 files per call (a device call returns 8):
+# finished: they are written one by one). Exit status 1 when a step failed (in a --dry-run rehearsal, also when
+# one outran its budget; CI runs the whole rehearsal, .ci/run). $OUT holds at most 6 files per call (a device call returns 8):
 # session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, block_search.{json,md}.
 # Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
 # `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
@@ -81,7 +82,7 @@ $PY -c "import sys, jax, torch; print('python', sys.version.split()[0], '| jax',
 DEVICE=$($PY -c "from benchmarks import measure; print(measure.device_slug(measure.env_info()))")
 RES="$OUT/results/$DEVICE"
 mkdir -p "$RES"
-SUMMARY=()
+SUMMARY=() FAILED=()
 step() {  # step NAME COMMAND...: run under the step's budget (output also to $STEP_LOG if set), note exit and seconds
   local name=$1 b t0 rc
   shift
@@ -102,6 +103,8 @@ step() {  # step NAME COMMAND...: run under the step's budget (output also to $S
   [ "$rc" = 124 ] && why=" (its budget ended it; finished rows are kept)"
   echo "=== step $name: exit $rc after ${dt} s of ${b} s$why ==="
   SUMMARY+=("$name: exit $rc, ${dt} s of ${b} s$why")
+  # the session's exit status: a step that failed, or in a rehearsal one that outran its budget
+  if [ "$rc" != 0 ] && { [ "$rc" != 124 ] || [ "$DRY" = 1 ]; }; then FAILED+=("$name"); fi
 }
 want() {
   local s
@@ -149,3 +152,7 @@ echo
 echo "=== session summary (call ${CALL:-all}) ==="
 printf '%s\n' "${SUMMARY[@]}"
 ls -l "$RES"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  echo "failed steps: ${FAILED[*]} (a budget's interrupt counts as a failure only in a --dry-run rehearsal)"
+  exit 1
+fi
