@@ -308,13 +308,20 @@ def test_fused_is_stable_for_logits_up_to_1e4_in_both_twins(rng, dtype):
     since ``exp(logits - lse)`` rounds at ``ulp(1e4)``) plus the roundoff of a float32 sum over the tokens, the
     loss also within the file's fp32 rule (1e-6 relative). Without the max subtraction the loss is inf."""
     x, w, t, all_weights = _large_logit_inputs(rng)
-    # all rows, then only the confident ones (target = argmax, every other row): their true loss is ~0, so a
-    # log-sum-exp that rounds at ulp(1e4) shows in the loss itself, not only under the other rows' large terms
-    for weights in (all_weights, all_weights * (np.arange(N) % 2 == 0)):
-        _check_large_logits(x, w, t, weights, dtype)
+    # all rows, the confident ones (target = argmax, every other row), and the confident rows of magnitude 1e4
+    # alone: their gradients are ~0, so a log-sum-exp that rounds at ulp(1e4) (~5e-4) shows in every entry instead
+    # of hiding under the other rows' large terms
+    # (float32 only: the one-float32 log-sum-exp is a float32 hazard, and XLA:CPU's bf16 reductions are not
+    # reproducible enough for a near-zero reference, docs/upstream-bugs.md)
+    confident = np.arange(N) % 2 == 0
+    subsets = [all_weights, all_weights * confident]
+    if dtype == "float32":
+        subsets.append(all_weights * confident * (np.arange(N) % 3 == 2))
+    for i, weights in enumerate(subsets):
+        _check_large_logits(x, w, t, weights, dtype, relative_loss=i == 0)
 
 
-def _check_large_logits(x, w, t, weights, dtype):
+def _check_large_logits(x, w, t, weights, dtype, relative_loss):
     import jax
     import jax.numpy as jnp
     import torch
@@ -364,5 +371,5 @@ def _check_large_logits(x, w, t, weights, dtype):
             # kept as one float32 misses the confident rows' loss by ~ulp(1e4) = 1e-3, far above this.
             tol = 2 * dense_err + 32 * eps * np.abs(r).max()
             assert err <= tol, f"{twin} {dtype} {name}: fused error {err:.3g} > 2x dense {dense_err:.3g} + roundoff"
-        if dtype == "float32":
+        if dtype == "float32" and relative_loss:  # all rows: the loss is large beside its logits' rounding
             assert abs(fused[0] - ref[0]) <= 1e-6 * abs(ref[0]), (twin, fused[0], ref[0])
