@@ -17,7 +17,7 @@ from jaxattn.spec.gguf import read_gguf, read_gguf_config  # noqa: E402
 from jaxattn.spec.hf_format import CheckpointError, expected_shapes  # noqa: E402
 from parity_tests.twins import gguf_twin_logits, llama_cpp_permute  # noqa: E402
 
-LOGITS_TOL = 1e-4  # CONVENTIONS §7, fp32 full-model logits
+LOGITS_TOL = 1e-4  # design §7 (docs/design.md), fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 MERGES = ["Ġ t", "h e"]
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}

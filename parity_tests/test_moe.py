@@ -1,8 +1,8 @@
 """Mixture of Experts: both twins against transformers' Mixtral / Qwen3-MoE, against each other, and the block against
 a float64 per-token loop (dropless and capacity-factor); the router's edge cases; int8 experts; configs both ways.
 
-Tolerances are CONVENTIONS §7's fp32 rows: full-model logits 1e-4, gradients rtol = atol = 1e-3, single modules
-1e-5; the load-balancing loss 1e-6 (the issue's bound: it is a mean of float32 probabilities).
+Tolerances are design §7's fp32 rows (docs/design.md): full-model logits 1e-4, gradients rtol = atol = 1e-3,
+single modules 1e-5; the load-balancing loss 1e-6 (the issue's bound: it is a mean of float32 probabilities).
 """
 
 from __future__ import annotations

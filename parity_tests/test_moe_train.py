@@ -2,8 +2,8 @@
 parallelism (JAX's ``expert`` mesh axis, torch's ``--parallel ep``) against one device / one process. The model,
 block and checkpoint parities are ``test_moe.py``'s.
 
-Tolerances: CONVENTIONS §7 (after optimizer steps rtol 1e-3, atol 2e-3; resume exactly equal); expert-parallel =
-one device within 1e-5 (the issue's bound).
+Tolerances: design §7 (docs/design.md; after optimizer steps rtol 1e-3, atol 2e-3; resume exactly equal);
+expert-parallel = one device within 1e-5 (the issue's bound).
 """
 
 from __future__ import annotations

@@ -186,3 +186,26 @@ def test_readme_says_which_gpu_ran_what():
     assert "JAX computes fp32 dots in TF32 and torch in full fp32" in text
     assert "no `torch.compile`d decode step was measured here" in text
     assert text.count("the session's time budget stopped the suite") == 3  # model, train, attention (not decode)
+
+
+def test_citations_resolve_to_the_design_doc():
+    """Every "§N" in the code and docs names a section of docs/design.md, and nothing cites a design file the
+    repository does not have (the frozen training text in benchmarks/data/ is data, not a citation)."""
+    import re
+    import subprocess
+
+    stale = "CONVEN" + "TIONS"  # the old design file's name, spelled so that this test does not cite it
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.sh", "*.toml"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    files = [f for f in files if not f.startswith(("benchmarks/data/", "benchmarks/results/"))]
+    sections = set(re.findall(r"^## (\d+)\. ", open("docs/design.md", encoding="utf-8").read(), re.M))
+    bad = []
+    for f in files:
+        text = open(f, encoding="utf-8").read()
+        if stale in text:
+            bad.append(f"{f}: cites {stale} (the design is docs/design.md)")
+        bad += [
+            f"{f}: §{n} is not a section of docs/design.md" for n in re.findall(r"§ ?(\d+)", text) if n not in sections
+        ]
+    assert sections and not bad, bad

@@ -114,9 +114,13 @@ want() {
 # one benchmark suite into $RES, JSON only (the report is built off the device)
 BENCH=("$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$RES")
 if want tests; then
-  # -rA lists every test's outcome (step "order" reads it); the conftest prints a verdict per backend
-  STEP_LOG="$OUT/gpu_tests.log" step tests "$PY" -m pytest parity_tests -m "gpu and not slow" -n 8 --timeout 60 \
-    -q -rA -p no:warnings -p no:cacheprovider --durations=10
+  # -rA lists every test's outcome (step "order" reads it); the conftest prints a verdict per backend. The 8 workers
+  # share jax's persistent compilation cache (a program one worker compiled, another loads: not measured yet; on
+  # 2026-11-27 compiles made a test take 3-56 s); the benchmark steps keep compiling afresh (their first_call_s)
+  JAX_COMPILATION_CACHE_DIR=/tmp/jaxattn-jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 STEP_LOG="$OUT/gpu_tests.log" \
+    step tests "$PY" -m pytest parity_tests -m "gpu and not slow" -n 8 --timeout 60 -q -rA -p no:warnings \
+    -p no:cacheprovider --durations=10
 fi
 if want model; then
   if [ "$DRY" = 1 ]; then PRESETS=(tiny moe-tiny); else PRESETS=(350m moe-350m); fi
