@@ -23,7 +23,7 @@ PLAN="tests|1|120|115|gpu tests (51): 8 pytest-xdist workers, 60 s per test; 34 
 model|1|130|120|model suite: 350m and moe-350m fp32, a fresh process each (125m: under 105 s on 2026-11-27)
 attention|1|60|60|attention suite: ours (flash, mosaic) and torch cuDNN, S <= 4096 (37 rows took 70 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)
-train|2|130|120|train suite 1b B=1 S=2048: bf16, fused_loss, remat_full, grad_accum2 (baseline, bf16: 60 s)
+train|2|130|120|train suite 1b B=1 S=2048: fused_loss, remat_full, fp16, bf16 (baseline, bf16: 60 s; rows that fit as a pair)
 decode|2|100|95|decode suite: 125m-random, fp32/bf16/int8, B 1 and 64, split-K kernel, torch.compile (62 s without)
 blocks|2|60|55|flash D=128 bf16 block sizes, dkv first: time the deviceless filter's survivors (34 in 60 s)"
 ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
@@ -141,7 +141,7 @@ if want order; then
   fi
 fi
 if want train; then
-  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(bf16 fused_loss remat_full grad_accum2); fi
+  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(fused_loss remat_full fp16 bf16); fi
   step train "${BENCH[@]}" --suite train "${TOGGLES[@]/#/--toggle=}" --budget-s $(($(budget train) - 30))
 fi
 if want decode; then

@@ -8,9 +8,9 @@ The programs are the suites' own (``suites.model.jax_passes``, ``suites.train.ja
 with abstract inputs. A row's JAX side fits when its compiled total (arguments + outputs + temporaries - aliased)
 is at most :data:`USABLE` of the device's memory. torch has no such analysis; its estimate is JAX's total times the
 torch / JAX peak ratio of the one row measured on both sides on a GPU (:func:`torch_ratio`: model 125m
-fwd_bwd, read from ``benchmarks/results/nvidia-h100-80gb-hbm3/model.json``). The model suite times JAX and torch in
-one process, where JAX's allocator keeps what it grew, so its rows must fit both together (``fits_both``); the
-train suite runs each framework's step in turn and frees torch's cache between them, so ``fits`` is its test.
+fwd_bwd, read from ``benchmarks/results/nvidia-h100-80gb-hbm3/model.json``). Both suites time JAX and torch as a
+pair, both frameworks' programs and state alive at once (and JAX's allocator keeps what it grew), so a row that
+runs must fit both together (``fits_both``); a row that does not is recorded as an out-of-memory skip on the GPU.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def write_markdown(out: str, rows: list[dict], info: dict) -> str:
         "`python -m benchmarks.tools.suite_memory --out DIR`: each row's JAX program compiled for the target without "
         f"a GPU (jax {info.get('jax')}); fits = XLA's compiled total <= {USABLE:.0%} of the device's memory; torch "
         "estimate = that total times torch's / JAX's peak on the one row measured on both (model 125m fwd_bwd, "
-        "one H100). The model suite runs both frameworks in one process (fits both); the train suite runs them in "
-        "turn.\n\n" + table(rows) + "\n"
+        "one H100). Both suites time the two frameworks as a pair in one process: a row runs only if it fits both."
+        "\n\n" + table(rows) + "\n"
     )
     return write_text_atomic(os.path.join(out, "suite_memory.md"), text)
 
