@@ -271,3 +271,19 @@ def test_committed_suite_rows_fit_one_h100():
         _, (state, batch), _, preset = train.jax_program(toggle)
         assert (r["preset"], r["B"], r["S"] + 1) == (preset, *batch["tokens"].shape), toggle
         assert r["fits"] and r["memory"]["peak"] < r["device_bytes"], r
+
+
+def test_default_order_reads_verdicts_per_backend_from_several_logs():
+    """`default_order` credits a JAX backend only with its own tests: torch's SDPA cuDNN test says nothing of JAX's
+    cudnn, one failure marks a backend failed, and verdicts from two logs (two device calls) add up."""
+    from benchmarks.tools.default_order import tests_passed
+
+    call1 = (
+        "PASSED parity_tests/test_attention.py::test_gpu_torch_sdpa_bf16[cudnn]\n"
+        "PASSED parity_tests/test_flash.py::TestFlashGPU::test_parity[a]\n"
+        "FAILED parity_tests/test_flash.py::TestFlashGPU::test_parity[b] - AssertionError: x\n"
+    )
+    call3 = "PASSED parity_tests/test_mosaic.py::test_gpu_kernel_bf16_two_x_rule[True-64-1000]\n"
+    got = tests_passed(call1 + call3)
+    assert got["cudnn"] is None and got["flash"] is False and got["mosaic"] is True and got["xla"] is None
+    assert tests_passed(call1.replace("FAILED", "PASSED"))["flash"] is True
