@@ -100,6 +100,22 @@ def test_capture_gives_the_models_own_numbers_and_restores_everything():
     assert np.abs(norm - ref[("final_norm", None)]).max() < 1e-12 * np.abs(norm).max()
 
 
+def test_compare_marks_a_ratio_just_past_the_tolerance_and_blames_the_worse_twin(rng):
+    """``ok`` is ``ratio <= tolerance`` at its edge: one twin 3 units of roundoff off the reference and the other
+    exact gives ratio 3 (the floor is one unit); it passes a tolerance of 4 and fails one of 2.5; ``worse`` names it."""
+    u = 2.0**-24
+    ref = rng.standard_normal((4, 8))
+    scale = np.abs(ref) + np.sqrt(np.mean(ref**2))
+    off = ref + 3 * u * scale  # every element 3 units off, relative to its own size: rounding_error = 3
+    assert diff.rounding_error(off, ref, u) == pytest.approx(3.0, rel=1e-6)
+    for torch_out, jax_out, worse in ((off, ref, "torch"), (ref, off, "jax")):
+        for tol, ok in ((4.0, True), (2.5, False)):
+            (row,) = diff.compare({("x", 0): torch_out}, {("x", 0): jax_out}, {("x", 0): ref}, unit_roundoff=u,
+                                  tolerance=tol)  # fmt: skip
+            assert row["ratio"] == pytest.approx(3.0, rel=1e-6) and row["ok"] is ok and row["worse"] == worse
+    assert diff.first_mismatch([{"ok": True}, {"ok": False, "i": 1}, {"ok": False, "i": 2}])["i"] == 1
+
+
 def test_planted_rope_bug_in_torchs_layer_1_is_named(tmp_path, monkeypatch, capsys):
     """The issue's demo: RoPE's sin with the wrong sign in layer 1 of the torch twin (its low-precision run, not the
     float64 reference) -> the first mismatch is layer 1's q after RoPE, torch's, exit 1; everything before passes."""

@@ -245,6 +245,17 @@ def test_smollm2_chat_32_tokens_matches_transformers(smollm2):
     assert "Paris" in tok.decode(out_j[0])
 
 
+def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, monkeypatch):
+    """The default-run twin of the inductor test below: ``compile=True`` with ``torch.compile``'s ``aot_eager``
+    backend (dynamo's ``fullgraph`` trace of the decode step and AOTAutograd's functionalized in-place cache writes,
+    without inductor's C++ build) gives the eager tokens; a graph break fails here as it would there."""
+    tmodel, _ = twins
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
+    assert tgen.generate(tmodel, prompts, 8, compile=True) == tgen.generate(tmodel, prompts, 8)
+
+
 @pytest.mark.slow
 def test_torch_compiled_decode_step_matches_eager(twins):
     """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens."""

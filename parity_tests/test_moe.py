@@ -202,7 +202,8 @@ def _reference_block(x, router, w_gate, w_up, w_down, cfg):
     x = x.astype(np.float64)
     b, s, _ = x.shape
     k, e = cfg.experts_per_token, cfg.n_experts
-    cap = cfg.expert_capacity(s)
+    # GShard's capacity per expert and batch row, written out here (not cfg.expert_capacity: the rule under test)
+    cap = None if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * s * k / e))
     out = np.zeros_like(x)
     kept = np.zeros(e, np.int64)
     for r in range(b):

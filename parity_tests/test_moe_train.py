@@ -196,16 +196,33 @@ def test_jax_expert_axis_must_divide_the_experts(moe_init, tmp_path):
         sharding.check_config(moe_config(), _sub_mesh("expert=8"))
 
 
-@pytest.mark.parametrize("mode", ["ep", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ep+fsdp", "ddp"))])
-def test_torchrun_expert_parallel_equals_one_process(mode, moe_init, tmp_path):
+@pytest.fixture(scope="module")
+def moe_capacity_init(tmp_path_factory):
+    """:func:`moe_init` with a capacity factor of 0.5: the static-buffer path, which drops assignments."""
+    cfg = moe_config("qwen3_moe-renorm", router_z_loss_coef=0.001, capacity_factor=0.5)
+    tm, _ = twins(cfg, seed=3)
+    return thf.save_pretrained(tm, tmp_path_factory.mktemp("moe-capacity-init"))
+
+
+@pytest.mark.parametrize(
+    "mode, init",
+    [
+        ("ep", "moe_init"),
+        ("ep", "moe_capacity_init"),
+        *(pytest.param(m, "moe_init", marks=pytest.mark.slow) for m in ("ep+fsdp", "ddp")),
+    ],
+    ids=["ep", "ep-capacity", "ep+fsdp", "ddp"],
+)
+def test_torchrun_expert_parallel_equals_one_process(mode, init, request, tmp_path):
     """torchrun 2 ranks, each holding 2 of the 4 experts (DTensors sharded by expert; tokens exchanged by
-    all_to_all_single over gloo; the router statistics all-reduced, so the balance loss is the whole batch's): the
-    losses and grad norms of 4 steps equal one process's (§7 steps rule) — ddp too, which sums the statistics the
-    same way."""
+    all_to_all_single over gloo, dropless by exact split sizes or, with a capacity, as equal [B, E, C, dim]
+    buffers; the router statistics all-reduced, so the balance loss is the whole batch's): the losses and grad
+    norms of 4 steps equal one process's (§7 steps rule) — ddp too, which sums the statistics the same way."""
     from jaxattn.spec.runlog import read_log
     from parity_tests.twins import jsonl_losses, torchrun
 
-    argv = ["--init", moe_init, "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
+    init = request.getfixturevalue(init)
+    argv = ["--init", init, "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
     torchrun("-m", "torchref.train", "--parallel", mode, "--log-json", str(tmp_path / "ep.jsonl"), *argv)
     _train("torch", argv + ["--log-json", str(tmp_path / "one.jsonl")])
     np.testing.assert_allclose(jsonl_losses(tmp_path / "ep.jsonl"), jsonl_losses(tmp_path / "one.jsonl"), atol=1e-5)

@@ -102,6 +102,9 @@ def test_paired_ratio_labels_a_wide_interval_or_a_drifting_side_unstable():
     assert steady["ratio"] == 2.0 and not steady["unstable"] and steady["rounds"] == 10
     wide = timing.paired_ratio([1.0, 3.0] * 5, [1.0] * 10)  # per-round ratios 1 and 3: interval [1, 3]
     assert wide["unstable"] and "interval spans 3.00x > 1.5x" in wide["why"] and not wide["finding"]
+    # the width is a factor (high / low), whatever the ratio's size: 0.1..0.3 is unstable, 10..14 is not
+    assert timing.paired_ratio([0.1, 0.3] * 5, [1.0] * 10)["unstable"]
+    assert not timing.paired_ratio([10.0, 14.0] * 5, [1.0] * 10)["unstable"]
     drift = timing.paired_ratio([2.0] * 10, [1.0] * 10, cv=(0.05, 0.4))
     assert drift["unstable"] and "rounds vary by CV 0.40 > 0.25" in drift["why"]
     with pytest.raises(ValueError, match="equally many rounds"):

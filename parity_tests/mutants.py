@@ -1,0 +1,681 @@
+"""The mutation check: plant realistic bugs in package code one at a time and see whether the default run catches them.
+
+    python -m parity_tests.mutants                       # every mutant; a table of caught / missed with seconds
+    python -m parity_tests.mutants --area moe --jobs 2   # one area, two mutants at a time
+    python -m parity_tests.mutants --check               # every planted edit still applies (no test is run)
+
+Each :class:`Mutant` is a bug as it would be written (a denominator, an index, an order, a direction), given as exact
+text edits of package files (each ``old`` must occur exactly once, so a mutant that no longer fits the code is an
+error, never a silent pass) and the tests that should catch it, run as CI runs them: ``-m "not slow"`` (and no
+``gpu``). The edits go into a temporary copy of the repository (``git ls-files``; the checkout is never touched);
+pytest runs there with ``-x`` and the copy first on ``PYTHONPATH`` (child processes, torchrun and the CLIs included,
+import the copy too); the edit is undone before the next mutant. ``caught``: the tests failed; ``missed``: they
+passed; ``error``: they could not run (no test selected, a collection error, a timeout). ``--baseline`` first runs
+each distinct selection unmutated: a selection that fails there makes its mutants ``invalid``. Exit 0 when every
+mutant is caught, 1 otherwise, 2 on bad arguments. Written by hand: mutmut and cosmic-ray generate operator swaps
+at random, while a planted bug here is a named, realistic one with the tests that should catch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import queue
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SELECT = "not slow and not gpu"  # what CI's default run selects (gpu tests skip on a CPU anyway)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    edits: tuple[tuple[str, str, str], ...]  # (path from the repository root, old text, new text), applied in order
+    tests: str  # pytest arguments: files, node ids, -k
+    why: str  # the bug in words
+
+
+def m(name: str, area: str, path: str, old: str, new: str, tests: str, why: str) -> Mutant:
+    return Mutant(name, area, ((path, old, new),), tests, why)
+
+
+_FCE = "parity_tests/test_fused_ce.py -k 'equals_dense or 1e4 or twenty_steps'"
+_FLASH = "parity_tests/test_flash.py -k 'TestFlashInterpret or backward'"
+_STATS = "parity_tests/test_profiling.py -k 'ratio or median_ci or interleaved or pooled'"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ---- Mixture of Experts
+    m(
+        "moe-renorm-jax",
+        "moe",
+        "jaxattn/moe.py",
+        "weights = weights / jnp.sum(weights, axis=-1, keepdims=True)",
+        "weights = weights / jnp.sum(probs, axis=-1, keepdims=True)",
+        "parity_tests/test_moe.py -k 'transformers or torch_vs_jax'",
+        "the top-k weights renormalised by the sum over all experts (a no-op) instead of the chosen k",
+    ),
+    m(
+        "moe-renorm-torch",
+        "moe",
+        "torchref/moe.py",
+        "weights = weights / weights.sum(dim=-1, keepdim=True)",
+        "weights = weights / probs.sum(dim=-1, keepdim=True)",
+        "parity_tests/test_moe.py -k 'transformers or torch_vs_jax'",
+        "the torch twin's renormalisation over all experts",
+    ),
+    m(
+        "moe-capacity-rule",
+        "moe",
+        "jaxattn/spec/config.py",
+        "math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.n_experts)",
+        "math.ceil(self.capacity_factor * tokens / self.n_experts)",
+        "parity_tests/test_moe.py -k 'capacity or float64'",
+        "GShard's capacity without the k assignments per token",
+    ),
+    m(
+        "moe-capacity-keep",
+        "moe",
+        "jaxattn/moe.py",
+        "keep = pos < capacity",
+        "keep = pos <= capacity",
+        "parity_tests/test_moe.py -k 'capacity or float64'",
+        "one assignment past the capacity kept (an off-by-one in the queue test)",
+    ),
+    m(
+        "moe-group-offsets",
+        "moe",
+        "jaxattn/moe.py",
+        "dest = (jnp.cumsum(sizes) - sizes)[keys] + rank",
+        "dest = jnp.cumsum(sizes)[keys] + rank",
+        "parity_tests/test_moe.py -k 'float64 or empty_experts'",
+        "an inclusive instead of an exclusive prefix sum for each expert's first row",
+    ),
+    m(
+        "moe-grouped-mm-offsets",
+        "moe",
+        "torchref/moe.py",
+        "offs=torch.cumsum(sizes, 0, dtype=torch.int32)",
+        "offs=(torch.cumsum(sizes, 0) - sizes).to(torch.int32)",
+        "parity_tests/test_moe.py -k 'grouped_mm or float64'",
+        "torch._grouped_mm given group starts instead of group ends",
+    ),
+    m(
+        "moe-grouped-gemm-tiles",
+        "moe",
+        "jaxattn/grouped_matmul.py",
+        "counts = jnp.where(ends > starts, cdiv(ends, bm) - first, 0)",
+        "counts = jnp.where(ends > starts, ends // bm - first, 0)",
+        "parity_tests/test_grouped_matmul.py -k 'float64 or tile_schedule or degenerate'",
+        "a group's last partial row tile left out of the tile schedule (floor for ceil)",
+    ),
+    m(
+        "moe-ep-counts-jax",
+        "moe",
+        "jaxattn/moe.py",
+        "counts = jax.lax.all_to_all(per_rank, axis, 0, 0)",
+        "counts = per_rank",
+        "parity_tests/test_moe_train.py -k jax_expert_parallel_equals_one_device",
+        "the JAX expert-parallel exchange uses its own send counts for what it received",
+    ),
+    m(
+        "moe-ep-order-torch",
+        "moe",
+        "torchref/moe.py",
+        "local = got.transpose(0, 1).reshape(e // n, n * b * c, d)",
+        "local = got.reshape(e // n, n * b * c, d)",
+        "parity_tests/test_moe_train.py -k 'torchrun_expert_parallel and capacity'",
+        "the torch expert-parallel exchange reads the received buffers source-major",
+    ),
+    m(
+        "moe-ep-regroup-torch",
+        "moe",
+        "torchref/moe.py",
+        "order = torch.sort(local, stable=True).indices  # by local expert, then source",
+        "order = torch.arange(local.numel())  # by local expert, then source",
+        "parity_tests/test_moe_train.py -k 'torchrun_expert_parallel and not capacity'",
+        "the dropless torch exchange leaves received rows in source order, not grouped by local expert",
+    ),
+    Mutant(
+        "moe-mixtral-w1-w3",
+        "moe",
+        (
+            (
+                "jaxattn/spec/params.py",
+                '"blk.{i}.ffn_gate_exps.weight",\n        present=_moe,\n        hf_alt=(("mixtral", '
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"),),',
+                '"blk.{i}.ffn_gate_exps.weight",\n        present=_moe,\n        hf_alt=(("mixtral", '
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.SWAP.weight"),),',
+            ),
+            (
+                "jaxattn/spec/params.py",
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"',
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"',
+            ),
+            (
+                "jaxattn/spec/params.py",
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.SWAP.weight"',
+                '"model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"',
+            ),
+        ),
+        "parity_tests/test_moe.py -k 'transformers or hf_names'",
+        "Mixtral's gate (w1) and up (w3) projections swapped in the name table",
+    ),
+    # ---- pipeline stages
+    m(
+        "pipe-loss-denominator-torch",
+        "pipeline",
+        "torchref/pipeline.py",
+        "return nll / self._denominator * self.loss_scale",
+        "return nll / max(float((targets != -100).sum()), 1.0) * self.loss_scale",
+        "parity_tests/test_pipeline.py -k token_weighted_mean",
+        "each micro-batch's loss its own mean (the batch loss a mean of means)",
+    ),
+    m(
+        "pipe-round-robin-torch",
+        "pipeline",
+        "torchref/pipeline.py",
+        "return [rank + k * ranks for k in range(per_rank)]",
+        "return [rank * per_rank + k for k in range(per_rank)]",
+        "parity_tests/test_pipeline.py -k round_robin",
+        "interleaved stages assigned contiguously instead of round-robin over the ranks",
+    ),
+    m(
+        "pipe-stage-item-jax",
+        "pipeline",
+        "jaxattn/pipeline.py",
+        "y = run(h, i // m, jax.tree.map(lambda a: a[i % m], sm))",
+        "y = run(h, i // m, jax.tree.map(lambda a: a[t % m], sm))",
+        "parity_tests/test_pipeline.py -k 'remat_and_segment_ids or circular or gpipe_equals'",
+        "a stage takes the segment ids / RoPE tables of the clock's micro-batch, not of the one it holds",
+    ),
+    m(
+        "pipe-ppermute-direction-jax",
+        "pipeline",
+        "jaxattn/pipeline.py",
+        "[(a, (a + 1) % p) for a in range(p)]",
+        "[(a, (a - 1) % p) for a in range(p)]",
+        "parity_tests/test_pipeline.py -k 'gpipe_equals or passes_activations'",
+        "activations passed to the previous stage instead of the next",
+    ),
+    m(
+        "pipe-stage-layers-torch",
+        "pipeline",
+        "torchref/pipeline.py",
+        "return range(index * per, (index + 1) * per)",
+        "return range(index * per, (index + 1) * per - 1)",
+        "parity_tests/test_pipeline.py -k 'token_weighted_mean or round_robin or parallel_pp_trains'",
+        "each stage's last decoder layer left out of its split",
+    ),
+    # ---- fused linear + cross-entropy
+    m(
+        "fce-lse-no-max-jax",
+        "fused loss",
+        "jaxattn/fused_ce.py",
+        "return m, jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))",
+        "return jnp.zeros_like(m), jnp.log(jnp.sum(jnp.exp(logits), axis=-1))",
+        _FCE,
+        "the log-sum-exp without the max subtraction (inf for logits around 100)",
+    ),
+    m(
+        "fce-lse-no-max-torch",
+        "fused loss",
+        "torchref/fused_ce.py",
+        "m = logits.amax(dim=-1)  # [chunk]",
+        "m = torch.zeros_like(logits[:, 0])  # [chunk]",
+        _FCE,
+        "the torch twin's log-sum-exp without the max subtraction",
+    ),
+    m(
+        "fce-last-chunk-torch",
+        "fused loss",
+        "torchref/fused_ce.py",
+        "for s in range(0, hidden.shape[0], chunk):",
+        "for s in range(0, hidden.shape[0] - chunk + 1, chunk):",
+        _FCE,
+        "the last, partial chunk of tokens left out of the forward",
+    ),
+    m(
+        "fce-backward-softmax-jax",
+        "fused loss",
+        "jaxattn/fused_ce.py",
+        "probs = jnp.exp((logits - m[:, None]) - log_sum[:, None])",
+        "probs = jnp.exp(logits - m[:, None])",
+        _FCE,
+        "the backward's softmax not divided by its sum",
+    ),
+    # ---- attention backends
+    m(
+        "flash-rescale",
+        "attention",
+        "jaxattn/attention/flash.py",
+        "acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)",
+        "acc = acc + dot(p.astype(pv_dtype), v, 1, 0)",
+        _FLASH,
+        "the online softmax's accumulator not rescaled when the running max moves (FlashAttention-2 alg. 1)",
+    ),
+    m(
+        "flash-lse-units",
+        "attention",
+        "jaxattn/attention/flash.py",
+        "lse_ref[...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)",
+        "lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)",
+        _FLASH,
+        "the saved log-sum-exp mixes log2 (the running max) and natural-log units",
+    ),
+    m(
+        "flash-delta-sign",
+        "attention",
+        "jaxattn/attention/flash.py",
+        "delta = delta - dlse.astype(jnp.float32)",
+        "delta = delta + dlse.astype(jnp.float32)",
+        "parity_tests/test_flash.py parity_tests/test_attention.py -k 'lse or backward'",
+        "the cotangent of the log-sum-exp folded into delta with the wrong sign",
+    ),
+    m(
+        "decode-merge-base",
+        "attention",
+        "jaxattn/attention/decode.py",
+        "w = jnp.exp2(m - m_max)",
+        "w = jnp.exp(m - m_max)",
+        "parity_tests/test_flash_decode.py -k 'TestFlashDecodeInterpret or few_query'",
+        "split-K partials merged with base-e weights while their maxima are in log2 units",
+    ),
+    m(
+        "splash-causal-offset",
+        "attention",
+        "jaxattn/attention/splash.py",
+        "one = sa.CausalMask(shape, offset=offset)",
+        "one = sa.CausalMask(shape, offset=0)",
+        "parity_tests/test_splash.py -k oracle",
+        "splash's causal mask top-left instead of bottom-right when q_len != kv_len",
+    ),
+    m(
+        "splash-kv-chunk-offset",
+        "attention",
+        "jaxattn/attention/splash.py",
+        "pos = c * KV_CHUNK + jnp.arange(KV_CHUNK, dtype=jnp.int32)",
+        "pos = jnp.arange(KV_CHUNK, dtype=jnp.int32)",
+        "parity_tests/test_splash.py -k 'across_kv_chunks or oracle'",
+        "the scan for queries without a key drops each key chunk's offset",
+    ),
+    Mutant(
+        "softcap-order-torch",
+        "attention",
+        (
+            (
+                "torchref/attention.py",
+                "qf, k.float()) * scale\n    if softcap is not None:\n        s = softcap * torch.tanh(s / softcap)",
+                "qf, k.float())\n    if softcap is not None:\n        s = softcap * torch.tanh(s / softcap) * scale",
+            ),
+        ),
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "the softcap applied before the scale (tanh of unscaled scores)",
+    ),
+    m(
+        "torch-causal-offset",
+        "attention",
+        "torchref/attention.py",
+        "i_abs = torch.arange(sq, device=device)[:, None] + (sk - sq)",
+        "i_abs = torch.arange(sq, device=device)[:, None]",
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "torch's causal mask top-left instead of bottom-right when q_len != kv_len",
+    ),
+    m(
+        "chunked-softcap-scale",
+        "attention",
+        "jaxattn/attention/chunked.py",
+        "t = jnp.tanh(s / cfg.softcap)",
+        "t = jnp.tanh(s)",
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "the chunked kernel's softcap without the division by the cap",
+    ),
+    # ---- the porting debugger
+    m(
+        "diff-tolerance",
+        "debugger",
+        "parity_tests/diff.py",
+        '"ok": bool(ratio <= tolerance),',
+        '"ok": bool(ratio <= tolerance * 100),',
+        "parity_tests/test_diff.py -k 'compare_marks or planted or low_precision'",
+        "the tolerance scaled so a real bug's error passes as rounding",
+    ),
+    m(
+        "diff-worse-twin",
+        "debugger",
+        "parity_tests/diff.py",
+        '"worse": "torch" if err_t > err_j else "jax",',
+        '"worse": "torch" if err_t < err_j else "jax",',
+        "parity_tests/test_diff.py -k 'compare_marks or planted or low_precision'",
+        "the debugger blames the wrong twin",
+    ),
+    # ---- benchmark statistics
+    m(
+        "stats-paired-swapped",
+        "statistics",
+        "benchmarks/measure.py",
+        'paired = paired_ratio(t["torch"]["rounds"], t["jax"]["rounds"]',
+        'paired = paired_ratio(t["jax"]["rounds"], t["torch"]["rounds"]',
+        "parity_tests/test_benchmarks.py -k timeit_paired",
+        "the reported JAX speed-up inverted (numerator and denominator swapped)",
+    ),
+    m(
+        "stats-pooled-interval",
+        "statistics",
+        "jaxattn/spec/timing.py",
+        "lo, hi = percentile(medians, tail), percentile(medians, 1.0 - tail)",
+        "lo, hi = median_ci([x for p in procs for x in p], confidence)[:2]",
+        _STATS,
+        "the pooled interval from the raw rounds instead of the hierarchical bootstrap",
+    ),
+    m(
+        "stats-median-ci-index",
+        "statistics",
+        "jaxattn/spec/timing.py",
+        "return xs[k - 1], xs[n - k], coverage(k)",
+        "return xs[k], xs[n - k - 1], coverage(k)",
+        _STATS,
+        "the order-statistic interval one rank too narrow",
+    ),
+    m(
+        "stats-no-alternation",
+        "statistics",
+        "jaxattn/spec/timing.py",
+        "for name in names if r % 2 == 0 else names[::-1]:",
+        "for name in names:",
+        _STATS,
+        "the interleaved rounds always in the same order (a warm-up or drift bias on one side)",
+    ),
+    m(
+        "stats-unstable-width",
+        "statistics",
+        "jaxattn/spec/timing.py",
+        "if hi / lo > UNSTABLE_CI:",
+        "if hi - lo > UNSTABLE_CI:",
+        _STATS,
+        "an interval's width compared as a difference, not a factor (wide ratios never unstable)",
+    ),
+    # ---- training: accumulation, loss scaling, optimizers
+    m(
+        "accum-denominator-jax",
+        "training",
+        "jaxattn/train_step.py",
+        "grads, loss = grad_fn(params, mb, denominator)",
+        "grads, loss = grad_fn(params, mb, loss_denominator(mb))",
+        "parity_tests/test_grad_accum.py",
+        "each micro-batch's loss its own mean, then summed (k times the gradient, per-micro-batch weighting)",
+    ),
+    m(
+        "accum-slice-torch",
+        "training",
+        "torchref/train_step.py",
+        "mb = {k: v if v is None else v[i * micro : (i + 1) * micro] for k, v in batch.items()}",
+        "mb = {k: v if v is None else v[i * micro : (i + 1) * micro + 1] for k, v in batch.items()}",
+        "parity_tests/test_grad_accum.py",
+        "micro-batches overlapping by one row",
+    ),
+    m(
+        "loss-scale-tracker",
+        "training",
+        "jaxattn/loss_scale.py",
+        "new_tracker = jnp.where(finite, jnp.where(grow, 0, successful), 0).astype(jnp.int32)",
+        "new_tracker = jnp.where(finite, jnp.where(grow, 0, successful), tracker).astype(jnp.int32)",
+        "parity_tests/test_loss_scale.py",
+        "the growth counter not reset by an overflow (GradScaler resets it)",
+    ),
+    m(
+        "adamw8bit-bias-correction",
+        "training",
+        "torchref/optim.py",
+        "u = m / (v.sqrt() / math.sqrt(1.0 - b2**t) + eps) / (1.0 - b1**t)",
+        "u = m / (v.sqrt() / math.sqrt(1.0 - b2**t) + eps) / (1.0 - b1)",
+        "parity_tests/test_optim.py -k 'adamw8bit or bitsandbytes'",
+        "the first moment's bias correction without the step power",
+    ),
+    # ---- model, cache, generation, int8
+    m(
+        "rope-rotate-half",
+        "model",
+        "jaxattn/model.py",
+        "rotated = jnp.concatenate([-x2, x1], axis=-1)",
+        "rotated = jnp.concatenate([x2, -x1], axis=-1)",
+        "parity_tests/test_model.py -k 'rope or full_model'",
+        "rotate_half's sign on the wrong half (RoPE rotating the other way)",
+    ),
+    m(
+        "kv-cache-positions",
+        "model",
+        "jaxattn/kv_cache.py",
+        "return self.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]",
+        "return jnp.zeros_like(self.lengths)[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]",
+        "parity_tests/test_generate.py -k 'cache_decode or ragged'",
+        "decode steps' RoPE positions restart at 0 instead of following the cache",
+    ),
+    m(
+        "prefill-last-token-torch",
+        "model",
+        "torchref/generate.py",
+        "logits = model(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, vocab]",
+        "logits = model(tokens, cache=cache, logits_at=torch.full_like(lengths, tokens.shape[1] - 1)[:, None])",
+        "parity_tests/test_generate.py -k 'ragged or identical'",
+        "prefill reads the logits of the padded last column instead of each row's last real token",
+    ),
+    m(
+        "compile-data-dependent-check",
+        "model",
+        "torchref/model.py",
+        "        if not torch.compiler.is_compiling():\n            _check_ids(input_ids, self.config.vocab_size)",
+        "        if True:\n            _check_ids(input_ids, self.config.vocab_size)",
+        "parity_tests/test_generate.py -k traced_whole",
+        "the token-id check's host sync left in the compiled decode step (a graph break under fullgraph=True)",
+    ),
+    m(
+        "int8-scale",
+        "model",
+        "jaxattn/quant.py",
+        "scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)",
+        "scale = np.where(amax > 0, amax / np.float32(128), np.float32(1)).astype(np.float32)",
+        "parity_tests/test_quant.py -k 'bit_identical or rounding_rule'",
+        "the int8 scale over 128 (the twins' rounding grids part)",
+    ),
+)
+
+
+# ---- running
+
+
+def check_mutant(mut: Mutant, root: Path) -> list[str]:
+    """The problems with ``mut`` against the tree at ``root`` (empty when every edit applies exactly once, in order,
+    and every test file it names exists)."""
+    problems, texts = [], {}
+    for path, old, new in mut.edits:
+        file = root / path
+        if not file.is_file():
+            problems.append(f"{mut.name}: {path} does not exist")
+            continue
+        text = texts.get(path, file.read_text())
+        n = text.count(old)
+        if n != 1:
+            problems.append(f"{mut.name}: {path} has {n} copies of {old[:60]!r} (needs exactly 1)")
+            continue
+        if old == new:
+            problems.append(f"{mut.name}: an edit of {path} changes nothing")
+        texts[path] = text.replace(old, new)
+    for arg in shlex.split(mut.tests):
+        file = arg.split("::")[0]
+        if file.endswith(".py") and not (root / file).is_file():
+            problems.append(f"{mut.name}: test file {file} does not exist")
+    return problems
+
+
+def copy_repo(dst: Path) -> Path:
+    """The checkout's tracked and untracked-but-not-ignored files copied under ``dst`` (returned)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            target = dst / name.decode()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    return dst
+
+
+def _env(copy: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH", "")]))
+    env.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    return env
+
+
+def check_imports(copy: Path) -> None:
+    """Refuses to go on unless the packages import from the copy (an installed copy must not shadow it)."""
+    code = "import jaxattn, torchref, benchmarks, parity_tests; print(jaxattn.__file__, torchref.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=_env(copy), capture_output=True, text=True)
+    if out.returncode or any(not Path(p).resolve().is_relative_to(copy.resolve()) for p in out.stdout.split()):
+        raise SystemExit(f"mutants: the packages do not import from the copy {copy}: {out.stdout}{out.stderr}")
+
+
+def run_tests(copy: Path, tests: str, timeout: float) -> tuple[int | None, float, str]:
+    """``(pytest's exit status or None on timeout, seconds, the first failing test or the last output line)``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", "-m", SELECT]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(
+            cmd + shlex.split(tests), cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None, time.perf_counter() - t0, f"timed out after {timeout:.0f} s"
+    seconds = time.perf_counter() - t0
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out.stdout, re.M)
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    return out.returncode, seconds, failed[0] if failed else (lines[-1] if lines else out.stderr.strip()[-200:])
+
+
+def verdict(rc: int | None) -> str:
+    return {0: "missed", 1: "caught"}.get(rc, "error")
+
+
+def run_mutant(mut: Mutant, copy: Path, timeout: float) -> dict:
+    originals = {}
+    try:
+        for path, old, new in mut.edits:
+            file = copy / path
+            text = file.read_text()
+            originals.setdefault(path, text)
+            if text.count(old) != 1:
+                return {"name": mut.name, "area": mut.area, "verdict": "error", "seconds": 0.0,
+                        "detail": f"{path}: the edit does not apply exactly once"}  # fmt: skip
+            file.write_text(text.replace(old, new))
+        rc, seconds, detail = run_tests(copy, mut.tests, timeout)
+    finally:
+        for path, text in originals.items():
+            (copy / path).write_text(text)
+    return {"name": mut.name, "area": mut.area, "verdict": verdict(rc), "seconds": round(seconds, 1), "detail": detail}
+
+
+def markdown(results: list[dict], header: str) -> str:
+    caught = sum(r["verdict"] == "caught" for r in results)
+    lines = [
+        header,
+        "",
+        f"**{caught} of {len(results)} caught** ({100 * caught / max(len(results), 1):.0f}%) by the default run.",
+        "",
+        "| mutant | area | verdict | s | first failing test (or why) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        detail = r["detail"].replace("|", "\\|")
+        lines.append(f"| `{r['name']}` | {r['area']} | {r['verdict']} | {r['seconds']:.0f} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def select(names: list[str] | None, areas: list[str] | None) -> list[Mutant]:
+    known, known_areas = {x.name for x in MUTANTS}, {x.area for x in MUTANTS}
+    bad = [n for n in names or [] if n not in known] + [a for a in areas or [] if a not in known_areas]
+    if bad:
+        raise ValueError(f"unknown mutant or area {bad}; mutants: {sorted(known)}; areas: {sorted(known_areas)}")
+    return [x for x in MUTANTS if (not names or x.name in names) and (not areas or x.area in areas)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m parity_tests.mutants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--only", action="append", metavar="NAME", help="run this mutant (repeatable)")
+    p.add_argument("--area", action="append", metavar="AREA", help="run this area's mutants (repeatable)")
+    p.add_argument("--list", action="store_true", help="print the mutants and exit")
+    p.add_argument("--check", action="store_true", help="check that every edit applies; run no test")
+    p.add_argument("--baseline", action="store_true", help="first run each distinct selection unmutated")
+    p.add_argument("--jobs", type=int, default=1, help="mutants at a time, each in its own copy (default 1)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant's tests (default 900)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.jobs < 1 or args.timeout <= 0:
+        p.error(f"--jobs must be >= 1 and --timeout > 0, got {args.jobs} and {args.timeout}")
+    try:
+        chosen = select(args.only, args.area)
+    except ValueError as e:
+        p.error(str(e))
+    if args.list:
+        for x in chosen:
+            print(f"{x.name:<32}{x.area:<12}{x.why}")
+        return 0
+    problems = [msg for x in chosen for msg in check_mutant(x, ROOT)]
+    if problems or args.check:
+        print("\n".join(problems) or f"all {len(chosen)} mutants apply to this tree")
+        return 1 if problems else 0
+
+    with tempfile.TemporaryDirectory(prefix="jaxattn-mutants-") as tmp:
+        copies: queue.Queue = queue.Queue()
+        for j in range(args.jobs):
+            copies.put(copy_repo(Path(tmp) / f"copy{j}"))
+        check_imports(Path(tmp) / "copy0")
+        invalid = set()
+        if args.baseline:
+            for tests in dict.fromkeys(x.tests for x in chosen):
+                rc, seconds, detail = run_tests(Path(tmp) / "copy0", tests, args.timeout)
+                print(f"baseline {'ok' if rc == 0 else 'FAILS'} ({seconds:.0f} s): {tests}", flush=True)
+                if rc != 0:
+                    invalid.add(tests)
+
+        def work(mut: Mutant) -> dict:
+            if mut.tests in invalid:
+                return {"name": mut.name, "area": mut.area, "verdict": "invalid", "seconds": 0.0,
+                        "detail": "its tests fail unmutated"}  # fmt: skip
+            copy = copies.get()
+            try:
+                r = run_mutant(mut, copy, args.timeout)
+            finally:
+                copies.put(copy)
+            print(f"{r['verdict']:<8}{r['seconds']:>7.1f} s  {r['name']:<32} {r['detail']}", flush=True)
+            return r
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(work, chosen))
+        total = time.perf_counter() - t0
+    caught = sum(r["verdict"] == "caught" for r in results)
+    print(f"\n{caught} of {len(results)} mutants caught in {total:.0f} s")
+    header = f"Mutation check: `python -m parity_tests.mutants --jobs {args.jobs}`, {total:.0f} s."
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, header))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "seconds": round(total, 1)}, indent=1) + "\n")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
