@@ -118,6 +118,11 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(config, items):
+    # slow_feature names a subset of the slow tests (CI runs it after the default run); alone it would put a test
+    # in the default run as well
+    stray = [i.nodeid for i in items if i.get_closest_marker("slow_feature") and not i.get_closest_marker("slow")]
+    if stray:
+        raise pytest.UsageError(f"marked slow_feature but not slow (add @pytest.mark.slow): {stray}")
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU (jax.devices('gpu') is empty)")

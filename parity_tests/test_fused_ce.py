@@ -231,6 +231,7 @@ def test_train_step_fused_equals_dense_for_twenty_steps_in_each_twin():
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_torch_compile_runs_the_fused_loss_as_eager_does():
     """``torch.compile`` (inductor on this CPU) of the fused train step: the same losses as the eager fused step
     within §7 over 4 CLI steps, and the fused path really runs under the wrapper: every training forward is

@@ -257,6 +257,7 @@ def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, monkeypat
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_torch_compiled_decode_step_matches_eager(twins):
     """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens."""
     tmodel, _ = twins

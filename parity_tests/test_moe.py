@@ -348,6 +348,7 @@ def test_int8_experts_torch_vs_jax(rng):
 
 
 @pytest.mark.slow  # the default run's 20 CLI steps (test_moe_train.py) train both twins under save_dots
+@pytest.mark.slow_feature
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_qkv_attn"])
 def test_remat_policies_keep_moe_gradients(policy, rng):
     """A remat policy (the MoE block's tags are MaxText's mlpwi_0 / mlpwi_1 / mlp_hidden) changes no gradient."""
@@ -468,6 +469,7 @@ def test_moe_call_arguments_are_checked():
 
 
 @pytest.mark.slow  # the default run: 20 CLI steps with grad accumulation (test_moe_train.py), capacity drops here
+@pytest.mark.slow_feature
 def test_train_steps_agree_with_grad_accum_and_capacity(rng):
     """Three SGD steps with grad_accum=2 (router terms each micro-batch's, weighted 1/2 on both sides) and a
     capacity factor: loss, grad norm and the router metrics agree every step (§7: after optimizer steps)."""

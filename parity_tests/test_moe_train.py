@@ -58,7 +58,9 @@ def test_both_clis_train_moe_20_steps_alike(moe_init, tmp_path):
     np.testing.assert_allclose([r["aux_loss"] for r in jr], [r["aux_loss"] for r in tr], rtol=1e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("framework", [pytest.param("jax", marks=pytest.mark.slow), "torch"])
+@pytest.mark.parametrize(
+    "framework", [pytest.param("jax", marks=(pytest.mark.slow, pytest.mark.slow_feature)), "torch"]
+)
 def test_moe_resume_equals_uninterrupted(framework, moe_init, tmp_path):
     """bucketed padded rows (segment id 0 outside the router statistics) in bf16 with a capacity factor: 3 steps,
     then --resume to 5 = 5 straight, exactly (§7: same framework, deterministic; a constant schedule, as the
@@ -84,9 +86,13 @@ _FLAGS += ["--data", "benchmarks/data/train-example.txt", "--no-progress"]  # pa
     "flags, parity",
     [
         (["--optimizer", "adamw8bit", "--remat", "save_qkv_attn"], True),  # 8-bit blocks over 3-D expert weights
-        pytest.param(["--optimizer", "adamw_fused", "--remat", "full"], True, marks=pytest.mark.slow),
         pytest.param(
-            ["--precision", "fp16", "--optimizer", "adafactor", "--lr", "3e-2"], False, marks=pytest.mark.slow
+            ["--optimizer", "adamw_fused", "--remat", "full"], True, marks=(pytest.mark.slow, pytest.mark.slow_feature)
+        ),
+        pytest.param(
+            ["--precision", "fp16", "--optimizer", "adafactor", "--lr", "3e-2"],
+            False,
+            marks=(pytest.mark.slow, pytest.mark.slow_feature),
         ),
     ],
     ids=["adamw8bit-save_qkv_attn", "adamw_fused-full", "fp16-adafactor"],
@@ -109,6 +115,7 @@ def test_moe_trains_with_the_other_flags(flags, parity, moe_init, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile of the MoE step: ~30 s on 2 cores
+@pytest.mark.slow_feature
 def test_torch_compile_of_the_moe_step_equals_eager(moe_init, tmp_path):
     """``--compile`` traces the MoE block (fp32: the per-expert fallback, as ``torch._grouped_mm``'s fake kernel
     takes bf16 only) and trains as eager does, at §7's after-optimizer-steps rule."""
@@ -137,7 +144,7 @@ def _sub_mesh(spec: str):
         ("data=2,expert=4", 1.0),
         pytest.param("expert=4", 1.0, marks=pytest.mark.slow),
         pytest.param("data=2,expert=4", None, marks=pytest.mark.slow),
-        pytest.param("fsdp=2,expert=2,tensor=2", None, marks=pytest.mark.slow),
+        pytest.param("fsdp=2,expert=2,tensor=2", None, marks=(pytest.mark.slow, pytest.mark.slow_feature)),
         pytest.param("fsdp=2,expert=2,tensor=2", 1.0, marks=pytest.mark.slow),
     ],
 )
@@ -179,6 +186,7 @@ def test_jax_expert_parallel_equals_one_device(spec, capacity, rng):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_jax_cli_expert_mesh_trains_like_one_device(moe_init, tmp_path):
     """``jaxattn.train --mesh data=2,expert=4`` (4 experts, 1 per device) = one device, 4 steps (§7 steps rule)."""
     from parity_tests.twins import jsonl_losses
@@ -209,7 +217,7 @@ def moe_capacity_init(tmp_path_factory):
     [
         ("ep", "moe_init"),
         ("ep", "moe_capacity_init"),
-        *(pytest.param(m, "moe_init", marks=pytest.mark.slow) for m in ("ep+fsdp", "ddp")),
+        *(pytest.param(m, "moe_init", marks=(pytest.mark.slow, pytest.mark.slow_feature)) for m in ("ep+fsdp", "ddp")),
     ],
     ids=["ep", "ep-capacity", "ep+fsdp", "ddp"],
 )

@@ -65,7 +65,7 @@ def four_layers():
         pytest.param(2, 1, marks=pytest.mark.slow),
         pytest.param(2, 4, marks=pytest.mark.slow),  # default run: the remat / segment-ids case below is stage=2, m=4
         (4, 2),
-        pytest.param(4, 8, marks=pytest.mark.slow),
+        pytest.param(4, 8, marks=(pytest.mark.slow, pytest.mark.slow_feature)),
     ],
 )
 def test_gpipe_equals_one_device(four_layers, stages, microbatches):
@@ -80,7 +80,7 @@ def test_gpipe_equals_one_device(four_layers, stages, microbatches):
     [
         pytest.param(2, 2, 2, marks=pytest.mark.slow),
         (2, 2, 4),  # m > p: micro-batches parked between rounds
-        pytest.param(4, 2, 4, marks=pytest.mark.slow),
+        pytest.param(4, 2, 4, marks=(pytest.mark.slow, pytest.mark.slow_feature)),
         pytest.param(2, 3, 2, marks=pytest.mark.slow),
     ],
 )
@@ -147,6 +147,7 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_virtual_stages():
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_torch_pipeline_four_stages_on_four_ranks_equal_one_process(tmp_path):
     """torchrun 4 ranks, one layer per stage: GPipe and 1F1B (and GPipe with a loss mask) — every stage's
     parameters after 3 SGD steps and the last stage's losses equal one process's within 1e-5."""
@@ -164,6 +165,7 @@ def test_torch_pipeline_four_stages_on_four_ranks_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_torch_pipeline_schedules_equal_one_process_and_the_jax_pipeline(tmp_path):
     """torchrun 2 ranks: each schedule's losses (last stage) and every stage's parameters after 3 SGD steps equal
     one process's within 1e-5; the JAX pipeline (stage=2, 4 micro-batches) from the same initial weights logs the
@@ -214,7 +216,11 @@ _CLI_FLAGS += ["--schedule", "constant"]
 
 
 @pytest.mark.parametrize(
-    "mesh, m", [pytest.param("stage=2,data=4", "2", marks=pytest.mark.slow), ("stage=2,fsdp=2,tensor=2", "4")]
+    "mesh, m",
+    [
+        pytest.param("stage=2,data=4", "2", marks=(pytest.mark.slow, pytest.mark.slow_feature)),
+        ("stage=2,fsdp=2,tensor=2", "4"),
+    ],
 )
 def test_cli_stage_meshes_train_like_one_device(mesh, m):
     """``python -m jaxattn.train --mesh stage=2,... --microbatches N``: the parameters' layer axis sharded over the
@@ -227,6 +233,7 @@ def test_cli_stage_meshes_train_like_one_device(mesh, m):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device():
     """Stages composed with the step's other options: ``--grad-accum 2`` (the stage loop inside the accumulation
     scan), ``--offload-optimizer``, ``--loss fused`` and ``--pp-gather-once`` give one device's losses within 1e-5."""
@@ -245,6 +252,7 @@ def test_cli_stages_with_grad_accum_offload_and_fused_loss_train_like_one_device
 
 
 @pytest.mark.slow  # the library's circular cases (m > p) stay in the default run
+@pytest.mark.slow_feature
 def test_cli_circular_schedule_trains_like_one_device(tmp_path):
     """``--pp-schedule interleaved`` (JAX: the circular schedule, 2 chunks per stage) on a 4-layer model, with
     ``stage=2,data=2,tensor=2`` and 4 micro-batches: the losses of one device within 1e-5."""
@@ -262,6 +270,7 @@ def test_cli_circular_schedule_trains_like_one_device(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_pipeline_checkpoint_resumes_on_one_device_and_on_fsdp(tmp_path):
     """A ``--mesh stage=2,data=4`` run's checkpoint resumes on one device and on ``fsdp=8`` with the uninterrupted
     losses (orbax restores onto the new run's layout)."""
@@ -286,6 +295,7 @@ def test_cli_pipeline_checkpoint_resumes_on_one_device_and_on_fsdp(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_two_processes_with_stages_across_them_like_one_of_eight(tmp_path):
     """2 processes x 4 CPU devices (gloo), ``--mesh stage=2,fsdp=2,tensor=2``: the stage axis is the outer one, so
     each process holds one stage and the hand-offs cross processes; the losses and the exported weights are the
@@ -343,7 +353,18 @@ def _pp_argv(tmp_path):
 
     tm, _ = twin_models(ModelConfig.preset("tiny"), seed=1)
     init = save_pretrained(tm, tmp_path / "init")
-    argv = ["--init", str(init), "--data", "README.md", "--seq-len", "16", "--batch-size", "8", "--lr", "3e-3"]
+    argv = [
+        "--init",
+        str(init),
+        "--data",
+        "benchmarks/data/train-example.txt",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+    ]
     argv += ["--no-progress", "--packing", "bucket", "--loss", "dense", "--schedule", "constant"]
     return argv, ["--microbatches", "4"]
 
@@ -366,6 +387,7 @@ def test_cli_parallel_pp_trains_like_one_process_and_the_jax_pipeline(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
     """``--parallel pp --pp-schedule gpipe`` logs the one-process losses; its checkpoint (the stages' weights and
     optimizer state gathered by parameter name) resumes in one process with the uninterrupted losses."""
@@ -389,6 +411,7 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
     """torchrun 4 ranks: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each FSDP2-sharded over 2 ranks that
     take half the rows each, the gathered weights kept for the step) and ``--parallel pp+tp`` (2 stages, each
@@ -430,12 +453,13 @@ def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_process(tmp_path):
     """``--precision fp16 --grad-accum 2`` under ``--parallel pp`` (2 ranks) and ``pp+fsdp`` (4 ranks): the schedule's
     losses scaled by a ``ShardedGradScaler`` shared by all ranks, two accumulation blocks per step; the loss scales
-    logged equal one process's, and the losses are as close to the fp32 run's as one fp16 process's are (within 2x
-    its largest error, the house rule for low-precision results: fp16 matmuls over other row groupings round
-    differently)."""
+    logged equal one process's, and the losses are as close to the fp32 run's as one fp16 process's are over the
+    same row splits (within 2x their largest error, the house rule for low-precision results: fp16 backward sums
+    over other row groupings round differently; the data file is fixed, so the inputs do not move with the docs)."""
     import json
 
     from parity_tests.twins import jsonl_losses
@@ -449,15 +473,22 @@ def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_proc
 
     one = tt.run(argv + ["--steps", "4", "--log-json", str(tmp_path / "one.jsonl")])
     fp32 = np.asarray(tt.run(argv + ["--steps", "4", "--precision", "fp32"])["losses"])
-    err = np.abs(np.asarray(one["losses"]) - fp32).max()
-    assert 0 < err < 1e-2, err  # fp16 rounds visibly, and stays close
+    # fp16's rounding depends on the rows each backward sums: the pipeline's micro-batches hold 2 rows (pp: 8 rows,
+    # 2 blocks, 2 micro-batches) or 1 (pp+fsdp: 2 data ranks), so one process's error over the same row splits
+    # (--grad-accum 2, 4, 8) is the rounding the pipeline may show
+    errs = [np.abs(np.asarray(one["losses"]) - fp32).max()]
+    errs += [
+        np.abs(np.asarray(tt.run(argv + ["--steps", "4", "--grad-accum", g])["losses"]) - fp32).max() for g in "48"
+    ]
+    err = max(errs)
+    assert 0 < min(errs) and err < 1e-2, errs  # fp16 rounds visibly, and stays close
     for mode, n in (("pp", 2), ("pp+fsdp", 4)):
         log = tmp_path / f"{mode}.jsonl"
         torchrun(
             "-m", "torchref.train", "--parallel", mode, "--steps", "4", "--log-json", str(log), "--microbatches", "2",
             *argv, nproc=n,
         )  # fmt: skip
-        assert np.abs(np.asarray(jsonl_losses(log)) - fp32).max() <= 2 * err, (jsonl_losses(log), one["losses"], fp32)
+        assert np.abs(np.asarray(jsonl_losses(log)) - fp32).max() <= 2 * err, (jsonl_losses(log), errs, fp32)
         assert scales(log) == scales(tmp_path / "one.jsonl") and len(scales(log)) == 4
 
 

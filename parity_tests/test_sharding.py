@@ -456,6 +456,7 @@ def test_cli_two_processes_train_and_export_like_one_of_eight(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_two_processes_resume_like_one_of_eight(tmp_path):
     _two_process_cli(tmp_path, resume=True)
 
