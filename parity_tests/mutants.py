@@ -442,6 +442,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_optim.py -k 'adamw8bit or bitsandbytes'",
         "the first moment's bias correction without the step power",
     ),
+    # ---- data, data parallelism, remat
+    m(
+        "data-positions-restart",
+        "data",
+        "jaxattn/spec/data.py",
+        '"positions": np.where(pad, 0, idx - last_start).astype(np.int32),',
+        '"positions": np.where(pad, 0, idx).astype(np.int32),',
+        "parity_tests/test_data.py",
+        "packed rows' RoPE positions count on across document boundaries instead of restarting",
+    ),
+    m(
+        "ddp-row-block",
+        "data",
+        "torchref/parallel.py",
+        "return {k: None if v is None else v[rank * m : (rank + 1) * m] for k, v in batch.items()}",
+        "return {k: None if v is None else v[rank : rank + m] for k, v in batch.items()}",
+        "parity_tests/test_parallel.py -k 'parallel_mode_matches_one_process'",
+        "data-parallel ranks take overlapping row blocks (an index scaled by 1, not by the block)",
+    ),
+    m(
+        "remat-save-dots",
+        "training",
+        "jaxattn/remat.py",
+        '"save_dots": _cp.dots_with_no_batch_dims_saveable,',
+        '"save_dots": _cp.everything_saveable,',
+        "parity_tests/test_remat.py -k policies_change",
+        "the save_dots policy mapped to jax's everything_saveable (no memory saved, no error)",
+    ),
     # ---- model, cache, generation, int8
     m(
         "rope-rotate-half",

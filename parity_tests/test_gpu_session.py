@@ -109,6 +109,29 @@ def test_rows() -> None:
         measure._ROWS = None
 
 
+def test_killed_writer_leaves_the_rows_it_printed_loadable(tmp_path):
+    """A process appending rows to :class:`LiveRows` as fast as it can, SIGKILLed after its 50th progress line
+    (most likely in the middle of a rewrite): the file loads, marked incomplete, with every row it printed."""
+    code = (
+        "import sys; from benchmarks.report.records import LiveRows\n"
+        "rows = LiveRows(sys.argv[1], 'model', {'jax': 'x'})\n"
+        "i = 0\n"
+        "while True:\n"
+        "    i += 1; rows.append({'impl': 'a', 'framework': 'jax', 'preset': str(i), 'median_ms': 1.0})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        printed = [proc.stdout.readline() for _ in range(50)]
+        proc.kill()
+    finally:
+        proc.wait(timeout=60)
+    assert printed[-1].startswith("[model row 50,"), printed[-3:]
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert data["complete"] is False and len(data["records"]) >= 50
+    assert [r["preset"] for r in data["records"]] == [str(i) for i in range(1, len(data["records"]) + 1)]
+
+
+@pytest.mark.slow  # ~45 s: the default run kills a LiveRows writer above
 def test_killed_suite_keeps_the_rows_it_finished(tmp_path):
     """SIGKILL the model suite once its first preset's rows are printed: they are on disk, marked incomplete."""
     cmd = [sys.executable, "-m", "benchmarks", "run", "--suite", "model", "--quick", "--out", str(tmp_path)]

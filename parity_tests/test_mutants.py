@@ -13,7 +13,7 @@ import pytest
 
 from parity_tests import mutants
 
-AREAS = {"moe", "pipeline", "fused loss", "attention", "debugger", "statistics", "training", "model"}
+AREAS = {"moe", "pipeline", "fused loss", "attention", "debugger", "statistics", "training", "data", "model"}
 
 
 def test_every_mutant_applies_to_this_tree_and_names_real_tests():
@@ -111,7 +111,7 @@ def test_the_readme_table_lists_every_mutant_once():
 def test_readme_check_and_list_commands_run_as_written():
     """``parity_tests/README.md``'s quick commands, in a subprocess as a user types them (the full run is the
     ``slow`` test above; ``--area`` runs tests like it)."""
-    for argv, words in ((["--check"], f"all {len(mutants.MUTANTS)} mutants apply"), (["--list"], "moe-renorm-jax")):
+    for argv, words in ((["--check"], "mutants apply to this tree"), (["--list"], "moe-renorm-jax")):
         out = subprocess.run(
             [sys.executable, "-m", "parity_tests.mutants", *argv], cwd=mutants.ROOT, capture_output=True, text=True
         )
