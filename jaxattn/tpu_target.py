@@ -101,8 +101,16 @@ def _topology(name: str):
     # Every jax process on a machine with libtpu starts a TPU client and holds /tmp/libtpu_lockfile while it lives,
     # so a second process (a pytest worker, a benchmark child) could not load libtpu for a topology: libtpu's own
     # switch lets it. Nothing here runs on a TPU, so two processes never share a chip.
+    # Only while libtpu loads: a child process (a CLI, a test's subprocess) inheriting the switch would load libtpu
+    # beside its parent too, and on a machine without a TPU chip libtpu's start prints errors (host bounds, worker
+    # hostnames) where the held lock would have kept it quiet. The environment is left as it was found.
+    before = dict(os.environ)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return topologies.get_topology_desc(name, "tpu")
+    try:
+        return topologies.get_topology_desc(name, "tpu")
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
 
 
 def devices(chip: str, topology: str | None = None) -> tuple[Any, ...]:
