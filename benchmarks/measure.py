@@ -1,9 +1,9 @@
 """Measuring on this machine: synchronized timing, peak memory, FLOPs of attention, device and environment.
 
-    t = timeit(fn, x, warmup=3, iters=20)     # {"median_s", "p10_s", "p90_s", "iters"} (jaxattn.spec.timing)
+    t = timeit(fn, x, warmup=3, iters=20)     # {"median_s", "p10_s", "p90_s", "iters"} (twincore.timing)
     pair = timeit_paired({"jax": f, "torch": g})   # interleaved rounds, {"jax": {...}, "torch": {...}, "paired": ...}
 
-The loop and statistics are ``jaxattn.spec.timing``'s, the synchronisation and peak memory ``jaxattn.profiling``
+The loop and statistics are ``twincore.timing``'s, the synchronisation and peak memory ``jaxattn.profiling``
 / ``torchref.profiling``'s, so trainers and benchmarks time alike (design §9; see benchmarks/NOTES.md).
 """
 
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxattn.spec.timing import paired_ratio, time_calls, time_interleaved
+from twincore.timing import paired_ratio, time_calls, time_interleaved
 
 _ROWS: list | None = None  # the running suite's record list (records.LiveRows), set by `python -m benchmarks run`
 
@@ -47,13 +47,13 @@ def sync(out: Any = None) -> None:
 
 def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> dict:
     """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` synchronized calls after ``warmup`` calls
-    (``jaxattn.spec.timing.time_calls``, the loop both profiling modules use, closed by :func:`sync`)."""
+    (``twincore.timing.time_calls``, the loop both profiling modules use, closed by :func:`sync`)."""
     return time_calls(fn, *args, warmup=warmup, iters=iters, sync=sync, **kwargs)
 
 
 def timeit_paired(calls: dict, *, rounds: int = 10, per_round: int = 3, warmup: int = 3) -> dict:
     """JAX and torch (``calls = {"jax": f, "torch": g}``, zero-argument callables) timed alternately in rounds
-    (``jaxattn.spec.timing.time_interleaved``, closed by :func:`sync`): ``{"jax": stats, "torch": stats, "paired":
+    (``twincore.timing.time_interleaved``, closed by :func:`sync`): ``{"jax": stats, "torch": stats, "paired":
     paired_ratio(torch rounds / jax rounds)}``, the paired ratio being the JAX speed-up with its interval."""
     if set(calls) != {"jax", "torch"}:
         raise ValueError(f"timeit_paired: calls must be {{'jax': ..., 'torch': ...}}, got {sorted(calls)}")

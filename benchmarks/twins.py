@@ -4,7 +4,7 @@
     logits = jitted(jmodel)(jnp.asarray(tokens))                        # the JAX model as one jitted function
 
 It lives here because it imports both frameworks: ``jaxattn`` may not import torch and ``torchref`` may import
-only ``jaxattn.spec``, and the benchmarks (an installed package) must not import ``parity_tests``, while the
+only ``twincore``, and the benchmarks (an installed package) must not import ``parity_tests``, while the
 tests can import ``benchmarks``. The torch model is built first and its state dict is handed to
 ``jaxattn.hf.from_state_dict``, so both sides hold the very same numbers.
 """

@@ -1,12 +1,12 @@
 """jaxattn: a Llama transformer in Flax NNX with our own Pallas attention kernels — the JAX twin of ``torchref``.
 
-Public names and submodules are imported lazily so that ``import jaxattn`` is cheap and the framework-neutral
-subpackage ``jaxattn.spec`` (the only part ``torchref`` imports) can be used without initialising jax.
+Public names and submodules are imported lazily, so ``import jaxattn`` is cheap. The framework-neutral core both
+twins share is the top-level package ``twincore``; ``torchref`` imports that, never this package.
 """
 
 from importlib import import_module
 
-from .spec import cuda_quiet
+from . import cuda_quiet
 
 cuda_quiet.install()  # before the first `import jax`: a CPU machine with the CUDA plugin starts quietly
 
@@ -18,13 +18,12 @@ _EXPORTS = {
     "from_pretrained": "hf",
     "save_pretrained": "hf",
     "from_gguf": "hf",
-    "load_tokenizer": "data",  # a checkpoint's tokenizer (jaxattn.spec.tokenizer): .gguf, tokenizer.json or bytes
+    "load_tokenizer": "data",  # a checkpoint's tokenizer (twincore.tokenizer): .gguf, tokenizer.json or bytes
     "dot_product_attention": "attention",
     "attention_backend": "attention",
 }
 
 _SUBMODULES = (
-    "spec",
     "config",
     "model",
     "hf",

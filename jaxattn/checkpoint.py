@@ -1,4 +1,4 @@
-"""Training checkpoints for the JAX trainer with orbax, in a run directory of ``spec.rundir`` (twin of
+"""Training checkpoints for the JAX trainer with orbax, in a run directory of ``twincore.rundir`` (twin of
 ``torchref.checkpoint``).
 
     ckpt = Checkpointer("runs/a", keep=3, run={"seed": 0, ...})
@@ -7,7 +7,7 @@
 
 A checkpoint holds the whole ``TrainState`` pytree, the root PRNG key data and a JSON ``meta``, in ``step_<N>/``.
 orbax writes it into a temporary directory and renames it when complete, so a kill leaves the previous steps whole.
-orbax's own pruning and step discovery are off: the run marker (``spec.rundir``) records each step before it is
+orbax's own pruning and step discovery are off: the run marker (``twincore.rundir``) records each step before it is
 written and its files' sha256 after, so ``keep`` deletes only steps this run wrote and :meth:`latest_step` is the
 newest step whose checksums match (a corrupt one is skipped with a warning). Saves are synchronous. The writer holds
 the directory's lock from construction (a directory in use is refused before orbax's manager is built) to
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from .spec.rundir import RunDir
+from twincore.rundir import RunDir
 
 __all__ = ["Checkpointer", "ORBAX_VERSION"]
 
@@ -42,7 +42,7 @@ def _abstract(tree: Any) -> Any:
 
 class Checkpointer:
     """Step checkpoints of one run in ``directory`` (see the module docstring). ``run``: the run-defining flags
-    (``spec.rundir.RUN_FLAGS``); ``resume``: continue the run recorded there (else a new run: another run's
+    (``twincore.rundir.RUN_FLAGS``); ``resume``: continue the run recorded there (else a new run: another run's
     checkpoints are refused unless ``overwrite``); ``writer``: this process writes the marker (process 0)."""
 
     def __init__(

@@ -1,5 +1,5 @@
 """Host -> device input pipeline for the JAX trainer (twin of ``torchref.data``): the numpy batches of
-``jaxattn.spec.data`` moved to the device by a background thread, double-buffered.
+``twincore.data`` moved to the device by a background thread, double-buffered.
 
     ds = Dataset.from_source("synthetic", seq_len=128, batch_size=8, seed=0)
     for batch in prefetch_to_device(ds, start=0, stop=100):    # jax arrays already on the device
@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .spec.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
+from twincore.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
 
 __all__ = [
     "Dataset",

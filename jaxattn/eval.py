@@ -4,7 +4,7 @@
     result = evaluate(model, eval_batches(docs, seq_len=128, batch_size=8, vocab_size=256))
     result.loss, result.perplexity                    # mean token loss (nats), exp of it
 
-The batches and the result are ``jaxattn.spec.eval``'s (each token but a document's first scored once). One jitted
+The batches and the result are ``twincore.eval``'s (each token but a document's first scored once). One jitted
 pure function of ``(params, rest, batch)`` sums the next-token cross-entropy (``train_step.loss_fn``, denominator 1)
 and counts the targets; the host adds the per-batch sums in float64. Under a precision policy the float32 masters
 are cast to the compute dtype inside, as in the train step. The trainer's ``--eval-data`` uses
@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twincore.cli import cli_main
+from twincore.data import load_tokenizer, read_documents
+from twincore.eval import EvalResult, eval_batches, parse_args
+
 from . import hf
 from .precision import Policy, get_policy
-from .spec.cli import cli_main
-from .spec.data import load_tokenizer, read_documents
-from .spec.eval import EvalResult, eval_batches, parse_args
 from .train_step import loss_fn, loss_weights
 
 __all__ = ["EvalResult", "eval_batches", "make_eval_step", "evaluate", "run_eval", "main"]
@@ -69,7 +70,7 @@ def run_eval(sums: Callable, params, rest, batches: Iterable[Mapping[str, np.nda
 
 
 def evaluate(model: nnx.Module, batches: Iterable[Mapping[str, np.ndarray]], *, policy=None) -> EvalResult:
-    """Mean token loss and perplexity of ``model`` over ``batches`` (``spec.eval.eval_batches``); ``policy``: see
+    """Mean token loss and perplexity of ``model`` over ``batches`` (``twincore.eval.eval_batches``); ``policy``: see
     :func:`make_eval_step`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return run_eval(make_eval_step(graphdef, policy=policy), params, rest, batches)

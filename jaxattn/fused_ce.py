@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .spec.loss import DEFAULT_CHUNK
+from twincore.loss import DEFAULT_CHUNK
 
 __all__ = ["fused_cross_entropy", "DEFAULT_CHUNK"]
 

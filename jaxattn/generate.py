@@ -14,7 +14,7 @@ place where the backend supports donation). Sampling: ``temperature == 0`` is gr
 ``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)``: a fixed seed
 reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
 returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
-finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``spec.generate.emit``).
+finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import hf
-from .attention import attention_backend, current_backends
-from .config import ModelConfig
-from .kv_cache import KVCache
-from .model import Llama
-from .quant import quantize
-from .spec.generate import (
+from twincore.generate import (
     FROM_CONFIG,
     NON_FINITE,
     build_parser,
@@ -47,6 +41,13 @@ from .spec.generate import (
     print_stream,
     prompt_ids,
 )
+
+from . import hf
+from .attention import attention_backend, current_backends
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .model import Llama
+from .quant import quantize
 
 
 def sample(logits: jax.Array, key, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:

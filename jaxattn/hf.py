@@ -3,12 +3,12 @@
 
 ``from_pretrained(path, dtype=None)`` reads a directory written by ``transformers`` (or by either package here), or a
 ``.gguf`` file; ``save_pretrained(model, path)`` writes a directory ``transformers`` loads. The HF names, shapes and
-transposes come from the parameter table (``jaxattn.spec.params``): HF stores linear weights ``[out, in]``, our
+transposes come from the parameter table (``twincore.params``): HF stores linear weights ``[out, in]``, our
 model ``[in, out]`` with layers stacked, so conversion transposes and stacks — exactly (an fp32 round trip is
 bit-exact). ``dtype=None`` keeps the stored dtype (layers stored in mixed dtypes are stacked in the widest, so each
 is held exactly as stored); names are ``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32``
-(``spec.dtypes.DTYPE_ALIASES``), or jnp dtypes. Saving writes into the directory crash-safely and touches only our
-files (``jaxattn.spec.hf_format``).
+(``twincore.dtypes.DTYPE_ALIASES``), or jnp dtypes. Saving writes into the directory crash-safely and touches only our
+files (``twincore.hf_format``).
 
     jaxattn.hf.save_pretrained(model, "ckpt"); model = jaxattn.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
@@ -24,12 +24,13 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from twincore import hf_format, params
+from twincore.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
+from twincore.gguf import read_gguf
+
 from .config import ModelConfig
 from .model import Llama, set_value
 from .quant import QArray
-from .spec import hf_format, params
-from .spec.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
-from .spec.gguf import read_gguf
 
 
 def _resolve_dtype(dtype):
@@ -86,7 +87,7 @@ def from_state_dict(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtyp
 
 
 def from_gguf(path: str | os.PathLike, dtype=None) -> Llama:
-    """A ``Llama`` holding the dequantized weights of a llama.cpp GGUF file (read by ``jaxattn.spec.gguf``);
+    """A ``Llama`` holding the dequantized weights of a llama.cpp GGUF file (read by ``twincore.gguf``);
     ``dtype=None`` keeps float32 (the dequantized values)."""
     dt = _resolve_dtype(dtype)  # a bad dtype fails before the file is read
     config, tensors, _ = read_gguf(

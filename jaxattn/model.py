@@ -7,7 +7,7 @@
 
 Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head, with
 the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
-parameters those of the table ``jaxattn.spec.params``. Mixtral / Qwen3-MoE configs (``cfg.n_experts > 0``) swap the
+parameters those of the table ``twincore.params``. Mixtral / Qwen3-MoE configs (``cfg.n_experts > 0``) swap the
 MLP for ``jaxattn.moe.moe_block`` (Qwen3 also normalises each query / key head); ``model(tokens, moe_stats=True)``
 then also returns the router's losses and loads (``jaxattn.moe.moe_losses``). The model computes in its parameters'
 dtype (a precision policy casts the state from outside); norm statistics, softmax, router and logits are float32.
@@ -31,16 +31,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from twincore import params
+from twincore.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_moe_args, check_token_ids
+
 from .attention import dot_product_attention
 from .config import ModelConfig
 from .kv_cache import KVCache, cached_attention
 from .moe import moe_block, moe_losses
 from .quant import QArray, matmul
 from .remat import wrap_layer
-from .spec import params
-from .spec.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_moe_args, check_token_ids
 
-# Every parameter's logical axis names, from the parameter table (``spec.params``):
+# Every parameter's logical axis names, from the parameter table (``twincore.params``):
 # the fused heads*head_dim axis of wq/wo is "heads", of wk/wv "kv_heads".
 PARAM_AXES: dict[str, tuple[str, ...]] = {r.name: r.jax_axes for r in params.ROWS}
 
@@ -243,7 +244,7 @@ class Llama(nnx.Module):
     ``LlamaForCausalLM.features``.
 
     ``tokens``, ``positions``, ``segment_ids``: integer arrays ``[B, S]`` (B, S >= 1) of a dtype in
-    ``jaxattn.spec.dtypes.ID_DTYPES`` (bool refused). ``remat``: one of ``REMAT_POLICIES``, set from outside.
+    ``twincore.dtypes.ID_DTYPES`` (bool refused). ``remat``: one of ``REMAT_POLICIES``, set from outside.
     """
 
     remat: str = "none"

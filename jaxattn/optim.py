@@ -4,7 +4,7 @@
     graphdef, state = jaxattn.train.TrainState.create(model, tx)   # or nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 Names, defaults, schedules and the weight-decay rule (by NAME: no decay for norms and biases) are
-``jaxattn.spec.optim``'s, shared with torch. The learning rate is ``lr * lr_factor(count)`` with optax's
+``twincore.optim``'s, shared with torch. The learning rate is ``lr * lr_factor(count)`` with optax's
 ``count`` of APPLIED updates (a skipped fp16 step keeps the old state, so the schedule does not advance).
 
 * ``adamw`` / ``adamw_fused``: ``optax.adamw`` (= torch ``AdamW``; under ``jit`` XLA fuses the update itself,
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .spec import optim as spec
-from .spec.optim import ADAFACTOR_DEFAULTS, BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
+from twincore import optim as spec
+from twincore.optim import ADAFACTOR_DEFAULTS, BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
 
 __all__ = [
     "build",
@@ -64,7 +64,7 @@ def param_name(path: tuple) -> str:
 
 
 def decay_mask(params: Any) -> Any:
-    """The params tree with a bool per leaf: ``True`` where weight decay applies (``spec.optim.decays``)."""
+    """The params tree with a bool per leaf: ``True`` where weight decay applies (``twincore.optim.decays``)."""
     return jax.tree_util.tree_map_with_path(lambda path, _: spec.decays(param_name(path)), params)
 
 
@@ -102,7 +102,7 @@ class ScaleByAdam8bitState(NamedTuple):
 
 
 def _quantize(x: jax.Array, code: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """``spec.optim.quantize_blockwise`` in jnp: nearest map entry to ``x / absmax``, ties to the lower index."""
+    """``twincore.optim.quantize_blockwise`` in jnp: nearest map entry to ``x / absmax``, ties to the lower index."""
     flat = x.reshape(-1)
     n_blocks = -(-flat.size // block_size)
     blocks = jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
@@ -132,7 +132,7 @@ def scale_by_adam_8bit(
     Per leaf with at least ``min_8bit_size`` elements: dequantise m and v, update them in float32
     (``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``), compute the direction from these float32 values, then
     quantise them back, block-wise (``block_size`` consecutive elements of the C-order flattened leaf share an
-    absmax), m with the signed and v with the unsigned dynamic map (``spec.optim.quantization_map``), rounding
+    absmax), m with the signed and v with the unsigned dynamic map (``twincore.optim.quantization_map``), rounding
     to the nearest map entry (ties to the lower index). Smaller leaves keep float32 moments. This is
     bitsandbytes' ``optimizer_update_8bit_blockwise`` ("adam") with ``percentile_clipping=100``, no max_unorm.
     State: 2 bytes + 8 bytes per block per element of a quantised leaf (2.03 bytes at block 256).
@@ -251,7 +251,7 @@ def build(
     """The optax transformation for ``--optimizer name`` (one of ``OPTIMIZER_NAMES``).
 
     ``learning_rate``: the peak lr (a float, shaped by ``schedule``/``warmup``/``steps``/``min_lr_ratio``) or
-    an optax schedule ``count -> lr``. ``b1``/``b2``/``eps`` default to ``spec.optim.ADAMW_DEFAULTS`` and are
+    an optax schedule ``count -> lr``. ``b1``/``b2``/``eps`` default to ``twincore.optim.ADAMW_DEFAULTS`` and are
     refused for adafactor. Bad values raise a ValueError naming the argument.
     """
     hp = spec.check_hparams(

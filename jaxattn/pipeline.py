@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from twincore.params import TENSOR_PARALLEL_AXES
+from twincore.pipeline import bubble_fraction, check_pipeline
+
 from . import model
-from .spec.params import TENSOR_PARALLEL_AXES
-from .spec.pipeline import bubble_fraction, check_pipeline
 
 __all__ = ["STAGE_AXIS", "bubble_fraction", "check_pipeline", "pipelined", "pipelining"]
 

@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS
+
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .loss_scale import is_float_array as _is_float_array
-from .spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
 
 __all__ = [
     "PRESETS",

@@ -20,10 +20,10 @@ from typing import Any
 
 import jax
 
-from .spec.memreport import format_memory_report
-from .spec.runlog import host_peak_rss_bytes
-from .spec.timing import StepTimer as _StepTimer
-from .spec.timing import percentile, summarize, time_calls
+from twincore.memreport import format_memory_report
+from twincore.runlog import host_peak_rss_bytes
+from twincore.timing import StepTimer as _StepTimer
+from twincore.timing import percentile, summarize, time_calls
 
 __all__ = [
     "trace",
@@ -89,7 +89,7 @@ def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> d
 
 
 def StepTimer(skip_first: int = 0) -> _StepTimer:
-    """A :class:`jaxattn.spec.timing.StepTimer` whose phases end with :func:`synchronize`."""
+    """A :class:`twincore.timing.StepTimer` whose phases end with :func:`synchronize`."""
     return _StepTimer(sync=synchronize, skip_first=skip_first)
 
 

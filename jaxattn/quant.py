@@ -13,7 +13,7 @@ inf, then NaN logits) wherever ``x @ w`` is merely in the tens; the dequantized 
 quantization step, so ``x @ (q * scale)`` is finite wherever the float model's ``x @ w`` is. Accumulating in float32
 and scaling afterwards would also be safe, but torch has no float32-output fp16 matmul on every device; this
 order is the same two operations in both twins (``q`` is exact in fp16 and bf16, and the products round alike).
-Quantized: the parameter table's quantizable rows (``jaxattn.spec.params``: every linear weight, so the seven per-layer
+Quantized: the parameter table's quantizable rows (``twincore.params``: every linear weight, so the seven per-layer
 projections and an untied ``lm_head``); the embedding (and so a tied head) and the norms stay in float (torchao's
 int8 weight-only does the same: it replaces ``nn.Linear`` only).
 """
@@ -84,11 +84,11 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
 def quantize(model):
     """A copy of ``model`` (a ``jaxattn.model.Llama``) with int8 weight-only :class:`QArray` parameters: the
-    parameter table's quantizable rows (``jaxattn.spec.params``: the linear weights, an untied head included)."""
+    parameter table's quantizable rows (``twincore.params``: the linear weights, an untied head included)."""
     from flax import nnx
 
-    from .spec import params
-    from .spec.config import ModelConfig
+    from twincore import params
+    from twincore.config import ModelConfig
 
     if not isinstance(model, nnx.Module) or not isinstance(getattr(model, "config", None), ModelConfig):
         raise TypeError(f"quantize: model must be a jaxattn.model.Llama, got {type(model).__name__}")

@@ -5,7 +5,7 @@
 The model only stores the policy NAME (static, in the graphdef, so it is part of the jit cache key) and calls
 :func:`wrap_layer` on its scanned layer body; the name -> ``jax.checkpoint`` policy table lives here. The
 policies keep the model's ``checkpoint_name`` tags (``jaxattn.model.REMAT_NAMES``); names and meanings are
-``jaxattn.spec.remat``'s, shared with ``torchref.remat``. ``offload`` moves the :data:`OFFLOAD_NAMES` tags to
+``twincore.remat``'s, shared with ``torchref.remat``. ``offload`` moves the :data:`OFFLOAD_NAMES` tags to
 the ``pinned_host`` memory space (``save_and_offload_only_these_names``) and recomputes the rest; it needs a
 backend with that memory space (CPU, GPU and TPU backends have one): :func:`offload_unavailable_reason`.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from .spec.remat import OFFLOAD_NAMES, QKV_ATTN_NAMES, REMAT_POLICIES, check_remat
+from twincore.remat import OFFLOAD_NAMES, QKV_ATTN_NAMES, REMAT_POLICIES, check_remat
 
 __all__ = [
     "POLICIES",

@@ -4,7 +4,7 @@
     model = Llama(config, rngs=nnx.Rngs(params=keys["params"]))
 
 JAX randomness is explicit, so "determinism" is: the same seed gives the same keys, the same data order
-(``jaxattn.spec.data`` seeds its own numpy Generators from the seed) and the same compiled program, hence the
+(``twincore.data`` seeds its own numpy Generators from the seed) and the same compiled program, hence the
 same per-step losses on the same machine. ``deterministic=True`` also asks XLA for deterministic GPU
 reductions (``--xla_gpu_deterministic_ops``, read when the backend starts: call this before the first jax op);
 CPU XLA is deterministic already.
@@ -17,7 +17,7 @@ import random
 
 import numpy as np
 
-from .spec.seed import check_seed, host_rng_state, set_host_rng_state
+from twincore.seed import check_seed, host_rng_state, set_host_rng_state
 
 __all__ = ["PURPOSES", "seed_all", "host_rng_state", "set_host_rng_state"]
 

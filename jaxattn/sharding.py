@@ -36,11 +36,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from twincore import params
+from twincore.cli import print_line
+
 from . import remat
 from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 from .moe import EXPERT_PARALLEL, moe_block
-from .spec import params
-from .spec.cli import print_line
 
 __all__ = [
     "MESH_AXES",
@@ -192,7 +193,7 @@ def _axis_size(mesh: Mesh, axis) -> int:
 
 
 def check_config(config, mesh: Mesh) -> None:
-    """Every config size a split logical axis needs (``spec.params.AXIS_FIELDS``: heads, KV heads, FFN and vocab on
+    """Every config size a split logical axis needs (``twincore.params.AXIS_FIELDS``: heads, KV heads, FFN and vocab on
     ``tensor``, ``dim`` on ``fsdp``) must divide by its mesh axis. ValueError otherwise."""
     for logical, field in params.AXIS_FIELDS.items():
         axis = RULES.get(logical)

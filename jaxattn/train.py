@@ -1,5 +1,5 @@
 """``python -m jaxattn.train``: the JAX training CLI and its :class:`Trainer` (twin of ``torchref.train``; the flags
-are ``jaxattn.spec.cli``'s, shared with torch).
+are ``twincore.cli``'s, shared with torch).
 
     python -m jaxattn.train --preset tiny --data README.md --steps 200 --log-json runs/jax.jsonl
     summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], "compiles": 1, ...}
@@ -11,8 +11,9 @@ moved, and only THEN fetches the previous step's metrics (one step of lag keeps 
 device). The step compiles once per batch shape (once with ``--packing pack``, once per bucket used with
 ``--packing bucket``). ``--profile DIR`` traces three steps after the first; checkpoints are
 ``jaxattn.checkpoint`` (orbax); at the end the model is exported with ``save_pretrained`` to
-``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``spec.runlog.RunSummary``) says what the run
-did and wrote; the CLI prints it on stdout from process 0 (progress, lines and ``--tensorboard``: ``spec.runlog``).
+``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``twincore.runlog.RunSummary``) says
+what the run did and wrote; the CLI prints it on stdout from process 0 (progress, lines and ``--tensorboard``:
+``twincore.runlog``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ import jax
 import numpy as np
 from flax import nnx
 
+from twincore import optim as spec_optim
+from twincore.cli import (
+    CLIError,
+    TrainingError,
+    check_tokenizer_fits,
+    checkpointer_options,
+    cli_main,
+    parse_args,
+    print_line,
+)
+from twincore.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
+from twincore.eval import EvalResult, eval_batches
+from twincore.runlog import MOE_KEYS, DivergenceGuard, RunLog
+
 from . import hf, optim, remat
 from .attention import BACKENDS, FORWARD_ONLY, attention_backend, available_backends
 from .checkpoint import Checkpointer
@@ -39,19 +54,6 @@ from .precision import get_policy, set_matmul_precision
 from .profiling import StepTimer, peak_memory_bytes, start_trace, stop_trace
 from .seed import host_rng_state, seed_all, set_host_rng_state
 from .sharding import initialize_distributed, make_mesh, parse_mesh, shard_train_state
-from .spec import optim as spec_optim
-from .spec.cli import (
-    CLIError,
-    TrainingError,
-    check_tokenizer_fits,
-    checkpointer_options,
-    cli_main,
-    parse_args,
-    print_line,
-)
-from .spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
-from .spec.eval import EvalResult, eval_batches
-from .spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
 from .train_step import (  # noqa: F401
     BATCH_KEYS,
     CHECK_IDS,
@@ -105,7 +107,7 @@ class Trainer:
             vocab_size=config.vocab_size,
             tokenizer=self.tokenizer,
         )
-        self.eval_batches = None  # --eval-data: one pass in file order (spec.eval), the train batch's shape
+        self.eval_batches = None  # --eval-data: one pass in file order (twincore.eval), the train batch's shape
         if args.eval_data is not None:
             self.eval_batches = eval_batches(
                 read_documents(args.eval_data, self.tokenizer, "--eval-data"),
@@ -313,8 +315,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``;
-        ``summary``: a ``spec.runlog.RunSummary``, the same shape as torchref's)."""
+        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``twincore.runlog.EVAL_KEYS``;
+        ``summary``: a ``twincore.runlog.RunSummary``, the same shape as torchref's)."""
         args = self.args
         mem_device = self.device if self.mesh is None else jax.local_devices()[0]
         lead = self.lead  # a multi-process run logs and exports from process 0

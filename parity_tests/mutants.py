@@ -77,7 +77,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "moe-capacity-rule",
         "moe",
-        "jaxattn/spec/config.py",
+        "twincore/config.py",
         "math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.n_experts)",
         "math.ceil(self.capacity_factor * tokens / self.n_experts)",
         "parity_tests/test_moe.py -k 'capacity or float64'",
@@ -151,19 +151,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe",
         (
             (
-                "jaxattn/spec/params.py",
+                "twincore/params.py",
                 '"blk.{i}.ffn_gate_exps.weight",\n        present=_moe,\n        hf_alt=(("mixtral", '
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"),),',
                 '"blk.{i}.ffn_gate_exps.weight",\n        present=_moe,\n        hf_alt=(("mixtral", '
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.SWAP.weight"),),',
             ),
             (
-                "jaxattn/spec/params.py",
+                "twincore/params.py",
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"',
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"',
             ),
             (
-                "jaxattn/spec/params.py",
+                "twincore/params.py",
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.SWAP.weight"',
                 '"model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"',
             ),
@@ -372,7 +372,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "stats-pooled-interval",
         "statistics",
-        "jaxattn/spec/timing.py",
+        "twincore/timing.py",
         "lo, hi = percentile(medians, tail), percentile(medians, 1.0 - tail)",
         "lo, hi = median_ci([x for p in procs for x in p], confidence)[:2]",
         _STATS,
@@ -381,7 +381,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "stats-median-ci-index",
         "statistics",
-        "jaxattn/spec/timing.py",
+        "twincore/timing.py",
         "return xs[k - 1], xs[n - k], coverage(k)",
         "return xs[k], xs[n - k - 1], coverage(k)",
         _STATS,
@@ -390,7 +390,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "stats-no-alternation",
         "statistics",
-        "jaxattn/spec/timing.py",
+        "twincore/timing.py",
         "for name in names if r % 2 == 0 else names[::-1]:",
         "for name in names:",
         _STATS,
@@ -399,7 +399,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "stats-unstable-width",
         "statistics",
-        "jaxattn/spec/timing.py",
+        "twincore/timing.py",
         "if hi / lo > UNSTABLE_CI:",
         "if hi - lo > UNSTABLE_CI:",
         _STATS,
@@ -446,7 +446,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "data-positions-restart",
         "data",
-        "jaxattn/spec/data.py",
+        "twincore/data.py",
         '"positions": np.where(pad, 0, idx - last_start).astype(np.int32),',
         '"positions": np.where(pad, 0, idx).astype(np.int32),',
         "parity_tests/test_data.py",
@@ -469,6 +469,24 @@ MUTANTS: tuple[Mutant, ...] = (
         '"save_dots": _cp.everything_saveable,',
         "parity_tests/test_remat.py -k policies_change",
         "the save_dots policy mapped to jax's everything_saveable (no memory saved, no error)",
+    ),
+    m(
+        "resume-position-jax",
+        "training",
+        "jaxattn/train.py",
+        'self.start, self.applied = int(meta["data_position"]), int(meta["applied_updates"])',
+        'self.start, self.applied = int(meta["data_position"]) + 1, int(meta["applied_updates"])',
+        "parity_tests/test_checkpoint.py -k 'sigkill and jaxattn'",
+        "a resumed JAX run starts one batch past the one the checkpoint had reached",
+    ),
+    m(
+        "resume-position-torch",
+        "training",
+        "torchref/train.py",
+        'self.start = self.last_saved = int(meta["data_position"])',
+        'self.start = self.last_saved = int(meta["data_position"]) + 1',
+        "parity_tests/test_checkpoint.py -k 'sigkill and torchref'",
+        "a resumed torch run starts one batch past the one the checkpoint had reached",
     ),
     # ---- model, cache, generation, int8
     m(
@@ -506,6 +524,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:\n            _check_ids(input_ids, self.config.vocab_size)",
         "parity_tests/test_generate.py -k traced_whole",
         "the token-id check's host sync left in the compiled decode step (a graph break under fullgraph=True)",
+    ),
+    m(
+        "gguf-unpermute",
+        "model",
+        "twincore/gguf.py",
+        "return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)",
+        "return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)",
+        "parity_tests/test_gguf.py -k 'synthetic_file_loads or smollm2_logits'",
+        "llama.cpp's q/k row permutation undone with the halves' axes the wrong way round (RoPE pairs scrambled)",
     ),
     m(
         "int8-scale",

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from jaxattn.spec.config import ModelConfig
 from torchref import parallel
 from torchref.model import LlamaForCausalLM
 from torchref.train_step import make_train_step
+from twincore.config import ModelConfig
 
 STEPS, BATCH, SEQ = 3, 4, 16
 CFG = ModelConfig.preset("tiny", n_kv_heads=2)

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from jaxattn.spec.config import ModelConfig
 from torchref.model import LlamaForCausalLM
 from torchref.pipeline import Pipeline
+from twincore.config import ModelConfig
 
 STEPS, BATCH, SEQ, MICRO = 3, 8, 12, 4
 CFG = ModelConfig.preset("tiny", n_layers=4, tie_embeddings=False)

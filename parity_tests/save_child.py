@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from jaxattn.spec import hf_format
-from jaxattn.spec.config import ModelConfig
+from twincore import hf_format
+from twincore.config import ModelConfig
 
 # (ModelConfig.preset("tiny") overrides, max_shard_bytes or None for one file); a tiny model is ~460 KB
 VARIANTS = (

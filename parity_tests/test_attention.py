@@ -457,11 +457,11 @@ def test_unknown_backend_names(bad):
 
 
 def test_backend_table_drives_both_packages():
-    """One backend table (``jaxattn.spec.attention.BACKENDS``): the jax names, modules, forward-only set and the
+    """One backend table (``twincore.attention.BACKENDS``): the jax names, modules, forward-only set and the
     torch SDPA mapping are read from it; a backend without a torch twin is refused by torchref, named."""
     from torch.nn.attention import SDPBackend
 
-    from jaxattn.spec import attention as spec
+    from twincore import attention as spec
 
     assert attn.BACKENDS == tuple(b.name for b in spec.BACKENDS)
     assert attn.FORWARD_ONLY == ("flash_decode",)

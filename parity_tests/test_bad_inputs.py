@@ -33,9 +33,9 @@ import torchref.config as tconfig  # noqa: E402
 import torchref.hf as thf  # noqa: E402
 from jaxattn.loss_scale import DynamicLossScale  # noqa: E402
 from jaxattn.model import Llama  # noqa: E402
-from jaxattn.spec.batch import check_token_ids  # noqa: E402
-from jaxattn.spec.data import Dataset  # noqa: E402
 from torchref.model import LlamaForCausalLM  # noqa: E402
+from twincore.batch import check_token_ids  # noqa: E402
+from twincore.data import Dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOTH = ("jax", "torch")
@@ -139,8 +139,8 @@ def _train_row(argv_of, fragments_of=None):
 
 def _run_dir(pkg, ck, step=None, **run_changes):
     """A run recorded in ``ck`` as the twin's trainer records it (``step``: one complete checkpoint)."""
-    from jaxattn.spec.cli import parse_args, run_flags
-    from jaxattn.spec.rundir import RunDir
+    from twincore.cli import parse_args, run_flags
+    from twincore.rundir import RunDir
 
     args, config = parse_args([*TRAIN, "--checkpoint-dir", str(ck)], pkg, ())
     vars(args).update(run_changes)

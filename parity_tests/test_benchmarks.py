@@ -18,8 +18,8 @@ from benchmarks import __main__ as cli  # noqa: E402
 from benchmarks import measure  # noqa: E402
 from benchmarks.report import records, tables  # noqa: E402
 from benchmarks.suites import attention as attention_suite  # noqa: E402
-from jaxattn.spec import timing  # noqa: E402
-from jaxattn.spec.flops import attention_flops  # noqa: E402
+from twincore import timing  # noqa: E402
+from twincore.flops import attention_flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ def test_timeit_paired_ratio_is_torch_time_over_jax_time(monkeypatch):
     not 1/3 (a clock advanced by the calls themselves: exact, and no sleeping)."""
     import functools
 
-    from jaxattn.spec.timing import time_interleaved
+    from twincore.timing import time_interleaved
 
     now = [0.0]
 

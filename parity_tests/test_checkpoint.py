@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxattn.spec.runlog import read_log
+from twincore.runlog import read_log
 
 torch = pytest.importorskip("torch")
 from jaxattn import train as jtrainer  # noqa: E402

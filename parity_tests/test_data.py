@@ -1,4 +1,4 @@
-"""The data pipeline (``jaxattn.spec.data`` + ``jaxattn.data`` / ``torchref.data``), numpy and CPU only.
+"""The data pipeline (``twincore.data`` + ``jaxattn.data`` / ``torchref.data``), numpy and CPU only.
 
 * byte tokenizer round trip; packing: segment ids count documents per row, positions restart at every segment
   start, the tail is padding (loss mask 0, segment 0); bucket mode pads to the fixed bucket lengths only;
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxattn.spec.data import ByteTokenizer, Dataset, bucket_lengths, load_tokenizer, pack_rows, read_documents
+from twincore.data import ByteTokenizer, Dataset, bucket_lengths, load_tokenizer, pack_rows, read_documents
 
 
 def test_byte_tokenizer_round_trip():

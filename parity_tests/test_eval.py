@@ -1,11 +1,11 @@
 """Perplexity in both twins: ``jaxattn.eval`` / ``torchref.eval`` (library and CLI) and the trainers' ``--eval-data``.
 
-* The evaluation rows (``spec.eval``) score every token but a document's first exactly once, in file order.
+* The evaluation rows (``twincore.eval``) score every token but a document's first exactly once, in file order.
 * The mean token loss is the plain next-token cross-entropy (oracle: torch's ``F.cross_entropy`` per document),
   and JAX = torch within the full-model 1e-4 rule (design §7), on the tiny twins.
 * The CLIs print the same loss and perplexity, take ``--dtype bf16``, and turn every bad flag into one
   ``prog: error: --flag ...`` line and exit status 2.
-* Both trainers log ``--eval-data`` records (``spec.runlog.EVAL_KEYS``) after every ``--eval-every`` steps and the
+* Both trainers log ``--eval-data`` records (``twincore.runlog.EVAL_KEYS``) after every ``--eval-every`` steps and the
   last, equal across twins, and the last one equals the eval CLI on the trainer's export.
 """
 
@@ -16,9 +16,9 @@ import re
 import numpy as np
 import pytest
 
-from jaxattn.spec.data import read_documents
-from jaxattn.spec.eval import EvalResult, eval_batches, eval_rows
-from jaxattn.spec.runlog import EVAL_KEYS, KEYS, read_log
+from twincore.data import read_documents
+from twincore.eval import EvalResult, eval_batches, eval_rows
+from twincore.runlog import EVAL_KEYS, KEYS, read_log
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402

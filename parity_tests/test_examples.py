@@ -274,7 +274,7 @@ def test_moe_block_runs_as_written(tmp_path):
     carry the router metrics and agree (§7's after-optimizer-steps rule; the numbers: test_moe.py)."""
     import numpy as np
 
-    from jaxattn.spec.runlog import MOE_KEYS, read_log
+    from twincore.runlog import MOE_KEYS, read_log
 
     proc = _run_bash(_bash(example("moe")[1], tmp_path), 1800)
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

@@ -10,7 +10,7 @@ matmul against one full matmul, float32 accumulation both: a few ulps of values 
 import numpy as np
 import pytest
 
-from jaxattn.spec.config import ModelConfig
+from twincore.config import ModelConfig
 
 N, D, V = 37, 16, 50  # tokens (not a multiple of the chunks below), model dim, vocabulary
 
@@ -139,7 +139,7 @@ def test_bad_arguments_are_named():
     import jax.numpy as jnp
 
     from jaxattn.fused_ce import fused_cross_entropy
-    from jaxattn.spec.loss import check_loss
+    from twincore.loss import check_loss
 
     x, w = jnp.zeros((4, D)), jnp.zeros((D, V))
     with pytest.raises(ValueError, match="head must be \\[dim, vocab\\] with dim=16"):
@@ -262,9 +262,9 @@ def test_torch_fused_refuses_only_a_tensor_parallel_head(monkeypatch):
     """DDP, FSDP2 and torch.compile run the fused loss (``test_parallel.py`` compares them with dense); a
     vocabulary-split LM head (tp, fsdp+tp) would need a vocabulary-parallel cross-entropy and is refused."""
     torch = pytest.importorskip("torch")
-    from jaxattn.spec.cli import CLIError, parse_args
     from torchref.model import LlamaForCausalLM
     from torchref.train_step import make_train_step
+    from twincore.cli import CLIError, parse_args
 
     model = LlamaForCausalLM(ModelConfig.preset("tiny"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -278,7 +278,7 @@ def test_torch_fused_refuses_only_a_tensor_parallel_head(monkeypatch):
 
 
 def test_cli_default_is_fused_except_a_torch_tensor_parallel_head(monkeypatch):
-    from jaxattn.spec.cli import parse_args
+    from twincore.cli import parse_args
 
     def loss(argv, fw):
         return parse_args(argv, fw)[0].loss

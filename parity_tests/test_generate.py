@@ -278,7 +278,7 @@ def test_cli_streams_bytes(gen, capsys):
 
 
 def test_text_stream_waits_for_complete_utf8():
-    from jaxattn.spec.generate import ByteTokenizer, TextStream
+    from twincore.generate import ByteTokenizer, TextStream
 
     s = TextStream(ByteTokenizer())
     pieces = [s.push(b) for b in "aé€".encode()]
@@ -410,7 +410,7 @@ def test_generate_cli_error_exits_2_in_a_subprocess():
 
 
 def test_every_generate_flag_has_help():
-    from jaxattn.spec.generate import build_parser
+    from twincore.generate import build_parser
 
     for action in build_parser("g")._actions:
         assert action.help, action.option_strings

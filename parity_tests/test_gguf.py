@@ -15,11 +15,11 @@ pytest.importorskip("tokenizers")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from jaxattn.spec.config import ModelConfig  # noqa: E402
-from jaxattn.spec.gguf import read_gguf  # noqa: E402
-from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.twins import gguf_twin_logits, hf_llama, jitted, llama_cpp_permute  # noqa: E402
 from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
+from twincore.config import ModelConfig  # noqa: E402
+from twincore.gguf import read_gguf  # noqa: E402
+from twincore.hf_format import CheckpointError  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -53,7 +53,7 @@ def _config(tied: bool) -> ModelConfig:
 
 def _hf_tensors(cfg: ModelConfig, seed: int = 0) -> dict:
     """HF-named random fp32 weights; norms around 1 but not 1, so a swapped norm is caught."""
-    from jaxattn.spec.hf_format import expected_shapes
+    from twincore.hf_format import expected_shapes
 
     rng = np.random.default_rng(seed)
     return {
@@ -89,7 +89,7 @@ def _to_gguf_name(hf: str) -> str:
 
 
 def test_parameter_table_gguf_names_are_llama_cpp_names():
-    from jaxattn.spec import params
+    from twincore import params
 
     for tied in (False, True):
         cfg = _config(tied)
@@ -266,7 +266,7 @@ def test_a_changed_tensor_type_field_is_refused(tmp_path):
     cfg = _config(False)
     good = _write_gguf(tmp_path / "good.gguf", cfg, _hf_tensors(cfg))
     assert read_gguf(good, tokenizer=False).config == cfg
-    from jaxattn.spec.gguf import read_tensor_infos
+    from twincore.gguf import read_tensor_infos
 
     infos = read_tensor_infos(str(good))[2]
     assert {t.type for t in infos} == {0}  # all F32
@@ -319,13 +319,13 @@ def test_trainers_init_from_a_gguf_file(tmp_path, capsys):
 
     from jaxattn import eval as jeval
     from jaxattn import train as jtrain
-    from jaxattn.spec import generate as spec_generate
-    from jaxattn.spec.cli import CLIError, parse_args
-    from jaxattn.spec.data import Dataset, load_tokenizer
-    from jaxattn.spec.gguf import read_gguf_config
     from torchref import eval as teval
     from torchref import train as ttrain
     from torchref.train_step import loss_fn
+    from twincore import generate as spec_generate
+    from twincore.cli import CLIError, parse_args
+    from twincore.data import Dataset, load_tokenizer
+    from twincore.gguf import read_gguf_config
 
     cfg = _config(False)
     path = str(_write_gguf(tmp_path / "m.gguf", cfg, _hf_tensors(cfg, seed=3)))

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from jaxattn.spec.config import ModelConfig  # noqa: E402
-from jaxattn.spec.gguf import read_gguf, read_gguf_config  # noqa: E402
-from jaxattn.spec.hf_format import CheckpointError, expected_shapes  # noqa: E402
 from parity_tests.twins import gguf_twin_logits, llama_cpp_permute  # noqa: E402
+from twincore.config import ModelConfig  # noqa: E402
+from twincore.gguf import read_gguf, read_gguf_config  # noqa: E402
+from twincore.hf_format import CheckpointError, expected_shapes  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7 (docs/design.md), fp32 full-model logits
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -194,7 +194,7 @@ def test_converted_file_loads_into_both(tmp_path, rng, model_type, qtype, tied):
 
 def test_parameter_table_names_the_merged_expert_tensors(rng):
     """params.gguf_names: the converter's names; a merged tensor maps to its layer's per-expert HF keys, in order."""
-    from jaxattn.spec import params
+    from twincore import params
 
     for model_type in ARCH:
         cfg = _config(model_type)

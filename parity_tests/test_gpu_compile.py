@@ -43,8 +43,8 @@ QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
 def test_default_order_pinned():
     """design §4: on a GPU cudnn -> flash -> chunked -> xla, mosaic opt-in; on a TPU splash -> chunked -> xla; on
     CPU xla only.  The
-    dispatcher reads these orders from the backend table's ranks (``jaxattn.spec.attention.BACKENDS``)."""
-    from jaxattn.spec.attention import default_order
+    dispatcher reads these orders from the backend table's ranks (``twincore.attention.BACKENDS``)."""
+    from twincore.attention import default_order
 
     assert attn.default_backends() == ("xla",) == default_order("cpu")
     with attn.target_platform("gpu", compute_capability=(9, 0)):

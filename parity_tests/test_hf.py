@@ -16,10 +16,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from jaxattn.spec import hf_format  # noqa: E402
-from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.twins import hf_llama_dir, jitted, tokens, twin_models  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
+from twincore import hf_format  # noqa: E402
+from twincore.hf_format import CheckpointError  # noqa: E402
 
 LOGITS_TOL = 1e-4
 

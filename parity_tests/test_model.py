@@ -178,7 +178,7 @@ def test_model_bad_inputs(twins, field, value):
         jmodel(jnp.asarray(tok, jnp.int32), **{field: jnp.zeros(value, jnp.int32)})
     with pytest.raises(ValueError, match=field):
         tmodel(torch.from_numpy(tok), **{field: torch.zeros(value, dtype=torch.long)})
-    with pytest.raises(TypeError, match="tokens.*integer dtype.*float32"):  # dtype rules: jaxattn.spec.dtypes
+    with pytest.raises(TypeError, match="tokens.*integer dtype.*float32"):  # dtype rules: twincore.dtypes
         jmodel(jnp.ones((2, 4), jnp.float32))
     with pytest.raises(TypeError, match="input_ids.*integer dtype.*float32"):
         tmodel(torch.ones(2, 4))

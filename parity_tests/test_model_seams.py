@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxattn import hf as jhf
 from jaxattn import model as jm
-from jaxattn.spec.remat import REMAT_POLICIES
+from twincore.remat import REMAT_POLICIES
 
 torch = pytest.importorskip("torch")
 from benchmarks.twins import jitted, twin_models  # noqa: E402

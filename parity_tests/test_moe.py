@@ -25,10 +25,10 @@ import torchref.hf as thf
 import torchref.moe as tmoe
 import torchref.quant as tquant
 from jaxattn.config import ModelConfig
-from jaxattn.spec import params
 from jaxattn.train_step import loss_fn as jloss_fn
 from torchref.model import LlamaForCausalLM
 from torchref.train_step import loss_fn as tloss_fn
+from twincore import params
 
 transformers = pytest.importorskip("transformers")
 

@@ -40,8 +40,8 @@ def test_both_clis_train_moe_20_steps_alike(moe_init, tmp_path):
     """20 steps from one --init with grad accumulation, save_dots remat and AdamW: every step's loss (cross-entropy
     plus the router terms) and load-balancing loss agree within §7's after-optimizer-steps rule, and the log holds
     the router metrics."""
-    from jaxattn.spec.runlog import MOE_KEYS, read_log
     from parity_tests.twins import jsonl_losses
+    from twincore.runlog import MOE_KEYS, read_log
 
     argv = ["--init", moe_init, "--steps", "20", "--batch-size", "4", "--seq-len", "32", "--grad-accum", "2"]
     argv += ["--remat", "save_dots", "--optimizer", "adamw", "--lr", "3e-3", "--warmup", "2", "--no-progress"]
@@ -226,8 +226,8 @@ def test_torchrun_expert_parallel_equals_one_process(mode, init, request, tmp_pa
     all_to_all_single over gloo, dropless by exact split sizes or, with a capacity, as equal [B, E, C, dim]
     buffers; the router statistics all-reduced, so the balance loss is the whole batch's): the losses and grad
     norms of 4 steps equal one process's (§7 steps rule) — ddp too, which sums the statistics the same way."""
-    from jaxattn.spec.runlog import read_log
     from parity_tests.twins import jsonl_losses, torchrun
+    from twincore.runlog import read_log
 
     init = request.getfixturevalue(init)
     argv = ["--init", init, "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--no-progress"]

@@ -74,7 +74,7 @@ def test_a_planted_bug_is_caught_a_harmless_edit_is_missed_and_the_checkout_is_u
     """One real mutant end to end through ``main`` (its tests fail: caught, exit 0), then a harmless edit (a
     comment) with the same tests: missed. The checkout's files are the same bytes before and after."""
     before = subprocess.run(["git", "status", "--porcelain"], cwd=mutants.ROOT, capture_output=True, text=True).stdout
-    stamp = (mutants.ROOT / "jaxattn/spec/timing.py").read_bytes()
+    stamp = (mutants.ROOT / "twincore/timing.py").read_bytes()
     out = tmp_path / "r.json"
     assert (
         mutants.main(["--only", "stats-median-ci-index", "--json", str(out), "--markdown", str(tmp_path / "r.md")]) == 0
@@ -86,7 +86,7 @@ def test_a_planted_bug_is_caught_a_harmless_edit_is_missed_and_the_checkout_is_u
     harmless = mutants.m(
         "harmless",
         "statistics",
-        "jaxattn/spec/timing.py",
+        "twincore/timing.py",
         "# ... or when either side's per-round times",
         "# ... or when either side's per-round durations",
         "parity_tests/test_profiling.py -k median_ci",
@@ -94,8 +94,8 @@ def test_a_planted_bug_is_caught_a_harmless_edit_is_missed_and_the_checkout_is_u
     )
     copy = mutants.copy_repo(tmp_path / "copy")
     assert mutants.run_mutant(harmless, copy, timeout=300)["verdict"] == "missed"
-    assert (copy / "jaxattn/spec/timing.py").read_bytes() == stamp  # undone in the copy too
-    assert (mutants.ROOT / "jaxattn/spec/timing.py").read_bytes() == stamp
+    assert (copy / "twincore/timing.py").read_bytes() == stamp  # undone in the copy too
+    assert (mutants.ROOT / "twincore/timing.py").read_bytes() == stamp
     assert (
         subprocess.run(["git", "status", "--porcelain"], cwd=mutants.ROOT, capture_output=True, text=True).stdout
         == before

@@ -21,7 +21,7 @@ from jaxattn import hf
 from jaxattn import optim as jopt
 from jaxattn.config import ModelConfig
 from jaxattn.model import Llama
-from jaxattn.spec import optim as spec
+from twincore import optim as spec
 
 torch = pytest.importorskip("torch")
 from torchref import optim as topt  # noqa: E402

@@ -1,5 +1,6 @@
-"""The packages stand alone: jaxattn imports without torch, torchref without jax, torchref imports nothing of jaxattn
-but the framework-neutral ``jaxattn.spec`` subpackage, and no package has an import circle."""
+"""The packages stand alone: jaxattn imports without torch, torchref without jax and without jaxattn (the core both
+share is the top-level ``twincore``, which imports neither framework), importing torchref changes nothing in the
+process (no import hook, no environment variable), and no package has an import circle."""
 
 import ast
 import pathlib
@@ -24,7 +25,7 @@ def _modules(package: str) -> list[str]:
     return out
 
 
-JAXATTN, TORCHREF, SPEC = _modules("jaxattn"), _modules("torchref"), _modules("jaxattn/spec")
+JAXATTN, TORCHREF, CORE = _modules("jaxattn"), _modules("torchref"), _modules("twincore")
 
 
 def _run(code: str, timeout: int = 300):
@@ -34,9 +35,9 @@ def _run(code: str, timeout: int = 300):
 
 
 def test_module_discovery_finds_the_packages():
-    assert {"jaxattn.train", "jaxattn.train_step", "jaxattn.attention", "jaxattn.spec.params"} <= set(JAXATTN)
+    assert {"jaxattn.train", "jaxattn.train_step", "jaxattn.attention", "jaxattn.cuda_quiet"} <= set(JAXATTN)
     assert {"torchref.train", "torchref.train_step", "torchref.parallel"} <= set(TORCHREF)
-    assert set(SPEC) < set(JAXATTN) and "jaxattn.spec.cli" in SPEC
+    assert {"twincore", "twincore.cli", "twincore.params"} <= set(CORE)
 
 
 @pytest.mark.parametrize("blocked, modules", [("torch", JAXATTN), ("jax", TORCHREF)])
@@ -46,21 +47,37 @@ def test_import_without_the_other_framework(blocked, modules):
     _run(code)
 
 
-def test_torchref_imports_only_the_neutral_subpackage_of_jaxattn():
-    code = "import sys\n" + "".join(f"import {m}\n" for m in TORCHREF)
+def test_torchref_imports_nothing_of_jaxattn_and_changes_nothing_in_the_process():
+    """Every torchref module and public name imported: no jaxattn module, no jax, no new import hook (jaxattn's
+    CUDA-quiet hook is installed by ``import jaxattn`` alone) and no environment variable set or changed."""
+    code = "import os, sys\nhooks, env = list(sys.meta_path), dict(os.environ)\n"
+    code += "".join(f"import {m}\n" for m in TORCHREF)
     code += (
         "import torchref\nfor name in torchref.__all__: getattr(torchref, name)\n"
-        "bad = sorted(m for m in sys.modules if m.startswith('jaxattn') and m != 'jaxattn'"
-        " and not m.startswith('jaxattn.spec'))\n"
-        "assert not bad, bad\nassert 'jax' not in sys.modules\nprint('ok')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'jaxattn')\n"
+        "assert not bad, bad\nassert 'jax' not in sys.modules\n"
+        "assert 'twincore' in sys.modules\n"
+        "new = [h for h in sys.meta_path if h not in hooks]\nassert not new, new\n"
+        "changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))\n"
+        "assert not changed, changed\nprint('ok')\n"
     )
     _run(code)
 
 
-def test_spec_imports_without_either_framework():
+def test_jaxattn_import_installs_the_cuda_quiet_hook_once_where_it_applies():
+    """``import jaxattn`` puts the hook before jax's import where the CUDA plugin is installed without a GPU (CI's
+    extras), and nowhere else; importing it again adds no second one."""
+    code = "import sys, importlib\nimport jaxattn\nfrom jaxattn import cuda_quiet\n"
+    code += "def n(): return sum(type(h).__module__ == 'jaxattn.cuda_quiet' for h in sys.meta_path)\n"
+    code += "want = 1 if cuda_quiet.applies() else 0\nassert n() == want, sys.meta_path\n"
+    code += "importlib.reload(jaxattn)\nassert n() == want, sys.meta_path\nprint('ok')\n"
+    _run(code)
+
+
+def test_twincore_imports_without_either_framework():
     code = BLOCK.format(mod="torch") + BLOCK.format(mod="jax").replace("import sys; ", "")
-    code += "".join(f"import {m}\n" for m in SPEC)
-    code += "print(jaxattn.spec.ModelConfig.preset('tiny').dim, 'ok')\n"
+    code += "".join(f"import {m}\n" for m in CORE)
+    code += "print(twincore.ModelConfig.preset('tiny').dim, 'ok')\n"
     assert _run(code).split()[0] == "64"
 
 
@@ -172,7 +189,7 @@ def test_the_circle_finder_finds_circles(tmp_path):
     assert find_cycle(import_graph(tmp_path, ("benchmarks",))) is None
 
 
-# --- a CPU machine with the gpu-compile extra starts jax quietly through jaxattn (jaxattn/spec/cuda_quiet.py) ---
+# --- a CPU machine with the gpu-compile extra starts jax quietly through jaxattn (jaxattn/cuda_quiet.py) ---
 _NOISE_LINES = [
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     "I0000 00:00:1795488504.688880    6425 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will "
@@ -181,7 +198,7 @@ _NOISE_LINES = [
 
 
 def test_quiet_filter_drops_only_the_plugin_lines():
-    from jaxattn.spec import cuda_quiet
+    from jaxattn import cuda_quiet
 
     text = "\n".join([_NOISE_LINES[0], "a real warning", _NOISE_LINES[1], "cudart_stub.cc:31] other", ""])
     assert cuda_quiet.filter_lines(text) == "a real warning\ncudart_stub.cc:31] other\n"
@@ -190,7 +207,7 @@ def test_quiet_filter_drops_only_the_plugin_lines():
 def test_quiet_loader_keeps_what_else_the_import_writes_to_fd_2(capfd):
     import os
 
-    from jaxattn.spec import cuda_quiet
+    from jaxattn import cuda_quiet
 
     class Noisy:
         def create_module(self, spec):

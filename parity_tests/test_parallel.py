@@ -37,8 +37,8 @@ def test_parallel_mode_matches_one_process(mode, results):
 def test_bad_mode_and_tp_divisibility():
     import torch
 
-    from jaxattn.spec.config import ModelConfig
     from torchref import parallel
+    from twincore.config import ModelConfig
 
     with pytest.raises(ValueError, match=r"parallel mode 'zero' is not known; use one of \('ddp', 'fsdp', 'tp'"):
         parallel.parallelize(torch.nn.Linear(2, 2), "zero", None)
@@ -65,8 +65,8 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     (packed synthetic data: the ranks hold different numbers of real targets, so each divides its loss sum by
     the WHOLE batch's count / dp — ``torchref.train.Trainer.denominator``), and the one-process ``--eval-data``
     loss over the same number of targets (each rank scores its rows; tensor-parallel copies divided out)."""
-    from jaxattn.spec.runlog import read_log
     from torchref import train as trainer
+    from twincore.runlog import read_log
 
     held_out = tmp_path / "held-out.txt"
     held_out.write_text(open("README.md", encoding="utf-8").read()[:600], encoding="utf-8")
@@ -169,7 +169,7 @@ def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     jax_losses = jax_out["losses"]
     assert len(torch_losses) == len(jax_losses) == 4
     np.testing.assert_allclose(jax_losses, torch_losses, rtol=0, atol=1e-4)
-    from jaxattn.spec.runlog import read_log
+    from twincore.runlog import read_log
 
     (t_eval,), (j_eval,) = read_log(str(log), "eval"), jax_out["evals"]
     assert t_eval["eval_tokens"] == j_eval["eval_tokens"] == len(held_out.read_bytes()) - 1

@@ -1,4 +1,4 @@
-"""The parameter table (``jaxattn.spec.params``) against what derives from it, each checked against an oracle that
+"""The parameter table (``twincore.params``) against what derives from it, each checked against an oracle that
 does not read the table: transformers' own Llama (HF names and shapes), both built models, both int8 quantizers,
 Megatron's tensor-parallel plan written out by hand, and the parameter count of the torch model."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxattn.spec import hf_format, params
-from jaxattn.spec.config import ModelConfig
+from twincore import hf_format, params
+from twincore.config import ModelConfig
 
 torch = pytest.importorskip("torch")
 

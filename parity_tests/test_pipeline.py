@@ -341,7 +341,7 @@ def test_cli_two_processes_with_stages_across_them_like_one_of_eight(tmp_path):
 )
 def test_cli_refuses_bad_pipeline_flags_naming_them(argv, message):
     from jaxattn import train as trainer
-    from jaxattn.spec.cli import CLIError
+    from twincore.cli import CLIError
 
     with pytest.raises(CLIError, match=message.replace("(", r"\(").replace(")", r"\)")):
         trainer.run(["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--no-progress", *argv])
@@ -522,8 +522,8 @@ def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_proc
     ],
 )
 def test_torch_cli_refuses_bad_pipeline_flags_naming_them(argv, message, monkeypatch):
-    from jaxattn.spec.cli import CLIError
     from torchref import train as tt
+    from twincore.cli import CLIError
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the flags are refused before any rank meets
     with pytest.raises(CLIError, match=message):

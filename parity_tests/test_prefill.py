@@ -18,12 +18,12 @@ from jaxattn import hf as jhf  # noqa: E402
 from jaxattn import quant as jquant  # noqa: E402
 from jaxattn.kv_cache import KVCache as JCache  # noqa: E402
 from jaxattn.model import Llama  # noqa: E402
-from jaxattn.spec.generate import prepare  # noqa: E402
 from parity_tests.twins import jax_config, twin_models  # noqa: E402
 from torchref import generate as tgen  # noqa: E402
 from torchref import quant as tquant  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 from torchref.kv_cache import KVCache as TCache  # noqa: E402
+from twincore.generate import prepare  # noqa: E402
 
 KEPT_TOL = 1e-6  # fp32: the kept rows are the same dot products; only the GEMM's row count differs
 HEADS = ["untied", "tied", "int8"]

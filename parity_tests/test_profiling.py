@@ -1,4 +1,4 @@
-"""The profiling twins (``jaxattn.profiling``, ``torchref.profiling``) and the neutral ``jaxattn.spec.timing``:
+"""The profiling twins (``jaxattn.profiling``, ``torchref.profiling``) and the neutral ``twincore.timing``:
 traces are written and non-empty, memory snapshots are ordered and say where their numbers come from, timer
 medians are sane, synchronize passes nested pytrees / tensors through."""
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from jaxattn import profiling as jprof
-from jaxattn.spec import timing
+from twincore import timing
 
 torch = pytest.importorskip("torch")
 from torchref import profiling as tprof  # noqa: E402
 
 
-# ------------------------------------------------------------------------------------------------ spec.timing
+# ---------------------------------------------------------------------------------------------- twincore.timing
 def test_summarize_and_percentile_on_known_values():
     xs = [0.5, 0.1, 0.4, 0.2, 0.3]
     s = timing.summarize(xs)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxattn import hf as jhf
 from jaxattn import remat as jremat
-from jaxattn.spec.remat import REMAT_POLICIES
+from twincore.remat import REMAT_POLICIES
 
 torch = pytest.importorskip("torch")
 from benchmarks.suites.remat import torch_saved_bytes  # noqa: E402

@@ -1,4 +1,4 @@
-"""A trainer's checkpoint directory (``jaxattn.spec.rundir``, used by both ``Checkpointer`` twins and trainers):
+"""A trainer's checkpoint directory (``twincore.rundir``, used by both ``Checkpointer`` twins and trainers):
 only what the run wrote is ever deleted, another run's directory is refused, a corrupt latest checkpoint is skipped
 for the previous valid one, and a diverged run stops with exit 1 and writes nothing of its weights.
 
@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxattn.spec.rundir import MARKER, RunDir, RunDirError
-from jaxattn.spec.runlog import read_log
+from twincore.rundir import MARKER, RunDir, RunDirError
+from twincore.runlog import read_log
 
 torch = pytest.importorskip("torch")
 
@@ -224,7 +224,7 @@ def test_resume_past_a_corrupt_latest_checkpoint_repeats_the_run(tmp_path, twin,
 
 def _nan_init(twin, dst):
     """The tiny model's Hugging Face directory with one weight NaN (a broken --init)."""
-    from jaxattn.spec.config import ModelConfig
+    from twincore.config import ModelConfig
 
     if twin == "jax":
         from flax import nnx
@@ -317,7 +317,7 @@ def test_a_peer_that_never_arrives_ends_the_wait_with_one_line(twin_, tmp_path):
 
 
 def test_divergence_guard_counts_consecutive_nonfinite_steps_but_not_loss_scale_skips():
-    from jaxattn.spec.runlog import DivergenceGuard, TrainingError
+    from twincore.runlog import DivergenceGuard, TrainingError
 
     def rec(step, loss, norm, skipped=False):
         return {"step": step, "loss": loss, "grad_norm": norm, "skipped": skipped}
@@ -421,7 +421,7 @@ def test_a_lock_taken_but_not_yet_signed_names_its_holder_once_signed(tmp_path):
     import fcntl
     import threading
 
-    from jaxattn.spec.rundir import LOCK
+    from twincore.rundir import LOCK
 
     fd = os.open(tmp_path / LOCK, os.O_RDWR | os.O_CREAT)  # a trainer that has the flock but not yet its pid line
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

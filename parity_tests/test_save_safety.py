@@ -31,10 +31,10 @@ import jaxattn  # noqa: E402
 import jaxattn.hf  # noqa: E402
 import torchref  # noqa: E402
 import torchref.hf  # noqa: E402
-from jaxattn.spec import hf_format  # noqa: E402
-from jaxattn.spec.config import ModelConfig  # noqa: E402
-from jaxattn.spec.hf_format import CheckpointError  # noqa: E402
 from parity_tests.save_child import VARIANTS, spec_save, variant  # noqa: E402
+from twincore import hf_format  # noqa: E402
+from twincore.config import ModelConfig  # noqa: E402
+from twincore.hf_format import CheckpointError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKGS = {"torch": torchref, "jax": jaxattn}

@@ -282,7 +282,7 @@ def test_bad_batch_raises_before_any_compile():
 
 def test_cli_mesh_errors_before_any_compile():
     from jaxattn import train as trainer
-    from jaxattn.spec.cli import CLIError
+    from twincore.cli import CLIError
 
     with pytest.raises(
         CLIError, match=r"--mesh 'data=2,fsdp=2': stage\*data\*fsdp\*expert\*tensor = 4 but there are 8 devices"

@@ -17,8 +17,8 @@ import pytest
 import jaxattn.attention as attn
 from jaxattn.attention import splash as S
 from jaxattn.attention.reference import attention_reference
-from jaxattn.spec.attention import default_order
 from parity_tests.test_flash import Case, _finite_scale, _inputs, _maxabs
+from twincore.attention import default_order
 
 CASES = [
     Case(1, 128, 128, 4, 4, 64),  # aligned, MHA
@@ -148,7 +148,7 @@ def test_tpu_default_order_starts_with_splash_and_torch_has_no_twin():
     with attn.target_platform("tpu"):
         assert attn.default_backends() == ("splash", "chunked", "xla")
     assert "splash" not in attn.default_backends()  # CPU: interpreted kernels are for tests
-    from jaxattn.spec.attention import check_backend_names
+    from twincore.attention import check_backend_names
 
     with pytest.raises(ValueError, match="'splash'.*no torch twin"):
         check_backend_names("splash", "backend", "torch")

@@ -1,4 +1,4 @@
-"""One tokenizer loader for both twins (``jaxattn.spec.tokenizer``), and ``generate`` stopping at the model's EOS.
+"""One tokenizer loader for both twins (``twincore.tokenizer``), and ``generate`` stopping at the model's EOS.
 
 ``jaxattn.load_tokenizer`` and ``torchref.load_tokenizer`` are the same function; every tokenizer it returns has one
 interface; ``from_pretrained`` keeps ``config.json``'s / the GGUF file's EOS id in the model config, and ``generate``
@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxattn.spec.config import ModelConfig
-from jaxattn.spec.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from twincore.config import ModelConfig
+from twincore.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 INTERFACE = ("encode", "decode", "render_chat", "eos_id", "bos_id", "add_bos", "chat_template", "vocab_size", "name")
 

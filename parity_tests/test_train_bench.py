@@ -24,12 +24,12 @@ def test_peaks_table():
 
 
 def test_flops_per_token_counts_matmul_params():
-    """One FLOP formula (``jaxattn.spec.flops``) for the train suite and the compile tool: 6·N per token for the N
+    """One FLOP formula (``twincore.flops``) for the train suite and the compile tool: 6·N per token for the N
     parameters in a matmul (the model's parameters but the embedding lookup's table and the norms) + attention."""
-    from jaxattn.spec.flops import flops_per_token, model_flops
-    from jaxattn.spec.params import matmul_param_count
     from torchref.config import ModelConfig
     from torchref.model import LlamaForCausalLM
+    from twincore.flops import flops_per_token, model_flops
+    from twincore.params import matmul_param_count
 
     cfg = ModelConfig.preset("tiny")
     named = dict(LlamaForCausalLM(cfg).named_parameters())

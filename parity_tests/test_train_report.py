@@ -1,4 +1,4 @@
-"""What both training CLIs report (``jaxattn.spec.runlog``): the end-of-run summary, progress when stderr is piped,
+"""What both training CLIs report (``twincore.runlog``): the end-of-run summary, progress when stderr is piped,
 ``--tensorboard`` scalars.
 
 * One subprocess per twin (stdout and stderr are pipes, not terminals), tiny, 5 steps, with ``--log-json``,
@@ -24,9 +24,9 @@ import sys
 
 import pytest
 
-from jaxattn.spec import runlog
-from jaxattn.spec.cli import CLIError, parse_args
-from jaxattn.spec.runlog import TENSORBOARD_MISSING, RunLog, read_log
+from twincore import runlog
+from twincore.cli import CLIError, parse_args
+from twincore.runlog import TENSORBOARD_MISSING, RunLog, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--data", "README.md"]

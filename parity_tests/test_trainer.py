@@ -21,8 +21,8 @@ import re
 import numpy as np
 import pytest
 
-from jaxattn.spec.cli import FLAGS, CLIError, build_parser, parse_args
-from jaxattn.spec.runlog import KEYS, read_log
+from twincore.cli import FLAGS, CLIError, build_parser, parse_args
+from twincore.runlog import KEYS, read_log
 
 torch = pytest.importorskip("torch")
 from jaxattn import train as jtrainer  # noqa: E402
@@ -218,7 +218,7 @@ class _Writes:
 def test_main_writes_each_error_line_in_one_call(monkeypatch, tmp_path):
     """Several ranks' one-line errors (torchrun, several JAX processes) stay one per line: each is one write
     holding its newline (print writes the text and the newline in two calls to an unbuffered stderr)."""
-    from jaxattn.spec.cli import TrainingError, cli_main
+    from twincore.cli import TrainingError, cli_main
 
     def fails(exc):
         def raise_(_):
@@ -297,7 +297,7 @@ def test_low_precision_runs_of_both_clis_train(precision):
 
 
 def test_bucket_packing_compiles_once_per_bucket():
-    from jaxattn.spec.data import Dataset
+    from twincore.data import Dataset
 
     argv = ["--steps", "5", "--packing", "bucket", "--seq-len", "32", "--batch-size", "2", "--no-progress"]
     out = jtrainer.run(argv)
@@ -320,7 +320,7 @@ def test_final_export_loads_in_transformers(init_dir, tmp_path):
 
 
 def test_both_trainers_report_a_step_time_breakdown():
-    """Both loops time the same phases with ``spec.timing.StepTimer`` (first step left out: compilation): data
+    """Both loops time the same phases with ``twincore.timing.StepTimer`` (first step left out: compilation): data
     (waiting for the loader), dispatch (the step call) and metrics (reading the loss back); no phase adds a sync."""
     from jaxattn import train as jt
     from torchref import train as tt

@@ -23,7 +23,7 @@ __all__ = [
 
 def layer_params(jmodel, i: int = 0) -> dict:
     """Layer ``i``'s parameters from the stacked JAX layers, as the dict ``decoder_layer`` takes."""
-    from jaxattn.spec import params
+    from twincore import params
 
     return {r.name: getattr(jmodel.layers, r.name)[...][i] for r in params.layer_rows(jmodel.config)}
 
@@ -110,7 +110,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 300):
 
 def jsonl_losses(path) -> list[float]:
     """The ``loss`` of every step record of a trainer's ``--log-json`` file (evaluation records left out)."""
-    from jaxattn.spec.runlog import read_log
+    from twincore.runlog import read_log
 
     return [r["loss"] for r in read_log(str(path))]
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     "from_pretrained": "hf",
     "save_pretrained": "hf",
     "from_gguf": "hf",
-    "load_tokenizer": "data",  # a checkpoint's tokenizer (jaxattn.spec.tokenizer): .gguf, tokenizer.json or bytes
+    "load_tokenizer": "data",  # a checkpoint's tokenizer (twincore.tokenizer): .gguf, tokenizer.json or bytes
     "dot_product_attention": "attention",
 }
 

@@ -3,7 +3,7 @@
     out = dot_product_attention(q, k, v, causal=True, window=(128, 0), backend="xla")   # q [B, Hq, Sq, D]
 
 Same keywords and checks as ``jaxattn.attention.dot_product_attention`` (design §4, :func:`check_call` of
-``jaxattn.spec.attention``), in torch's layout. ``backend`` names map onto ``SDPBackend`` by the backend table's
+``twincore.attention``), in torch's layout. ``backend`` names map onto ``SDPBackend`` by the backend table's
 torch-twin column and run under ``sdpa_kernel``; None leaves the choice to SDPA. Hand-written, and why: the mask
 (SDPA has no bottom-right window or segment ids; the parity tests pin it to JAX's), zeros for a row that sees no
 key (SDPA could give NaN, and NaN in its backward), a plain-math path for ``softcap`` (SDPA cannot express it;
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from jaxattn.spec import attention as _spec
+from twincore import attention as _spec
 
 __all__ = ["BACKENDS", "SDPA_BACKENDS", "dot_product_attention", "attention_backend", "build_mask", "math_attention"]
 
@@ -82,7 +82,7 @@ def build_mask(sq: int, sk: int, *, causal: bool, window=None, segment_ids=None,
     """Boolean ``[B|1, 1, Sq, Sk]`` mask, True = may attend (SDPA's convention), or None if nothing is masked.
 
     Same rule as ``jaxattn.attention.mask``: with ``i_abs = i + Sk - Sq``, key j is visible iff
-    ``i_abs - left <= j <= i_abs + right`` (``jaxattn.spec.attention.visible_bounds``: the window's sides,
+    ``i_abs - left <= j <= i_abs + right`` (``twincore.attention.visible_bounds``: the window's sides,
     the right one cut to 0 by ``causal``) and the segment ids match.
     ``segment_ids`` is None or a ``(q_ids [B, Sq], kv_ids [B, Sk])`` pair."""
     if not causal and window is None and segment_ids is None:

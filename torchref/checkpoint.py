@@ -1,4 +1,4 @@
-"""Training checkpoints for the torch trainer with ``torch.save``, in a run directory of ``jaxattn.spec.rundir``
+"""Training checkpoints for the torch trainer with ``torch.save``, in a run directory of ``twincore.rundir``
 (twin of ``jaxattn.checkpoint``).
 
     ckpt = Checkpointer("runs/a", keep=3, run={"seed": 0, ...})
@@ -6,7 +6,7 @@
     payload = ckpt.load(ckpt.latest_step())
 
 One file per step, ``torchref-step-<8 digits>.pt`` (model, optimizer, scheduler, GradScaler, RNG states, ``meta``),
-written to a temporary name, fsynced and renamed (``spec.atomic``): a kill leaves the previous steps whole. The run
+written to a temporary name, fsynced and renamed (``twincore.atomic``): a kill leaves the previous steps whole. The run
 marker records each step before it is written and its sha256 after, so ``keep`` deletes only this run's steps
 (and temporary files of processes that no longer run), :meth:`latest_step` is the newest step whose checksum
 matches, and a corrupt file is never unpickled. Files are loaded with ``weights_only=True``."""
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from jaxattn.spec.atomic import atomic_path, temp_pid
-from jaxattn.spec.rundir import RunDir
+from twincore.atomic import atomic_path, temp_pid
+from twincore.rundir import RunDir
 
 __all__ = ["Checkpointer", "PREFIX"]
 

@@ -1,4 +1,4 @@
-"""Input pipeline for the torch trainer (twin of ``jaxattn.data``): the numpy batches of ``jaxattn.spec.data``
+"""Input pipeline for the torch trainer (twin of ``jaxattn.data``): the numpy batches of ``twincore.data``
 through a ``torch.utils.data.DataLoader`` (worker processes, pinned memory).
 
     ds = Dataset.from_source("synthetic", seq_len=128, batch_size=8, seed=0)
@@ -16,7 +16,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader
 
-from jaxattn.spec.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
+from twincore.data import PACKING, SYNTHETIC, ByteTokenizer, Dataset, HFTokenizer, bucket_lengths, load_tokenizer
 
 __all__ = [
     "Dataset",

@@ -4,7 +4,7 @@
     result = evaluate(model, eval_batches(docs, seq_len=128, batch_size=8, vocab_size=256))
     result.loss, result.perplexity                    # mean token loss (nats), exp of it
 
-The batches and the result are ``jaxattn.spec.eval``'s (each token but a document's first scored once). Under
+The batches and the result are ``twincore.eval``'s (each token but a document's first scored once). Under
 ``torch.no_grad`` (and the policy's autocast, if one is given) each batch's next-token cross-entropy is summed
 (``train_step.loss_fn``, denominator 1) and its targets counted; the host adds the sums in float64. The trainer's
 ``--eval-data`` calls :func:`eval_sums` on its own model (each ``--parallel`` rank on its rows, then summed).
@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from jaxattn.spec.cli import cli_main
-from jaxattn.spec.data import load_tokenizer, read_documents
-from jaxattn.spec.eval import EvalResult, eval_batches, parse_args
+from twincore.cli import cli_main
+from twincore.data import load_tokenizer, read_documents
+from twincore.eval import EvalResult, eval_batches, parse_args
 
 from . import hf
 from .precision import Policy
@@ -49,7 +49,7 @@ def _to(batch: Mapping[str, np.ndarray], device) -> dict[str, torch.Tensor]:
 def evaluate(
     model: torch.nn.Module, batches: Iterable[Mapping[str, np.ndarray]], *, policy: str | Policy | None = None
 ) -> EvalResult:
-    """Mean token loss and perplexity of ``model`` over host ``batches`` (``spec.eval.eval_batches``); ``policy``:
+    """Mean token loss and perplexity of ``model`` over host ``batches`` (``twincore.eval.eval_batches``); ``policy``:
     see :func:`eval_sums`."""
     device = next(model.parameters()).device
     was_training = model.training

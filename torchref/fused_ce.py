@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from jaxattn.spec.loss import DEFAULT_CHUNK
+from twincore.loss import DEFAULT_CHUNK
 
 __all__ = ["fused_cross_entropy", "DEFAULT_CHUNK"]
 

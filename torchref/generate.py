@@ -11,7 +11,7 @@ Same rules as the JAX twin: right-padded prompts, a length per cache row, prefil
 temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
 (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
 runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
-step has static shapes). Logits that are not finite are refused as in the JAX twin (``spec.generate.emit``).
+step has static shapes). Logits that are not finite are refused as in the JAX twin (``twincore.generate.emit``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from jaxattn.spec.generate import (
+from twincore.generate import (
     FROM_CONFIG,
     NON_FINITE,
     build_parser,

@@ -3,12 +3,12 @@
 
 Our module names are HF's, so this is ``load_state_dict`` plus the directory format (and, for an MoE, the renames
 of the parameter table: stacked experts <-> one HF tensor per expert, Mixtral's ``block_sparse_moe`` names), which
-is shared with the JAX side through ``jaxattn.spec.hf_format`` (pure Python: importing it pulls in no jax); a
-``.gguf`` file is read and dequantized by ``jaxattn.spec.gguf``. ``dtype=None`` keeps the dtype stored in the
+is shared with the JAX side through ``twincore.hf_format`` (pure Python: importing it pulls in no jax); a
+``.gguf`` file is read and dequantized by ``twincore.gguf``. ``dtype=None`` keeps the dtype stored in the
 files; names are ``MODEL_DTYPES`` or their short names ``bf16``, ``fp16``, ``fp32``
-(``spec.dtypes.DTYPE_ALIASES``), or torch dtypes. The model is built on the ``meta`` device and the tensors are
+(``twincore.dtypes.DTYPE_ALIASES``), or torch dtypes. The model is built on the ``meta`` device and the tensors are
 assigned, so loading a large checkpoint allocates its weights once. Saving writes into the directory crash-safely
-and touches only our files (see ``jaxattn.spec.hf_format``).
+and touches only our files (see ``twincore.hf_format``).
 
     torchref.hf.save_pretrained(model, "ckpt"); model = torchref.hf.from_pretrained("ckpt", dtype="bfloat16")
 """
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 import safetensors.torch
 import torch
 
-from jaxattn.spec import hf_format, params
-from jaxattn.spec.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
-from jaxattn.spec.gguf import read_gguf
+from twincore import hf_format, params
+from twincore.dtypes import DTYPE_ALIASES, MODEL_DTYPES, check_model_dtype
+from twincore.gguf import read_gguf
 
 from .config import ModelConfig
 from .model import LlamaForCausalLM

@@ -14,7 +14,7 @@ swap the MLP for ``torchref.moe.MoEBlock`` (HF's ``mlp.gate`` / ``mlp.experts``,
 the router's losses and loads (``torchref.moe.moe_losses``).
 
 Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
-skipped while ``torch.compile`` traces). ``remat`` (one of ``jaxattn.spec.remat.REMAT_POLICIES``, set from
+skipped while ``torch.compile`` traces). ``remat`` (one of ``twincore.remat.REMAT_POLICIES``, set from
 outside by ``torchref.remat.apply``) is how each decoder layer runs in training: ``torchref.remat.run_layer``
 (per-layer ``torch.utils.checkpoint``, selective checkpointing or ``save_on_cpu``; the op lists are there).
 """
@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec.batch import (
+from twincore.batch import (
     check_logits_at,
     check_logits_at_values,
     check_model_inputs,
     check_moe_args,
     check_token_ids,
 )
-from jaxattn.spec.remat import check_remat
+from twincore.remat import check_remat
 
 from .attention import dot_product_attention
 from .config import ModelConfig
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     ``logits_to_keep``, per row: a prefill of right-padded rows passes ``lengths - 1`` and never computes
     ``[B, S, V]``). An index outside ``[0, S)`` raises ValueError (skipped while ``torch.compile`` traces).
 
-    Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``jaxattn.spec.dtypes.ID_DTYPES``
+    Inputs are integer tensors ``[B, S]`` (B, S >= 1) of a dtype in ``twincore.dtypes.ID_DTYPES``
     (bool refused); ids other than int32/int64 are widened for the embedding lookup.
     """
 

@@ -3,7 +3,7 @@
     optimizer, scheduler = build(model, "adamw", 3e-4, weight_decay=0.1, schedule="cosine", warmup=100, steps=10_000)
     ...; metrics = step(batch); step_scheduler(scheduler, skipped=bool(metrics["skipped"]))
 
-Names, defaults, schedules and the weight-decay rule (by NAME: two param groups) are ``jaxattn.spec.optim``'s.
+Names, defaults, schedules and the weight-decay rule (by NAME: two param groups) are ``twincore.optim``'s.
 ``scheduler.last_epoch`` counts APPLIED updates, as optax's ``count`` does: call :func:`step_scheduler`, which
 steps it only when the update was applied (``GradScaler.step`` may skip ``optimizer.step()``).
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jaxattn.spec import optim as spec
-from jaxattn.spec.optim import BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
+from twincore import optim as spec
+from twincore.optim import BLOCK_SIZE, MIN_8BIT_SIZE, OPTIMIZER_NAMES, SCHEDULE_NAMES
 
 __all__ = ["build", "step_scheduler", "param_groups", "AdamW8bit", "state_bytes", "OPTIMIZER_NAMES", "SCHEDULE_NAMES"]
 
@@ -49,7 +49,7 @@ def _named(params_or_model: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def param_groups(params_or_model: Any, weight_decay: float) -> list[dict]:
-    """Two param groups by ``spec.optim.decays``: ``weight_decay`` for weights, 0 for norm weights and biases
+    """Two param groups by ``twincore.optim.decays``: ``weight_decay`` for weights, 0 for norm weights and biases
     (parameters with ``requires_grad=False`` are left out; empty groups are dropped)."""
     named = [(n, p) for n, p in _named(params_or_model) if p.requires_grad]
     decay = [p for n, p in named if spec.decays(n)]
@@ -73,7 +73,8 @@ def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, skipped: boo
 
 
 def _quantize(x: torch.Tensor, code: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest map entry to ``x / absmax`` per block, ties to the lower index (``spec.optim.quantize_blockwise``)."""
+    """Nearest map entry to ``x / absmax`` per block, ties to the lower index
+    (``twincore.optim.quantize_blockwise``)."""
     flat = x.reshape(-1)
     n_blocks = -(-flat.numel() // block_size)
     blocks = F.pad(flat, (0, n_blocks * block_size - flat.numel())).view(n_blocks, block_size)
@@ -96,7 +97,7 @@ class AdamW8bit(torch.optim.Optimizer):
     the direction ``u = (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) / (1 - b1^t)`` from these float32 values, apply
     ``p <- p - lr * (u + wd * p)`` (optax.adamw's chain order), and store m and v back in 8 bits: per block of
     ``block_size`` consecutive elements one float32 absmax, m on the signed and v on the unsigned dynamic map
-    (``spec.optim.quantization_map``), nearest entry, ties to the lower index. Smaller parameters keep float32
+    (``twincore.optim.quantization_map``), nearest entry, ties to the lower index. Smaller parameters keep float32
     moments (same update). State per quantised element: 2 bytes + 8 bytes per block.
     """
 
@@ -194,7 +195,7 @@ def build(
 
     ``params_or_model``: an ``nn.Module`` or named parameters (the decay rule needs names). ``lr``: the peak lr
     (shaped by ``schedule``/``warmup``/``steps``/``min_lr_ratio`` through ``LambdaLR``) or a callable
-    ``applied_steps -> lr``. ``b1``/``b2``/``eps`` default to ``spec.optim.ADAMW_DEFAULTS`` (refused for
+    ``applied_steps -> lr``. ``b1``/``b2``/``eps`` default to ``twincore.optim.ADAMW_DEFAULTS`` (refused for
     adafactor). Advance the scheduler with :func:`step_scheduler`. Bad values raise a ValueError naming them.
     """
     hp = spec.check_hparams(

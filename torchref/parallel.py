@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from jaxattn.spec import params
+from twincore import params
 
 __all__ = [
     "MODES",
@@ -113,7 +113,7 @@ def _check_tp(cfg, tp: int) -> None:
 
 def tp_plan(cfg) -> tuple[dict, dict]:
     """``(model_plan, layer_plan)``: module path -> ``"colwise"`` / ``"rowwise"`` / ``None`` (replicated), read
-    off the parameter table's logical axes (``jaxattn.spec.params.tp_style``: the same axes JAX's ``tensor`` mesh
+    off the parameter table's logical axes (``twincore.params.tp_style``: the same axes JAX's ``tensor`` mesh
     axis splits). ``model_plan`` is under the model, ``layer_plan`` under each decoder layer."""
     plan: tuple[dict, dict] = ({}, {})
     for r in params.rows(cfg):

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec.pipeline import SCHEDULES, check_pipeline, virtual_stages
-from jaxattn.spec.remat import check_remat
+from twincore.pipeline import SCHEDULES, check_pipeline, virtual_stages
+from twincore.remat import check_remat
 
 from . import parallel
 from .model import LlamaForCausalLM, rope_cos_sin

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from jaxattn.spec.dtypes import POLICY_DTYPES, PRECISION_PRESETS
+from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS
 
 __all__ = [
     "PRESETS",

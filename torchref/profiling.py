@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from jaxattn.spec.memreport import format_memory_report
-from jaxattn.spec.runlog import host_peak_rss_bytes
-from jaxattn.spec.timing import StepTimer as _StepTimer
-from jaxattn.spec.timing import percentile, summarize, time_calls
+from twincore.memreport import format_memory_report
+from twincore.runlog import host_peak_rss_bytes
+from twincore.timing import StepTimer as _StepTimer
+from twincore.timing import percentile, summarize, time_calls
 
 __all__ = [
     "trace",
@@ -100,7 +100,7 @@ def timeit(fn: Callable, *args, warmup: int = 3, iters: int = 20, **kwargs) -> d
 
 
 def StepTimer(skip_first: int = 0) -> _StepTimer:
-    """A :class:`jaxattn.spec.timing.StepTimer` whose phases end with :func:`synchronize`."""
+    """A :class:`twincore.timing.StepTimer` whose phases end with :func:`synchronize`."""
     return _StepTimer(sync=synchronize, skip_first=skip_first)
 
 

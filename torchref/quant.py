@@ -11,7 +11,7 @@ dequantized in ``x``'s dtype first, then multiplied, as ``jaxattn.quant.matmul``
 ``|q|`` up to 127 over the input dim, so in float16 it overflows (> 65504 -> inf, then NaN logits) wherever
 ``x @ w`` is merely in the tens; the dequantized weight is ``w`` to within half a quantization step, so it is finite
 wherever the float model is (the JAX twin's docstring has the rest). Quantized: the parameter table's linear weights
-(``jaxattn.spec.params``: the seven projections of every decoder layer and an untied ``lm_head``); the embedding (and
+(``twincore.params``: the seven projections of every decoder layer and an untied ``lm_head``); the embedding (and
 so a tied head) and the norms stay in float, as torchao's ``int8_weight_only`` (which replaces ``nn.Linear`` only).
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxattn.spec import params
+from twincore import params
 
 from .model import LlamaForCausalLM
 from .moe import Experts

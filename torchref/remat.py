@@ -3,7 +3,7 @@
     model = torchref.remat.apply(model, "save_qkv_attn")   # sets ``LlamaForCausalLM.remat``; returns the model
 
 The model stores the policy NAME and runs each decoder layer through :func:`run_layer`; the name -> torch
-mechanism table lives here (names and meanings: ``jaxattn.spec.remat``, shared with ``jaxattn.remat``):
+mechanism table lives here (names and meanings: ``twincore.remat``, shared with ``jaxattn.remat``):
 ``full`` = ``torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False)``; ``save_dots`` and
 ``save_qkv_attn`` = the same with selective checkpointing (``create_selective_checkpoint_contexts``), whose
 policies see aten ops, not names — :class:`SaveDots`, :class:`SaveQkvAttn` say which ops stand for which JAX tag;
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from jaxattn.spec.remat import REMAT_POLICIES, check_remat
+from twincore.remat import REMAT_POLICIES, check_remat
 
 __all__ = ["POLICIES", "apply", "run_layer", "SaveDots", "SaveQkvAttn", "SDPA_OPS"]
 

@@ -16,7 +16,7 @@ import random
 import numpy as np
 import torch
 
-from jaxattn.spec.seed import check_seed, host_rng_state, set_host_rng_state
+from twincore.seed import check_seed, host_rng_state, set_host_rng_state
 
 __all__ = ["seed_all", "rng_state", "set_rng_state"]
 

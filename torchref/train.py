@@ -1,5 +1,5 @@
 """``python -m torchref.train``: the torch training CLI and its :class:`Trainer` (twin of ``jaxattn.train``; the flags
-are ``jaxattn.spec.cli``'s, shared with JAX).
+are ``twincore.cli``'s, shared with JAX).
 
     python -m torchref.train --preset tiny --data README.md --steps 200 --log-json runs/torch.jsonl
     summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], ...}
@@ -13,8 +13,9 @@ steps (optax's rule). ``--profile DIR`` records three steps after the first with
 rank). Checkpoints (``torchref.checkpoint``) hold FULL state dicts keyed by parameter name
 (``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``), so a ``--parallel`` run's checkpoint
 resumes under any mode or in one process; at the end rank 0 exports ``save_pretrained`` to
-``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``spec.runlog.RunSummary``) says what the run
-did and wrote; the CLI prints it on stdout from rank 0 (progress, lines and ``--tensorboard``: ``spec.runlog``).
+``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``twincore.runlog.RunSummary``) says
+what the run did and wrote; the CLI prints it on stdout from rank 0 (progress, lines and ``--tensorboard``:
+``twincore.runlog``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxattn.spec.cli import (
+from twincore.cli import (
     PP_MODES,
     CLIError,
     TrainingError,
@@ -42,9 +43,9 @@ from jaxattn.spec.cli import (
     parse_args,
     print_line,
 )
-from jaxattn.spec.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
-from jaxattn.spec.eval import EvalResult, eval_batches
-from jaxattn.spec.runlog import MOE_KEYS, DivergenceGuard, RunLog
+from twincore.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
+from twincore.eval import EvalResult, eval_batches
+from twincore.runlog import MOE_KEYS, DivergenceGuard, RunLog
 
 from . import hf, optim, parallel, pipeline, remat
 from .attention import BACKENDS, attention_backend, dot_product_attention
@@ -96,7 +97,7 @@ class Trainer:
             vocab_size=config.vocab_size,
             tokenizer=self.tokenizer,
         )
-        self.eval_batches = None  # --eval-data: one pass in file order (spec.eval), the train batch's shape
+        self.eval_batches = None  # --eval-data: one pass in file order (twincore.eval), the train batch's shape
         if args.eval_data is not None:
             self.eval_batches = eval_batches(
                 read_documents(args.eval_data, self.tokenizer, "--eval-data"),
@@ -393,8 +394,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``spec.runlog.EVAL_KEYS``;
-        ``summary``: a ``spec.runlog.RunSummary``, the same shape as jaxattn's)."""
+        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``twincore.runlog.EVAL_KEYS``;
+        ``summary``: a ``twincore.runlog.RunSummary``, the same shape as jaxattn's)."""
         args = self.args
         rank0 = self.rank0  # one log per run under torchrun
         log = RunLog(

@@ -8,7 +8,7 @@ next-token cross-entropy in float32 over ``tokens[:, :-1] -> tokens[:, 1:]`` (we
 segment boundaries; masked targets dropped with ``where``), ``scaler.scale(loss).backward()``,
 ``scaler.unscale_(optimizer)`` BEFORE clipping, ``torch.nn.utils.clip_grad_norm_``, ``scaler.step(optimizer)``
 (skipped on non-finite gradients), and ``scaler.update()``. Without a scaler (fp32 / bf16) it is the plain
-``backward`` / ``clip`` / ``step``. The batch format and the token-id rule are ``jaxattn.spec.batch``'s, checked
+``backward`` / ``clip`` / ``step``. The batch format and the token-id rule are ``twincore.batch``'s, checked
 before the forward.
 
 The optimizer is the caller's (e.g. ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``; see
@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from jaxattn.spec.batch import BATCH_KEYS, check_batch, check_token_ids
-from jaxattn.spec.grad_accum import check_accum_batch, check_grad_accum
-from jaxattn.spec.loss import DEFAULT_CHUNK, check_loss
+from twincore.batch import BATCH_KEYS, check_batch, check_token_ids
+from twincore.grad_accum import check_accum_batch, check_grad_accum
+from twincore.loss import DEFAULT_CHUNK, check_loss
 
 from .fused_ce import fused_cross_entropy
 from .precision import Policy, get_policy
@@ -197,7 +197,7 @@ def make_train_step(
     """``step(batch) -> metrics``: one training step, in place on ``model`` / ``optimizer`` / ``scaler``.
 
     ``batch``: ``{"tokens": int [B, S+1], "loss_mask"?, "segment_ids"?, "positions"?}`` (same shapes;
-    ``jaxattn.spec.batch``); ids outside ``[0, vocab)`` raise ValueError naming the first one. ``metrics``, each
+    ``twincore.batch``); ids outside ``[0, vocab)`` raise ValueError naming the first one. ``metrics``, each
     a 0-d tensor as in ``jaxattn.train_step.make_train_step``: ``loss`` (float32, unscaled), ``grad_norm`` (float32:
     global norm of the unscaled gradients before clipping), ``loss_scale`` (float32: the scale applied to this
     step's loss, 1 without a scaler), ``skipped`` (bool). A skipped step is read with GradScaler's public API:

@@ -1,9 +1,10 @@
-"""Framework-neutral code shared by both twins: it imports neither jax nor torch (numpy only).
+"""The framework-neutral core shared by both twins, ``jaxattn`` and ``torchref``: it imports neither jax nor torch
+(numpy only), and importing it changes nothing in the process.
 
-Hugging Face keeps one ``configuration_llama.py`` for its PyTorch and Flax models; this subpackage is ours.
-It is the only part of ``jaxattn`` that ``torchref`` imports (``parity_tests/test_packaging.py`` proves it).
+Hugging Face keeps one ``configuration_llama.py`` for its PyTorch and Flax models; this package is ours. torchref
+imports it and nothing of jaxattn (``parity_tests/test_packaging.py`` proves both).
 
-    from jaxattn.spec import ModelConfig
+    from twincore import ModelConfig
     cfg = ModelConfig.preset("tiny")
 
 Modules: ``config`` (``ModelConfig``, presets, HF ``config.json``), ``hf_format`` (the HF checkpoint directory),
@@ -11,8 +12,7 @@ Modules: ``config`` (``ModelConfig``, presets, HF ``config.json``), ``hf_format`
 token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedules, 8-bit maps), ``grad_accum``,
 ``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``runlog``, ``seed``,
 ``eval`` (evaluation batches, perplexity, the eval flags), ``generate`` (sampling checks, tokenizers, the generate
-flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables),
-``cuda_quiet`` (a quiet jax start on a CPU machine with the CUDA plugin installed).
+flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables).
 """
 
 from .config import PRESET_NAMES, ModelConfig

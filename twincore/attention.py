@@ -4,7 +4,7 @@
 :func:`check_call`: each side only says how to read an array (``describe(x) -> (shape, dtype name)`` or None)
 and which layout it uses, so the two packages accept the same calls and raise the same messages::
 
-    from jaxattn.spec.attention import check_call
+    from twincore.attention import check_call
     c = check_call(q, k, v, causal=True, window=(128, None), layout="bshd", describe=describe)
     c.window  # (128, 0): with causal the right side is 0
 

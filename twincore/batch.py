@@ -5,7 +5,7 @@ A batch is a mapping ``{"tokens": int [B, S+1], "loss_mask"?: [B, S+1], "segment
 dtype checks read only ``.shape`` and ``.dtype``, so they accept numpy, jax and torch arrays alike (tracers too);
 :func:`check_token_ids` reads the values, so it needs concrete ids.
 
-    from jaxattn.spec.batch import check_batch, check_token_ids
+    from twincore.batch import check_batch, check_token_ids
     check_batch({"tokens": np.zeros((2, 17), np.int32)})
     check_token_ids(np.array([[1, 2, 300]]), vocab_size=256)   # ValueError: ... position (0, 2) ... 300
 """

@@ -571,7 +571,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def run_flags(args: argparse.Namespace, config: ModelConfig) -> dict:
-    """The flags that define a run (``spec.rundir.RUN_FLAGS``) and the model config, as a checkpoint records them."""
+    """The flags that define a run (``twincore.rundir.RUN_FLAGS``) and the model config, as a checkpoint records
+    them."""
     run = {k: getattr(args, k) for k in RUN_FLAGS}
     if run["data"] != SYNTHETIC:
         run["data"] = os.path.abspath(run["data"])

@@ -1,7 +1,7 @@
 """The training data pipeline's numpy side, shared by both trainers: tokenize, pack or bucket, batch i.
 
     ds = Dataset.from_source("notes.txt", seq_len=128, batch_size=8, seed=0, vocab_size=256)
-    batch = ds.batch(0)   # {"tokens": int32 [8, 129], "loss_mask", "segment_ids", "positions"} (spec.batch format)
+    batch = ds.batch(0)   # {"tokens": int32 [8, 129], "loss_mask", "segment_ids", "positions"} (twincore.batch format)
 
 ``batch(i)`` is a pure function of ``(source, seq_len, batch_size, seed, packing, i)``: both frameworks see the same
 batches in the same order, and a resume needs only ``i``. Tokens are UTF-8 bytes (ids 0..255, no special tokens),
@@ -156,7 +156,7 @@ def _segments_to_rows(tokens: np.ndarray, doc: np.ndarray, rows: int, width: int
 
 
 def segment_rows(t: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
-    """Batch arrays (``spec.batch`` format) for token rows ``t [R, W]`` and their document index per token ``d``
+    """Batch arrays (``twincore.batch`` format) for token rows ``t [R, W]`` and their document index per token ``d``
     (-1: padding): segment ids count from 1 within each row, positions restart at each segment start."""
     t = t.astype(np.int32)
     rows, width = t.shape

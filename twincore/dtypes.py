@@ -1,7 +1,7 @@
 """Dtype names shared by both twins: the floating dtypes a model, checkpoint or policy may use, the
 precision presets, and the integer dtypes accepted for token ids.
 
-    from jaxattn.spec.dtypes import PRECISION_PRESETS, check_model_dtype
+    from twincore.dtypes import PRECISION_PRESETS, check_model_dtype
     PRECISION_PRESETS["bf16"]  # ("float32", "bfloat16", "float32"): params, compute, output
     check_model_dtype("bf16")  # "bfloat16": a loader's dtype= takes the short names too
 

@@ -2,7 +2,7 @@
 ``python -m jaxattn.eval`` and ``python -m torchref.eval`` (and the trainers' ``--eval-data``).
 
     docs = read_documents("notes.txt", load_tokenizer("ckpt"))
-    batches = eval_batches(docs, seq_len=128, batch_size=8, vocab_size=256)   # spec.batch format, one pass
+    batches = eval_batches(docs, seq_len=128, batch_size=8, vocab_size=256)   # twincore.batch format, one pass
     EvalResult(loss_sum=812.5, tokens=400).perplexity                          # exp(812.5 / 400) = 7.62
 
 :func:`eval_batches` reads the documents once, in file order, no shuffling: their concatenation is cut into windows
@@ -14,7 +14,7 @@ mean token loss is ``loss_sum / tokens`` (nats) and the perplexity its ``exp``.
 
 The CLI (:func:`build_parser`, :func:`parse_args`) takes ``--init`` (a Hugging Face directory or a ``.gguf``),
 ``--data``, ``--seq-len``, ``--batch-size`` and ``--dtype``; every value is checked at parse (:class:`CLIError`
-naming the flag), and ``spec.cli.cli_main`` turns errors into one ``prog: error: ...`` line and exit status 2.
+naming the flag), and ``twincore.cli.cli_main`` turns errors into one ``prog: error: ...`` line and exit status 2.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Gradient-accumulation argument rules, shared by both train steps (``make_train_step(..., grad_accum=k)``).
 
-    from jaxattn.spec.grad_accum import check_accum_batch
+    from twincore.grad_accum import check_accum_batch
     check_accum_batch({"tokens": np.zeros((8, 17), np.int32)}, 4)    # -> 2 rows per microbatch
 
 Reads only ``batch['tokens'].shape``, so numpy, jax (tracers too) and torch batches all work.

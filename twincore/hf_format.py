@@ -72,7 +72,7 @@ class CheckpointError(ValueError):
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape for ``cfg`` (the parameter table's :func:`~jaxattn.spec.params.hf_shapes`)."""
+    """HF key -> shape for ``cfg`` (the parameter table's :func:`~twincore.params.hf_shapes`)."""
     return params.hf_shapes(cfg)
 
 

@@ -1,6 +1,6 @@
 """Remat (activation checkpointing) policy names, shared by both twins (``jaxattn.remat`` / ``torchref.remat``).
 
-    from jaxattn.spec.remat import check_remat
+    from twincore.remat import check_remat
     check_remat("save_dots")    # -> "save_dots"; check_remat("dots") raises ValueError listing the names
 
 Each policy applies per decoder layer; what the backward pass finds saved for each layer:

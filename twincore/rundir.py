@@ -12,7 +12,7 @@ Marker ``train-run.json``: ``{format, framework, run_id, created_utc, run, steps
 they are provably ours) before anything is written; ``commit`` hashes every file under them and marks the step
 *complete*. A kill between the two leaves a pending step, which the next ``prune`` removes. Pruning and
 ``--overwrite`` delete only what the marker lists — files of complete steps, pending steps' paths — never a file
-or folder the run did not write. Every marker write is atomic (``spec.atomic``). A trainer takes the lock before
+or folder the run did not write. Every marker write is atomic (``twincore.atomic``). A trainer takes the lock before
 it reads the directory (``lock=True``): a second trainer on a live run is refused naming the holder's pid, before it
 validates, cleans or deletes anything (a live run's files change under a reader).
 """

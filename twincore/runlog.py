@@ -269,7 +269,7 @@ class RunLog:
         self._last_line, self._window = now, []
 
     def eval(self, *, step: int, loss: float, perplexity: float, tokens: int) -> dict:
-        """Log an evaluation after ``step`` (a ``spec.eval.EvalResult``'s mean token loss, perplexity and scored
+        """Log an evaluation after ``step`` (a ``twincore.eval.EvalResult``'s mean token loss, perplexity and scored
         targets): an :data:`EVAL_KEYS` record and a line beside the bar."""
         ppl = perplexity
         rec = {"step": int(step), "eval_loss": float(loss), "eval_perplexity": float(ppl), "eval_tokens": int(tokens)}
@@ -292,7 +292,7 @@ class RunLog:
             print(message, file=sys.stderr, flush=True)
 
     def breakdown(self, timer) -> dict:
-        """Write ``timer``'s phase table (a ``spec.timing.StepTimer``) and return its summary ({} if empty)."""
+        """Write ``timer``'s phase table (a ``twincore.timing.StepTimer``) and return its summary ({} if empty)."""
         summary = timer.summary()
         if summary:
             self.write(f"step-time breakdown (host view, first step left out):\n{timer.report()}")

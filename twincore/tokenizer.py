@@ -5,7 +5,7 @@
     tok.eos_id, tok.bos_id, tok.vocab_size                                   # what generate() stops at by default
 
 :func:`load_tokenizer` takes what ``--init`` / ``from_pretrained`` take: a llama.cpp ``.gguf`` file (its metadata's
-BPE tokenizer, ``spec.gguf.GGUFTokenizer``), a Hugging Face directory with ``tokenizer.json`` (:class:`HFTokenizer`:
+BPE tokenizer, ``twincore.gguf.GGUFTokenizer``), a Hugging Face directory with ``tokenizer.json`` (:class:`HFTokenizer`:
 ``tokenizer_config.json``'s chat template, the EOS / BOS ids of ``generation_config.json`` or ``config.json``), or
 anything else (None, a directory without one) for :class:`ByteTokenizer`, raw UTF-8 bytes as ids 0..255, the
 trainers' default. Every tokenizer has the same interface: ``encode(text)`` (no special tokens added; special tokens

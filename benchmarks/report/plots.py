@@ -96,7 +96,7 @@ def _is_torch(label: str) -> bool:
 
 
 def unstable(r: dict) -> bool:
-    """Whether a record belongs to a JAX-vs-torch pair labelled ``unstable`` (``jaxattn.spec.timing``)."""
+    """Whether a record belongs to a JAX-vs-torch pair labelled ``unstable`` (``twincore.timing``)."""
     return isinstance(r.get("paired"), dict) and bool(r["paired"].get("unstable"))
 
 
@@ -519,7 +519,7 @@ def plot_plan(out_dir: str, records: list[dict], info: dict | None = None) -> Pl
     more micro-batch counts; the single rows are the README table's): peak memory per device and the idle fraction
     read off the compiled stage loop, beside the analytic curve, against the micro-batches; None (nothing written)
     without a sweep."""
-    from jaxattn.spec.pipeline import bubble_fraction
+    from twincore.pipeline import bubble_fraction
 
     def key(r):
         return r["devices"], r["preset"], r["mesh"], r["schedule"], r.get("loss", "dense")

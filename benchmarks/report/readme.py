@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 
-from jaxattn.spec.attention import BACKENDS
+from twincore.attention import BACKENDS
 
 from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
@@ -566,7 +566,7 @@ def gpu_attention_section(results_dir: str) -> list[str]:
         f"From `{rel}/*.json` (`python -m benchmarks run --suite attention --impl ...`, one run per file, full "
         f"tables with the paired intervals in `{rel}/report.md`): JAX on {env.get('jax_device')}, torch on "
         f"{env.get('torch_device')}; {_versions([f['env'] or {} for f in files])}; runs: {'; '.join(runs)} "
-        f"(UTC). {dtypes}, TFLOP/s by the suite's FLOP count (`jaxattn.spec.flops`: causal counts half), each the "
+        f"(UTC). {dtypes}, TFLOP/s by the suite's FLOP count (`twincore.flops`: causal counts half), each the "
         "median of the timed calls."
         + (
             " Incomplete: the session's time budget stopped the suite; the shapes it had not reached are missing."

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from jaxattn.spec.atomic import atomic_path, check_writable, write_text_atomic  # noqa: F401 - the benchmarks' writes
+from twincore.atomic import atomic_path, check_writable, write_text_atomic  # noqa: F401 - the benchmarks' writes
 
 # The committed results: benchmarks/results/cpu-quick/, cpu/, h100-compiled/, h100-plan/, train-example/, written
 # only by an explicit `--out benchmarks/results/...` (a maintainer's refresh, then `python -m benchmarks.readme`).
@@ -41,7 +41,7 @@ def impl_label(r: dict) -> str:
 
 def check_out_dir(out_dir: str) -> str:
     """``out_dir`` as an absolute path, after checking that results can be written there (before any work; it may
-    not exist yet). Raises ValueError naming ``--out``, the path and the reason (``spec.atomic.check_writable``)."""
+    not exist yet). Raises ValueError naming ``--out``, the path and the reason (``twincore.atomic.check_writable``)."""
     return check_writable(out_dir, "--out", is_dir=True)
 
 

@@ -99,7 +99,7 @@ def speedup_rows(records: Iterable[dict]) -> tuple[list[str], list[tuple[tuple, 
 
 
 def row_paired(cells: dict) -> dict | None:
-    """The paired measurement of a row (``jaxattn.spec.timing.paired_ratio``'s dict, carried by its records when
+    """The paired measurement of a row (``twincore.timing.paired_ratio``'s dict, carried by its records when
     the suite timed JAX and torch alternately), or None. A row merged from several runs (``records.read_results``)
     may carry several pairs naming different implementations (``jax_impl``/``torch_impl``): then only the pair of
     the row's fastest JAX and fastest torch implementation is the row's, and None (the plain ratio of medians)

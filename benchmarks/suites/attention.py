@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxattn.spec.attention import backend_names
-from jaxattn.spec.flops import attention_flops
+from twincore.attention import backend_names
+from twincore.flops import attention_flops
 
 from .. import measure
 

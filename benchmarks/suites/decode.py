@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxattn.spec.timing import summarize
+from twincore.timing import summarize
 
 from .. import measure
 from ..twins import jax_config, jitted, twin_models
@@ -102,7 +102,7 @@ def _models(quick: bool):
         return out
     path = _smollm2_path()
     if path is not None:
-        from jaxattn.spec.gguf import read_gguf
+        from twincore.gguf import read_gguf
 
         config, tensors, _ = read_gguf(path, tokenizer=False)
         out.append(("smollm2-135m", TConfig(**{f: getattr(config, f) for f in config.__dataclass_fields__}), tensors))

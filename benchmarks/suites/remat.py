@@ -293,7 +293,7 @@ def _torch_records(cases, policies, log) -> list:
 
 def run(quick: bool, policies=None, targets=("cpu", "h100"), frameworks=("jax", "torch"), log=print) -> list:
     """Records for ``policies`` (default all), JAX ``targets`` (``cpu``, ``h100``) and ``frameworks``."""
-    from jaxattn.spec.remat import REMAT_POLICIES
+    from twincore.remat import REMAT_POLICIES
 
     policies = tuple(policies or REMAT_POLICIES)
     bad = [p for p in policies if p not in REMAT_POLICIES] + [t for t in targets if t not in ("cpu", "h100")]

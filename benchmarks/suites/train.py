@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from jaxattn.spec.flops import flops_per_token
-from jaxattn.spec.params import active_matmul_param_count, matmul_param_count
-from jaxattn.spec.runlog import MOE_KEYS
+from twincore.flops import flops_per_token
+from twincore.params import active_matmul_param_count, matmul_param_count
+from twincore.runlog import MOE_KEYS
 
 from .. import measure
 from ..twins import jax_config, twin_models

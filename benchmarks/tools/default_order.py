@@ -5,7 +5,7 @@ suite's JSON from one GPU session and prints the order the measurements support 
 
 A backend may enter the default list only if its compiled ``gpu`` tests passed in that log (design §4);
 among those, the order is by median time over the shapes every candidate ran (fwd+bwd first, then fwd).
-Prints advice only: changing the GPU ranks in ``jaxattn.spec.attention.BACKENDS`` stays a reviewed commit.
+Prints advice only: changing the GPU ranks in ``twincore.attention.BACKENDS`` stays a reviewed commit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import statistics
 import sys
 
-from jaxattn.spec.attention import backend_names, default_order
+from twincore.attention import backend_names, default_order
 
 _GPU_DEFAULT = default_order("gpu")  # the backend table's GPU ranks
 JAX_BACKENDS = backend_names(forward_only=False)  # the trainable ones (flash_decode is forward-only, opt-in)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     print(f"by these measurements: {proposal} (backends whose gpu tests did not all pass are left out)")
     if proposal and proposal != _GPU_DEFAULT:
         print(
-            "-> change the GPU ranks in jaxattn.spec.attention.BACKENDS if the committed records agree (mosaic "
+            "-> change the GPU ranks in twincore.attention.BACKENDS if the committed records agree (mosaic "
             "stays opt-in "
             "until its backward is a kernel)"
         )

@@ -87,8 +87,8 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=15, help="timed (old, new) pairs after one warm-up pair")
     args = p.parse_args(argv)
 
-    from jaxattn.spec.config import ModelConfig
-    from jaxattn.spec.generate import prepare
+    from twincore.config import ModelConfig
+    from twincore.generate import prepare
 
     cfg = ModelConfig.preset(args.preset)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt).tolist()

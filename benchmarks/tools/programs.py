@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import gpu_target
-from jaxattn.spec.flops import model_flops
+from twincore.flops import model_flops
 
 from ..report.records import check_out_dir, default_out
 from .deviceless import AttnShape
@@ -156,7 +156,7 @@ def gemm_context(expert_gemm: str | None):
 
 
 def analytic_flops(cfg, kind: str, batch: int, seq: int) -> dict:
-    """Model FLOPs of a ``forward`` or a ``train_step`` (``jaxattn.spec.flops``: 6·N·tokens + attention)."""
+    """Model FLOPs of a ``forward`` or a ``train_step`` (``twincore.flops``: 6·N·tokens + attention)."""
     return model_flops(cfg, batch, seq, train=kind == "train_step")
 
 

@@ -9,7 +9,7 @@ A pair (``measure.timeit_paired``) bounds the noise inside one process; what mov
 placement, memory layout, the machine's other jobs) shows only across processes, as pyperf's worker processes show
 it. :func:`pool_records` keeps, per record, the median of the processes' medians with the processes' p10/p90
 envelope and each process's median (``process_median_ms``), and per row one pair pooled over the processes
-(``jaxattn.spec.timing.pooled_ratio``: a hierarchical bootstrap interval, ``unstable`` where the processes
+(``twincore.timing.pooled_ratio``: a hierarchical bootstrap interval, ``unstable`` where the processes
 disagree by more than ``UNSTABLE_SPREAD``). Subprocesses and not ``multiprocessing``: each run is exactly the
 command a user types, jax and torch imported fresh.
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-from jaxattn.spec.timing import pooled_ratio
+from twincore.timing import pooled_ratio
 
 from ..report.build import rebuild_report
 from ..report.records import impl_label, read_results, write_results

@@ -3,7 +3,7 @@ fresh process, and report how much each row's JAX speed-up moved between runs.
 
     python -m benchmarks check-stability --suite model --quick --runs 3    # exit 0: every row within ±15%
 
-A paired measurement (``jaxattn.spec.timing``) bounds the noise inside one process; what differs from process to
+A paired measurement (``twincore.timing``) bounds the noise inside one process; what differs from process to
 process (thread placement, memory layout, the machine's other jobs) only shows across runs, as pyperf's worker
 processes show it. Each run is ``python -m benchmarks run --suite S --out <out>/run-<i>``; per row (``tables.
 speedup_rows``, rows every run timed) the record holds each run's speed-up, their spread (max / min) and ``agree``

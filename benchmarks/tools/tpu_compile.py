@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import tpu_target
-from jaxattn.spec.flops import attention_flops
+from twincore.flops import attention_flops
 
 from .. import measure
 from ..report import compile_tables

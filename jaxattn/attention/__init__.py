@@ -6,7 +6,7 @@
     out = dot_product_attention(q, k, v, backend="chunked")          # explicit (a name or a sequence)
 
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; the contract is design §4. The backends and their torch twins are
-the table :data:`jaxattn.spec.attention.BACKENDS`; each backend module has ``supports(q, k, v, args)`` (None or a
+the table :data:`twincore.attention.BACKENDS`; each backend module has ``supports(q, k, v, args)`` (None or a
 one-line reason) and ``attention(q, k, v, args)`` and is imported lazily (a failed import only makes it decline).
 When nothing serves a call, :class:`AttentionBackendError` lists every backend tried and why it declined.
 
@@ -26,7 +26,8 @@ import importlib
 import warnings
 from collections.abc import Iterator, Sequence
 
-from ..spec import attention as _spec
+from twincore import attention as _spec
+
 from .args import AttnArgs, mask, normalize
 from .target import Target, current_target, platform_of, target_platform
 
@@ -48,7 +49,7 @@ __all__ = [
     "Target",
 ]
 
-# All read from the one backend table, jaxattn.spec.attention.BACKENDS (default ranks per platform included).
+# All read from the one backend table, twincore.attention.BACKENDS (default ranks per platform included).
 BACKENDS: tuple[str, ...] = _spec.backend_names()
 FORWARD_ONLY: tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
 _MODULE_OF: dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module

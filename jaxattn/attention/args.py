@@ -1,7 +1,7 @@
 """Arguments of one attention call: :class:`AttnArgs`, :func:`normalize` (the contract check) and :func:`mask`.
 
 ``normalize`` checks a call to :func:`jaxattn.attention.dot_product_attention` once, with the contract shared
-with torchref (:func:`jaxattn.spec.attention.check_call`: same rules, same messages), and returns an
+with torchref (:func:`twincore.attention.check_call`: same rules, same messages), and returns an
 :class:`AttnArgs` with every default filled in, so each backend only reads checked values.  ``mask`` is the
 single jnp definition of which key a query may see (design §4): bottom-right causal, sliding window,
 segment ids.  It is hand-written because no library function implements this exact contract
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..spec.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_call, visible_bounds
+from twincore.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_call, visible_bounds
 
 __all__ = ["AttnArgs", "normalize", "mask", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..spec.attention import visible_bounds
+from twincore.attention import visible_bounds
+
 from .args import AttnArgs, mask, normalize
 
 __all__ = ["supports", "attention", "chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]

@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as _plt  # masked loads (load(ref, mask=, other=)): jax 0.10 and 0.11
 
-from ..spec.attention import visible_bounds
+from twincore.attention import visible_bounds
+
 from . import flash
 from .args import AttnArgs, normalize
 from .tiling import (

@@ -27,7 +27,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..spec.attention import visible_bounds
+from twincore.attention import visible_bounds
+
 from .args import MAX_HEAD_DIM, AttnArgs, normalize
 from .target import Target, current_target
 from .tiling import (

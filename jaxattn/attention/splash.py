@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-from ..spec.attention import visible_bounds
+from twincore.attention import visible_bounds
+
 from .args import AttnArgs, mask
 from .target import current_target
 

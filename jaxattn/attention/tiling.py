@@ -132,7 +132,7 @@ def tile_mask(
 
     ``q_pos``/``k_pos``: query/key positions, already broadcast against each other (``[bq, 1]`` and
     ``[1, bk]``, or transposed); key j is visible to query i iff ``i + shift - left <= j <= i + shift + right``
-    (``shift = Sk - Sq``: bottom-right; ``left``/``right`` from ``spec.attention.visible_bounds``), ``j < k_len``
+    (``shift = Sk - Sq``: bottom-right; ``left``/``right`` from ``twincore.attention.visible_bounds``), ``j < k_len``
     (padded keys; None: no padding) and ``q_seg == k_seg`` (same broadcast; None: no segment ids)."""
     m = None
 
