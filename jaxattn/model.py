@@ -58,6 +58,8 @@ REMAT_NAMES: tuple[str, ...] = (
     "key_proj",
     "value_proj",
     "attention_out",
+    "out_proj",
+    "attention_residual",
     "mlpwi_0",
     "mlpwi_1",
     "mlp_hidden",
@@ -167,7 +169,8 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     else:
         o, kv = cached_attention(q, k, v, *kv)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]
-    return matmul(o, p["wo"]) if kv is None else (matmul(o, p["wo"]), kv)
+    o = checkpoint_name(matmul(o, p["wo"]), "out_proj")  # [B, S, dim]
+    return o if kv is None else (o, kv)
 
 
 def mlp_block(x, p):
@@ -184,7 +187,7 @@ def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None, m
     a = attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids, kv)
     if kv is not None:
         a, kv = a
-    x = x + a
+    x = checkpoint_name(x + a, "attention_residual")
     h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
     stats = None
     if cfg.is_moe:
