@@ -4,16 +4,15 @@ are ``twincore.cli``'s, shared with torch).
     python -m jaxattn.train --preset tiny --data README.md --steps 200 --log-json runs/jax.jsonl
     summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], "compiles": 1, ...}
 
-``Trainer(args, config)`` builds everything from checked flags (data, model, optimizer, the jitted step of
-``jaxattn.train_step``, the mesh, the checkpointer, a resumed state): any bad value fails there, before a compile.
-``Trainer.fit()`` runs the loop: each step dispatches the jitted step on a batch ``prefetch_to_device`` already
-moved, and only THEN fetches the previous step's metrics (one step of lag keeps the host from stalling the
-device). The step compiles once per batch shape (once with ``--packing pack``, once per bucket used with
-``--packing bucket``). ``--profile DIR`` traces three steps after the first; checkpoints are
-``jaxattn.checkpoint`` (orbax); at the end the model is exported with ``save_pretrained`` to
-``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``twincore.runlog.RunSummary``) says
-what the run did and wrote; the CLI prints it on stdout from process 0 (progress, lines and ``--tensorboard``:
-``twincore.runlog``).
+``Trainer`` is ``twincore.trainer.Trainer`` (the loop, data, resume checks, checkpoint cadence, export and summary,
+shared with torch) with JAX's parts: ``Trainer(args, config)`` builds the model, optimizer, the jitted step of
+``jaxattn.train_step``, the mesh, the checkpointer and a resumed state from checked flags (any bad value fails
+there, before a compile). In ``fit()`` each step dispatches the jitted step on a batch ``prefetch_to_device``
+already moved, and only THEN fetches the previous step's metrics (``METRICS_LAG = 1`` keeps the host from
+stalling the device). The step compiles once per batch shape (once with ``--packing pack``, once per bucket used
+with ``--packing bucket``). ``--profile DIR`` traces three steps after the first; checkpoints are
+``jaxattn.checkpoint`` (orbax); the export is ``save_pretrained`` into ``<checkpoint-dir>/final``; the CLI prints
+the summary (``twincore.runlog.RunSummary``) on stdout from process 0.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,18 +28,10 @@ import numpy as np
 from flax import nnx
 
 from twincore import optim as spec_optim
-from twincore.cli import (
-    CLIError,
-    TrainingError,
-    check_tokenizer_fits,
-    checkpointer_options,
-    cli_main,
-    parse_args,
-    print_line,
-)
-from twincore.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
-from twincore.eval import EvalResult, eval_batches
-from twincore.runlog import MOE_KEYS, DivergenceGuard, RunLog
+from twincore.cli import CLIError
+from twincore.eval import EvalResult
+from twincore.trainer import PROFILE_STEPS
+from twincore.trainer import Trainer as BaseTrainer
 
 from . import hf, optim, remat
 from .attention import BACKENDS, FORWARD_ONLY, attention_backend, available_backends
@@ -72,52 +61,29 @@ from .train_step import (  # noqa: F401
 __all__ = ["Trainer", "main", "run", "TrainState", "make_train_step", "loss_fn"]
 
 PROG = "python -m jaxattn.train"
-PROFILE_STEPS = 3
 TRAIN_BACKENDS = tuple(b for b in BACKENDS if b not in FORWARD_ONLY)  # --attention choices
 
 
-class Trainer:
-    """A training run built from checked flags; :meth:`fit` trains it. :meth:`from_argv` parses the flags first."""
+class Trainer(BaseTrainer):
+    """The JAX run: ``twincore.trainer.Trainer``'s loop with a jitted step, metrics read one step late."""
 
-    def __init__(self, args, config):
-        self.args, self.config = args, config
-        # the checkpoint directory first: its lock (held until fit() ends), then another run's, or a changed run on
-        # --resume, fails before anything is built
-        self.ckpt, self.last_saved = None, None
-        if args.checkpoint_dir:
-            writer = jax.process_index() == 0
-            self.ckpt = Checkpointer(args.checkpoint_dir, **checkpointer_options(args, config), writer=writer)
-        try:
-            self._build(args, config)
-        except BaseException:
-            self.close()  # the directory's lock goes with a trainer that could not be built
-            raise
+    FRAMEWORK, PROG, BACKENDS = "jax", PROG, TRAIN_BACKENDS
+    METRICS_LAG = 1  # fetching step i's metrics after step i+1 is dispatched keeps the device busy
+    Checkpointer, hf = Checkpointer, hf
 
-    def _build(self, args, config) -> None:
+    def writer(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def lead(self) -> bool:
+        return jax.process_index() == 0
+
+    def setup(self, args) -> None:
         set_matmul_precision(args.matmul_precision)
         self.keys = seed_all(args.seed, deterministic=args.deterministic)
-        self.tokenizer = load_tokenizer(args.init)
-        check_tokenizer_fits(args, config, self.tokenizer)
-        self.data = Dataset.from_source(
-            args.data,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            packing=args.packing,
-            vocab_size=config.vocab_size,
-            tokenizer=self.tokenizer,
-        )
-        self.eval_batches = None  # --eval-data: one pass in file order (twincore.eval), the train batch's shape
-        if args.eval_data is not None:
-            self.eval_batches = eval_batches(
-                read_documents(args.eval_data, self.tokenizer, "--eval-data"),
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                vocab_size=config.vocab_size,
-                name=f"--eval-data {args.eval_data!r}",
-            )
-        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
         self.policy = get_policy(args.precision)
+
+    def build(self, args, config) -> None:
         if self.backends:
             self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else Llama(config, rngs=nnx.Rngs(params=self.keys["params"]))
@@ -169,7 +135,6 @@ class Trainer:
             None if self.eval_batches is None else make_eval_step(self.graphdef, policy=self.policy, sharding=sharding)
         )
         self.rng = jax.random.key_data(self.keys["data"])
-        self.start, self.applied = 0, 0
         # committed to the device like the step's outputs (an uncommitted input would give a second compile), and
         # BEFORE a resume, so orbax restores onto these shardings (multi-process: a restored array committed to
         # one local device cannot move onto a global sharding without cross-host transfers)
@@ -179,21 +144,14 @@ class Trainer:
             self.device = sharding.batch
             placement = (sharding.state, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self.state, self.rng = jax.device_put((self.state, self.rng), placement)
+        self.mem_device = self.device if self.mesh is None else jax.local_devices()[0]
         if args.resume:
             self._resume()
 
-    def close(self) -> None:
-        """Let the checkpoint directory go (its lock), for a trainer whose :meth:`fit` will not run; fit does it."""
-        if self.ckpt is not None:
-            self.ckpt.close()
-
     @classmethod
-    def from_argv(cls, argv: Sequence[str] | None = None) -> Trainer:
-        """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
-        args, config = parse_args(argv, "jax", TRAIN_BACKENDS)
+    def prepare_process(cls, args) -> None:
         if args.coordinator is not None and args.num_processes > 1:
             _join(args)
-        return cls(args, config)
 
     def _check_attention(self, args, config) -> None:
         """``--attention`` can serve this model's attention call here (a backend that cannot, e.g. ``cudnn`` on a
@@ -240,60 +198,31 @@ class Trainer:
                     f"start every process with the same flags but --process-id"
                 )
 
-    def meta(self, step: int) -> dict:
-        return {
-            "framework": "jax",
-            "step": step,
-            "data_position": step,
-            "applied_updates": self.applied,
-            "host_rng": host_rng_state(),
-            "model_config": self.config.to_hf(),
-            "flags": {k: v for k, v in vars(self.args).items()},
-        }
+    def extra_meta(self) -> dict:
+        return {"applied_updates": self.applied, "host_rng": host_rng_state()}
 
     def _resume(self) -> None:
-        step = self.ckpt.latest_step()
-        for problem in self.ckpt.problems:
-            print_line(f"{PROG}: warning: --resume skips a checkpoint: {problem}")
-        if step is None:
-            raise CLIError(
-                f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"
-                + (f" ({'; '.join(self.ckpt.problems)})" if self.ckpt.problems else "")
-            )
+        step = self.resume_step()
         tree, meta = self.ckpt.restore(step, {"train": self.state, "rng": self.rng})
-        if meta.get("model_config") != self.config.to_hf():
-            raise CLIError(
-                f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
-                f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})"
-            )
-        if step > self.args.steps:
-            raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
+        self.check_resume(step, meta)
         self.state, self.rng = tree["train"], tree["rng"]
-        self.start, self.applied = int(meta["data_position"]), int(meta["applied_updates"])
-        self.last_saved = self.start
+        self.applied = int(meta["applied_updates"])
         set_host_rng_state(meta["host_rng"])
 
     def lr(self, applied: int) -> float:
         a = self.args
         return a.lr * float(spec_optim.lr_factor(applied, schedule=a.schedule, warmup=a.warmup, steps=a.steps))
 
-    def save(self, step: int) -> None:
-        if not _finite(self.state.params):
-            raise TrainingError(
-                f"the weights are not finite after step {step}: no checkpoint of them is written "
-                f"(lower --lr, keep --clip-grad on, or check the --init weights)"
-            )
-        try:
-            self.ckpt.save(step, {"train": self.state, "rng": self.rng}, self.meta(step))
-            self.last_saved = step
-        except OSError as e:
-            raise TrainingError(
-                f"cannot write the checkpoint of step {step} in --checkpoint-dir "
-                f"{self.args.checkpoint_dir!r}: {e.strerror or e}"
-            ) from e
+    def checkpoint_state(self) -> dict:
+        return {"train": self.state, "rng": self.rng}
+
+    def is_finite(self, state) -> bool:
+        return _finite(state["train"].params)  # global arrays: every process computes the same
+
+    def write_checkpoint(self, step: int, state, meta: dict) -> None:
+        self.ckpt.save(step, state, meta)  # every process takes part; process 0 writes the marker
 
     def evaluate(self) -> EvalResult:
-        """Mean token loss and perplexity of the current weights on ``--eval-data`` (every process takes part)."""
         if jax.process_count() > 1:  # the same host batches on every process -> global arrays
             place = self.sharding.place
         else:
@@ -303,150 +232,74 @@ class Trainer:
 
         return run_eval(self.eval_step, self.state.params, self.state.rest, self.eval_batches, place)
 
-    def eval_due(self, step: int) -> bool:
-        """``--eval-data`` is evaluated after the last step and every ``--eval-every`` steps."""
-        every = self.args.eval_every
-        return self.eval_batches is not None and (step == self.args.steps or (every > 0 and step % every == 0))
+    def attention_context(self):
+        return attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
 
-    @property
-    def lead(self) -> bool:
-        """This process logs, writes the export and prints the summary (process 0 of a multi-process run)."""
-        return jax.process_index() == 0
-
-    def fit(self) -> dict[str, Any]:
-        """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``twincore.runlog.EVAL_KEYS``;
-        ``summary``: a ``twincore.runlog.RunSummary``, the same shape as torchref's)."""
-        args = self.args
-        mem_device = self.device if self.mesh is None else jax.local_devices()[0]
-        lead = self.lead  # a multi-process run logs and exports from process 0
-        log = RunLog(
-            args.steps,
+    def batches(self):
+        return prefetch_to_device(
+            self.data,
             self.start,
-            args.log_json if lead else None,
-            progress=lead and not args.no_progress,
-            desc="jax train",
-            tensorboard=args.tensorboard if lead else None,
-            loss_scaling=self.policy.uses_loss_scaling,
+            self.args.steps,
+            device=self.device,
+            with_tokens=True,
+            place=(lambda b: b) if jax.process_count() > 1 else None,
         )
-        losses: list[float] = []
-        evals: list[dict] = []
-        profiling = False
-        prof_start = min(self.start + 1, args.steps - 1) if args.profile else -1
-        ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
-        pending = None
-        t_last = time.perf_counter()
-        timer = StepTimer(skip_first=1)  # phases timed on the host without extra syncs: the pipeline keeps its lag
-        guard = DivergenceGuard(args.max_nonfinite_steps)
 
-        def report(p) -> None:
-            nonlocal t_last
-            step, metrics, tokens = p
-            m = jax.device_get(metrics)
-            now = time.perf_counter()
-            skipped = bool(m["skipped"])
-            rec = log.step(
-                step=step,
-                loss=m["loss"],
-                grad_norm=m["grad_norm"],
-                lr=self.lr(self.applied),
-                loss_scale=m["loss_scale"],
-                skipped=skipped,
-                tokens=tokens,
-                seconds=now - t_last,
-                peak_mem_bytes=peak_memory_bytes(mem_device),
-                **{k: m[k] for k in MOE_KEYS if k in m},  # an MoE's router metrics
-            )
-            t_last = now
-            self.applied += 0 if skipped else 1
-            losses.append(rec["loss"])
-            guard.check(rec)
+    def dispatch(self, batch):
+        self.state, metrics = self.step_fn(self.state, batch)  # async: returns before the device finishes
+        return metrics
 
-        lock = self.ckpt.locked() if self.ckpt else contextlib.nullcontext()
-        batches = None
+    def read_metrics(self, metrics) -> dict[str, float]:
+        m = jax.device_get(metrics)
+        return {**m, "skipped": bool(m["skipped"]), "lr": self.lr(self.applied)}
+
+    def peak_memory(self) -> int | None:
+        return peak_memory_bytes(self.mem_device)
+
+    def step_timer(self):
+        return StepTimer(skip_first=1)
+
+    @contextlib.contextmanager
+    def profiling(self):
+        """``--profile DIR``: a trace of :data:`PROFILE_STEPS` steps, after the first (its compile)."""
+        steps = self.args.steps
+        self._prof_start = min(self.start + 1, steps - 1) if self.args.profile else -1
+        self._tracing = False
         try:
-            with lock, ctx:
-                batches = prefetch_to_device(
-                    self.data,
-                    self.start,
-                    args.steps,
-                    device=self.device,
-                    with_tokens=True,
-                    place=(lambda b: b) if jax.process_count() > 1 else None,
-                )
-                for i in range(self.start, args.steps):
-                    with timer.phase("data"):  # waiting for the prefetch thread
-                        batch, tokens = next(batches)
-                    if i == prof_start:
-                        start_trace(args.profile)
-                        profiling = True
-                    with timer.phase("dispatch"):  # async: returns before the device finishes
-                        self.state, metrics = self.step_fn(self.state, batch)
-                    if pending is not None:
-                        with timer.phase("metrics"):  # fetching the PREVIOUS step's metrics: the device wait
-                            report(pending)
-                    pending = (i + 1, metrics, tokens)
-                    if profiling and i + 1 >= prof_start + PROFILE_STEPS:
-                        stop_trace(self.state)
-                        profiling = False
-                    if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
-                        report(pending)
-                        pending = None
-                        self.save(i + 1)
-                    if self.eval_due(i + 1):  # after the step's record; its time is not the next step's
-                        if pending is not None:
-                            report(pending)
-                            pending = None
-                        r = self.evaluate()
-                        if lead:
-                            evals.append(log.eval(step=i + 1, loss=r.loss, perplexity=r.perplexity, tokens=r.tokens))
-                        t_last = time.perf_counter()
-                if pending is not None:
-                    report(pending)
-                if self.ckpt:
-                    out_final = self._finish(lead)
-            if profiling:
-                stop_trace(self.state)
-            jitted = self.step_fn.jitted
-            compiles = jitted._cache_size() if hasattr(jitted, "_cache_size") else None
-            log.write(
-                f"jax train: {args.steps - self.start} steps, train step compiled {compiles} time(s)"
-                f" (packing={args.packing}, buckets={list(self.data.buckets)})"
-            )
-            out = {
-                "losses": losses,
-                "compiles": compiles,
-                "start": self.start,
-                "steps": args.steps,
-                "phases": log.breakdown(timer),
-                "evals": evals,
-            }
-            if self.ckpt:
-                out["final"] = out_final
-            last = None if self.last_saved is None else self.ckpt.path(self.last_saved)
-            out["summary"] = log.summary(checkpoint=last, final=out.get("final"))
-            return out
+            yield
         finally:
-            if batches is not None:
-                batches.close()  # stops the prefetch thread
-            log.close()
+            if self._tracing:
+                stop_trace(self.state)
+                self._tracing = False
 
-    def _finish(self, lead: bool) -> str:
-        """The last checkpoint (if the loop did not just write it) and the Hugging Face export in ``final/``."""
-        if self.last_saved != self.args.steps:
-            self.save(self.args.steps)  # refuses non-finite weights: no export of them either
-        final = os.path.join(self.args.checkpoint_dir, "final")
+    def before_step(self, i: int) -> None:
+        if i == self._prof_start:
+            start_trace(self.args.profile)
+            self._tracing = True
+
+    def after_step(self, i: int) -> None:
+        if self._tracing and i + 1 >= self._prof_start + PROFILE_STEPS:
+            stop_trace(self.state)
+            self._tracing = False
+
+    def compiles(self) -> int | None:
+        jitted = self.step_fn.jitted
+        return jitted._cache_size() if hasattr(jitted, "_cache_size") else None
+
+    def summary_line(self) -> str:
+        return (
+            f"jax train: {self.args.steps - self.start} steps, train step compiled {self.compiles()} time(s)"
+            f" (packing={self.args.packing}, buckets={list(self.data.buckets)})"
+        )
+
+    def export_model(self):
         model = self.state.model(self.graphdef)
         if jax.process_count() > 1:  # every process takes part in the gather; process 0 writes
             from jax.experimental import multihost_utils
 
             gdef, weights = nnx.split(model)
             model = nnx.merge(gdef, multihost_utils.process_allgather(weights, tiled=True))
-        if lead:
-            hf.save_pretrained(model, final)
-            copy_tokenizer(self.args.init, final)
-        self.ckpt.close()
-        return final
+        return model
 
 
 @jax.jit
@@ -472,16 +325,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return Trainer.from_argv(argv).fit()
 
 
-def _fit_and_report(trainer: Trainer) -> dict[str, Any]:
-    """The CLI's training: :meth:`Trainer.fit`, then its summary on stdout (process 0)."""
-    out = trainer.fit()
-    if trainer.lead:
-        print(out["summary"], flush=True)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, Trainer.from_argv, _fit_and_report, argv)
+    return Trainer.cli(argv)
 
 
 if __name__ == "__main__":

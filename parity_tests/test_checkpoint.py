@@ -101,6 +101,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, module):
     ref = read_log(tmp_path / "ref.jsonl")
     assert [r["loss"] for r in after] == reference["losses"]
     assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in ref]
+    assert [r["lr"] for r in after] == [r["lr"] for r in ref]  # the schedule's position resumed too (warmup 2)
     assert [r["loss"] for r in killed] == reference["losses"][: len(killed)]
 
 

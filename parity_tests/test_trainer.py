@@ -343,3 +343,15 @@ def test_forward_only_backend_not_offered_for_training():
         r"flash, mosaic, splash, cudnn, chunked, xla",
     ):
         jt.Trainer.from_argv(["--attention", "flash_decode", "--steps", "1"])
+
+
+def test_one_trainer_serves_both_twins():
+    """Both CLIs' trainers are twincore's Trainer: the loop, the save, the resume checks and the data are written
+    once there, and neither twin overrides them (each supplies only its framework's hooks)."""
+    from twincore.trainer import Trainer
+
+    shared = ("fit", "save", "meta", "resume_step", "check_resume", "eval_due", "_load_data", "_finish", "from_argv")
+    for twin in (jtrainer.Trainer, ttrainer.Trainer):
+        assert issubclass(twin, Trainer)
+        assert [name for name in shared if name in vars(twin)] == [], twin
+    assert jtrainer.Trainer.METRICS_LAG == 1 and ttrainer.Trainer.METRICS_LAG == 0

@@ -4,18 +4,17 @@ are ``twincore.cli``'s, shared with JAX).
     python -m torchref.train --preset tiny --data README.md --steps 200 --log-json runs/torch.jsonl
     summary = run(["--steps", "30", "--init", "ckpt"])      # in-process: {"losses": [...], ...}
 
-``Trainer(args, config)`` builds everything from checked flags: the model (``--init`` through
+``Trainer`` is ``twincore.trainer.Trainer`` (the loop, data, resume checks, checkpoint cadence, export and summary,
+shared with JAX) with torch's parts: ``Trainer(args, config)`` builds the model (``--init`` through
 ``torchref.hf.from_pretrained``, else ``LlamaForCausalLM`` under the seeded RNG) with remat and the precision
 policy, ``--parallel`` under torchrun (``torchref.parallel``), optimizer + ``LambdaLR`` + ``GradScaler`` (enabled for
 fp16), the step of ``torchref.train_step``, a restored checkpoint — any bad value fails there, before
-``torch.compile`` runs. ``Trainer.fit()`` runs the loop over a ``DataLoader``; the scheduler advances only on applied
+``torch.compile`` runs. ``fit()`` runs the loop over a ``DataLoader``; the scheduler advances only on applied
 steps (optax's rule). ``--profile DIR`` records three steps after the first with ``torch.profiler`` (a trace per
 rank). Checkpoints (``torchref.checkpoint``) hold FULL state dicts keyed by parameter name
 (``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``), so a ``--parallel`` run's checkpoint
-resumes under any mode or in one process; at the end rank 0 exports ``save_pretrained`` to
-``<checkpoint-dir>/final``. ``fit`` returns a dict whose ``"summary"`` (``twincore.runlog.RunSummary``) says
-what the run did and wrote; the CLI prints it on stdout from rank 0 (progress, lines and ``--tensorboard``:
-``twincore.runlog``).
+resumes under any mode or in one process; rank 0 exports ``save_pretrained`` into ``<checkpoint-dir>/final`` and
+prints the summary.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import functools
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,19 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from twincore.cli import (
-    PP_MODES,
-    CLIError,
-    TrainingError,
-    check_tokenizer_fits,
-    checkpointer_options,
-    cli_main,
-    parse_args,
-    print_line,
-)
-from twincore.data import Dataset, copy_tokenizer, load_tokenizer, read_documents
-from twincore.eval import EvalResult, eval_batches
-from twincore.runlog import MOE_KEYS, DivergenceGuard, RunLog
+from twincore.cli import PP_MODES, CLIError, print_line
+from twincore.eval import EvalResult
+from twincore.runlog import MOE_KEYS
+from twincore.trainer import PROFILE_STEPS
+from twincore.trainer import Trainer as BaseTrainer
 
 from . import hf, optim, parallel, pipeline, remat
 from .attention import BACKENDS, attention_backend, dot_product_attention
@@ -61,61 +50,37 @@ from .train_step import BATCH_KEYS, cross_entropy, loss_denominator, loss_fn, lo
 __all__ = ["Trainer", "main", "run", "make_train_step", "loss_fn"]
 
 PROG = "python -m torchref.train"
-PROFILE_STEPS = 3
 
 
-class Trainer:
-    """A training run built from checked flags; :meth:`fit` trains it. :meth:`from_argv` parses the flags first."""
+class Trainer(BaseTrainer):
+    """The torch run: ``twincore.trainer.Trainer``'s loop with an eager (or compiled) step, metrics read at once."""
 
-    def __init__(self, args, config):
-        self.args, self.config = args, config
-        # the checkpoint directory first: its lock (held until fit() ends), then another run's, or a changed run on
-        # --resume, fails before anything is built
-        self.ckpt = None
-        if args.checkpoint_dir:
-            writer = int(os.environ.get("RANK", "0")) == 0
-            self.ckpt = Checkpointer(args.checkpoint_dir, **checkpointer_options(args, config), writer=writer)
-        try:
-            self._build(args, config)
-        except BaseException:
-            self.close()  # the directory's lock goes with a trainer that could not be built
-            raise
+    FRAMEWORK, PROG, BACKENDS = "torch", PROG, BACKENDS
+    Checkpointer, hf = Checkpointer, hf
 
-    def _build(self, args, config) -> None:
-        self.last_saved = None
+    def writer(self) -> bool:
+        return int(os.environ.get("RANK", "0")) == 0
+
+    @property
+    def lead(self) -> bool:
+        return self.parallel is None or int(os.environ.get("RANK", "0")) == 0
+
+    def setup(self, args) -> None:
+        self.parallel = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         set_matmul_precision(args.matmul_precision)
         seed_all(args.seed, deterministic=args.deterministic)
-        self.tokenizer = load_tokenizer(args.init)
-        check_tokenizer_fits(args, config, self.tokenizer)
-        self.data = Dataset.from_source(
-            args.data,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            packing=args.packing,
-            vocab_size=config.vocab_size,
-            tokenizer=self.tokenizer,
-        )
-        self.eval_batches = None  # --eval-data: one pass in file order (twincore.eval), the train batch's shape
-        if args.eval_data is not None:
-            self.eval_batches = eval_batches(
-                read_documents(args.eval_data, self.tokenizer, "--eval-data"),
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                vocab_size=config.vocab_size,
-                name=f"--eval-data {args.eval_data!r}",
-            )
-        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        self.policy = get_policy(args.precision)
+
+    def build(self, args, config) -> None:
         if self.backends:
             self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
         model = model.to(self.device).train()
         remat.apply(model, args.remat)
-        self.policy = get_policy(args.precision)
         self.policy.cast_model(model)
         self.model = model
-        self.parallel, self.mesh, train_model = None, None, model
+        self.mesh, train_model = None, model
         if args.parallel is not None:  # under torchrun (checked with the flags)
             train_model = self._parallelize(args.parallel, model)
         self.optimizer, self.scheduler = optim.build(
@@ -132,7 +97,6 @@ class Trainer:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(self.device.type)
-        self.start = 0
         if args.resume:
             self._resume()
         self.compiled = torch.compile(train_model) if args.compile else train_model
@@ -156,17 +120,6 @@ class Trainer:
             loss=args.loss,
             loss_chunk=args.loss_chunk,
         )
-
-    def close(self) -> None:
-        """Let the checkpoint directory go (its lock), for a trainer whose :meth:`fit` will not run; fit does it."""
-        if self.ckpt is not None:
-            self.ckpt.close()
-
-    @classmethod
-    def from_argv(cls, argv: Sequence[str] | None = None) -> Trainer:
-        """Parse, check and build; raises :class:`CLIError` (or ValueError for bad data) before any compile."""
-        args, config = parse_args(argv, "torch", BACKENDS)
-        return cls(args, config)
 
     def _check_attention(self, args, config) -> None:
         """``--attention`` can serve this model's attention call on this device (a backend that cannot, e.g.
@@ -259,23 +212,9 @@ class Trainer:
         return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:
-        step = self.ckpt.latest_step()
-        for problem in self.ckpt.problems:
-            print_line(f"{PROG}: warning: --resume skips a checkpoint: {problem}")
-        if step is None:
-            raise CLIError(
-                f"--resume: no valid checkpoint in --checkpoint-dir {self.args.checkpoint_dir!r}"
-                + (f" ({'; '.join(self.ckpt.problems)})" if self.ckpt.problems else "")
-            )
+        step = self.resume_step()
         p = self.ckpt.load(step)
-        meta = p["meta"]
-        if meta.get("model_config") != self.config.to_hf():
-            raise CLIError(
-                f"--resume: the checkpoint at step {step} in {self.args.checkpoint_dir!r} is of another "
-                f"model config ({meta.get('model_config')}) than the flags ask for ({self.config.to_hf()})"
-            )
-        if step > self.args.steps:
-            raise CLIError(f"--resume: the latest checkpoint is at step {step}, past --steps {self.args.steps}")
+        self.check_resume(step, p["meta"])
         set_state_dict(
             self.model,
             self.optimizer,
@@ -286,11 +225,6 @@ class Trainer:
         self.scheduler.load_state_dict(p["scheduler"])
         self.scaler.load_state_dict(p["scaler"])
         set_rng_state(p["rng"])
-        self.start = self.last_saved = int(meta["data_position"])
-
-    @property
-    def rank0(self) -> bool:
-        return self.parallel is None or int(os.environ.get("RANK", "0")) == 0
 
     def full_state_dicts(self) -> tuple[dict, dict]:
         """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
@@ -299,7 +233,7 @@ class Trainer:
         if self.parallel in PP_MODES:  # each stage's weights and optimizer state, whole, sent by name
             whole = self.synced_model()
             optim_sd = self.pipe.optimizer_state(self.model, self.optimizer)
-            if not self.rank0:
+            if not self.lead:
                 return {}, {}
             return {k: v.detach().cpu().clone() for k, v in whole.state_dict().items()}, optim_sd
         return get_state_dict(
@@ -312,42 +246,19 @@ class Trainer:
         self.pipe.sync_model(self.whole, self.model)
         return self.whole
 
-    def save(self, step: int) -> None:
-        model_sd, optim_sd = self.full_state_dicts()
-        if not self._all_ranks(all(bool(torch.isfinite(v).all()) for v in model_sd.values())):
-            raise TrainingError(
-                f"the weights are not finite after step {step}: no checkpoint of them is written "
-                f"(lower --lr, keep --clip-grad on, or check the --init weights)"
-            )
-        if self.rank0:
-            meta = {
-                "framework": "torch",
-                "step": step,
-                "data_position": step,
-                "model_config": self.config.to_hf(),
-                "flags": {k: v for k, v in vars(self.args).items()},
-            }
-            save = functools.partial(
-                self.ckpt.save,
-                step,
-                {
-                    "model": model_sd,
-                    "optimizer": optim_sd,
-                    "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "rng": rng_state(),
-                    "meta": meta,
-                },
-            )
-            try:
-                save()
-            except OSError as e:
-                raise TrainingError(
-                    f"cannot write the checkpoint of step {step} in --checkpoint-dir "
-                    f"{self.args.checkpoint_dir!r}: {e.strerror or e}"
-                ) from e
-        self.last_saved = step
-        self.barrier()
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        return self.full_state_dicts()  # every rank takes part; rank 0 holds them
+
+    def is_finite(self, state) -> bool:
+        model_sd, _ = state
+        return self._all_ranks(all(bool(torch.isfinite(v).all()) for v in model_sd.values()))
+
+    def write_checkpoint(self, step: int, state, meta: dict) -> None:
+        if self.lead:
+            model_sd, optim_sd = state
+            payload = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+            payload |= {"scaler": self.scaler.state_dict(), "rng": rng_state(), "meta": meta}
+            self.ckpt.save(step, payload)
 
     def _all_ranks(self, ok: bool) -> bool:
         """``ok`` on every rank (rank 0 alone holds the gathered weights; every rank must take the same branch)."""
@@ -362,10 +273,17 @@ class Trainer:
         if self.parallel is not None:
             dist.barrier()
 
-    def _profiler(self):
+    def profiling(self):
+        """``--profile DIR``: ``torch.profiler`` over :data:`PROFILE_STEPS` steps after the first (a trace per rank)."""
+        self._prof = None
         if not self.args.profile:
-            return contextlib.nullcontext(None)
-        return profiler(self.args.profile, wait=0, warmup=1, active=PROFILE_STEPS, cuda=self.device.type == "cuda")
+            return contextlib.nullcontext()
+        prof = profiler(self.args.profile, wait=0, warmup=1, active=PROFILE_STEPS, cuda=self.device.type == "cuda")
+        return _Bind(self, prof)
+
+    def after_step(self, i: int) -> None:
+        if self._prof is not None:
+            self._prof.step()
 
     def evaluate(self) -> EvalResult:
         """Mean token loss and perplexity of the current weights on ``--eval-data``: under ``--parallel`` each rank
@@ -387,116 +305,51 @@ class Trainer:
             total /= dist.get_world_size() // parallel.dp_size(self.parallel, self.mesh)
         return EvalResult(loss_sum=float(total[0]), tokens=int(round(float(total[1]))))
 
-    def eval_due(self, step: int) -> bool:
-        """``--eval-data`` is evaluated after the last step and every ``--eval-every`` steps."""
-        every = self.args.eval_every
-        return self.eval_batches is not None and (step == self.args.steps or (every > 0 and step % every == 0))
+    def attention_context(self):
+        return attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
 
-    def fit(self) -> dict[str, Any]:
-        """Train from ``start`` to ``--steps``; returns ``{"losses", "compiles", "start", "steps", "phases",
-        "evals", "summary", "final"?}`` (``evals``: the ``--eval-data`` records, ``twincore.runlog.EVAL_KEYS``;
-        ``summary``: a ``twincore.runlog.RunSummary``, the same shape as jaxattn's)."""
+    def batches(self):
+        """This rank's rows of each batch on the device, with the whole batch's target count and loss denominator."""
         args = self.args
-        rank0 = self.rank0  # one log per run under torchrun
-        log = RunLog(
-            args.steps,
-            self.start,
-            args.log_json if rank0 else None,
-            progress=rank0 and not args.no_progress,
-            desc="torch train",
-            tensorboard=args.tensorboard if rank0 else None,
-            loss_scaling=self.policy.uses_loss_scaling,
-        )
-        losses: list[float] = []
-        evals: list[dict] = []
-        ctx = attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
-        batches = loader(
-            self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=self.device.type == "cuda"
-        )
-        timer = StepTimer(skip_first=1)  # the same phases as jaxattn.train, no extra syncs
-        guard = DivergenceGuard(args.max_nonfinite_steps)
-        lock = self.ckpt.locked() if self.ckpt else contextlib.nullcontext()
-        try:
-            with lock, ctx, self._profiler() as prof:
-                t_last = time.perf_counter()
-                it = iter(batches)
-                for i in range(self.start, args.steps):
-                    with timer.phase("data"):  # waiting for the DataLoader, then the host-to-device copy
-                        host = next(it)
-                        tokens = int(host["loss_mask"][:, :-1].sum())
-                        denominator = self.denominator(host)
-                        host = self.rows(host)  # --parallel under torchrun: this rank's rows
-                        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-                    lr = self.scheduler.get_last_lr()[0]
-                    with timer.phase("dispatch"):  # forward + backward + optimizer (eager on CPU: the whole step)
-                        m = self.step_fn(batch, denominator)
-                    with timer.phase("metrics"):  # reading the loss back waits for the device
-                        skipped = bool(m["skipped"])
-                        optim.step_scheduler(self.scheduler, skipped)
-                        loss = float(m["loss"]) if self.parallel is None else self._global_mean(m["loss"])
-                    now = time.perf_counter()
-                    rec = log.step(
-                        step=i + 1,
-                        loss=loss,
-                        grad_norm=_scalar(m["grad_norm"]),
-                        lr=lr,
-                        loss_scale=float(m["loss_scale"]),
-                        skipped=skipped,
-                        tokens=tokens,
-                        seconds=now - t_last,
-                        peak_mem_bytes=peak_memory_bytes(self.device),
-                        **{k: _scalar(m[k]) for k in MOE_KEYS if k in m},  # an MoE's router metrics (this rank's)
-                    )
-                    t_last = now
-                    losses.append(rec["loss"])
-                    guard.check(rec)
-                    if prof is not None:
-                        prof.step()
-                    if self.ckpt and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
-                        self.save(i + 1)
-                        t_last = time.perf_counter()
-                    if self.eval_due(i + 1):  # after the step's record; its time is not the next step's
-                        r = self.evaluate()
-                        if rank0:
-                            evals.append(log.eval(step=i + 1, loss=r.loss, perplexity=r.perplexity, tokens=r.tokens))
-                        t_last = time.perf_counter()
-                final = self._finish(rank0) if self.ckpt else None
-            log.write(
-                f"torch train: {args.steps - self.start} steps (packing={args.packing}, "
-                f"compile={'on' if args.compile else 'off'})"
-            )
-            out = {
-                "losses": losses,
-                "compiles": None,
-                "start": self.start,
-                "steps": args.steps,
-                "phases": log.breakdown(timer),
-                "evals": evals,
-            }
-            if final is not None:
-                out["final"] = final
-            last = None if self.last_saved is None else self.ckpt.path(self.last_saved)
-            out["summary"] = log.summary(checkpoint=last, final=final)
-            return out
-        finally:
-            log.close()
+        pin = self.device.type == "cuda"
+        for host in loader(self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=pin):
+            tokens = int(host["loss_mask"][:, :-1].sum())
+            denominator = self.denominator(host)
+            host = self.rows(host)  # --parallel under torchrun: this rank's rows
+            yield (({k: v.to(self.device, non_blocking=True) for k, v in host.items()}, denominator), tokens)
 
-    def _finish(self, rank0: bool) -> str:
-        """The last checkpoint (if the loop did not just write it) and the Hugging Face export in ``final/``."""
-        if self.last_saved != self.args.steps:
-            self.save(self.args.steps)  # refuses non-finite weights: no export of them either
-        final = os.path.join(self.args.checkpoint_dir, "final")
-        model = self.model
-        if self.parallel is not None:  # the gathered full weights in a plain model (rank 0)
-            model_sd, _ = self.full_state_dicts()
-            if rank0:
-                model = LlamaForCausalLM(self.config)
-                model.load_state_dict(model_sd)
-        if rank0:
-            hf.save_pretrained(model, final)
-            copy_tokenizer(self.args.init, final)
-        self.barrier()
-        return final
+    def dispatch(self, batch):
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
+        return self.step_fn(*batch), lr  # forward + backward + optimizer (eager on CPU: the whole step)
+
+    def read_metrics(self, handle) -> dict[str, float]:
+        m, lr = handle
+        skipped = bool(m["skipped"])
+        optim.step_scheduler(self.scheduler, skipped)
+        loss = float(m["loss"]) if self.parallel is None else self._global_mean(m["loss"])
+        out = {"loss": loss, "grad_norm": _scalar(m["grad_norm"]), "lr": lr, "loss_scale": float(m["loss_scale"])}
+        return out | {"skipped": skipped} | {k: _scalar(m[k]) for k in MOE_KEYS if k in m}  # MoE: this rank's
+
+    def peak_memory(self) -> int | None:
+        return peak_memory_bytes(self.device)
+
+    def step_timer(self):
+        return StepTimer(skip_first=1)
+
+    def summary_line(self) -> str:
+        compiled = "on" if self.args.compile else "off"
+        return f"torch train: {self.args.steps - self.start} steps (packing={self.args.packing}, compile={compiled})"
+
+    def export_model(self):
+        """Rank 0: a plain model with the gathered full weights (every rank takes part in the gather)."""
+        if self.parallel is None:
+            return self.model
+        model_sd, _ = self.full_state_dicts()
+        if not self.lead:
+            return None
+        model = LlamaForCausalLM(self.config)
+        model.load_state_dict(model_sd)
+        return model
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         """The loss over the whole batch: the mean of the data-parallel ranks' losses (equal row blocks)."""
@@ -510,6 +363,21 @@ class Trainer:
         return float(t)
 
 
+class _Bind(contextlib.AbstractContextManager):
+    """The profiler's context, its object kept on the trainer for :meth:`Trainer.after_step`."""
+
+    def __init__(self, trainer: Trainer, prof):
+        self.trainer, self.prof = trainer, prof
+
+    def __enter__(self):
+        self.trainer._prof = self.prof.__enter__()
+        return self.trainer._prof
+
+    def __exit__(self, *exc):
+        self.trainer._prof = None
+        return self.prof.__exit__(*exc)
+
+
 def _scalar(x: torch.Tensor) -> float:
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)  # a DTensor under --parallel tp/fsdp
 
@@ -519,16 +387,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return Trainer.from_argv(argv).fit()
 
 
-def _fit_and_report(trainer: Trainer) -> dict[str, Any]:
-    """The CLI's training: :meth:`Trainer.fit`, then its summary on stdout (rank 0)."""
-    out = trainer.fit()
-    if trainer.rank0:
-        print(out["summary"], flush=True)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, Trainer.from_argv, _fit_and_report, argv)
+    return Trainer.cli(argv)
 
 
 if __name__ == "__main__":
