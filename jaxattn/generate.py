@@ -33,13 +33,13 @@ from twincore.generate import (
     NON_FINITE,
     build_parser,
     cli,
-    collect,
-    emit,
+    decode_steps,
+    generate_with,
     load_tokenizer,
     prepare,
     preset_dtype,
-    print_stream,
-    prompt_ids,
+    print_generated,
+    takes_arguments_of,
 )
 
 from . import hf
@@ -125,34 +125,23 @@ def stream(
     cache = KVCache.init(cfg, len(tokens), t, dtype=model.embed[...].dtype)
     key = jax.random.PRNGKey(seed)
     token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.fold_in(key, 0))
-    done = np.zeros(len(tokens), bool)
-    for step in range(max_new_tokens):
-        if step:
-            token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
-        yield emit(np.asarray(token), done, eos, step)
-        if done.all():
-            return
-        if eos:  # finished rows keep feeding an EOS
-            token = jnp.where(jnp.asarray(done), jnp.int32(eos[0]), token)
+
+    def advance(step, token):
+        nonlocal cache
+        token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
+        return token
+
+    def feed_eos(token, done, eos_id):
+        return jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
+
+    yield from decode_steps(token, len(tokens), max_new_tokens, eos, advance, np.asarray, feed_eos)
 
 
-def generate(
-    model,
-    prompts,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    eos_id: int | list[int] | None | str = FROM_CONFIG,
-    max_len: int | None = None,
-) -> list[list[int]]:
-    """The new token ids of each prompt (a list per row; a row that hit an EOS ends with it). ``eos_id``: the
-    default ``"config"`` stops at ``model.config.eos_token_id`` (read from ``config.json`` or the GGUF file, as
-    Hugging Face's ``generate`` does; none for a preset), None never stops early, an id or a list of ids."""
-    return collect(
-        stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len), len(prompts)
-    )
+@takes_arguments_of(stream)
+def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[int]]:
+    """The new token ids of each prompt, a list per row (:func:`twincore.generate.generate_with`); the arguments
+    are :func:`stream`'s."""
+    return generate_with(stream, model, prompts, max_new_tokens, *args, **kwargs)
 
 
 def main(argv=None) -> int:
@@ -167,20 +156,7 @@ def _run(args) -> None:
         model = Llama(cfg, rngs=nnx.Rngs(args.seed), param_dtype=jnp.dtype(preset_dtype(args)))
     if args.int8:
         model = quantize(model)
-    tok = load_tokenizer(args.init)
-    print_stream(
-        stream(
-            model,
-            [prompt_ids(args, tok)],
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-            tok.eos_id if tok.eos_id is not None else FROM_CONFIG,
-        ),
-        tok,
-    )
+    print_generated(stream, model, args, load_tokenizer(args.init))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from typing import Any
 
 import jax
 
+from twincore.packages import installed_version as _version  # module-level: tests monkeypatch it
+
 __all__ = [
     "PLUGIN_DISTRIBUTIONS",
     "unavailable_reason",
@@ -44,13 +46,6 @@ __all__ = [
 
 PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 _SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def unavailable_reason() -> str | None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from twincore.packages import installed_version as _version  # module-level: tests monkeypatch it
+
 from .gpu_target import mesh, place  # framework-neutral: a Mesh of any devices, ShapeDtypeStructs placed on it
 
 __all__ = ["CHIPS", "Chip", "unavailable_reason", "devices", "mesh", "place", "compile", "refused_for_memory"]
@@ -54,13 +56,6 @@ CHIPS: dict[str, Chip] = {
     "v5p": Chip("v5p", "v5p", "2x2x1", 95, "TPU v5"),
     "v6e": Chip("v6e", "v6e", "2x2", 32, "TPU v6 lite"),
 }
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _libtpu_wanted() -> str | None:

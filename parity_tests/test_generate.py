@@ -414,3 +414,17 @@ def test_every_generate_flag_has_help():
 
     for action in build_parser("g")._actions:
         assert action.help, action.option_strings
+
+
+@pytest.mark.parametrize("module", ["jaxattn.generate", "torchref.generate"])
+def test_generate_shows_the_parameters_of_stream(module):
+    """``generate`` forwards to ``stream`` through the shared loop; ``help()`` and editors still see every
+    parameter, default and annotation (the signature is ``stream``'s, returning token lists)."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(module)
+    gen, stream = inspect.signature(mod.generate), inspect.signature(mod.stream)
+    assert list(gen.parameters.values()) == list(stream.parameters.values())
+    assert "max_new_tokens" in gen.parameters and gen.parameters["temperature"].default == 0.0
+    assert gen.return_annotation == "list[list[int]]"

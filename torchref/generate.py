@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from twincore.generate import (
@@ -27,13 +26,13 @@ from twincore.generate import (
     NON_FINITE,
     build_parser,
     cli,
-    collect,
-    emit,
+    decode_steps,
+    generate_with,
     load_tokenizer,
     prepare,
     preset_dtype,
-    print_stream,
-    prompt_ids,
+    print_generated,
+    takes_arguments_of,
 )
 
 from . import hf
@@ -108,35 +107,21 @@ def stream(
     logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
     token = _sample_finite(logits, gen, temperature, top_k, top_p)
     step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
-    done = np.zeros(b, bool)
-    for step in range(max_new_tokens):
-        if step:
-            token = _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
-        yield emit(token.cpu().numpy(), done, eos, step)
-        if done.all():
-            return
-        if eos:  # finished rows keep feeding an EOS
-            token = torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos[0]), token)
+
+    def advance(step, token):
+        return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+
+    def feed_eos(token, done, eos_id):
+        return torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
+
+    yield from decode_steps(token, b, max_new_tokens, eos, advance, lambda t: t.cpu().numpy(), feed_eos)
 
 
-def generate(
-    model,
-    prompts,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    eos_id: int | list[int] | None | str = FROM_CONFIG,
-    max_len: int | None = None,
-    compile: bool = False,
-) -> list[list[int]]:
-    """The new token ids of each prompt (a list per row; a row that hit an EOS ends with it). ``eos_id``: the
-    default ``"config"`` stops at ``model.config.eos_token_id`` (read from ``config.json`` or the GGUF file, as
-    Hugging Face's ``generate`` does; none for a preset), None never stops early, an id or a list of ids."""
-    return collect(
-        stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len, compile), len(prompts)
-    )
+@takes_arguments_of(stream)
+def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[int]]:
+    """The new token ids of each prompt, a list per row (:func:`twincore.generate.generate_with`); the arguments
+    are :func:`stream`'s."""
+    return generate_with(stream, model, prompts, max_new_tokens, *args, **kwargs)
 
 
 def main(argv=None) -> int:
@@ -162,20 +147,7 @@ def _run(args) -> None:
             file=sys.stderr,
             flush=True,
         )
-    print_stream(
-        stream(
-            model,
-            [prompt_ids(args, tok)],
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-            tok.eos_id if tok.eos_id is not None else FROM_CONFIG,
-            compile=args.compile,
-        ),
-        tok,
-    )
+    print_generated(stream, model, args, tok, compile=args.compile)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ imports it and nothing of jaxattn (``parity_tests/test_packaging.py`` proves bot
 Modules: ``config`` (``ModelConfig``, presets, HF ``config.json``), ``hf_format`` (the HF checkpoint directory),
 ``gguf`` (llama.cpp files), ``dtypes`` (dtype and precision-preset names), ``batch`` (the training batch format and
 token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedules, 8-bit maps), ``grad_accum``,
-``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``runlog``, ``seed``,
+``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``trainer`` (the training run
+both twins subclass: data, resume checks, the step loop, checkpoints, export, summary), ``runlog``, ``seed``,
 ``eval`` (evaluation batches, perplexity, the eval flags), ``generate`` (sampling checks, tokenizers, the generate
-flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables).
+flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables),
+``packages`` (installed distributions' versions).
 """
 
 from .config import PRESET_NAMES, ModelConfig

@@ -1,5 +1,6 @@
 """Framework-neutral parts of text generation, shared by ``jaxattn.generate`` and ``torchref.generate``: argument
-checks, prompt padding and cache sizing, tokenizer loading and the CLI (one flag table for both twins).
+checks, prompt padding and cache sizing, the decode loop and the collected / printed output of ``stream``,
+tokenizer loading and the CLI (one flag table for both twins).
 
     prompts = check_prompts([[1, 2, 3], [4]], vocab_size=256)      # ValueError naming a bad prompt / id
     tok = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")         # GGUF metadata, tokenizer.json, or bytes
@@ -12,6 +13,7 @@ KV caches track a length per row. Prefill lengths and cache lengths are rounded 
 from __future__ import annotations
 
 import argparse
+import inspect
 import numbers
 import os
 from collections.abc import Sequence
@@ -148,6 +150,42 @@ def collect(steps, n_rows: int) -> list[list[int]]:
     return out
 
 
+def decode_steps(token, n_rows: int, max_new_tokens: int, eos: tuple[int, ...], advance, to_host, feed_eos):
+    """``stream``'s loop after the prefill drew the first ``token`` (both twins): per step the :func:`emit`-ed ids of
+    the ``n_rows`` rows, the next token from ``advance(step, token)`` (a decode step and a draw), ``to_host(token)``
+    the ids as numpy; it ends when every row is done, and finished rows keep feeding an EOS
+    (``feed_eos(token, done, eos_id)``, ``done`` a numpy bool per row)."""
+    done = np.zeros(n_rows, bool)
+    for step in range(max_new_tokens):
+        if step:
+            token = advance(step, token)
+        yield emit(to_host(token), done, eos, step)
+        if done.all():
+            return
+        if eos:  # finished rows keep feeding an EOS
+            token = feed_eos(token, done, eos[0])
+
+
+def takes_arguments_of(stream):
+    """Decorator: the decorated ``generate(model, prompts, *args, **kwargs)`` shows ``stream``'s parameters
+    (``help()``, ``inspect.signature``, editors), so forwarding them does not hide them."""
+
+    def decorate(fn):
+        returns = inspect.signature(fn).return_annotation
+        fn.__signature__ = inspect.signature(stream).replace(return_annotation=returns)
+        return fn
+
+    return decorate
+
+
+def generate_with(stream, model, prompts, *args, **kwargs) -> list[list[int]]:
+    """``generate``: the new token ids of each prompt (a list per row; a row that hit an EOS ends with it) from a
+    twin's ``stream(model, prompts, *args, **kwargs)`` (:func:`collect`). ``eos_id``: the default ``"config"``
+    stops at ``model.config.eos_token_id`` (read from ``config.json`` or the GGUF file, as Hugging Face's
+    ``generate`` does; none for a preset), None never stops early, an id or a list of ids."""
+    return collect(stream(model, prompts, *args, **kwargs), len(prompts))
+
+
 def print_stream(steps, tokenizer, file=None) -> None:
     """The CLIs' output: each new token's text as soon as it is complete (EOS not printed), then a newline."""
     import sys
@@ -255,6 +293,25 @@ def cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
 def preset_dtype(args) -> str:
     """The dtype a ``--preset`` model is built in (``--dtype``, default float32)."""
     return args.dtype or "float32"
+
+
+def print_generated(stream, model, args: argparse.Namespace, tokenizer, **options) -> None:
+    """The CLIs' run after the model is built: a twin's ``stream`` of the prompt with the command line's sampling
+    flags (``options``: the twin's own, e.g. torch's ``compile``), stopping at the tokenizer's EOS (else the
+    model config's), printed as it comes (:func:`print_stream`)."""
+    eos_id = tokenizer.eos_id if tokenizer.eos_id is not None else FROM_CONFIG
+    steps = stream(
+        model,
+        [prompt_ids(args, tokenizer)],
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        eos_id,
+        **options,
+    )
+    print_stream(steps, tokenizer)
 
 
 def prompt_ids(args, tokenizer) -> list[int]:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "is_count",
     "percentile",
     "summarize",
     "time_calls",
@@ -57,6 +58,11 @@ UNSTABLE_SPREAD = 1.15
 
 def _no_sync(_out: Any = None) -> None:
     return None
+
+
+def is_count(value, least: int) -> bool:
+    """Whether ``value`` is a whole count (an ``int``, not a ``bool``) of at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -89,14 +95,7 @@ def time_calls(
     """Median wall time of ``fn(*args, **kwargs)`` over ``iters`` calls after ``warmup`` untimed calls
     (compilation, autotuning and allocator growth stay out). Each call's result is passed to ``sync`` before
     the clock stops (``jax.block_until_ready``, ``torch.cuda.synchronize``)."""
-    if (
-        isinstance(iters, bool)
-        or not isinstance(iters, int)
-        or iters < 1
-        or isinstance(warmup, bool)
-        or not isinstance(warmup, int)
-        or warmup < 0
-    ):
+    if not (is_count(iters, 1) and is_count(warmup, 0)):
         raise ValueError(f"need iters >= 1 and warmup >= 0 (ints), got iters={iters!r}, warmup={warmup!r}")
     for _ in range(warmup):
         sync(fn(*args, **kwargs))

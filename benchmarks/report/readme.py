@@ -41,6 +41,12 @@ def _gib(b) -> str:
     return f"{b / 2**30:.2f}"
 
 
+def _head(title: str, intro: str, header: str) -> list[str]:
+    """A section's first lines: its ``### title``, the paragraph ``intro`` (where its figures come from) and its
+    table's ``header`` row with the separator row under it."""
+    return [f"### {title}", "", intro, "", header, "|" + "---|" * (header.count("|") - 1)]
+
+
 def _env_line(env: dict) -> str:
     keys = ("jax", "jaxlib", "flax", "torch", "plugin", "ptxas", "target_device", "time_utc")
     return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k))
@@ -50,18 +56,15 @@ def kernels_section() -> list[str]:
     d, path = _load("h100-compiled", "kernels.json")
     if d is None:
         return [f"_No `{path}` yet: run `python -m benchmarks compile --out {os.path.dirname(path)}`._"]
-    out = [
-        f"### Kernels ({COMPILED})",
-        "",
+    out = _head(
+        f"Kernels ({COMPILED})",
         f"From `{path}` ({_env_line(d['env'])}). B=1, S=4096, 16 heads, causal. HGMMA = wgmma (Hopper tensor "
         "cores), HMMA = mma.sync; occupancy on the H100 limits. Peers, not ours, compiled at the same shape: "
         "`pallas.ops:mha` is jax's own Pallas GPU attention op (`jax.experimental.pallas.ops.gpu.attention.mha`, "
         "Triton; one fused dq+dkv backward kernel), `tokamax:triton` / `tokamax:mosaic` are tokamax's Triton and "
         "Mosaic GPU flash attention (tokamax 0.0.12).",
-        "",
         "| impl | kernel | D | dtype | threads | regs | spill st/ld B | smem B | occupancy | HGMMA | HMMA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for r in d["records"]:
         if r.get("status") != "ok":
             continue
@@ -82,16 +85,13 @@ def fwd_bwd_section() -> list[str]:
     d, path = _load("h100-compiled", "fwd_bwd.json")
     if d is None:
         return []
-    out = [
-        f"### Attention forward+backward per implementation ({COMPILED})",
-        "",
+    out = _head(
+        f"Attention forward+backward per implementation ({COMPILED})",
         f"From `{path}`: `jax.grad` of the attention at B=1, S=4096, 16 heads, D=128, bf16, causal, one program "
         "each. Launches from XLA's thunk sequence (fusions included); temp = the scratch XLA allocates beside the "
         "inputs and outputs. Ours, cuDNN and XLA through `dot_product_attention(backend=...)`.",
-        "",
         "| impl | launches | kernels | temp MiB |",
-        "|---|---|---|---|",
-    ]
+    )
     for r in d["records"]:
         if r.get("status") != "ok":
             out.append(f"| {r['impl']} | {r.get('status')}: {str(r.get('reason') or r.get('error'))[:70]} | | |")
@@ -105,19 +105,16 @@ def programs_section() -> list[str]:
     d, path = _load("h100-compiled", "programs.json")
     if d is None:
         return []
-    out = [
-        f"### Whole programs ({COMPILED})",
-        "",
+    out = _head(
+        f"Whole programs ({COMPILED})",
         f"From `{path}`: bf16, flash attention, AdamW for train steps, one device (the 8b rows show what the "
         "loss costs, not a plan: they do not fit). Loss: `dense` = full `[tokens, vocab]` logits, `fused` = "
         "`--loss fused` (head + cross-entropy in chunks of 1024 tokens). "
         "FLOPs ratio = XLA's count of the compiled module / the analytic count (the scanned layer counted once; "
         "not shown for `fused`, whose chunk loop XLA also counts once). The MoE steps of the same file are in "
         '"Mixture of Experts: the expert GEMM on one H100" below.',
-        "",
         "| preset | program | loss | batch × seq | temp GiB | peak GiB | launches | FLOPs ratio |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for r in d["records"]:
         if r.get("status") != "ok" or r.get("expert_gemm"):
             continue
@@ -133,9 +130,8 @@ def plan_section() -> list[str]:
     d, path = _load("h100-plan", "plan.json")
     if d is None:
         return []
-    out = [
-        "### Scaling plans: 8 H100s, 64 H100s, v5p-64, v5e-256, v6e-256 (compiled, not run)",
-        "",
+    out = _head(
+        "Scaling plans: 8 H100s, 64 H100s, v5p-64, v5e-256, v6e-256 (compiled, not run)",
         f"From `{path}` (`python -m benchmarks run --suite plan --out {os.path.dirname(path)}`): per-device memory "
         "and the collectives of the compiled sharded bf16 AdamW train step (full-buffer bytes per step, a "
         "layer-loop op counted once per layer), deviceless: GPUs from the H100 description (`1x8x8` = 8 hosts of "
@@ -143,11 +139,9 @@ def plan_section() -> list[str]:
         "4096 per device. A TPU plan larger than its chips is refused by the TPU compiler (what it said it "
         "needs is shown). The TPU compiler may write a collective as another kind (v5p's 3-D torus: FSDP's "
         "gathers and scatters as all-reduces, the same bytes in total), so compare TPU rows by their sum.",
-        "",
         "| devices | mesh | preset | batch × seq | remat | loss | peak GiB / device | all-gather / all-reduce / "
         "reduce-scatter GiB per step | fits |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for r in d["records"]:
         if "stage=" in r["mesh"] or r["preset"] in MOE_PRESETS:  # pipeline_section's, moe_section's
             continue
@@ -182,9 +176,8 @@ def pipeline_section() -> list[str]:
     if not rows:
         return []
     plot = os.path.join(os.path.dirname(path), "pipeline_plans.png")
-    out = [
-        "### Pipeline stages: 8 and 64 H100s (compiled, not run)",
-        "",
+    out = _head(
+        "Pipeline stages: 8 and 64 H100s (compiled, not run)",
         f"From `{path}` (the same suite): the bf16 AdamW train step with the layers split over a `stage` axis "
         "(`jaxattn.pipeline`: GPipe, or the circular schedule with 2 chunks per stage), one sequence of 4096 per "
         "device, full remat. Hand-offs = the stage loop's collective-permute bytes per step (the reader follows "
@@ -195,11 +188,9 @@ def pipeline_section() -> list[str]:
         "once per trip (`gather once`, `--pp-gather-once`: once per step before it, the gradients then all-reduced "
         "per trip); the circular schedule regathers the stages' strided layer chunks each step."
         + (f" Plot: [`{plot}`]({plot})." if os.path.exists(os.path.join(ROOT, plot)) else ""),
-        "",
         "| devices | mesh | preset | schedule | micro-batches | loss | peak GiB / device | hand-offs GiB / step: "
         "compiled = expected | other GiB / step | idle: compiled / analytic |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for r in rows:
         m = r["measured"]
         pipe, c, peak = m["pipeline"], m["collectives"], m["per_device_memory"]["peak"]
@@ -240,19 +231,16 @@ def _moe_gemm_lines() -> list[str]:
     if not gemm and not steps:
         return []
     r0 = gemm[0] if gemm else {}
-    out = [
-        "### Mixture of Experts: the expert GEMM on one H100 (compiled, not run)",
-        "",
+    out = _head(
+        "Mixture of Experts: the expert GEMM on one H100 (compiled, not run)",
         f"From `{gpath}` and `{ppath}` (`python -m benchmarks compile`): `pallas` = our grouped matmul "
         '(`jaxattn.grouped_matmul`, what `grouped_gemm("auto")` picks on a GPU), `xla` = `jax.lax.ragged_dot`, '
         "which XLA lowers to dense dots over every expert. The GEMM alone: bf16, "
         f"G={r0.get('G')} experts, M={r0.get('M')} routed rows, {r0.get('K')} → {r0.get('N')} (one Mixtral "
         "up-projection), forward and forward+backward. The steps: bf16 AdamW, fused loss, 1 × 4096 tokens, two "
         "layers of each shape (the scan repeats the same layer).",
-        "",
         "| what | experts | Triton calls | XLA dots | temp GiB | peak GiB | XLA GFLOP / analytic |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    )
     name = {"pallas": "pallas", "ragged_dot": "xla"}
     for r in gemm:
         out.append(
@@ -297,15 +285,15 @@ def _moe_cpu_lines() -> list[str]:
     if not rows:
         return []
     return [
-        "### Mixture of Experts on this CPU (measured)",
-        "",
-        "From `benchmarks/results/cpu-quick/model.json` and `train.json` (the main job's tiny shapes, fp32, timed "
-        "as pairs; the `model` rows are a forward / forward+backward of the MoE twin, the `train` rows a whole "
-        "AdamW step, `moe_capacity` with capacity factor 1.25). On this CPU JAX runs `ragged_dot` and torch "
-        "`torch._grouped_mm`; nothing here says how a GPU compares.",
-        "",
-        f"| suite, pass | preset, B×S | JAX tokens/s | torch tokens/s | {SPEEDUP_COLUMN} | first call s, JAX / torch |",
-        "|---|---|---|---|---|---|",
+        *_head(
+            "Mixture of Experts on this CPU (measured)",
+            "From `benchmarks/results/cpu-quick/model.json` and `train.json` (the main job's tiny shapes, fp32, timed "
+            "as pairs; the `model` rows are a forward / forward+backward of the MoE twin, the `train` rows a whole "
+            "AdamW step, `moe_capacity` with capacity factor 1.25). On this CPU JAX runs `ragged_dot` and torch "
+            "`torch._grouped_mm`; nothing here says how a GPU compares.",
+            f"| suite, pass | preset, B×S | JAX tokens/s | torch tokens/s | {SPEEDUP_COLUMN} "
+            "| first call s, JAX / torch |",
+        ),
         *rows,
         "",
     ]
@@ -318,9 +306,8 @@ def _moe_plan_lines() -> list[str]:
     rows = [r for r in (d or {}).get("records", []) if r.get("preset") in MOE_PRESETS and r.get("status") == "ok"]
     if not rows:
         return []
-    out = [
-        "### Mixture of Experts: 8 and 64 H100s (compiled, not run)",
-        "",
+    out = _head(
+        "Mixture of Experts: 8 and 64 H100s (compiled, not run)",
         f"From `{path}` (the same suite): the bf16 AdamW train step of the Mixtral-8x7B / Qwen3-30B-A3B shapes, one "
         "sequence of 4096 per GPU, full remat, dropless routing, the experts' GEMMs in our Pallas grouped matmul "
         "(`jaxattn.grouped_matmul`). `expert=n`: the experts split over n GPUs, tokens exchanged by all-to-all "
@@ -329,11 +316,9 @@ def _moe_plan_lines() -> list[str]:
         "`ragged_all_to_all` would send (XLA:CPU cannot run it, so the tested path pads); the dense weights "
         "(attention, embedding, head) ZeRO-3 over the same GPUs (`embed` on `fsdp` × `expert`). `fsdp=n`: experts "
         "sharded like every weight (gathered per layer, no token exchange).",
-        "",
         "| devices | mesh | preset | peak GiB / device | all-to-all GiB / step: compiled / expected / ragged | "
         "all-gather / reduce-scatter / all-reduce GiB per step |",
-        "|---|---|---|---|---|---|",
-    ]
+    )
     for r in rows:
         m = r["measured"]
         c, peak, moe = m["collectives"], m["per_device_memory"]["peak"], m.get("moe", {})
@@ -366,20 +351,17 @@ def tpu_section() -> list[str]:
     if not found:
         return []
     envs = [k["env"] for k, _ in found.values()]
-    out = [
-        "### TPU (compiled for v5e / v5p / v6e, not run)",
-        "",
+    out = _head(
+        "TPU (compiled for v5e / v5p / v6e, not run)",
         f"From `benchmarks/results/<target>-compiled/tpu_*.json` (`python -m benchmarks compile --target T --out "
         f"benchmarks/results/T-compiled`; jax {envs[0].get('jax')}, libtpu {envs[0].get('libtpu')}): one chip of "
         "each generation from libtpu's topology descriptions, splash attention (the TPU default), bf16 AdamW for "
         "train steps. Estimate = XLA's `optimal_seconds` for the compiled module, which counts the Pallas "
         "(Mosaic TPU) attention kernels as 0 and a loop body once (the scanned layers as one layer, the fused "
         "loss's chunks as one chunk): a compiler figure to compare programs by, not a time.",
-        "",
         "| target | splash fwd+bwd B1 S4096 H16 D128 bf16: Mosaic calls / temp MiB | program | loss | batch × seq "
         "| peak GiB / HBM GiB | fits | estimate ms (one layer, no attention) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for t, (k, p) in found.items():
         splash = next(
             (
@@ -705,9 +687,8 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
     )
     repeats = sorted({int(e["repeat"]) for e in envs if e.get("repeat")})
     repeat = f" --repeat {repeats[-1]}" if repeats else ""
-    out = [
-        "### CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)",
-        "",
+    out = _head(
+        "CPU quick comparison (tiny shapes on a shared 2-core CPU, not a GPU result)",
         f"From `{rel}/*.json` (`python -m benchmarks run --quick{repeat} --out {rel}`, full tables in "
         f"`{rel}/report.md`): "
         f"JAX on "
@@ -716,11 +697,9 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
         "they show that both twins run and how they compare at these sizes on this CPU, nothing about a GPU. "
         f"{SPEEDUP_NOTE} Median / min / max over the rows both frameworks timed; the widest p90/p10 of a "
         "framework's timings shows how much other jobs moved them (— where the suite keeps no percentiles).",
-        "",
         "| suite | rows keyed by | JAX vs torch implementations | rows (unstable) | JAX speed-up median / min / max "
         "| widest p90/p10 JAX / torch | load avg | plot |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    )
     unpaired = []
     for suite, d in found.items():
         keys, impls, ratios, unstable = _speedup(d["records"])

@@ -13,6 +13,7 @@ import numpy as np
 
 from twincore.attention import backend_names
 from twincore.flops import attention_flops
+from twincore.timing import is_count
 
 from .. import measure
 
@@ -48,7 +49,7 @@ def check_filters(quick: bool, impls: Iterable[str] | None = None, max_seq: int 
         unknown = [i for i in impls if i not in IMPLS]
         if not impls or unknown:
             raise ValueError(f"impls: unknown implementation(s) {unknown or impls}; choose from {list(IMPLS)}")
-    if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
+    if max_seq is not None and not is_count(max_seq, 1):
         raise ValueError(f"max_seq must be a positive int (a sequence length), got {max_seq!r}")
     shapes = [sh for sh in _shapes(quick) if max_seq is None or sh[4] <= max_seq]
     if not shapes:
@@ -179,23 +180,28 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
                 if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
                     reason = f"error: {_first_line(e)}"
                 continue
-            fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             if calls is not None and not (quick and name == "flash"):  # interpreted Pallas: too slow to pair
                 calls[len(records)] = lambda fn=fn, args=args: fn(*args)
-            records.append(
-                _record(
-                    name,
-                    "jax",
-                    pss,
-                    median_ms=t["median_s"] * 1e3,
-                    p10_ms=t["p10_s"] * 1e3,
-                    p90_ms=t["p90_s"] * 1e3,
-                    iters=t["iters"],
-                    tflops=fl / t["median_s"] / 1e12,
-                    peak_mem_bytes=measure.jax_compiled_memory(fn, *args),
-                    **_kw(base),
-                )
-            )
+            records.append(_timed_record(name, "jax", pss, t, measure.jax_compiled_memory(fn, *args), base))
+
+
+def _timed_record(impl, fw, pss, t: dict, peak_mem_bytes, base) -> dict:
+    """The record of a timed pass: ``measure.timeit``'s median / p10 / p90 in ms, the TFLOP/s of the pass's
+    analytic FLOPs (:func:`twincore.flops.attention_flops`) and ``peak_mem_bytes``, at the shape ``base``."""
+    backward = pss == "fwd_bwd"
+    fl = attention_flops(base["b"], base["hq"], base["s"], base["s"], base["d"], base["causal"], backward=backward)
+    return _record(
+        impl,
+        fw,
+        pss,
+        median_ms=t["median_s"] * 1e3,
+        p10_ms=t["p10_s"] * 1e3,
+        p90_ms=t["p90_s"] * 1e3,
+        iters=t["iters"],
+        tflops=fl / t["median_s"] / 1e12,
+        peak_mem_bytes=peak_mem_bytes,
+        **_kw(base),
+    )
 
 
 def _kw(base):
@@ -263,7 +269,6 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None, calls=None):
                     _record(impl, "torch", pss, status="skipped", reason=f"error: {_first_line(e)}", **_kw(base))
                 )
                 continue
-            fl = attention_flops(b, hq, s, s, d, causal, backward=(pss == "fwd_bwd"))
             if calls is not None:
 
                 def again(fn=fn, args=args, pss=pss):
@@ -271,20 +276,7 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None, calls=None):
                         return fn(*args)
 
                 calls[len(records)] = again
-            records.append(
-                _record(
-                    impl,
-                    "torch",
-                    pss,
-                    median_ms=t["median_s"] * 1e3,
-                    p10_ms=t["p10_s"] * 1e3,
-                    p90_ms=t["p90_s"] * 1e3,
-                    iters=t["iters"],
-                    tflops=fl / t["median_s"] / 1e12,
-                    peak_mem_bytes=measure.torch_peak_memory(),
-                    **_kw(base),
-                )
-            )
+            records.append(_timed_record(impl, "torch", pss, t, measure.torch_peak_memory(), base))
 
 
 # --------------------------------------------------------------------------------------------- entry

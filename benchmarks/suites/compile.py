@@ -28,30 +28,12 @@ def run(quick: bool = False, target: str = "h100", log=print) -> list:
     label = LABEL.format(target=target.upper())
     reason = gpu_target.unavailable_reason()
     if reason is not None:
-        return [
-            dict(
-                part="kernel",
-                framework="jax",
-                impl=impl,
-                head_dim=d,
-                dtype=dt,
-                label=label,
-                status="skipped",
-                reason=reason,
-            )
-            for impl, d, dt in kcases
-        ] + [
-            dict(
-                part="program",
-                framework="jax",
-                impl=kind,
-                preset=preset,
-                kind=kind,
-                label=label,
-                status="skipped",
-                reason=reason,
-            )
-            for preset, kind, *_ in pcases
+
+        def skipped(part: str, impl: str, **keys) -> dict:
+            return dict(part=part, framework="jax", impl=impl, **keys, label=label, status="skipped", reason=reason)
+
+        return [skipped("kernel", impl, head_dim=d, dtype=dt) for impl, d, dt in kcases] + [
+            skipped("program", kind, preset=preset, kind=kind) for preset, kind, *_ in pcases
         ]
     devs = gpu_target.devices(target_config(target))
     kernels = tc.kernel_records(devs, kcases, GATE_SHAPE if quick else BENCH_SHAPE, target, log=log)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from twincore.timing import summarize
+from twincore.timing import is_count, summarize
 
 from .. import measure
 from ..twins import jax_config, jitted, twin_models
@@ -34,14 +34,7 @@ BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iter
 def adaptive_iters(call_s: float, budget_s: float, max_iters: int, min_iters: int = MIN_ITERS) -> int:
     """Timed calls for a call that takes ``call_s`` seconds: as many as fit ``budget_s``, at least
     ``min_iters`` and at most ``max_iters`` (``call_s`` 0 or not a number: ``max_iters``)."""
-    if (
-        isinstance(min_iters, bool)
-        or not isinstance(min_iters, int)
-        or min_iters < 1
-        or isinstance(max_iters, bool)
-        or not isinstance(max_iters, int)
-        or max_iters < min_iters
-    ):
+    if not (is_count(min_iters, 1) and is_count(max_iters, min_iters)):
         raise ValueError(f"need 1 <= min_iters <= max_iters (ints), got {min_iters!r}, {max_iters!r}")
     if not call_s > 0:
         return max_iters

@@ -29,6 +29,21 @@ def _cases(quick: bool):
     return [("1b", {}, 4, 2048, ("jax",)), ("1b", {"n_layers": 2}, 1, 512, ("jax", "torch"))]
 
 
+def _base(framework: str, policy: str, target: str, preset: str, cfg, batch: int, seq: int) -> dict:
+    """The keys of a remat record: which framework, policy, target and model at which shape (bf16)."""
+    return dict(
+        suite="remat",
+        framework=framework,
+        impl=policy,
+        target=target,
+        preset=preset,
+        n_layers=cfg.n_layers,
+        B=batch,
+        S=seq,
+        dtype="bf16",
+    )
+
+
 def _summary(m: dict, key: str) -> str:
     s = f"{m[key] / 2**20:.4g} MiB"
     if m.get("bytes_ratio") is not None:
@@ -152,17 +167,7 @@ def _jax_records(cases, policies, targets, log) -> list:
         cfg = ModelConfig.preset(preset, **overrides)
         for target in targets:
             for policy in policies:
-                base = dict(
-                    suite="remat",
-                    framework="jax",
-                    impl=policy,
-                    target=target,
-                    preset=preset,
-                    n_layers=cfg.n_layers,
-                    B=b,
-                    S=s,
-                    dtype="bf16",
-                )
+                base = _base("jax", policy, target, preset, cfg, b, s)
                 if target == "h100":
                     base["label"] = LABEL
                 t0 = time.perf_counter()
@@ -259,17 +264,7 @@ def _torch_records(cases, policies, log) -> list:
         model = LlamaForCausalLM(cfg).to(dev)
         tokens = torch.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, s + 1))).to(dev)
         for policy in policies:
-            base = dict(
-                suite="remat",
-                framework="torch",
-                impl=policy,
-                target=dev,
-                preset=preset,
-                n_layers=cfg.n_layers,
-                B=b,
-                S=s,
-                dtype="bf16",
-            )
+            base = _base("torch", policy, dev, preset, cfg, b, s)
             t0 = time.perf_counter()
             remat.apply(model, policy)
             measure.torch_reset_peak()

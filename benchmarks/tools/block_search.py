@@ -44,8 +44,7 @@ FIELDS = {
 def _kernels(bs: flash.BlockSizes, d: int, dtype, shape: AttnShape) -> flash.FlashKernels:
     """flash's block-search hook at ``shape``: the three ``pallas_call``s (each runnable alone on operands padded
     to ``sq_pad`` / ``sk_pad`` / ``head_dim_pad``) and the launch knobs ``bs`` resolves to."""
-    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
-    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
+    q, k, _ = shape.structs(d, dtype)
     return flash.kernel_callables(q, k, bs, causal=shape.causal)
 
 

@@ -16,7 +16,6 @@ the block-size search instead. Every figure is "compiled for H100, not run" (det
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -25,7 +24,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin starts without a CUDA runtime
 
@@ -37,27 +35,21 @@ from .. import measure  # noqa: E402
 from ..report import compile_tables  # noqa: E402
 from ..report.compile_tables import LABEL  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
-from ..report.records import write_results, write_text_atomic  # noqa: E402
-from . import block_search, kernel_stats  # noqa: E402
-from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
+from . import block_search, compile_run, kernel_stats  # noqa: E402
+from .deviceless import BENCH_SHAPE, GATE_SHAPE, TARGETS, AttnShape, target_config  # noqa: E402
 from .grouped_compile import grouped_records  # noqa: E402
 from .programs import (  # noqa: E402
     PEER_MHA,
     TOKAMAX_MOSAIC,
     TOKAMAX_TRITON,
     analytic_flops,
-    attention_base,
     attention_loss,
     build_program,
     cost_stats,
-    error_record,
     gemm_context,
     memory_stats,
-    out_dir,
     peer_context,
-    program_base,
     program_cases,
-    skipped_record,
 )
 
 FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
@@ -93,9 +85,7 @@ def attention_cases(quick: bool):
 
 # ------------------------------------------------------------------------------------------------- kernels
 def _attn_args(devs, shape: AttnShape, d: int, dtype):
-    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
-    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
-    return gpu_target.place((q, k, k), devs)
+    return gpu_target.place(shape.structs(d, dtype), devs)
 
 
 def compile_fwd_bwd(devs, impl: str, d: int, dtype, shape: AttnShape = BENCH_SHAPE, compiler_options=None):
@@ -222,24 +212,18 @@ KERNEL_COMPILERS = {
 
 
 def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> list:
-    records = []
-    for impl, d, dt in cases:
-        t0 = time.perf_counter()
-        base = attention_base(impl, d, dt, shape, LABEL.format(target=target.upper()))
-        skip = skipped_record(base, log)
-        if skip is not None:
-            records.append(skip)
-            continue
-        try:
-            recs = KERNEL_COMPILERS[impl](devs, d, DTYPES[dt], shape)
-        except Exception as e:  # one failed compile is a record, not the end of the run
-            records.append(error_record(base, e, f"{impl} D={d} {dt}", log))
-            continue
-        secs = time.perf_counter() - t0
-        for rec in recs.values():
-            records.append(dict(base, **rec, status="ok", compile_s=round(secs, 1)))
-        log(f"  {impl} D={d} {dt}: {len(recs)} kernels in {secs:.1f}s")
-    return records
+    """One record per kernel :data:`KERNEL_COMPILERS` compiles for each ``(impl, D, dtype)``."""
+
+    def to_records(ok, recs):
+        log(f"  {ok['impl']} D={ok['head_dim']} {ok['dtype']}: {len(recs)} kernels in {ok['compile_s']:.1f}s")
+        return [dict(ok, **rec) for rec in recs.values()]
+
+    def compile_case(impl, d, dtype):
+        return KERNEL_COMPILERS[impl](devs, d, dtype, shape)
+
+    return compile_run.attention_table(
+        cases, shape, LABEL.format(target=target.upper()), compile_case, to_records, log=log
+    )
 
 
 # ------------------------------------------------------------------------------------------------- fwd+bwd
@@ -247,86 +231,76 @@ def attention_records(devs, cases, shape: AttnShape, target: str, log=print) -> 
     """One record per ``(impl, D, dtype)``: its attention forward+backward compiled as one program, the kernel
     launches in XLA's thunk sequence (fusions included: what a profiler would list), the distinct kernels, and the
     compiled memory (temp = the scratch XLA allocates for residuals, softmax statistics and workspaces)."""
-    records = []
-    for impl, d, dt in cases:
-        base = attention_base(impl, d, dt, shape, LABEL.format(target=target.upper()))
-        skip = skipped_record(base, log)
-        if skip is not None:
-            records.append(skip)
-            continue
-        t0 = time.perf_counter()
-        try:
-            with tempfile.TemporaryDirectory() as dump:
-                _, compiled = compile_fwd_bwd(devs, impl, d, DTYPES[dt], shape, compiler_options={"xla_dump_to": dump})
-                launches = kernel_stats.xla_launches(dump)
-        except Exception as e:
-            records.append(error_record(base, e, f"fwd+bwd {impl}", log))
-            continue
+
+    def compile_case(impl, d, dtype):
+        with tempfile.TemporaryDirectory() as dump:
+            _, compiled = compile_fwd_bwd(devs, impl, d, dtype, shape, compiler_options={"xla_dump_to": dump})
+            return compiled, kernel_stats.xla_launches(dump)
+
+    def to_records(ok, result):
+        compiled, launches = result
         rec = dict(
-            base,
-            status="ok",
-            compile_s=round(time.perf_counter() - t0, 1),
+            ok,
             **memory_stats(compiled),
             launches=len(launches),
             kernels=[launch["name"] for launch in launches],
             # what the launches are: Triton kernels, Mosaic GPU kernels, cuDNN fMHA calls, cuBLAS GEMMs, ...
             custom_calls=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
         )
-        records.append(rec)
-        log(f"  fwd+bwd {impl} D={d} {dt}: {rec['launches']} launches, temp {rec['temp'] / 2**20:.2f} MiB")
-    return records
+        log(
+            f"  fwd+bwd {ok['impl']} D={ok['head_dim']} {ok['dtype']}: {rec['launches']} launches, "
+            f"temp {rec['temp'] / 2**20:.2f} MiB"
+        )
+        return [rec]
+
+    label = LABEL.format(target=target.upper())
+    return compile_run.attention_table(cases, shape, label, compile_case, to_records, what="fwd+bwd {impl}", log=log)
 
 
 # ------------------------------------------------------------------------------------------------- programs
 def program_records(devs, cases, target: str, log=print) -> list:
-    from jaxattn.attention import attention_backend
+    """One record per :func:`.programs.program_cases` case: the program compiled with flash attention, its memory,
+    XLA's FLOPs beside the analytic count and the kernels it launches."""
 
-    records = []
-    for preset, kind, batch, seq, overrides, loss, gemm in cases:
-        t0 = time.perf_counter()
-        label = LABEL.format(target=target.upper())
-        base = program_base(preset, kind, batch, seq, overrides, loss, "flash", label, gemm)
-        try:
-            with tempfile.TemporaryDirectory() as dump, attention_backend("flash"), gemm_context(gemm):
-                jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides, loss)
-                lowered, compiled = gpu_target.compile(
-                    None, *args, jitted=jitted, compiler_options={"xla_dump_to": dump}
-                )
-                launches = kernel_stats.xla_launches(dump)
-            text = lowered.as_text()
-            rec = dict(
-                base,
-                status="ok",
-                compile_s=round(time.perf_counter() - t0, 1),
-                **memory_stats(compiled),
-                **cost_stats(compiled),
-                **analytic_flops(cfg, kind, batch, seq),
-                launches=len(launches),
-                flash_kernels=sorted({l["name"] for l in launches if l["name"].startswith("flash_")}),
-                grouped_kernels=sorted({l["name"] for l in launches if l["name"].startswith("grouped_matmul")}),
-                triton_calls=text.count("__gpu$xla.gpu.triton"),
-            )
-            # HloCostAnalysis counts a while loop's body once: the layer scan's n_layers count as one layer.
-            trips = sorted({int(n) for n in re.findall(r"known_trip_count[^0-9]*(\d+)", compiled.as_text())})
-            counted = 1 if cfg.n_layers in trips else cfg.n_layers
-            once = analytic_flops(dataclasses.replace(cfg, n_layers=counted), kind, batch, seq)
-            rec.update(
-                while_trip_counts=trips,
-                layers_counted_by_xla=counted,
-                model_flops_as_counted=once["model_flops"],
-                dense_flops_as_counted=once["dense_flops"],
-            )
-            rec["flops_ratio"] = rec["xla_flops"] / once["model_flops"]
-            rec["flops_ratio_dense"] = rec["xla_flops"] / once["dense_flops"]
-        except Exception as e:
-            records.append(error_record(base, e, f"{preset} {kind} {loss}", log))
-            continue
-        records.append(rec)
-        log(
-            f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: peak {rec['peak'] / 2**20:.1f} MiB, "
-            f"XLA/analytic FLOPs {rec['flops_ratio']:.2f}, {rec['compile_s']}s"
+    def compile_program(case):
+        preset, kind, batch, seq, overrides, loss, gemm = case
+        with tempfile.TemporaryDirectory() as dump, gemm_context(gemm):
+            jitted, args, cfg = build_program(devs, preset, kind, batch, seq, overrides, loss)
+            lowered, compiled = gpu_target.compile(None, *args, jitted=jitted, compiler_options={"xla_dump_to": dump})
+            return cfg, lowered, compiled, kernel_stats.xla_launches(dump)
+
+    def to_record(ok, result):
+        cfg, lowered, compiled, launches = result
+        kind, batch, seq = ok["kind"], ok["batch"], ok["seq"]
+        rec = dict(
+            ok,
+            **memory_stats(compiled),
+            **cost_stats(compiled),
+            **analytic_flops(cfg, kind, batch, seq),
+            launches=len(launches),
+            flash_kernels=sorted({l["name"] for l in launches if l["name"].startswith("flash_")}),
+            grouped_kernels=sorted({l["name"] for l in launches if l["name"].startswith("grouped_matmul")}),
+            triton_calls=lowered.as_text().count("__gpu$xla.gpu.triton"),
         )
-    return records
+        # HloCostAnalysis counts a while loop's body once: the layer scan's n_layers count as one layer.
+        trips = sorted({int(n) for n in re.findall(r"known_trip_count[^0-9]*(\d+)", compiled.as_text())})
+        counted = 1 if cfg.n_layers in trips else cfg.n_layers
+        once = analytic_flops(dataclasses.replace(cfg, n_layers=counted), kind, batch, seq)
+        rec.update(
+            while_trip_counts=trips,
+            layers_counted_by_xla=counted,
+            model_flops_as_counted=once["model_flops"],
+            dense_flops_as_counted=once["dense_flops"],
+        )
+        rec["flops_ratio"] = rec["xla_flops"] / once["model_flops"]
+        rec["flops_ratio_dense"] = rec["xla_flops"] / once["dense_flops"]
+        return rec
+
+    def describe(rec):
+        return f"peak {rec['peak'] / 2**20:.1f} MiB, XLA/analytic FLOPs {rec['flops_ratio']:.2f}, {rec['compile_s']}s"
+
+    label = LABEL.format(target=target.upper())
+    return compile_run.program_table(cases, label, "flash", compile_program, to_record, describe, log=log)
 
 
 def _tool_version(name: str) -> str | None:
@@ -339,9 +313,7 @@ def _tool_version(name: str) -> str | None:
 
 def _search_main(devs, args, info, out, t0) -> int:
     rows = block_search.search(devs, quick=args.quick, log=lambda *a: print(*a, flush=True))
-    info["wall_s"] = round(time.perf_counter() - t0, 1)
-    if not any(r["passed"] for r in rows):
-        print("no candidate passed; no result written", file=sys.stderr)
+    if not compile_run.stop(info, t0, rows, lambda r: r["passed"], "no candidate passed; no result written"):
         return 1
     info["timed_on"] = measure.jax_device_name() if any("time" in r for r in rows) else None
     print(block_search.write(out, rows, info))
@@ -349,26 +321,17 @@ def _search_main(devs, args, info, out, t0) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks compile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--target",
-        choices=TARGETS + TPU_TARGETS,
-        default="h100",
-        help="target description (default h100); v5e / v5p / v6e: one TPU chip (benchmarks/tools/tpu_compile.py)",
-    )
-    parser.add_argument("--quick", action="store_true", help="a few kernels and the tiny model (~2 minutes)")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default benchmarks/results/local/<target>-compiled[-quick], untracked)",
-    )
-    parser.add_argument("--skip-programs", action="store_true", help="kernels only")
-    parser.add_argument(
-        "--search",
-        action="store_true",
-        help="block-size search instead (benchmarks/tools/block_search.py): deviceless resource filter "
+    parser = compile_run.compile_parser(
+        "python -m benchmarks compile",
+        __doc__,
+        target=dict(
+            choices=TARGETS + TPU_TARGETS,
+            default="h100",
+            help="target description (default h100); v5e / v5p / v6e: one TPU chip (benchmarks/tools/tpu_compile.py)",
+        ),
+        quick="a few kernels and the tiny model (~2 minutes)",
+        out="output directory (default benchmarks/results/local/<target>-compiled[-quick], untracked)",
+        search="block-size search instead (benchmarks/tools/block_search.py): deviceless resource filter "
         "of every candidate, then timings when a GPU is present; writes block_search.json/md",
     )
     args = parser.parse_args(argv)
@@ -376,24 +339,18 @@ def main(argv=None) -> int:
         from .tpu_compile import main as tpu_main
 
         return tpu_main(argv)
-    reason = gpu_target.unavailable_reason()
-    if reason is not None:
-        parser.error(f"cannot compile for a GPU here: {reason}")
-    out = out_dir(parser, args)
-
-    t0 = time.perf_counter()
+    out, t0 = compile_run.start(parser, args, gpu_target, "GPU")
     devs = gpu_target.devices(target_config(args.target))
-    info = measure.env_info()
-    info.update(
-        target=args.target,
-        target_device=devs[0].device_kind,
+    info = compile_run.run_info(
+        args.target,
+        devs,
+        out,
         quick=args.quick,
         plugin=gpu_target._version("jax-cuda12-plugin"),
         ptxas=_tool_version("ptxas"),
         cuobjdump=_tool_version("cuobjdump"),
         label=LABEL.format(target=args.target.upper()),
     )
-    print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
     if args.search:
         return _search_main(devs, args, info, out, t0)
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
@@ -401,22 +358,16 @@ def main(argv=None) -> int:
     attention = attention_records(devs, attention_cases(args.quick), shape, args.target)
     grouped = grouped_records(devs, args.quick, args.target, LABEL.format(target=args.target.upper()))
     programs = [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target)
-    info["wall_s"] = round(time.perf_counter() - t0, 1)
-    if not any(r.get("status") == "ok" for r in kernels + programs):
-        print("nothing compiled; no result written", file=sys.stderr)
+    if not compile_run.stop(info, t0, kernels + programs):
         return 1
-    write_results(out, "kernels", kernels, info)
-    write_results(out, "fwd_bwd", attention, info)
-    write_results(out, "grouped_gemm", grouped, info)
-    if programs:
-        write_results(out, "programs", programs, info)
+    compile_run.write_tables(
+        out, info, {"kernels": kernels, "fwd_bwd": attention, "grouped_gemm": grouped, "programs": programs}
+    )
     plot = plot_suite(out, "kernels", kernels, info)
     text = compile_tables.report(
         kernels, programs, info, os.path.basename(plot.path) if plot else None, attention, grouped
     )
-    write_text_atomic(os.path.join(out, "report.md"), text)
-    print(text)
-    print(f"wrote {out} in {info['wall_s']}s")
+    compile_run.write_report(out, info, text)
     failed = [r for r in kernels + attention + grouped + programs if r.get("status") not in ("ok", "skipped")]
     return 1 if failed else 0
 

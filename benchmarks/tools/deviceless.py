@@ -2,6 +2,7 @@
 the attention shape of the kernel compiles and the block search.
 
     devs = gpu_target.devices(target_config("h100"))   # one deviceless "NVIDIA H100 80GB HBM3"
+    q, k, v = BENCH_SHAPE.structs(128, DTYPES["bf16"])  # ShapeDtypeStructs of one attention call
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin starts without a CUDA runtime
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
@@ -36,6 +38,12 @@ class AttnShape:
     hq: int = 16
     hkv: int = 16
     causal: bool = True
+
+    def structs(self, d: int, dtype):
+        """``(q, k, v)``: the ShapeDtypeStructs of this call at head dim ``d`` (unplaced)."""
+        q = jax.ShapeDtypeStruct((self.b, self.s, self.hq, d), dtype)
+        k = jax.ShapeDtypeStruct((self.b, self.s, self.hkv, d), dtype)
+        return q, k, k
 
 
 BENCH_SHAPE = AttnShape()  # the shape of the notes' peer comparison

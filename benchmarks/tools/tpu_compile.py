@@ -17,9 +17,7 @@ the TPU compiler, recorded as ``does_not_fit`` with what it says it needs. Write
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
 import jax
@@ -28,24 +26,19 @@ import jax.numpy as jnp
 from jaxattn import tpu_target
 from twincore.flops import attention_flops
 
-from .. import measure
 from ..report import compile_tables
 from ..report.compile_tables import LABEL
 from ..report.records import read_results, write_results, write_text_atomic
+from . import compile_run
 from .deviceless import BENCH_SHAPE, DTYPES, GATE_SHAPE, AttnShape
 from .programs import (
     PEER_TPU_FLASH,
     TOKAMAX_MOSAIC,
-    attention_base,
     attention_loss,
     build_program,
-    error_record,
     memory_stats,
-    out_dir,
     peer_context,
-    program_base,
     program_cases,
-    skipped_record,
     xla_cost,
 )
 
@@ -79,42 +72,37 @@ def cost(compiled) -> dict:
 
 def _fwd_bwd(chip_devs, impl: str, shape: AttnShape, d: int, dtype):
     """``(lowered, compiled)``: ``jax.grad`` of ``impl``'s attention (:func:`.programs.attention_loss`) for the chip."""
-    q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), dtype)
-    k = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hkv, d), dtype)
     # at jax's default matmul precision, as a bf16 training step runs: Mosaic TPU refuses a bf16 dot asked for float32
     # precision ("Bad lhs type"), which a process-wide "highest" (our parity tests' setting) would ask of the peers
     with peer_context(impl, chip_devs), jax.default_matmul_precision("default"):
         return tpu_target.compile(
-            jax.grad(attention_loss(impl, shape, d), argnums=(0, 1, 2)), *tpu_target.place((q, k, k), chip_devs)
+            jax.grad(attention_loss(impl, shape, d), argnums=(0, 1, 2)),
+            *tpu_target.place(shape.structs(d, dtype), chip_devs),
         )
 
 
 def kernel_records(chip_devs, cases, shape: AttnShape, target: str, log=print) -> list:
-    records = []
-    for impl, d, dt in cases:
-        t0 = time.perf_counter()
-        base = attention_base(impl, d, dt, shape, LABEL.format(target=target))
-        skip = skipped_record(base, log)
-        if skip is not None:
-            records.append(skip)
-            continue
-        try:
-            lowered, compiled = _fwd_bwd(chip_devs, impl, shape, d, DTYPES[dt])
-        except Exception as e:  # one failed compile is a record, not the end of the run
-            records.append(error_record(base, e, f"{impl} D={d} {dt}", log))
-            continue
+    """One record per ``(impl, D, dtype)``: its attention forward+backward compiled for the chip."""
+
+    def compile_case(impl, d, dtype):
+        return _fwd_bwd(chip_devs, impl, shape, d, dtype)
+
+    def to_records(ok, result):
+        (lowered, compiled), d = result, ok["head_dim"]
         rec = dict(
-            base,
-            status="ok",
-            compile_s=round(time.perf_counter() - t0, 1),
+            ok,
             tpu_custom_calls=lowered.as_text().count("tpu_custom_call"),
             attention_flops=attention_flops(shape.b, shape.hq, shape.s, shape.s, d, shape.causal, backward=True),
             **memory_stats(compiled),
             **cost(compiled),
         )
-        records.append(rec)
-        log(f"  {impl} D={d} {dt}: {rec['tpu_custom_calls']} Mosaic calls, temp {rec['temp'] / 2**20:.1f} MiB")
-    return records
+        log(
+            f"  {ok['impl']} D={d} {ok['dtype']}: {rec['tpu_custom_calls']} Mosaic calls, "
+            f"temp {rec['temp'] / 2**20:.1f} MiB"
+        )
+        return [rec]
+
+    return compile_run.attention_table(cases, shape, LABEL.format(target=target), compile_case, to_records, log=log)
 
 
 SEARCH_SHAPE = AttnShape(b=1, s=8192, hq=8, hkv=8)  # long enough for 2048-blocks to divide it
@@ -142,7 +130,7 @@ def block_search(chip_devs, cases, target: str, blocks=SEARCH_BLOCKS, log=print)
                 out = splash.splash_attention(q, k, v, normalize(q, k, v, causal=True), block=block)
                 return out.astype(jnp.float32).sum()
 
-            q = jax.ShapeDtypeStruct((shape.b, shape.s, shape.hq, d), DTYPES[dt])
+            q, _, _ = shape.structs(d, DTYPES[dt])
             base = dict(head_dim=d, dtype=dt, block=block, S=shape.s, H=shape.hq, label=LABEL.format(target=target))
             t0 = time.perf_counter()
             try:
@@ -171,79 +159,74 @@ def vmem_caps(records) -> dict:
 
 
 def program_records(chip_devs, cases, target: str, hbm_bytes: int, log=print) -> list:
-    from jaxattn.attention import attention_backend
+    """One record per dense :func:`.programs.program_cases` case: the program compiled with splash attention, its
+    memory against the chip's ``hbm_bytes`` and XLA's cost analysis; ``does_not_fit`` where the compiler refuses it
+    for memory."""
 
-    records = []
-    for preset, kind, batch, seq, overrides, loss, gemm in cases:
-        if gemm is not None:  # MoE: the grouped GEMM's TPU kernel (megablox) is not compiled here yet
-            continue
-        t0 = time.perf_counter()
-        base = program_base(preset, kind, batch, seq, overrides, loss, "splash", LABEL.format(target=target))
-        try:
-            with attention_backend("splash"):
-                jitted, args, cfg = build_program(chip_devs, preset, kind, batch, seq, overrides, loss)
-                lowered, compiled = tpu_target.compile(None, *args, jitted=jitted)
-            rec = dict(
-                base,
-                status="ok",
-                compile_s=round(time.perf_counter() - t0, 1),
-                tpu_custom_calls=lowered.as_text().count("tpu_custom_call"),
-                **memory_stats(compiled),
-                **cost(compiled),
-            )
-            rec["hbm_bytes"] = hbm_bytes
-            rec["fits"] = rec["peak"] <= hbm_bytes
-        except Exception as e:
-            refused = tpu_target.refused_for_memory(e)
-            if refused:  # the TPU compiler refuses a program that does not fit: a finding, not an error
-                rec = dict(base, status="does_not_fit", fits=False, hbm_bytes=hbm_bytes)
-                rec.update(required_temp_gib=refused[0], available_hbm_gib=refused[1])
-                records.append(rec)
-                log(f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: does not fit ({refused[0]} GiB temp)")
-                continue
-            records.append(error_record(base, e, f"{preset} {kind} {loss}", log))
-            continue
-        records.append(rec)
-        log(
-            f"  {preset} {kind} B={batch} S={seq} {base['loss'] or ''}: peak {rec['peak'] / 2**30:.2f} GiB "
+    def compile_program(case):
+        preset, kind, batch, seq, overrides, loss, _ = case
+        jitted, args, _ = build_program(chip_devs, preset, kind, batch, seq, overrides, loss)
+        return tpu_target.compile(None, *args, jitted=jitted)
+
+    def to_record(ok, result):
+        lowered, compiled = result
+        rec = dict(
+            ok,
+            tpu_custom_calls=lowered.as_text().count("tpu_custom_call"),
+            **memory_stats(compiled),
+            **cost(compiled),
+        )
+        rec["hbm_bytes"] = hbm_bytes
+        rec["fits"] = rec["peak"] <= hbm_bytes
+        return rec
+
+    def declined(base, e):
+        refused = tpu_target.refused_for_memory(e)
+        if not refused:
+            return None
+        # the TPU compiler refuses a program that does not fit: a finding, not an error
+        rec = dict(base, status="does_not_fit", fits=False, hbm_bytes=hbm_bytes)
+        rec.update(required_temp_gib=refused[0], available_hbm_gib=refused[1])
+        return rec
+
+    def describe(rec):
+        if rec["status"] == "does_not_fit":
+            return f"does not fit ({rec['required_temp_gib']} GiB temp)"
+        return (
+            f"peak {rec['peak'] / 2**30:.2f} GiB "
             f"({'fits' if rec['fits'] else 'does not fit'} {hbm_bytes / 2**30:g} GiB), {rec['compile_s']}s"
         )
-    return records
+
+    # MoE cases: the grouped GEMM's TPU kernel (megablox) is not compiled here yet
+    dense = [case for case in cases if case[-1] is None]
+    label = LABEL.format(target=target)
+    return compile_run.program_table(dense, label, "splash", compile_program, to_record, describe, declined, log)
 
 
 def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--target", choices=TARGETS, required=True, help="TPU generation (one chip of its host)")
-    parser.add_argument("--quick", action="store_true", help="one splash shape and the tiny model (~20 s)")
-    parser.add_argument("--out", default=None, help="default benchmarks/results/local/<target>-compiled[-quick]")
-    parser.add_argument("--skip-programs", action="store_true", help="kernels only")
-    parser.add_argument(
-        "--search",
-        action="store_true",
-        help="splash block-size search instead: which block sizes fit the chip's scoped VMEM (writes "
+    parser = compile_run.compile_parser(
+        prog,
+        __doc__,
+        target=dict(choices=TARGETS, required=True, help="TPU generation (one chip of its host)"),
+        quick="one splash shape and the tiny model (~20 s)",
+        out="default benchmarks/results/local/<target>-compiled[-quick]",
+        search="splash block-size search instead: which block sizes fit the chip's scoped VMEM (writes "
         "splash_blocks.json; jaxattn.attention.splash.VMEM_CAPS is checked against it)",
     )
     args = parser.parse_args(argv)
-    reason = tpu_target.unavailable_reason()
-    if reason is not None:
-        parser.error(f"cannot compile for a TPU here: {reason}")
-    out = out_dir(parser, args)
-    t0 = time.perf_counter()
+    out, t0 = compile_run.start(parser, args, tpu_target, "TPU")
     chip = tpu_target.CHIPS[args.target]
     devs = tpu_target.devices(args.target)[:1]
-    info = measure.env_info()
-    info.update(
-        target=args.target,
-        target_device=devs[0].device_kind,
+    info = compile_run.run_info(
+        args.target,
+        devs,
+        out,
         topology=f"{chip.prefix}:{chip.host} (one chip)",
         hbm_bytes=chip.hbm_bytes,
         quick=args.quick,
         libtpu=tpu_target._version("libtpu"),
         label=LABEL.format(target=args.target),
     )
-    print(f"compiling for {devs[0].device_kind} (deviceless) -> {out}", flush=True)
     if args.search:
         return _search_main(devs, args, info, out, t0)
     shape = GATE_SHAPE if args.quick else BENCH_SHAPE
@@ -251,26 +234,19 @@ def main(argv=None, prog: str = "python -m benchmarks compile") -> int:
     programs = (
         [] if args.skip_programs else program_records(devs, program_cases(args.quick), args.target, chip.hbm_bytes)
     )
-    info["wall_s"] = round(time.perf_counter() - t0, 1)
-    if not any(r.get("status") == "ok" for r in kernels + programs):
-        print("nothing compiled; no result written", file=sys.stderr)
+    if not compile_run.stop(info, t0, kernels + programs):
         return 1
-    write_results(out, "tpu_kernels", kernels, info)
-    if programs:
-        write_results(out, "tpu_programs", programs, info)
+    compile_run.write_tables(out, info, {"tpu_kernels": kernels, "tpu_programs": programs})
     blocks = (read_results(out).get("splash_blocks") or {}).get("records")  # an earlier --search's, kept
-    text = compile_tables.tpu_report(kernels, programs, info, blocks)
-    write_text_atomic(os.path.join(out, "report.md"), text)
-    print(text)
-    print(f"wrote {out} in {info['wall_s']}s")
+    compile_run.write_report(out, info, compile_tables.tpu_report(kernels, programs, info, blocks))
     return 1 if any(r.get("status") not in ("ok", "does_not_fit", "skipped") for r in kernels + programs) else 0
 
 
 def _search_main(devs, args, info, out, t0) -> int:
     records = block_search(devs, search_cases(args.quick), args.target)
-    info["wall_s"] = round(time.perf_counter() - t0, 1)
-    if not any(r["status"] == "ok" for r in records):
-        print("no block size compiled; no result written", file=sys.stderr)
+    if not compile_run.stop(
+        info, t0, records, lambda r: r["status"] == "ok", "no block size compiled; no result written"
+    ):
         return 1
     write_results(out, "splash_blocks", records, info)
     found = read_results(out)

@@ -44,6 +44,7 @@ from .tiling import (
     resolve_interpret,
     scores,
     triton_compiler_params,
+    unpack_refs,
 )
 
 __all__ = [
@@ -170,11 +171,9 @@ def _decode_kernel(*refs, cfg: _Cfg):
     """Phase 1, one program = (batch row, kv head, split): FA2's online softmax over this split's key blocks.
     q rows are ``i * G + g`` (query token i, head g of the group); writes unnormalised acc, max m (log2
     units) and sum l; an empty split writes (0, NEG, 0), which the merge weights by exactly 0."""
-    if cfg.has_seg:
-        q_ref, k_ref, v_ref, lo_ref, hi_ref, len_ref, qs_ref, ks_ref, o_ref, m_ref, l_ref = refs
-    else:
-        q_ref, k_ref, v_ref, lo_ref, hi_ref, len_ref, o_ref, m_ref, l_ref = refs
-        qs_ref = ks_ref = None
+    (q_ref, k_ref, v_ref, lo_ref, hi_ref, len_ref), qs_ref, ks_ref, (o_ref, m_ref, l_ref) = unpack_refs(
+        refs, 6, cfg.has_seg
+    )
     bk, rows = cfg.block_k, cfg.rows
     lo, hi, kv_len = lo_ref[()], hi_ref[()], len_ref[()]  # visited keys [lo, hi); query positions from kv_len
     # This split's share of the row's key blocks (the row's range, not the cache, is split: ragged rows balance).

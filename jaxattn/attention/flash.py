@@ -45,6 +45,7 @@ from .tiling import (
     scores,
     tile_mask,
     triton_call,
+    unpack_refs,
 )
 
 __all__ = [
@@ -305,20 +306,12 @@ def _maybe_skip(tmask, cfg: _Cfg, compute, carry):
     return compute(carry)
 
 
-def _fwd_kernel(*refs, cfg: _Cfg):
-    if cfg.has_seg:
-        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qs_ref = ks_ref = None
-    bq, bk = cfg.block_q, cfg.block_k
-    q0 = pl.program_id(0) * bq
-    q = q_ref[...]
-    dp = q.shape[-1]
+def _kv_loop(q0, bq: int, bk: int, cfg: _Cfg, q_seg, k_ref, v_ref, ks_ref, update, init):
+    """The forward's and dQ's loop over the key blocks query block ``q0`` sees (:func:`_split_loop`: the
+    unmasked tiles without a mask): ``carry = update(carry, k, v, tmask)`` per key tile, a tile that segment
+    ids hide entirely skipped (:func:`_maybe_skip`)."""
     q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
-    q_seg = qs_ref[...] if cfg.has_seg else None
     k_padded = cfg.sk_pad != cfg.sk
-    pv_dtype = jnp.float32 if v_ref.dtype == jnp.float32 else v_ref.dtype
 
     def body(j, carry, masked):
         k0 = j * bk
@@ -327,28 +320,41 @@ def _fwd_kernel(*refs, cfg: _Cfg):
         tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
 
         def compute(c):
-            acc, m_prev, l_prev = c
-            k = k_ref[pl.ds(k0, bk), :]
-            v = v_ref[pl.ds(k0, bk), :]
-            s, _ = _scores(q, k, cfg)
-            s = s * LOG2E
-            if tmask is not None:
-                s = jnp.where(tmask, s, NEG)
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m_prev - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            if tmask is not None:  # a fully masked row has m_new == NEG and would get p == 1
-                p = jnp.where(tmask, p, 0.0)
-            l_new = alpha * l_prev + jnp.sum(p, axis=1)
-            acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)
-            return acc, m_new, l_new
+            return update(c, k_ref[pl.ds(k0, bk), :], v_ref[pl.ds(k0, bk), :], tmask)
 
         return _maybe_skip(tmask, cfg, compute, carry)
 
     lo, hi = _kv_block_range(q0, bq, bk, cfg)
-    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
     full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
-    acc, m, l = _split_loop(lo, hi, full, body, init)
+    return _split_loop(lo, hi, full, body, init)
+
+
+def _fwd_kernel(*refs, cfg: _Cfg):
+    (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = unpack_refs(refs, 3, cfg.has_seg)
+    bq, bk = cfg.block_q, cfg.block_k
+    q0 = pl.program_id(0) * bq
+    q = q_ref[...]
+    dp = q.shape[-1]
+    q_seg = qs_ref[...] if cfg.has_seg else None
+    pv_dtype = jnp.float32 if v_ref.dtype == jnp.float32 else v_ref.dtype
+
+    def update(c, k, v, tmask):
+        acc, m_prev, l_prev = c
+        s, _ = _scores(q, k, cfg)
+        s = s * LOG2E
+        if tmask is not None:
+            s = jnp.where(tmask, s, NEG)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        if tmask is not None:  # a fully masked row has m_new == NEG and would get p == 1
+            p = jnp.where(tmask, p, 0.0)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot(p.astype(pv_dtype), v, 1, 0)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, m, l = _kv_loop(q0, bq, bk, cfg, q_seg, k_ref, v_ref, ks_ref, update, init)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -384,11 +390,9 @@ def _bwd_tile_t(q, k, v, do, lse, delta, tmask_t, cfg: _Cfg):
 
 
 def _dkv_kernel(*refs, cfg: _Cfg):
-    if cfg.has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-        qs_ref = ks_ref = None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dk_ref, dv_ref) = unpack_refs(
+        refs, 6, cfg.has_seg
+    )
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     k0 = pl.program_id(0) * bk
     k = k_ref[...]
@@ -429,11 +433,7 @@ def _dkv_kernel(*refs, cfg: _Cfg):
 
 
 def _dq_kernel(*refs, cfg: _Cfg):
-    if cfg.has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        qs_ref = ks_ref = None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dq_ref,) = unpack_refs(refs, 6, cfg.has_seg)
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     q0 = pl.program_id(0) * bq
     q = q_ref[...]
@@ -441,31 +441,31 @@ def _dq_kernel(*refs, cfg: _Cfg):
     lse = lse_ref[...]
     delta = delta_ref[...]
     dp = q.shape[-1]
-    q_pos = q0 + lax.broadcasted_iota(jnp.int32, (bq,), 0)
     q_seg = qs_ref[...] if cfg.has_seg else None
-    k_padded = cfg.sk_pad != cfg.sk
 
-    def body(j, carry, masked):
-        k0 = j * bk
-        k_pos = k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        k_seg = ks_ref[pl.ds(k0, bk)] if cfg.has_seg else None
-        tmask = _tile_mask(q_pos, k_pos, cfg, q_seg, k_seg, k_padded) if masked else None
+    def update(dq, k, v, tmask):
+        _, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
+        return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
-        def compute(dq):
-            k = k_ref[pl.ds(k0, bk), :]
-            v = v_ref[pl.ds(k0, bk), :]
-            _, ds = _bwd_tile(q, k, v, do, lse, delta, tmask, cfg)
-            return dq + dot(ds.astype(k.dtype), k, 1, 0)
-
-        return _maybe_skip(tmask, cfg, compute, carry)
-
-    lo, hi = _kv_block_range(q0, bq, bk, cfg)
-    full = None if cfg.has_seg else _kv_full_range(q0, bq, bk, cfg)
-    dq = _split_loop(lo, hi, full, body, jnp.zeros((bq, dp), jnp.float32))
+    dq = _kv_loop(q0, bq, bk, cfg, q_seg, k_ref, v_ref, ks_ref, update, jnp.zeros((bq, dp), jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------- pallas calls
+def _with_segments(cfg: _Cfg, in_specs, args, q_ids, kv_ids, q_rows: int, k_rows: int, q_blocked: bool):
+    """A kernel's ``(in_specs, args)`` followed by the query and key segment ids where ``cfg`` has them (the refs
+    :func:`~jaxattn.attention.tiling.unpack_refs` reads after the operands): ``q_rows`` / ``k_rows`` of each row,
+    the query ids blocked along the grid's first axis and the key ids whole (``q_blocked``: the forward, dQ) or
+    the other way (dK/dV)."""
+    if not cfg.has_seg:
+        return in_specs, args
+    at_block = lambda i, bb, h: (bb, i)  # noqa: E731
+    whole = lambda i, bb, h: (bb, 0)  # noqa: E731
+    q_seg = pl.BlockSpec((None, q_rows), at_block if q_blocked else whole)
+    k_seg = pl.BlockSpec((None, k_rows), whole if q_blocked else at_block)
+    return in_specs + [q_seg, k_seg], args + [q_ids, kv_ids]
+
+
 def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, args):
     """:func:`~jaxattn.attention.tiling.triton_call` with the forward's or the backward's launch knobs."""
     warps, stages = (cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else (cfg.num_warps_bwd, cfg.num_stages_bwd)
@@ -484,6 +484,14 @@ def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, arg
     )
 
 
+def _launch(kernel, cfg: _Cfg, name, grid, in_specs, args, out_specs, out_shapes, segments):
+    """:func:`_call` of ``kernel(..., cfg=cfg)``, the segment ids after ``args`` where ``cfg`` has them
+    (``segments``: ``(q_ids, kv_ids, q_rows, k_rows, q_blocked)``, :func:`_with_segments`)."""
+    in_specs, args = _with_segments(cfg, in_specs, args, *segments)
+    call = dict(name=name, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shapes=out_shapes, args=args)
+    return _call(functools.partial(kernel, cfg=cfg), cfg, **call)
+
+
 def _fwd_call(cfg: _Cfg, q, k, v, q_ids, kv_ids):
     b, sqp, hq, dp = q.shape
     skp = k.shape[1]
@@ -493,28 +501,13 @@ def _fwd_call(cfg: _Cfg, q, k, v, q_ids, kv_ids):
         pl.BlockSpec((None, skp, None, dp), lambda i, bb, h: (bb, 0, h // g, 0)),
         pl.BlockSpec((None, skp, None, dp), lambda i, bb, h: (bb, 0, h // g, 0)),
     ]
-    args = [q, k, v]
-    if cfg.has_seg:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
-            pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0)),
-        ]
-        args += [q_ids, kv_ids]
     out_specs = [
         pl.BlockSpec((None, bq, None, dp), lambda i, bb, h: (bb, i, h, 0)),
         pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i)),
     ]
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sqp), jnp.float32)]
-    return _call(
-        functools.partial(_fwd_kernel, cfg=cfg),
-        cfg,
-        name="flash_fwd",
-        grid=(sqp // bq, b, hq),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shapes=out_shapes,
-        args=args,
-    )
+    grid, segments = (sqp // bq, b, hq), (q_ids, kv_ids, bq, skp, True)
+    return _launch(_fwd_kernel, cfg, "flash_fwd", grid, in_specs, [q, k, v], out_specs, out_shapes, segments)
 
 
 def _dkv_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
@@ -526,23 +519,9 @@ def _dkv_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
     row_spec = pl.BlockSpec((None, g, sqp), lambda j, bb, h: (bb, h, 0))
     in_specs = [grp_spec, kv_spec, kv_spec, grp_spec, row_spec, row_spec]
     args = [q, k, v, do, lse, delta]
-    if cfg.has_seg:
-        in_specs += [
-            pl.BlockSpec((None, sqp), lambda j, bb, h: (bb, 0)),
-            pl.BlockSpec((None, bk), lambda j, bb, h: (bb, j)),
-        ]
-        args += [q_ids, kv_ids]
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    return _call(
-        functools.partial(_dkv_kernel, cfg=cfg),
-        cfg,
-        name="flash_bwd_dkv",
-        grid=(skp // bk, b, hkv),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shapes=out_shapes,
-        args=args,
-    )
+    grid, segments = (skp // bk, b, hkv), (q_ids, kv_ids, sqp, bk, False)
+    return _launch(_dkv_kernel, cfg, "flash_bwd_dkv", grid, in_specs, args, [kv_spec, kv_spec], out_shapes, segments)
 
 
 def _dq_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
@@ -554,22 +533,9 @@ def _dq_call(cfg: _Cfg, q, k, v, do, lse, delta, q_ids, kv_ids):
     row_spec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [q, k, v, do, lse, delta]
-    if cfg.has_seg:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bb, h: (bb, i)),
-            pl.BlockSpec((None, skp), lambda i, bb, h: (bb, 0)),
-        ]
-        args += [q_ids, kv_ids]
-    (dq,) = _call(
-        functools.partial(_dq_kernel, cfg=cfg),
-        cfg,
-        name="flash_bwd_dq",
-        grid=(sqp // bq, b, hq),
-        in_specs=in_specs,
-        out_specs=[q_spec],
-        out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        args=args,
-    )
+    grid, segments = (sqp // bq, b, hq), (q_ids, kv_ids, bq, skp, True)
+    out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    (dq,) = _launch(_dq_kernel, cfg, "flash_bwd_dq", grid, in_specs, args, [q_spec], out_shapes, segments)
     return dq
 
 

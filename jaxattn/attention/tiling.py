@@ -3,7 +3,8 @@
 Block-size helpers (:func:`cdiv`, :func:`next_pow2`, :func:`is_pow2`, :data:`MIN_BLOCK`), the online-softmax
 constants (:data:`NEG`, :data:`LOG2E`, :data:`LN2`), the tile's scores (:func:`scores`: fp32 tensor-core
 :func:`dot`, fp32 operands as three TF32 passes, then scale and softcap) and visibility (:func:`tile_mask`),
-and the Triton launch plumbing (:func:`triton_compiler_params`, :func:`resolve_interpret`)::
+and the Triton launch plumbing (:func:`triton_call`, :func:`triton_compiler_params`, :func:`resolve_interpret`,
+:func:`unpack_refs`)::
 
     s, t = scores(q_tile, k_tile, scale, softcap)             # [bq, bk] fp32, tanh(s/c) or None
     m = tile_mask(q_pos[:, None], k_pos[None, :], shift=sk - sq, left=None, right=0)   # causal
@@ -151,6 +152,14 @@ def tile_mask(
 
 
 # ----------------------------------------------------------------------------------------- launch
+def unpack_refs(refs, n_in: int, has_seg: bool):
+    """``(operand refs, qs_ref, ks_ref, output refs)`` of a kernel's ``refs``: its ``n_in`` operands, then the
+    query and key segment ids (None, and absent from ``refs``, without segment ids), then its outputs."""
+    if has_seg:
+        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2 :]
+    return refs[:n_in], None, None, refs[n_in:]
+
+
 def triton_call(
     kernel, *, name, grid, in_specs, out_specs, out_shapes, args, interpret, poison, num_warps, num_stages
 ) -> list:
