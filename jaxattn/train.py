@@ -69,7 +69,7 @@ class Trainer(BaseTrainer):
 
     FRAMEWORK, PROG, BACKENDS = "jax", PROG, TRAIN_BACKENDS
     METRICS_LAG = 1  # fetching step i's metrics after step i+1 is dispatched keeps the device busy
-    Checkpointer, hf = Checkpointer, hf
+    Checkpointer, hf, attention_backend = Checkpointer, hf, attention_backend
 
     def writer(self) -> bool:
         return jax.process_index() == 0
@@ -84,7 +84,7 @@ class Trainer(BaseTrainer):
         self.policy = get_policy(args.precision)
 
     def build(self, args, config) -> None:
-        if self.backends:
+        if self.attention:
             self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else Llama(config, rngs=nnx.Rngs(params=self.keys["params"]))
         try:
@@ -161,7 +161,7 @@ class Trainer(BaseTrainer):
         q = jax.ShapeDtypeStruct((b, s, config.n_heads, d), dtype)
         kv = jax.ShapeDtypeStruct((b, s, config.n_kv_heads, d), dtype)
         seg = jax.ShapeDtypeStruct((b, s), jax.numpy.int32)
-        reasons = available_backends(q, kv, kv, causal=True, segment_ids=seg, backends=self.backends)
+        reasons = available_backends(q, kv, kv, causal=True, segment_ids=seg, backends=self.attention)
         if all(r is not None for r in reasons.values()):
             raise CLIError(
                 f"--attention {args.attention!r} cannot serve this model's attention call here: "
@@ -231,9 +231,6 @@ class Trainer(BaseTrainer):
                 return jax.device_put(host, self.device)
 
         return run_eval(self.eval_step, self.state.params, self.state.rest, self.eval_batches, place)
-
-    def attention_context(self):
-        return attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
 
     def batches(self):
         return prefetch_to_device(

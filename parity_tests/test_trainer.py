@@ -355,3 +355,32 @@ def test_one_trainer_serves_both_twins():
         assert issubclass(twin, Trainer)
         assert [name for name in shared if name in vars(twin)] == [], twin
     assert jtrainer.Trainer.METRICS_LAG == 1 and ttrainer.Trainer.METRICS_LAG == 0
+
+
+def test_attention_flag_is_parsed_once_into_one_choice():
+    """``--attention`` is parsed and checked once, in the flag check: the trainer holds that AttentionChoice (the
+    names, in order; its text in the checkpoint's JSON flags) and enters it around the loop, where each twin's
+    dispatcher reads the same names; a malformed list never gets past the parse."""
+    import pickle
+
+    import jaxattn.attention as jattn
+    import torchref.attention as tattn
+    from twincore.attention import AttentionChoice
+
+    args, _ = parse_args(["--attention", " chunked , xla", "--steps", "1"], "jax", jtrainer.TRAIN_BACKENDS)
+    assert isinstance(args.attention, AttentionChoice) and args.attention == "chunked,xla"
+    assert args.attention.names == ("chunked", "xla") and args.attention.framework == "jax"
+    assert json.loads(json.dumps(vars(args)))["attention"] == "chunked,xla"
+    assert pickle.loads(pickle.dumps(args.attention)).names == ("chunked", "xla")
+    with jattn.attention_backend(args.attention) as names:
+        assert names == ("chunked", "xla") and jattn.current_backends() == names
+    with tattn.attention_backend(args.attention) as names:  # made for jax: torch's table checks it again
+        assert names == ("chunked", "xla")
+    mosaic = AttentionChoice(("mosaic", "xla"), "jax")
+    with pytest.raises(ValueError, match=r"'mosaic' .* has no torch twin"):
+        with tattn.attention_backend(mosaic):
+            pass
+    with pytest.raises(CLIError, match=r"--attention 'xla,,flash': expected comma-separated"):
+        parse_args(["--attention", "xla,,flash"], "torch", ttrainer.BACKENDS)
+    with pytest.raises(ValueError, match=r"--attention: \['flash_decode'\] not offered here"):
+        AttentionChoice(("flash_decode",), "jax", "--attention", allowed=jtrainer.TRAIN_BACKENDS)

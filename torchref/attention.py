@@ -44,13 +44,14 @@ def attention_backend(*names):
     of preference (``sdpa_kernel(..., set_priority=True)`` where this torch supports it)."""
     if len(names) == 1 and not isinstance(names[0], str):
         names = tuple(names[0])
-    sdp = [SDPA_BACKENDS[n] for n in _backend_names(names, "attention_backend")]
+    names = _backend_names(names, "attention_backend")  # an AttentionChoice: checked when it was made
+    sdp = [SDPA_BACKENDS[n] for n in names]
     try:
         ctx = sdpa_kernel(sdp, set_priority=True)
     except TypeError:  # older torch without set_priority
         ctx = sdpa_kernel(sdp)
     with ctx:
-        yield tuple(names)
+        yield names
 
 
 def _describe(x):

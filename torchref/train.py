@@ -56,7 +56,7 @@ class Trainer(BaseTrainer):
     """The torch run: ``twincore.trainer.Trainer``'s loop with an eager (or compiled) step, metrics read at once."""
 
     FRAMEWORK, PROG, BACKENDS = "torch", PROG, BACKENDS
-    Checkpointer, hf = Checkpointer, hf
+    Checkpointer, hf, attention_backend = Checkpointer, hf, attention_backend
 
     def writer(self) -> bool:
         return int(os.environ.get("RANK", "0")) == 0
@@ -73,7 +73,7 @@ class Trainer(BaseTrainer):
         self.policy = get_policy(args.precision)
 
     def build(self, args, config) -> None:
-        if self.backends:
+        if self.attention:
             self._check_attention(args, config)
         model = hf.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
         model = model.to(self.device).train()
@@ -130,7 +130,7 @@ class Trainer(BaseTrainer):
         kv = torch.randn(1, config.n_kv_heads, 8, d, device=dev, dtype=dtype)
         try:
             with torch.no_grad():
-                dot_product_attention(q, kv, kv, causal=True, backend=self.backends)
+                dot_product_attention(q, kv, kv, causal=True, backend=self.attention)
         except (RuntimeError, ValueError) as e:
             raise CLIError(
                 f"--attention {args.attention!r} cannot serve this model's attention call on "
@@ -304,9 +304,6 @@ class Trainer(BaseTrainer):
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             total /= dist.get_world_size() // parallel.dp_size(self.parallel, self.mesh)
         return EvalResult(loss_sum=float(total[0]), tokens=int(round(float(total[1]))))
-
-    def attention_context(self):
-        return attention_backend(*self.backends) if self.backends else contextlib.nullcontext()
 
     def batches(self):
         """This rank's rows of each batch on the device, with the whole batch's target count and loss denominator."""

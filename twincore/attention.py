@@ -37,6 +37,7 @@ __all__ = [
     "backend",
     "default_order",
     "check_backend_names",
+    "AttentionChoice",
     "check_call",
     "check_window",
     "visible_bounds",
@@ -121,7 +122,14 @@ def default_order(platform: str) -> tuple[str, ...]:
 def check_backend_names(names, argname: str, framework: str = "jax") -> tuple[str, ...]:
     """``names`` (one name or a sequence) as a tuple, checked against the backends of ``framework``
     ("jax": every row; "torch": the rows with a torch twin).  Unknown, repeated, non-string or no names raise,
-    listing the valid ones; a backend without a torch twin is named as such on the torch side."""
+    listing the valid ones; a backend without a torch twin is named as such on the torch side.  An
+    :class:`AttentionChoice` made for ``framework`` (alone, or the only item) was checked when it was made."""
+    if isinstance(names, tuple) and len(names) == 1 and isinstance(names[0], AttentionChoice):
+        names = names[0]
+    if isinstance(names, AttentionChoice):
+        if names.framework == framework:
+            return names.names
+        names = names.names  # made for the other twin: checked against this one's table below
     valid = backend_names() if framework == "jax" else torch_backend_names()
     given = names
     if isinstance(names, str):
@@ -149,6 +157,45 @@ def check_backend_names(names, argname: str, framework: str = "jax") -> tuple[st
     if len(set(names)) != len(names):
         raise ValueError(f"{argname}: backend names must not repeat, got {names}")
     return names
+
+
+class AttentionChoice(str):
+    """The attention backends a run asked for, in order of preference: parsed and checked ONCE where the choice
+    enters (the CLI's ``--attention``: :meth:`parse`; code: ``AttentionChoice(("flash", "xla"), "jax")``), then
+    passed down as this object. It is a ``str``, its canonical text (``"flash,xla"``), so flags and checkpoint
+    metadata stay JSON; ``names`` is the checked tuple, ``framework`` the twin it was checked for.
+    ``attention_backend(choice)`` and ``backend=choice`` take it without checking it again.
+
+        choice = AttentionChoice.parse("flash, xla", "jax", allowed=("flash", "xla", "chunked"))
+        choice.names  # ("flash", "xla")
+    """
+
+    names: tuple[str, ...]
+    framework: str
+
+    def __new__(cls, names, framework: str = "jax", argname: str = "backends", allowed=None):
+        checked = check_backend_names(names, argname, framework)
+        if allowed is not None and any(n not in allowed for n in checked):
+            bad = [n for n in checked if n not in allowed]
+            raise ValueError(f"{argname}: {bad} not offered here; expected backends from {tuple(allowed)}")
+        self = super().__new__(cls, ",".join(checked))
+        self.names, self.framework = checked, framework
+        return self
+
+    @classmethod
+    def parse(cls, text: str, framework: str, allowed, argname: str = "--attention") -> AttentionChoice:
+        """``"flash,xla"`` (comma-separated, spaces allowed) checked against ``allowed`` (the choices offered
+        there, e.g. training's: no forward-only backend); a ValueError naming ``argname`` and what is accepted."""
+        try:
+            return cls(tuple(n.strip() for n in str(text).split(",")), framework, argname, allowed)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{argname} {text!r}: expected comma-separated, non-repeated {framework} attention "
+                f"backends from {', '.join(allowed)}"
+            ) from None
+
+    def __reduce__(self):  # pickles (a torch checkpoint's flags, a worker's arguments) as itself, checked again
+        return (type(self), (self.names, self.framework))
 
 
 # --------------------------------------------------------------------------------------------- the call

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .atomic import check_writable
+from .attention import AttentionChoice
 from .config import PRESET_NAMES, ModelConfig
 from .data import PACKING, SYNTHETIC, is_gguf
 from .dtypes import PRECISION_PRESETS
@@ -590,7 +591,30 @@ def checkpointer_options(args: argparse.Namespace, config: ModelConfig) -> dict:
 
 
 def check_args(args: argparse.Namespace, framework: str, attention_backends: Sequence[str] = ()) -> ModelConfig:
-    """Check every value and combination; returns the model config. Raises :class:`CLIError`."""
+    """Check every value and combination, concern by concern; returns the model config. Raises :class:`CLIError`.
+    ``--attention`` is parsed here, once: ``args.attention`` becomes a ``twincore.attention.AttentionChoice``."""
+    _check_numbers(args)
+    if args.attention is not None:
+        try:
+            args.attention = AttentionChoice.parse(args.attention, framework, attention_backends, "--attention")
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    _check_inputs(args)
+    _check_checkpointing(args)
+    _check_output_paths(args)
+    _check_outputs(args)
+    if framework == "jax":
+        _check_jax(args)
+    if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
+        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", *PP_MODES)
+        args.loss = "dense" if tp_head else "fused"
+    if framework == "torch":
+        _check_torch(args)
+    return _check_model(args, framework)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts, rates and timeouts in range."""
 
     def positive(flag, v, zero_ok=False):
         if v < 0 or (v == 0 and not zero_ok):
@@ -615,16 +639,14 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         raise _err("--weight-decay", args.weight_decay, "must be a finite float >= 0")
     if not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
         raise _err("--clip-grad", args.clip_grad, "must be a finite float >= 0 (0 = no clipping)")
-    if args.attention is not None:
-        names = [n.strip() for n in args.attention.split(",")]
-        bad = [n for n in names if n not in attention_backends]
-        if bad or len(set(names)) != len(names):
-            raise _err(
-                "--attention",
-                args.attention,
-                f"expected comma-separated, non-repeated {framework} attention "
-                f"backends from {', '.join(attention_backends)}",
-            )
+    if args.max_nonfinite_steps < 1:
+        raise _err("--max-nonfinite-steps", args.max_nonfinite_steps, "must be an integer >= 1")
+    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
+        raise _err("--distributed-timeout", args.distributed_timeout, "must be a finite number of seconds > 0")
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """--data, --eval-data, --init, --config-json exist and go together."""
     if args.data != SYNTHETIC and not os.path.exists(args.data):
         raise _err(
             "--data",
@@ -650,6 +672,10 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         )
     if args.config_json is not None and not os.path.isfile(args.config_json):
         raise _err("--config-json", args.config_json, "no such file")
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    """--checkpoint-dir and the flags that need it."""
     if (args.resume or args.checkpoint_every or args.overwrite) and args.checkpoint_dir is None:
         flag = (
             "--resume"
@@ -663,10 +689,10 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
         raise CLIError("--resume and --overwrite: give one of them (continue the run, or replace it)")
     if args.resume and not os.path.isdir(args.checkpoint_dir):
         raise _err("--checkpoint-dir", args.checkpoint_dir, "no such directory to --resume from")
-    if args.max_nonfinite_steps < 1:
-        raise _err("--max-nonfinite-steps", args.max_nonfinite_steps, "must be an integer >= 1")
-    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
-        raise _err("--distributed-timeout", args.distributed_timeout, "must be a finite number of seconds > 0")
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Output folders are folders, the log a file, the TensorBoard writer installed."""
     for flag, path in (
         ("--checkpoint-dir", args.checkpoint_dir),
         ("--profile", args.profile),
@@ -681,45 +707,49 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
             raise CLIError(str(e)) from None
     if args.log_json is not None and os.path.isdir(args.log_json):
         raise _err("--log-json", args.log_json, "is a directory; expected a file path")
-    _check_outputs(args)
-    if framework == "jax" and args.mesh is not None:
-        _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.trainer
-    if framework == "jax":
-        _check_microbatches(args)
-    if framework == "jax":
-        _check_processes(args)
-        if args.offload_optimizer and args.mesh is None:
-            raise CLIError(
-                "--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
-                "device use --mesh data=1)"
-            )
-    if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
-        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", *PP_MODES)
-        args.loss = "dense" if tp_head else "fused"
-    if framework == "torch":
-        _check_pipeline_flags(args)
-    if framework == "torch":
-        if args.loss == "fused" and args.parallel in ("tp", "fsdp+tp"):
-            raise CLIError(
-                f"--loss fused does not run with --parallel {args.parallel} in torchref (the LM head is split over "
-                f"the vocabulary: it would need a vocabulary-parallel cross-entropy); use --loss dense there"
-            )
-        if args.num_workers < 0:
-            raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if args.offload_optimizer and args.parallel not in ("fsdp", "fsdp+tp"):
-            raise CLIError(
-                f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
-                f"CPUOffloadPolicy); got --parallel {args.parallel}"
-            )
-        if args.parallel is not None and "WORLD_SIZE" not in os.environ:
-            raise CLIError(
-                f"--parallel {args.parallel} runs under torchrun (torchrun --nproc-per-node N -m "
-                f"torchref.train --parallel {args.parallel} ...); without it there is one process and "
-                f"nothing to parallelize: drop the flag"
-            )
-        if world > 1 and args.parallel is None:
-            raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
+
+
+def _check_jax(args: argparse.Namespace) -> None:
+    """JAX's own flags: --mesh's syntax, micro-batches, processes, optimizer offload."""
+    if args.mesh is not None:
+        _mesh_devices(args.mesh)  # syntax here; device count, heads and batch against the mesh in jaxattn.train
+    _check_microbatches(args)
+    _check_processes(args)
+    if args.offload_optimizer and args.mesh is None:
+        raise CLIError(
+            "--offload-optimizer needs --mesh (the sharded step places the optimizer state; on one "
+            "device use --mesh data=1)"
+        )
+
+
+def _check_torch(args: argparse.Namespace) -> None:
+    """torch's own flags: --parallel against torchrun, pipelines, the loss with a split head, workers, offload."""
+    _check_pipeline_flags(args)
+    if args.loss == "fused" and args.parallel in ("tp", "fsdp+tp"):
+        raise CLIError(
+            f"--loss fused does not run with --parallel {args.parallel} in torchref (the LM head is split over "
+            f"the vocabulary: it would need a vocabulary-parallel cross-entropy); use --loss dense there"
+        )
+    if args.num_workers < 0:
+        raise _err("--num-workers", args.num_workers, "must be an integer >= 0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.offload_optimizer and args.parallel not in ("fsdp", "fsdp+tp"):
+        raise CLIError(
+            f"--offload-optimizer needs --parallel fsdp or fsdp+tp under torchrun (FSDP2's "
+            f"CPUOffloadPolicy); got --parallel {args.parallel}"
+        )
+    if args.parallel is not None and "WORLD_SIZE" not in os.environ:
+        raise CLIError(
+            f"--parallel {args.parallel} runs under torchrun (torchrun --nproc-per-node N -m "
+            f"torchref.train --parallel {args.parallel} ...); without it there is one process and "
+            f"nothing to parallelize: drop the flag"
+        )
+    if world > 1 and args.parallel is None:
+        raise CLIError(f"running under torchrun with WORLD_SIZE={world} needs --parallel {{{','.join(PARALLEL)}}}")
+
+
+def _check_model(args: argparse.Namespace, framework: str) -> ModelConfig:
+    """The model config the flags give, and the sequence length it allows."""
     config = model_config(args)
     _check_moe_pipeline(args, framework, config)
     if args.seq_len > config.max_seq_len:

@@ -21,6 +21,7 @@ model, the profiler.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,7 @@ class Trainer:
     METRICS_LAG: ClassVar[int] = 0  # a step's metrics are read this many steps after its dispatch
     Checkpointer: ClassVar[type]  # the twin's checkpointer class (a twincore.rundir run directory)
     hf: ClassVar[Any]  # the twin's Hugging Face module (save_pretrained)
+    attention_backend: ClassVar[Any]  # the twin's attention_backend(choice) context manager
 
     def __init__(self, args, config):
         self.args, self.config = args, config
@@ -87,7 +89,7 @@ class Trainer:
                 vocab_size=config.vocab_size,
                 name=f"--eval-data {args.eval_data!r}",
             )
-        self.backends = None if args.attention is None else tuple(n.strip() for n in args.attention.split(","))
+        self.attention = args.attention  # None or the AttentionChoice twincore.cli parsed (the one parse)
 
     # ---- the twin's hooks: building
     def writer(self) -> bool:
@@ -144,8 +146,11 @@ class Trainer:
         """After step ``i``'s dispatch (and the metrics read then)."""
 
     def attention_context(self):
-        """The ``--attention`` backends in force around the loop."""
-        raise NotImplementedError
+        """The ``--attention`` choice in force around the loop: the twin's ``attention_backend`` (a context, like
+        ``sdpa_kernel``) entered here, the one place a run sets it."""
+        if self.attention is None:
+            return contextlib.nullcontext()
+        return type(self).attention_backend(self.attention)
 
     def evaluate(self) -> EvalResult:
         """Mean token loss and perplexity of the current weights on ``--eval-data`` (every process takes part)."""
@@ -230,7 +235,7 @@ class Trainer:
             "step": step,
             "data_position": step,
             "model_config": self.config.to_hf(),
-            "flags": dict(vars(self.args)),
+            "flags": json.loads(json.dumps(vars(self.args))),  # plain JSON (--attention's choice: its text)
             **self.extra_meta(),
         }
 
