@@ -17,6 +17,15 @@ a switch for the first (they are logged before logging is configured), so this i
   follow), file descriptor 2 goes to a temporary file; afterwards every line but the known two is written back
   to stderr, in order.
 
+The ``tpu-compile`` extra installs libtpu on machines without a TPU chip, so that programs compile for a TPU here.
+jax then starts a TPU client on every first use, and libtpu prints its failed search for a TPU host ("Failed to
+find host bounds", "unexpected worker hostname", a source location trace) unless another process holds its lock.
+Where no TPU chip is visible (jax's own test, ``hardware_utils``), ``JAX_PLATFORMS`` is unset and
+``JAX_FORCE_TPU_INIT`` is not set, the hook also replaces jax's ``tpu`` backend factory after the import by one that
+fails at once, quietly (as the TPU backend's registration asks: ``jax.devices("tpu")`` then names the reason): that
+backend could not start here, and the deviceless TPU compile (``jaxattn.tpu_target``) builds libtpu's topologies
+without it.
+
 ``import jax`` in a program that does not import jaxattn first still prints the lines: install the extra in its
 own virtual environment if that matters (the README says so).
 """
@@ -41,10 +50,39 @@ _PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
 def applies() -> bool:
-    """True where the quiet import is wanted: a CUDA plugin installed, no NVIDIA driver, jax not imported."""
-    if os.environ.get("JAXATTN_CUDA_QUIET") == "0" or "jax" in sys.modules or os.path.exists("/proc/driver/nvidia"):
+    """True where the quiet import is wanted: jax not imported, and a CUDA plugin installed without an NVIDIA driver
+    or libtpu installed without a TPU chip."""
+    if os.environ.get("JAXATTN_CUDA_QUIET") == "0" or "jax" in sys.modules:
         return False
-    return any(importlib.util.find_spec(name) is not None for name in _PLUGINS)
+    cuda = not os.path.exists("/proc/driver/nvidia") and any(importlib.util.find_spec(n) for n in _PLUGINS)
+    return cuda or _absent_tpu()
+
+
+def _absent_tpu() -> bool:
+    """libtpu installed, no TPU chip visible, and nothing asks for the TPU backend anyway."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+        return False
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    return not any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))  # jax's hardware_utils looks there
+
+
+def _no_tpu_chip():
+    raise RuntimeError("no TPU chip on this machine (jaxattn.cuda_quiet did not start libtpu's client)")
+
+
+def _drop_tpu_backend() -> None:
+    """No TPU client where no TPU chip is (see the module docstring); checked again with jax's own chip count."""
+    try:
+        import dataclasses
+
+        from jax._src import hardware_utils, xla_bridge
+
+        factories = xla_bridge._backend_factories  # noqa: SLF001 - jax offers no switch but JAX_PLATFORMS
+        if "tpu" in factories and hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+            factories["tpu"] = dataclasses.replace(factories["tpu"], factory=_no_tpu_chip, fail_quietly=True)
+    except Exception:  # noqa: BLE001 - an API that moved: the backend starts, lines and all
+        pass
 
 
 def filter_lines(text: str) -> str:
@@ -72,6 +110,8 @@ class _QuietLoader(importlib.abc.Loader):
                     xla_bridge._discover_and_register_pjrt_plugins()  # noqa: SLF001 - what jax does on first use
                 except Exception:  # noqa: BLE001 - an API that moved: jax registers them later, lines and all
                     pass
+                if _absent_tpu():
+                    _drop_tpu_backend()
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
