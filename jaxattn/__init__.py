@@ -4,7 +4,7 @@ Public names and submodules are imported lazily, so ``import jaxattn`` is cheap.
 twins share is the top-level package ``twincore``; ``torchref`` imports that, never this package.
 """
 
-from importlib import import_module
+from twincore.lazy import lazy_attributes
 
 from . import cuda_quiet
 
@@ -45,12 +45,4 @@ _SUBMODULES = (
 )
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    if name in _SUBMODULES:  # `import jaxattn; jaxattn.attention` works without importing the submodule first
-        return import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'jaxattn' has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __all__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)

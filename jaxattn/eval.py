@@ -22,9 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twincore.cli import cli_main
-from twincore.data import load_tokenizer, read_documents
-from twincore.eval import EvalResult, eval_batches, parse_args
+from twincore.eval import EvalResult, eval_batches, eval_cli
 
 from . import hf
 from .precision import Policy, get_policy
@@ -76,29 +74,8 @@ def evaluate(model: nnx.Module, batches: Iterable[Mapping[str, np.ndarray]], *, 
     return run_eval(make_eval_step(graphdef, policy=policy), params, rest, batches)
 
 
-def _prepare(argv: Sequence[str] | None):
-    args, config = parse_args(argv, "jax")
-    tokenizer = load_tokenizer(args.init)
-    docs = read_documents(args.data, tokenizer)
-    batches = eval_batches(
-        docs,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        vocab_size=config.vocab_size,
-        name=f"--data {args.data!r}",
-    )
-    return args, hf.from_pretrained(args.init, dtype=args.dtype), batches
-
-
-def _report(prepared) -> EvalResult:
-    args, model, batches = prepared
-    result = evaluate(model, batches)
-    print(result.line(args.data))
-    return result
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, _prepare, _report, argv)
+    return eval_cli(PROG, "jax", lambda args: hf.from_pretrained(args.init, dtype=args.dtype), evaluate, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS
+from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS, PolicyPresets
 
 from .loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from .loss_scale import is_float_array as _is_float_array
@@ -45,8 +45,6 @@ __all__ = [
 
 PRESETS: tuple[str, ...] = tuple(PRECISION_PRESETS)
 
-_PRESET_DTYPES: dict[str, tuple[str, str, str]] = PRECISION_PRESETS
-
 _FLOAT_DTYPES = tuple(np.dtype(jnp.dtype(d)) for d in POLICY_DTYPES)
 
 
@@ -67,8 +65,8 @@ def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if _is_float_array(x) and x.dtype != dtype else x, tree)
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Policy(PolicyPresets):
     """Mixed-precision policy: storage dtype of the parameters, dtype of the computation, dtype of the outputs.
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``. Only floating leaves are cast.
@@ -81,21 +79,6 @@ class Policy:
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, f, _as_float_dtype(getattr(self, f), f))
-
-    @classmethod
-    def preset(cls, name: str) -> Policy:
-        """The policy named ``name``, one of ``PRESETS`` (the same names as ``torchref.precision``)."""
-        if not isinstance(name, str) or name not in _PRESET_DTYPES:
-            raise ValueError(f"unknown precision preset name={name!r}; valid names: {', '.join(PRESETS)}")
-        return cls(*_PRESET_DTYPES[name])
-
-    @property
-    def name(self) -> str | None:
-        """The preset this policy equals, or ``None`` for a custom combination."""
-        for n, dts in _PRESET_DTYPES.items():
-            if (str(self.param_dtype), str(self.compute_dtype), str(self.output_dtype)) == dts:
-                return n
-        return None
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -122,19 +105,10 @@ class Policy:
             )
         return NoOpLossScale()
 
-    def __repr__(self) -> str:
-        tag = f" ({self.name})" if self.name else ""
-        return (
-            f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
-            f"output_dtype={self.output_dtype}){tag}"
-        )
-
 
 def get_policy(name: str | Policy) -> Policy:
     """``Policy.preset(name)``; a ``Policy`` passes through unchanged."""
-    if isinstance(name, Policy):
-        return name
-    return Policy.preset(name)
+    return Policy.get(name)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Public names are imported lazily; nothing here imports jax.
 """
 
-from importlib import import_module
+from twincore.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 _EXPORTS = {
@@ -39,12 +39,4 @@ _SUBMODULES = (
 )
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    if name in _SUBMODULES:  # `import torchref; torchref.attention` works without importing the submodule first
-        return import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'torchref' has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __all__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)

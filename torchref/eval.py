@@ -18,9 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from twincore.cli import cli_main
-from twincore.data import load_tokenizer, read_documents
-from twincore.eval import EvalResult, eval_batches, parse_args
+from twincore.eval import EvalResult, eval_batches, eval_cli
 
 from . import hf
 from .precision import Policy
@@ -62,30 +60,13 @@ def evaluate(
     return EvalResult(loss_sum=float(host[:, 0].sum()), tokens=int(round(host[:, 1].sum())))
 
 
-def _prepare(argv: Sequence[str] | None):
-    args, config = parse_args(argv, "torch")
-    tokenizer = load_tokenizer(args.init)
-    docs = read_documents(args.data, tokenizer)
-    batches = eval_batches(
-        docs,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        vocab_size=config.vocab_size,
-        name=f"--data {args.data!r}",
-    )
+def _load(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return args, hf.from_pretrained(args.init, dtype=args.dtype).to(device), batches
-
-
-def _report(prepared) -> EvalResult:
-    args, model, batches = prepared
-    result = evaluate(model, batches)
-    print(result.line(args.data))
-    return result
+    return hf.from_pretrained(args.init, dtype=args.dtype).to(device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(PROG, _prepare, _report, argv)
+    return eval_cli(PROG, "torch", _load, evaluate, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS
+from twincore.dtypes import POLICY_DTYPES, PRECISION_PRESETS, PolicyPresets
 
 __all__ = [
     "PRESETS",
@@ -33,10 +33,6 @@ __all__ = [
 ]
 
 PRESETS: tuple[str, ...] = tuple(PRECISION_PRESETS)
-
-_PRESET_DTYPES: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
-    name: tuple(getattr(torch, d) for d in dts) for name, dts in PRECISION_PRESETS.items()
-}
 
 _DTYPE_NAMES = {name: getattr(torch, name) for name in POLICY_DTYPES}
 _FLOAT_DTYPES = tuple(_DTYPE_NAMES.values())
@@ -52,8 +48,8 @@ def _as_float_dtype(value: Any, arg: str) -> torch.dtype:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Policy(PolicyPresets):
     """Mixed-precision policy (same fields and presets as ``jaxattn.precision.Policy``).
 
     ``compute_dtype != param_dtype`` means autocast to ``compute_dtype``; ``param_dtype`` below float32 means the
@@ -67,19 +63,6 @@ class Policy:
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, f, _as_float_dtype(getattr(self, f), f))
-
-    @classmethod
-    def preset(cls, name: str) -> Policy:
-        if not isinstance(name, str) or name not in _PRESET_DTYPES:
-            raise ValueError(f"unknown precision preset name={name!r}; valid names: {', '.join(PRESETS)}")
-        return cls(*_PRESET_DTYPES[name])
-
-    @property
-    def name(self) -> str | None:
-        for n, dts in _PRESET_DTYPES.items():
-            if (self.param_dtype, self.compute_dtype, self.output_dtype) == dts:
-                return n
-        return None
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -115,18 +98,10 @@ class Policy:
             device = device.type
         return torch.amp.GradScaler(device, enabled=self.uses_loss_scaling, **kwargs)
 
-    def __repr__(self) -> str:
-        tag = f" ({self.name})" if self.name else ""
-        return (
-            f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
-            f"output_dtype={self.output_dtype}){tag}"
-        )
-
 
 def get_policy(name: str | Policy) -> Policy:
-    if isinstance(name, Policy):
-        return name
-    return Policy.preset(name)
+    """``Policy.preset(name)``; a ``Policy`` passes through unchanged."""
+    return Policy.get(name)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -43,3 +43,36 @@ def check_model_dtype(name: str, arg: str = "dtype") -> str:
             f"{arg}={name!r} is not supported; use one of {', '.join(MODEL_DTYPES)} (or {', '.join(DTYPE_ALIASES)})"
         )
     return name
+
+
+class PolicyPresets:
+    """The preset half of both twins' ``Policy`` (a frozen dataclass of ``param_dtype``, ``compute_dtype``,
+    ``output_dtype`` whose ``__post_init__`` turns a dtype NAME into its framework's dtype): a preset by name, the
+    name back, the repr and the name-or-policy lookup, written once.
+
+        Policy.preset("bf16").name  # "bf16";  Policy.get(policy) is policy
+    """
+
+    @classmethod
+    def preset(cls, name: str):
+        """The policy named ``name``, one of :data:`PRECISION_PRESETS` (the same names in both twins)."""
+        if not isinstance(name, str) or name not in PRECISION_PRESETS:
+            raise ValueError(f"unknown precision preset name={name!r}; valid names: {', '.join(PRECISION_PRESETS)}")
+        return cls(*PRECISION_PRESETS[name])
+
+    @classmethod
+    def get(cls, name):
+        """``preset(name)``; a policy of this class passes through unchanged."""
+        return name if isinstance(name, cls) else cls.preset(name)
+
+    @property
+    def name(self) -> str | None:
+        """The preset this policy equals, or ``None`` for a custom combination."""
+        return next((n for n in PRECISION_PRESETS if type(self).preset(n) == self), None)
+
+    def __repr__(self) -> str:
+        tag = f" ({self.name})" if self.name else ""
+        return (
+            f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
+            f"output_dtype={self.output_dtype}){tag}"
+        )

@@ -160,3 +160,31 @@ def parse_args(argv: Sequence[str] | None, framework: str) -> tuple[argparse.Nam
     if args.seq_len > config.max_seq_len:
         raise CLIError(f"--seq-len {args.seq_len}: exceeds the model's max_seq_len={config.max_seq_len}")
     return args, config
+
+
+def eval_cli(prog: str, framework: str, load_model, evaluate, argv: Sequence[str] | None = None) -> int:
+    """A twin's ``python -m <twin>.eval``: the flags checked, ``--data`` read with the checkpoint's tokenizer into
+    :func:`eval_batches`, ``load_model(args)`` (the twin's ``from_pretrained`` onto its device), ``evaluate(model,
+    batches)`` and its one line on stdout; errors become one ``prog: error: ...`` line (an exit status)."""
+    from .cli import cli_main
+    from .data import load_tokenizer, read_documents
+
+    def prepare(argv):
+        args, config = parse_args(argv, framework)
+        docs = read_documents(args.data, load_tokenizer(args.init))
+        batches = eval_batches(
+            docs,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            vocab_size=config.vocab_size,
+            name=f"--data {args.data!r}",
+        )
+        return args, load_model(args), batches
+
+    def report(prepared) -> EvalResult:
+        args, model, batches = prepared
+        result = evaluate(model, batches)
+        print(result.line(args.data))
+        return result
+
+    return cli_main(prog, prepare, report, argv)
