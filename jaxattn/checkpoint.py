@@ -15,15 +15,13 @@ the directory's lock from construction (a directory in use is refused before orb
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from twincore.rundir import RunDir
+from twincore.rundir import StepCheckpointer
 
 __all__ = ["Checkpointer", "ORBAX_VERSION"]
 
@@ -40,28 +38,16 @@ def _abstract(tree: Any) -> Any:
     )
 
 
-class Checkpointer:
-    """Step checkpoints of one run in ``directory`` (see the module docstring). ``run``: the run-defining flags
-    (``twincore.rundir.RUN_FLAGS``); ``resume``: continue the run recorded there (else a new run: another run's
-    checkpoints are refused unless ``overwrite``); ``writer``: this process writes the marker (process 0)."""
+class Checkpointer(StepCheckpointer):
+    """Step checkpoints of one run in ``directory`` (see the module docstring); ``keep``, ``run``, ``resume``,
+    ``overwrite``, ``writer``: ``twincore.rundir.StepCheckpointer``'s (the writer is process 0, and orbax cleans on
+    process 0 only)."""
 
-    def __init__(
-        self,
-        directory: str,
-        keep: int = 3,
-        *,
-        run: Mapping[str, Any] | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        writer: bool = True,
-    ):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
-        self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
-        # the lock before anything is read, and before orbax's manager deletes the temporary directories it finds (a
-        # live trainer's in-flight step): held until close() or the end of locked() (process 0 only: the others
-        # share its run, and orbax cleans on process 0 only)
-        self.run_dir = RunDir(self.directory, "jax", run or {}, resume=resume, overwrite=overwrite, lock=writer)
+    FRAMEWORK = "jax"
+
+    def __init__(self, directory: str, keep: int = 3, **run_dir: Any):
+        # the lock before orbax's manager deletes the temporary directories it finds (a live trainer's in-flight step)
+        super().__init__(directory, keep, **run_dir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,
             create=True,
@@ -74,24 +60,10 @@ class Checkpointer:
         except BaseException:
             self.run_dir.release()
             raise
-        self.problems: list[str] = []
-
-    def locked(self):
-        """The directory's lock (taken at construction) held for the block, released at its end (process 0 only)."""
-        return self.run_dir.locked() if self.writer else contextlib.nullcontext()
-
-    def latest_step(self) -> int | None:
-        """The newest step of this run whose files match their checksums; why newer ones were skipped is in
-        :attr:`problems`."""
-        step, self.problems = self.run_dir.latest_valid()
-        return step
 
     def path(self, step: int) -> str:
         """The folder of ``step``'s checkpoint."""
         return os.path.join(self.directory, f"{STEP_PREFIX}_{int(step)}")
-
-    def all_steps(self) -> list[int]:
-        return self.run_dir.complete_steps()
 
     def save(self, step: int, tree: Any, meta: dict) -> None:
         step = int(step)
@@ -127,4 +99,4 @@ class Checkpointer:
         try:
             self.manager.close()
         finally:
-            self.run_dir.release()
+            super().close()

@@ -101,11 +101,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None) -> Llama:
     _resolve_dtype(dtype)  # a bad dtype fails before any file is read
     if str(path).endswith(".gguf") and os.path.isfile(path):  # a llama.cpp file
         return from_gguf(path, dtype)
-    hf_config, tensors = hf_format.read_checkpoint(path, safetensors.numpy.load_file)
-    config = ModelConfig.from_hf(hf_config)
-    where = f"checkpoint {os.fspath(path)!r}"
-    hf_format.check_state_shapes(config, {k: v.shape for k, v in tensors.items()}, where)
-    hf_format.check_state_dtypes({k: v.dtype for k, v in tensors.items()}, where)
+    config, tensors = hf_format.load_checked(path, safetensors.numpy.load_file)
     return from_state_dict(config, tensors, dtype=dtype)
 
 

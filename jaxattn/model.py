@@ -32,7 +32,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from twincore import params
-from twincore.batch import check_logits_at, check_logits_at_values, check_model_inputs, check_moe_args, check_token_ids
+from twincore.batch import (
+    cache_positions,
+    check_logits_at,
+    check_logits_at_values,
+    check_model_inputs,
+    check_moe_args,
+    check_token_ids,
+)
 
 from .attention import dot_product_attention
 from .config import ModelConfig
@@ -279,11 +286,7 @@ class Llama(nnx.Module):
         if not isinstance(tokens, _Tracer):  # eager: the ids are concrete and can be checked
             check_token_ids(tokens, cfg.vocab_size, arg="tokens")
         b, s = tokens.shape
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("segment_ids cannot be combined with a KV cache (rows are right-padded instead)")
-            cache.check_call((b, s))
-            positions = cache.positions(s) if positions is None else positions
+        positions = cache_positions(cache, positions, segment_ids, (b, s))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         cos, sin = rope_cos_sin(self.inv_freq[...], jnp.asarray(positions))  # [B, S, 1, head_dim]

@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -317,13 +315,7 @@ def _join(args) -> None:
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed_timeout)
 
 
-def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train as the CLI would (without printing the summary); returns :meth:`Trainer.fit`'s dict."""
-    return Trainer.from_argv(argv).fit()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return Trainer.cli(argv)
+run, main = Trainer.run, Trainer.cli  # in-process training (fit's dict), and the CLI (an exit status)
 
 
 if __name__ == "__main__":

@@ -350,7 +350,18 @@ def test_one_trainer_serves_both_twins():
     once there, and neither twin overrides them (each supplies only its framework's hooks)."""
     from twincore.trainer import Trainer
 
-    shared = ("fit", "save", "meta", "resume_step", "check_resume", "eval_due", "_load_data", "_finish", "from_argv")
+    shared = (
+        "fit",
+        "save",
+        "meta",
+        "resume_step",
+        "check_resume",
+        "eval_due",
+        "_load_data",
+        "_finish",
+        "from_argv",
+        "run",
+    )
     for twin in (jtrainer.Trainer, ttrainer.Trainer):
         assert issubclass(twin, Trainer)
         assert [name for name in shared if name in vars(twin)] == [], twin

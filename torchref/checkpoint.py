@@ -13,16 +13,14 @@ matches, and a corrupt file is never unpickled. Files are loaded with ``weights_
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from twincore.atomic import atomic_path, temp_pid
-from twincore.rundir import RunDir
+from twincore.rundir import StepCheckpointer
 
 __all__ = ["Checkpointer", "PREFIX"]
 
@@ -40,43 +38,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Checkpointer:
-    """Step checkpoints of one run in ``directory``: ``run``, ``resume``, ``overwrite``, ``writer`` as in
-    ``jaxattn.checkpoint.Checkpointer`` (the writer is rank 0)."""
+class Checkpointer(StepCheckpointer):
+    """Step checkpoints of one run in ``directory``: ``keep``, ``run``, ``resume``, ``overwrite``, ``writer`` are
+    ``twincore.rundir.StepCheckpointer``'s (the writer is rank 0)."""
 
-    def __init__(
-        self,
-        directory: str,
-        keep: int = 3,
-        *,
-        run: Mapping[str, Any] | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        writer: bool = True,
-    ):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
-        self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
-        # the lock before anything is read (rank 0; held until close() or the end of locked())
-        self.run_dir = RunDir(self.directory, "torch", run or {}, resume=resume, overwrite=overwrite, lock=writer)
-        self.problems: list[str] = []
-
-    def locked(self):
-        return self.run_dir.locked() if self.writer else contextlib.nullcontext()
+    FRAMEWORK = "torch"
 
     def name(self, step: int) -> str:
         return f"{PREFIX}{int(step):08d}.pt"
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, self.name(step))
-
-    def all_steps(self) -> list[int]:
-        return self.run_dir.complete_steps()
-
-    def latest_step(self) -> int | None:
-        """The newest step of this run whose file matches its checksum (why newer ones did not: :attr:`problems`)."""
-        step, self.problems = self.run_dir.latest_valid()
-        return step
 
     def save(self, step: int, payload: dict[str, Any]) -> str:
         self.run_dir.begin(step, [self.name(step)])
@@ -105,7 +77,3 @@ class Checkpointer:
                 f"no valid checkpoint for step {step} in {self.directory!r}: {why} (valid steps {self.all_steps()})"
             )
         return torch.load(self.path(step), map_location=map_location, weights_only=True)
-
-    def close(self) -> None:
-        """Let the directory's lock go."""
-        self.run_dir.release()

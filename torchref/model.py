@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twincore.batch import (
+    cache_positions,
     check_logits_at,
     check_logits_at_values,
     check_model_inputs,
@@ -165,11 +166,7 @@ class LlamaModel(nn.Module):
         if input_ids.dtype not in (torch.int32, torch.int64):
             input_ids = input_ids.long()
         b, s = input_ids.shape
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("segment_ids cannot be combined with a KV cache (rows are right-padded instead)")
-            cache.check_call((b, s))
-            positions = cache.positions(s) if positions is None else positions
+        positions = cache_positions(cache, positions, segment_ids, (b, s))
         if positions is None:
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [B, 1, S, head_dim]

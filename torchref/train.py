@@ -23,8 +23,6 @@ import contextlib
 import copy
 import datetime
 import os
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -379,13 +377,7 @@ def _scalar(x: torch.Tensor) -> float:
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)  # a DTensor under --parallel tp/fsdp
 
 
-def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train as the CLI would (without printing the summary); returns :meth:`Trainer.fit`'s dict."""
-    return Trainer.from_argv(argv).fit()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return Trainer.cli(argv)
+run, main = Trainer.run, Trainer.cli  # in-process training (fit's dict), and the CLI (an exit status)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,18 @@ def check_moe_args(config, tokens_shape: tuple, cache: Any, moe_stats: Any, moe_
         raise ValueError(f"moe_mask must be [B, S] like {arg} {tuple(tokens_shape)}, got {tuple(np.shape(moe_mask))}")
 
 
+def cache_positions(cache: Any, positions: Any, segment_ids: Any, tokens_shape: tuple) -> Any:
+    """The positions of a forward call over a KV cache (both twins' models): the cache checks the call's
+    ``[B, S]`` and gives the rows' next positions unless ``positions`` are given; a cache refuses ``segment_ids``
+    (its rows are right-padded instead). Without a cache, ``positions`` unchanged (None: the model's 0..S-1)."""
+    if cache is None:
+        return positions
+    if segment_ids is not None:
+        raise ValueError("segment_ids cannot be combined with a KV cache (rows are right-padded instead)")
+    cache.check_call(tuple(tokens_shape))
+    return cache.positions(tokens_shape[1]) if positions is None else positions
+
+
 def check_logits_at(logits_at: Any, tokens_shape: tuple, arg: str = "logits_at") -> None:
     """A model call's ``logits_at``: an int array ``[batch, K >= 1]`` (the tokens' batch) of indices into the
     sequence axis of tokens shaped ``tokens_shape = (batch, seq)``. Reads the shape and dtype only (works on

@@ -287,6 +287,19 @@ def read_checkpoint(path: str | os.PathLike, load_file: Callable[[str], dict]) -
     return config, tensors
 
 
+def load_checked(path: str | os.PathLike, load_file: Callable[[str], dict]):
+    """``(ModelConfig, tensors)`` of a checkpoint directory (:func:`read_checkpoint`), every tensor's name, shape
+    and dtype checked against the config: both twins' ``from_pretrained`` before they build a model."""
+    from .config import ModelConfig
+
+    hf_config, tensors = read_checkpoint(path, load_file)
+    config = ModelConfig.from_hf(hf_config)
+    where = f"checkpoint {os.fspath(path)!r}"
+    check_state_shapes(config, {k: tuple(v.shape) for k, v in tensors.items()}, where)
+    check_state_dtypes({k: v.dtype for k, v in tensors.items()}, where)
+    return config, tensors
+
+
 # ----------------------------------------------------------------------------------------------- writing
 
 

@@ -38,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no lock
     fcntl = None
 
-__all__ = ["MARKER", "LOCK", "RUN_FLAGS", "RunDir", "RunDirError", "sha256_file"]
+__all__ = ["MARKER", "LOCK", "RUN_FLAGS", "RunDir", "RunDirError", "StepCheckpointer", "sha256_file"]
 
 MARKER = "train-run.json"
 LOCK = ".train-run.lock"
@@ -360,3 +360,51 @@ class RunDir:
                 return step, problems
             problems.append(f"step {step}: {why}")
         return None, problems
+
+
+class StepCheckpointer:
+    """What both twins' ``Checkpointer`` share: a :class:`RunDir` in ``directory`` (the lock taken at construction
+    by the writer, then another run refused), ``keep`` checked, and the step lookup. A twin sets ``FRAMEWORK`` and
+    writes and reads its steps (``save`` / ``restore`` or ``load``, ``path``).
+
+    ``run``: the run-defining flags (:data:`RUN_FLAGS`); ``resume``: continue the run recorded there (else a new run:
+    another run's checkpoints are refused unless ``overwrite``); ``writer``: this process writes the marker and holds
+    the lock (process / rank 0; the others share its run)."""
+
+    FRAMEWORK = ""
+
+    def __init__(
+        self,
+        directory: str,
+        keep: int = 3,
+        *,
+        run: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        writer: bool = True,
+    ):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r} must be an int >= 1 (checkpoints to keep)")
+        self.directory, self.keep, self.writer = os.path.abspath(directory), keep, writer
+        # the lock before anything is read: held until close() or the end of locked()
+        self.run_dir = RunDir(
+            self.directory, self.FRAMEWORK, run or {}, resume=resume, overwrite=overwrite, lock=writer
+        )
+        self.problems: list[str] = []
+
+    def locked(self):
+        """The directory's lock (taken at construction) held for the block, released at its end (the writer)."""
+        return self.run_dir.locked() if self.writer else contextlib.nullcontext()
+
+    def latest_step(self) -> int | None:
+        """The newest step of this run whose files match their checksums; why newer ones were skipped is in
+        :attr:`problems`."""
+        step, self.problems = self.run_dir.latest_valid()
+        return step
+
+    def all_steps(self) -> list[int]:
+        return self.run_dir.complete_steps()
+
+    def close(self) -> None:
+        """Let the directory's lock go."""
+        self.run_dir.release()

@@ -200,6 +200,11 @@ class Trainer:
         return cls(args, config)
 
     @classmethod
+    def run(cls, argv: Sequence[str] | None = None) -> dict[str, Any]:
+        """Train as the CLI would (without printing the summary); returns :meth:`fit`'s dict."""
+        return cls.from_argv(argv).fit()
+
+    @classmethod
     def cli(cls, argv: Sequence[str] | None = None) -> int:
         """The CLI: parse, build, fit, print the summary (the lead process); an exit status."""
         return cli_main(cls.PROG, cls.from_argv, _fit_and_report, argv)
