@@ -23,26 +23,5 @@ _EXPORTS = {
     "attention_backend": "attention",
 }
 
-_SUBMODULES = (
-    "config",
-    "model",
-    "hf",
-    "attention",
-    "precision",
-    "loss_scale",
-    "optim",
-    "remat",
-    "data",
-    "checkpoint",
-    "seed",
-    "train_step",
-    "kv_cache",
-    "generate",
-    "quant",
-    "sharding",
-    "train",
-    "eval",
-)
 
-
-__getattr__, __all__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)
+__getattr__, __all__ = lazy_attributes(__name__, __path__, _EXPORTS)

@@ -104,38 +104,30 @@ def _float32(x: float) -> float:
         return float(np.float32(x))
 
 
-def _check_scale(value: Any, what: str) -> float:
-    """A loss scale: finite and > 0 in float32 (1e40 overflows float32 to inf, 1e-50 underflows to 0)."""
+def _check_float32(value: Any, what: str, ok, accepted: str) -> float:
+    """``value`` as a float whose float32 rounding passes ``ok`` (a value that only fails after the rounding says
+    so: 1e40 overflows float32 to inf, 1e-50 underflows to 0); else a ValueError naming ``what``."""
     x = float(_python_number(value, what))
     f = _float32(x)
-    if not (math.isfinite(f) and f > 0):
-        raise ValueError(
-            f"{what} must be a finite float > 0 that float32 can hold (at most {_F32_MAX:.8g}), "
-            f"got {value!r}" + ("" if not math.isfinite(x) or x <= 0 else f" (float32: {f})")
-        )
+    if not (math.isfinite(f) and ok(f)):
+        rounded = math.isfinite(x) and ok(x)
+        raise ValueError(f"{what} must be {accepted}, got {value!r}" + (f" (float32: {f})" if rounded else ""))
     return x
+
+
+def _check_scale(value: Any, what: str) -> float:
+    """A loss scale: finite and > 0 in float32."""
+    return _check_float32(
+        value, what, lambda v: v > 0, f"a finite float > 0 that float32 can hold (at most {_F32_MAX:.8g})"
+    )
 
 
 def _check_growth_factor(value: Any, what: str) -> float:
-    x = float(_python_number(value, what))
-    f = _float32(x)
-    if not (math.isfinite(f) and f > 1.0):
-        raise ValueError(
-            f"{what} must be a finite float > 1.0 (in float32), got {value!r}"
-            + ("" if not math.isfinite(x) or x <= 1.0 else f" (float32: {f})")
-        )
-    return x
+    return _check_float32(value, what, lambda v: v > 1.0, "a finite float > 1.0 (in float32)")
 
 
 def _check_backoff_factor(value: Any, what: str) -> float:
-    x = float(_python_number(value, what))
-    f = _float32(x)
-    if not 0.0 < f < 1.0:
-        raise ValueError(
-            f"{what} must be a float in (0, 1) (in float32), got {value!r}"
-            + ("" if not 0.0 < x < 1.0 else f" (float32: {f})")
-        )
-    return x
+    return _check_float32(value, what, lambda v: 0.0 < v < 1.0, "a float in (0, 1) (in float32)")
 
 
 def _check_int(value: Any, what: str, lo: int, hi: int = _INT32_MAX, *, integral_float: bool = False) -> int:

@@ -18,25 +18,5 @@ _EXPORTS = {
     "dot_product_attention": "attention",
 }
 
-_SUBMODULES = (
-    "config",
-    "model",
-    "hf",
-    "attention",
-    "precision",
-    "optim",
-    "remat",
-    "data",
-    "checkpoint",
-    "seed",
-    "train_step",
-    "kv_cache",
-    "generate",
-    "quant",
-    "parallel",
-    "train",
-    "eval",
-)
 
-
-__getattr__, __all__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)
+__getattr__, __all__ = lazy_attributes(__name__, __path__, _EXPORTS)
