@@ -40,6 +40,7 @@ from twincore.batch import (
     check_moe_args,
     check_token_ids,
 )
+from twincore.tensors import REMAT_TAGS
 
 from .attention import dot_product_attention
 from .config import ModelConfig
@@ -59,19 +60,8 @@ Q_AXES: tuple[str, ...] = ("batch", "seq", "heads", "head_dim")  # q and the att
 KV_AXES: tuple[str, ...] = ("batch", "seq", "kv_heads", "head_dim")  # k, v [B, S, Hkv, D]
 SEGMENT_AXES: tuple[str, ...] = ("batch", "seq")
 
-# checkpoint_name tags (MaxText's names) on the values a remat policy may keep.
-REMAT_NAMES: tuple[str, ...] = (
-    "query_proj",
-    "key_proj",
-    "value_proj",
-    "attention_out",
-    "out_proj",
-    "attention_residual",
-    "mlpwi_0",
-    "mlpwi_1",
-    "mlp_hidden",
-    "decoder_layer_output",
-)
+# checkpoint_name tags on the values a remat policy may keep: twincore.tensors, the one vocabulary (HF module names).
+REMAT_NAMES: tuple[str, ...] = REMAT_TAGS
 
 
 # Activation sharding seam (MaxText / torchtitan style, no mesh here): ``None`` (a no-op) unless
@@ -159,9 +149,9 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     ``(out, (k_cache, v_cache))``. Matmuls go through ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
-    q = checkpoint_name(matmul(x, p["wq"]), "query_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
-    k = checkpoint_name(matmul(x, p["wk"]), "key_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
-    v = checkpoint_name(matmul(x, p["wv"]), "value_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    q = checkpoint_name(matmul(x, p["wq"]), "q_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
+    k = checkpoint_name(matmul(x, p["wk"]), "k_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    v = checkpoint_name(matmul(x, p["wv"]), "v_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
         q = rms_norm(q, p["q_norm"], cfg.norm_eps).astype(q.dtype)  # a float32 norm weight: keep q's dtype
         k = rms_norm(k, p["k_norm"], cfg.norm_eps).astype(k.dtype)
@@ -175,15 +165,15 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
         )
     else:
         o, kv = cached_attention(q, k, v, *kv)
-    o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attention_out")  # [B, S, Hq*D]
-    o = checkpoint_name(matmul(o, p["wo"]), "out_proj")  # [B, S, dim]
+    o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attn_output")  # [B, S, Hq*D]
+    o = checkpoint_name(matmul(o, p["wo"]), "o_proj")  # [B, S, dim]
     return o if kv is None else (o, kv)
 
 
 def mlp_block(x, p):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = checkpoint_name(matmul(x, p["w_gate"]), "mlpwi_0")
-    up = checkpoint_name(matmul(x, p["w_up"]), "mlpwi_1")
+    gate = checkpoint_name(matmul(x, p["w_gate"]), "gate_proj")
+    up = checkpoint_name(matmul(x, p["w_up"]), "up_proj")
     return matmul(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"), p["w_down"])
 
 

@@ -65,8 +65,8 @@ def route(x: jax.Array, router: jax.Array, cfg) -> tuple[jax.Array, jax.Array, j
 
 
 def _swiglu(x, p, matmul):
-    gate = checkpoint_name(matmul(x, expert_weight(p["e_gate"], x.dtype)), "mlpwi_0")
-    up = checkpoint_name(matmul(x, expert_weight(p["e_up"], x.dtype)), "mlpwi_1")
+    gate = checkpoint_name(matmul(x, expert_weight(p["e_gate"], x.dtype)), "gate_proj")
+    up = checkpoint_name(matmul(x, expert_weight(p["e_up"], x.dtype)), "up_proj")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
     return matmul(hidden, expert_weight(p["e_down"], x.dtype))
 

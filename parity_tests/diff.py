@@ -21,7 +21,7 @@ kernel rule everywhere.
 
 Capture changes no model file. torch: forward hooks on the Hugging Face-named modules (:data:`TORCH_HOOKS`) and a
 wrapper around the ``dot_product_attention`` name ``torchref.model`` calls (q, k after RoPE). JAX: the model's own
-jitted call with ``jaxattn.model``'s ``checkpoint_name`` (the MaxText tags the remat policies use), its
+jitted call with ``jaxattn.model``'s ``checkpoint_name`` (the tags the remat policies use), its
 ``dot_product_attention`` / ``decoder_layer`` names and ``Llama.features`` wrapped to add an ordered
 ``jax.debug.callback``: the layers still run under ``lax.scan``, and the callbacks arrive in layer order. The
 float64 reference is the torch twin with ``.double()`` weights, attention by the float64 softmax here (torchref's
@@ -44,38 +44,13 @@ from collections import defaultdict
 import numpy as np
 
 from twincore.cli import CLIError, OneLineParser
+from twincore.tensors import LAYER_TENSORS, TORCH_HOOKS
 
-# The tensors compared, in forward order: the embedding, then per layer (their MaxText / checkpoint_name names,
-# plus q and k after RoPE), then the final norm and the logits.
-LAYER_KINDS: tuple[str, ...] = (
-    "query_proj",
-    "key_proj",
-    "value_proj",
-    "query_rope",
-    "key_rope",
-    "attention_out",
-    "out_proj",
-    "attention_residual",
-    "mlpwi_0",
-    "mlpwi_1",
-    "mlp_hidden",
-    "decoder_layer_output",
-)
+# The tensors compared, in forward order: the embedding, then per layer (twincore.tensors: the remat tags plus q and
+# k after RoPE, Hugging Face's module names), then the final norm and the logits. torch side, per decoder layer:
+# (name, submodule of ``model.layers.{i}``, "out" = its output | "in" = its input).
+LAYER_KINDS: tuple[str, ...] = tuple(t.name for t in LAYER_TENSORS)
 KINDS: tuple[str, ...] = ("embed",) + LAYER_KINDS + ("final_norm", "logits")
-
-# torch side, per decoder layer: (kind, submodule of ``model.layers.{i}``, "out" = its output | "in" = its input).
-TORCH_HOOKS: tuple[tuple[str, str, str], ...] = (
-    ("query_proj", "self_attn.q_proj", "out"),
-    ("key_proj", "self_attn.k_proj", "out"),
-    ("value_proj", "self_attn.v_proj", "out"),
-    ("attention_out", "self_attn.o_proj", "in"),
-    ("out_proj", "self_attn.o_proj", "out"),
-    ("attention_residual", "post_attention_layernorm", "in"),  # x + attention: the MLP norm's input
-    ("mlpwi_0", "mlp.gate_proj", "out"),
-    ("mlpwi_1", "mlp.up_proj", "out"),
-    ("mlp_hidden", "mlp.down_proj", "in"),
-    ("decoder_layer_output", "", "out"),
-)
 TORCH_GLOBAL_HOOKS: tuple[tuple[str, str], ...] = (("embed", "model.embed_tokens"), ("final_norm", "model.norm"))
 
 # Design §7's rule for one kernel against a naive implementation, and the default for a whole model (the module
@@ -179,8 +154,8 @@ def capture_torch(model, ids: np.ndarray, *, autocast=None, backend=None) -> dic
         return fn
 
     def tap(q, k):
-        out[("query_rope", state["layer"])] = _np64(q.transpose(1, 2))  # [B, S, Hq, D]
-        out[("key_rope", state["layer"])] = _np64(k.transpose(1, 2))  # [B, S, Hkv, D]
+        out[("q_rope", state["layer"])] = _np64(q.transpose(1, 2))  # [B, S, Hq, D]
+        out[("k_rope", state["layer"])] = _np64(k.transpose(1, 2))  # [B, S, Hkv, D]
 
     for kind, name in TORCH_GLOBAL_HOOKS:
         handles.append(model.get_submodule(name).register_forward_hook(hook(kind, None, "out")))
@@ -259,8 +234,8 @@ def _jax_taps(record):
         return real["checkpoint_name"](x, name)
 
     def dot_product_attention(q, k, v, **kw):  # [B, S, H, D] after RoPE
-        tap("query_rope", q)
-        tap("key_rope", k)
+        tap("q_rope", q)
+        tap("k_rope", k)
         return real["dot_product_attention"](q, k, v, **kw)
 
     def decoder_layer(x, *args, **kw):

@@ -53,8 +53,8 @@ def test_tiny_fp32_every_intermediate_and_gradient_is_captured_and_within_roundi
     assert all(r["torch_err"] < 50 and r["jax_err"] < 50 for r in rec["rows"])
     assert all(0 < r["torch_err"] and 0 < r["jax_err"] for r in rec["rows"] if r["tensor"] != "embed")
     shapes = {_key(r): r["shape"] for r in rec["rows"]}
-    assert shapes[("query_rope", 0)] == [1, 11, 4, 16] and shapes[("key_rope", 0)] == [1, 11, 2, 16]
-    assert shapes[("attention_out", 1)] == [1, 11, 64] and shapes[("logits", None)] == [1, 11, 256]
+    assert shapes[("q_rope", 0)] == [1, 11, 4, 16] and shapes[("k_rope", 0)] == [1, 11, 2, 16]
+    assert shapes[("attn_output", 1)] == [1, 11, 64] and shapes[("logits", None)] == [1, 11, 256]
     assert f"all {len(rec['rows'])} tensors within 4x the rounding floor" in out.splitlines()[-1]
 
 
@@ -68,25 +68,21 @@ def test_capture_gives_the_models_own_numbers_and_restores_everything():
 
     ids = np.asarray([[int(t) for t in IDS.split()]])
     tmodel, jmodel = twin_models(ModelConfig.preset("tiny"), seed=1)
-    before = (
-        jm.checkpoint_name,
-        jm.dot_product_attention,
-        jm.decoder_layer,
-        jm.Llama.features,
-        tm.dot_product_attention,
-        torch.Tensor.float,
-    )
+
+    def wrapped():  # every name the captures wrap or patch
+        return (
+            jm.checkpoint_name,
+            jm.dot_product_attention,
+            jm.decoder_layer,
+            jm.Llama.features,
+            tm.dot_product_attention,
+            torch.Tensor.float,
+        )
+
+    before = wrapped()
     t_out, j_out = diff.capture_torch(tmodel, ids), diff.capture_jax(jmodel, ids)
     ref = diff.capture_torch(tmodel.double(), ids)
-    after = (
-        jm.checkpoint_name,
-        jm.dot_product_attention,
-        jm.decoder_layer,
-        jm.Llama.features,
-        tm.dot_product_attention,
-        torch.Tensor.float,
-    )
-    assert before == after
+    assert before == wrapped()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in tmodel.modules())
     with torch.no_grad():
         assert np.array_equal(t_out[("logits", None)], tmodel.float()(torch.as_tensor(ids)).double().numpy())
@@ -134,10 +130,10 @@ def test_planted_rope_bug_in_torchs_layer_1_is_named(tmp_path, monkeypatch, caps
     rc, rec = _run(tmp_path, "--preset", "tiny", "--tokens", IDS, "--grads")
     first = rec["first_mismatch"]
     assert rc == 1 and not rec["passed"]
-    assert (first["tensor"], first["layer"], first["worse"]) == ("query_rope", 1, "torch") and first["ratio"] > 1e3
+    assert (first["tensor"], first["layer"], first["worse"]) == ("q_rope", 1, "torch") and first["ratio"] > 1e3
     rows = rec["rows"]
     assert all(r["ok"] for r in rows[: rows.index(first)])
-    assert "first mismatch: layer 1 query_rope: torch's error" in capsys.readouterr().out
+    assert "first mismatch: layer 1 q_rope: torch's error" in capsys.readouterr().out
     # --plant-rope-bug 1 is the same bug: the same rows
     monkeypatch.setattr(tm, "apply_rope", real)
     rc2, rec2 = _run(tmp_path, "--preset", "tiny", "--tokens", IDS, "--grads", "--plant-rope-bug", "1")
@@ -146,7 +142,7 @@ def test_planted_rope_bug_in_torchs_layer_1_is_named(tmp_path, monkeypatch, caps
 
 def test_planted_output_projection_bug_is_named_at_its_projection_not_the_mlp(tmp_path, monkeypatch):
     """A bug in layer 1's attention output projection (torch's o_proj output 1% too large, its low-precision run
-    only) is named there: the first mismatch is layer 1's ``out_proj``, torch's, and everything before it passes
+    only) is named there: the first mismatch is layer 1's ``o_proj``, torch's, and everything before it passes
     (with no tap after ``o_proj`` it surfaced at the next tap, layer 1's MLP input)."""
     import torchref.model as tm
 
@@ -167,12 +163,12 @@ def test_planted_output_projection_bug_is_named_at_its_projection_not_the_mlp(tm
     monkeypatch.setattr(torch.nn.Linear, "forward", linear)
     rc, rec = _run(tmp_path, "--preset", "tiny", "--tokens", IDS)
     first = rec["first_mismatch"]
-    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("out_proj", 1, "torch"), first
+    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("o_proj", 1, "torch"), first
     rows = rec["rows"]
     assert all(r["ok"] for r in rows[: rows.index(first)])
     assert [_key(r) for r in rows[rows.index(first) - 1 : rows.index(first) + 2]] == [
-        ("attention_out", 1),
-        ("out_proj", 1),
+        ("attn_output", 1),
+        ("o_proj", 1),
         ("attention_residual", 1),
     ]
 
@@ -184,7 +180,7 @@ def test_planted_rope_bug_in_jax_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(jm, "apply_rope", lambda x, cos, sin: real(x, cos, -sin))
     rc, rec = _run(tmp_path, "--preset", "tiny", "--tokens", IDS)
     first = rec["first_mismatch"]
-    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("query_rope", 0, "jax")
+    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("q_rope", 0, "jax")
     assert [r["ok"] for r in rec["rows"][:4]] == [True] * 4  # embed, q/k/v projections: before RoPE
 
 
@@ -226,7 +222,7 @@ def test_a_transformers_gqa_llama_directory(tmp_path):
     assert rc == 0 and rec["n_layers"] == 3 and len(rec["rows"]) == 1 + 12 * 3 + 2 + 9 * 3 + 3  # 12 taps a layer
     assert max(r["ratio"] for r in rec["rows"]) < diff.KERNEL_RULE
     shapes = {_key(r): r["shape"] for r in rec["rows"]}
-    assert shapes[("key_proj", 2)] == [1, 10, 32] and shapes[("grad self_attn.k_proj", 2)] == [32, 96]
+    assert shapes[("k_proj", 2)] == [1, 10, 32] and shapes[("grad self_attn.k_proj", 2)] == [32, 96]
 
 
 @pytest.mark.slow  # 35 s; the committed records (test_readme_section_is_the_committed_record) are this run's
@@ -238,7 +234,7 @@ def test_smollm2_bf16_passes_and_a_planted_bug_is_found_at_its_layer(tmp_path):
     assert rc == 0 and rec["n_layers"] == 30 and len(rec["rows"]) == 363
     rc, rec = _run(tmp_path, "--init", gguf, "--plant-rope-bug", "7")
     first = rec["first_mismatch"]
-    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("query_rope", 7, "torch")
+    assert rc == 1 and (first["tensor"], first["layer"], first["worse"]) == ("q_rope", 7, "torch")
     assert all(r["ok"] for r in rec["rows"][: rec["rows"].index(first)])
 
 

@@ -236,11 +236,15 @@ def _block_inputs(cfg, rng, positive=False):
     return x, {k: v.astype(np.float32) for k, v in ws.items()}
 
 
+# torch's stacked expert weight -> the JAX parameter, from the parameter table (gate_proj -> e_gate, ...)
+EXPERT_PAIRS = tuple(zip(params.expert_weights(), (r.name for r in params.ROWS if r.expert)))
+
+
 def _torch_block(cfg, ws):
     block = tmoe.MoEBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(torch.from_numpy(ws["router"].T))
-        for name, key in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
+        for name, key in EXPERT_PAIRS:
             getattr(block.experts, name).copy_(torch.from_numpy(ws[key]).transpose(-2, -1))
     return block
 
@@ -301,7 +305,7 @@ def test_every_token_to_one_expert_and_empty_experts(capacity, rng):
     )
     block = _torch_block(cfg, ws)
     (block(torch.from_numpy(x))[0] ** 2).sum().backward()
-    for name, key in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
+    for name, key in EXPERT_PAIRS:
         tg, jg = getattr(block.experts, name).grad.transpose(-2, -1).numpy(), np.asarray(g[key])
         assert np.isfinite(tg).all() and np.isfinite(jg).all()
         for e in (0, 1, 3):
@@ -351,7 +355,8 @@ def test_int8_experts_torch_vs_jax(rng):
 @pytest.mark.slow_feature
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_qkv_attn"])
 def test_remat_policies_keep_moe_gradients(policy, rng):
-    """A remat policy (the MoE block's tags are MaxText's mlpwi_0 / mlpwi_1 / mlp_hidden) changes no gradient."""
+    """A remat policy (the MoE block's tags are the dense MLP's gate_proj / up_proj / mlp_hidden) changes no
+    gradient."""
     from jaxattn import remat as jremat
     from torchref import remat as tremat
 

@@ -20,18 +20,12 @@ from parity_tests.twins import jitted, twin_models  # noqa: E402
 from torchref import generate as tgen  # noqa: E402
 from torchref import quant as tq  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
+from twincore import params  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits: both twins run the same dequantized matmuls
 
-PAIRS = {
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
-}
+# JAX parameter -> torch module of a dense layer's int8 targets, from the parameter table
+PAIRS = {r.name: r.module for r in params.layer_rows(ModelConfig.preset("tiny")) if r.quantizable}
 
 
 @pytest.fixture(scope="module")

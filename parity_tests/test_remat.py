@@ -261,3 +261,21 @@ def test_benchmark_records_small_run():
     assert "torch:full" in table and "torch:none" in table and "MiB" in table
     with pytest.raises(ValueError, match="unknown policies/targets"):
         bremat.run(quick=True, policies=("dots",))
+
+
+def test_one_tensor_vocabulary():
+    """The remat tags, the policies' lists and the debugger's rows are one table's names (twincore.tensors), and
+    every tag the table names as a remat tag is put on a value by the JAX model (test_model_seams checks each is
+    in the traced program): a renamed tag in one place breaks here, not silently in a policy."""
+    from jaxattn import model as jm
+    from parity_tests import diff
+    from twincore import remat as spec_remat
+    from twincore import tensors
+
+    names = [t.name for t in tensors.LAYER_TENSORS]
+    assert jm.REMAT_NAMES == tensors.REMAT_TAGS and set(jm.REMAT_NAMES) <= set(names)
+    assert set(spec_remat.OFFLOAD_NAMES) <= set(jm.REMAT_NAMES) and set(spec_remat.QKV_ATTN_NAMES) <= set(
+        jm.REMAT_NAMES
+    )
+    assert list(diff.LAYER_KINDS) == names and diff.TORCH_HOOKS == tensors.TORCH_HOOKS
+    assert {"q_proj", "o_proj", "gate_proj"} <= set(names)  # Hugging Face's module names where a user sees them

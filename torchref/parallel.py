@@ -217,7 +217,7 @@ def apply_ep(model: nn.Module, mesh, dp: int, split: bool) -> set:
         block.stats_group = group if dp > 1 else None
         if not split:
             continue
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in params.expert_weights():
             w = getattr(block.experts, name)
             setattr(block.experts, name, nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(0)])))
             out.add(getattr(block.experts, name))

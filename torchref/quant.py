@@ -81,7 +81,7 @@ class Int8Experts(Experts):
         return f"experts={self.gate_proj_int8.shape[0]}, int8 per-channel"
 
 
-_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_WEIGHTS = params.expert_weights()  # gate_proj, up_proj, down_proj
 QUANTIZED = (Int8Linear, Int8Experts)
 
 

@@ -24,7 +24,7 @@ __all__ = ["POLICIES", "apply", "run_layer", "SaveDots", "SaveQkvAttn", "SDPA_OP
 POLICIES = REMAT_POLICIES
 _aten = torch.ops.aten
 
-# The fused SDPA kernels: one op whose first output is the attention output (JAX's "attention_out" tag). SDPA's
+# The fused SDPA kernels: one op whose first output is the attention output (JAX's "attn_output" tag). SDPA's
 # MATH backend is a composite of bmm/softmax ops, none of which is the attention output as one op.
 SDPA_OPS = tuple(
     getattr(_aten, name).default

@@ -13,7 +13,8 @@ token-id checks), ``remat`` (policy names), ``optim`` (optimizer names, schedule
 ``data`` (tokenizer, packing, buckets, sources), ``cli`` (the training flag table), ``trainer`` (the training run
 both twins subclass: data, resume checks, the step loop, checkpoints, export, summary), ``runlog``, ``seed``,
 ``eval`` (evaluation batches, perplexity, the eval flags), ``generate`` (sampling checks, tokenizers, the generate
-flags), ``pipeline`` (stage split checks, the bubble), ``timing`` and ``memreport`` (profiling tables),
+flags), ``pipeline`` (stage split checks, the bubble), ``tensors`` (the per-layer activations' names: remat tags,
+debugger rows), ``lazy`` (the twins' lazy package attributes), ``timing`` and ``memreport`` (profiling tables),
 ``packages`` (installed distributions' versions).
 """
 

@@ -222,7 +222,7 @@ def _read_moe(reader, where: str, arch: str, ffn_dim: int, names: set) -> dict:
         value = _get(reader, f"{arch}.{name}", where, None)
         if value is not None and value not in allowed:
             raise CheckpointError(f"{where}: {arch}.{name}={value!r}: {what} is not supported")
-    dense = sorted(n for n in names if (m := params.match_gguf(n)) and m[0].name in ("w_gate", "w_up", "w_down"))
+    dense = sorted(n for n in names if (m := params.match_gguf(n)) and m[0] in params.dense_mlp_rows())
     if dense:
         raise CheckpointError(
             f"{where} is a mixture-of-experts file with dense MLP tensors ({', '.join(dense[:6])}"

@@ -39,6 +39,8 @@ __all__ = [
     "gguf_names",
     "match_gguf",
     "quantizable_rows",
+    "dense_mlp_rows",
+    "expert_weights",
     "tp_style",
     "param_count",
     "matmul_param_count",
@@ -318,6 +320,17 @@ def row(name: str) -> ParamRow:
         if r.name == name:
             return r
     raise KeyError(f"no parameter row named {name!r}; rows: {[r.name for r in ROWS]}")
+
+
+def dense_mlp_rows() -> tuple[ParamRow, ...]:
+    """A dense layer's SwiGLU weights (``w_gate``, ``w_up``, ``w_down``): the rows an MoE config leaves out."""
+    return tuple(r for r in ROWS if r.present is _dense)
+
+
+def expert_weights() -> tuple[str, ...]:
+    """The stacked expert weights' names on torch's ``mlp.experts`` module (``gate_proj``, ``up_proj``,
+    ``down_proj``), in table order."""
+    return tuple(r.torch.rsplit(".", 1)[1] for r in ROWS if r.expert)
 
 
 def quantizable_rows(cfg) -> tuple[ParamRow, ...]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots", "save_qkv_attn", "offload")
 
-# checkpoint_name tags (jaxattn.model.REMAT_NAMES) kept by save_qkv_attn, and moved to host memory by offload.
-QKV_ATTN_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj", "attention_out")
-OFFLOAD_NAMES: tuple[str, ...] = QKV_ATTN_NAMES + ("mlpwi_0", "mlpwi_1", "mlp_hidden")
+# checkpoint_name tags (twincore.tensors.REMAT_TAGS) kept by save_qkv_attn, and moved to host memory by offload.
+QKV_ATTN_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_output")
+OFFLOAD_NAMES: tuple[str, ...] = QKV_ATTN_NAMES + ("gate_proj", "up_proj", "mlp_hidden")
 
 
 def check_remat(name: object, arg: str = "remat") -> str:
