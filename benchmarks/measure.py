@@ -140,8 +140,28 @@ def env_info() -> dict:
         info["torch_device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:
         info["torch_device"] = None
+    info.update(cudnn_versions())
     info["threads"] = threads()
     return info
+
+
+def cudnn_versions() -> dict:
+    """The cuDNN each framework loads (``91000`` = 9.10.0; None where it has none): the same library reached
+    from both sides measured 0.60x apart on an H200, and its version is the first thing to compare."""
+    out = {}
+    try:
+        from jaxattn.attention.cudnn import cudnn_version
+
+        out["cudnn_jax"] = cudnn_version()
+    except Exception:  # noqa: BLE001 - jax absent or moved: not known
+        out["cudnn_jax"] = None
+    try:
+        import torch
+
+        out["cudnn_torch"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:  # noqa: BLE001
+        out["cudnn_torch"] = None
+    return out
 
 
 def device_slug(info: dict) -> str:
