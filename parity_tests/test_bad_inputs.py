@@ -127,10 +127,10 @@ def _train_main(pkg: str, argv, after: Callable[[], None] | None = None):
 
 
 def _train_row(argv_of, fragments_of=None):
-    """``argv_of(tmp_path) -> argv`` (str paths); fragments may depend on tmp_path too."""
+    """``argv_of(tmp_path) -> argv`` (str paths), or the argv itself; fragments may depend on tmp_path too."""
 
     def build(pkg, tmp_path):
-        argv = argv_of(tmp_path)
+        argv = argv_of(tmp_path) if callable(argv_of) else argv_of
         fragments = fragments_of(tmp_path) if callable(fragments_of) else fragments_of
         return _train_main(pkg, argv), fragments
 
@@ -518,32 +518,43 @@ BAD = [
         SystemExit,
         _train_row(lambda t: ["--resume", "--overwrite", "--checkpoint-dir", str(t)], ["give one of them"]),
     ),
-    Bad(
-        "m-overwrite-without-dir",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--overwrite"], ["--overwrite needs --checkpoint-dir DIR"]),
-    ),
+    # run flags refused on their own: (name, packages, argv, fragments)
+    *[
+        Bad(f"m-{name}", pkgs, SystemExit, _train_row(argv, fragments))
+        for name, pkgs, argv, fragments in (
+            ("overwrite-without-dir", BOTH, ["--overwrite"], ["--overwrite needs --checkpoint-dir DIR"]),
+            (
+                "checkpoint-dir-unwritable",
+                BOTH,
+                ["--checkpoint-dir", "/proc/jaxattn-ck"],
+                ["--checkpoint-dir", "is not writable"],
+            ),
+            ("log-json-unwritable", BOTH, ["--log-json", "/proc/jaxattn/log.jsonl"], ["--log-json", "is not writable"]),
+            ("profile-unwritable", BOTH, ["--profile", "/proc/jaxattn-trace"], ["--profile", "is not writable"]),
+            ("checkpoint-dir-empty", BOTH, ["--checkpoint-dir", ""], ["--checkpoint-dir ''", "an empty path"]),
+            (
+                "max-nonfinite-steps-zero",
+                BOTH,
+                ["--max-nonfinite-steps", "0"],
+                ["--max-nonfinite-steps 0", "integer >= 1"],
+            ),
+            (
+                "distributed-timeout-nan",
+                BOTH,
+                ["--distributed-timeout", "nan"],
+                ["--distributed-timeout nan", "seconds > 0"],
+            ),
+            ("attention-cudnn-on-cpu", BOTH, ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
+            (
+                "parallel-outside-torchrun",
+                ("torch",),
+                ["--parallel", "fsdp", "--offload-optimizer"],
+                ["--parallel fsdp runs under torchrun"],
+            ),
+        )
+    ],
     Bad("m-log-json-is-data", BOTH, SystemExit, _log_is_input("--data")),
     Bad("m-log-json-is-config", BOTH, SystemExit, _log_is_input("--config-json")),
-    Bad(
-        "m-checkpoint-dir-unwritable",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--checkpoint-dir", "/proc/jaxattn-ck"], ["--checkpoint-dir", "is not writable"]),
-    ),
-    Bad(
-        "m-log-json-unwritable",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--log-json", "/proc/jaxattn/log.jsonl"], ["--log-json", "is not writable"]),
-    ),
-    Bad(
-        "m-profile-unwritable",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--profile", "/proc/jaxattn-trace"], ["--profile", "is not writable"]),
-    ),
     Bad(
         "m-checkpoint-dir-under-a-file",
         BOTH,
@@ -553,39 +564,9 @@ BAD = [
             ["--checkpoint-dir", "cannot be created", "is not a directory"],
         ),
     ),
-    Bad(
-        "m-checkpoint-dir-empty",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--checkpoint-dir", ""], ["--checkpoint-dir ''", "an empty path"]),
-    ),
-    Bad(
-        "m-max-nonfinite-steps-zero",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--max-nonfinite-steps", "0"], ["--max-nonfinite-steps 0", "integer >= 1"]),
-    ),
-    Bad(
-        "m-distributed-timeout-nan",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--distributed-timeout", "nan"], ["--distributed-timeout nan", "seconds > 0"]),
-    ),
-    Bad(
-        "m-attention-cudnn-on-cpu",
-        BOTH,
-        SystemExit,
-        _train_row(lambda t: ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
-    ),
     Bad("m-moe-in-pipeline-stages", BOTH, SystemExit, _moe_in_pipeline_stages),
     Bad("m-config-json-vocab-under-bytes-data", BOTH, SystemExit, _small_vocab_text_data("--data")),
     Bad("m-config-json-vocab-under-bytes-eval-data", BOTH, SystemExit, _small_vocab_text_data("--eval-data")),
-    Bad(
-        "m-parallel-outside-torchrun",
-        ("torch",),
-        SystemExit,
-        _train_row(lambda t: ["--parallel", "fsdp", "--offload-optimizer"], ["--parallel fsdp runs under torchrun"]),
-    ),
     # (n) training data: no trainable target in either packing mode; uint64 ids shown as they are; a text file
     # named .npy (numpy calls it "pickled data")
     *[

@@ -547,15 +547,23 @@ def test_decode_adaptive_iterations_fit_the_budget_and_never_time_fewer_than_thr
     assert t["iters"] == 30 and t["median_s"] == pytest.approx(0.01)
 
 
-def _attention_file(path, when, jax_version, cells):
-    """An attention-suite JSON at ``path``: ``cells`` = ``[(S, framework, impl, median_ms, pair or None)]``."""
+def _attention_file(path, when, jax_version, jax_impl, torch_impl, cells):
+    """An attention-suite JSON at ``path``: ``cells`` = ``{S: (jax median_ms, torch median_ms, paired ratio)}``, each
+    S a ``jax_impl`` and a ``torch_impl`` record sharing one pair (the ratio's CI +- 0.05)."""
     env = {"jax_device": "NVIDIA H200", "torch_device": "NVIDIA H200", "jax_backend": "gpu", "jax": jax_version}
     from parity_tests.test_report import _attn
 
-    recs = [
-        {**_attn(impl, fw, "fwd", s, False, ms), "dtype": "bfloat16", **({"paired": pair} if pair else {})}
-        for s, fw, impl, ms, pair in cells
-    ]
+    recs = []
+    for s, (jax_ms, torch_ms, ratio) in cells.items():
+        pair = {
+            "ratio": ratio,
+            "ci": [ratio - 0.05, ratio + 0.05],
+            "unstable": False,
+            "jax_impl": jax_impl,
+            "torch_impl": torch_impl,
+        }
+        for fw, impl, ms in (("jax", jax_impl, jax_ms), ("torch", torch_impl, torch_ms)):
+            recs.append({**_attn(impl, fw, "fwd", s, False, ms), "dtype": "bfloat16", "paired": pair})
     path.write_text(json.dumps({"env": {**env, "time_utc": when}, "suite": "attention", "records": recs}))
 
 
@@ -565,32 +573,11 @@ def test_report_merges_several_files_of_one_suite(tmp_path):
     paired that row's fastest JAX and torch implementations, else the ratio of the medians."""
     from benchmarks.report.build import rebuild_report
 
-    def pair(j, t, ratio):
-        return {"ratio": ratio, "ci": [ratio - 0.05, ratio + 0.05], "unstable": False, "jax_impl": j, "torch_impl": t}
-
-    pa8, pa16, pb8, pb16 = pair("a", "ta", 0.9), pair("a", "ta", 0.8), pair("b", "tb", 0.41), pair("b", "tb", 0.3)
-    _attention_file(
-        tmp_path / "attention-a.json",
-        "2030-01-01T00:00:00Z",
-        "1.0",
-        [
-            (8, "jax", "a", 2.0, pa8),
-            (8, "torch", "ta", 1.8, pa8),
-            (16, "jax", "a", 2.0, pa16),
-            (16, "torch", "ta", 1.6, pa16),
-        ],
-    )
-    _attention_file(
-        tmp_path / "attention-b.json",
-        "2030-01-01T00:05:00Z",
-        "1.1",
-        [
-            (8, "jax", "b", 1.0, pb8),
-            (8, "torch", "tb", 0.4, pb8),
-            (16, "jax", "b", 3.0, pb16),
-            (16, "torch", "tb", 0.9, pb16),
-        ],
-    )
+    for name, when, jax_version, torch_impl, cells in (
+        ("a", "2030-01-01T00:00:00Z", "1.0", "ta", {8: (2.0, 1.8, 0.9), 16: (2.0, 1.6, 0.8)}),
+        ("b", "2030-01-01T00:05:00Z", "1.1", "tb", {8: (1.0, 0.4, 0.41), 16: (3.0, 0.9, 0.3)}),
+    ):
+        _attention_file(tmp_path / f"attention-{name}.json", when, jax_version, name, torch_impl, cells)
     found = records.read_results(str(tmp_path))
     assert list(found) == ["attention"] and len(found["attention"]["records"]) == 8
     assert [f["file"] for f in found["attention"]["files"]] == ["attention-a.json", "attention-b.json"]
@@ -613,3 +600,17 @@ def test_report_merges_several_files_of_one_suite(tmp_path):
     rebuild_report(str(tmp_path))
     text = (tmp_path / "report.md").read_text()
     assert "From attention-a.json, measured at 2030-01-01T00:00:00Z." in text and "0.90x [0.85–0.95]" in text
+
+
+def test_result_environment_names_each_frameworks_cudnn():
+    """Every result file's environment says which cuDNN each framework loads (None where it has none): the same
+    library through JAX and through torch measured 0.60x apart, and the versions are the first thing to compare."""
+    from benchmarks.measure import env_info
+    from jaxattn.attention.cudnn import cudnn_version
+
+    env = env_info()
+    assert env["cudnn_jax"] == cudnn_version()
+    assert env["cudnn_jax"] is None or env["cudnn_jax"] >= 8000
+    torch = pytest.importorskip("torch")
+    expected = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    assert env["cudnn_torch"] == expected

@@ -16,6 +16,14 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# a minimal HF config.json (no num_key_value_heads: HF reads that as MHA)
+HF_BASE = {
+    "vocab_size": 10,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "intermediate_size": 48,
+}
 
 
 def test_fields_and_defaults_identical():
@@ -92,14 +100,7 @@ def test_transformers_config_interop(mod):
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
 def test_from_hf_reads_legacy_and_v5_rope_keys(mod):
-    base = {
-        "vocab_size": 10,
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 48,
-    }
+    base = {**HF_BASE, "num_key_value_heads": 2}
     legacy = mod.ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3, "type": "llama3"}})
     v5 = mod.ModelConfig.from_hf({**base, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
     assert legacy == v5 and v5.rope_theta == 5e5 and v5.rope_scaling["factor"] == 8.0
@@ -177,13 +178,7 @@ def test_from_hf_bad_value_names_key_value_and_accepted(mod, key, value, accepte
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
 def test_from_hf_null_or_missing_kv_heads_means_mha_and_rope_values_checked(mod):
-    base = {
-        "vocab_size": 10,
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "intermediate_size": 48,
-    }
+    base = dict(HF_BASE)  # a copy: from_hf must not be able to change the shared one
     assert mod.ModelConfig.from_hf(base).n_kv_heads == 4  # HF semantics
     assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": None}).n_kv_heads == 4
     assert mod.ModelConfig.from_hf({**base, "num_key_value_heads": 2}).n_kv_heads == 2

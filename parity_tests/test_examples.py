@@ -234,37 +234,43 @@ def test_generate_library_block_runs_as_written():
 
 
 @pytest.mark.slow
-def test_gpu_compile_block_runs_as_written(tmp_path):
-    from jaxattn import gpu_target
+@pytest.mark.parametrize(
+    "name, target, command, out_dir, kernels, timeout",
+    [
+        (
+            "gpu-compile",
+            "gpu_target",
+            "python -m benchmarks compile --quick",
+            "h100-compiled-quick",
+            "kernels.json",
+            1800,
+        ),
+        (
+            "tpu-compile",
+            "tpu_target",
+            "python -m benchmarks compile --target v5e --quick",
+            "v5e-compiled-quick",
+            "tpu_kernels.json",
+            600,
+        ),
+    ],
+    ids=["gpu-compile", "tpu-compile"],
+)
+def test_compile_block_runs_as_written(tmp_path, name, target, command, out_dir, kernels, timeout):
+    """The deviceless compile blocks (H100, TPU v5e): one command each, which writes its kernel records and a
+    report into its git-ignored folder under ``benchmarks/results/local``, as a user's run would."""
+    import importlib
 
-    if gpu_target.unavailable_reason() is not None:
-        pytest.skip(f"the gpu-compile extra is not usable here: {gpu_target.unavailable_reason()}")
-    _, code = example("gpu-compile")
+    reason = importlib.import_module(f"jaxattn.{target}").unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the {name} extra is not usable here: {reason}")
+    _, code = example(name)
     lines = _bash(code, tmp_path)  # the pip line is how the extra got here; skipped (no network in tests)
-    assert [line.split("#")[0].strip() for line in lines] == ["python -m benchmarks compile --quick"]
-    out = os.path.join(ROOT, "benchmarks", "results", "local", "h100-compiled-quick")  # git-ignored, as a user's
-    before = (
-        os.path.getmtime(os.path.join(out, "kernels.json")) if os.path.isfile(os.path.join(out, "kernels.json")) else 0
-    )
-    _run_bash(lines, 1800)
-    assert os.path.getmtime(os.path.join(out, "kernels.json")) > before and os.path.isfile(
-        os.path.join(out, "report.md")
-    )
-
-
-@pytest.mark.slow
-def test_tpu_compile_block_runs_as_written(tmp_path):
-    from jaxattn import tpu_target
-
-    if tpu_target.unavailable_reason() is not None:
-        pytest.skip(f"the tpu-compile extra is not installed here: {tpu_target.unavailable_reason()}")
-    _, code = example("tpu-compile")
-    lines = _bash(code, tmp_path)  # the pip line is how the extra got here; skipped (no network in tests)
-    assert [line.split("#")[0].strip() for line in lines] == ["python -m benchmarks compile --target v5e --quick"]
-    out = os.path.join(ROOT, "benchmarks", "results", "local", "v5e-compiled-quick")  # git-ignored, as a user's
-    path = os.path.join(out, "tpu_kernels.json")
+    assert [line.split("#")[0].strip() for line in lines] == [command]
+    out = os.path.join(ROOT, "benchmarks", "results", "local", out_dir)  # git-ignored, as a user's
+    path = os.path.join(out, kernels)
     before = os.path.getmtime(path) if os.path.isfile(path) else 0
-    _run_bash(lines, 600)
+    _run_bash(lines, timeout)
     assert os.path.getmtime(path) > before and os.path.isfile(os.path.join(out, "report.md"))
 
 

@@ -41,6 +41,7 @@ import pytest
 from jaxattn.attention import flash as F
 from jaxattn.attention import normalize, target_platform, tiling
 from jaxattn.attention.reference import attention_reference
+from parity_tests.twins import normal_draws
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -161,11 +162,7 @@ def _segment_ids(rng: np.random.Generator, case: Case):
 
 def _inputs(case: Case):
     rng = np.random.default_rng(case.seed + 7919 * case.sq + 31 * case.sk + case.d)
-    dt = jnp.dtype(case.dtype)
-
-    def rnd(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
-
+    rnd = normal_draws(rng, case.dtype)
     q = rnd(case.b, case.sq, case.hq, case.d)
     k = rnd(case.b, case.sk, case.hkv, case.d)
     v = rnd(case.b, case.sk, case.hkv, case.d)
@@ -412,58 +409,51 @@ def test_block_ranges_cover_every_visible_tile_and_skip_the_rest():
     causal they exclude every tile entirely above the diagonal, and the tiles the kernels run WITHOUT a
     mask (the fully visible interior) really are fully visible.  Checked exhaustively against the
     brute-force mask for a grid of lengths, windows and block sizes (pure Python, no kernel)."""
-    from jaxattn.attention import AttnArgs, mask
-
     for sq, sk, causal, window, bq, bk in itertools.product(
         (1, 17, 40, 64), (1, 23, 40, 64), (False, True), (None, (5, None), (3, 9), (0, 0), (40, 2)), (16, 32), (16, 32)
     ):
         if causal and window is not None:
             window = (window[0], 0)
-        args = AttnArgs(causal=causal, window=window, scale=1.0)
-        q = jnp.zeros((1, sq, 1, 32))
-        k = jnp.zeros((1, sk, 1, 32))
-        cfg = F._make_cfg(q, k, args, F.BlockSizes(bq, bk, bq, bk, bq, bk), True, False)
-        vis = np.asarray(mask(sq, sk, args))
-        for qb in range(tiling.cdiv(sq, bq)):
-            lo, hi = (int(x) for x in F._kv_block_range(qb * bq, bq, bk, cfg))
-            for kb in range(tiling.cdiv(sk, bk)):
-                tile = vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk]
-                if tile.any():
-                    assert lo <= kb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
-                elif causal and window is None and kb * bk > qb * bq + bq - 1 + sk - sq:
-                    assert not lo <= kb < hi, "a tile entirely above the causal diagonal was visited"
-            # tiles run without a mask must be fully visible and hold no padded key
-            u_lo, u_hi = (int(x) for x in F._kv_full_range(qb * bq, bq, bk, cfg))
-            for kb in range(max(u_lo, lo), min(u_hi, hi)):
-                assert (kb + 1) * bk <= sk and vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].all(), (
-                    "unmasked tile is not fully visible",
-                    sq,
-                    sk,
-                    causal,
-                    window,
-                    bq,
-                    bk,
-                    qb,
-                    kb,
-                )
+        _check_block_ranges(sq, sk, causal, window, bq, bk)
+
+
+def _check_block_ranges(sq, sk, causal, window, bq, bk):
+    """One case of ``test_block_ranges_cover_every_visible_tile_and_skip_the_rest``: the forward's kv ranges per
+    q block, then the dkv pass's q ranges per kv block."""
+    from jaxattn.attention import AttnArgs, mask
+
+    args = AttnArgs(causal=causal, window=window, scale=1.0)
+    where = (sq, sk, causal, window, bq, bk)
+    q = jnp.zeros((1, sq, 1, 32))
+    k = jnp.zeros((1, sk, 1, 32))
+    cfg = F._make_cfg(q, k, args, F.BlockSizes(bq, bk, bq, bk, bq, bk), True, False)
+    vis = np.asarray(mask(sq, sk, args))
+
+    def tile(qb, kb):
+        return vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk]
+
+    def assert_fully_visible(what, qb, kb):
+        # tiles run without a mask must be fully visible and hold no padded key
+        assert (kb + 1) * bk <= sk and tile(qb, kb).all(), (what, *where, qb, kb)
+
+    for qb in range(tiling.cdiv(sq, bq)):
+        lo, hi = (int(x) for x in F._kv_block_range(qb * bq, bq, bk, cfg))
         for kb in range(tiling.cdiv(sk, bk)):
-            lo, hi = (int(x) for x in F._q_block_range(kb * bk, bk, bq, cfg))
-            for qb in range(tiling.cdiv(sq, bq)):
-                if vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].any():
-                    assert lo <= qb < hi, (sq, sk, causal, window, bq, bk, qb, kb, lo, hi)
-            u_lo, u_hi = (int(x) for x in F._q_full_range(kb * bk, bk, bq, cfg))
-            for qb in range(max(u_lo, lo), min(u_hi, hi)):
-                assert (kb + 1) * bk <= sk and vis[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk].all(), (
-                    "unmasked dkv tile is not fully visible",
-                    sq,
-                    sk,
-                    causal,
-                    window,
-                    bq,
-                    bk,
-                    qb,
-                    kb,
-                )
+            if tile(qb, kb).any():
+                assert lo <= kb < hi, (*where, qb, kb, lo, hi)
+            elif causal and window is None and kb * bk > qb * bq + bq - 1 + sk - sq:
+                assert not lo <= kb < hi, "a tile entirely above the causal diagonal was visited"
+        u_lo, u_hi = (int(x) for x in F._kv_full_range(qb * bq, bq, bk, cfg))
+        for kb in range(max(u_lo, lo), min(u_hi, hi)):
+            assert_fully_visible("unmasked tile is not fully visible", qb, kb)
+    for kb in range(tiling.cdiv(sk, bk)):
+        lo, hi = (int(x) for x in F._q_block_range(kb * bk, bk, bq, cfg))
+        for qb in range(tiling.cdiv(sq, bq)):
+            if tile(qb, kb).any():
+                assert lo <= qb < hi, (*where, qb, kb, lo, hi)
+        u_lo, u_hi = (int(x) for x in F._q_full_range(kb * bk, bk, bq, cfg))
+        for qb in range(max(u_lo, lo), min(u_hi, hi)):
+            assert_fully_visible("unmasked dkv tile is not fully visible", qb, kb)
 
 
 # ------------------------------------------------------------------------------------------------ lowering

@@ -42,6 +42,7 @@ from jaxattn import attention as attn
 from jaxattn.attention import decode as DEC
 from jaxattn.attention.reference import attention_reference
 from parity_tests.test_gpu_compile import TRITON, _custom_calls, _devices, needs_plugin
+from parity_tests.twins import normal_draws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +94,7 @@ BIG_CASES = [
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _inputs(case: Case):
-    rng = np.random.default_rng(case.seed + 7919 * case.t + 31 * case.hq + case.d)
-    dt = jnp.dtype(case.dtype)
-
-    def rnd(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
-
+    rnd = normal_draws(np.random.default_rng(case.seed + 7919 * case.t + 31 * case.hq + case.d), case.dtype)
     q = rnd(case.b, case.sq, case.hq, case.d)
     k = rnd(case.b, case.t, case.hkv, case.d)
     v = rnd(case.b, case.t, case.hkv, case.d)

@@ -15,7 +15,13 @@ pytest.importorskip("tokenizers")
 
 import jaxattn  # noqa: E402
 import torchref  # noqa: E402
-from parity_tests.twins import gguf_twin_logits, hf_llama, jitted, llama_cpp_permute  # noqa: E402
+from parity_tests.twins import (  # noqa: E402
+    gguf_twin_logits,
+    hf_llama,
+    jitted,
+    llama_cpp_permute,
+    write_gguf_tensors,
+)
 from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
 from twincore.config import ModelConfig  # noqa: E402
 from twincore.gguf import read_gguf  # noqa: E402
@@ -35,13 +41,10 @@ def _vocab() -> list[str]:
 
 
 def _config(tied: bool) -> ModelConfig:
-    return ModelConfig(
+    """The tiny preset's shape (GQA, dim 64, 2 layers) on the tokenizer's vocabulary."""
+    return ModelConfig.preset(
+        "tiny",
         vocab_size=len(_vocab()),
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=160,
         max_seq_len=128,
         norm_eps=1e-5,
         rope_theta=10000.0,
@@ -121,6 +124,7 @@ def _write_gguf(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT)
+    named = {}
     for hf_name, t in tensors.items():
         name = _to_gguf_name(hf_name)
         if name in drop:
@@ -129,16 +133,8 @@ def _write_gguf(
             t = llama_cpp_permute(t, cfg.n_heads)
         elif name.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, cfg.n_kv_heads)
-        if qtype is not None and t.ndim == 2:
-            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, t)
-    for name, t in (extra_tensors or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        named[name] = t
+    write_gguf_tensors(w, {**named, **(extra_tensors or {})}, qtype)  # the 1-D extra tensors stay F32
     return path
 
 

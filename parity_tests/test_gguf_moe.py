@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from parity_tests.twins import gguf_twin_logits, llama_cpp_permute  # noqa: E402
+from parity_tests.twins import gguf_twin_logits, llama_cpp_permute, write_gguf_tensors  # noqa: E402
 from twincore.config import ModelConfig  # noqa: E402
 from twincore.gguf import read_gguf, read_gguf_config  # noqa: E402
 from twincore.hf_format import CheckpointError, expected_shapes  # noqa: E402
@@ -130,18 +130,9 @@ def _write(path, cfg: ModelConfig, hf: dict, qtype=None, arch=None, kv=None, dro
     w.add_token_list(vocab)
     w.add_token_types([1] * len(vocab))
     w.add_token_merges(MERGES)
-    for name, t in {**_gguf_tensors(cfg, hf), **(extra or {})}.items():
-        if name in drop:
-            continue
-        # the converter keeps 1-D tensors, norms and the router (FFN_GATE_INP) in F32
-        if qtype is not None and t.ndim >= 2 and "ffn_gate_inp" not in name:
-            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tensors = {name: t for name, t in {**_gguf_tensors(cfg, hf), **(extra or {})}.items() if name not in drop}
+    # the converter keeps 1-D tensors, norms and the router (FFN_GATE_INP) in F32
+    write_gguf_tensors(w, tensors, qtype, f32=("ffn_gate_inp",))
     return path
 
 

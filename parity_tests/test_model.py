@@ -23,17 +23,12 @@ MODULE_TOL, LOGITS_TOL, GRAD_TOL = 1e-5, 1e-4, 1e-3
 CONFIGS = {
     "tiny-gqa": ModelConfig.preset("tiny"),
     "mha-tied-headdim": ModelConfig.preset("tiny", n_heads=2, n_kv_heads=2, head_dim=24, tie_embeddings=True),
+    # Llama 3.1's RoPE scaling, its original context shrunk to 16 so the tiny sequences cross it
     "mqa-llama3-rope": ModelConfig.preset(
         "tiny",
         n_kv_heads=1,
         rope_theta=5e5,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=16,
-        ),
+        rope_scaling={**ModelConfig.preset("8b").rope_scaling, "original_max_position_embeddings": 16},
     ),
 }
 

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from jaxattn import precision as jp
+from twincore import params
 
 torch = pytest.importorskip("torch")
 from torchref import precision as tp  # noqa: E402
@@ -159,17 +160,33 @@ def _max_err(a, ref):
     return float(np.abs(np.asarray(a, np.float64) - ref).max())
 
 
+def _random_module(cls, cfg, seed: int, std: float):
+    """``cls(cfg)`` with every parameter drawn from N(0, std), after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    mod = cls(cfg)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, std)
+    return mod
+
+
+def _assert_2x_rule(what: str, low: str, naive, jax_policy, autocast, ref):
+    """JAX's policy and torch's autocast are each within 2x the error (vs the float64 ``ref``) of ``naive``, the
+    module run with everything in the low dtype."""
+    e_naive, e_jax, e_auto = _max_err(naive, ref), _max_err(jax_policy, ref), _max_err(autocast, ref)
+    print(f"{what} {low}: naive {e_naive:.3e} jax policy {e_jax:.3e} torch autocast {e_auto:.3e}")
+    assert e_naive > 0
+    assert e_jax <= 2 * e_naive, (low, e_jax, e_naive)
+    assert e_auto <= 2 * e_naive, (low, e_auto, e_naive)
+
+
 @pytest.mark.parametrize("low", list(LOW))
 def test_mlp_block_low_precision_2x_rule(low):
     from jaxattn.model import mlp_block
     from torchref.model import LlamaMLP
 
     jcfg, tcfg = _tiny_cfgs()
-    torch.manual_seed(1)
-    mod = LlamaMLP(tcfg)
-    with torch.no_grad():
-        for p in mod.parameters():
-            p.normal_(0, 0.1)
+    mod = _random_module(LlamaMLP, tcfg, seed=1, std=0.1)
     x = torch.randn(2, 16, tcfg.dim)
     jdt, tdt = LOW[low]
     ref = mod.double()(x.double()).detach().numpy()
@@ -177,20 +194,13 @@ def test_mlp_block_low_precision_2x_rule(low):
     naive = _clone(mod).to(tdt)(x.to(tdt)).detach().float().numpy()  # everything in the low dtype
     with tp.get_policy(low).autocast("cpu"):
         autocast = mod(x).detach().float().numpy()
-    p = {
-        "w_gate": mod.gate_proj.weight.detach().numpy().T,
-        "w_up": mod.up_proj.weight.detach().numpy().T,
-        "w_down": mod.down_proj.weight.detach().numpy().T,
-    }
+    p = _jax_params(mod, "mlp.", tcfg)
     pol = jp.Policy.preset(low)
     out = jax.jit(lambda x, p: pol.cast_to_output(mlp_block(pol.cast_to_compute(x), pol.cast_to_compute(p))))(
         jnp.asarray(x.numpy()), jax.tree.map(jnp.asarray, p)
     )
-    e_naive, e_jax, e_auto = _max_err(naive, ref), _max_err(out, ref), _max_err(autocast, ref)
-    print(f"mlp {low}: naive {e_naive:.3e} jax policy {e_jax:.3e} torch autocast {e_auto:.3e}")
-    assert e_naive > 0 and out.dtype == jnp.float32
-    assert e_jax <= 2 * e_naive, (low, e_jax, e_naive)
-    assert e_auto <= 2 * e_naive, (low, e_auto, e_naive)
+    assert out.dtype == jnp.float32
+    _assert_2x_rule("mlp", low, naive, out, autocast, ref)
 
 
 @pytest.mark.parametrize("low", list(LOW))
@@ -201,11 +211,7 @@ def test_attention_block_low_precision_2x_rule(low):
     from torchref.model import rope_cos_sin as t_rope
 
     jcfg, tcfg = _tiny_cfgs()
-    torch.manual_seed(2)
-    mod = LlamaAttention(tcfg)
-    with torch.no_grad():
-        for p in mod.parameters():
-            p.normal_(0, 0.15)
+    mod = _random_module(LlamaAttention, tcfg, seed=2, std=0.15)
     b, s = 2, 16
     x = torch.randn(b, s, tcfg.dim)
     pos = torch.arange(s).expand(b, s)
@@ -217,8 +223,7 @@ def test_attention_block_low_precision_2x_rule(low):
     naive = _clone(mod).to(tdt)(x.to(tdt), cos, sin).detach().float().numpy()
     with tp.get_policy(low).autocast("cpu"):
         autocast = mod(x, cos, sin).detach().float().numpy()
-    p = {"wq": mod.q_proj.weight, "wk": mod.k_proj.weight, "wv": mod.v_proj.weight, "wo": mod.o_proj.weight}
-    p = {k: jnp.asarray(v.detach().numpy().T) for k, v in p.items()}
+    p = {k: jnp.asarray(v) for k, v in _jax_params(mod, "self_attn.", tcfg).items()}
     jcos, jsin = j_rope(jnp.asarray(jcfg.rope_inv_freq()), jnp.broadcast_to(jnp.arange(s), (b, s)))
     pol = jp.Policy.preset(low)
     out = jax.jit(
@@ -226,11 +231,14 @@ def test_attention_block_low_precision_2x_rule(low):
             attention_block(pol.cast_to_compute(x), pol.cast_to_compute(p), jcos, jsin, jcfg)
         )
     )(jnp.asarray(x.numpy()), p)
-    e_naive, e_jax, e_auto = _max_err(naive, ref), _max_err(out, ref), _max_err(autocast, ref)
-    print(f"attention {low}: naive {e_naive:.3e} jax policy {e_jax:.3e} torch autocast {e_auto:.3e}")
-    assert e_naive > 0
-    assert e_jax <= 2 * e_naive, (low, e_jax, e_naive)
-    assert e_auto <= 2 * e_naive, (low, e_auto, e_naive)
+    _assert_2x_rule("attention", low, naive, out, autocast, ref)
+
+
+def _jax_params(mod, prefix: str, cfg) -> dict:
+    """A torch block's weights as the JAX block's parameters, from the parameter table: each linear row of a layer
+    whose torch module is under ``prefix`` (``mlp.``: w_gate / w_up / w_down), transposed to JAX's ``[in, out]``."""
+    rows = [r for r in params.layer_rows(cfg) if r.kind == "linear" and r.module.startswith(prefix)]
+    return {r.name: getattr(mod, r.module.removeprefix(prefix)).weight.detach().numpy().T for r in rows}
 
 
 def _attention_ref64(x, mod, cos, sin, cfg):

@@ -363,6 +363,16 @@ def _launch(runs):
     return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
 
+def _trainer_flags(seed: int) -> list[str]:
+    """8 rows of 16 tokens, a constant lr (the same lr whatever --steps says), no progress lines."""
+    return f"--batch-size 8 --seq-len 16 --no-progress --seed {seed} --lr 1e-3 --schedule constant".split()
+
+
+def _process_flags(port: str, i: int) -> list[str]:
+    """Process ``i`` of 2, whose coordinator is at 127.0.0.1:``port``."""
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+
+
 def _port() -> str:
     import socket
 
@@ -375,49 +385,21 @@ def _two_process_cli(tmp_path, resume: bool, mesh: str = "data=2,fsdp=2,tensor=2
     """2 processes x 4 CPU devices (gloo) train 3 steps through the CLI; with ``resume``, 2 steps with an orbax
     checkpoint per step first, then ``--resume`` to step 3 configured by the ``JAX_*`` variables instead of the
     flags. Compared with one in-process run on 8 devices: losses within 1e-5; only process 0 writes the log and the
-    Hugging Face export, whose weights equal the 8-device run's (AdamW moves a weight by at most lr per step, so
-    an entry whose gradient is within rounding of zero may differ by up to 2 * lr * steps; all but a few entries
-    agree to 1e-5). ``mesh`` / ``extra``: another mesh and flags for both runs."""
+    Hugging Face export, whose weights equal the 8-device run's within AdamW's rounding bound
+    (``twins.assert_exports_agree``). ``mesh`` / ``extra``: another mesh and flags for both runs."""
     import json
 
-    from safetensors.numpy import load_file
-
     from jaxattn import train as trainer
+    from parity_tests.twins import assert_exports_agree
 
-    common = [
-        *extra,
-        "--mesh",
-        mesh,
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "16",
-        "--no-progress",
-        "--seed",
-        "3",
-        "--lr",
-        "1e-3",
-        "--schedule",
-        "constant",
-    ]  # the same lr whatever --steps says
+    common = [*extra, "--mesh", mesh, *_trainer_flags(seed=3)]
     mp = common + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     port = _port()
     first = _launch(
         [
             (
-                mp
-                + [
-                    "--steps",
-                    "2" if resume else "3",
-                    "--log-json",
-                    str(tmp_path / f"log{i}.jsonl"),
-                    "--coordinator",
-                    f"127.0.0.1:{port}",
-                    "--num-processes",
-                    "2",
-                    "--process-id",
-                    str(i),
-                ],
+                [*mp, "--steps", "2" if resume else "3", "--log-json", str(tmp_path / f"log{i}.jsonl")]
+                + _process_flags(port, i),
                 {},
             )
             for i in (0, 1)
@@ -441,14 +423,7 @@ def _two_process_cli(tmp_path, resume: bool, mesh: str = "data=2,fsdp=2,tensor=2
     assert [r["step"] for r in logs] == [1, 2, 3]
     assert not (tmp_path / "log1.jsonl").exists()  # only process 0 logs
     np.testing.assert_allclose([r["loss"] for r in logs], ref["losses"], rtol=0, atol=1e-5)
-    got, want = (
-        load_file(str(tmp_path / "ck" / "final" / "model.safetensors")),
-        load_file(str(tmp_path / "ref" / "final" / "model.safetensors")),
-    )
-    assert got.keys() == want.keys()
-    for name in want:
-        diff = np.abs(got[name] - want[name])
-        assert diff.max() <= 2 * 1e-3 * 3 and np.mean(diff > 1e-5) < 1e-3, (name, diff.max())
+    assert_exports_agree(tmp_path / "ck" / "final", tmp_path / "ref" / "final", lr=1e-3, steps=3)
 
 
 def test_cli_two_processes_train_and_export_like_one_of_eight(tmp_path):
@@ -467,25 +442,7 @@ def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
     port = _port()
     meshes = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2")
     runs = _launch(
-        [
-            (
-                [
-                    "--mesh",
-                    m,
-                    "--steps",
-                    "1",
-                    "--no-progress",
-                    "--coordinator",
-                    f"127.0.0.1:{port}",
-                    "--num-processes",
-                    "2",
-                    "--process-id",
-                    str(i),
-                ],
-                {},
-            )
-            for i, m in enumerate(meshes)
-        ]
+        [(["--mesh", m, "--steps", "1", "--no-progress", *_process_flags(port, i)], {}) for i, m in enumerate(meshes)]
     )
     for rc, out in runs:
         assert rc == 2 and "processes disagree on --mesh" in out, out[-3000:]
@@ -496,19 +453,7 @@ def test_checkpoint_of_one_mesh_resumes_on_another(tmp_path):
     the new run's sharded state) and onto one device; both continue the uninterrupted run's losses within 1e-5."""
     from jaxattn import train as trainer
 
-    flags = [
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "16",
-        "--no-progress",
-        "--seed",
-        "5",
-        "--lr",
-        "1e-3",
-        "--schedule",
-        "constant",
-    ]
+    flags = _trainer_flags(seed=5)
     ref = trainer.run(flags + ["--steps", "3"])["losses"]
     ck = str(tmp_path / "ck")
     first = trainer.run(

@@ -12,11 +12,14 @@ __all__ = [
     "twin_models",
     "layer_params",
     "tokens",
+    "normal_draws",
     "hf_llama",
     "hf_llama_dir",
     "torchrun",
     "jsonl_losses",
+    "assert_exports_agree",
     "llama_cpp_permute",
+    "write_gguf_tensors",
     "gguf_twin_logits",
 ]
 
@@ -30,6 +33,18 @@ def layer_params(jmodel, i: int = 0) -> dict:
 
 def tokens(rng: np.random.Generator, vocab: int, b: int, s: int) -> np.ndarray:
     return rng.integers(0, vocab, (b, s), dtype=np.int64)
+
+
+def normal_draws(rng: np.random.Generator, dtype="float32"):
+    """``draw(*shape)``: a jax array of ``rng``'s standard-normal draws, made in float32 and cast to ``dtype``."""
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(dtype)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+
+    return draw
 
 
 def smollm2_path() -> str:
@@ -115,10 +130,42 @@ def jsonl_losses(path) -> list[float]:
     return [r["loss"] for r in read_log(str(path))]
 
 
+def assert_exports_agree(got_dir, want_dir, lr: float, steps: int) -> None:
+    """The ``model.safetensors`` in two export folders hold the same tensors, equal within AdamW's rounding bound:
+    AdamW moves a weight by at most lr per step, so an entry whose gradient is within rounding of zero may differ by
+    up to 2 * lr * steps; all but a few entries (< 0.1%) agree to 1e-5."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    got, want = (load_file(os.path.join(str(d), "model.safetensors")) for d in (got_dir, want_dir))
+    assert got.keys() == want.keys()
+    for name in want:
+        diff = np.abs(got[name] - want[name])
+        assert diff.max() <= 2 * lr * steps and np.mean(diff > 1e-5) < 1e-3, (name, diff.max())
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF rotate_half rows -> interleaved pairs): what a
     GGUF writer does to q/k rows, and the loader undoes."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_tensors(w, tensors: dict, qtype=None, f32=()) -> None:
+    """Adds ``tensors`` ({GGUF name: array}) to the ``gguf.GGUFWriter`` ``w`` as llama.cpp's converter does: those of
+    two or more dimensions quantized to ``qtype`` (None: every tensor as it is) unless the name holds one of ``f32``
+    (kept in F32, 1-D tensors too); then writes the header, the metadata and the tensors, and closes the file."""
+    import gguf
+
+    for name, t in tensors.items():
+        if qtype is not None and t.ndim >= 2 and not any(part in name for part in f32):
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def gguf_twin_logits(path, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
