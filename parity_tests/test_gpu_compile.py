@@ -487,3 +487,43 @@ def test_cudnn_path_is_the_cudnn_calls_alone(window):
     assert _entry_work(both) == ["custom-call[__cudnn$fmhaSoftmax]", "custom-call[__cudnn$fmhaSoftmaxBackward]"]
     text = both.as_text()
     assert f"bf16[{b},{hkv},{s},{d}]" in text and f"bf16[{b},{hq},{s},{d}]" in text  # dk/dv at Hkv, no repeat
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_peer_attention_mgpu_compiles_beside_ours_in_the_kernel_records():
+    """jax's own FA3-style Mosaic GPU op (``attention_mgpu``, benchmarks/mgpu_peer.py): its forward, dkv and dq
+    kernels get the same columns as ours (registers, threads, shared memory from Mosaic's allocation, occupancy,
+    wgmma / TMA counts); it takes GQA (its backward sums dk, dv over the group); a bfloat16 case is compiled at
+    float16 (its shared-memory buffers are float16) and says so; what its contract declines is a skipped record
+    with the reason: D=96, a causal backward, and a causal forward where its CUDA-version check refuses (here,
+    without a CUDA runtime, it reads the plugin's build version)."""
+    from benchmarks import mgpu_peer
+    from benchmarks.tools import compile as bc
+    from benchmarks.tools.deviceless import AttnShape
+    from benchmarks.tools.kernel_stats import H100_LIMITS
+
+    quiet = lambda *a: None  # noqa: E731
+    for shape in (AttnShape(1, 256, 4, 4, causal=False), AttnShape(1, 256, 4, 2, causal=False)):  # MHA, GQA
+        recs = bc.kernel_records(_devices(), [(bc.PEER_MGPU, 64, "bf16")], shape, "h100", log=quiet)
+        assert [r["kernel"] for r in recs] == list(bc.PEER_MGPU_KERNELS)
+        for r in recs:
+            assert r["status"] == "ok" and r["impl"] == "pallas.ops:mgpu" and r["label"] == "compiled for H100, not run"
+            assert 0 < r["registers"] <= H100_LIMITS["max_regs_per_thread"], r  # a peer: spills are a finding
+            assert 0 < r["smem_bytes"] <= H100_LIMITS["smem_per_block"] and 0 < r["occupancy"] <= 1, r
+            assert r["threads"] == 384 and r["smem_source"].startswith("Mosaic's scratch allocation"), r
+            assert r["ptx_counts"]["wgmma"] > 0 and r["ptx_counts"]["cp.async.bulk.tensor"] > 0, r
+            assert r["run_dtype"] == "float16", r
+    (bad,) = bc.kernel_records(_devices(), [(bc.PEER_MGPU, 96, "bf16")], AttnShape(1, 256, 4, 4), "h100", log=quiet)
+    assert bad["status"] == "skipped" and "multiple of 64, got D=96" in bad["reason"]
+
+    causal = AttnShape(1, 256, 4, 4, causal=True)
+    (fb,) = bc.attention_records(_devices(), [(bc.PEER_MGPU, 64, "bf16")], causal, "h100", log=quiet)
+    assert fb["status"] == "skipped" and "no causal backward" in fb["reason"]
+    recs = bc.kernel_records(_devices(), [(bc.PEER_MGPU, 64, "bf16")], causal, "h100", log=quiet)
+    cuda = mgpu_peer.causal_reason()
+    if cuda is None:  # a CUDA runtime outside 12.8.0 .. 12.9.1 (jax 0.12 here loads the CUDA 13 one): forward only
+        assert [(r["kernel"], r["status"]) for r in recs] == [("mgpu_fwd", "ok")] and recs[0]["registers"] > 0
+    else:
+        assert [r["status"] for r in recs] == ["skipped"] and recs[0]["reason"] == cuda
+        assert "12.8.0 <= version < 12.9.1" in cuda

@@ -477,10 +477,13 @@ PASSES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
 
 
 def _gpu_label(r: dict) -> str:
-    impl = r.get("impl", "?")
+    from twincore.attention import backend_names
+
+    name = r.get("impl", "?")
+    impl = name + (f" as {r['run_dtype']}" if r.get("run_dtype") else "")
     if r.get("framework") == "torch":
         return f"torch {impl}"
-    return impl if impl.startswith("jax.nn:") else f"ours: {impl}"
+    return f"ours: {impl}" if name in backend_names() else impl  # a peer (jax.nn:, pallas:, tokamax) by its name
 
 
 def _versions(envs: list[dict]) -> str:

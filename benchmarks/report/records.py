@@ -35,8 +35,10 @@ def default_out(name: str) -> str:
 
 
 def impl_label(r: dict) -> str:
-    """``framework:impl`` of a record: its column in the report table and its series in a plot."""
-    return f"{r.get('framework', '?')}:{r.get('impl', '?')}"
+    """``framework:impl`` of a record: its column in the report table and its series in a plot; a record that ran
+    at another dtype than its row's says so (``jax:pallas:mgpu as float16``: that peer has float16 buffers only)."""
+    other = f" as {r['run_dtype']}" if r.get("run_dtype") else ""
+    return f"{r.get('framework', '?')}:{r.get('impl', '?')}{other}"
 
 
 def check_out_dir(out_dir: str) -> str:

@@ -15,12 +15,12 @@ from twincore.attention import backend_names
 from twincore.flops import attention_flops
 from twincore.timing import is_count
 
-from .. import measure
+from .. import measure, mgpu_peer
 
 MATERIALISING = {("jax", "xla"), ("jax", "jax.nn:xla"), ("torch", "sdpa:math")}
 MAX_MATERIALISED_S = 4096
 JAX_OURS = backend_names(forward_only=False)  # the backend table's, minus forward-only flash_decode
-JAX_PEERS = ("jax.nn:xla", "jax.nn:cudnn", "pallas:mha", "tokamax")
+JAX_PEERS = ("jax.nn:xla", "jax.nn:cudnn", "pallas:mha", mgpu_peer.SUITE_NAME, "tokamax")
 TORCH_SDPA = ("flash", "efficient", "cudnn", "math")
 IMPLS = JAX_OURS + JAX_PEERS + tuple(f"sdpa:{n}" for n in TORCH_SDPA)  # every `impl` a record can have
 
@@ -119,6 +119,13 @@ def _jax_impls(quick: bool):
 
     impls["pallas:mha"] = make_pallas
 
+    def make_mgpu(causal):  # jax's FA3-style Mosaic GPU op; its contract: benchmarks/mgpu_peer.py
+        if jax.default_backend() != "gpu":
+            raise RuntimeError("GPU only (Mosaic GPU, Hopper sm_90a; not interpreted)")
+        return mgpu_peer.attention_fn(causal)
+
+    impls[mgpu_peer.SUITE_NAME] = make_mgpu
+
     def make_tokamax(causal):
         import tokamax  # noqa: F401  (optional peer)
 
@@ -126,6 +133,23 @@ def _jax_impls(quick: bool):
 
     impls["tokamax"] = make_tokamax
     return impls
+
+
+def mgpu_reason(shape, backward: bool = False, platform: str | None = None, compute_capability=None) -> str | None:
+    """Why the ``pallas:mgpu`` peer skips ``shape`` (:func:`_shapes`' tuple) for the pass, else None: GPU only, a
+    Hopper (compute capability 9.x: wgmma, TMA) only, then the op's contract (:func:`.mgpu_peer.unsupported`).
+    ``platform`` / ``compute_capability`` default to jax's default device's."""
+    import jax
+
+    dtype, b, hq, hkv, s, d, causal = shape
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "gpu":
+        return f"GPU only (Mosaic GPU, Hopper sm_90a; not interpreted): platform {platform!r}"
+    if compute_capability is None:
+        compute_capability = getattr(jax.devices()[0], "compute_capability", None)
+    if not str(compute_capability).startswith("9."):
+        return f"Hopper only (Mosaic GPU wgmma / TMA, compute capability 9.x), found {compute_capability}"
+    return mgpu_peer.unsupported(dtype, hq, hkv, s, d, causal, backward=backward)
 
 
 def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
@@ -150,6 +174,8 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
             reason = f"declined: {ours[name]}"
         elif ("jax", name) in MATERIALISING and s > MAX_MATERIALISED_S:
             reason = f"materialises S x S scores; skipped above S={MAX_MATERIALISED_S}"
+        elif name == mgpu_peer.SUITE_NAME:
+            reason = mgpu_reason(shape)
         elif name == "splash" and jax.default_backend() != "tpu":
             reason = "TPU kernel: timed on a TPU only (interpreted elsewhere, a test path)"
         elif quick and name == "flash" and (s, causal) != (_shapes(True)[0][4], False):
@@ -160,16 +186,21 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
                 fwd = make(causal)
             except Exception as e:
                 reason = _first_line(e)
+        # the mgpu peer runs a bfloat16 call on float16 copies of the same inputs, cast before the timing
+        run_as = mgpu_peer.run_dtype(dtype) if name == mgpu_peer.SUITE_NAME else dtype
+        qkvd = (q, k, v, do) if run_as == dtype or reason else tuple(x.astype(run_as) for x in (q, k, v, do))
         for pss in ("fwd", "fwd_bwd"):
+            if reason is None and pss == "fwd_bwd" and name == mgpu_peer.SUITE_NAME:
+                reason = mgpu_reason(shape, backward=True)  # no causal backward
             if reason is not None:
                 records.append(_record(name, "jax", pss, status="skipped", reason=reason, **_kw(base)))
                 continue
             if pss == "fwd":
                 fn = jax.jit(fwd)
-                args = (q, k, v)
+                args = qkvd[:3]
             else:
                 fn = jax.jit(lambda q, k, v, do: jax.vjp(fwd, q, k, v)[1](do))
-                args = (q, k, v, do)
+                args = qkvd
             it = 3 if name == "flash" and quick else iters
             try:
                 t = measure.timeit(fn, *args, warmup=1 if it == 3 else warmup, iters=it)
@@ -180,9 +211,12 @@ def _run_jax(records, quick, shape, iters, warmup, wanted=None, calls=None):
                 if pss == "fwd":  # the forward already fails: record fwd_bwd as skipped for the same reason
                     reason = f"error: {_first_line(e)}"
                 continue
-            if calls is not None and not (quick and name == "flash"):  # interpreted Pallas: too slow to pair
+            # interpreted Pallas: too slow to pair; a call run at another dtype is not this row's to pair
+            if calls is not None and not (quick and name == "flash") and run_as == dtype:
                 calls[len(records)] = lambda fn=fn, args=args: fn(*args)
             records.append(_timed_record(name, "jax", pss, t, measure.jax_compiled_memory(fn, *args), base))
+            if run_as != dtype:
+                records[-1]["run_dtype"] = run_as
 
 
 def _timed_record(impl, fw, pss, t: dict, peak_mem_bytes, base) -> dict:

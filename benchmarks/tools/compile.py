@@ -31,7 +31,7 @@ import jax  # noqa: E402
 
 from jaxattn import gpu_target, tpu_target  # noqa: E402
 
-from .. import measure  # noqa: E402
+from .. import measure, mgpu_peer  # noqa: E402
 from ..report import compile_tables  # noqa: E402
 from ..report.compile_tables import LABEL  # noqa: E402
 from ..report.plots import plot_suite  # noqa: E402
@@ -43,6 +43,7 @@ from .programs import (  # noqa: E402
     TOKAMAX_MOSAIC,
     TOKAMAX_TRITON,
     analytic_flops,
+    attention_base,
     attention_loss,
     build_program,
     cost_stats,
@@ -58,7 +59,13 @@ PEER_MHA_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
 # dq and dkv backward), the peers of our flash and mosaic backends.
 TOKAMAX_TRITON_KERNELS = ("pallas_flash_attention_fwd_res", "pallas_flash_attention_vjp")
 TOKAMAX_MOSAIC_KERNELS = ("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv")  # in the order Mosaic compiles them
-GPU_PEERS = (PEER_MHA, TOKAMAX_TRITON, TOKAMAX_MOSAIC)
+# jax's own FA3-style Mosaic GPU op (jax.experimental.pallas.ops.gpu.attention_mgpu; contract and TuningConfig:
+# benchmarks/mgpu_peer.py): its forward (with the softmax residual where the backward is compiled), dq and dkv.
+PEER_MGPU = mgpu_peer.COMPILE_NAME
+# In the order Mosaic compiles them: the forward, then dkv before dq (read in the PTX on jax 0.10.2 and 0.12: the dkv
+# kernel stores two tiles, dk and dv, and issues 4 wgmma per step to dq's 3; compile_pallas_mgpu checks the latter).
+PEER_MGPU_KERNELS = ("mgpu_fwd", "mgpu_bwd_dkv", "mgpu_bwd_dq")
+GPU_PEERS = (PEER_MHA, PEER_MGPU, TOKAMAX_TRITON, TOKAMAX_MOSAIC)
 # One fwd+bwd program per implementation for the launches / compiled-temp table: ours, the peers, cuDNN (through
 # our dispatcher: its kernels are a library's, with no PTX to read) and XLA's own attention.
 ATTENTION_IMPLS = ("flash", "mosaic", "cudnn", "xla") + GPU_PEERS
@@ -68,7 +75,8 @@ TPU_TARGETS = tuple(tpu_target.CHIPS)  # --target v5e|v5p|v6e: tools/tpu_compile
 # ------------------------------------------------------------------------------------------------- cases
 def kernel_cases(quick: bool):
     """``[(impl, D, dtype name)]``: ours, and outside ``--quick`` the peers beside them (:data:`GPU_PEERS`: jax's own
-    Pallas GPU attention op, tokamax's Triton and Mosaic GPU kernels) at bf16 D 64 / 128."""
+    Pallas GPU attention ops, Triton ``mha`` and the FA3-style Mosaic GPU ``attention_mgpu``, tokamax's Triton and
+    Mosaic GPU kernels) at bf16 D 64 / 128."""
     if quick:
         return [("flash", 64, "bf16"), ("flash", 128, "bf16"), ("mosaic", 128, "bf16")]
     flash = [("flash", d, dt) for dt in ("bf16", "fp16", "fp32") for d in (64, 128, 256)]
@@ -90,12 +98,33 @@ def _attn_args(devs, shape: AttnShape, d: int, dtype):
 
 def compile_fwd_bwd(devs, impl: str, d: int, dtype, shape: AttnShape = BENCH_SHAPE, compiler_options=None):
     """``(lowered, compiled)``: ``jax.grad`` of :func:`_attention_loss` for ``impl`` compiled for ``devs``."""
+    if impl == PEER_MGPU:
+        return _compile_mgpu(devs, d, dtype, shape, backward=True, compiler_options=compiler_options)
     with peer_context(impl, devs):
         return gpu_target.compile(
             jax.grad(attention_loss(impl, shape, d), argnums=(0, 1, 2)),
             *_attn_args(devs, shape, d, dtype),
             compiler_options=compiler_options,
         )
+
+
+def mgpu_declines(shape: AttnShape, d: int, dt: str, backward: bool) -> str | None:
+    """Why jax's attention_mgpu cannot take ``shape`` at ``(d, dt)`` (the forward, or with ``backward`` the
+    fwd+bwd program) in this compile, else None: :func:`.mgpu_peer.unsupported`, its causal check seeing the CUDA
+    version of :func:`.mgpu_peer.deviceless_cuda_version`."""
+    return mgpu_peer.unsupported(dt, shape.hq, shape.hkv, shape.s, d, shape.causal, backward=backward)
+
+
+def _compile_mgpu(devs, d: int, dtype, shape: AttnShape, backward: bool, compiler_options=None):
+    """``(lowered, compiled)`` of jax's attention_mgpu at ``shape`` (its forward, or ``jax.grad`` of its summed
+    output), a bfloat16 call compiled at float16 as the suite runs it (:func:`.mgpu_peer.run_dtype`)."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(mgpu_peer.run_dtype(jnp.dtype(dtype).name))
+    fwd = mgpu_peer.attention_fn(shape.causal)
+    fn = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if backward else fwd
+    with mgpu_peer.deviceless_cuda_version():
+        return gpu_target.compile(fn, *_attn_args(devs, shape, d, dtype), compiler_options=compiler_options)
 
 
 def _triton_kernels(names, impl):
@@ -202,10 +231,32 @@ def compile_tokamax_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, 
     return _mosaic_kernels(thunk, TOKAMAX_MOSAIC_KERNELS, workdir)
 
 
+def compile_pallas_mgpu(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
+    """jax's attention_mgpu: ``{kernel name: record}`` for :data:`PEER_MGPU_KERNELS` (fwd+bwd) where its contract
+    takes the backward at ``shape``, else its forward alone, ``{"mgpu_fwd": record}`` (no causal backward)."""
+    import jax.numpy as jnp
+
+    backward = mgpu_declines(shape, d, jnp.dtype(dtype).name, backward=True) is None
+    names = PEER_MGPU_KERNELS if backward else PEER_MGPU_KERNELS[:1]
+    thunk = lambda: _compile_mgpu(devs, d, dtype, shape, backward)  # noqa: E731
+    out = _mosaic_kernels(thunk, names, workdir)
+    wgmma = [out[n]["ptx_counts"].get("wgmma", 0) for n in names[1:]]
+    if backward and not wgmma[0] > wgmma[1] > 0:
+        raise RuntimeError(  # with equal blocks the dkv kernel issues 4 GEMMs a step, dq 3: the order moved
+            f"attention_mgpu's backward kernels compiled in another order than {names[1:]} (wgmma counts {wgmma})"
+        )
+    for rec in out.values():
+        rec["run_dtype"] = mgpu_peer.run_dtype(jnp.dtype(dtype).name)
+        rec["tuning_config"] = repr(mgpu_peer.tuning_config(d, shape.causal))
+        rec["cuda_runtime"] = "{} ({})".format(*mgpu_peer.cuda_runtime_version())
+    return out
+
+
 KERNEL_COMPILERS = {
     "flash": compile_flash,
     "mosaic": compile_mosaic,
     PEER_MHA: compile_pallas_mha,
+    PEER_MGPU: compile_pallas_mgpu,
     TOKAMAX_TRITON: compile_tokamax_triton,
     TOKAMAX_MOSAIC: compile_tokamax_mosaic,
 }
@@ -221,9 +272,26 @@ def kernel_records(devs, cases, shape: AttnShape, target: str, log=print) -> lis
     def compile_case(impl, d, dtype):
         return KERNEL_COMPILERS[impl](devs, d, dtype, shape)
 
-    return compile_run.attention_table(
-        cases, shape, LABEL.format(target=target.upper()), compile_case, to_records, log=log
-    )
+    label = LABEL.format(target=target.upper())
+
+    def table(some):
+        return compile_run.attention_table(some, shape, label, compile_case, to_records, log=log)
+
+    return _declining(cases, shape, label, table, backward=False, log=log)
+
+
+def _declining(cases, shape: AttnShape, label: str, table, backward: bool, log=print) -> list:
+    """``table(cases)``'s records, but a skipped record, with the reason, for each attention_mgpu case its contract
+    declines at ``shape`` (:func:`mgpu_declines`: a finding, not a failed compile)."""
+    records = []
+    for impl, d, dt in cases:
+        reason = mgpu_declines(shape, d, dt, backward) if impl == PEER_MGPU else None
+        if reason is None:
+            records.extend(table([(impl, d, dt)]))
+            continue
+        log(f"  {impl} D={d} {dt}: skipped ({reason})")
+        records.append(dict(attention_base(impl, d, dt, shape, label), status="skipped", reason=reason))
+    return records
 
 
 # ------------------------------------------------------------------------------------------------- fwd+bwd
@@ -254,7 +322,11 @@ def attention_records(devs, cases, shape: AttnShape, target: str, log=print) -> 
         return [rec]
 
     label = LABEL.format(target=target.upper())
-    return compile_run.attention_table(cases, shape, label, compile_case, to_records, what="fwd+bwd {impl}", log=log)
+
+    def table(some):
+        return compile_run.attention_table(some, shape, label, compile_case, to_records, what="fwd+bwd {impl}", log=log)
+
+    return _declining(cases, shape, label, table, backward=True, log=log)
 
 
 # ------------------------------------------------------------------------------------------------- programs
