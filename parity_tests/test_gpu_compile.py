@@ -125,6 +125,32 @@ def test_cudnn_declines_cleanly_without_library():
             attn.dot_product_attention(*QKV, causal=True, backend="cudnn")
 
 
+def test_ptx_counts_name_the_pipelining_instructions():
+    """The kernel records' PTX counts tell a warp-specialised, pipelined Hopper kernel from a plain one: the
+    register split (setmaxnreg), async wgmma groups and their waits, mbarrier waits / arrives, named barriers; an
+    mbarrier is not a named barrier, and a count is static (a loop's instruction once)."""
+    from benchmarks.tools.kernel_stats import ptx_counts
+
+    ptx = """
+        setmaxnreg.dec.sync.aligned.u32 24;
+        cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd2, {%r3, %r4}], [%r5];
+        mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r5], 32768;
+    $L_loop:
+        mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r5], %r6;
+        wgmma.fence.sync.aligned;
+        wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd7, %rd8, 1, 1, 1, 0, 1;
+        wgmma.commit_group.sync.aligned;
+        wgmma.wait_group.sync.aligned 1;
+        bar.sync 1, 256;
+        @%p2 bra $L_loop;
+        setmaxnreg.inc.sync.aligned.u32 240;
+    """
+    c = ptx_counts(ptx)
+    assert (c["setmaxnreg"], c["wgmma"], c["wgmma.commit_group"], c["wgmma.wait_group"]) == (2, 1, 1, 1)
+    assert (c["mbarrier.try_wait"], c["mbarrier.arrive"], c["bar.sync"], c["cp.async.bulk.tensor"]) == (1, 1, 1, 1)
+    assert c["mma.sync"] == c["cp.async"] == 0
+
+
 # ------------------------------------------------------------------------------------ deviceless compile
 _REASON = gpu_target.unavailable_reason()
 needs_plugin = pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
@@ -527,3 +553,19 @@ def test_peer_attention_mgpu_compiles_beside_ours_in_the_kernel_records():
     else:
         assert [r["status"] for r in recs] == ["skipped"] and recs[0]["reason"] == cuda
         assert "12.8.0 <= version < 12.9.1" in cuda
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+@pytest.mark.parametrize("d", [64, 128])
+def test_mosaic_forward_is_warp_specialised_and_pipelined(d):
+    """Our Mosaic GPU forward has FlashAttention-3's structure in its PTX (compiled for H100, not run): three
+    warpgroups (a TMA producer and two wgmma consumers), the producer's registers given to the consumers
+    (``setmaxnreg`` down and up), asynchronous wgmma groups waited on, and the K/V ring handed over by mbarriers.
+    A rewrite that loses the warp specialisation or the async pipeline fails here before any GPU times it."""
+    fwd = _kernels("mosaic", d, "bf16")["mosaic_fwd"]
+    c = fwd["ptx_counts"]
+    assert fwd["threads"] == 384, fwd  # 3 warpgroups
+    assert c["setmaxnreg"] >= 2, c  # the register split: .dec in the producer, .inc in the consumers
+    assert c["wgmma"] > 0 and c["wgmma.commit_group"] > 0 and c["wgmma.wait_group"] > 0, c
+    assert c["cp.async.bulk.tensor"] > 0 and c["mbarrier.try_wait"] > 0 and c["mbarrier.arrive"] > 0, c

@@ -188,14 +188,27 @@ def sass_counts(cubin_path: str) -> dict[str, dict[str, int]] | None:
     return out
 
 
+# PTX instructions that show how a Hopper kernel pipelines (FlashAttention-3's ingredients): tensor-core and TMA
+# work, then the warp-specialised register split (setmaxnreg: a producer warpgroup gives registers to consumers),
+# async wgmma groups and their waits, and the mbarrier / named-barrier synchronisation between warpgroups.
+PTX_OPS = {
+    "wgmma": r"\bwgmma\.mma_async",
+    "mma.sync": r"\bmma\.sync",
+    "cp.async.bulk.tensor": r"\bcp\.async\.bulk\.tensor",
+    "cp.async": r"\bcp\.async\.(?:ca|cg)",
+    "setmaxnreg": r"\bsetmaxnreg\.",
+    "wgmma.commit_group": r"\bwgmma\.commit_group",
+    "wgmma.wait_group": r"\bwgmma\.wait_group",
+    "mbarrier.try_wait": r"\bmbarrier\.try_wait",
+    "mbarrier.arrive": r"\bmbarrier\.arrive",
+    "bar.sync": r"\b(?:bar|barrier)\.(?:sync|arrive)\b",
+}
+
+
 def ptx_counts(ptx: str) -> dict[str, int]:
-    """PTX-level instruction counts (a fallback when SASS is not available)."""
-    return {
-        "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
-        "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
-        "cp.async.bulk.tensor": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
-        "cp.async": len(re.findall(r"\bcp\.async\.(?:ca|cg)", ptx)),
-    }
+    """Static PTX instruction counts of :data:`PTX_OPS` (tensor cores and TMA also a fallback when SASS is not
+    available). Static: an instruction inside a loop counts once."""
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in PTX_OPS.items()}
 
 
 _THUNK = re.compile(
