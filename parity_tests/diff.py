@@ -43,6 +43,7 @@ from collections import defaultdict
 
 import numpy as np
 
+import jaxattn  # noqa: F401 - before any jax import: jaxattn.cuda_quiet's quiet start (no CUDA noise, no TPU client)
 from twincore.cli import CLIError, OneLineParser
 from twincore.tensors import LAYER_TENSORS, TORCH_HOOKS
 

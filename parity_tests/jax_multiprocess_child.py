@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import jaxattn  # noqa: F401 - before jax (it starts no jax): jaxattn.cuda_quiet's quiet start, no TPU client without a chip
+
 port, pid, nproc, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"  # before jax starts
 
