@@ -221,7 +221,10 @@ def test_kernel_compiles_within_h100_limits(impl, d, dt):
     from benchmarks.tools.kernel_stats import H100_LIMITS
 
     recs = _kernels(impl, d, dt)
-    expected = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv") if impl == "flash" else ("mosaic_fwd",)
+    from benchmarks.tools.compile import FLASH_KERNELS, MOSAIC_KERNELS
+    from jaxattn.attention.mosaic import BACKWARD_HEAD_DIMS
+
+    expected = FLASH_KERNELS if impl == "flash" else MOSAIC_KERNELS[: 3 if d in BACKWARD_HEAD_DIMS else 1]
     assert sorted(recs) == sorted(expected)
     for name, r in recs.items():
         assert r["registers"] is not None and r["registers"] <= H100_LIMITS["max_regs_per_thread"], (name, r)
@@ -243,6 +246,16 @@ _FLASH_256_SPILLS = pytest.mark.xfail(
     JAX_GE_0_11, reason="jax >= 0.11's Triton spills 24 B in the D=256 flash dkv kernel", strict=True
 )
 _SPILL_MARKS = {("mosaic", 256): _MOSAIC_256_SPILLS, ("flash", 256): _FLASH_256_SPILLS}
+# Tracked too, kernel by kernel (the largest spill, stores or loads, allowed): Mosaic spills a few registers in our
+# causal dq kernel at D=128 (16 / 28 B on jax 0.10.2, 20 / 40 B on 0.11.2; none non-causal or at D=64; tokamax's
+# Mosaic dq spills 8 / 16 B at D=128), and jax 0.12's Mosaic far more in the backward (dq 1.6 / 1.9 KB causal at
+# D=128, 28 / 40 B at D=64; dkv 12 B), where jax's own attention_mgpu dkv spills 440 B too. Any other kernel
+# spilling, or one of these growing or going, turns the test red.
+JAX_GE_0_12 = tuple(int(x) for x in jax.__version_info__[:2]) >= (0, 12)
+_TRACKED_SPILLS = {
+    ("mosaic", 128): {"mosaic_bwd_dq": 2048, "mosaic_bwd_dkv": 64} if JAX_GE_0_12 else {"mosaic_bwd_dq": 64},
+    ("mosaic", 64): {"mosaic_bwd_dq": 64} if JAX_GE_0_12 else {},
+}
 
 
 @pytest.mark.parametrize(
@@ -262,7 +275,11 @@ def test_default_configs_do_not_spill(impl, d, dt):
         for n, r in _kernels(impl, d, dt).items()
         if r["spill_stores"] or r["spill_loads"]
     }
-    assert not spills, f"spill bytes (stores, loads) per kernel: {spills}"
+    tracked = _TRACKED_SPILLS.get((impl, d), {})
+    untracked = {n: b for n, b in spills.items() if n not in tracked}
+    assert not untracked, f"spill bytes (stores, loads) per kernel: {untracked}"
+    for name, most in tracked.items():  # strict: gone or grown turns red
+        assert name in spills and max(spills[name]) <= most, f"tracked {name} (<= {most} B): {spills.get(name)}"
 
 
 @pytest.mark.parametrize("impl, d, dt", _params(("fp32",)))
@@ -422,7 +439,7 @@ def test_fwd_bwd_programs_of_ours_cudnn_and_xla_through_the_dispatcher():
     recs = {r["impl"]: r for r in bc.attention_records(_devices(), cases, GATE_SHAPE, "h100", log=lambda *a: None)}
     assert sorted(recs) == ["cudnn", "flash", "mosaic", "xla"]
     assert recs["flash"]["custom_calls"] == {TRITON: 3} and recs["flash"]["launches"] >= 3
-    assert recs["mosaic"]["custom_calls"] == {MOSAIC: 1, TRITON: 2}
+    assert recs["mosaic"]["custom_calls"] == {MOSAIC: 3}  # forward, dq, dkv: Mosaic GPU both ways
     assert recs["xla"]["status"] == "ok" and not recs["xla"]["custom_calls"]
     assert recs["xla"]["temp"] > 4 * recs["flash"]["temp"] > 0
     if cudnn.cudnn_version() is None:

@@ -1,4 +1,4 @@
-"""Tests for ``jaxattn.attention.mosaic``: Pallas Mosaic GPU forward (Hopper) + flash Pallas backward.
+"""Tests for ``jaxattn.attention.mosaic``: Pallas Mosaic GPU attention for Hopper, forward and backward.
 
 Oracle: ``reference.attention_reference`` (float32, ``Precision.HIGHEST``) and its autodiff gradients.
 
@@ -32,17 +32,29 @@ that exist both on Mosaic GPU register arrays and on ``jnp`` arrays, so the forw
   by ``commit_smem`` (``fence.proxy.async``) before the consumed arrive lets TMA refill the slot;
 * ``impl="emulate"``: a pure-jnp vmapped tile loop with the same bounds and tile math (also float32).
 
-Backward: the custom VJP saves ``out`` and the LSE and calls ``flash.flash_backward`` (the flash dq and
-in-kernel-GQA dkv Pallas kernels; interpret mode on CPU), so the gradient tests here run the emulated
-forward + the flash backward kernels against the oracle's gradients, the LSE cotangent included.
+Backward (FlashAttention-2, alg. 2): the custom VJP saves ``out`` and the LSE; XLA computes the LSE in log2
+units (``_LSE_EMPTY`` for rows that see no key and padded rows, so their ``p`` is 0) and ``delta = rowsum(dO * O) -
+dLSE`` (the LSE cotangent folded in, since ``dLSE/dS = P``), then two Mosaic GPU kernels shaped like the forward
+(two consumer warpgroups of 64 rows, a producer warpgroup filling a TMA ring, a "released" barrier per slot with two
+arrivals). ``dkv``: a CTA owns ``2 * block_kv_dkv`` keys of one kv head, K/V resident in SMEM; the producer streams
+Q / dO / LSE / delta blocks for every query head of the group in turn, only the query blocks ``[lo, nq)`` that see
+the CTA's keys (``_q_bounds``, the transpose of ``_kv_bounds``); per block ``S^T = K Q^T``, ``P^T``, ``dV += P^T
+dO``, ``dP^T = V dO^T``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q``, masked only in ``[lo, full)``; warpgroup 1
+(later keys) drains the blocks no query of it sees. ``dq``: a CTA owns ``2 * block_q_dq`` query rows, Q / dO / LSE /
+delta resident, K/V streamed over the forward's kv bounds (the same unmasked / masked split, the same drain).
+``p`` and ``dS`` enter their wgmmas in the input dtype. Head_dim 256 (or ``MosaicBlockSizes.backward`` a
+``flash.BlockSizes``) runs ``flash.flash_backward`` instead. On CPU: ``impl="emulate"`` runs the same math on whole
+matrices (``_emulated_backward``, also float32), ``impl="interpret"`` the kernels under the interpreter with its race
+detector, and the cross-platform export lowers them for CUDA.
 
 Tolerances (design §7): fp32 forward max-abs <= 1e-5, fp32 grads rtol = atol = 1e-3; bf16/fp16 error
 vs the oracle <= 2x the error of a naive implementation in the same dtype (outputs and gradients).
-``slow``: more interpreter configurations.
+``slow``: more interpreter configurations, forward and backward.
 """
 
 import contextlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +176,9 @@ def test_argument_validation():
         f(q, k, v, block_sizes=(64, 64))
     with pytest.raises(ValueError, match="shared memory"):
         f(q, k, v, block_sizes=M.MosaicBlockSizes(block_kv=512, max_concurrent_steps=4))
+    big = M.MosaicBackwardBlockSizes(block_kv_dq=512, max_concurrent_steps=4)
+    with pytest.raises(ValueError, match=r"block_sizes\.backward .* shared memory"):
+        f(q, k, v, block_sizes=M.MosaicBlockSizes(backward=big))
     with pytest.raises(ValueError, match="impl"):
         M._mosaic_attention(q, k, v, impl="triton")
 
@@ -182,6 +197,17 @@ def test_block_sizes_validation():
     with pytest.raises(TypeError, match="backward"):
         M.MosaicBlockSizes(backward=(16, 16))
     assert M.MosaicBlockSizes(backward=F.BlockSizes(16, 16, 16, 16, 16, 16)).backward.block_q == 16
+    bwd = M.MosaicBackwardBlockSizes(block_kv_dq=128, max_concurrent_steps=3)
+    assert M.MosaicBlockSizes(backward=bwd).backward is bwd
+    for bad, err in (
+        (dict(block_q_dq=96), "block_q_dq must be a positive multiple of 64"),
+        (dict(block_kv_dkv=0), "block_kv_dkv must be a positive multiple of 64"),
+        (dict(max_concurrent_steps=1), "max_concurrent_steps must be >= 2"),
+    ):
+        with pytest.raises(ValueError, match=err):
+            M.MosaicBackwardBlockSizes(**bad)
+    with pytest.raises(TypeError, match="block_q_dkv must be an int"):
+        M.MosaicBackwardBlockSizes(block_q_dkv=64.0)
     with pytest.raises(dataclasses_FrozenError()):
         M.MosaicBlockSizes().block_q = 128  # frozen
 
@@ -202,14 +228,21 @@ FP32_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", FP32_CASES)
-def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal):
-    """Kernel tile math + padding/masking (emulated forward) + custom_vjp + the flash backward kernels
-    (Pallas interpret mode, small blocks that do not divide S), all in fp32, with cotangents on both the
-    output and the LSE, against the oracle and its autodiff gradients."""
+_FLASH_BWD = F.BlockSizes(16, 16, 16, 32, 32, 16)  # the flash Pallas backward, small blocks that do not divide S
+
+
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,causal,backward",
+    [(*case, None) for case in FP32_CASES] + [pytest.param(*FP32_CASES[2], _FLASH_BWD, id="flash-bwd")],
+)
+def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal, backward):
+    """Kernel tile math + padding/masking (emulated forward) + custom_vjp + the backward's math in fp32, with
+    cotangents on both the output and the LSE, against the oracle and its autodiff gradients.  The backward is
+    the Mosaic kernels' math (``_emulated_backward``: log2 LSE, ``delta - dLSE``, ``_LSE_EMPTY`` rows), or, where
+    ``MosaicBlockSizes.backward`` asks for it, the flash backward kernels in Pallas interpret mode."""
     q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, hq, hkv, d, jnp.float32)
     scale = 0.7 / math.sqrt(d)
-    cfg = M.MosaicBlockSizes(block_kv=64, backward=F.BlockSizes(16, 16, 16, 32, 32, 16))
+    cfg = M.MosaicBlockSizes(block_kv=64, backward=backward)
 
     def fn(q, k, v):
         return M._mosaic_attention(
@@ -255,8 +288,9 @@ def test_emulated_forward_and_grads_fp32(b, sq, sk, hq, hkv, d, causal):
     ],
 )
 def test_emulated_low_precision_two_x_rule(dtype, causal):
-    """Emulated forward + flash backward kernels: outputs and grads, error vs the oracle <= 2x the error
-    of naive attention in the same dtype."""
+    """Emulated forward + the Mosaic backward's math (``p`` and ``dS`` cast to the input dtype before their
+    matmuls, as the kernels feed wgmma): outputs and grads, error vs the oracle <= 2x the error of naive attention
+    in the same dtype."""
     q, k, v, do = _inputs(11, 1, 190, 250, 4, 2, 64, dtype)
     scale = 1 / 8
     fn = lambda q, k, v: M._mosaic_attention(q, k, v, causal=causal, impl="emulate")  # noqa: E731
@@ -371,6 +405,93 @@ def test_interpreted_kernel_sweep(b, sq, sk, hq, hkv, d, causal):
     _check_interpret_case(b, sq, sk, hq, hkv, d, causal)
 
 
+@pytest.mark.parametrize(
+    "sq,sk", [(100, 165), (100, 162), (150, 90), (64, 200), (129, 66), (1, 300), (300, 1), (128, 256)]
+)
+def test_backward_query_bounds_match_the_causal_mask(sq, sk):
+    """``_q_bounds`` against the brute-force bottom-right mask, for every key block the dkv kernel's warpgroups
+    (and its CTAs) own, over the pairs that count (a real query row and a real key: a padded row's ``p`` is 0 by
+    its LSE, a padded key's dK / dV row is sliced off): query blocks before ``lo`` see none of the block's keys,
+    block ``lo`` sees one, blocks from ``full`` on see all of them, and a block in ``[lo, full)`` holding real
+    rows misses one (masking no more than it must). The sizes put ``Sk - Sq`` one past and one short of a block
+    boundary, and give key blocks no query sees."""
+    bq = 64
+    nq = -(-sq // (2 * bq)) * 2  # query blocks of a padded Sq (the kernels pad to a multiple of 128)
+    q_pos = np.arange(nq * bq)
+    for rows in (64, 128):
+        for k_base in range(0, -(-sk // rows) * rows, rows):
+            keys = np.arange(k_base, k_base + rows)
+            counts = (q_pos[:, None] < sq) & (keys[None, :] < sk)
+            vis = (keys[None, :] <= q_pos[:, None] + (sk - sq)) & counts
+            some = vis.reshape(nq, bq, rows).any(axis=(1, 2))
+            every = (vis | ~counts).reshape(nq, bq, rows).all(axis=(1, 2))
+            real = counts.reshape(nq, bq, rows).any(axis=(1, 2))
+            lo, full = (
+                int(x) for x in M._q_bounds(jnp.int32(k_base), rows, sq=sq, sk=sk, nq=nq, block_q=bq, causal=True)
+            )
+            where = f"k_base {k_base} rows {rows}: lo {lo} full {full}, blocks seeing some {some}, all {every}"
+            assert not some[:lo].any() and (lo == nq or some[lo] or not some.any()), where
+            assert lo <= full and every[full:].all() and not (every & real)[lo:full].any(), where
+
+
+def _check_interpret_backward(b, sq, sk, hq, hkv, d, causal, blocks=None, seed=3):
+    """The Mosaic dq and dkv kernels under the interpreter, each with the race detector on (a race or a barrier
+    phase left unobserved fails; unwritten output blocks come back NaN), from an emulated forward's ``out`` and
+    LSE with a cotangent on both: the bf16 2x rule on every gradient, agreement with the emulated backward (same
+    math: equal up to the order of fp32 sums and the bf16 rounding of the result), zero dq on rows that see no
+    key."""
+    q, k, v, do = _inputs(seed, b, sq, sk, hq, hkv, d, jnp.bfloat16)
+    scale = 1 / math.sqrt(d)
+    blocks = blocks or M.MosaicBackwardBlockSizes()
+    out, lse = M._mosaic_attention(q, k, v, causal=causal, impl="emulate", return_lse=True)
+    dlse = jnp.where(jnp.isfinite(lse), jax.random.normal(jax.random.key(seed), lse.shape, jnp.float32), 0.0)
+    kw = dict(causal=causal, scale=scale, blocks=blocks)
+    with _race_detector() as check_races, pytest.MonkeyPatch.context() as mp:
+        for name in ("_mosaic_dq_padded", "_mosaic_dkv_padded"):  # the detector reports on the last kernel run
+
+            def checked(*a, _kernel=getattr(M, name), **k):
+                res = jax.block_until_ready(_kernel(*a, **k))
+                check_races()
+                return res
+
+            mp.setattr(M, name, checked)
+        got = M._mosaic_backward(q, k, v, out, lse, do, dlse, impl="interpret", **kw)
+    emulated = M._mosaic_backward(q, k, v, out, lse, do, dlse, impl="emulate", **kw)
+    _, _, r_grads = _ref(q, k, v, causal, scale, do, dlse)
+    n_grads = _grads(jax.jit(lambda q, k, v: _naive(q, k, v, causal, scale)), q, k, v, do)[1]
+    for name, g, e, n, r in zip("qkv", got, emulated, n_grads, r_grads):
+        g32 = np.asarray(g.astype(jnp.float32))
+        assert g.shape == e.shape and g.dtype == jnp.bfloat16 and not np.isnan(g32).any(), f"d{name}"
+        np.testing.assert_allclose(g32, np.asarray(e.astype(jnp.float32)), rtol=2**-7, atol=2**-7, err_msg=f"d{name}")
+        assert _maxabs(g, r) <= 2 * _maxabs(n, r) + 2**-7, f"d{name}"  # + the LSE cotangent's rounding
+    if causal and sq > sk:
+        assert np.all(np.asarray(got[0][:, : sq - sk].astype(jnp.float32)) == 0)
+
+
+def test_interpreted_backward_causal_gqa_ragged():
+    """Causal, Sq < Sk, GQA 2 (the dkv kernel sums both query heads of its kv head in registers), padded q and
+    k; dkv: warpgroup 1's keys are seen by no query of the first query block, so it drains that ring step of
+    every head while warpgroup 0 computes, and the ring (2 slots) wraps; dq: warpgroup 0 has fewer kv steps
+    and drains."""
+    _check_interpret_backward(1, 100, 150, 2, 1, 64, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,causal,blocks",
+    [
+        # non-causal, MQA over 2 heads, both sides padded, dq's last kv block masked, 3-deep ring
+        (1, 70, 130, 2, 1, 64, False, M.MosaicBackwardBlockSizes(max_concurrent_steps=3)),
+        # causal, Sq > Sk: rows 0-59 see no key (LSE _LSE_EMPTY, zero dq), head_dim 128
+        (1, 150, 90, 1, 1, 128, True, None),
+        # causal, one dkv CTA of padded keys only (no query sees them: an empty ring), 128-key dq steps
+        (1, 64, 200, 1, 1, 64, True, M.MosaicBackwardBlockSizes(block_kv_dq=128)),
+    ],
+)
+def test_interpreted_backward_sweep(b, sq, sk, hq, hkv, d, causal, blocks):
+    _check_interpret_backward(b, sq, sk, hq, hkv, d, causal, blocks)
+
+
 # ------------------------------------------------------------------------------------------ CPU: lowering
 def _export_for_cuda(fn, *shapes):
     """The StableHLO of ``fn`` exported for CUDA.  The flash backward's Triton custom calls carry no
@@ -407,20 +528,31 @@ def test_real_kernel_lowers_for_cuda_on_cpu(sq, sk, d, causal, dtype):
         assert needle in txt
 
 
-def test_real_kernel_with_backward_lowers_for_cuda_on_cpu():
-    """A training step's attention lowers to Pallas kernels both ways: the Mosaic GPU forward (wgmma) and
-    the flash dkv and dq kernels (Triton custom calls), nothing else doing attention math in XLA."""
-    q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+@pytest.mark.parametrize(
+    "d,backward,kernels",
+    [
+        (64, None, {"mosaic": 3, "triton": 0}),  # the Mosaic forward, dq and dkv kernels
+        (256, None, {"mosaic": 1, "triton": 2}),  # head_dim 256: the flash backward
+        (64, F.BlockSizes(), {"mosaic": 1, "triton": 2}),  # the flash backward on request
+    ],
+)
+def test_real_kernel_with_backward_lowers_for_cuda_on_cpu(d, backward, kernels):
+    """A training step's attention lowers to Pallas kernels both ways, nothing else doing attention math in XLA:
+    the Mosaic GPU forward (wgmma) and backward (dq, dkv), or where it serves, the flash dkv and dq kernels
+    (Triton custom calls)."""
+    q = jax.ShapeDtypeStruct((1, 200, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 300, 2, d), jnp.bfloat16)
+    cfg = M.MosaicBlockSizes(block_kv=64, backward=backward)
 
     def loss(q, k, v):
-        out = M._mosaic_attention(q, k, v, causal=True, impl="mosaic")
+        out = M._mosaic_attention(q, k, v, causal=True, block_sizes=cfg, impl="mosaic")
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     txt = _export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
     assert "wgmma" in txt
-    assert "flash_bwd_dkv" in txt and "flash_bwd_dq" in txt
-    assert txt.count("xla.gpu.triton") == 2, "expected exactly the flash dkv and dq Triton kernels"
+    got = {"mosaic": len(re.findall(r"custom_call @mosaic_gpu", txt)), "triton": txt.count("xla.gpu.triton")}
+    assert got == kernels, txt[:2000]
+    assert ("flash_bwd_dkv" in txt and "flash_bwd_dq" in txt) == (kernels["triton"] == 2)
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -58,6 +58,7 @@ PEER_MHA_KERNELS = ("mha_forward", "mha_preprocess_backward", "mha_backward")
 # tokamax's Triton kernels (one forward, one fused dq+dk+dv backward) and its Mosaic GPU kernels (FA3-style forward,
 # dq and dkv backward), the peers of our flash and mosaic backends.
 TOKAMAX_TRITON_KERNELS = ("pallas_flash_attention_fwd_res", "pallas_flash_attention_vjp")
+MOSAIC_KERNELS = ("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv")  # ours, in the order they compile
 TOKAMAX_MOSAIC_KERNELS = ("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv")  # in the order Mosaic compiles them
 # jax's own FA3-style Mosaic GPU op (jax.experimental.pallas.ops.gpu.attention_mgpu; contract and TuningConfig:
 # benchmarks/mgpu_peer.py): its forward (with the softmax residual where the backward is compiled), dq and dkv.
@@ -214,14 +215,19 @@ def _mosaic_kernels(compile_thunk, names, workdir: str | None = None) -> dict:
 
 
 def compile_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:
-    """Compile our Mosaic GPU forward (its backward is the flash kernels) and return ``{"mosaic_fwd": record}``."""
-    from jaxattn.attention import dot_product_attention
+    """Compile our Mosaic GPU forward and, where head_dim has one (``mosaic.BACKWARD_HEAD_DIMS``), its dq and dkv
+    backward kernels: ``{kernel name: record}`` for :data:`MOSAIC_KERNELS` (head_dim 256: the forward alone; its
+    backward is the flash kernels)."""
+    from jaxattn.attention import dot_product_attention, mosaic
 
     def fwd(q, k, v):
         return dot_product_attention(q, k, v, causal=shape.causal, backend="mosaic")
 
+    if d in mosaic.BACKWARD_HEAD_DIMS:
+        thunk = lambda: compile_fwd_bwd(devs, "mosaic", d, dtype, shape)  # noqa: E731
+        return _mosaic_kernels(thunk, MOSAIC_KERNELS, workdir)
     thunk = lambda: gpu_target.compile(fwd, *_attn_args(devs, shape, d, dtype))  # noqa: E731
-    return _mosaic_kernels(thunk, ("mosaic_fwd",), workdir)
+    return _mosaic_kernels(thunk, MOSAIC_KERNELS[:1], workdir)
 
 
 def compile_tokamax_mosaic(devs, d: int, dtype, shape: AttnShape = BENCH_SHAPE, workdir: str | None = None) -> dict:

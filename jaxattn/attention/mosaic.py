@@ -1,24 +1,26 @@
-"""``mosaic`` backend: flash attention for Hopper GPUs (Pallas Mosaic GPU forward, flash Pallas backward).
+"""``mosaic`` backend: flash attention for Hopper GPUs, forward and backward in Pallas Mosaic GPU.
 
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16 or fp16, ``D`` in ``HEAD_DIMS``; bottom-right causal,
 GQA/MQA, any sequence length (padded inside; a row that sees no key gives zeros).  The forward is a
 FlashAttention-3 kernel (Shah et al. 2024, §3.1: wgmma + TMA, two consumer warpgroups in ping-pong and a
-producer warpgroup streaming K/V) that saves ``out`` and the log-sum-exp; the backward is
-:func:`jaxattn.attention.flash.flash_backward` (the ``dq`` and in-kernel-GQA ``dkv`` Pallas kernels), so a
-training step on Hopper runs Pallas kernels both ways.  No segment ids, window or softcap (``supports``
-declines)::
+producer warpgroup streaming K/V) that saves ``out`` and the log-sum-exp.  The backward is FlashAttention-2's
+(Dao 2023, Alg. 2) as two kernels of the same shape: ``dkv`` keeps a key block in SMEM and streams the query
+blocks of every query head that shares it (GQA summed in registers), ``dq`` keeps a query block and streams
+K/V; at head_dim 256 (two fp32 accumulators too many for a warpgroup's registers) it is
+:func:`jaxattn.attention.flash.flash_backward`.  No segment ids, window or softcap (``supports`` declines)::
 
     out = mosaic_attention(q, k, v, causal=True)            # needs a Hopper GPU
 
-Tests run the same kernel body on CPU (``impl="interpret"``: the Mosaic GPU interpreter; ``"emulate"``:
-a pure-jnp twin of its tile loop) and the backward kernels in Pallas interpret mode; how the kernel, its
-barrier protocol and the interpreter substitutions work is written out in ``parity_tests/test_mosaic.py``.
+Tests run the same kernel bodies on CPU (``impl="interpret"``: the Mosaic GPU interpreter; ``"emulate"``:
+a pure-jnp twin of the forward's tile loop and of the backward's math); how the kernels, their barrier
+protocol and the interpreter substitutions work is written out in ``parity_tests/test_mosaic.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,15 @@ from .args import AttnArgs, normalize
 from .target import Target, current_target
 from .tiling import LN2, LOG2E, cdiv, tile_mask
 
-__all__ = ["HEAD_DIMS", "MosaicBlockSizes", "supports", "attention", "mosaic_attention"]
+__all__ = [
+    "HEAD_DIMS",
+    "BACKWARD_HEAD_DIMS",
+    "MosaicBlockSizes",
+    "MosaicBackwardBlockSizes",
+    "supports",
+    "attention",
+    "mosaic_attention",
+]
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -49,13 +59,15 @@ class MosaicBlockSizes:
       a multiple of 64 (wgmma M).
     * ``block_kv``: keys per pipeline step; a multiple of 64.
     * ``max_concurrent_steps``: depth of the K/V TMA ring (SMEM slots), >= 2.
-    * ``backward``: :class:`flash.BlockSizes` of the flash backward kernels (None: flash's default).
+    * ``backward``: the backward's tiles: a :class:`MosaicBackwardBlockSizes` for the Mosaic backward kernels,
+      a :class:`flash.BlockSizes` to run the flash Pallas backward instead, None for the Mosaic backward's
+      defaults (head_dim 256, which it cannot hold in registers: flash's defaults).
     """
 
     block_q: int = 64
     block_kv: int = 128
     max_concurrent_steps: int = 2
-    backward: flash.BlockSizes | None = None
+    backward: MosaicBackwardBlockSizes | flash.BlockSizes | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "max_concurrent_steps"):
@@ -68,9 +80,10 @@ class MosaicBlockSizes:
                 raise ValueError(f"MosaicBlockSizes.{name} must be a positive multiple of 64 (wgmma tile), got {val}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"MosaicBlockSizes.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
-        if self.backward is not None and not isinstance(self.backward, flash.BlockSizes):
+        if self.backward is not None and not isinstance(self.backward, (MosaicBackwardBlockSizes, flash.BlockSizes)):
             raise TypeError(
-                f"MosaicBlockSizes.backward must be None or a flash.BlockSizes, got {type(self.backward).__name__}"
+                "MosaicBlockSizes.backward must be None, a MosaicBackwardBlockSizes or a flash.BlockSizes, "
+                f"got {type(self.backward).__name__}"
             )
 
     @classmethod
@@ -149,8 +162,8 @@ def supports(q, k, v, args: AttnArgs) -> str | None:
 
     Declines: segment ids, a sliding window, softcap, dtype other than bf16/fp16, head_dim not in
     ``HEAD_DIMS``, a jax without ``jax.experimental.pallas.mosaic_gpu``, no GPU or a GPU that is not
-    compute capability 9.x, causal on a CUDA runtime with the known ptxas bug, and a call whose backward
-    the flash kernels decline.
+    compute capability 9.x, causal on a CUDA runtime with the known ptxas bug, and, at head_dim 256 (whose
+    backward is the flash kernels), a call those decline.
     """
     target = current_target(q)  # read once, handed to the flash backward's check
     limit = _limit(q, args)
@@ -160,9 +173,9 @@ def supports(q, k, v, args: AttnArgs) -> str | None:
         or _device_reason(target)
         or _cuda_causal_reason(args.causal)
     )
-    if reason is None:
+    if reason is None and _backward_blocks(MosaicBlockSizes.default(q.shape[-1]), q.shape[-1]) is None:
         bwd = flash.supports(q, k, v, args, target=target)
-        reason = None if bwd is None else f"its backward (the flash kernels) declines: {bwd}"
+        reason = None if bwd is None else f"its backward (the flash kernels, head_dim {q.shape[-1]}) declines: {bwd}"
     return reason
 
 
@@ -181,13 +194,13 @@ def _block_sizes(block_sizes, d: int) -> MosaicBlockSizes:
         return MosaicBlockSizes.default(d)
     if not isinstance(block_sizes, MosaicBlockSizes):
         raise TypeError(f"block_sizes must be a MosaicBlockSizes or None, got {type(block_sizes).__name__}")
-    need = block_sizes.smem_bytes(d, 2)
-    if need > _SMEM_BYTES:
-        raise ValueError(
-            f"block_sizes {block_sizes} need {need} bytes of shared memory for head_dim {d}, "
-            f"more than the {_SMEM_BYTES} available; use a smaller block_kv or "
-            f"max_concurrent_steps"
-        )
+    for what, sizes in (("", block_sizes), (".backward", block_sizes.backward)):
+        need = sizes.smem_bytes(d, 2) if isinstance(sizes, (MosaicBlockSizes, MosaicBackwardBlockSizes)) else 0
+        if need > _SMEM_BYTES:
+            raise ValueError(
+                f"block_sizes{what} {sizes} need {need} bytes of shared memory for head_dim {d}, "
+                f"more than the {_SMEM_BYTES} available; use smaller blocks or max_concurrent_steps"
+            )
     return block_sizes
 
 
@@ -546,10 +559,482 @@ def _forward(q, k, v, causal, scale, cfg, impl):
     return out, lse
 
 
+# ------------------------------------------------------------------------------------------ backward
+# FlashAttention-2's backward (Dao 2023, Alg. 2) as two Mosaic GPU kernels, each a producer warpgroup
+# streaming tiles by TMA into a ring and two consumer warpgroups of 64-row wgmma tiles: ``dkv`` owns
+# ``2 * block_kv_dkv`` keys (its K/V tiles stay in SMEM) and streams, for each query head of its kv head
+# (GQA summed in registers), the Q / dO / LSE / delta tiles of the query blocks that see them; ``dq`` owns
+# ``2 * block_q_dq`` query rows and streams K/V.  ``delta = rowsum(dO * O) - dLSE`` and the LSE in log2
+# units come from XLA; a row that sees no key or a padded row gets LSE ``_LSE_EMPTY``, so its ``p`` is 0.
+_LSE_EMPTY = 1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardBlockSizes:
+    """Tiles of the Mosaic backward kernels (multiples of 64, the wgmma M).
+
+    * ``block_q_dq``: query rows per consumer warpgroup of the dq kernel (a CTA has two);
+      ``block_kv_dq``: keys per pipeline step of the dq kernel.
+    * ``block_kv_dkv``: key rows per consumer warpgroup of the dkv kernel (a CTA has two);
+      ``block_q_dkv``: query rows per pipeline step of the dkv kernel.
+    * ``max_concurrent_steps``: depth of both kernels' TMA rings, >= 2.
+
+    The defaults are FlashAttention-3's Hopper backward tile for head_dim 128 (``hopper/flash_bwd_launch_template.h``:
+    ``kBlockM = 64`` queries per step, ``kBlockN = 128`` keys per CTA over two MMA warpgroups), until a GPU's
+    timing search says otherwise."""
+
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    max_concurrent_steps: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
+                raise TypeError(
+                    f"MosaicBackwardBlockSizes.{f.name} must be an int, got {val!r} of type {type(val).__name__}"
+                )
+            if f.name != "max_concurrent_steps" and (val < 64 or val % 64):
+                raise ValueError(
+                    f"MosaicBackwardBlockSizes.{f.name} must be a positive multiple of 64 (wgmma tile), got {val}"
+                )
+        if self.max_concurrent_steps < 2:
+            raise ValueError(
+                f"MosaicBackwardBlockSizes.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}"
+            )
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of the larger of the two kernels (resident tiles, ring, LSE / delta)."""
+        mcs, tile = self.max_concurrent_steps, head_dim * itemsize
+        dq = 2 * 2 * self.block_q_dq * tile + 2 * 2 * self.block_q_dq * 4 + mcs * 2 * self.block_kv_dq * tile
+        dkv = 2 * 2 * self.block_kv_dkv * tile + mcs * (2 * self.block_q_dkv * tile + 2 * self.block_q_dkv * 4)
+        return max(dq, dkv) + 1024  # + barriers / alignment slack
+
+
+BACKWARD_HEAD_DIMS = (64, 128)  # head_dim 256: two fp32 64x256 accumulators exceed a warpgroup's registers
+
+
+def _q_bounds(k_base, rows: int, *, sq: int, sk: int, nq: int, block_q: int, causal: bool):
+    """(lo, full) for key rows ``[k_base, k_base + rows)``, the transpose of :func:`_kv_bounds`: query blocks
+    ``[lo, nq)`` hold every query row that sees one of these keys, blocks ``[full, nq)`` see all of them
+    without a mask (padded query rows need none: their LSE is ``_LSE_EMPTY``)."""
+    if not causal:
+        return 0, 0
+    offset = sk - sq  # key j is seen by query rows i >= j - offset
+    lo = jnp.minimum(lax.div(jnp.maximum(k_base - offset, 0), jnp.asarray(block_q, jnp.int32)), nq)
+    last = jnp.minimum(k_base + rows, sk) - 1  # padded keys need no mask: their dK / dV rows are sliced off
+    full = jnp.minimum(cdiv(jnp.maximum(last - offset, 0), block_q), nq)
+    return lo, jnp.maximum(full, lo)
+
+
+def _tile_mask_t(iota, kv_start, q_start, shape, *, sq: int, sk: int):
+    """Causal visibility of a transposed ``shape = (keys, queries)`` score tile (bottom-right)."""
+    return tile_mask(iota(shape, 1) + (q_start + (sk - sq)), iota(shape, 0) + kv_start, right=0)
+
+
+class _WarpgroupOps:
+    """The few warpgroup operations both backward kernels use, and their interpreter substitutes (see
+    :func:`_mosaic_forward_padded`): ``mm`` is wgmma (``jnp.dot`` on loaded values, each read fenced by
+    ``commit_smem`` before a consumed arrive lets TMA refill the slot), ``row``/``col`` load an fp32 vector
+    laid out for broadcasting along a WGMMA tile's rows / columns, ``iota`` and ``zeros`` are laid out for it."""
+
+    def __init__(self, interpret: bool):
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        self.pl, self.plgpu, self.interpret = pl, plgpu, interpret
+
+    def mm(self, a, b_ref, shape=None, *, a_ref: bool, b_t: bool = False, acc=None):
+        """``a @ b`` (``a @ b.T`` with ``b_t``) in fp32: ``a`` an SMEM ref (``a_ref``) or registers, ``b`` an SMEM
+        ref; into a fresh ``shape`` accumulator, or added to ``acc``."""
+        pl, plgpu = self.pl, self.plgpu
+        if self.interpret:
+            b = b_ref[...]
+            out = jnp.dot(a[...] if a_ref else a, b.T if b_t else b, preferred_element_type=jnp.float32)
+            plgpu.commit_smem()
+            return out if acc is None else acc + out
+        b = plgpu.transpose_ref(b_ref, (1, 0)) if b_t else b_ref
+        if acc is None:
+
+            def fresh(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                return acc_ref[...]
+
+            return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+
+        def add(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(add)(plgpu.ACC.init(acc))
+
+    def _vector(self, ref, dim: int):
+        if self.interpret:
+            return ref[...]
+        layout = self.plgpu.Layout.WGMMA.reduce(dim)
+        try:  # jax >= 0.11: no index argument (0.12 has none at all)
+            return self.plgpu.load(ref, layout=layout)
+        except TypeError:  # jax 0.10: the index is positional and required
+            return self.plgpu.load(ref, (slice(None),), layout=layout)
+
+    def rows(self, ref):
+        """``ref``'s fp32 vector, one value per row of a WGMMA tile (broadcast with ``broadcast_in_dim(.., [0])``)."""
+        return self._vector(ref, 1)
+
+    def col(self, ref, shape):
+        """``ref``'s fp32 vector broadcast down each column (one value per column) to ``shape``."""
+        return lax.broadcast_in_dim(self._vector(ref, 0), shape, [1])
+
+    def iota(self, shape, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.plgpu.Layout.WGMMA)
+
+    def zeros(self, shape):
+        z = jnp.full(shape, 0.0, jnp.float32)
+        return z if self.interpret else self.plgpu.layout_cast(z, self.plgpu.Layout.WGMMA)
+
+    def release(self, barrier):
+        """A consumer is done with a ring slot (its wgmmas have completed: ``run_state`` waits)."""
+        self.plgpu.barrier_arrive(barrier)
+
+    def consumer_registers(self):
+        if not self.interpret:
+            self.plgpu.set_max_registers(232, action="increase")
+
+    def producer_registers(self):
+        if not self.interpret:
+            self.plgpu.set_max_registers(40, action="decrease")
+
+
+def _ring_producer(ops, steps, slots: int, first: int, load, consumed):
+    """The producer warpgroup of a ring of ``slots`` SMEM slots: loads steps ``0 .. slots - 1`` (at most the
+    static ``first``: none past the last block), then refills slot ``t % slots`` with step ``t + slots`` once
+    both consumers released it, then observes the last releases before the barriers go away."""
+    for i in range(min(slots, first)):
+        _when(i < steps, functools.partial(load, i, i))
+
+    def refill(t, _):
+        slot = _rem(t, slots)
+        ops.plgpu.barrier_wait(consumed.at[slot])
+        load(t + slots, slot)
+        return _
+
+    lax.fori_loop(0, steps - slots, refill, None)
+
+    def settle(t, _):
+        ops.plgpu.barrier_wait(consumed.at[_rem(t, slots)])
+        return _
+
+    lax.fori_loop(jnp.maximum(steps - slots, 0), steps, settle, None)
+
+
+def _drain(ops, slot_of, bars, consumed):
+    """A consumer's skipped ring step: observe the slot's loads (needed by the other consumer) and release
+    it, so that every barrier phase is observed by every thread."""
+
+    def skip(t, _):
+        slot = slot_of(t)
+        for bar in bars:
+            ops.plgpu.barrier_wait(bar.at[slot])
+        ops.release(consumed.at[slot])
+        return _
+
+    return skip
+
+
+def _kernel_call(ops, kernel, out_type, scratch, grid, grid_names):
+    plgpu = ops.plgpu
+    kwargs = (
+        dict(interpret=_interpret_params())
+        if ops.interpret
+        else dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=3,
+        thread_name="wg",
+        **kwargs,
+    )
+
+
+def _mosaic_dq_padded(qp, kp, vp, dop, lse2, delta, *, sq, sk, causal, scale, blocks, interpret):
+    """dq ``[B, Sqp, Hq, D]`` (FA2 Alg. 2 lines 11-14 per query block; keys streamed)."""
+    ops = _WarpgroupOps(interpret)
+    pl, plgpu = ops.pl, ops.plgpu
+    b, sqp, hq, d = qp.shape
+    group = hq // kp.shape[2]
+    bq, bkv, mcs = blocks.block_q_dq, blocks.block_kv_dq, blocks.max_concurrent_steps
+    dtype, c = qp.dtype, scale * LOG2E
+    bounds = functools.partial(_kv_bounds, sq=sq, sk=sk, block_kv=bkv, causal=causal)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q2, do2, lse2_, delta2, k_ring, v_ring, *bars):
+        q_bar, do_bar, lse_bar, delta_bar, k_bars, v_bars, consumed = bars
+        batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        cta_base = lax.axis_index("q_seq") * (2 * bq)
+        cta_steps, _ = bounds(cta_base, 2 * bq)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            ops.consumer_registers()
+            q_s, do_s, lse_s, delta_s = q2.at[wg], do2.at[wg], lse2_.at[wg], delta2.at[wg]
+            q_base = cta_base + wg * bq
+            steps, full = bounds(q_base, bq)
+            rows = (batch, pl.ds(q_base, bq), head)
+            vec = (batch, head, pl.ds(q_base, bq))
+            for src, dst, bar in (
+                (q_ref.at[rows], q_s, q_bar),
+                (do_ref.at[rows], do_s, do_bar),
+                (lse_ref.at[vec], lse_s, lse_bar),
+                (delta_ref.at[vec], delta_s, delta_bar),
+            ):
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+            for bar in (q_bar, do_bar, lse_bar, delta_bar):
+                plgpu.barrier_wait(bar.at[wg])
+
+            def step(t, carry, masked):
+                dq, lse, dlt = carry
+                slot = _rem(t, mcs)
+                plgpu.barrier_wait(k_bars.at[slot])
+                s = ops.mm(q_s, k_ring.at[slot], (bq, bkv), a_ref=True, b_t=True)  # S = Q K^T
+                if masked:
+                    s = jnp.where(
+                        _tile_mask(ops.iota, q_base, t * bkv, (bq, bkv), sq=sq, sk=sk, causal=causal), s, -jnp.inf
+                    )
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
+                plgpu.barrier_wait(v_bars.at[slot])
+                dp = ops.mm(do_s, v_ring.at[slot], (bq, bkv), a_ref=True, b_t=True)  # dP = dO V^T
+                ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
+                dq = ops.mm(ds.astype(dtype), k_ring.at[slot], a_ref=False, acc=dq)  # dQ += dS K
+                ops.release(consumed.at[slot])
+                return dq, lse, dlt
+
+            carry = (ops.zeros((bq, d)), ops.rows(lse_s), ops.rows(delta_s))
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+            dq, _, _ = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if causal:  # warpgroup 0 sees fewer keys: keep the ring moving for warpgroup 1
+                lax.fori_loop(steps, cta_steps, _drain(ops, lambda t: _rem(t, mcs), (k_bars, v_bars), consumed), None)
+            q_s[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            ops.producer_registers()
+            kv_head = lax.div(head, jnp.array(group, head.dtype))
+
+            def load(t, slot):
+                s = (batch, pl.ds(t * bkv, bkv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[s], k_ring.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[s], v_ring.at[slot], v_bars.at[slot])
+
+            _ring_producer(ops, cta_steps, mcs, kp.shape[1] // bkv, load, consumed)
+
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiles),  # Q (reused for dQ)
+        plgpu.SMEM((2, bq, d), dtype, transforms=tiles),  # dO
+        plgpu.SMEM((2, bq), jnp.float32),  # LSE (log2)
+        plgpu.SMEM((2, bq), jnp.float32),  # delta
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),  # K ring
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tiles),  # V ring
+        *[plgpu.Barrier(num_barriers=2) for _ in range(4)],  # Q, dO, LSE, delta landed (per warpgroup)
+        plgpu.Barrier(num_barriers=mcs),  # K landed
+        plgpu.Barrier(num_barriers=mcs),  # V landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),  # slot released by both consumers
+    ]
+    call = _kernel_call(
+        ops,
+        kernel,
+        jax.ShapeDtypeStruct(qp.shape, dtype),
+        scratch,
+        (hq, sqp // (2 * bq), b),
+        ("heads", "q_seq", "batch"),
+    )
+    return call(qp, kp, vp, dop, lse2, delta)
+
+
+def _mosaic_dkv_padded(qp, kp, vp, dop, lse2, delta, *, sq, sk, causal, scale, blocks, interpret):
+    """(dk, dv) ``[B, Skp, Hkv, D]`` (FA2 Alg. 2 lines 6-10 per key block; queries streamed, every query head
+    of the kv head in turn, summed in registers)."""
+    ops = _WarpgroupOps(interpret)
+    pl, plgpu = ops.pl, ops.plgpu
+    b, sqp, hq, d = qp.shape
+    skp, hkv = kp.shape[1], kp.shape[2]
+    group = hq // hkv
+    bq, bkv, mcs = blocks.block_q_dkv, blocks.block_kv_dkv, blocks.max_concurrent_steps
+    nq = sqp // bq
+    dtype, c = kp.dtype, scale * LOG2E
+    bounds = functools.partial(_q_bounds, sq=sq, sk=sk, nq=nq, block_q=bq, causal=causal)
+
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        dk_ref,
+        dv_ref,
+        k2,
+        v2,
+        q_ring,
+        do_ring,
+        lse_ring,
+        delta_ring,
+        *bars,
+    ):
+        k_bar, v_bar, q_bars, do_bars, lse_bars, delta_bars, consumed = bars
+        batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        cta_base = lax.axis_index("kv_seq") * (2 * bkv)
+        cta_lo, _ = bounds(cta_base, 2 * bkv)  # = warpgroup 0's lo, <= warpgroup 1's
+        per_head = nq - cta_lo  # ring steps per query head: query blocks [cta_lo, nq)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            ops.consumer_registers()
+            k_s, v_s = k2.at[wg], v2.at[wg]
+            k_base = cta_base + wg * bkv
+            lo, full = bounds(k_base, bkv)
+            rows = (batch, pl.ds(k_base, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s, k_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
+            plgpu.barrier_wait(k_bar.at[wg])
+            plgpu.barrier_wait(v_bar.at[wg])
+
+            def step(qi, carry, t0, masked):
+                dk, dv = carry
+                slot = _rem(t0 + qi, mcs)
+                plgpu.barrier_wait(q_bars.at[slot])
+                st = ops.mm(k_s, q_ring.at[slot], (bkv, bq), a_ref=True, b_t=True)  # S^T = K Q^T
+                if masked:
+                    st = jnp.where(_tile_mask_t(ops.iota, k_base, qi * bq, (bkv, bq), sq=sq, sk=sk), st, -jnp.inf)
+                plgpu.barrier_wait(lse_bars.at[slot])
+                pt = jnp.exp2(st * c - ops.col(lse_ring.at[slot], (bkv, bq)))
+                plgpu.barrier_wait(do_bars.at[slot])
+                dv = ops.mm(pt.astype(dtype), do_ring.at[slot], a_ref=False, acc=dv)  # dV += P^T dO
+                dpt = ops.mm(v_s, do_ring.at[slot], (bkv, bq), a_ref=True, b_t=True)  # dP^T = V dO^T
+                plgpu.barrier_wait(delta_bars.at[slot])
+                dst = pt * (dpt - ops.col(delta_ring.at[slot], (bkv, bq)))
+                dk = ops.mm(dst.astype(dtype), q_ring.at[slot], a_ref=False, acc=dk)  # dK += dS^T Q
+                ops.release(consumed.at[slot])
+                return dk, dv
+
+            def head(g, carry):
+                t0 = g * per_head - cta_lo  # ring step of query block qi: t0 + qi
+                skip = _drain(ops, lambda qi: _rem(t0 + qi, mcs), (q_bars, lse_bars, do_bars, delta_bars), consumed)
+                lax.fori_loop(cta_lo, lo, skip, None)  # warpgroup 1's keys come later: no query there sees them
+                carry = lax.fori_loop(lo, full, functools.partial(step, t0=t0, masked=True), carry)
+                return lax.fori_loop(full, nq, functools.partial(step, t0=t0, masked=False), carry)
+
+            dk, dv = lax.fori_loop(0, group, head, (ops.zeros((bkv, d)), ops.zeros((bkv, d))))
+            k_s[...] = (dk * scale).astype(dtype)
+            v_s[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows])
+            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            ops.producer_registers()
+            per = jnp.maximum(per_head, 1)  # no division by zero where no step runs
+
+            def load(t, slot):
+                g = lax.div(t, per)
+                q_head = kv_head * group + g
+                q0 = (cta_lo + _rem(t, per)) * bq
+                rows, vec = (batch, pl.ds(q0, bq), q_head), (batch, q_head, pl.ds(q0, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_ring.at[slot], q_bars.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_ring.at[slot], lse_bars.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_ring.at[slot], do_bars.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_ring.at[slot], delta_bars.at[slot])
+
+            _ring_producer(ops, group * per_head, mcs, group * nq, load, consumed)
+
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((2, bkv, d), dtype, transforms=tiles),  # K (reused for dK)
+        plgpu.SMEM((2, bkv, d), dtype, transforms=tiles),  # V (reused for dV)
+        plgpu.SMEM((mcs, bq, d), dtype, transforms=tiles),  # Q ring
+        plgpu.SMEM((mcs, bq, d), dtype, transforms=tiles),  # dO ring
+        plgpu.SMEM((mcs, bq), jnp.float32),  # LSE ring (log2)
+        plgpu.SMEM((mcs, bq), jnp.float32),  # delta ring
+        plgpu.Barrier(num_barriers=2),  # K landed (per warpgroup)
+        plgpu.Barrier(num_barriers=2),  # V landed
+        *[plgpu.Barrier(num_barriers=mcs) for _ in range(4)],  # Q, dO, LSE, delta landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),  # slot released by both consumers
+    ]
+    kv = jax.ShapeDtypeStruct(kp.shape, dtype)
+    call = _kernel_call(ops, kernel, (kv, kv), scratch, (hkv, skp // (2 * bkv), b), ("heads", "kv_seq", "batch"))
+    return call(qp, kp, vp, dop, lse2, delta)
+
+
+def _backward_blocks(cfg: MosaicBlockSizes, d: int) -> MosaicBackwardBlockSizes | None:
+    """The Mosaic backward's tiles, or None where the flash Pallas backward serves (``cfg.backward`` is a
+    ``flash.BlockSizes``, or head_dim is not in ``BACKWARD_HEAD_DIMS``)."""
+    if isinstance(cfg.backward, flash.BlockSizes) or d not in BACKWARD_HEAD_DIMS:
+        return None
+    return cfg.backward or MosaicBackwardBlockSizes()
+
+
+def _emulated_backward(q, k, v, do, lse2, delta, *, causal, scale):
+    """Pure-jnp twin of the two kernels' math on whole score matrices (same LSE / delta inputs, the same
+    exp2, the same casts of ``p`` and ``dS`` to the input dtype before their matmuls); also float32."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group, dtype, f32 = hq // hkv, q.dtype, jnp.float32
+    kk, vv = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # [B, Sk, Hq, D]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, preferred_element_type=f32)
+    if causal:
+        s = jnp.where(tile_mask(jnp.arange(sq)[:, None], jnp.arange(sk)[None, :], shift=sk - sq, right=0), s, -jnp.inf)
+    p = jnp.exp2(s * (scale * LOG2E) - lse2[..., None])  # [B, Hq, Sq, Sk]
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, vv, preferred_element_type=f32)
+    ds = (p * (dp - delta[..., None])).astype(dtype)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kk, preferred_element_type=f32) * scale
+    per_kv = lambda x: x.reshape(b, sk, hkv, group, d).sum(axis=3)  # noqa: E731  [B, Sk, Hq, D] -> [B, Sk, Hkv, D]
+    dk = per_kv(jnp.einsum("bhqk,bqhd->bkhd", ds, q, preferred_element_type=f32)) * scale
+    dv = per_kv(jnp.einsum("bhqk,bqhd->bkhd", p.astype(dtype), do, preferred_element_type=f32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _pad_seq(x, multiple: int, axis: int, value: float = 0.0):
+    """``x`` padded with ``value`` at the end of ``axis`` to a multiple of ``multiple``."""
+    n = cdiv(x.shape[axis], multiple) * multiple - x.shape[axis]
+    widths = [(0, n if i == axis else 0) for i in range(x.ndim)]
+    return jnp.pad(x, widths, constant_values=value) if n else x
+
+
+def _mosaic_backward(q, k, v, out, lse, do, dlse, *, causal, scale, blocks, impl):
+    """(dq, dk, dv) by the two Mosaic kernels (``impl``: "mosaic", "interpret") or their emulation."""
+    sq, sk = q.shape[1], k.shape[1]
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, _LSE_EMPTY)  # [B, Hq, Sq], log2 units
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    kw = dict(causal=causal, scale=scale)
+    if impl == "emulate":
+        return _emulated_backward(q, k, v, do, lse2, delta, **kw)
+    mq = math.lcm(2 * blocks.block_q_dq, blocks.block_q_dkv)  # both kernels' query tiles divide Sqp
+    mk = math.lcm(2 * blocks.block_kv_dkv, blocks.block_kv_dq)
+    qp, dop = (_pad_seq(x, mq, 1) for x in (q, do))
+    kp, vp = (_pad_seq(x, mk, 1) for x in (k, v))
+    lse2, delta = _pad_seq(lse2, mq, 2, _LSE_EMPTY), _pad_seq(delta, mq, 2)
+    kw.update(sq=sq, sk=sk, blocks=blocks, interpret=impl == "interpret")
+    dq = _mosaic_dq_padded(qp, kp, vp, dop, lse2, delta, **kw)
+    dk, dv = _mosaic_dkv_padded(qp, kp, vp, dop, lse2, delta, **kw)
+    return dq[:, :sq], dk[:, :sk], dv[:, :sk]
+
+
 # ------------------------------------------------------------------------------------------ custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _attention_vjp(q, k, v, causal, scale, cfg, impl):
-    """``(out, lse)``: the forward is the Mosaic kernel, the backward the flash Pallas kernels."""
+    """``(out, lse)``: the forward is the Mosaic kernel; the backward the Mosaic dq and dkv kernels (the flash
+    Pallas kernels for head_dim 256 or where ``cfg.backward`` is a ``flash.BlockSizes``)."""
     return _forward(q, k, v, causal, scale, cfg, impl)
 
 
@@ -561,7 +1046,10 @@ def _attention_vjp_fwd(q, k, v, causal, scale, cfg, impl):
 def _attention_vjp_bwd(causal, scale, cfg, impl, res, cts):
     q, k, v, out, lse = res
     do, dlse = cts
-    # impl="mosaic" always compiles the backward (it also runs under a cross-platform export on CPU);
+    blocks = _backward_blocks(cfg, q.shape[-1])
+    if blocks is not None:
+        return _mosaic_backward(q, k, v, out, lse, do, dlse, causal=causal, scale=scale, blocks=blocks, impl=impl)
+    # The flash backward: impl="mosaic" always compiles it (it also runs under a cross-platform export on CPU);
     # the CPU test paths run the same kernels in Pallas interpret mode when no GPU is present.
     return flash.flash_backward(
         q,
@@ -596,8 +1084,8 @@ def mosaic_attention(
 ):
     """Flash attention on Hopper: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16/fp16, D in
     ``HEAD_DIMS``; bottom-right ``causal``; ``scale`` defaults to ``1/sqrt(D)``.  Differentiable (the
-    backward is the flash Pallas kernels).  Raises ValueError/TypeError for bad inputs and RuntimeError
-    when no Hopper GPU is present."""
+    backward is the Mosaic dq and dkv kernels; at head_dim 256 the flash Pallas kernels).  Raises
+    ValueError/TypeError for bad inputs and RuntimeError when no Hopper GPU is present."""
     args, cfg = _validate(q, k, v, causal, scale, block_sizes, allow_fp32=False)
     reason = _mosaic_import_error() or _device_reason(current_target(q))
     if reason is not None:
