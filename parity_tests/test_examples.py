@@ -184,6 +184,8 @@ def _check_train_block(tmp_path, steps: int, timeout: int) -> dict:
     return summary
 
 
+@pytest.mark.slow  # 20 s: both trainers on the README's data; CI runs it (slow_feature)
+@pytest.mark.slow_feature
 def test_train_example_block_runs_with_three_steps(tmp_path):
     _check_train_block(tmp_path, 3, 900)
 

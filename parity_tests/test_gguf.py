@@ -305,6 +305,8 @@ def test_a_changed_tensor_type_field_is_refused(tmp_path):
         read_gguf(header_only)
 
 
+@pytest.mark.slow  # 30 s: two trainers and two eval CLIs; the only run of --init x.gguf, so CI runs it (slow_feature)
+@pytest.mark.slow_feature
 def test_trainers_init_from_a_gguf_file(tmp_path, capsys):
     """``--init x.gguf`` in both trainers: the config from the metadata alone, the dequantized weights (step 1's loss
     is the GGUF model's loss on batch 0), the file's tokenizer for text data, the two trainers' losses within the

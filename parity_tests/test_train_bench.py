@@ -51,6 +51,8 @@ def test_unknown_toggle_is_refused():
         train.run(quick=True, toggles=["nope"])
 
 
+@pytest.mark.slow  # 25 s: the train suite's quick rows, both twins; CI runs it (slow_feature) and the GPU-session
+@pytest.mark.slow_feature  # rehearsal runs the suite itself
 def test_quick_records_format(tmp_path):
     records = train.run(quick=True, toggles=["grad_accum2", "moe_capacity"], log=lambda *a: None)
     assert [(r["toggle"], r["framework"]) for r in records] == [

@@ -26,6 +26,20 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 _LLAMA31_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
+
+
+def _llama3() -> dict[str, Any]:
+    """What every Llama 3.x size shares: the 128k vocabulary, 8 kv heads, the 128k context and its RoPE."""
+    return dict(
+        vocab_size=128256,
+        n_kv_heads=8,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA31_ROPE),
+    )
+
+
 _PRESETS: dict[str, dict[str, Any]] = {
     # Small enough for CPU tests: GQA (4 query heads over 2 kv heads), untied head.
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256),
@@ -49,52 +63,20 @@ _PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=2048,
         rope_theta=500000.0,
     ),
-    # Llama-3.2-1B shape.
+    # Llama-3.2-1B shape (its RoPE scaled by 32, not 3.1's 8).
     "1b": dict(
-        vocab_size=128256,
+        _llama3(),
         dim=2048,
         n_layers=16,
         n_heads=32,
-        n_kv_heads=8,
         ffn_dim=8192,
-        max_seq_len=131072,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
         tie_embeddings=True,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=dict(_LLAMA31_ROPE, factor=32.0),
     ),
     # Llama-3.1-8B shape.
-    "8b": dict(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=131072,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(_LLAMA31_ROPE),
-    ),
+    "8b": dict(_llama3(), dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
     # Llama-3.1-70B shape: compiled for pods (the plan suite's 64-chip / 64-GPU rows), far too big for one device.
-    "70b": dict(
-        vocab_size=128256,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        max_seq_len=131072,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(_LLAMA31_ROPE),
-    ),
+    "70b": dict(_llama3(), dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
 }
 # Mixture-of-Experts shapes: a CPU-test size, a benchmark size, and Mixtral-8x7B / Qwen3-30B-A3B for the compiled plans.
 _PRESETS["moe-tiny"] = dict(
