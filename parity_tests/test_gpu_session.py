@@ -250,7 +250,7 @@ def test_gpu_summary_names_each_backend():
     ]
 
 
-@pytest.mark.slow  # 20 s of compiles; the default run checks the committed record (test_committed_suite_rows_fit_one_h100)
+@pytest.mark.slow  # 20 s of compiles; the default run checks the committed record (its test below)
 @pytest.mark.slow_feature
 @pytest.mark.gpu_compile
 def test_suite_rows_compiled_memory_for_an_h100():
