@@ -51,6 +51,20 @@ _SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on H100/H200
 
 
 # ------------------------------------------------------------------------------------------ config
+def _check_tiles(sizes, tiles: tuple[str, ...]) -> None:
+    """``tiles`` of a block-size dataclass are ints, multiples of 64 (the wgmma M); its ``max_concurrent_steps`` (the
+    depth of a TMA ring) an int >= 2."""
+    cls = type(sizes).__name__
+    for name in (*tiles, "max_concurrent_steps"):
+        val = getattr(sizes, name)
+        if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
+            raise TypeError(f"{cls}.{name} must be an int, got {val!r} of type {type(val).__name__}")
+        if name in tiles and (val < 64 or val % 64):
+            raise ValueError(f"{cls}.{name} must be a positive multiple of 64 (wgmma tile), got {val}")
+    if sizes.max_concurrent_steps < 2:
+        raise ValueError(f"{cls}.max_concurrent_steps must be >= 2, got {sizes.max_concurrent_steps}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicBlockSizes:
     """Tile sizes and pipeline depth of the Mosaic forward kernel, and the backward's block sizes.
@@ -70,16 +84,7 @@ class MosaicBlockSizes:
     backward: MosaicBackwardBlockSizes | flash.BlockSizes | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "max_concurrent_steps"):
-            val = getattr(self, name)
-            if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
-                raise TypeError(f"MosaicBlockSizes.{name} must be an int, got {val!r} of type {type(val).__name__}")
-        for name in ("block_q", "block_kv"):
-            val = getattr(self, name)
-            if val < 64 or val % 64:
-                raise ValueError(f"MosaicBlockSizes.{name} must be a positive multiple of 64 (wgmma tile), got {val}")
-        if self.max_concurrent_steps < 2:
-            raise ValueError(f"MosaicBlockSizes.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        _check_tiles(self, ("block_q", "block_kv"))
         if self.backward is not None and not isinstance(self.backward, (MosaicBackwardBlockSizes, flash.BlockSizes)):
             raise TypeError(
                 "MosaicBlockSizes.backward must be None, a MosaicBackwardBlockSizes or a flash.BlockSizes, "
@@ -590,20 +595,7 @@ class MosaicBackwardBlockSizes:
     max_concurrent_steps: int = 2
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
-                raise TypeError(
-                    f"MosaicBackwardBlockSizes.{f.name} must be an int, got {val!r} of type {type(val).__name__}"
-                )
-            if f.name != "max_concurrent_steps" and (val < 64 or val % 64):
-                raise ValueError(
-                    f"MosaicBackwardBlockSizes.{f.name} must be a positive multiple of 64 (wgmma tile), got {val}"
-                )
-        if self.max_concurrent_steps < 2:
-            raise ValueError(
-                f"MosaicBackwardBlockSizes.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}"
-            )
+        _check_tiles(self, ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv"))
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of the larger of the two kernels (resident tiles, ring, LSE / delta)."""
