@@ -36,6 +36,8 @@ def _train(framework: str, argv: list[str]) -> dict:
     return ttrain.run(argv + ["--num-workers", "0"])
 
 
+@pytest.mark.slow  # 15 s; the default run trains both MoE CLIs in the resume and other-flag tests
+@pytest.mark.slow_feature
 def test_both_clis_train_moe_20_steps_alike(moe_init, tmp_path):
     """20 steps from one --init with grad accumulation, save_dots remat and AdamW: every step's loss (cross-entropy
     plus the router terms) and load-balancing loss agree within §7's after-optimizer-steps rule, and the log holds

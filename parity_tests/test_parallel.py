@@ -79,6 +79,8 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     assert got["eval_tokens"] == want["eval_tokens"] and abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5
 
 
+@pytest.mark.slow  # 13 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)
+@pytest.mark.slow_feature
 def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
     """A ``--parallel fsdp`` run under ``torchrun`` (2 ranks) saves full state dicts by parameter name (rank 0
     writes); ONE process resumes it to step 3 and matches a one-process run throughout (losses within 1e-5, the
