@@ -1,10 +1,12 @@
-"""Block-size search for the ``flash`` kernels: a deviceless resource filter, then (on a GPU) timings.
+"""Block-size search for the ``flash`` (Triton) and ``mosaic`` (Mosaic GPU) kernels: a deviceless resource
+filter, then (on a GPU) timings.
 
     python -m benchmarks compile --search [--quick]        # filter every (kernel, D, dtype); time if a GPU is here
-    python -m benchmarks.tools.block_search --kernel flash_bwd_dkv --d 64 --dtype bf16
+    python -m benchmarks.tools.block_search --kernel mosaic_bwd_dq --d 128 --dtype bf16
 
-A candidate ``BlockSizes`` of one kernel, compiled ALONE for the target, passes when it spills nothing, fits the
-SM and (bf16/fp16) uses wgmma only; on a GPU every survivor is then timed (details: benchmarks/NOTES.md).
+A candidate ``BlockSizes`` / ``MosaicBlockSizes`` of one kernel, compiled ALONE for the target, passes when it
+spills nothing, fits the SM and (bf16/fp16) uses wgmma only; on a GPU every survivor is then timed (details:
+benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
-from jaxattn.attention import flash  # noqa: E402
+from jaxattn.attention import flash, mosaic  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report.records import read_results, write_results, write_text_atomic  # noqa: E402
@@ -32,24 +34,67 @@ from . import kernel_stats  # noqa: E402
 from .deviceless import DTYPES, AttnShape, target_config  # noqa: E402
 from .kernel_stats import H100_LIMITS  # noqa: E402
 
-KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
-# The BlockSizes fields each kernel reads (its tile and its launch knobs).
+FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv")
+MOSAIC_KERNELS = ("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv")
+KERNELS = FLASH_KERNELS + MOSAIC_KERNELS
+# The block-size fields each kernel reads (its tile and its launch knobs); the Mosaic backward's live in
+# ``MosaicBlockSizes.backward``, whose ring depth both backward kernels share.
 FIELDS = {
     "flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
     "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
     "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd"),
+    "mosaic_fwd": ("block_q", "block_kv", "max_concurrent_steps"),
+    "mosaic_bwd_dq": ("block_q_dq", "block_kv_dq", "max_concurrent_steps"),
+    "mosaic_bwd_dkv": ("block_kv_dkv", "block_q_dkv", "max_concurrent_steps"),
 }
 
 
-def _kernels(bs: flash.BlockSizes, d: int, dtype, shape: AttnShape) -> flash.FlashKernels:
-    """flash's block-search hook at ``shape``: the three ``pallas_call``s (each runnable alone on operands padded
-    to ``sq_pad`` / ``sk_pad`` / ``head_dim_pad``) and the launch knobs ``bs`` resolves to."""
+def _is_mosaic(kernel: str) -> bool:
+    return kernel in MOSAIC_KERNELS
+
+
+def _default(kernel: str, d: int, dtype):
+    """The block sizes a call gets when it passes none."""
+    return mosaic.MosaicBlockSizes.default(d) if _is_mosaic(kernel) else flash.BlockSizes.default(d, dtype)
+
+
+def to_time(row: dict) -> bool:
+    """Whether a GPU times this row: it passed the filter, or it is the default tile (the baseline to beat, timed
+    even where it spills a little)."""
+    return row["passed"] or (row.get("default", False) and row.get("registers") is not None)
+
+
+def searchable(kernel: str, d: int, dtype) -> bool:
+    """Whether ``kernel`` exists at (D, ``dtype``: a name of ``DTYPES`` or a jnp dtype): Mosaic GPU takes bf16 /
+    fp16 only, and has its own backward at ``mosaic.BACKWARD_HEAD_DIMS`` only (D=256: the flash kernels)."""
+    if not _is_mosaic(kernel):
+        return True
+    dtype = jnp.dtype(DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    return dtype in mosaic.DTYPES and (kernel == "mosaic_fwd" or d in mosaic.BACKWARD_HEAD_DIMS)
+
+
+def _kernels(bs, d: int, dtype, shape: AttnShape):
+    """The kernels' block-search hook at ``shape`` (``flash.kernel_callables`` / ``mosaic.kernel_callables``):
+    each kernel runnable alone on operands padded to ``sq_pad`` / ``sk_pad`` / ``head_dim_pad``."""
     q, k, _ = shape.structs(d, dtype)
-    return flash.kernel_callables(q, k, bs, causal=shape.causal)
+    family = mosaic if isinstance(bs, mosaic.MosaicBlockSizes) else flash
+    return family.kernel_callables(q, k, bs, causal=shape.causal)
 
 
-def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
+def block_sizes_of(row: dict):
+    """The ``BlockSizes`` / ``MosaicBlockSizes`` a search row was compiled with (its ``block_sizes`` dict)."""
+    if not _is_mosaic(row["kernel"]):
+        return flash.BlockSizes(**row["block_sizes"])
+    fields = dict(row["block_sizes"])
+    bwd = fields.pop("backward", None)
+    return mosaic.MosaicBlockSizes(**fields, backward=None if bwd is None else mosaic.MosaicBackwardBlockSizes(**bwd))
+
+
+def _knobs(bs, kernel: str, d: int) -> dict:
     """The values of the fields ``kernel`` reads (None-valued launch knobs resolved as the kernel sees them)."""
+    if _is_mosaic(kernel):
+        sizes = bs if kernel == "mosaic_fwd" else bs.backward or mosaic.MosaicBackwardBlockSizes()
+        return {f: getattr(sizes, f) for f in FIELDS[kernel]}
     cfg = _kernels(bs, d, jnp.bfloat16, AttnShape(s=4096))
     warps = cfg.num_warps if kernel == "flash_fwd" else cfg.num_warps_bwd
     stages = cfg.num_stages if kernel == "flash_fwd" else cfg.num_stages_bwd
@@ -57,22 +102,29 @@ def _knobs(bs: flash.BlockSizes, kernel: str, d: int) -> dict:
     return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
 
 
+def _operand_shapes(cfg, shape: AttnShape, kernel: str) -> tuple:
+    """(q, k, v[, do, lse, delta]) shapes ``kernel`` takes (padded): a forward takes the first three."""
+    q = (shape.b, cfg.sq_pad, shape.hq, cfg.head_dim_pad)
+    kv = (shape.b, cfg.sk_pad, shape.hkv, cfg.head_dim_pad)
+    row = (shape.b, shape.hq, cfg.sq_pad)
+    return (q, kv, kv) if kernel.endswith("_fwd") else (q, kv, kv, q, row, row)
+
+
 def compile_kernel(
-    devs, kernel: str, d: int, dtype, bs: flash.BlockSizes, shape: AttnShape = AttnShape(), workdir: str | None = None
+    devs, kernel: str, d: int, dtype, bs, shape: AttnShape = AttnShape(), workdir: str | None = None
 ) -> dict:
-    """Compile ``kernel`` alone with ``bs`` for the deviceless target ``devs``; its :mod:`kernel_stats`
-    record (registers, spills, smem, occupancy, SASS counts)."""
+    """Compile ``kernel`` alone with ``bs`` (a ``flash.BlockSizes`` or ``mosaic.MosaicBlockSizes``) for the
+    deviceless target ``devs``; its :mod:`kernel_stats` record (registers, spills, smem, occupancy, SASS counts)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     cfg = _kernels(bs, d, dtype, shape)
-    fn, dp = cfg.calls[kernel], cfg.head_dim_pad
-    sds = jax.ShapeDtypeStruct
-    q = sds((shape.b, cfg.sq_pad, shape.hq, dp), dtype)
-    kv = sds((shape.b, cfg.sk_pad, shape.hkv, dp), dtype)
-    args = (q, kv, kv)
-    if kernel != "flash_fwd":
-        row = sds((shape.b, shape.hq, cfg.sq_pad), jnp.float32)
-        args += (q, row, row)
+    fn = cfg.calls[kernel]
+    args = tuple(
+        jax.ShapeDtypeStruct(s, dtype if len(s) == 4 else jnp.float32) for s in _operand_shapes(cfg, shape, kernel)
+    )
+    if _is_mosaic(kernel):
+        thunk = lambda: gpu_target.compile(fn, *gpu_target.place(args, devs))  # noqa: E731
+        return kernel_stats.mosaic_records(thunk, (kernel,), workdir)[kernel]
     with tempfile.TemporaryDirectory(dir=workdir) as dump:
         gpu_target.compile(fn, *gpu_target.place(args, devs), compiler_options={"xla_dump_to": dump})
         recs = kernel_stats.from_xla_dump(dump, names=(kernel,))
@@ -82,13 +134,15 @@ def compile_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ candidates
-def candidates(kernel: str, d: int, dtype, quick: bool = False) -> list[flash.BlockSizes]:
+def candidates(kernel: str, d: int, dtype, quick: bool = False) -> list:
     """Candidate :class:`BlockSizes` for one kernel, varying only the fields it reads (the others keep the
     defaults).  The M dimension of every dot (fwd ``block_q``, dq ``block_q_dq``, dkv ``block_k_dkv``) is >= 64
     for bf16/fp16, wgmma's minimum; fp32 (TF32 passes) tries M in 32/64, N in 16/32/64, 8 warps, 1-2 stages.
-    ``quick``: a handful (2 tiles x 2 warp counts), for CI."""
+    ``quick``: a handful (2 tiles x 2 warp counts), for CI.  Mosaic kernels: :func:`mosaic_candidates`."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if _is_mosaic(kernel):
+        return mosaic_candidates(kernel, d, dtype, quick)
     wide = jnp.dtype(dtype).itemsize >= 4
     if wide:  # fp32 tiles are twice the bytes and the TF32x3 split doubles the live operands: at 4 warps every
         # tile spilled more than at 8 (first full pass, NOTES.md), and a 16-wide N often removes the spill
@@ -108,6 +162,28 @@ def candidates(kernel: str, d: int, dtype, quick: bool = False) -> list[flash.Bl
     for m, n, w, s in itertools.product(ms, ns, warps, stages):
         out.append(dataclasses.replace(base, **{m_field: m, n_field: n, w_field: w, s_field: s}))
     return list(dict.fromkeys(out))
+
+
+def mosaic_candidates(kernel: str, d: int, dtype, quick: bool = False) -> list[mosaic.MosaicBlockSizes]:
+    """Candidate :class:`MosaicBlockSizes` for one Mosaic kernel: its M tile (rows per consumer warpgroup) in
+    64 / 128, its streamed block in 64 / 128 (the forward's keys also 192, FA3's N for D=128 being 176 / 128),
+    a ring of 2 or 3 slots; the other fields keep the defaults (FA3's Hopper tiles).  A candidate over the shared
+    memory is a rejected row (its ValueError).  ``quick``: the largest streamed block, 2 slots."""
+    if not searchable(kernel, d, dtype):
+        raise ValueError(f"{kernel} has no kernel at D={d} {jnp.dtype(dtype).name} (bf16 / fp16; see searchable)")
+    ms, ns, slots = (64, 128), (64, 128, 192) if kernel == "mosaic_fwd" else (64, 128), (2, 3)
+    if quick:
+        ms, ns, slots = (64,), ns[-1:], (2,)
+    m_field, n_field, s_field = FIELDS[kernel]
+    base = mosaic.MosaicBlockSizes.default(d)
+    out = []
+    for m, n, s in itertools.product(ms, ns, slots):
+        tile = {m_field: m, n_field: n, s_field: s}
+        if kernel == "mosaic_fwd":
+            out.append(dataclasses.replace(base, **tile))
+        else:
+            out.append(dataclasses.replace(base, backward=mosaic.MosaicBackwardBlockSizes(**tile)))
+    return out
 
 
 def verdict(rec: dict, dtype) -> str | None:
@@ -131,14 +207,16 @@ def rank_key(row: dict):
     byte), then occupancy, then more pipeline stages, then fewer registers.  A placeholder for a timing."""
     k = row["knobs"]
     tile = [v for f, v in k.items() if f.startswith("block")]
-    return (-(tile[0] * tile[1]), -row["occupancy"], -k["num_stages"], row["registers"])
+    stages = k["max_concurrent_steps"] if "max_concurrent_steps" in k else k["num_stages"]
+    return (-(tile[0] * tile[1]), -row["occupancy"], -stages, row["registers"])
 
 
 def filter_kernel(
-    devs, kernel: str, d: int, dtype, cands: Sequence[flash.BlockSizes], shape: AttnShape = AttnShape(), log=print
+    devs, kernel: str, d: int, dtype, cands: Sequence, shape: AttnShape = AttnShape(), log=print
 ) -> list[dict]:
-    """Compile every candidate of one kernel; rows ``{knobs, block_sizes, registers, spills, smem, occupancy,
-    sass, verdict}``, passing rows first in :func:`rank_key` order."""
+    """Compile every candidate of one kernel; rows ``{knobs, block_sizes, default, registers, spills, smem,
+    occupancy, sass, verdict}`` (``default``: the kernel's default tile), passing rows first in :func:`rank_key`
+    order."""
     rows = []
     for bs in cands:
         row = {
@@ -148,10 +226,11 @@ def filter_kernel(
             "knobs": _knobs(bs, kernel, d),
             "block_sizes": dataclasses.asdict(bs),
         }
+        row["default"] = row["knobs"] == _knobs(_default(kernel, d, dtype), kernel, d)
         t0 = time.perf_counter()
         try:
             rec = compile_kernel(devs, kernel, d, dtype, bs, shape)
-        except Exception as e:  # a candidate Triton cannot compile is a rejected row, not the end of the search
+        except Exception as e:  # a candidate that does not compile (or fit) is a rejected row, not the end
             row.update(verdict=f"compile error: {type(e).__name__}: {str(e)[:200]}", passed=False)
             rows.append(row)
             log(f"    {row['knobs']}: {row['verdict'][:120]}")
@@ -194,24 +273,24 @@ def has_gpu() -> bool:
 
 
 def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20, on_row=None) -> list[dict]:
-    """On a GPU: the median time of each passing row's kernel alone (``measure.timeit``, random inputs of
+    """On a GPU: the median time of each :func:`to_time` row's kernel alone (``measure.timeit``, random inputs of
     ``shape``), and its rank; ``on_row(row)`` after each timed row (e.g. an incremental write).  Without a GPU,
     returns ``rows`` unchanged (the caller says so)."""
     if not has_gpu():
         return rows
     for row in rows:
-        if not row["passed"]:
+        if not to_time(row):
             continue
-        d, dtype = row["head_dim"], jnp.dtype(row["dtype"])
-        bs = flash.BlockSizes(**row["block_sizes"])
-        cfg = _kernels(bs, d, dtype, shape)
-        kernel_fn = cfg.calls[row["kernel"]]
+        kernel, dtype = row["kernel"], jnp.dtype(row["dtype"])
+        cfg = _kernels(block_sizes_of(row), row["head_dim"], dtype, shape)
+        kernel_fn = cfg.calls[kernel]
         key = jax.random.split(jax.random.PRNGKey(0), 4)
-        q = jax.random.normal(key[0], (shape.b, cfg.sq_pad, shape.hq, d), dtype)
-        kv = jax.random.normal(key[1], (shape.b, cfg.sk_pad, shape.hkv, d), dtype)
+        q_shape, kv_shape = _operand_shapes(cfg, shape, kernel)[:2]
+        q = jax.random.normal(key[0], q_shape, dtype)
+        kv = jax.random.normal(key[1], kv_shape, dtype)
         args = (q, kv, kv)
-        if row["kernel"] != "flash_fwd":
-            _, lse = cfg.calls["flash_fwd"](q, kv, kv)
+        if not kernel.endswith("_fwd"):  # the LSE of the family's forward on these inputs, a random delta
+            _, lse = cfg.calls[(MOSAIC_KERNELS if _is_mosaic(kernel) else FLASH_KERNELS)[0]](q, kv, kv)
             delta = jax.random.normal(key[2], lse.shape, jnp.float32)
             args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
         fn = jax.jit(kernel_fn)
@@ -229,9 +308,10 @@ def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20,
 
 # ------------------------------------------------------------------------------------------------ driver
 def cases(quick: bool = False):
-    """``[(kernel, D, dtype name)]`` searched: bf16 and fp32 (fp16 tiles are bf16's: same bytes, same dots)."""
+    """``[(kernel, D, dtype name)]`` searched: bf16 and fp32 (fp16 tiles are bf16's: same bytes, same dots), for
+    the kernels that exist there (:func:`searchable`)."""
     ds, dts = ((64,), ("bf16",)) if quick else ((64, 128, 256), ("bf16", "fp32"))
-    return [(k, d, dt) for dt in dts for d in ds for k in KERNELS]
+    return [(k, d, dt) for dt in dts for d in ds for k in KERNELS if searchable(k, d, dt)]
 
 
 def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print) -> list[dict]:
@@ -252,8 +332,7 @@ def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print)
 def table(rows: list[dict]) -> str:
     """Markdown: per (kernel, D, dtype) the best surviving candidate and how many passed."""
     lines = [
-        "| kernel | D | dtype | candidates | pass | best (deviceless rank) | regs | smem B | occupancy | "
-        "HGMMA | HMMA | time ms |",
+        "| kernel | D | dtype | candidates | pass | best | regs | smem B | occupancy | HGMMA | HMMA | time ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list[dict]] = {}
@@ -261,12 +340,9 @@ def table(rows: list[dict]) -> str:
         groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
     for (kernel, d, dt), rs in groups.items():
         ok = [r for r in rs if r["passed"]]
-        best = (
-            min(ok, key=lambda r: r.get("time", {}).get("median_s", 0.0))
-            if any("time" in r for r in ok)
-            else (ok[0] if ok else None)
-        )
-        note = ""
+        times = [r for r in rs if "time" in r]  # the survivors and the default, on a GPU
+        best = min(times, key=lambda r: r["time"]["median_s"]) if times else (ok[0] if ok else None)
+        note = " (the default)" if best is not None and best.get("default") else ""
         if best is None:  # nothing passes: show the least-spilling compiled candidate
             spilled = [r for r in rs if r.get("registers") is not None]
             if not spilled:
@@ -298,19 +374,18 @@ def write(out: str, rows: list[dict], info: dict, complete: bool = True) -> str:
     write_results(out, "block_search", merged, info, complete=complete)
     timed = any("time" in r for r in merged)
     text = (
-        f"# Block-size search for the flash kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
+        f"# Block-size search for the flash and mosaic kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
         "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.tools.block_search "
         "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
         "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
         + (
-            "Best = the fastest timed survivor."
+            "Best = the fastest timed row (the survivors and the default tile, timed even where it spills)."
             if timed
             else "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
             "stages, fewer registers), not a speed."
         )
-        + " `BlockSizes.default` is chosen from these rows (see flash.py).\n\n"
-        + table(merged)
-        + "\n"
+        + " `BlockSizes.default` is chosen from these rows (see flash.py); the Mosaic defaults are FA3's published "
+        "Hopper tiles until a GPU times these (see mosaic.py).\n\n" + table(merged) + "\n"
     )
     write_text_atomic(os.path.join(out, "block_search.md"), text)
     return text
@@ -341,7 +416,10 @@ def main(argv=None) -> int:
         for kernel in args.kernel or KERNELS
         for d in args.d or (64, 128, 256)
         for dt in args.dtype or ("bf16",)
+        if searchable(kernel, d, dt)
     ]
+    if not groups:
+        p.error("no kernel exists at the --kernel / --d / --dtype given (Mosaic: bf16 / fp16, backward at D 64 / 128)")
     rows: list[dict] = []
     info = dict(measure.env_info(), target=args.target, label=f"compiled for {args.target.upper()}, not run")
 
@@ -361,7 +439,9 @@ def main(argv=None) -> int:
             ]
             if not got:
                 p.error(f"--survivors {args.survivors}: no rows for {kernel} D={d} {dt}")
-            print(f"  {kernel} D={d} {dt}: timing {sum(r['passed'] for r in got)} survivors", flush=True)
+            print(
+                f"  {kernel} D={d} {dt}: timing {sum(map(to_time, got))} rows (survivors and the default)", flush=True
+            )
             rows += got
             time_rows(got, on_row=save)
     else:

@@ -25,7 +25,7 @@ attention|1|60|60|attention suite: ours (flash, mosaic) and torch cuDNN, S <= 40
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, remat_full, fp16, bf16 (baseline, bf16: 60 s; rows that fit as a pair)
 decode|2|100|95|decode suite: 125m-random, fp32/bf16/int8, B 1 and 64, split-K kernel, torch.compile (62 s without)
-blocks|2|60|55|flash D=128 bf16 block sizes, dkv first: time the deviceless filter's survivors (34 in 60 s)"
+blocks|2|120|110|D=128 bf16 block sizes, Mosaic backward / forward first, then flash: time the filter's survivors and each default (flash: 34 in 60 s)"
 ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
 DRY=0 PLAN_ONLY=0 CALL="" STEPS=()
 while [ "$#" -gt 0 ]; do
@@ -150,7 +150,8 @@ if want decode; then
 fi
 if want blocks; then
   step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
-    --kernel flash_bwd_dkv --kernel flash_fwd --kernel flash_bwd_dq --d 128 --dtype bf16 --out "$RES"
+    --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel mosaic_fwd --kernel flash_bwd_dkv --kernel flash_fwd \
+    --kernel flash_bwd_dq --d 128 --dtype bf16 --out "$RES"
 fi
 echo
 echo "=== session summary (call ${CALL:-all}) ==="

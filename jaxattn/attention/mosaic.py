@@ -1022,6 +1022,38 @@ def _mosaic_backward(q, k, v, out, lse, do, dlse, *, causal, scale, blocks, impl
     return dq[:, :sq], dk[:, :sk], dv[:, :sk]
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicKernels:
+    """The Mosaic GPU kernels of one call, each callable on its own on padded operands (the block-size search
+    compiles and times them one at a time; :func:`kernel_callables`).  q / do ``[B, sq_pad, Hq, D]``, k / v
+    ``[B, sk_pad, Hkv, D]``, lse2 / delta ``[B, Hq, sq_pad]`` float32 with the LSE in log2 units:
+    ``calls["mosaic_fwd"](q, k, v) -> (out, lse2)``, ``calls["mosaic_bwd_dq"](q, k, v, do, lse2, delta) -> dq``,
+    ``calls["mosaic_bwd_dkv"](...) -> (dk, dv)`` (no backward kernels where the flash backward serves)."""
+
+    calls: dict
+    sq_pad: int
+    sk_pad: int
+    head_dim_pad: int
+
+
+def kernel_callables(q, k, block_sizes: MosaicBlockSizes | None = None, *, causal: bool = False, interpret=False):
+    """:class:`MosaicKernels` for q ``[B, Sq, Hq, D]`` and k / v ``[B, Sk, Hkv, D]`` (arrays or
+    ShapeDtypeStructs) with ``block_sizes`` (default :meth:`MosaicBlockSizes.default`); ``interpret=True`` runs
+    them in the Mosaic GPU interpreter."""
+    args, cfg = _validate(q, k, k, causal, None, block_sizes, allow_fp32=False)
+    blocks = _backward_blocks(cfg, q.shape[-1])
+    mq, mk = 2 * cfg.block_q, cfg.block_kv
+    if blocks is not None:  # the same padding as _forward and _mosaic_backward, to a length all three accept
+        mq = math.lcm(mq, 2 * blocks.block_q_dq, blocks.block_q_dkv)
+        mk = math.lcm(mk, 2 * blocks.block_kv_dkv, blocks.block_kv_dq)
+    kw = dict(sq=q.shape[1], sk=k.shape[1], causal=args.causal, scale=float(args.scale), interpret=interpret)
+    calls = {"mosaic_fwd": functools.partial(_mosaic_forward_padded, cfg=cfg, **kw)}
+    if blocks is not None:
+        calls["mosaic_bwd_dq"] = functools.partial(_mosaic_dq_padded, blocks=blocks, **kw)
+        calls["mosaic_bwd_dkv"] = functools.partial(_mosaic_dkv_padded, blocks=blocks, **kw)
+    return MosaicKernels(calls, cdiv(q.shape[1], mq) * mq, cdiv(k.shape[1], mk) * mk, q.shape[-1])
+
+
 # ------------------------------------------------------------------------------------------ custom VJP
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _attention_vjp(q, k, v, causal, scale, cfg, impl):
