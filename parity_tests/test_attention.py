@@ -263,7 +263,7 @@ def _run_bf16_case(case, backends=("xla", "chunked")):
     ref = _oracle(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     segn = dict(q_ids=q_ids, kv_ids=kv_ids)
-    out, vjp = jax.vjp(lambda q, k, v: _naive_jax(q, k, v, **segn, **kw), bf(q), bf(k), bf(v))
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: _naive_jax(q, k, v, **segn, **kw)), bf(q), bf(k), bf(v))
     naive = [np.asarray(x, np.float64) for x in (out, *vjp(bf(do)))]
     base = [np.abs(n - r).max() for n, r in zip(naive, ref[:4])]
     for be in backends:
@@ -697,7 +697,9 @@ def test_gpu_torch_sdpa_bf16(backend):
     q, k, v, do, q_ids, kv_ids, kw = _prep(case)
     ref = _ref(q, k, v, do, q_ids=q_ids, kv_ids=kv_ids, **kw)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    naive = np.asarray(_naive_jax(bf(q), bf(k), bf(v), q_ids=None, kv_ids=None, **kw), np.float64)
+    naive = np.asarray(
+        jax.jit(lambda q, k, v: _naive_jax(q, k, v, q_ids=None, kv_ids=None, **kw))(bf(q), bf(k), bf(v)), np.float64
+    )
     e0 = np.abs(naive - ref[0]).max()
     T = lambda x: torch.tensor(x).transpose(1, 2).to("cuda", torch.bfloat16)  # noqa: E731
     out = tattn.dot_product_attention(T(q), T(k), T(v), **kw, backend=backend)
