@@ -116,9 +116,12 @@ BENCH=("$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$RES")
 if want tests; then
   # -rA lists every test's outcome (step "order" reads it); the conftest prints a verdict per backend. The 8 workers
   # share jax's persistent compilation cache (a program one worker compiled, another loads: not measured yet; on
-  # 2026-11-27 compiles made a test take 3-56 s); the benchmark steps keep compiling afresh (their first_call_s)
+  # 2026-11-27 compiles made a test take 3-56 s); the benchmark steps keep compiling afresh (their first_call_s).
+  # No XLA autotuning in the tests: it times candidate GEMM configs of every dot while compiling, which a
+  # correctness test does not need (the flag is known to jax 0.10-0.12's XLA; an unknown one aborts)
   JAX_COMPILATION_CACHE_DIR=/tmp/jaxattn-jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 STEP_LOG="$OUT/gpu_tests.log" \
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" \
     step tests "$PY" -m pytest parity_tests -m "gpu and not slow" -n 8 --timeout 60 -q -rA -p no:warnings \
     -p no:cacheprovider --durations=10
 fi
