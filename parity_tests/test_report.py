@@ -471,12 +471,21 @@ def test_report_links_every_plot_and_rebuilds_a_compile_dir(results, tmp_path):
     recs = _kernel_records(rng)[0]
     for r in recs:
         r.update(threads=128, stack=0, blocks_per_sm=1, occupancy=0.125, sass=None)
+    recs[0].update(dtype="bf16", ptx_counts={"setmaxnreg": 2, "wgmma": 32, "wgmma.commit_group": 4, "bar.sync": 15})
     (compiled / "kernels.json").write_text(json.dumps({"env": env, "suite": "kernels", "records": recs}))
+    # the other deviceless tools' JSON in the same folder (suite_memory, block_search) keep it a compile report
+    mem = [{"suite": "model", "row": "125m fwd", "jax_gib": 1.5}]
+    (compiled / "suite_memory.json").write_text(json.dumps({"env": env, "suite": "suite_memory", "records": mem}))
     written = rebuild_report(str(compiled))
     assert sorted(os.path.basename(p) for p in written) == ["kernels.png", "report.md"]
     text = (compiled / "report.md").read_text()
     assert text.startswith("# Compiled for H100, not run") and "`flash_bwd_dkv`" in text
     assert text.rstrip().endswith("![kernels plot](kernels.png)")
+    pipeline = text[text.index("## Hopper pipelining") :].splitlines()
+    assert (
+        f"| {recs[0]['impl']} | `{recs[0]['kernel']}` | {recs[0]['head_dim']} | {recs[0]['registers']} | 2 | 32 | 4 / 0 | 0 | 0 | 0 / 0 | 15 |"
+        in pipeline
+    )
 
 
 def test_kernel_plot_limits_are_the_h100_limits():

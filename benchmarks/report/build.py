@@ -16,10 +16,11 @@ from .plots import PLOT_FILES, plot_suite
 from .records import SUITES, impl_label, read_results, write_text_atomic
 from .tables import SPEEDUP_NOTE, suite_table
 
-# Suites written by ``python -m benchmarks compile`` / ``plan`` / ``block_search``: deviceless compiles with
-# their own report layout, not JAX-vs-torch timings; ``report`` leaves them to their own commands.
+# Suites written by ``python -m benchmarks compile`` / ``plan`` / ``block_search`` / ``suite_memory``: deviceless
+# compiles with their own report layout, not JAX-vs-torch timings; ``report`` leaves them to their own commands.
 COMPILED_SUITES = (
     "kernels",
+    "suite_memory",
     "fwd_bwd",
     "grouped_gemm",
     "programs",

@@ -39,8 +39,10 @@ def report(
     ]
     body = tables(kernels, programs, target)
     at = body.index(f"## Programs (compiled for {target}, not run)")  # after the kernel table, before the programs
-    body[at:at] = (fwd_bwd_table(fwd_bwd, target) if fwd_bwd else []) + (
-        grouped_table(grouped, target) if grouped else []
+    body[at:at] = (
+        pipeline_table(kernels, target)
+        + (fwd_bwd_table(fwd_bwd, target) if fwd_bwd else [])
+        + (grouped_table(grouped, target) if grouped else [])
     )
     lines += body
     if plot:
@@ -144,6 +146,47 @@ def _resources(r: dict) -> str:
         f"{r['threads']} | {r['registers']} | {spill} | {r['stack']} | {r['smem_bytes']:,} | "
         f"{r.get('blocks_per_sm')} | {r.get('occupancy', 0):.3f} | {ops[0]} | {ops[1]} | {ops[2]} | {ops[3]}"
     )
+
+
+# (column, ptx_counts key): the instructions that tell a warp-specialised, pipelined Hopper kernel from a plain one
+PIPELINE_COLUMNS = (
+    ("setmaxnreg", "setmaxnreg"),
+    ("wgmma", "wgmma"),
+    ("commit / wait", ("wgmma.commit_group", "wgmma.wait_group")),
+    ("TMA loads", "cp.async.bulk.tensor"),
+    ("cp.async", "cp.async"),
+    ("mbarrier wait / arrive", ("mbarrier.try_wait", "mbarrier.arrive")),
+    ("bar.sync", "bar.sync"),
+)
+
+
+def pipeline_table(kernels: list, target: str, level: str = "##") -> list:
+    """The markdown lines of the pipelining table: per 16-bit kernel (bf16 rows; fp16 compiles the same
+    instructions), the static PTX counts of :data:`PIPELINE_COLUMNS` (a loop's instruction counts once), ours beside
+    the peers' at the same shape.  Empty when no record has PTX counts."""
+    rows = [
+        r for r in kernels if r.get("status") == "ok" and r.get("ptx_counts") and r["dtype"] in ("bf16", "bfloat16")
+    ]
+    if not rows:
+        return []
+    lines = [f"{level} Hopper pipelining per kernel, bf16 (PTX, compiled for {target}, not run)", ""]
+    lines += _head(["impl", "kernel", "D", "regs", *(c for c, _ in PIPELINE_COLUMNS)])
+    for r in rows:
+        c = r["ptx_counts"]
+        cells = [
+            " / ".join(str(c.get(k, 0)) for k in key) if isinstance(key, tuple) else c.get(key, 0)
+            for _, key in PIPELINE_COLUMNS
+        ]
+        lines.append(_row([r["impl"], f"`{r['kernel']}`", r["head_dim"], r["registers"], *cells], 4 + len(cells)))
+    lines += [
+        "",
+        "Static counts in the PTX (an instruction inside a loop counts once): `setmaxnreg` = the warp-specialised "
+        "register split (a producer gives registers to the consumers), commit / wait = asynchronous wgmma groups "
+        "and their waits, TMA loads = `cp.async.bulk.tensor`, mbarrier = the producer / consumer hand-over, "
+        "`bar.sync` = named barriers (ping-pong, warpgroup sync). Registers at launch; `setmaxnreg` moves them.",
+        "",
+    ]
+    return lines
 
 
 def grouped_table(records: list, target: str, level: str = "##") -> list:
