@@ -631,8 +631,8 @@ def test_peer_attention_mgpu_compiles_beside_ours_in_the_kernel_records():
 def test_mosaic_records_of_one_program_name_each_kernel_as_its_own_compile_does():
     """A Mosaic module carries no kernel name, XLA compiles the dkv custom call before the dq one that the program
     lowers first, and Mosaic reports shared memory in lowering order.  With a dq tile that differs from dkv's,
-    the records of one fwd+bwd program, named in compile order with the lowering order given, equal the records of
-    each kernel compiled alone (what the kernel table shows for ours); the peers' records rest on the same order."""
+    the dq and dkv records of one fwd+bwd program, named in compile order with the lowering order given, equal the
+    records of each compiled alone (what the kernel table shows for ours); the peers' records rest on this order."""
     from benchmarks.tools import block_search, kernel_stats
     from benchmarks.tools.deviceless import GATE_SHAPE
     from jaxattn.attention import mosaic
@@ -652,7 +652,7 @@ def test_mosaic_records_of_one_program_name_each_kernel_as_its_own_compile_does(
         lowering=("mosaic_fwd", "mosaic_bwd_dq", "mosaic_bwd_dkv"),
     )
     keys = ("smem_bytes", "registers", "spill_stores", "spill_loads")
-    for name in names:  # alone, at another batch: another module, the same code
+    for name in names[1:]:  # alone, at another batch: another module, the same code
         alone = block_search.compile_kernel(_devices(), name, 64, jnp.bfloat16, bs, other)
         got, want = program[name], alone
         assert [got[x] for x in keys] == [want[x] for x in keys], name
