@@ -423,6 +423,25 @@ MUTANTS: tuple[Mutant, ...] = (
         _STATS,
         "an interval's width compared as a difference, not a factor (wide ratios never unstable)",
     ),
+    # ---- deviceless kernel records
+    m(
+        "records-smem-compile-order",
+        "records",
+        "benchmarks/tools/kernel_stats.py",
+        "size = smem[lowering.index(name)] if len(smem) == len(modules) else None",
+        "size = smem[list(names).index(name)] if len(smem) == len(modules) else None",
+        "parity_tests/test_gpu_compile.py -k name_each_kernel",
+        "a Mosaic kernel's shared memory taken in compile order, where Mosaic reports it in lowering order",
+    ),
+    m(
+        "records-ptx-cut-at-function",
+        "records",
+        "benchmarks/tools/kernel_stats.py",
+        "ends = [m.end() for m in _PTX_BLOCK_END.finditer(part)]",
+        'ends = [part.rfind("\\n}") + 2] if "\\n}" in part else []',
+        "parity_tests/test_gpu_compile.py -k 'split_ptx or sass_counts_where'",
+        "a Mosaic module cut at its last function, dropping the debug sections its .loc lines cite (no SASS counts)",
+    ),
     # ---- training: accumulation, loss scaling, optimizers
     m(
         "accum-denominator-jax",
