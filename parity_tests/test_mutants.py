@@ -13,7 +13,18 @@ import pytest
 
 from parity_tests import mutants
 
-AREAS = {"moe", "pipeline", "fused loss", "attention", "debugger", "statistics", "training", "data", "model"}
+AREAS = {
+    "moe",
+    "pipeline",
+    "fused loss",
+    "attention",
+    "debugger",
+    "statistics",
+    "training",
+    "data",
+    "model",
+    "records",
+}
 
 
 def test_every_mutant_applies_to_this_tree_and_names_real_tests():
