@@ -81,6 +81,14 @@ def main(argv=None) -> int:
         help="attention suite: skip shapes with a longer sequence (to split a long GPU sweep)",
     )
     run.add_argument(
+        "--head-dim",
+        type=int,
+        action="append",
+        default=None,
+        metavar="D",
+        help="attention suite: only shapes with this head dim (repeatable; the suite has 64 and 128)",
+    )
+    run.add_argument(
         "--out",
         default=None,
         help="output directory (default benchmarks/results/local/<device>[-quick], untracked)",
@@ -141,8 +149,8 @@ def main(argv=None) -> int:
     explicit = bool(args.suite) and "all" not in args.suite
     # Everything that can be wrong with the command line fails here, before jax/torch are imported or anything
     # is measured, and writes nothing.
-    if (args.impl is not None or args.max_seq is not None) and "attention" not in suites:
-        run.error(f"--impl/--max-seq filter the attention suite, which is not selected (suites: {suites})")
+    if (args.impl is not None or args.max_seq is not None or args.head_dim is not None) and "attention" not in suites:
+        run.error(f"--impl/--max-seq/--head-dim filter the attention suite, which is not selected (suites: {suites})")
     if args.decode_impl is not None and "decode" not in suites:
         run.error(f"--decode-impl picks decode suite rows; the decode suite is not selected (suites: {suites})")
     if args.preset is not None and "model" not in suites:
@@ -150,14 +158,16 @@ def main(argv=None) -> int:
     if args.toggle is not None and "train" not in suites:
         run.error(f"--toggle picks train suite rows; the train suite is not selected (suites: {suites})")
     try:
-        attention.check_filters(args.quick, args.impl, args.max_seq)
+        attention.check_filters(args.quick, args.impl, args.max_seq, args.head_dim)
         decode.check_impls(args.decode_impl)
         if args.toggle is not None:
             train.check_toggles(args.toggle)
         if args.preset is not None:
             model.check_presets(args.quick, args.preset)
     except ValueError as e:
-        run.error(str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq"))
+        run.error(
+            str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq").replace("head_dims:", "--head-dim:")
+        )
     try:
         if args.out is not None:
             check_out_dir(args.out)
@@ -188,7 +198,9 @@ def main(argv=None) -> int:
     for suite in bar:
         bar.set_postfix_str(suite)
         t0, load0 = time.perf_counter(), list(os.getloadavg())
-        kwargs = {"impls": args.impl, "max_seq": args.max_seq} if suite == "attention" else {}
+        kwargs = (
+            {"impls": args.impl, "max_seq": args.max_seq, "head_dims": args.head_dim} if suite == "attention" else {}
+        )
         if suite == "decode":
             kwargs["impls"] = args.decode_impl
         if suite == "train":
@@ -242,6 +254,7 @@ def _run_repeated(args, out: str) -> int:
 
     extra = [a for i in args.impl or () for a in ("--impl", i)]
     extra += ["--max-seq", str(args.max_seq)] if args.max_seq is not None else []
+    extra += [a for d in args.head_dim or () for a in ("--head-dim", str(d))]
     tmp = tempfile.mkdtemp(prefix="benchmarks-repeat-")
     try:
         runs = run_processes(args.suite or ["all"], args.repeat, args.quick, tmp, extra)

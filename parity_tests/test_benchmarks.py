@@ -261,6 +261,7 @@ def _cli(*argv, timeout=60):
             r"--max-seq=64 leaves no shape to run: the shortest sequence \(quick\) is 256",
         ),
         (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
+        (["--head-dim", "96"], r"--head-dim: \[96\] not among the suite's head dims \[64, 128\]"),
     ],
     ids=[
         "impl-nope",
@@ -269,6 +270,7 @@ def _cli(*argv, timeout=60):
         "max-seq-zero",
         "max-seq-below-shapes",
         "filter-without-attention",
+        "head-dim-not-in-suite",
     ],
 )
 def test_filter_that_selects_nothing_fails_fast_and_writes_nothing(tmp_path, argv, message):
@@ -354,7 +356,7 @@ def test_existing_results_never_replaced_by_empty_or_partial(tmp_path, monkeypat
     out = tmp_path / "out"
     before = _existing(out)
 
-    def fake_run(quick, impls=None, max_seq=None):
+    def fake_run(quick, impls=None, max_seq=None, head_dims=None):
         if outcome == "crash":
             raise RuntimeError("killed mid-suite")
         return [] if outcome == "empty" else _fake_records("skipped")
@@ -378,7 +380,7 @@ def test_completed_suite_replaces_atomically_and_report_keeps_other_suites(tmp_p
         "records": [{"suite": "model", "impl": "nnx", "framework": "jax", "pass": "fwd", "median_ms": 3.0}],
     }
     (out / "model.json").write_text(json.dumps(model))
-    monkeypatch.setattr(attention_suite, "run", lambda quick, impls=None, max_seq=None: _fake_records())
+    monkeypatch.setattr(attention_suite, "run", lambda quick, impls=None, max_seq=None, head_dims=None: _fake_records())
     assert cli.main(["run", "--suite", "attention", "--quick", "--out", str(out)]) == 0
     assert json.loads((out / "attention.json").read_text())["records"] == _fake_records()
     report = (out / "report.md").read_text()
@@ -399,6 +401,16 @@ def test_impl_names_cover_every_implementation():
     assert set(attention_suite.IMPLS) >= {f"sdpa:{n}" for n in attention_suite.TORCH_SDPA}
     with pytest.raises(ValueError, match="max_seq"):
         attention_suite.run(quick=True, max_seq=True)
+
+
+def test_head_dim_filter_keeps_only_that_head_dim():
+    """A short GPU session times D=128 first (`--head-dim 128`); the filter composes with `--max-seq`."""
+    every = attention_suite.check_filters(quick=False)
+    kept = attention_suite.check_filters(quick=False, max_seq=4096, head_dims=[128])
+    assert kept == [sh for sh in every if sh[5] == 128 and sh[4] <= 4096] and len(kept) == 8
+    for bad in ([], [128.0], [True]):
+        with pytest.raises(ValueError, match="head_dims"):
+            attention_suite.check_filters(quick=False, head_dims=bad)
 
 
 @pytest.mark.parametrize("suite", ["plan", "compile"])

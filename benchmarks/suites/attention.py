@@ -39,11 +39,13 @@ def _shapes(quick: bool, on_gpu: bool = False):
     return out
 
 
-def check_filters(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = None) -> list:
+def check_filters(
+    quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = None, head_dims: Iterable[int] | None = None
+) -> list:
     """The shapes ``run`` will time, after checking the filters (cheap: imports neither jax nor torch).
 
-    Raises ValueError naming ``impls`` / ``max_seq`` when a name is unknown, ``max_seq`` is not a positive int,
-    or the filters leave nothing to run."""
+    Raises ValueError naming ``impls`` / ``max_seq`` / ``head_dims`` when a name is unknown, ``max_seq`` is not a
+    positive int, a head dim is not one the suite has, or the filters leave nothing to run."""
     if impls is not None:
         impls = [impls] if isinstance(impls, str) else list(impls)
         unknown = [i for i in impls if i not in IMPLS]
@@ -51,7 +53,18 @@ def check_filters(quick: bool, impls: Iterable[str] | None = None, max_seq: int 
             raise ValueError(f"impls: unknown implementation(s) {unknown or impls}; choose from {list(IMPLS)}")
     if max_seq is not None and not is_count(max_seq, 1):
         raise ValueError(f"max_seq must be a positive int (a sequence length), got {max_seq!r}")
-    shapes = [sh for sh in _shapes(quick) if max_seq is None or sh[4] <= max_seq]
+    if head_dims is not None:
+        head_dims = list(head_dims)
+        have = sorted({sh[5] for sh in _shapes(quick)})
+        if not head_dims or any(type(d) is not int or d not in have for d in head_dims):
+            raise ValueError(
+                f"head_dims: {head_dims} not among the suite's head dims {have}{' (quick)' if quick else ''}"
+            )
+    shapes = [
+        sh
+        for sh in _shapes(quick)
+        if (max_seq is None or sh[4] <= max_seq) and (head_dims is None or sh[5] in head_dims)
+    ]
     if not shapes:
         raise ValueError(
             f"max_seq={max_seq} leaves no shape to run: the shortest sequence "
@@ -314,13 +327,18 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None, calls=None):
 
 
 # --------------------------------------------------------------------------------------------- entry
-def run(quick: bool, impls: Iterable[str] | None = None, max_seq: int | None = None) -> list[dict]:
+def run(
+    quick: bool,
+    impls: Iterable[str] | None = None,
+    max_seq: int | None = None,
+    head_dims: Iterable[int] | None = None,
+) -> list[dict]:
     """Benchmark every implementation on every shape; returns the records (see the module docstring).
 
-    ``impls`` (optional) keeps only records whose ``impl`` is listed (e.g. ``["flash", "sdpa:flash"]``) and
-    ``max_seq`` drops longer shapes — for splitting a long GPU sweep into several runs (both checked first by
-    :func:`check_filters`)."""
-    shapes = check_filters(quick, impls, max_seq)
+    ``impls`` (optional) keeps only records whose ``impl`` is listed (e.g. ``["flash", "sdpa:flash"]``),
+    ``max_seq`` drops longer shapes and ``head_dims`` keeps only those head dims — for splitting a long GPU sweep
+    into several runs, or a short GPU session's D=128 first (all checked first by :func:`check_filters`)."""
+    shapes = check_filters(quick, impls, max_seq, head_dims)
     iters, warmup = 20, 3
     records: list[dict] = measure.rows()
     wanted = None if impls is None else set([impls] if isinstance(impls, str) else impls)

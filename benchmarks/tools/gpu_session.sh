@@ -21,7 +21,7 @@ PY=${PYTHON:-python}
 # benchmarks/NOTES.md "GPU session on one H100"); each step first measures what that session did not reach.
 PLAN="tests|1|120|115|gpu tests (51): 8 pytest-xdist workers, 60 s per test; 34 ran in 94 + 114 s on 2026-11-27
 model|1|130|120|model suite: 350m and moe-350m fp32, a fresh process each (125m: under 105 s on 2026-11-27)
-attention|1|60|60|attention suite: ours (flash, mosaic) and torch cuDNN, S <= 4096 (37 rows took 70 s)
+attention|1|100|95|attention suite at D=128 (the goal's head dim), S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (D=64: 37 rows took 70 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, remat_full, fp16, bf16 (baseline, bf16: 60 s; rows that fit as a pair)
 decode|2|100|95|decode suite: 125m-random, fp32/bf16/int8, B 1 and 64, split-K kernel, torch.compile (62 s without)
@@ -131,9 +131,10 @@ if want model; then
 fi
 if want attention; then
   if [ "$DRY" = 1 ]; then
-    step attention "${BENCH[@]}" --suite attention --impl xla --impl sdpa:math
+    step attention "${BENCH[@]}" --suite attention --head-dim 64 --impl xla --impl sdpa:math
   else
-    step attention "${BENCH[@]}" --suite attention --max-seq 4096 --impl flash --impl mosaic --impl sdpa:cudnn
+    step attention "${BENCH[@]}" --suite attention --head-dim 128 --max-seq 4096 --impl flash --impl mosaic \
+      --impl cudnn --impl sdpa:cudnn
   fi
 fi
 if want order; then
