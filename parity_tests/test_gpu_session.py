@@ -319,3 +319,47 @@ def test_default_order_reads_verdicts_per_backend_from_several_logs():
     got = tests_passed(call1 + call3)
     assert got["cudnn"] is None and got["flash"] is False and got["mosaic"] is True and got["xla"] is None
     assert tests_passed(call1.replace("FAILED", "PASSED"))["flash"] is True
+
+
+def _timed(times: dict) -> list:
+    """Attention records of three shapes: ``{impl: [ms per shape]}``."""
+    return [
+        {"framework": "jax", "status": "ok", "impl": impl, "median_ms": t, "pass": "fwd", "dtype": "bfloat16"}
+        | dict(B=1, Hq=8, Hkv=8, Sk=s, D=128, causal=False)
+        for impl, ts in times.items()
+        for s, t in zip((1024, 2048, 4096), ts)
+    ]
+
+
+@pytest.mark.parametrize(
+    "times, want",
+    [
+        (
+            {"cudnn": [1.02, 1.0, 1.03], "mosaic": [1.0, 1.01, 1.0], "flash": [2.0, 2.0, 2.0]},
+            ["cudnn", "mosaic", "flash"],
+        ),
+        ({"cudnn": [1.3, 1.2, 1.3], "mosaic": [1.0, 1.0, 1.0], "flash": [2.0, 2.0, 2.0]}, ["mosaic", "cudnn", "flash"]),
+        ({"cudnn": [1.0, 1.0, 1.0], "mosaic": [2.0, 2.0, 2.0], "flash": [1.5, 1.5, 1.5]}, ["cudnn", "flash", "mosaic"]),
+    ],
+    ids=["tie-keeps-incumbent", "clear-lead-moves", "slower-stays-behind"],
+)
+def test_default_order_ranks_by_median_and_a_tie_keeps_the_current_order(times, want):
+    from benchmarks.tools.default_order import ranking
+
+    assert ranking(_timed(times), current=("cudnn", "flash", "chunked", "xla")) == want
+
+
+def test_committed_gpu_default_is_what_the_committed_h200_session_supports():
+    """The GPU default order (the backend table's ranks) is the one `default_order` derives from the committed H200
+    session: its `gpu` test log and its attention records. A rank changed without new evidence fails here."""
+    from benchmarks.tools.default_order import ranking, tests_passed
+    from twincore.attention import default_order
+
+    here = os.path.join(ROOT, "benchmarks", "results", "nvidia-h200")
+    with open(os.path.join(here, "session-2026-11-27", "call1-gpu_tests.log")) as f:
+        passed = tests_passed(f.read())
+    with open(os.path.join(here, "attention.json")) as f:
+        records = json.load(f)["records"]
+    ranked = [b for b in ranking(records) if passed.get(b)]
+    assert ranked == ["cudnn", "mosaic", "flash"], ranked
+    assert default_order("gpu") == (*ranked, "chunked", "xla")

@@ -4,7 +4,8 @@ suite's JSON from one GPU session and prints the order the measurements support 
     python -m benchmarks.tools.default_order --tests out/gpu_tests.log --attention out/results/<device>/attention.json
 
 A backend may enter the default list only if its compiled ``gpu`` tests passed in that log (design §4);
-among those, the order is by median time over the shapes every candidate ran (fwd+bwd first, then fwd).
+among those, the order is by median time relative to the fastest over the shapes and passes every candidate ran.
+Two backends within ``TIE`` of each other keep the current order (a 2% lead in one session is not evidence).
 Prints advice only: changing the GPU ranks in ``twincore.attention.BACKENDS`` stays a reviewed commit.
 """
 
@@ -20,6 +21,7 @@ from twincore.attention import backend_names, default_order
 
 _GPU_DEFAULT = default_order("gpu")  # the backend table's GPU ranks
 JAX_BACKENDS = backend_names(forward_only=False)  # the trainable ones (flash_decode is forward-only, opt-in)
+TIE = 1.05  # medians of relative time closer than this are a tie: the incumbent keeps its place
 
 
 # The backend a `gpu` test checks, by file (test_attention's tests name theirs in their ids); parity_tests/conftest.py
@@ -54,8 +56,8 @@ def tests_passed(log_text: str) -> dict:
     return {name: (all(seen[name]) if name in seen else None) for name in JAX_BACKENDS}
 
 
-def ranking(records: list) -> list:
-    """Backends ordered by their median time relative to the fastest, over the shapes all of them ran."""
+def relative_times(records: list) -> dict:
+    """``{backend: median of (its time / the fastest time)}`` over the rows (shape and pass) it ran."""
     ok = [
         r
         for r in records
@@ -73,7 +75,20 @@ def ranking(records: list) -> list:
         best = min(times.values())
         for impl, t in times.items():
             rel.setdefault(impl, []).append(t / best)
-    return sorted(rel, key=lambda impl: (statistics.median(rel[impl]), impl))
+    return {impl: statistics.median(v) for impl, v in rel.items()}
+
+
+def ranking(records: list, current: tuple = _GPU_DEFAULT) -> list:
+    """Backends ordered by :func:`relative_times`; where the next one is within ``TIE`` of the one before it,
+    the one earlier in ``current`` (the present default order; a backend not in it counts as last) goes first."""
+    med = relative_times(records)
+    order = sorted(med, key=lambda impl: (med[impl], impl))
+    place = {b: i for i, b in enumerate(current)}
+    for i in range(len(order) - 1):
+        a, b = order[i], order[i + 1]
+        if med[b] <= med[a] * TIE and place.get(b, len(current)) < place.get(a, len(current)):
+            order[i], order[i + 1] = b, a
+    return order
 
 
 def main(argv=None) -> int:
@@ -98,13 +113,14 @@ def main(argv=None) -> int:
     proposal = tuple(ranked + [b for b in ("chunked", "xla") if b not in ranked and passed.get(b) is not False])
     print(f"gpu tests passed: {passed}")
     print(f"current GPU default: {_GPU_DEFAULT}")
-    print(f"by these measurements: {proposal} (backends whose gpu tests did not all pass are left out)")
+    med = relative_times(records)
+    print("median time / fastest: " + ", ".join(f"{b} {med[b]:.3f}" for b in ranked))
+    print(
+        f"by these measurements: {proposal} (backends whose gpu tests did not all pass are left out; within "
+        f"{TIE:.2f}x the current order stands)"
+    )
     if proposal and proposal != _GPU_DEFAULT:
-        print(
-            "-> change the GPU ranks in twincore.attention.BACKENDS if the committed records agree (mosaic "
-            "stays opt-in "
-            "until its backward is a kernel)"
-        )
+        print("-> change the GPU ranks in twincore.attention.BACKENDS if the committed records agree")
     else:
         print("-> no change")
     return 0

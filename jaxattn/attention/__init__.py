@@ -99,8 +99,8 @@ def current_backends() -> tuple[str, ...] | None:
 
 def default_backends(q=None) -> tuple[str, ...]:
     """Preference used when neither ``backend=`` nor ``attention_backend`` says anything, for the platform the
-    trace targets (:func:`current_target`), from the backend table's ranks: on a GPU ``cudnn, flash, chunked,
-    xla`` (``mosaic`` is opt-in); elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
+    trace targets (:func:`current_target`), from the backend table's ranks: on a GPU ``cudnn, mosaic, flash,
+    chunked, xla`` (``mosaic`` serves Hopper only); elsewhere ``xla`` (interpreted Pallas kernels are for tests)."""
     return _default_for(platform_of(q))
 
 
