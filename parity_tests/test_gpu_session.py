@@ -363,3 +363,32 @@ def test_committed_gpu_default_is_what_the_committed_h200_session_supports():
     ranked = [b for b in ranking(records) if passed.get(b)]
     assert ranked == ["cudnn", "mosaic", "flash"], ranked
     assert default_order("gpu") == (*ranked, "chunked", "xla")
+
+
+def _search_row(knobs: dict, median_s: float | None, **extra) -> dict:
+    row = {"kernel": "flash_bwd_dq", "head_dim": 128, "dtype": "bfloat16", "knobs": knobs, "passed": True, **extra}
+    row |= {"registers": 166, "smem_bytes": 98304, "occupancy": 0.125, "sass": {}}
+    return row if median_s is None else {**row, "time": {"median_s": median_s}}
+
+
+def test_block_search_times_the_fastest_tile_against_the_default_paired():
+    """The GPU session's block search: the fastest timed tile is timed again against the default, alternately, and
+    carries its paired speed-up over the default (default / best per round). Here a `best` call of ~1 ms against a
+    default of ~3 ms; the default is recognised by its knobs (rows written before `default` was recorded)."""
+    from benchmarks.tools import block_search as bsr
+
+    default_knobs = {"block_q_dq": 128, "block_k_dq": 64, "num_warps": 8, "num_stages": 2}  # flash._DEFAULTS
+    assert bsr.is_default(_search_row(default_knobs, None))
+    assert not bsr.is_default(_search_row({**default_knobs, "num_warps": 4}, None))
+    fast = _search_row({**default_knobs, "block_q_dq": 64, "num_warps": 4}, 0.001)
+    slow = _search_row({**default_knobs, "block_k_dq": 32}, 0.004)
+    default = _search_row(default_knobs, 0.003)
+    calls = {id(r): (lambda s=s: time.sleep(s)) for r, s in ((fast, 0.001), (slow, 0.004), (default, 0.003))}
+    pair = bsr.pair_best_with_default([slow, default, fast], lambda r: calls[id(r)], rounds=6, sync=lambda out: None)
+    assert pair is fast["vs_default"] and "vs_default" not in default and "vs_default" not in slow
+    assert 2.0 < pair["ratio"] < 4.0 and pair["ci"][0] > 1.0 and pair["finding"], pair
+    assert pair["default_knobs"] == default_knobs and pair["rounds"] == 6
+    assert "2." in bsr.table([slow, default, fast]).splitlines()[-1].split("|")[-2]
+    # nothing to pair: the default is the fastest, or was not timed
+    assert bsr.pair_best_with_default([default, slow], lambda r: calls[id(r)], sync=lambda out: None) is None
+    assert bsr.pair_best_with_default([fast, slow], lambda r: calls[id(r)], sync=lambda out: None) is None

@@ -27,9 +27,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxattn import gpu_target  # noqa: E402
 from jaxattn.attention import flash, mosaic  # noqa: E402
+from twincore.timing import paired_ratio, time_interleaved  # noqa: E402
 
 from .. import measure  # noqa: E402
 from ..report.records import read_results, write_results, write_text_atomic  # noqa: E402
+from ..report.tables import format_ratio  # noqa: E402
 from . import kernel_stats  # noqa: E402
 from .deviceless import DTYPES, AttnShape, target_config  # noqa: E402
 from .kernel_stats import H100_LIMITS  # noqa: E402
@@ -272,30 +274,68 @@ def has_gpu() -> bool:
         return False
 
 
+def _timed_call(row: dict, shape: AttnShape):
+    """A zero-argument call of ``row``'s kernel alone, jitted, on random inputs of ``shape`` (a backward kernel gets
+    the LSE of its family's forward on those inputs and a random delta)."""
+    kernel, dtype = row["kernel"], jnp.dtype(row["dtype"])
+    cfg = _kernels(block_sizes_of(row), row["head_dim"], dtype, shape)
+    key = jax.random.split(jax.random.PRNGKey(0), 4)
+    q_shape, kv_shape = _operand_shapes(cfg, shape, kernel)[:2]
+    q = jax.random.normal(key[0], q_shape, dtype)
+    kv = jax.random.normal(key[1], kv_shape, dtype)
+    args = (q, kv, kv)
+    if not kernel.endswith("_fwd"):
+        _, lse = cfg.calls[(MOSAIC_KERNELS if _is_mosaic(kernel) else FLASH_KERNELS)[0]](q, kv, kv)
+        delta = jax.random.normal(key[2], lse.shape, jnp.float32)
+        args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
+    fn = jax.jit(cfg.calls[kernel])
+    return lambda: fn(*args)
+
+
+def is_default(row: dict) -> bool:
+    """Whether ``row`` is the tile a call gets when it passes no block sizes (by the knobs its kernel reads, so a
+    row written before rows carried ``default`` is recognised too)."""
+    if row.get("default"):
+        return True
+    kernel, d = row["kernel"], row["head_dim"]
+    return row["knobs"] == _knobs(_default(kernel, d, jnp.dtype(row["dtype"])), kernel, d)
+
+
+def pair_best_with_default(rows: list[dict], call_of, rounds: int = 10, sync=measure.sync) -> dict | None:
+    """The fastest timed row against the default tile of the same (kernel, D, dtype), timed again alternately
+    (``twincore.timing.time_interleaved``: the order reversed every other round): its speed-up over the default
+    (``paired_ratio`` of default / best per round, with its interval and ``unstable``), stored on the fastest row as
+    ``vs_default`` and returned. None when nothing was timed, the default was not, or the default is the fastest.
+    ``call_of(row)`` gives a row's zero-argument call (on a GPU :func:`_timed_call`)."""
+    timed = [r for r in rows if "time" in r]
+    default = next((r for r in timed if is_default(r)), None)
+    if default is None:
+        return None
+    best = min(timed, key=lambda r: r["time"]["median_s"])
+    if best is default:
+        return None
+    t = time_interleaved({"best": call_of(best), "default": call_of(default)}, rounds=rounds, sync=sync)
+    best["vs_default"] = dict(
+        paired_ratio(t["default"]["rounds"], t["best"]["rounds"], cv=(t["best"]["cv"], t["default"]["cv"])),
+        default_knobs=default["knobs"],
+    )
+    return best["vs_default"]
+
+
 def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20, on_row=None) -> list[dict]:
     """On a GPU: the median time of each :func:`to_time` row's kernel alone (``measure.timeit``, random inputs of
-    ``shape``), and its rank; ``on_row(row)`` after each timed row (e.g. an incremental write).  Without a GPU,
-    returns ``rows`` unchanged (the caller says so)."""
+    ``shape``), and its rank; then, per (kernel, D, dtype), the fastest against the default, paired
+    (:func:`pair_best_with_default`); ``on_row(row)`` after each timed row (e.g. an incremental write).  Without a
+    GPU, returns ``rows`` unchanged (the caller says so)."""
     if not has_gpu():
         return rows
+    calls = {}
     for row in rows:
         if not to_time(row):
             continue
-        kernel, dtype = row["kernel"], jnp.dtype(row["dtype"])
-        cfg = _kernels(block_sizes_of(row), row["head_dim"], dtype, shape)
-        kernel_fn = cfg.calls[kernel]
-        key = jax.random.split(jax.random.PRNGKey(0), 4)
-        q_shape, kv_shape = _operand_shapes(cfg, shape, kernel)[:2]
-        q = jax.random.normal(key[0], q_shape, dtype)
-        kv = jax.random.normal(key[1], kv_shape, dtype)
-        args = (q, kv, kv)
-        if not kernel.endswith("_fwd"):  # the LSE of the family's forward on these inputs, a random delta
-            _, lse = cfg.calls[(MOSAIC_KERNELS if _is_mosaic(kernel) else FLASH_KERNELS)[0]](q, kv, kv)
-            delta = jax.random.normal(key[2], lse.shape, jnp.float32)
-            args += (jax.random.normal(key[3], q.shape, dtype), lse, delta)
-        fn = jax.jit(kernel_fn)
+        calls[id(row)] = _timed_call(row, shape)
         try:
-            row["time"] = measure.timeit(fn, *args, iters=iters)
+            row["time"] = measure.timeit(calls[id(row)], iters=iters)
         except Exception as e:  # pragma: no cover - GPU only
             row["time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if on_row is not None:
@@ -303,6 +343,15 @@ def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20,
     timed = sorted((r for r in rows if "time" in r), key=lambda r: r["time"]["median_s"])
     for i, r in enumerate(timed):
         r["time_rank"] = i
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
+    for group in groups.values():
+        try:
+            if pair_best_with_default(group, lambda r: calls[id(r)]) is not None and on_row is not None:
+                on_row(group[0])
+        except Exception as e:  # pragma: no cover - GPU only
+            group[0]["pair_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return rows
 
 
@@ -332,8 +381,9 @@ def search(devs, quick: bool = False, shape: AttnShape = AttnShape(), log=print)
 def table(rows: list[dict]) -> str:
     """Markdown: per (kernel, D, dtype) the best surviving candidate and how many passed."""
     lines = [
-        "| kernel | D | dtype | candidates | pass | best | regs | smem B | occupancy | HGMMA | HMMA | time ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | D | dtype | candidates | pass | best | regs | smem B | occupancy | HGMMA | HMMA | time ms "
+        "| speed-up over the default, paired |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -346,17 +396,19 @@ def table(rows: list[dict]) -> str:
         if best is None:  # nothing passes: show the least-spilling compiled candidate
             spilled = [r for r in rs if r.get("registers") is not None]
             if not spilled:
-                lines.append(f"| {kernel} | {d} | {dt} | {len(rs)} | 0 | none compiled | | | | | | |")
+                lines.append(f"| {kernel} | {d} | {dt} | {len(rs)} | 0 | none compiled | | | | | | | |")
                 continue
             best = min(spilled, key=lambda r: (r["spill_stores"] + r["spill_loads"], rank_key(r)))
             note = f" (none passes; least spill {best['spill_stores']}/{best['spill_loads']} B)"
         k = ", ".join(f"{f}={v}" for f, v in best["knobs"].items()) + note
         sass = best.get("sass") or {}
         t = best.get("time", {}).get("median_s")
+        pair = best.get("vs_default")
         lines.append(
             f"| {kernel} | {d} | {dt} | {len(rs)} | {len(ok)} | {k} | {best['registers']} | "
             f"{best['smem_bytes']:,} | {best['occupancy']:.3f} | {sass.get('HGMMA', 'n/a')} | "
-            f"{sass.get('HMMA', 'n/a')} | {'' if t is None else f'{t * 1e3:.3f}'} |"
+            f"{sass.get('HMMA', 'n/a')} | {'' if t is None else f'{t * 1e3:.3f}'} | "
+            f"{'' if pair is None else format_ratio(pair['ratio'], pair)} |"
         )
     return "\n".join(lines)
 
@@ -379,7 +431,9 @@ def write(out: str, rows: list[dict], info: dict, complete: bool = True) -> str:
         "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
         "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
         + (
-            "Best = the fastest timed row (the survivors and the default tile, timed even where it spills)."
+            "Best = the fastest timed row (the survivors and the default tile, timed even where it spills); where "
+            "it is not the default, the two are timed again alternately (10 rounds) for the last column: a "
+            "default changes only on a paired speed-up that is a finding and not unstable."
             if timed
             else "No GPU has timed these: best = the first survivor in `rank_key` order (largest tile, occupancy, "
             "stages, fewer registers), not a speed."
