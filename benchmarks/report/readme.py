@@ -446,15 +446,21 @@ def gpu_suites_section(results_dir: str) -> list[str]:
         extra = []
         if suite == "decode" and not any(r.get("impl") == "torchref+compile" for r in ok):
             extra.append("torch ran eagerly only: no `torch.compile`d decode step was measured here")
-        if d.get("complete") is False:
-            extra.append("the session's time budget stopped the suite: the rows it had not reached are not in the file")
+        files = d.get("files") or [{"file": f"{suite}.json", "env": env, "complete": d.get("complete", True)}]
+        stopped = [f"`{f['file']}`" for f in files if f.get("complete") is False]
+        sources = ", ".join(f"`{rel}/{f['file']}`" for f in files)
+        if stopped:
+            extra.append(
+                f"the session's time budget stopped the suite in {', '.join(stopped)}: the rows that run had not "
+                "reached are not in it"
+            )
         if skipped:
             reasons = "; ".join(sorted({str(r.get("reason"))[:120] for r in d["records"] if r not in ok}))
             extra.append(f"{skipped} rows skipped ({reasons})")
         out += [
             f"### {suite.capitalize()} suite on one {env.get('jax_device')} (measured)",
             "",
-            f"From `{rel}/{suite}.json` ({env.get('time_utc', 'an unknown time')} UTC; {_versions([env])}; full table "
+            f"From {sources} ({env.get('time_utc', 'an unknown time')} UTC; {_versions([env])}; full table "
             f"with the paired intervals in `{rel}/report.md`). {note}" + "".join(f" Note: {e}." for e in extra),
             "",
             suite_table(suite, ok),

@@ -110,7 +110,8 @@ def read_results(out_dir: str) -> dict[str, dict]:
     A suite measured in several runs (e.g. ``attention-flash-vs-sdpa-flash.json`` and
     ``attention-mosaic-cudnn-vs-sdpa-cudnn.json``, each ``run --suite attention --impl ...``) is one entry: its
     records merged in file-name order, ``env`` the most recent file's (by ``time_utc``) and ``files`` every file's
-    ``{"file", "env", "records"}`` (name, its own environment, its number of records) in that order; a suite of
+    ``{"file", "env", "records", "complete"}`` (name, its own environment, its number of records, whether its run
+    finished) in that order; a suite of
     one file has one entry in ``files``."""
     found: dict[str, dict] = {}
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
@@ -124,7 +125,7 @@ def read_results(out_dir: str) -> dict[str, dict]:
         if not (isinstance(data, dict) and isinstance(data.get("records"), list) and data.get("suite")):
             continue
         env = data.get("env") or {}
-        source = {"file": name, "env": env, "records": len(data["records"])}
+        source = {"file": name, "env": env, "records": len(data["records"]), "complete": data.get("complete", True)}
         if data["suite"] not in found:
             found[data["suite"]] = {**data, "files": [source]}
             continue

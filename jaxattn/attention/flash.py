@@ -116,8 +116,10 @@ class BlockSizes:
 
 # Default BlockSizes per (head dim rounded up, dtype width), from the deviceless filter of
 # benchmarks/block_search.py ("compiled for H100, not run"); the D=128 16-bit dq tile from timings on one H100
-# (2026-11-27: 0.58 ms against 1.12 for 64x32, kernel alone). How each row was chosen: benchmarks/NOTES.md,
-# "attention kernels: history" and "GPU session on one H100".
+# (2026-11-27: 0.58 ms against 1.12 for 64x32, kernel alone; benchmarks/results/nvidia-h100-80gb-hbm3/
+# block_search.json). One H200 timed 4 backward warps faster (nvidia-h200/block_search.json), the H100 did not: kept
+# until a paired timing (the search's `vs_default`) says so. How each row was chosen: benchmarks/NOTES.md,
+# "attention kernels: history" and "GPU session on one H100" / "on one H200".
 #   fwd block_q, block_k | dkv block_q, block_k | dq block_q, block_k | fwd warps, stages | bwd warps, stages
 _DEFAULTS = {
     (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3),

@@ -93,7 +93,8 @@ class MosaicBlockSizes:
 
     @classmethod
     def default(cls, head_dim: int) -> MosaicBlockSizes:
-        """Defaults that fit in shared memory and registers: 64x128 tiles, 64x64 for head_dim 256."""
+        """Defaults that fit in shared memory and registers: 64x128 tiles, 64x64 for head_dim 256. At D=128 bf16
+        the fastest forward tile timed on one H200 (``benchmarks/results/nvidia-h200/block_search.json``)."""
         return cls(block_kv=64) if head_dim > 128 else cls()
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
@@ -585,8 +586,10 @@ class MosaicBackwardBlockSizes:
     * ``max_concurrent_steps``: depth of both kernels' TMA rings, >= 2.
 
     The defaults are FlashAttention-3's Hopper backward tile for head_dim 128 (``hopper/flash_bwd_launch_template.h``:
-    ``kBlockM = 64`` queries per step, ``kBlockN = 128`` keys per CTA over two MMA warpgroups), until a GPU's
-    timing search says otherwise."""
+    ``kBlockM = 64`` queries per step, ``kBlockN = 128`` keys per CTA over two MMA warpgroups). Timed on one H200
+    (``benchmarks/results/nvidia-h200/block_search.json``, D=128 bf16): the same tile with a 3-slot ring was within
+    the spread (dq 0.440 vs 0.458 ms, dkv 0.510 vs 0.557), so the defaults stand until a paired timing says
+    otherwise."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64
