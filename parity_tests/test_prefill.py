@@ -204,6 +204,7 @@ def _smollm2_prompts(tok):
     return [tok.encode("The capital of France is"), tok.encode("1, 2, 3, 4,")]
 
 
+@pytest.mark.slow  # 18 s: test_kept_logits_are_the_full_logits_rows holds the case on tiny twins (tied head included)
 def test_smollm2_kept_logits_are_the_full_logits_rows(smollm2):
     """SmolLM2-135M (tied head, 49152 tokens), a ragged right-padded batch of two (5 and 11 tokens, P = 16):
     each row's last-position logits are the full logits' rows in both twins. Tolerance 2e-6 x max|logit| (~7e-5):

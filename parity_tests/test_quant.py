@@ -228,7 +228,15 @@ def _logits(fw: str, model, seq) -> np.ndarray:
     return np.asarray(jitted(model)(jnp.asarray([seq], jnp.int32)), np.float32)[0]
 
 
-@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])  # fp16: the narrow one
+# 36 s: test_half_precision_matmul_cannot_overflow holds the overflow case on tiny shapes; the whole model in fp16 is
+# CI's slow_feature run
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param("float16", marks=[pytest.mark.slow, pytest.mark.slow_feature]),
+        pytest.param("bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_smollm2_int8_half_precision_is_finite_and_agrees_with_fp32(smollm2_fp32, dtype):
     """``generate --int8 --dtype {float16,bfloat16}`` on SmolLM2-135M: the model loaded in ``dtype``, then
     quantized (the CLI's order), over the chat prompt + the fp32 int8 greedy answer (45 positions), in both twins.
