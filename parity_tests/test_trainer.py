@@ -242,7 +242,13 @@ def _both(argv):
     return np.array(a["losses"]), np.array(b["losses"]), a
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--remat", "full"]], ids=["plain", "accum2-remat-full"])
+# accum2-remat-full (14 s): torch vs JAX with accumulation is test_grad_accum's, remat test_remat's; the CLI pair over
+# 30 steps with both flags runs in CI's slow_feature run
+@pytest.mark.parametrize(
+    "extra",
+    [[], pytest.param(["--grad-accum", "2", "--remat", "full"], marks=(pytest.mark.slow, pytest.mark.slow_feature))],
+    ids=["plain", "accum2-remat-full"],
+)
 def test_cross_framework_losses_agree_over_30_steps(init_dir, tmp_path, extra):
     """Twin CLIs from one --init checkpoint, README.md as byte-level text, fp32: max |loss_jax - loss_torch| over
     30 steps <= 1e-4 (a per-step loss is a full-model forward, so 1e-4 is the §7 fp32 logits rule)."""
