@@ -673,6 +673,31 @@ def test_mosaic_backward_kernels_have_sass_counts_where_the_forward_does():
 
 @pytest.mark.gpu_compile
 @needs_plugin
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["pingpong", "overlap"])
+def test_mosaic_forward_wgmma_stays_asynchronous(overlap, causal):
+    """The Mosaic forward at D=128, compiled for H100 (not run): ptxas keeps its wgmma asynchronous (no C7513
+    "wgmma.mma_async instructions are serialized", which makes every wgmma wait for the one before) and nothing
+    spills. With ``overlap`` (FlashAttention-3 §3.2) the scores are waited on with ``P V`` still in flight (a
+    ``wgmma.wait_group 1``). Two window loops (unmasked, masked) split at a traced bound made ptxas serialize the
+    causal overlap kernel (caught here)."""
+    from benchmarks.tools import block_search
+    from benchmarks.tools.deviceless import DTYPES, GATE_SHAPE
+    from jaxattn.attention import mosaic
+
+    bs = dataclasses.replace(mosaic.MosaicBlockSizes.default(128), overlap=overlap)
+    # S=512: GATE_SHAPE's 256 (two key blocks) spills 68 B in the overlap kernel, which ptxas allocates
+    # differently for so short a loop (none from S=512 up to 4096); and a kernel compiled before in this process
+    # (the default one at GATE_SHAPE) is not compiled again, so prints no PTX
+    shape = dataclasses.replace(GATE_SHAPE, s=512, causal=causal)
+    rec = block_search.compile_kernel(_devices(), "mosaic_fwd", 128, DTYPES["bf16"], bs, shape)
+    assert rec["wgmma_serialized"] is None, rec["wgmma_serialized"]
+    assert rec["spill_stores"] == rec["spill_loads"] == 0, rec
+    assert (rec["ptx_counts"]["wgmma.wait_group>0"] > 0) == overlap, rec["ptx_counts"]
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
 @pytest.mark.parametrize("d", [64, 128])
 def test_mosaic_forward_is_warp_specialised_and_pipelined(d):
     """Our Mosaic GPU forward has FlashAttention-3's structure in its PTX (compiled for H100, not run): three

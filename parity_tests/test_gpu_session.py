@@ -33,12 +33,16 @@ def _plan(*args, tmp_path):
     r = _session("--plan", *args, out=tmp_path / "unused")
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines()[1:] if ln and not ln.startswith("total")]
-    return {row[0]: (int(row[1]), int(row[2].rstrip("s")), int(row[3].rstrip("s"))) for row in rows}, r.stdout
+    return {
+        row[0]: (row[1] if row[1] == "-" else int(row[1]), int(row[2].rstrip("s")), int(row[3].rstrip("s")))
+        for row in rows
+    }, r.stdout
 
 
 def test_plan_fits_two_device_calls(tmp_path):
     plan, text = _plan(tmp_path=tmp_path)
-    assert list(plan) == ["tests", "model", "attention", "order", "train", "decode", "blocks"]
+    assert list(plan) == ["tests", "profile", "attention", "peers", "order", "train", "decode", "blocks", "model"]
+    assert plan["model"][0] == "-", "model is in no call (run by name)"
     for call in (1, 2):
         steps = {s: v for s, v in plan.items() if v[0] == call}
         assert steps, f"call {call} has no step"
@@ -55,7 +59,7 @@ def test_plan_fits_two_device_calls(tmp_path):
     "args,message",
     [
         (["--call", "3"], r"--call '3': give 1 or 2"),
-        (["nope"], r"unknown step 'nope'; steps: tests model attention order train decode blocks"),
+        (["nope"], r"unknown step 'nope'; steps: tests profile attention peers order train decode blocks model"),
         (["--fast"], r"unknown option '--fast'"),
     ],
 )
@@ -211,18 +215,21 @@ def test_a_preset_whose_process_dies_is_skipped_with_its_last_line():
 def test_whole_session_rehearsed_on_cpu(tmp_path):
     """Both calls at quick sizes: every step exits 0 within its budget, each suite's JSON is complete, the report
     builds from the results folder a session leaves."""
-    for call in ("1", "2"):
+    for call in ("1", "2", "model"):
         out = tmp_path / f"call{call}"
-        r = _session("--dry-run", "--call", call, out=out, timeout=900)
+        r = _session("--dry-run", *(["model"] if call == "model" else ["--call", call]), out=out, timeout=900)
         log = (out / "session.log").read_text()
         assert r.returncode == 0, log[-3000:]
         summary = log.split("=== session summary")[1]
         assert "exit 124" not in summary and re.findall(r"exit 0", summary), summary
         (res,) = [out / "results" / d for d in os.listdir(out / "results")]
         found = read_results(str(res))
-        want = {"1": {"model", "attention"}, "2": {"train", "decode", "block_search"}}[call]
+        want = {"1": {"attention"}, "2": {"train", "decode", "block_search"}, "model": {"model"}}[call]
         assert set(found) == want
         assert all(found[s].get("complete", True) for s in want)
+        if call == "1":  # the issue-42 steps: the profile beside the suites, the peers in their own folder
+            assert json.loads((res / "kernel_profile.json").read_text())["complete"]
+            assert set(read_results(str(res / "peers"))) == {"attention"}
         rep = subprocess.run(
             [sys.executable, "-m", "benchmarks", "report", str(res)], cwd=ROOT, capture_output=True, text=True
         )

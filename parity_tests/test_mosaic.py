@@ -199,6 +199,8 @@ def test_block_sizes_validation():
         M.MosaicBlockSizes(block_q=64.0)
     with pytest.raises(TypeError, match="backward"):
         M.MosaicBlockSizes(backward=(16, 16))
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        M.MosaicBlockSizes(overlap=1)
     assert M.MosaicBlockSizes(backward=F.BlockSizes(16, 16, 16, 16, 16, 16)).backward.block_q == 16
     bwd = M.MosaicBackwardBlockSizes(block_kv_dq=128, max_concurrent_steps=3)
     assert M.MosaicBlockSizes(backward=bwd).backward is bwd
@@ -369,6 +371,7 @@ def test_interpreted_kernel_causal_gqa_ragged():
 
 
 _B64 = M.MosaicBlockSizes(block_kv=64)
+_B64_OV = M.MosaicBlockSizes(block_kv=64, overlap=True)
 
 
 @pytest.mark.parametrize(
@@ -382,6 +385,11 @@ _B64 = M.MosaicBlockSizes(block_kv=64)
         pytest.param(1, 110, 40, 1, 1, 128, True, _B64, id="causal-nokey-wg0-drains-d128"),
         # the default block sizes (block_kv 128), causal Sq < Sk with unmasked and masked steps, a refill
         pytest.param(1, 100, 300, 1, 1, 128, True, None, id="causal-default-blocks-d128"),
+        # overlap=True (FA3 §3.2: scores of block t issued with P V of t-1, the softmax while P V runs): its own
+        # windows, the same ping-pong phases; the cases that stress its bounds and drains
+        pytest.param(1, 100, 150, 2, 1, 64, True, _B64_OV, id="overlap-causal-gqa-wg0-drains"),
+        pytest.param(1, 110, 40, 1, 1, 128, True, _B64_OV, id="overlap-causal-nokey-rows-d128"),
+        pytest.param(1, 70, 280, 2, 1, 64, False, _B64_OV, id="overlap-noncausal-ring-wraps"),
     ],
 )
 def test_interpreted_kernel_race_free(b, sq, sk, hq, hkv, d, causal, cfg):

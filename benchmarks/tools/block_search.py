@@ -45,7 +45,7 @@ FIELDS = {
     "flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
     "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
     "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd"),
-    "mosaic_fwd": ("block_q", "block_kv", "max_concurrent_steps"),
+    "mosaic_fwd": ("block_q", "block_kv", "max_concurrent_steps", "overlap"),
     "mosaic_bwd_dq": ("block_q_dq", "block_kv_dq", "max_concurrent_steps"),
     "mosaic_bwd_dkv": ("block_kv_dkv", "block_q_dkv", "max_concurrent_steps"),
 }
@@ -169,20 +169,21 @@ def candidates(kernel: str, d: int, dtype, quick: bool = False) -> list:
 def mosaic_candidates(kernel: str, d: int, dtype, quick: bool = False) -> list[mosaic.MosaicBlockSizes]:
     """Candidate :class:`MosaicBlockSizes` for one Mosaic kernel: its M tile (rows per consumer warpgroup) in
     64 / 128, its streamed block in 64 / 128 (the forward's keys also 192, FA3's N for D=128 being 176 / 128),
-    a ring of 2 or 3 slots; the other fields keep the defaults (FA3's Hopper tiles).  A candidate over the shared
-    memory is a rejected row (its ValueError).  ``quick``: the largest streamed block, 2 slots."""
+    a ring of 2 or 3 slots, and the forward with and without FA3's intra-warpgroup ``overlap``; the other fields
+    keep the defaults (FA3's Hopper tiles).  A candidate over the shared memory is a rejected row (its ValueError).
+    ``quick``: the largest streamed block, 2 slots (the forward: both ``overlap`` settings)."""
     if not searchable(kernel, d, dtype):
         raise ValueError(f"{kernel} has no kernel at D={d} {jnp.dtype(dtype).name} (bf16 / fp16; see searchable)")
     ms, ns, slots = (64, 128), (64, 128, 192) if kernel == "mosaic_fwd" else (64, 128), (2, 3)
     if quick:
         ms, ns, slots = (64,), ns[-1:], (2,)
-    m_field, n_field, s_field = FIELDS[kernel]
+    m_field, n_field, s_field = FIELDS[kernel][:3]
     base = mosaic.MosaicBlockSizes.default(d)
     out = []
     for m, n, s in itertools.product(ms, ns, slots):
         tile = {m_field: m, n_field: n, s_field: s}
         if kernel == "mosaic_fwd":
-            out.append(dataclasses.replace(base, **tile))
+            out += [dataclasses.replace(base, **tile, overlap=o) for o in (False, True)]
         else:
             out.append(dataclasses.replace(base, backward=mosaic.MosaicBackwardBlockSizes(**tile)))
     return out
@@ -192,6 +193,8 @@ def verdict(rec: dict, dtype) -> str | None:
     """None when a compiled kernel passes the resource filter, else why not."""
     if rec.get("spill_stores") or rec.get("spill_loads"):
         return f"spills {rec['spill_stores']}/{rec['spill_loads']} B"
+    if rec.get("wgmma_serialized"):
+        return f"ptxas serializes its wgmma (C7513: {rec['wgmma_serialized'][:80]})"
     if rec.get("registers") is None or rec["registers"] > H100_LIMITS["max_regs_per_thread"]:
         return f"registers {rec.get('registers')}"
     if not rec.get("fits") or rec.get("blocks_per_sm", 0) < 1:
@@ -251,6 +254,7 @@ def filter_kernel(
                     "occupancy",
                     "limited_by",
                     "sass",
+                    "wgmma_serialized",
                 )
             },
             verdict=why or "pass",

@@ -21,12 +21,14 @@ PY=${PYTHON:-python}
 # one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
 # what those did not reach.
 PLAN="tests|1|75|55|gpu tests (51): 8 pytest-xdist workers, 60 s per test; 51 passed in 45 s on one H200
-model|1|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200: 75 s and 82 s; never on an H100)
+profile|1|90|70|issue 42: JAX vs torch cuDNN on BSHD and BHSD memory, mosaic with and without overlap, D=128, paired; kernels
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
+peers|1|60|45|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder)
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then fp16, fused_loss, remat_full (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8, B 1 and 64, split-K kernel, torch.compile (a compile: 33 s)
-blocks|2|90|80|D=128 bf16 block sizes, Mosaic backward / forward first, then flash: the filter's survivors and each default (H200: 75 s)"
+blocks|2|90|80|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward first, then flash: the filter's survivors and each default (H200: 75 s)
+model|-|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200 2026-11-27: 75 s and 82 s); in no call (this H200 model ran it last): by name"
 ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
 DRY=0 PLAN_ONLY=0 CALL="" STEPS=()
 while [ "$#" -gt 0 ]; do
@@ -50,6 +52,7 @@ fi
 field() { grep "^$1|" <<<"$PLAN" | cut -d'|' -f"$2"; }
 if [ "${#STEPS[@]}" -eq 0 ]; then
   for s in "${ALL_STEPS[@]}"; do
+    # no --call: every step (the CPU rehearsal); a call's steps otherwise ("-": in no call, run when named)
     if [ -z "$CALL" ] || [ "$(field "$s" 2)" = "$CALL" ]; then STEPS+=("$s"); fi
   done
 fi
@@ -126,6 +129,9 @@ if want tests; then
     step tests "$PY" -m pytest parity_tests -m "gpu and not slow" -n 8 --timeout 60 -q -rA -p no:warnings \
     -p no:cacheprovider --durations=10
 fi
+if want profile; then
+  step profile "$PY" -m benchmarks.tools.kernel_profile "${QUICK[@]}" --out "$RES" --budget-s $(($(budget profile) - 25))
+fi
 if want model; then
   if [ "$DRY" = 1 ]; then PRESETS=(tiny moe-tiny); else PRESETS=(350m moe-350m); fi
   step model "${BENCH[@]}" --suite model "${PRESETS[@]/#/--preset=}"
@@ -137,6 +143,11 @@ if want attention; then
     step attention "${BENCH[@]}" --suite attention --head-dim 64 --max-seq 4096 --impl flash --impl mosaic \
       --impl cudnn --impl sdpa:cudnn
   fi
+fi
+if want peers; then  # its own folder: its mosaic rows would repeat the D=128 ones of a merged attention table
+  if [ "$DRY" = 1 ]; then PEERS=(--impl xla --impl flash); else
+    PEERS=(--head-dim 128 --max-seq 4096 --impl pallas:mgpu --impl mosaic); fi
+  step peers "$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$RES/peers" --suite attention "${PEERS[@]}"
 fi
 if want order; then
   if [ -e "$RES/attention.json" ] && [ -e "$OUT/gpu_tests.log" ]; then
@@ -155,7 +166,7 @@ if want decode; then
 fi
 if want blocks; then
   step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
-    --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel mosaic_fwd --kernel flash_bwd_dkv --kernel flash_fwd \
+    --kernel mosaic_fwd --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel flash_bwd_dkv --kernel flash_fwd \
     --kernel flash_bwd_dq --d 128 --dtype bf16 --out "$RES"
 fi
 echo

@@ -88,13 +88,20 @@ def occupancy(registers: int, smem_bytes: int, threads: int, limits: dict = H100
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([\w$.]+)'")
 _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:.*?(\d+) bytes smem)?")
+# ptxas gives up overlapping a kernel's wgmma (each waits for the one before): printed before the entry's report
+_PTXAS_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized due to (.+?) in the function '([\w$.]+)'")
 
 
 def parse_ptxas(text: str) -> dict[str, dict]:
-    """``{entry: {registers, spill_stores, spill_loads, stack, static_smem, barriers}}`` from ``ptxas -v``."""
+    """``{entry: {registers, spill_stores, spill_loads, stack, static_smem, barriers}}`` from ``ptxas -v``, and
+    ``wgmma_serialized`` (ptxas's reason, C7513) for an entry whose wgmma ptxas serialized."""
     out: dict[str, dict] = {}
     current = None
     for line in text.splitlines():
+        m = _PTXAS_SERIAL.search(line)
+        if m:
+            out.setdefault(m.group(2), {})["wgmma_serialized"] = m.group(1)
+            continue
         m = _PTXAS_FUNC.search(line)
         if m:
             current = out.setdefault(m.group(1), {})
@@ -201,6 +208,7 @@ PTX_OPS = {
     "setmaxnreg": r"\bsetmaxnreg\.",
     "wgmma.commit_group": r"\bwgmma\.commit_group",
     "wgmma.wait_group": r"\bwgmma\.wait_group",
+    "wgmma.wait_group>0": r"\bwgmma\.wait_group\.sync\.aligned\s+[1-9]",  # a wait that leaves a group in flight
     "mbarrier.try_wait": r"\bmbarrier\.try_wait",
     "mbarrier.arrive": r"\bmbarrier\.arrive",
     "bar.sync": r"\b(?:bar|barrier)\.(?:sync|arrive)\b",
@@ -267,6 +275,7 @@ def _kernel_record(
         "spill_loads": ptxas.get("spill_loads", 0),
         "stack": ptxas.get("stack", 0),
         "barriers": ptxas.get("barriers", 0),
+        "wgmma_serialized": ptxas.get("wgmma_serialized"),
         "smem_bytes": smem_total,
         "threads": threads,
         "sass": sass,

@@ -3,10 +3,11 @@
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, bf16 or fp16, ``D`` in ``HEAD_DIMS``; bottom-right causal,
 GQA/MQA, any sequence length (padded inside; a row that sees no key gives zeros).  The forward is a
 FlashAttention-3 kernel (Shah et al. 2024, §3.1: wgmma + TMA, two consumer warpgroups in ping-pong and a
-producer warpgroup streaming K/V) that saves ``out`` and the log-sum-exp.  The backward is FlashAttention-2's
-(Dao 2023, Alg. 2) as two kernels of the same shape: ``dkv`` keeps a key block in SMEM and streams the query
-blocks of every query head that shares it (GQA summed in registers), ``dq`` keeps a query block and streams
-K/V; at head_dim 256 (two fp32 accumulators too many for a warpgroup's registers) it is
+producer warpgroup streaming K/V) that saves ``out`` and the log-sum-exp; ``MosaicBlockSizes(overlap=True)``
+adds its intra-warpgroup overlap (§3.2: a warpgroup's softmax runs while its own ``P V`` wgmma is in flight).
+The backward is FlashAttention-2's (Dao 2023, Alg. 2) as two kernels of the same shape: ``dkv`` keeps a key
+block in SMEM and streams the query blocks of every query head that shares it (GQA summed in registers),
+``dq`` keeps a query block and streams K/V; at head_dim 256 (two fp32 accumulators too many for a warpgroup's registers) it is
 :func:`jaxattn.attention.flash.flash_backward`.  No segment ids, window or softcap (``supports`` declines)::
 
     out = mosaic_attention(q, k, v, causal=True)            # needs a Hopper GPU
@@ -73,6 +74,10 @@ class MosaicBlockSizes:
       a multiple of 64 (wgmma M).
     * ``block_kv``: keys per pipeline step; a multiple of 64.
     * ``max_concurrent_steps``: depth of the K/V TMA ring (SMEM slots), >= 2.
+    * ``overlap``: FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, §3.2): a warpgroup issues the
+      scores of key block ``t`` and the ``P V`` of block ``t - 1`` together and computes the softmax of ``t``
+      while the second is in flight (one more fp32 tile in registers: 240 per consumer thread, 24 for the
+      producer). False: a warpgroup's softmax waits for its own matmuls (ping-pong between warpgroups only).
     * ``backward``: the backward's tiles: a :class:`MosaicBackwardBlockSizes` for the Mosaic backward kernels,
       a :class:`flash.BlockSizes` to run the flash Pallas backward instead, None for the Mosaic backward's
       defaults (head_dim 256, which it cannot hold in registers: flash's defaults).
@@ -82,9 +87,12 @@ class MosaicBlockSizes:
     block_kv: int = 128
     max_concurrent_steps: int = 2
     backward: MosaicBackwardBlockSizes | flash.BlockSizes | None = None
+    overlap: bool = False
 
     def __post_init__(self):
         _check_tiles(self, ("block_q", "block_kv"))
+        if not isinstance(self.overlap, (bool, np.bool_)):
+            raise TypeError(f"MosaicBlockSizes.overlap must be a bool, got {self.overlap!r}")
         if self.backward is not None and not isinstance(self.backward, (MosaicBackwardBlockSizes, flash.BlockSizes)):
             raise TypeError(
                 "MosaicBlockSizes.backward must be None, a MosaicBackwardBlockSizes or a flash.BlockSizes, "
@@ -250,15 +258,25 @@ def _tile_mask(iota, q_start, kv_start, shape, *, sq: int, sk: int, causal: bool
     return tile_mask(None, kv_pos, k_len=sk)
 
 
-def _softmax_update(qk, m_i, l_i, acc, c: float, dtype):
-    """One online-softmax step on an fp32 score tile ``qk`` (masked entries ``-inf``). ``m_i`` is kept in
-    log2 units scaled by ``c = scale * log2(e)`` so that ``p = exp2(qk * c - m)`` is one FMA."""
+def _softmax_stats(qk, m_i, l_i, c: float, dtype):
+    """One online-softmax step on an fp32 score tile ``qk`` (masked entries ``-inf``): ``(p, m, l, alpha)``, the
+    accumulator's rescale ``alpha`` left to the caller. ``m_i`` is kept in log2 units scaled by
+    ``c = scale * log2(e)`` so that ``p = exp2(qk * c - m)`` is one FMA."""
     m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha + p.sum(axis=1)
-    return p.astype(dtype), m_new, l_i, acc
+    return p.astype(dtype), m_new, l_i, alpha
+
+
+def _rescale(acc, alpha):
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _softmax_update(qk, m_i, l_i, acc, c: float, dtype):
+    """:func:`_softmax_stats` and the accumulator rescaled: ``(p, m, l, acc * alpha)``."""
+    p, m_new, l_i, alpha = _softmax_stats(qk, m_i, l_i, c, dtype)
+    return p, m_new, l_i, _rescale(acc, alpha)
 
 
 def _finalize(acc, m_i, l_i):
@@ -300,7 +318,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
     b, sqp, hq, d = qp.shape
     hkv = kp.shape[2]
     group = hq // hkv
-    bq, bkv, mcs = cfg.block_q, cfg.block_kv, cfg.max_concurrent_steps
+    bq, bkv, mcs, overlap = cfg.block_q, cfg.block_kv, cfg.max_concurrent_steps, bool(cfg.overlap)
     dtype = qp.dtype
     c = scale * LOG2E
     bounds = functools.partial(_kv_bounds, sq=sq, sk=sk, block_kv=bkv, causal=causal)
@@ -366,19 +384,90 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
         wg = lax.axis_index("wg")
         cta_base = lax.axis_index("q_seq") * (2 * bq)
         cta_steps, _ = bounds(cta_base, 2 * bq)  # = steps of warpgroup 1, >= steps of warpgroup 0
+        if overlap:  # >= 1 step everywhere: a row that sees no key meets a fully masked block 0 (p = 0, same result)
+            cta_steps = jnp.maximum(cta_steps, 1)
 
         def sched_sync():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
+        def overlapped(qo_smem, q_base, steps, full, acc, m_i, l_i):
+            """FlashAttention-3's intra-warpgroup overlap (§3.2): window ``t`` issues the scores of key block
+            ``t`` and ``P V`` of block ``t - 1``, then runs the softmax of ``t`` while the second is in flight.
+            Window 0 has only the scores, window ``steps`` only the last ``P V``. Each window keeps the ping-pong
+            protocol: issue, arrive, work, wait, sync (two barrier phases, as a step of the plain loop)."""
+            mask = functools.partial(tmask, iota, q_base, shape=(bq, bkv))
+
+            def mask_from_full(t, qk):  # one loop over every window, the mask only where it masks (t >= full)
+                return lax.cond(t >= full, lambda x: jnp.where(mask(t * bkv), x, -jnp.inf), lambda x: x, qk)
+
+            def end_window():
+                plgpu.barrier_wait(sched)
+                sched_sync()
+
+            plgpu.barrier_wait(k_bars.at[0])  # window 0: scores only
+            qk = qk_matmul(qo_smem, k_smem.at[0], lambda: plgpu.barrier_arrive(sched))
+            plgpu.barrier_arrive(k_consumed.at[0])
+            p16, m_i, l_i, _ = _softmax_stats(jnp.where(mask(0), qk, -jnp.inf), m_i, l_i, c, dtype)
+            end_window()
+
+            def window(t, carry, masked):
+                acc, p16, m_i, l_i = carry
+                slot, prev = _rem(t, mcs), _rem(t - 1, mcs)
+                plgpu.barrier_wait(k_bars.at[slot])
+                if interpret:
+                    qk = jnp.dot(qo_smem[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
+                    plgpu.barrier_wait(v_bars.at[prev])
+                    pv = jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+                    plgpu.commit_smem()  # generic-proxy loads before the TMA refill: see qk_matmul
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    qk = mask_from_full(t, qk) if masked else qk
+                    p16, m_i, l_i, alpha = _softmax_stats(qk, m_i, l_i, c, dtype)
+                    acc = acc + pv
+                else:
+
+                    def body(refs):
+                        o_ref, s_ref, m_ref, l_ref, p_ref, a_ref = refs
+                        plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.barrier_wait(v_bars.at[prev])
+                        plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+                        plgpu.barrier_arrive(sched)
+                        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores; P V still in flight
+                        plgpu.barrier_arrive(k_consumed.at[slot])
+                        qk = mask_from_full(t, qk) if masked else qk
+                        p_new, m_new, l_new, alpha = _softmax_stats(qk, m_ref[...], l_ref[...], c, dtype)
+                        m_ref[...], l_ref[...], p_ref[...], a_ref[...] = m_new, l_new, p_new, alpha
+
+                    zero = layout_cast(jnp.full((bq, bkv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                    init = (plgpu.ACC.init(acc), plgpu.ACC.init(zero), m_i, l_i, p16, m_i)
+                    acc, _, m_i, l_i, p16, alpha = pl.run_state(body)(init)  # waits for P V
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                acc = _rescale(acc, alpha)
+                end_window()
+                return acc, p16, m_i, l_i
+
+            # One loop: two (unmasked, masked) with a traced boundary make ptxas serialize every wgmma (C7513).
+            masked = causal or sk % bkv != 0
+            carry = (acc, p16, m_i, l_i)
+            acc, p16, m_i, l_i = lax.fori_loop(1, steps, functools.partial(window, masked=masked), carry)
+            last = _rem(steps - 1, mcs)  # window `steps`: the last P V only
+            plgpu.barrier_wait(v_bars.at[last])
+            acc = pv_matmul(acc, p16, v_smem.at[last], lambda: plgpu.barrier_arrive(sched))
+            plgpu.barrier_arrive(v_consumed.at[last])
+            end_window()
+            return acc, m_i, l_i
+
         @pl.when(wg < 2)
         def _consumer():
             if not interpret:
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(240 if overlap else 232, action="increase")
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             q_base = cta_base + wg * bq
             steps, full = bounds(q_base, bq)
+            if overlap:
+                steps = jnp.maximum(steps, 1)
 
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_bars.at[wg])
             plgpu.barrier_wait(q_bars.at[wg])
@@ -386,7 +475,8 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
             l_i = layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            _when(steps > 0, lambda: plgpu.barrier_wait(k_bars.at[0]))
+            if not overlap:
+                _when(steps > 0, lambda: plgpu.barrier_wait(k_bars.at[0]))
             pl.when(wg == 1)(sched_sync)  # offset warpgroup 1 by half a step (ping-pong)
 
             def step(t, carry, masked):
@@ -411,9 +501,12 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_i, l_i
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if overlap:
+                carry = overlapped(qo_smem, q_base, steps, full, acc, m_i, l_i)
+            else:
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
             if causal:
 
                 def drain(t, _):  # keep the producer's ring moving for the other warpgroup
@@ -443,7 +536,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
         @pl.when(wg == 2)
         def _producer():
             if not interpret:
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(24 if overlap else 40, action="decrease")
             kv_head = lax.div(head, jnp.array(group, head.dtype))
 
             def load(t, slot):

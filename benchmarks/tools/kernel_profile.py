@@ -1,0 +1,269 @@
+"""Which device kernels one attention call runs and how long each takes, JAX and torch side by side (issue 42's
+GPU profile): is JAX's cuDNN path slower than torch's because of the call XLA builds, or because the two sides
+were handed different memory layouts?
+
+The attention suite gives torch contiguous ``[B, H, S, D]`` tensors (SDPA's own layout) and JAX ``[B, S, H, D]``
+(the jaxattn contract; what a model's projections give). cuDNN takes both, so one shape runs as variants:
+
+* ``jax:cudnn:bshd`` — ``jax.nn.dot_product_attention(implementation="cudnn")``, what the ``cudnn`` backend calls;
+* ``jax:cudnn:bhsd`` — jax's cuDNN wrapper with ``qkv_layout="BNTH"`` on ``[B, H, S, D]`` arrays;
+* ``torch:cudnn:bhsd`` — SDPA's cuDNN backend on contiguous ``[B, H, S, D]`` (the attention suite's torch rows);
+* ``torch:cudnn:bshd`` — the same on ``[B, S, H, D]`` memory seen through ``.transpose(1, 2)`` (what
+  ``q.view(B, S, H, D).transpose(1, 2)`` in a Llama block, ``torchref.model`` included, hands SDPA);
+* ``jax:mosaic`` — our Mosaic kernel on ``[B, S, H, D]``; ``jax:mosaic:overlap`` the same with FlashAttention-3's
+  intra-warpgroup overlap (``MosaicBlockSizes(overlap=True)``).
+
+All variants of a row are timed alternately (``twincore.timing.time_interleaved``; the speed-up over
+``torch:cudnn:bhsd`` is a paired ratio with its interval), then a few calls of each are traced: ``jax.profiler``'s
+XSpace read back with ``jax.profiler.ProfileData`` (the GPU plane's stream lines), torch.profiler's CUDA events.
+Kernel names say which cuDNN engine ran (tile shape, knobs). Hand-written here: only the table of variants and the
+two short readers of the traces::
+
+    python -m benchmarks.tools.kernel_profile --out DIR           # one Hopper GPU: DIR/kernel_profile.json
+    python -m benchmarks.tools.kernel_profile --quick --out DIR   # the CPU rehearsal: jax xla vs torch math
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+from twincore.flops import attention_flops
+from twincore.timing import paired_ratio, time_interleaved
+
+from .. import measure
+
+REFERENCE = "torch:cudnn:bhsd"
+
+
+def shapes(quick: bool) -> list[tuple]:
+    """(dtype, B, H, S, D, causal, profiled): B*S = 16k tokens, 16 heads of D=128 (issue 42's goal shape); the
+    S=4096 rows are profiled as well as timed."""
+    if quick:
+        return [("float32", 1, 2, 128, 64, c, True) for c in (False, True)]
+    return [("bfloat16", 16384 // s, 16, s, 128, c, s == 4096) for s in (2048, 4096) for c in (False, True)]
+
+
+def device_kernels_jax(log_dir: str) -> dict:
+    """``{kernel name: [count, total ns]}`` over the GPU planes' stream lines of the newest XSpace under
+    ``log_dir`` (``{}`` when there is no device plane: a CPU run)."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        return {}
+    out: dict = defaultdict(lambda: [0, 0.0])
+    for plane in ProfileData.from_file(files[-1]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):  # "XLA Ops" / "XLA Modules" lines repeat the stream's events
+                continue
+            for ev in line.events:
+                out[ev.name][0] += 1
+                out[ev.name][1] += ev.duration_ns
+    return dict(out)
+
+
+def device_kernels_torch(prof) -> dict:
+    """``{kernel name: [count, total ns]}`` of a finished ``torch.profiler.profile``'s CUDA events."""
+    import torch
+
+    out: dict = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name][0] += 1
+            out[ev.name][1] += ev.time_range.elapsed_us() * 1e3
+    return dict(out)
+
+
+def _per_call(kernels: dict, calls: int) -> list[dict]:
+    rows = [
+        {"kernel": name, "launches_per_call": n / calls, "us_per_call": ns / calls / 1e3}
+        for name, (n, ns) in kernels.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def variants(shape, quick: bool) -> dict:
+    """name -> {"fwd": f, "fwd_bwd": g, "framework"}: zero-argument callables on fresh random inputs."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    dtype, b, h, s, d, causal, _ = shape
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), dtype) for kk in ks)  # [B, S, H, D]
+    bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D], laid out so
+    scale = 1.0 / d**0.5
+    out: dict = {}
+
+    def jax_pair(fwd, args):
+        f = jax.jit(fwd)
+        g = jax.jit(lambda q, k, v, do: jax.vjp(fwd, q, k, v)[1](do))
+        return {"fwd": lambda: f(*args[:3]), "fwd_bwd": lambda: g(*args), "framework": "jax"}
+
+    if quick:
+        out["jax:xla:bshd"] = jax_pair(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"), (q, k, v, do)
+        )
+    else:
+        from jax._src.cudnn import fused_attention_stablehlo as cud
+
+        from jaxattn.attention import dot_product_attention
+        from jaxattn.attention.mosaic import MosaicBlockSizes, mosaic_attention
+
+        out["jax:cudnn:bshd"] = jax_pair(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+            (q, k, v, do),
+        )
+        mask = cud.MaskType.CAUSAL if causal else cud.MaskType.NO_MASK
+        out["jax:cudnn:bhsd"] = jax_pair(
+            lambda q, k, v: cud.dot_product_attention(q, k, v, scale=scale, mask_type=mask, qkv_layout="BNTH"), bhsd
+        )
+        out["jax:mosaic"] = jax_pair(
+            lambda q, k, v: dot_product_attention(q, k, v, causal=causal, backend="mosaic"), (q, k, v, do)
+        )
+        overlap = MosaicBlockSizes(overlap=True)  # FA3's intra-warpgroup overlap, not (yet) the default
+        out["jax:mosaic:overlap"] = jax_pair(
+            lambda q, k, v: mosaic_attention(q, k, v, causal=causal, block_sizes=overlap), (q, k, v, do)
+        )
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    backend, name = (SDPBackend.MATH, "math") if quick else (SDPBackend.CUDNN_ATTENTION, "cudnn")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tdt = getattr(torch, dtype)
+    base = [torch.randn(b, s, h, d, generator=g).to(device=dev, dtype=tdt) for _ in range(4)]  # [B, S, H, D]
+    layouts = {
+        "bhsd": [x.transpose(1, 2).contiguous() for x in base],  # SDPA's own layout, contiguous
+        "bshd": [x.transpose(1, 2) for x in base],  # [B, H, S, D] views of [B, S, H, D] memory
+    }
+    for lay, (tq, tk, tv, tdo) in layouts.items():
+
+        def fwd(q, k, v, _b=backend):
+            with sdpa_kernel([_b]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def t_fwd(fwd=fwd, a=(tq, tk, tv)):
+            with torch.no_grad():
+                return fwd(*a)
+
+        def t_fwd_bwd(fwd=fwd, a=(tq, tk, tv), do=tdo):
+            qq, kk, vv = (x.detach().requires_grad_(True) for x in a)
+            return torch.autograd.grad(fwd(qq, kk, vv), (qq, kk, vv), do)
+
+        out[f"torch:{name}:{lay}"] = {"fwd": t_fwd, "fwd_bwd": t_fwd_bwd, "framework": "torch"}
+    return out
+
+
+def profile(var: dict, pss: str, calls: int) -> list[dict]:
+    """Device kernels of ``calls`` calls of one variant's pass (after one untimed call)."""
+    fn = var[pss]
+    measure.sync(fn())
+    if var["framework"] == "jax":
+        import jax
+
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp)
+            for _ in range(calls):
+                measure.sync(fn())
+            jax.profiler.stop_trace()
+            return _per_call(device_kernels_jax(tmp), calls)
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            measure.sync(fn())
+    return _per_call(device_kernels_torch(prof), calls)
+
+
+def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None) -> dict:
+    """Times every row (all variants interleaved), then traces the profiled rows: every JAX variant first, then
+    every torch one (the two profilers share CUPTI: one hand-over, not one per variant)."""
+    t_start = time.perf_counter()
+    rows, complete, to_profile = [], True, []
+    ref = "torch:math:bhsd" if quick else REFERENCE
+    for shape in shapes(quick):
+        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+            complete = False
+            break
+        dtype, b, h, s, d, causal, profiled = shape
+        vs = variants(shape, quick)
+        for pss in ("fwd", "fwd_bwd"):
+            calls = {name: var[pss] for name, var in vs.items()}
+            t = time_interleaved(calls, rounds=rounds, per_round=3, warmup=2, sync=measure.sync)
+            flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
+            row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss, "variants": {}}
+            for name, st in t.items():
+                rec = {k: st[k] for k in ("median_s", "p10_s", "p90_s", "cv")}
+                rec["tflops"] = flops / st["median_s"] / 1e12
+                if name != ref:  # speed-up over the reference: its time / this one's, round by round
+                    rec["speedup_vs_reference"] = paired_ratio(
+                        t[ref]["rounds"], st["rounds"], cv=(st["cv"], t[ref]["cv"])
+                    )
+                row["variants"][name] = rec
+                if profiled:
+                    to_profile.append((vs[name], pss, rec))
+            rows.append(row)
+            print(_line(row, ref), flush=True)
+    for fw in ("jax", "torch"):
+        for var, pss, rec in to_profile:
+            if var["framework"] != fw:
+                continue
+            try:
+                rec["kernels"] = profile(var, pss, profile_calls)
+            except Exception as e:  # a profiler that cannot start: the timing stands
+                rec["kernels_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    for row in rows:
+        if any("kernels" in rec for rec in row["variants"].values()):
+            print(_line(row, ref, kernels=True), flush=True)
+    return {"tool": "kernel_profile", "reference": ref, "env": measure.env_info(), "complete": complete, "rows": rows}
+
+
+def _line(row: dict, ref: str, kernels: bool = False) -> str:
+    parts = [f"S={row['S']} causal={row['causal']} {row['pass']}:"]
+    for name, rec in row["variants"].items():
+        sp = rec.get("speedup_vs_reference")
+        rel = f" x{sp['ratio']:.2f}{'?' if sp['unstable'] else ''}" if sp else " (ref)"
+        part = f"{name} {rec['tflops']:.1f} TF/s{rel}"
+        if kernels:
+            ks = rec.get("kernels") or []
+            part = f"{name}: " + (
+                ", ".join(f"{k['kernel'][:90]} {k['us_per_call']:.0f} us" for k in ks[:3])
+                or rec.get("kernels_error", "no device kernels")
+            )
+        parts.append(part)
+    return (" |\n  " if kernels else " | ").join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tools.kernel_profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for kernel_profile.json")
+    ap.add_argument("--quick", action="store_true", help="CPU rehearsal: tiny fp32 shapes, jax xla vs torch math")
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row (default 10)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new shape after this many seconds")
+    a = ap.parse_args(argv)
+    if a.rounds < 2:
+        ap.error(f"--rounds must be >= 2 (a paired interval needs rounds), got {a.rounds}")
+    res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "kernel_profile.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path} ({len(res['rows'])} rows, complete={res['complete']})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
