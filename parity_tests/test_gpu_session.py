@@ -229,7 +229,7 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
         assert all(found[s].get("complete", True) for s in want)
         if call == "1":  # the issue-42 steps: the profile beside the suites, the peers in their own folder
             assert json.loads((res / "kernel_profile.json").read_text())["complete"]
-            assert set(read_results(str(res / "peers"))) == {"attention"}
+            assert set(read_results(str(out / "peers"))) == {"attention"}
         rep = subprocess.run(
             [sys.executable, "-m", "benchmarks", "report", str(res)], cwd=ROOT, capture_output=True, text=True
         )

@@ -9,7 +9,8 @@
 # Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
 # finished: they are written one by one). Exit status 1 when a step failed (in a --dry-run rehearsal, also when
 # one outran its budget; CI runs the whole rehearsal, .ci/run). $OUT holds at most 6 files per call (a device call returns 8):
-# session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, block_search.{json,md}.
+# session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, kernel_profile.json,
+# peers/attention.json, block_search.{json,md}.
 # Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
 # `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
 # (jax with its CUDA plugin, torch, pytest-xdist, pytest-timeout); $PYTHON picks the interpreter (default python).
@@ -144,10 +145,11 @@ if want attention; then
       --impl cudnn --impl sdpa:cudnn
   fi
 fi
-if want peers; then  # its own folder: its mosaic rows would repeat the D=128 ones of a merged attention table
+if want peers; then  # its own folder ($OUT/peers: a device call returns files 2 folders down at most), since its
+  # mosaic rows would repeat the D=128 ones of a merged attention table
   if [ "$DRY" = 1 ]; then PEERS=(--impl xla --impl flash); else
     PEERS=(--head-dim 128 --max-seq 4096 --impl pallas:mgpu --impl mosaic); fi
-  step peers "$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$RES/peers" --suite attention "${PEERS[@]}"
+  step peers "$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$OUT/peers" --suite attention "${PEERS[@]}"
 fi
 if want order; then
   if [ -e "$RES/attention.json" ] && [ -e "$OUT/gpu_tests.log" ]; then
