@@ -2,6 +2,7 @@
 stream kernels once (not again from its "XLA Ops" line, nor a host plane's events), per-call figures divide by the
 calls, and the quick run times every variant against the reference with a paired ratio."""
 
+import json
 import os
 
 import pytest
@@ -71,3 +72,38 @@ def test_cli_writes_json_and_rejects_one_round(tmp_path, capsys):
         kp.main(["--quick", "--rounds", "1", "--out", str(tmp_path)])
     assert "--rounds must be >= 2" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def test_table_reads_device_time_from_the_traced_kernels():
+    """Device time = the traced kernels' microseconds summed; device TF/s from it; ratio = reference / variant;
+    off-GPU = wall - device; a row without kernels shows wall figures only."""
+    res = kp.run(quick=True, rounds=2, profile_calls=1)
+    row = res["rows"][0]
+    ref, other = res["reference"], "jax:xla:bshd"
+    row["variants"][ref]["kernels"] = [{"kernel": "k_ref", "launches_per_call": 1.0, "us_per_call": 300.0}]
+    row["variants"][other]["kernels"] = [
+        {"kernel": "k_main", "launches_per_call": 1.0, "us_per_call": 100.0},
+        {"kernel": "memset", "launches_per_call": 3.0, "us_per_call": 50.0},
+    ]
+    lines = kp.table(res).splitlines()
+    cells = next(ln for ln in lines if f"`{other}`" in ln).strip("|").split("|")
+    flops = attention_flops(row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd")
+    wall_us = row["variants"][other]["median_s"] * 1e6
+    assert [c.strip() for c in cells[7:11]] == ["150", f"{wall_us - 150:.0f}", f"{flops / 150e-6 / 1e12:.0f}", "2.00"]
+    assert cells[11].strip() == "`k_main` (1)"
+    rows = [ln.strip("|").split("|") for ln in lines if ln.startswith("| ") and "`" in ln]
+    untraced = rows[3:]  # every row but the first: no kernel in them (a CPU trace)
+    assert len(untraced) == 9 and all([x.strip() for x in c[7:]] == [""] * 5 for c in untraced), untraced
+
+
+def test_committed_h200_profile_tables_are_generated_from_their_json():
+    """benchmarks/results/nvidia-h200/kernel_profile.md holds exactly the tables --table prints for the JSON beside
+    it: no GPU number typed by hand, none left stale after a new profile."""
+    here = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "nvidia-h200"
+    )
+    with open(os.path.join(here, "kernel_profile.md")) as f:
+        text = f.read()
+    for name in ["kernel_profile-call1.json", "kernel_profile-call3.json"]:
+        with open(os.path.join(here, name)) as f:
+            assert kp.table(json.load(f), name) in text, name

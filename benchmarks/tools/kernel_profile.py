@@ -21,6 +21,7 @@ two short readers of the traces::
 
     python -m benchmarks.tools.kernel_profile --out DIR           # one Hopper GPU: DIR/kernel_profile.json
     python -m benchmarks.tools.kernel_profile --quick --out DIR   # the CPU rehearsal: jax xla vs torch math
+    python -m benchmarks.tools.kernel_profile --table DIR/kernel_profile.json   # its markdown table
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from twincore.flops import attention_flops
 from twincore.timing import paired_ratio, time_interleaved
 
 from .. import measure
+from ..report.tables import format_ratio
 
 REFERENCE = "torch:cudnn:bhsd"
 
@@ -247,13 +249,70 @@ def _line(row: dict, ref: str, kernels: bool = False) -> str:
     return (" |\n  " if kernels else " | ").join(parts)
 
 
+def device_us(rec: dict) -> float | None:
+    """Device time of one call: the traced kernels' microseconds summed (None when the row was not traced)."""
+    ks = rec.get("kernels")
+    return sum(k["us_per_call"] for k in ks) if ks else None
+
+
+def table(res: dict, name: str = "") -> str:
+    """Markdown of one ``kernel_profile.json``: per row and variant the wall time per synchronized call (its TFLOP/s
+    and paired speed-up over the reference), the device time summed over its traced kernels (TFLOP/s at that time,
+    ratio reference / variant), wall minus device (what a call spends off the GPU: dispatch, launch, the wait for
+    the result) and the longest kernel."""
+    ref = res["reference"]
+    out = [
+        f"{name or 'kernel_profile.json'}: {res['env'].get('jax_device', '?')}, {res['env'].get('time_utc', '?')}, "
+        f"jax {res['env'].get('jax', '?')}, torch {res['env'].get('torch', '?')}, cuDNN {res['env'].get('cudnn_jax')} "
+        f"(jax) / {res['env'].get('cudnn_torch')} (torch); reference `{ref}`"
+        + ("" if res.get("complete", True) else " (incomplete: its budget stopped it)"),
+        "",
+        "| S | causal | pass | variant | wall ms | wall TF/s | wall speed-up, paired | device us | off-GPU us | "
+        "device TF/s | device ratio | longest kernel (launches per call) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in res["rows"]:
+        flops = attention_flops(
+            row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd"
+        )
+        ref_dev = device_us(row["variants"][ref])
+        for v, rec in row["variants"].items():
+            sp = rec.get("speedup_vs_reference")
+            dev = device_us(rec)
+            top = (rec.get("kernels") or [None])[0]
+            cells = [
+                row["S"],
+                "yes" if row["causal"] else "no",
+                row["pass"],
+                f"`{v}`",
+                f"{rec['median_s'] * 1e3:.3f}",
+                f"{rec['tflops']:.0f}",
+                "(reference)" if sp is None else format_ratio(sp["ratio"], sp),
+                "" if dev is None else f"{dev:.0f}",
+                "" if dev is None else f"{rec['median_s'] * 1e6 - dev:.0f}",
+                "" if dev is None else f"{flops / (dev * 1e-6) / 1e12:.0f}",
+                "" if dev is None or ref_dev is None else f"{ref_dev / dev:.2f}",
+                "" if top is None else f"`{top['kernel'][:110]}` ({top['launches_per_call']:g})",
+            ]
+            out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tools.kernel_profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="directory for kernel_profile.json")
+    ap.add_argument("--out", help="directory for kernel_profile.json")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the markdown table of these files; run nothing")
     ap.add_argument("--quick", action="store_true", help="CPU rehearsal: tiny fp32 shapes, jax xla vs torch math")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row (default 10)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new shape after this many seconds")
     a = ap.parse_args(argv)
+    if a.table:
+        for path in a.table:
+            with open(path) as f:
+                print(table(json.load(f), os.path.basename(path)) + "\n")
+        return 0
+    if not a.out:
+        ap.error("--out DIR is needed to run (or --table FILE... to print a table)")
     if a.rounds < 2:
         ap.error(f"--rounds must be >= 2 (a paired interval needs rounds), got {a.rounds}")
     res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s)
