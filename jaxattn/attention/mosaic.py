@@ -8,7 +8,8 @@ adds its intra-warpgroup overlap (§3.2: a warpgroup's softmax runs while its ow
 The backward is FlashAttention-2's (Dao 2023, Alg. 2) as two kernels of the same shape: ``dkv`` keeps a key
 block in SMEM and streams the query blocks of every query head that shares it (GQA summed in registers),
 ``dq`` keeps a query block and streams K/V; at head_dim 256 (two fp32 accumulators too many for a warpgroup's
-registers) it is :func:`jaxattn.attention.flash.flash_backward`.  No segment ids, window or softcap (``supports`` declines)::
+registers) it is :func:`jaxattn.attention.flash.flash_backward`.  No segment ids, window or softcap
+(``supports`` declines)::
 
     out = mosaic_attention(q, k, v, causal=True)            # needs a Hopper GPU
 
