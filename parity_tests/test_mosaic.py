@@ -604,3 +604,29 @@ def test_gpu_kernel_bf16_unequal_lengths_causal(sq, sk):
     assert _maxabs(out, r_out) <= 2 * _maxabs(_naive(q, k, v, True, 1 / math.sqrt(128)), r_out)
     lse = np.asarray(lse, np.float64)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "sq,sk,d,causal",
+    [(1000, 1000, 128, False), (1000, 1000, 128, True), (2048, 1000, 64, True), (1000, 2048, 128, True)],
+)
+def test_gpu_overlap_forward_bf16(sq, sk, d, causal):
+    """``MosaicBlockSizes(overlap=True)`` (FA3's intra-warpgroup overlap, not the default) on the GPU: out by the
+    2x rule against the float64 reference, lse where the reference's is finite, -inf where a row sees no key
+    (Sq > Sk, causal)."""
+    q, k, v, _ = _inputs(sq + sk + d, 2, sq, sk, 8, 2, d, jnp.bfloat16)
+    reason = M.supports(q, k, v, normalize(q, k, v, causal=causal))
+    if reason is not None and ("Hopper" in reason or "ptxas" in reason):
+        pytest.skip(reason)
+    scale = 1 / math.sqrt(d)
+    cfg = M.MosaicBlockSizes(overlap=True)
+    out, lse = M._mosaic_attention(q, k, v, causal=causal, block_sizes=cfg, impl="mosaic", return_lse=True)
+    r_out, r_lse = _ref(q, k, v, causal, scale)
+    r_lse = np.asarray(r_lse, np.float64)
+    assert not np.isnan(np.asarray(out.astype(jnp.float32))).any()
+    assert _maxabs(out, r_out) <= 2 * _maxabs(_naive(q, k, v, causal, scale), r_out)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_lse))
+    fin = np.isfinite(r_lse)
+    np.testing.assert_allclose(lse[fin], r_lse[fin], rtol=0, atol=5e-2)

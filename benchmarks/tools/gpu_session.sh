@@ -21,7 +21,7 @@ PY=${PYTHON:-python}
 # step | call | budget s | expected on one H100, s | what. Expectations from the two sessions so far (one H100 and
 # one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
 # what those did not reach.
-PLAN="tests|1|75|55|gpu tests (51): 8 pytest-xdist workers, 60 s per test; 51 passed in 45 s on one H200
+PLAN="tests|1|75|55|gpu tests (55): 8 pytest-xdist workers, 60 s per test; 51 passed in 39-45 s on one H200 (twice)
 profile|1|90|70|issue 42: JAX vs torch cuDNN on BSHD and BHSD memory, mosaic with and without overlap, D=128, paired; kernels
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
 peers|1|60|45|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder)
