@@ -9,6 +9,7 @@ Everything between ``<!-- results:begin -->`` and ``<!-- results:end -->`` is wr
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import statistics
 import sys
 
 from twincore.attention import BACKENDS
+from twincore.flops import attention_flops
 
 from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
@@ -607,6 +609,66 @@ def gpu_attention_section(results_dir: str) -> list[str]:
     return out
 
 
+def gpu_device_time_section(results_dir: str) -> list[str]:
+    """Device time against wall time (``benchmarks/results/<device>/kernel_profile*.json``, the newest traced file,
+    ``benchmarks.tools.kernel_profile``): per traced row, TFLOP/s at the summed time of the kernels a call runs for
+    our ``mosaic`` and the two cuDNN paths, and the microseconds a synchronized call spends off the GPU."""
+    from ..tools import kernel_profile as kp
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "kernel_profile*.json"))):
+        with open(path) as f:
+            res = json.load(f)
+        if any(kp.device_us(rec) for row in res.get("rows", ()) for rec in row["variants"].values()):
+            found.append((str(res["env"].get("time_utc", "")), os.path.basename(path), res))
+    if not found:
+        return []
+    _, name, res = max(found)
+    ref, rel = res["reference"], os.path.relpath(results_dir, ROOT)
+    cols = [("jax:mosaic", "ours: mosaic"), ("jax:cudnn:bshd", "ours: cudnn"), (ref, "torch sdpa:cudnn")]
+    out = [
+        "",
+        f"**On the GPU itself.** Each figure above is the median wall time of one call and its wait for the result. "
+        f"Traced with each framework's profiler (`{rel}/{name}`, {res['env'].get('time_utc')}; all traced files: "
+        f"`{rel}/kernel_profile.md`), the same calls at D=128 give these TFLOP/s over the kernels' own time, and "
+        "these microseconds per call spent off the GPU (dispatch, launch, the wait)"
+        + (
+            "; both cuDNN paths run the same cuDNN kernels (by name):"
+            if all(
+                _kernel_names(row["variants"].get("jax:cudnn:bshd")) == _kernel_names(row["variants"].get(ref))
+                for row in res["rows"]
+                if kp.device_us(row["variants"].get(ref, {}))
+            )
+            else "; the two cuDNN paths run different cuDNN kernels (names in the file above):"
+        ),
+        "",
+        "| S | causal | pass | "
+        + " | ".join(f"{label}, device" for _, label in cols)
+        + " | off-GPU µs: JAX cudnn / torch |",
+        "|---|---|---|" + "---|" * (len(cols) + 1),
+    ]
+    for row in res["rows"]:
+        v = row["variants"]
+        if not all(c in v and kp.device_us(v[c]) for c, _ in cols):
+            continue
+        flops = attention_flops(
+            row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd"
+        )
+        cells = [f"{flops / (kp.device_us(v[c]) * 1e-6) / 1e12:.0f}" for c, _ in cols]
+        off = [v[c]["median_s"] * 1e6 - kp.device_us(v[c]) for c in ("jax:cudnn:bshd", ref)]
+        out.append(
+            f"| {row['S']} | {'yes' if row['causal'] else 'no'} | {PASSES.get(row['pass'], row['pass'])} | "
+            + " | ".join(cells)
+            + f" | {off[0]:.0f} / {off[1]:.0f} |"
+        )
+    return out
+
+
+def _kernel_names(rec: dict | None) -> set:
+    """The cuDNN attention kernels a traced call ran (``sdpa`` in the name), by name."""
+    return {k["kernel"] for k in (rec or {}).get("kernels") or () if "sdpa" in k["kernel"]}
+
+
 QUICK = os.path.join(RESULTS, "cpu-quick")
 # What a suite without a JAX-vs-torch timed row measures (one line each; numbers still come from its JSON).
 UNPAIRED = {
@@ -754,7 +816,11 @@ def cpu_quick_section(results_dir: str = QUICK) -> list[str]:
 def render() -> str:
     gpu, ran = [], []
     for name in GPU_DIRS:
-        here = gpu_suites_section(os.path.join(RESULTS, name)) + gpu_attention_section(os.path.join(RESULTS, name))
+        here = (
+            gpu_suites_section(os.path.join(RESULTS, name))
+            + gpu_attention_section(os.path.join(RESULTS, name))
+            + gpu_device_time_section(os.path.join(RESULTS, name))
+        )
         if here:
             gpu += here + [""]
             ran.append(next(line for line in here if line.startswith("### ")).split(" on one ")[1].split(" (")[0])
