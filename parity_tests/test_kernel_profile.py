@@ -62,6 +62,8 @@ def test_quick_run_pairs_every_variant_with_the_reference():
             assert rec["p10_s"] <= rec["median_s"] <= rec["p90_s"]
             assert rec["tflops"] == pytest.approx(flops / rec["median_s"] / 1e12)
             assert ("speedup_vs_reference" in rec) == (name != res["reference"])
+            assert ("burst_speedup_vs_reference" in rec) == (name != res["reference"])
+            assert rec["burst_per_call_s"] > 0
             assert rec["kernels"] == []  # traced, but a CPU has no device plane / CUDA events
         sp = row["variants"]["jax:xla:bshd"]["speedup_vs_reference"]
         assert sp["rounds"] == 2 and sp["ci"][0] <= sp["ratio"] <= sp["ci"][1]
@@ -89,11 +91,12 @@ def test_table_reads_device_time_from_the_traced_kernels():
     cells = next(ln for ln in lines if f"`{other}`" in ln).strip("|").split("|")
     flops = attention_flops(row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd")
     wall_us = row["variants"][other]["median_s"] * 1e6
-    assert [c.strip() for c in cells[7:11]] == ["150", f"{wall_us - 150:.0f}", f"{flops / 150e-6 / 1e12:.0f}", "2.00"]
-    assert cells[11].strip() == "`k_main` (1)"
+    assert [c.strip() for c in cells[9:13]] == ["150", f"{wall_us - 150:.0f}", f"{flops / 150e-6 / 1e12:.0f}", "2.00"]
+    assert cells[13].strip() == "`k_main` (1)"
+    assert cells[7].strip() == f"{row['variants'][other]['burst_per_call_s'] * 1e3:.3f}"
     rows = [ln.strip("|").split("|") for ln in lines if ln.startswith("| ") and "`" in ln]
     untraced = rows[3:]  # every row but the first: no kernel in them (a CPU trace)
-    assert len(untraced) == 9 and all([x.strip() for x in c[7:]] == [""] * 5 for c in untraced), untraced
+    assert len(untraced) == 9 and all([x.strip() for x in c[9:]] == [""] * 5 for c in untraced), untraced
 
 
 def test_committed_h200_profile_tables_are_generated_from_their_json():

@@ -22,7 +22,7 @@ PY=${PYTHON:-python}
 # one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
 # what those did not reach.
 PLAN="tests|1|75|55|gpu tests (55): 8 pytest-xdist workers, 60 s per test; 51 passed in 39-45 s on one H200 (twice)
-profile|1|110|95|issue 42: JAX vs torch cuDNN on BSHD and BHSD memory, mosaic with and without overlap, D=128, paired; kernels of every row (H200: 58-67 s with S=4096 traced)
+profile|1|130|110|issue 42: JAX vs torch cuDNN (BSHD, BHSD), mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired; kernels of every row (H200: 58-67 s, S=4096 traced, no bursts)
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
 peers|2|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder; H200: 80 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)

@@ -190,9 +190,27 @@ def profile(var: dict, pss: str, calls: int) -> list[dict]:
     return _per_call(device_kernels_torch(prof), calls)
 
 
+BURST = 10  # calls enqueued back to back before one wait, in the burst timing
+
+
+def _burst(fn, n: int = BURST):
+    """``n`` calls of ``fn`` enqueued back to back; returns the last result (waiting for it waits for all: each
+    framework runs them in order on one stream)."""
+
+    def call():
+        out = None
+        for _ in range(n):
+            out = fn()
+        return out
+
+    return call
+
+
 def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None) -> dict:
-    """Times every row (all variants interleaved), then traces the profiled rows: every JAX variant first, then
-    every torch one (the two profilers share CUPTI: one hand-over, not one per variant)."""
+    """Times every row twice, all variants interleaved: one call and its wait (``median_s``, as the attention suite
+    times), then :data:`BURST` calls per wait (``burst_per_call_s``: the wait's round trip shared by ten calls; the
+    gap to the device time is then what enqueueing a call costs). Then traces the profiled rows: every JAX variant
+    first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant)."""
     t_start = time.perf_counter()
     rows, complete, to_profile = [], True, []
     ref = "torch:math:bhsd" if quick else REFERENCE
@@ -205,6 +223,8 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
         for pss in ("fwd", "fwd_bwd"):
             calls = {name: var[pss] for name, var in vs.items()}
             t = time_interleaved(calls, rounds=rounds, per_round=3, warmup=2, sync=measure.sync)
+            bursts = {name: _burst(fn) for name, fn in calls.items()}
+            tb = time_interleaved(bursts, rounds=max(2, rounds // 2), per_round=1, warmup=1, sync=measure.sync)
             flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
             row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss, "variants": {}}
             for name, st in t.items():
@@ -213,6 +233,11 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
                 if name != ref:  # speed-up over the reference: its time / this one's, round by round
                     rec["speedup_vs_reference"] = paired_ratio(
                         t[ref]["rounds"], st["rounds"], cv=(st["cv"], t[ref]["cv"])
+                    )
+                rec["burst_per_call_s"] = tb[name]["median_s"] / BURST
+                if name != ref:
+                    rec["burst_speedup_vs_reference"] = paired_ratio(
+                        tb[ref]["rounds"], tb[name]["rounds"], cv=(tb[name]["cv"], tb[ref]["cv"])
                     )
                 row["variants"][name] = rec
                 if profiled:
@@ -255,11 +280,19 @@ def device_us(rec: dict) -> float | None:
     return sum(k["us_per_call"] for k in ks) if ks else None
 
 
+def _burst_cell(rec: dict, is_ref: bool) -> str:
+    if "burst_per_call_s" not in rec:  # a file written before the burst timing
+        return ""
+    bp = rec.get("burst_speedup_vs_reference")
+    return "(reference)" if is_ref or bp is None else format_ratio(bp["ratio"], bp)
+
+
 def table(res: dict, name: str = "") -> str:
     """Markdown of one ``kernel_profile.json``: per row and variant the wall time per synchronized call (its TFLOP/s
     and paired speed-up over the reference), the device time summed over its traced kernels (TFLOP/s at that time,
     ratio reference / variant), wall minus device (what a call spends off the GPU: dispatch, launch, the wait for
-    the result) and the longest kernel."""
+    the result), the per-call time of a burst of :data:`BURST` calls per wait (files that have it) and the longest
+    kernel."""
     ref = res["reference"]
     out = [
         f"{name or 'kernel_profile.json'}: {res['env'].get('jax_device', '?')}, {res['env'].get('time_utc', '?')}, "
@@ -267,9 +300,10 @@ def table(res: dict, name: str = "") -> str:
         f"(jax) / {res['env'].get('cudnn_torch')} (torch); reference `{ref}`"
         + ("" if res.get("complete", True) else " (incomplete: its budget stopped it)"),
         "",
-        "| S | causal | pass | variant | wall ms | wall TF/s | wall speed-up, paired | device us | off-GPU us | "
-        "device TF/s | device ratio | longest kernel (launches per call) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | causal | pass | variant | wall ms | wall TF/s | wall speed-up, paired | burst ms per call | "
+        "burst speed-up, paired | device us | off-GPU us | device TF/s | device ratio | longest kernel (launches "
+        "per call) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["rows"]:
         flops = attention_flops(
@@ -288,6 +322,8 @@ def table(res: dict, name: str = "") -> str:
                 f"{rec['median_s'] * 1e3:.3f}",
                 f"{rec['tflops']:.0f}",
                 "(reference)" if sp is None else format_ratio(sp["ratio"], sp),
+                "" if "burst_per_call_s" not in rec else f"{rec['burst_per_call_s'] * 1e3:.3f}",
+                _burst_cell(rec, v == ref),
                 "" if dev is None else f"{dev:.0f}",
                 "" if dev is None else f"{rec['median_s'] * 1e6 - dev:.0f}",
                 "" if dev is None else f"{flops / (dev * 1e-6) / 1e12:.0f}",
