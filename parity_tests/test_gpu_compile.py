@@ -710,3 +710,33 @@ def test_mosaic_forward_is_warp_specialised_and_pipelined(d):
     assert c["setmaxnreg"] >= 2, c  # the register split: .dec in the producer, .inc in the consumers
     assert c["wgmma"] > 0 and c["wgmma.commit_group"] > 0 and c["wgmma.wait_group"] > 0, c
     assert c["cp.async.bulk.tensor"] > 0 and c["mbarrier.try_wait"] > 0 and c["mbarrier.arrive"] > 0, c
+
+
+PTXAS_REPORT = """\
+ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
+instructions defining input registers of a wgmma between start and end of the pipeline stage in the function 'kern_a'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kern_a' for 'sm_90a'
+ptxas info    : Function properties for kern_a
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas info    : Compiling entry function 'kern_b' for 'sm_90a'
+ptxas info    : Function properties for kern_b
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers
+"""
+
+
+def test_ptxas_report_names_a_serialized_wgmma_and_the_search_rejects_it():
+    """``kernel_stats.parse_ptxas`` reads ptxas's C7513 line (printed before its entry's report) into that entry's
+    ``wgmma_serialized``, and only that entry's; the block search's filter rejects such a kernel by name."""
+    from benchmarks.tools import block_search, kernel_stats
+
+    got = kernel_stats.parse_ptxas(PTXAS_REPORT)
+    assert got["kern_a"]["wgmma_serialized"].startswith("non wgmma instructions defining input registers")
+    assert got["kern_a"]["registers"] == 168 and got["kern_a"]["spill_stores"] == 0
+    assert "wgmma_serialized" not in got["kern_b"] and got["kern_b"]["spill_loads"] == 12
+    ok = dict(registers=168, spill_stores=0, spill_loads=0, fits=True, blocks_per_sm=1, smem_bytes=1000, sass=None)
+    assert block_search.verdict(ok, jnp.bfloat16) is None
+    bad = dict(ok, wgmma_serialized=got["kern_a"]["wgmma_serialized"])
+    assert block_search.verdict(bad, jnp.bfloat16).startswith("ptxas serializes its wgmma (C7513")
