@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 
 from jax.profiler import ProfileData  # noqa: E402
 
+from benchmarks.report import profile_tables  # noqa: E402
 from benchmarks.tools import kernel_profile as kp  # noqa: E402
 from twincore.flops import attention_flops  # noqa: E402
 
@@ -87,7 +88,7 @@ def test_table_reads_device_time_from_the_traced_kernels():
         {"kernel": "k_main", "launches_per_call": 1.0, "us_per_call": 100.0},
         {"kernel": "memset", "launches_per_call": 3.0, "us_per_call": 50.0},
     ]
-    lines = kp.table(res).splitlines()
+    lines = profile_tables.table(res).splitlines()
     cells = next(ln for ln in lines if f"`{other}`" in ln).strip("|").split("|")
     flops = attention_flops(row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd")
     wall_us = row["variants"][other]["median_s"] * 1e6
@@ -109,4 +110,4 @@ def test_committed_h200_profile_tables_are_generated_from_their_json():
         text = f.read()
     for name in ["kernel_profile-call1.json", "kernel_profile-call3.json"]:
         with open(os.path.join(here, name)) as f:
-            assert kp.table(json.load(f), name) in text, name
+            assert profile_tables.table(json.load(f), name) in text, name

@@ -21,6 +21,7 @@ from twincore.flops import attention_flops
 
 from .compile_tables import kernel_counts
 from .plots import PLOT_FILES
+from .profile_tables import device_us
 from .records import RESULTS_DIR, read_results
 from .tables import SPEEDUP_COLUMN, SPEEDUP_NOTE, format_ratio, row_paired, speedup_rows, suite_table
 
@@ -613,13 +614,11 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
     """Device time against wall time (``benchmarks/results/<device>/kernel_profile*.json``, the newest traced file,
     ``benchmarks.tools.kernel_profile``): per traced row, TFLOP/s at the summed time of the kernels a call runs for
     our ``mosaic`` and the two cuDNN paths, and the microseconds a synchronized call spends off the GPU."""
-    from ..tools import kernel_profile as kp
-
     found = []
     for path in sorted(glob.glob(os.path.join(results_dir, "kernel_profile*.json"))):
         with open(path) as f:
             res = json.load(f)
-        if any(kp.device_us(rec) for row in res.get("rows", ()) for rec in row["variants"].values()):
+        if any(device_us(rec) for row in res.get("rows", ()) for rec in row["variants"].values()):
             found.append((str(res["env"].get("time_utc", "")), os.path.basename(path), res))
     if not found:
         return []
@@ -637,7 +636,7 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
             if all(
                 _kernel_names(row["variants"].get("jax:cudnn:bshd")) == _kernel_names(row["variants"].get(ref))
                 for row in res["rows"]
-                if kp.device_us(row["variants"].get(ref, {}))
+                if device_us(row["variants"].get(ref, {}))
             )
             else "; the two cuDNN paths run different cuDNN kernels (names in the file above):"
         ),
@@ -649,13 +648,13 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
     ]
     for row in res["rows"]:
         v = row["variants"]
-        if not all(c in v and kp.device_us(v[c]) for c, _ in cols):
+        if not all(c in v and device_us(v[c]) for c, _ in cols):
             continue
         flops = attention_flops(
             row["B"], row["H"], row["S"], row["S"], row["D"], row["causal"], row["pass"] == "fwd_bwd"
         )
-        cells = [f"{flops / (kp.device_us(v[c]) * 1e-6) / 1e12:.0f}" for c, _ in cols]
-        off = [v[c]["median_s"] * 1e6 - kp.device_us(v[c]) for c in ("jax:cudnn:bshd", ref)]
+        cells = [f"{flops / (device_us(v[c]) * 1e-6) / 1e12:.0f}" for c, _ in cols]
+        off = [v[c]["median_s"] * 1e6 - device_us(v[c]) for c in ("jax:cudnn:bshd", ref)]
         out.append(
             f"| {row['S']} | {'yes' if row['causal'] else 'no'} | {PASSES.get(row['pass'], row['pass'])} | "
             + " | ".join(cells)
