@@ -547,11 +547,26 @@ def test_poison_catches_unwritten_blocks():
         (dict(num_stages=0), ValueError, "num_stages"),
         (dict(num_warps_bwd=6), ValueError, "num_warps_bwd"),
         (dict(num_stages_bwd=9), ValueError, "num_stages_bwd"),
+        (dict(num_warps_dkv=3), ValueError, "num_warps_dkv"),
+        (dict(num_stages_dkv=0), ValueError, "num_stages_dkv"),
     ],
 )
 def test_block_sizes_rejects_bad_values(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         F.BlockSizes(**kwargs)
+
+
+def test_dkv_launch_follows_the_backward_unless_given():
+    """The dkv kernel's warps / stages default to the backward's (every default row); an explicit
+    ``num_warps_dkv`` / ``num_stages_dkv`` wins for dkv alone, None follows ``num_warps_bwd`` / ``num_stages_bwd``."""
+    for d in (64, 128):
+        q = jax.ShapeDtypeStruct((1, 256, 4, d), jnp.bfloat16)
+        got = F.kernel_callables(q, q)
+        assert (got.num_warps_dkv, got.num_stages_dkv) == (got.num_warps_bwd, got.num_stages_bwd) == (8, 2 + (d == 64))
+    got = F.kernel_callables(q, q, F.BlockSizes(num_warps_bwd=2, num_stages_bwd=1))
+    assert (got.num_warps_dkv, got.num_stages_dkv) == (2, 1)
+    got = F.kernel_callables(q, q, F.BlockSizes(num_warps_bwd=2, num_warps_dkv=8))
+    assert (got.num_warps_bwd, got.num_warps_dkv) == (2, 8)
 
 
 def test_block_sizes_default_is_valid_for_every_head_dim():

@@ -740,3 +740,21 @@ def test_ptxas_report_names_a_serialized_wgmma_and_the_search_rejects_it():
     assert block_search.verdict(ok, jnp.bfloat16) is None
     bad = dict(ok, wgmma_serialized=got["kern_a"]["wgmma_serialized"])
     assert block_search.verdict(bad, jnp.bfloat16).startswith("ptxas serializes its wgmma (C7513")
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_flash_dkv_launches_with_its_own_warps():
+    """``num_warps_dkv=4`` beside the default's 8 backward warps at D=128 bf16: the dkv kernel is compiled with
+    128 threads, dq with 256 (the split launch reaches Triton; compiled for H100, not run)."""
+    from benchmarks.tools import block_search
+    from benchmarks.tools.deviceless import DTYPES, GATE_SHAPE
+    from jaxattn.attention import flash
+
+    bs = dataclasses.replace(flash.BlockSizes.default(128, jnp.bfloat16), num_warps_dkv=4)
+    shape = dataclasses.replace(GATE_SHAPE, s=512)
+    threads = {
+        k: block_search.compile_kernel(_devices(), k, 128, DTYPES["bf16"], bs, shape)["threads"]
+        for k in ("flash_bwd_dkv", "flash_bwd_dq")
+    }
+    assert threads == {"flash_bwd_dkv": 128, "flash_bwd_dq": 256}, threads

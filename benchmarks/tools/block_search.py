@@ -44,7 +44,7 @@ KERNELS = FLASH_KERNELS + MOSAIC_KERNELS
 FIELDS = {
     "flash_fwd": ("block_q", "block_k", "num_warps", "num_stages"),
     "flash_bwd_dq": ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd"),
-    "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_bwd", "num_stages_bwd"),
+    "flash_bwd_dkv": ("block_q_dkv", "block_k_dkv", "num_warps_dkv", "num_stages_dkv"),
     "mosaic_fwd": ("block_q", "block_kv", "max_concurrent_steps", "overlap"),
     "mosaic_bwd_dq": ("block_q_dq", "block_kv_dq", "max_concurrent_steps"),
     "mosaic_bwd_dkv": ("block_kv_dkv", "block_q_dkv", "max_concurrent_steps"),
@@ -98,8 +98,10 @@ def _knobs(bs, kernel: str, d: int) -> dict:
         sizes = bs if kernel == "mosaic_fwd" else bs.backward or mosaic.MosaicBackwardBlockSizes()
         return {f: getattr(sizes, f) for f in FIELDS[kernel]}
     cfg = _kernels(bs, d, jnp.bfloat16, AttnShape(s=4096))
-    warps = cfg.num_warps if kernel == "flash_fwd" else cfg.num_warps_bwd
-    stages = cfg.num_stages if kernel == "flash_fwd" else cfg.num_stages_bwd
+    warps, stages = {
+        "flash_fwd": (cfg.num_warps, cfg.num_stages),
+        "flash_bwd_dkv": (cfg.num_warps_dkv, cfg.num_stages_dkv),
+    }.get(kernel, (cfg.num_warps_bwd, cfg.num_stages_bwd))
     a, b = FIELDS[kernel][:2]
     return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
 

@@ -68,7 +68,8 @@ class BlockSizes:
     per program, loops over query blocks); ``block_q_dq``/``block_k_dq``: the dQ kernel.  A block larger
     than the (power-of-two-rounded) sequence is shrunk to it at call time, so defaults work for S=1.
     ``num_warps=None`` picks 4 for head_dim <= 64 else 8; ``num_warps_bwd``/``num_stages_bwd`` launch the dq
-    and dkv kernels (None: the forward's).
+    and dkv kernels (None: the forward's), ``num_warps_dkv``/``num_stages_dkv`` the dkv kernel alone (None: the
+    backward's; the two kernels' best warp counts differ on Hopper).
     """
 
     block_q: int = 64
@@ -81,6 +82,8 @@ class BlockSizes:
     num_stages: int = 2
     num_warps_bwd: int | None = None
     num_stages_bwd: int | None = None
+    num_warps_dkv: int | None = None
+    num_stages_dkv: int | None = None
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -90,17 +93,17 @@ class BlockSizes:
                     f"BlockSizes.{f} must be a power of two in [{MIN_BLOCK}, 1024] (Triton "
                     f"block dims are powers of two and tl.dot needs >= 16), got {val!r}"
                 )
-        for f in ("num_warps", "num_warps_bwd"):
+        for f in ("num_warps", "num_warps_bwd", "num_warps_dkv"):
             val = getattr(self, f)
             if val is not None and (isinstance(val, bool) or val not in (1, 2, 4, 8, 16)):
                 raise ValueError(f"BlockSizes.{f} must be None or one of (1, 2, 4, 8, 16), got {val!r}")
-        for f in ("num_stages", "num_stages_bwd"):
+        for f in ("num_stages", "num_stages_bwd", "num_stages_dkv"):
             val = getattr(self, f)
-            if val is None and f == "num_stages_bwd":
+            if val is None and f != "num_stages":
                 continue
             if not isinstance(val, int) or isinstance(val, bool) or not 1 <= val <= 8:
                 raise ValueError(
-                    f"BlockSizes.{f} must be an int in [1, 8]{' or None' if f == 'num_stages_bwd' else ''}, got {val!r}"
+                    f"BlockSizes.{f} must be an int in [1, 8]{' or None' if f != 'num_stages' else ''}, got {val!r}"
                 )
 
     @classmethod
@@ -129,6 +132,10 @@ _DEFAULTS = {
     (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1),
     (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1),
 }
+# The dkv kernel's own launch (num_warps_dkv / num_stages_dkv) follows the backward's in every row: at D=128 16-bit
+# 4 dkv warps timed 1.79x [1.70-1.91] the default's 8, paired on one H200 (2026-11-27b, nvidia-h200/block_search.json,
+# MHA), but with GQA that kernel reaches 255 registers and spills 12-28 B (compiled for H100): kept at 8 until a GQA
+# shape is timed (benchmarks/NOTES.md, "GPU session on one H200, 2026-11-27b").
 
 
 # ----------------------------------------------------------------------------------------- static config
@@ -154,6 +161,8 @@ class _Cfg:
     num_stages: int
     num_warps_bwd: int
     num_stages_bwd: int
+    num_warps_dkv: int
+    num_stages_dkv: int
     interpret: bool
     poison: bool
 
@@ -179,6 +188,8 @@ def _make_cfg(q, k, args: AttnArgs, block_sizes: BlockSizes | None, interpret: b
     left, right = visible_bounds(args.causal, args.window)
     dp = max(MIN_BLOCK, next_pow2(d))
     warps = bs.num_warps if bs.num_warps is not None else (4 if dp <= 64 else 8)
+    warps_bwd = warps if bs.num_warps_bwd is None else bs.num_warps_bwd
+    stages_bwd = bs.num_stages if bs.num_stages_bwd is None else bs.num_stages_bwd
     return _Cfg(
         sq=sq,
         sk=sk,
@@ -196,8 +207,10 @@ def _make_cfg(q, k, args: AttnArgs, block_sizes: BlockSizes | None, interpret: b
         block_k_dq=min(bs.block_k_dq, cap_k),
         num_warps=warps,
         num_stages=bs.num_stages,
-        num_warps_bwd=warps if bs.num_warps_bwd is None else bs.num_warps_bwd,
-        num_stages_bwd=bs.num_stages if bs.num_stages_bwd is None else bs.num_stages_bwd,
+        num_warps_bwd=warps_bwd,
+        num_stages_bwd=stages_bwd,
+        num_warps_dkv=warps_bwd if bs.num_warps_dkv is None else bs.num_warps_dkv,
+        num_stages_dkv=stages_bwd if bs.num_stages_dkv is None else bs.num_stages_dkv,
         interpret=bool(interpret),
         poison=bool(poison),
     )
@@ -470,7 +483,10 @@ def _with_segments(cfg: _Cfg, in_specs, args, q_ids, kv_ids, q_rows: int, k_rows
 
 def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, args):
     """:func:`~jaxattn.attention.tiling.triton_call` with the forward's or the backward's launch knobs."""
-    warps, stages = (cfg.num_warps, cfg.num_stages) if name == "flash_fwd" else (cfg.num_warps_bwd, cfg.num_stages_bwd)
+    warps, stages = {
+        "flash_fwd": (cfg.num_warps, cfg.num_stages),
+        "flash_bwd_dkv": (cfg.num_warps_dkv, cfg.num_stages_dkv),
+    }.get(name, (cfg.num_warps_bwd, cfg.num_stages_bwd))
     return triton_call(
         kernel,
         name=name,
@@ -727,8 +743,9 @@ class FlashKernels:
         calls["flash_bwd_dq"](q, k, v, do, lse, delta) -> dq
         calls["flash_bwd_dkv"](q, k, v, do, lse, delta) -> (dk, dv)
 
-    ``num_warps``/``num_stages`` launch the forward, ``num_warps_bwd``/``num_stages_bwd`` the two backward
-    kernels, as resolved from the :class:`BlockSizes` (None fields filled)."""
+    ``num_warps``/``num_stages`` launch the forward, ``num_warps_bwd``/``num_stages_bwd`` the dq kernel and
+    ``num_warps_dkv``/``num_stages_dkv`` the dkv kernel, as resolved from the :class:`BlockSizes` (None fields
+    filled)."""
 
     calls: dict[str, Callable]
     sq_pad: int
@@ -738,6 +755,8 @@ class FlashKernels:
     num_stages: int
     num_warps_bwd: int
     num_stages_bwd: int
+    num_warps_dkv: int
+    num_stages_dkv: int
 
 
 def kernel_callables(
@@ -768,6 +787,8 @@ def kernel_callables(
         num_stages=cfg.num_stages,
         num_warps_bwd=cfg.num_warps_bwd,
         num_stages_bwd=cfg.num_stages_bwd,
+        num_warps_dkv=cfg.num_warps_dkv,
+        num_stages_dkv=cfg.num_stages_dkv,
     )
 
 
