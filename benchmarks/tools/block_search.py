@@ -98,10 +98,7 @@ def _knobs(bs, kernel: str, d: int) -> dict:
         sizes = bs if kernel == "mosaic_fwd" else bs.backward or mosaic.MosaicBackwardBlockSizes()
         return {f: getattr(sizes, f) for f in FIELDS[kernel]}
     cfg = _kernels(bs, d, jnp.bfloat16, AttnShape(s=4096))
-    warps, stages = {
-        "flash_fwd": (cfg.num_warps, cfg.num_stages),
-        "flash_bwd_dkv": (cfg.num_warps_dkv, cfg.num_stages_dkv),
-    }.get(kernel, (cfg.num_warps_bwd, cfg.num_stages_bwd))
+    warps, stages = cfg.launch(kernel)
     a, b = FIELDS[kernel][:2]
     return {a: getattr(bs, a), b: getattr(bs, b), "num_warps": warps, "num_stages": stages}
 

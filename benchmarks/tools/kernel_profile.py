@@ -102,7 +102,7 @@ def variants(shape, quick: bool) -> dict:
     dtype, b, h, s, d, causal, _ = shape
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (b, s, h, d), dtype) for kk in ks)  # [B, S, H, D]
-    bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D], laid out so
+    bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D] arrays, made before timing
     scale = 1.0 / d**0.5
     out: dict = {}
 

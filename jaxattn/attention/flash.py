@@ -481,12 +481,18 @@ def _with_segments(cfg: _Cfg, in_specs, args, q_ids, kv_ids, q_rows: int, k_rows
     return in_specs + [q_seg, k_seg], args + [q_ids, kv_ids]
 
 
+def _launch_knobs(cfg, name: str) -> tuple[int, int]:
+    """(num_warps, num_stages) kernel ``name`` launches with, from a resolved ``_Cfg`` or :class:`FlashKernels`."""
+    if name == "flash_fwd":
+        return cfg.num_warps, cfg.num_stages
+    if name == "flash_bwd_dkv":
+        return cfg.num_warps_dkv, cfg.num_stages_dkv
+    return cfg.num_warps_bwd, cfg.num_stages_bwd
+
+
 def _call(kernel, cfg: _Cfg, *, name, grid, in_specs, out_specs, out_shapes, args):
     """:func:`~jaxattn.attention.tiling.triton_call` with the forward's or the backward's launch knobs."""
-    warps, stages = {
-        "flash_fwd": (cfg.num_warps, cfg.num_stages),
-        "flash_bwd_dkv": (cfg.num_warps_dkv, cfg.num_stages_dkv),
-    }.get(name, (cfg.num_warps_bwd, cfg.num_stages_bwd))
+    warps, stages = _launch_knobs(cfg, name)
     return triton_call(
         kernel,
         name=name,
@@ -757,6 +763,10 @@ class FlashKernels:
     num_stages_bwd: int
     num_warps_dkv: int
     num_stages_dkv: int
+
+    def launch(self, name: str) -> tuple[int, int]:
+        """(num_warps, num_stages) of kernel ``name`` (``flash_fwd``, ``flash_bwd_dq``, ``flash_bwd_dkv``)."""
+        return _launch_knobs(self, name)
 
 
 def kernel_callables(
