@@ -1,7 +1,9 @@
 """``benchmarks.tools.kernel_profile`` (issue 42's GPU profile) on the CPU: the XSpace reader counts a GPU plane's
 stream kernels once (not again from its "XLA Ops" line, nor a host plane's events), per-call figures divide by the
-calls, and the quick run times every variant against the reference with a paired ratio."""
+calls, the quick run times every variant (and each framework's floor) against the reference with a paired ratio,
+and a call's wall time splits into launch / device busy / gaps / tail only on aligned clocks."""
 
+import copy
 import json
 import os
 
@@ -38,6 +40,17 @@ planes {
 """
 
 
+@pytest.fixture(scope="module")
+def _quick_once():
+    return kp.run(quick=True, rounds=2, profile_calls=1)
+
+
+@pytest.fixture
+def quick_run(_quick_once):
+    """The quick CPU run (made once per module), a fresh copy for each test to change."""
+    return copy.deepcopy(_quick_once)
+
+
 def test_jax_reader_counts_each_stream_kernel_once(tmp_path):
     run = tmp_path / "plugins" / "profile" / "run1"
     run.mkdir(parents=True)
@@ -50,8 +63,8 @@ def test_jax_reader_counts_each_stream_kernel_once(tmp_path):
     assert kp.device_kernels_jax(str(tmp_path / "empty")) == {}
 
 
-def test_quick_run_pairs_every_variant_with_the_reference():
-    res = kp.run(quick=True, rounds=2, profile_calls=1)
+def test_quick_run_pairs_every_variant_with_the_reference(quick_run):
+    res = quick_run
     assert res["complete"] and res["reference"] == "torch:math:bhsd"
     assert len(res["rows"]) == 4  # 2 shapes x (fwd, fwd_bwd)
     for row in res["rows"]:
@@ -77,10 +90,10 @@ def test_cli_writes_json_and_rejects_one_round(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
-def test_table_reads_device_time_from_the_traced_kernels():
+def test_table_reads_device_time_from_the_traced_kernels(quick_run):
     """Device time = the traced kernels' microseconds summed; device TF/s from it; ratio = reference / variant;
     off-GPU = wall - device; a row without kernels shows wall figures only."""
-    res = kp.run(quick=True, rounds=2, profile_calls=1)
+    res = quick_run
     row = res["rows"][0]
     ref, other = res["reference"], "jax:xla:bshd"
     row["variants"][ref]["kernels"] = [{"kernel": "k_ref", "launches_per_call": 1.0, "us_per_call": 300.0}]
@@ -111,3 +124,104 @@ def test_committed_h200_profile_tables_are_generated_from_their_json():
     for name in ["kernel_profile-call1.json", "kernel_profile-call3.json"]:
         with open(os.path.join(here, name)) as f:
             assert profile_tables.table(json.load(f), name) in text, name
+
+
+SPANS_XSPACE = """
+planes {
+  id: 1 name: "/host:CPU"
+  lines { id: 1 name: "python" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 2000000000 duration_ps: 500000000 }
+    events { metadata_id: 2 offset_ps: 2100000000 duration_ps: 1000000 }
+    events { metadata_id: 1 offset_ps: 1000000000 duration_ps: 700000000 } }
+  event_metadata { key: 1 value { id: 1 name: "kernel_profile call" } }
+  event_metadata { key: 2 value { id: 2 name: "PjitFunction(f)" } }
+}
+planes {
+  id: 2 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 1000000
+    events { metadata_id: 1 offset_ps: 1000000000 duration_ps: 300000000 } }
+  event_metadata { key: 1 value { id: 1 name: "k" } }
+}
+"""
+
+
+def test_jax_intervals_are_the_call_spans_and_the_stream_kernels_in_ns(tmp_path):
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(SPANS_XSPACE))
+    spans, kernels = kp.intervals_jax(str(tmp_path))
+    assert spans == [(1_000_000, 1_700_000), (2_000_000, 2_500_000)]  # sorted; the PjitFunction event is not a span
+    assert kernels == [(2_000_000, 2_300_000)]  # line timestamp 1 ms + offset 1 ms
+    assert kp.intervals_jax(str(tmp_path / "empty")) == ([], [])
+
+
+def test_call_timeline_splits_each_call_and_takes_medians():
+    """Three calls (ns): launch = first kernel start - span start, busy = the union of the call's kernels (two
+    overlapping count once), gaps = first start to last end minus busy, tail = span end - last kernel end."""
+    us = 1000
+    spans = [(0, 1000 * us), (2000 * us, 3500 * us), (5000 * us, 5900 * us)]
+    kernels = [
+        (2300 * us, 2800 * us),  # call 1: launch 300, busy 500 + 100 (overlap), gaps 0, tail 600
+        (2700 * us, 2900 * us),
+        (100 * us, 400 * us),  # call 0: launch 100, busy 300 + 150, gaps 50, tail 400
+        (450 * us, 600 * us),
+        (5020 * us, 5820 * us),  # call 2: launch 20, busy 800, gaps 0, tail 80
+    ]
+    tl = kp.call_timeline(spans, kernels)
+    assert tl == {"aligned": True, "calls": 3, "launch_us": 100.0, "busy_us": 600.0, "gaps_us": 0.0, "tail_us": 400.0}
+    one = kp.call_timeline(spans[:1], kernels[2:4])
+    assert one == {"aligned": True, "calls": 1, "launch_us": 100.0, "busy_us": 450.0, "gaps_us": 50.0, "tail_us": 400.0}
+
+
+def test_call_timeline_refuses_misaligned_clocks():
+    spans = [(0, 1000), (2000, 3000)]
+    assert kp.call_timeline(spans, []) is None and kp.call_timeline([], [(0, 1)]) is None  # a CPU run
+    outside = kp.call_timeline(spans, [(100, 200), (2100, 3100)])  # ends after its span
+    assert outside["aligned"] is False and "outside every span" in outside["reason"]
+    empty = kp.call_timeline(spans, [(100, 200)])  # the second call has no kernel
+    assert empty == {"aligned": False, "calls": 2, "reason": "a traced call has no kernel inside its span"}
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_profile_names_one_host_span_per_traced_call(framework):
+    """Each traced call and its wait is one SPAN on the host, found by the framework's reader (on the CPU there is
+    no device kernel, so no timeline)."""
+    var = kp.floor_variants()["jax:add" if framework == "jax" else "torch:add"]
+    kernels, spans, intervals = kp.profile(var, "floor", calls=3)
+    assert len(spans) == 3 and all(s0 < s1 for s0, s1 in spans) and (kernels, intervals) == ([], [])
+    assert kp.call_timeline(spans, intervals) is None
+
+
+def test_quick_run_times_each_frameworks_floor_and_dispatch(quick_run):
+    res = quick_run
+    floor = res["floor"]
+    assert floor["pass"] == "floor" and set(floor["variants"]) == {"jax:add", "torch:add"}
+    sp = floor["variants"]["jax:add"]["speedup_vs_reference"]
+    assert sp["rounds"] == 2 and "speedup_vs_reference" not in floor["variants"]["torch:add"]
+    for rec in [*floor["variants"].values(), *(r for row in res["rows"] for r in row["variants"].values())]:
+        assert rec["dispatch_s"] > 0 and rec["burst_per_call_s"] > 0 and rec["kernels"] == []
+        assert "timeline" not in rec  # no device plane on a CPU: nothing to split
+
+
+def test_timeline_table_shows_the_split_only_on_aligned_clocks(quick_run):
+    res = quick_run
+    rec = res["rows"][0]["variants"]["jax:xla:bshd"]
+    rec["timeline"] = {
+        "aligned": True,
+        "calls": 3,
+        "launch_us": 41.4,
+        "busy_us": 800.0,
+        "gaps_us": 2.0,
+        "tail_us": 300.6,
+    }
+    res["floor"]["variants"]["torch:add"]["timeline"] = {"aligned": False, "calls": 3, "reason": "a kernel at 5 ns"}
+    lines = profile_tables.timeline_table(res).splitlines()
+    assert len(lines) == 2 + 2 + 12  # header, floor (2 variants), 4 rows x 3 variants
+    cells = [c.strip() for c in next(ln for ln in lines if "`jax:xla:bshd`" in ln).strip("|").split("|")]
+    assert cells[:4] == ["128", "no", "fwd", "`jax:xla:bshd`"] and cells[7:] == ["41", "800", "2", "301", ""]
+    assert cells[4] == f"{rec['median_s'] * 1e6:.0f}" and cells[6] == f"{rec['dispatch_s'] * 1e6:.0f}"
+    floor = [c.strip() for c in next(ln for ln in lines if "`torch:add`" in ln).strip("|").split("|")]
+    assert floor[2] == "floor" and floor[7:11] == [""] * 4 and floor[11] == "clocks not aligned: a kernel at 5 ns"
+    for old in ("kernel_profile-call1.json", "kernel_profile-call3.json"):  # written before the timeline
+        with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "nvidia-h200", old)) as f:
+            assert profile_tables.timeline_table(json.load(f)) == ""

@@ -69,3 +69,43 @@ def table(res: dict, name: str = "") -> str:
             ]
             out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(out)
+
+
+def _us(rec: dict, key: str) -> str:
+    return "" if rec.get(key) is None else f"{rec[key] * 1e6:.0f}"
+
+
+def timeline_table(res: dict) -> str:
+    """Markdown of where a synchronized call's wall time goes (files written since the per-call timeline; ``""``
+    for older ones): per traced variant with a timeline on one clock, wall µs per call, per call in a burst, the
+    host time to enqueue the call (dispatch), and from the trace the launch (call start to first kernel), the
+    device's busy time, its idle gaps inside the call and the tail (last kernel's end to the result in hand).
+    The floor row (one ``x + 1`` call per framework) is the smallest call each framework can make."""
+    rows = ([dict(res["floor"], S="", causal=None)] if "floor" in res else []) + list(res.get("rows", []))
+    lines = []
+    for row in rows:
+        for v, rec in row["variants"].items():
+            tl = rec.get("timeline")
+            if "dispatch_s" not in rec:
+                continue
+            aligned = tl is not None and tl.get("aligned")
+            cells = [
+                row["S"],
+                "" if row["causal"] is None else ("yes" if row["causal"] else "no"),
+                row["pass"],
+                f"`{v}`",
+                _us(rec, "median_s"),
+                _us(rec, "burst_per_call_s"),
+                _us(rec, "dispatch_s"),
+                *(f"{tl[k]:.0f}" if aligned else "" for k in ("launch_us", "busy_us", "gaps_us", "tail_us")),
+                "" if tl is None or aligned else f"clocks not aligned: {tl['reason']}",
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if not lines:
+        return ""
+    head = [
+        "| S | causal | pass | variant | wall us | burst us per call | dispatch us | launch us | device busy us | "
+        "gaps us | tail us | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + lines)

@@ -14,10 +14,13 @@ The attention suite gives torch contiguous ``[B, H, S, D]`` tensors (SDPA's own 
   intra-warpgroup overlap (``MosaicBlockSizes(overlap=True)``).
 
 All variants of a row are timed alternately (``twincore.timing.time_interleaved``; the speed-up over
-``torch:cudnn:bhsd`` is a paired ratio with its interval), then a few calls of each are traced: ``jax.profiler``'s
-XSpace read back with ``jax.profiler.ProfileData`` (the GPU plane's stream lines), torch.profiler's CUDA events.
-Kernel names say which cuDNN engine ran (tile shape, knobs). Hand-written here: only the table of variants and the
-two short readers of the traces::
+``torch:cudnn:bhsd`` is a paired ratio with its interval), one call per wait and ten per wait, and the host time
+to enqueue one call is taken alone. Then a few calls of each are traced: ``jax.profiler``'s XSpace read back with
+``jax.profiler.ProfileData`` (the GPU plane's stream lines), torch.profiler's CUDA events. Kernel names say which
+cuDNN engine ran (tile shape, knobs). Each traced call and its wait is one host span (:data:`SPAN`), so a call's
+wall time splits into launch, device busy, gaps and tail (:func:`call_timeline`) where the trace puts host and
+device on one clock. A ``floor`` row (``x + 1`` on 1024 values) gives each framework's smallest synchronized
+call. Hand-written here: only the table of variants, the short readers of the traces and the split::
 
     python -m benchmarks.tools.kernel_profile --out DIR           # one Hopper GPU: DIR/kernel_profile.json
     python -m benchmarks.tools.kernel_profile --quick --out DIR   # the CPU rehearsal: jax xla vs torch math
@@ -30,6 +33,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -39,9 +43,10 @@ from twincore.flops import attention_flops
 from twincore.timing import paired_ratio, time_interleaved
 
 from .. import measure
-from ..report.profile_tables import table
+from ..report.profile_tables import table, timeline_table
 
 REFERENCE = "torch:cudnn:bhsd"
+SPAN = "kernel_profile call"  # the host-side name of one traced call and its wait (jax and torch traces)
 
 
 def shapes(quick: bool) -> list[tuple]:
@@ -52,25 +57,48 @@ def shapes(quick: bool) -> list[tuple]:
     return [("bfloat16", 16384 // s, 16, s, 128, c, True) for s in (2048, 4096) for c in (False, True)]
 
 
-def device_kernels_jax(log_dir: str) -> dict:
-    """``{kernel name: [count, total ns]}`` over the GPU planes' stream lines of the newest XSpace under
-    ``log_dir`` (``{}`` when there is no device plane: a CPU run)."""
+def _jax_xspace(log_dir: str):
+    """The newest XSpace under ``log_dir`` (a ``jax.profiler.ProfileData``), None when there is none."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        return {}
+    return ProfileData.from_file(files[-1]) if files else None
+
+
+def _gpu_stream_events(space):
+    """Every kernel / memset / copy event on the GPU planes' stream lines ("XLA Ops" / "XLA Modules" lines repeat
+    the stream's events and are skipped)."""
+    for plane in space.planes if space is not None else ():
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    yield from line.events
+
+
+def device_kernels_jax(log_dir: str) -> dict:
+    """``{kernel name: [count, total ns]}`` over the GPU planes' stream lines of the newest XSpace under
+    ``log_dir`` (``{}`` when there is no device plane: a CPU run)."""
     out: dict = defaultdict(lambda: [0, 0.0])
-    for plane in ProfileData.from_file(files[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):  # "XLA Ops" / "XLA Modules" lines repeat the stream's events
-                continue
-            for ev in line.events:
-                out[ev.name][0] += 1
-                out[ev.name][1] += ev.duration_ns
+    for ev in _gpu_stream_events(_jax_xspace(log_dir)):
+        out[ev.name][0] += 1
+        out[ev.name][1] += ev.duration_ns
     return dict(out)
+
+
+def intervals_jax(log_dir: str) -> tuple[list, list]:
+    """``(spans, kernels)`` of the newest XSpace under ``log_dir`` as sorted ``(start_ns, end_ns)`` pairs: the host
+    planes' :data:`SPAN` annotations (one per traced call) and the GPU stream events (none on a CPU)."""
+    space = _jax_xspace(log_dir)
+    spans = [
+        (ev.start_ns, ev.start_ns + ev.duration_ns)
+        for plane in (space.planes if space is not None else ())
+        if plane.name.startswith("/host:")
+        for line in plane.lines
+        for ev in line.events
+        if ev.name == SPAN
+    ]
+    kernels = [(ev.start_ns, ev.start_ns + ev.duration_ns) for ev in _gpu_stream_events(space)]
+    return sorted(spans), sorted(kernels)
 
 
 def device_kernels_torch(prof) -> dict:
@@ -83,6 +111,54 @@ def device_kernels_torch(prof) -> dict:
             out[ev.name][0] += 1
             out[ev.name][1] += ev.time_range.elapsed_us() * 1e3
     return dict(out)
+
+
+def intervals_torch(prof) -> tuple[list, list]:
+    """``(spans, kernels)`` of a finished ``torch.profiler.profile`` in ns on kineto's one clock: the
+    ``record_function(SPAN)`` ranges and the CUDA events."""
+    import torch
+
+    spans, kernels = [], []
+    for ev in prof.events():
+        iv = (ev.time_range.start * 1e3, ev.time_range.end * 1e3)
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append(iv)
+        elif ev.name == SPAN:
+            spans.append(iv)
+    return sorted(spans), sorted(kernels)
+
+
+def call_timeline(spans: list, kernels: list) -> dict | None:
+    """Where a synchronized call's wall time goes, from host spans (one call and its wait each) and device
+    intervals on one clock. Per call: ``launch_us`` (span start to its first kernel's start: dispatch and launch),
+    ``busy_us`` (the union of its kernels), ``gaps_us`` (device idle between its first kernel's start and its last
+    kernel's end) and ``tail_us`` (last kernel's end to span end: the wait's wake-up and return); medians over the
+    calls, with ``calls``.
+
+    None when there is nothing to place (no span or no kernel: a CPU run). When the clocks disagree (a kernel
+    outside every span, a span without a kernel): ``{"aligned": False, "reason": ...}`` and no figures, since a
+    split on misaligned clocks would be wrong, not approximate."""
+    if not spans or not kernels:
+        return None
+    per_call: list[list] = [[] for _ in spans]
+    for k0, k1 in sorted(kernels):
+        i = next((i for i, (s0, s1) in enumerate(spans) if s0 <= k0 and k1 <= s1), None)
+        if i is None:
+            return {"aligned": False, "calls": len(spans), "reason": f"a kernel at {k0:.0f} ns lies outside every span"}
+        per_call[i].append((k0, k1))
+    if any(not ks for ks in per_call):
+        return {"aligned": False, "calls": len(spans), "reason": "a traced call has no kernel inside its span"}
+    figs: dict = {"launch_us": [], "busy_us": [], "gaps_us": [], "tail_us": []}
+    for (s0, s1), ks in zip(spans, per_call):
+        busy, end = 0.0, ks[0][0]  # the union of the call's intervals (sorted by start)
+        for k0, k1 in ks:
+            busy += max(0.0, k1 - max(k0, end))
+            end = max(end, k1)
+        figs["launch_us"].append((ks[0][0] - s0) / 1e3)
+        figs["busy_us"].append(busy / 1e3)
+        figs["gaps_us"].append((end - ks[0][0] - busy) / 1e3)
+        figs["tail_us"].append((s1 - end) / 1e3)
+    return {"aligned": True, "calls": len(spans), **{k: statistics.median(v) for k, v in figs.items()}}
 
 
 def _per_call(kernels: dict, calls: int) -> list[dict]:
@@ -166,8 +242,10 @@ def variants(shape, quick: bool) -> dict:
     return out
 
 
-def profile(var: dict, pss: str, calls: int) -> list[dict]:
-    """Device kernels of ``calls`` calls of one variant's pass (after one untimed call)."""
+def profile(var: dict, pss: str, calls: int) -> tuple[list[dict], list, list]:
+    """``calls`` traced calls of one variant's pass (after one untimed call), each call and its wait named
+    :data:`SPAN` on the host: ``(kernels per call, spans, kernel intervals)``, the last two for
+    :func:`call_timeline`."""
     fn = var[pss]
     measure.sync(fn())
     if var["framework"] == "jax":
@@ -176,9 +254,10 @@ def profile(var: dict, pss: str, calls: int) -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
             for _ in range(calls):
-                measure.sync(fn())
+                with jax.profiler.TraceAnnotation(SPAN):
+                    measure.sync(fn())
             jax.profiler.stop_trace()
-            return _per_call(device_kernels_jax(tmp), calls)
+            return (_per_call(device_kernels_jax(tmp), calls), *intervals_jax(tmp))
     import torch
 
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -186,8 +265,21 @@ def profile(var: dict, pss: str, calls: int) -> list[dict]:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
-            measure.sync(fn())
-    return _per_call(device_kernels_torch(prof), calls)
+            with torch.profiler.record_function(SPAN):
+                measure.sync(fn())
+    return (_per_call(device_kernels_torch(prof), calls), *intervals_torch(prof))
+
+
+def dispatch_s(fn, calls: int = 5) -> float:
+    """Median host time until ``fn()`` returns, its wait not counted (each call is waited for before the next):
+    what enqueueing one call costs the caller (jax dispatches asynchronously; torch launches as it goes)."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        measure.sync(out)
+    return statistics.median(times)
 
 
 BURST = 10  # calls enqueued back to back before one wait, in the burst timing
@@ -206,14 +298,64 @@ def _burst(fn, n: int = BURST):
     return call
 
 
+def floor_variants() -> dict:
+    """Each framework's floor for one synchronized call: ``x + 1`` on 1024 float32 values (a kernel of a few
+    microseconds), jitted in JAX, eager in torch; the same shape of dict as :func:`variants`' (one pass, ``floor``)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    x = jnp.arange(1024, dtype=jnp.float32)
+    add = jax.jit(lambda x: x + 1)
+    t = torch.arange(1024, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    return {
+        "jax:add": {"floor": lambda: add(x), "framework": "jax"},
+        "torch:add": {"floor": lambda: t + 1, "framework": "torch"},
+    }
+
+
+def _time_variants(vs: dict, pss: str, ref: str, rounds: int) -> dict:
+    """``{name: record}`` of one pass of every variant, timed interleaved: one call and its wait (``median_s``, as
+    the attention suite times), then :data:`BURST` calls per wait (``burst_per_call_s``), each with its paired
+    speed-up over ``ref``; then the host time to enqueue one call (``dispatch_s``)."""
+    calls = {name: var[pss] for name, var in vs.items()}
+    t = time_interleaved(calls, rounds=rounds, per_round=3, warmup=2, sync=measure.sync)
+    tb = time_interleaved(
+        {name: _burst(fn) for name, fn in calls.items()},
+        rounds=max(2, rounds // 2),
+        per_round=1,
+        warmup=1,
+        sync=measure.sync,
+    )
+    out = {}
+    for name, st in t.items():
+        rec = {k: st[k] for k in ("median_s", "p10_s", "p90_s", "cv")}
+        rec["burst_per_call_s"] = tb[name]["median_s"] / BURST
+        if name != ref:  # speed-ups over the reference: its time / this one's, round by round
+            rec["speedup_vs_reference"] = paired_ratio(t[ref]["rounds"], st["rounds"], cv=(st["cv"], t[ref]["cv"]))
+            rec["burst_speedup_vs_reference"] = paired_ratio(
+                tb[ref]["rounds"], tb[name]["rounds"], cv=(tb[name]["cv"], tb[ref]["cv"])
+            )
+        rec["dispatch_s"] = dispatch_s(calls[name])
+        out[name] = rec
+    return out
+
+
 def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None) -> dict:
-    """Times every row twice, all variants interleaved: one call and its wait (``median_s``, as the attention suite
-    times), then :data:`BURST` calls per wait (``burst_per_call_s``: the wait's round trip shared by ten calls; the
-    gap to the device time is then what enqueueing a call costs). Then traces the profiled rows: every JAX variant
-    first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant)."""
+    """First each framework's floor (:func:`floor_variants`, ``floor``), then every attention row; all variants
+    of a row timed interleaved (:func:`_time_variants`). Then traces the floor and the profiled rows: every JAX
+    variant first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant); each
+    traced record gets ``kernels`` and, where a device ran them, ``timeline`` (:func:`call_timeline`)."""
     t_start = time.perf_counter()
-    rows, complete, to_profile = [], True, []
+    rows, complete = [], True
     ref = "torch:math:bhsd" if quick else REFERENCE
+    fvs = floor_variants()
+    floor = {
+        "pass": "floor",
+        "op": "x + 1, 1024 float32",
+        "variants": _time_variants(fvs, "floor", "torch:add", rounds),
+    }
+    to_profile = [(fvs[name], "floor", rec) for name, rec in floor["variants"].items()]
     for shape in shapes(quick):
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             complete = False
@@ -221,25 +363,11 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
         dtype, b, h, s, d, causal, profiled = shape
         vs = variants(shape, quick)
         for pss in ("fwd", "fwd_bwd"):
-            calls = {name: var[pss] for name, var in vs.items()}
-            t = time_interleaved(calls, rounds=rounds, per_round=3, warmup=2, sync=measure.sync)
-            bursts = {name: _burst(fn) for name, fn in calls.items()}
-            tb = time_interleaved(bursts, rounds=max(2, rounds // 2), per_round=1, warmup=1, sync=measure.sync)
             flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
-            row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss, "variants": {}}
-            for name, st in t.items():
-                rec = {k: st[k] for k in ("median_s", "p10_s", "p90_s", "cv")}
-                rec["tflops"] = flops / st["median_s"] / 1e12
-                if name != ref:  # speed-up over the reference: its time / this one's, round by round
-                    rec["speedup_vs_reference"] = paired_ratio(
-                        t[ref]["rounds"], st["rounds"], cv=(st["cv"], t[ref]["cv"])
-                    )
-                rec["burst_per_call_s"] = tb[name]["median_s"] / BURST
-                if name != ref:
-                    rec["burst_speedup_vs_reference"] = paired_ratio(
-                        tb[ref]["rounds"], tb[name]["rounds"], cv=(tb[name]["cv"], tb[ref]["cv"])
-                    )
-                row["variants"][name] = rec
+            row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss}
+            row["variants"] = _time_variants(vs, pss, ref, rounds)
+            for name, rec in row["variants"].items():
+                rec["tflops"] = flops / rec["median_s"] / 1e12
                 if profiled:
                     to_profile.append((vs[name], pss, rec))
             rows.append(row)
@@ -249,13 +377,24 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
             if var["framework"] != fw:
                 continue
             try:
-                rec["kernels"] = profile(var, pss, profile_calls)
+                rec["kernels"], spans, intervals = profile(var, pss, profile_calls)
             except Exception as e:  # a profiler that cannot start: the timing stands
                 rec["kernels_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                continue
+            timeline = call_timeline(spans, intervals)
+            if timeline is not None:
+                rec["timeline"] = timeline
     for row in rows:
         if any("kernels" in rec for rec in row["variants"].values()):
             print(_line(row, ref, kernels=True), flush=True)
-    return {"tool": "kernel_profile", "reference": ref, "env": measure.env_info(), "complete": complete, "rows": rows}
+    return {
+        "tool": "kernel_profile",
+        "reference": ref,
+        "env": measure.env_info(),
+        "complete": complete,
+        "floor": floor,
+        "rows": rows,
+    }
 
 
 def _line(row: dict, ref: str, kernels: bool = False) -> str:
@@ -285,7 +424,11 @@ def main(argv=None) -> int:
     if a.table:
         for path in a.table:
             with open(path) as f:
-                print(table(json.load(f), os.path.basename(path)) + "\n")
+                res = json.load(f)
+            print(table(res, os.path.basename(path)) + "\n")
+            tl = timeline_table(res)
+            if tl:
+                print("Where each call's wall time goes (us; medians of the traced calls):\n\n" + tl + "\n")
         return 0
     if not a.out:
         ap.error("--out DIR is needed to run (or --table FILE... to print a table)")
