@@ -42,7 +42,18 @@ def _plan(*args, tmp_path):
 
 def test_plan_fits_two_device_calls(tmp_path):
     plan, text = _plan(tmp_path=tmp_path)
-    assert list(plan) == ["tests", "profile", "attention", "peers", "order", "train", "decode", "blocks", "model"]
+    assert list(plan) == [
+        "tests",
+        "profile",
+        "attention",
+        "peers",
+        "order",
+        "train",
+        "decode",
+        "blocks",
+        "gqa",
+        "model",
+    ]
     assert plan["model"][0] == "-", "model is in no call (run by name)"
     for call in (1, 2):
         steps = {s: v for s, v in plan.items() if v[0] == call}
@@ -62,7 +73,7 @@ def test_plan_fits_two_device_calls(tmp_path):
     "args,message",
     [
         (["--call", "3"], r"--call '3': give 1 or 2"),
-        (["nope"], r"unknown step 'nope'; steps: tests profile attention peers order train decode blocks model"),
+        (["nope"], r"unknown step 'nope'; steps: tests profile attention peers order train decode blocks gqa model"),
         (["--fast"], r"unknown option '--fast'"),
     ],
 )
@@ -74,23 +85,20 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, args, message):
 
 def test_budget_ends_a_step_and_the_session_goes_on(tmp_path):
     """A step over its budget is interrupted (exit 124, said in the summary) and the next step still runs."""
-    r = _session("--dry-run", "tests", "blocks", out=tmp_path, env={"BUDGET_tests": "3"}, timeout=300)
+    r = _session("--dry-run", "tests", "blocks", "gqa", out=tmp_path, env={"BUDGET_tests": "3"}, timeout=300)
     log = (tmp_path / "session.log").read_text()
     assert r.returncode == 1, log[-3000:]  # a rehearsal whose step outran its budget fails, after the other steps
     assert "failed steps: tests (a budget's interrupt" in log
     assert re.search(r"tests: exit 124, [\d.]+ s of 3 s \(its budget ended it", log), log[-3000:]
-    blocks_budget = _plan(tmp_path=tmp_path)[0]["blocks"][1]
-    assert re.search(rf"blocks: exit 0, [\d.]+ s of {blocks_budget} s", log), log[-3000:]
+    plan = _plan(tmp_path=tmp_path)[0]
+    for step in ("blocks", "gqa"):
+        assert re.search(rf"{step}: exit 0, [\d.]+ s of {plan[step][1]} s", log), log[-3000:]
     dirs = os.listdir(tmp_path / "results")
     assert len(dirs) == 1
     got = read_results(str(tmp_path / "results" / dirs[0]))["block_search"]
-    assert {r["kernel"] for r in got["records"]} == {
-        "mosaic_fwd",
-        "mosaic_bwd_dq",
-        "mosaic_bwd_dkv",
-        "flash_fwd",
-        "flash_bwd_dq",
-        "flash_bwd_dkv",
+    groups = {(r["kernel"], r.get("kv_heads", 16)) for r in got["records"]}  # both steps' rows, merged in one file
+    assert groups == {("mosaic_fwd", 16), ("mosaic_bwd_dq", 16), ("mosaic_bwd_dkv", 16), ("flash_bwd_dkv", 16)} | {
+        ("flash_bwd_dkv", 4)
     }
     assert {r["head_dim"] for r in got["records"]} == {128}
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]

@@ -225,3 +225,35 @@ def test_timeline_table_shows_the_split_only_on_aligned_clocks(quick_run):
     for old in ("kernel_profile-call1.json", "kernel_profile-call3.json"):  # written before the timeline
         with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "nvidia-h200", old)) as f:
             assert profile_tables.timeline_table(json.load(f)) == ""
+
+
+def test_an_interrupt_keeps_what_finished(monkeypatch):
+    """A session step's budget sends SIGINT: the run returns the rows timed (and traced) so far, marked incomplete
+    with the phase it stopped in, so the tool still writes its JSON."""
+    real_time, real_profile, n = kp._time_variants, kp.profile, {"t": 0, "p": 0}
+
+    def time_twice(*a, **k):  # the floor, one attention row, then the interrupt
+        n["t"] += 1
+        if n["t"] == 3:
+            raise KeyboardInterrupt
+        return real_time(*a, **k)
+
+    monkeypatch.setattr(kp, "_time_variants", time_twice)
+    res = kp.run(quick=True, rounds=2, profile_calls=1)
+    assert (res["complete"], res["interrupted"]) == (False, "timing")
+    assert set(res["floor"]["variants"]) == {"jax:add", "torch:add"} and len(res["rows"]) == 1
+    assert all("kernels" not in rec for rec in res["rows"][0]["variants"].values())  # nothing traced after it
+
+    def trace_once(*a, **k):
+        n["p"] += 1
+        if n["p"] == 2:
+            raise KeyboardInterrupt
+        return real_profile(*a, **k)
+
+    monkeypatch.setattr(kp, "_time_variants", real_time)
+    monkeypatch.setattr(kp, "profile", trace_once)
+    res = kp.run(quick=True, rounds=2, profile_calls=1)
+    assert (res["complete"], res["interrupted"]) == (False, "tracing") and len(res["rows"]) == 4
+    traced = [rec for rec in res["floor"]["variants"].values() if "kernels" in rec]
+    traced += [rec for row in res["rows"] for rec in row["variants"].values() if "kernels" in rec]
+    assert len(traced) == 1  # the first trace (JAX's floor) and no other

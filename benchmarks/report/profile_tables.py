@@ -81,7 +81,7 @@ def timeline_table(res: dict) -> str:
     host time to enqueue the call (dispatch), and from the trace the launch (call start to first kernel), the
     device's busy time, its idle gaps inside the call and the tail (last kernel's end to the result in hand).
     The floor row (one ``x + 1`` call per framework) is the smallest call each framework can make."""
-    rows = ([dict(res["floor"], S="", causal=None)] if "floor" in res else []) + list(res.get("rows", []))
+    rows = ([dict(res["floor"], S="", causal=None)] if res.get("floor") else []) + list(res.get("rows", []))
     lines = []
     for row in rows:
         for v, rec in row["variants"].items():

@@ -51,6 +51,12 @@ FIELDS = {
 }
 
 
+def group_key(row: dict) -> tuple:
+    """A row's search group: (kernel, D, dtype, kv heads); rows written before GQA shapes were searched are the
+    default shape's (:class:`AttnShape`'s 16 / 16 heads)."""
+    return (row["kernel"], row["head_dim"], row["dtype"], row.get("kv_heads", AttnShape().hkv))
+
+
 def _is_mosaic(kernel: str) -> bool:
     return kernel in MOSAIC_KERNELS
 
@@ -229,6 +235,8 @@ def filter_kernel(
             "dtype": jnp.dtype(dtype).name,
             "knobs": _knobs(bs, kernel, d),
             "block_sizes": dataclasses.asdict(bs),
+            "q_heads": shape.hq,
+            "kv_heads": shape.hkv,
         }
         row["default"] = row["knobs"] == _knobs(_default(kernel, d, dtype), kernel, d)
         t0 = time.perf_counter()
@@ -348,7 +356,7 @@ def time_rows(rows: list[dict], shape: AttnShape = AttnShape(), iters: int = 20,
         r["time_rank"] = i
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
+        groups.setdefault(group_key(r), []).append(r)
     for group in groups.values():
         try:
             if pair_best_with_default(group, lambda r: calls[id(r)]) is not None and on_row is not None:
@@ -390,8 +398,10 @@ def table(rows: list[dict]) -> str:
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["kernel"], r["head_dim"], r["dtype"]), []).append(r)
-    for (kernel, d, dt), rs in groups.items():
+        groups.setdefault(group_key(r), []).append(r)
+    for (kernel, d, dt, hkv), rs in groups.items():
+        if hkv != AttnShape().hkv:  # a GQA group: its heads beside the kernel's name
+            kernel = f"{kernel} ({rs[0].get('q_heads', AttnShape().hq)}/{hkv} heads)"
         ok = [r for r in rs if r["passed"]]
         times = [r for r in rs if "time" in r]  # the survivors and the default, on a GPU
         best = min(times, key=lambda r: r["time"]["median_s"]) if times else (ok[0] if ok else None)
@@ -417,21 +427,21 @@ def table(rows: list[dict]) -> str:
 
 
 def write(out: str, rows: list[dict], info: dict, complete: bool = True) -> str:
-    """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype) searched now replace the
+    """Merge ``rows`` into ``<out>/block_search.json`` (groups (kernel, D, dtype, kv heads) searched now replace the
     stored ones, the others stay, so a partial search never erases a finished one) and rewrite
     ``block_search.md``; returns the markdown."""
     path = os.path.join(out, "block_search.json")
     old = read_results(out).get("block_search", {}).get("records", []) if os.path.exists(path) else []
-    key = lambda r: (r["kernel"], r["head_dim"], r["dtype"])  # noqa: E731
-    now = {key(r) for r in rows}
-    merged = [r for r in old if key(r) not in now] + list(rows)
-    merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"]))
+    now = {group_key(r) for r in rows}
+    merged = [r for r in old if group_key(r) not in now] + list(rows)
+    merged.sort(key=lambda r: (KERNELS.index(r["kernel"]), r["dtype"], r["head_dim"], -group_key(r)[3]))
     write_results(out, "block_search", merged, info, complete=complete)
     timed = any("time" in r for r in merged)
     text = (
         f"# Block-size search for the flash and mosaic kernels, {info.get('label', 'compiled for H100, not run')}\n\n"
         "Deviceless filter (`python -m benchmarks compile --search`, or `python -m benchmarks.tools.block_search "
-        "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal; "
+        "--out DIR` per kernel/D/dtype): each candidate kernel compiled ALONE at B=1, S=4096, H=16, causal (a GQA "
+        "group, `--kv-heads`: 16 query heads over the kv heads its name gives); "
         "it passes with no spill, a fit on the SM and, for bf16/fp16, wgmma only (HMMA = 0). "
         + (
             "Best = the fastest timed row (the survivors and the default tile, timed even where it spills); where "
@@ -459,6 +469,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=tuple(DTYPES), action="append")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--target", default="h100")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=AttnShape().hkv,
+        help=f"kv heads of the searched call, {AttnShape().hq} query heads over them (default {AttnShape().hkv}: "
+        "no GQA; 4: Llama 3 8b's 4 query heads per kv head, as the 1b and Mixtral presets)",
+    )
     p.add_argument("--out", default=None, help="merge the rows into DIR/block_search.{json,md}")
     p.add_argument(
         "--survivors",
@@ -468,6 +485,10 @@ def main(argv=None) -> int:
         "--dtype given (on a GPU; a GPU session's search, e.g. benchmarks/results/h100-compiled/block_search.json)",
     )
     args = p.parse_args(argv)
+    hq = AttnShape().hq
+    if args.kv_heads < 1 or hq % args.kv_heads:
+        p.error(f"--kv-heads must divide the {hq} query heads (1, 2, 4, 8 or 16), got {args.kv_heads}")
+    shape = AttnShape(hkv=args.kv_heads)
     groups = [
         (kernel, d, dt)
         for kernel in args.kernel or KERNELS
@@ -492,15 +513,15 @@ def main(argv=None) -> int:
             got = [
                 dict(r)
                 for r in stored.get("records", [])
-                if (r["kernel"], r["head_dim"], r["dtype"]) == (kernel, d, jnp.dtype(DTYPES[dt]).name)
+                if group_key(r) == (kernel, d, jnp.dtype(DTYPES[dt]).name, args.kv_heads)
             ]
             if not got:
-                p.error(f"--survivors {args.survivors}: no rows for {kernel} D={d} {dt}")
+                p.error(f"--survivors {args.survivors}: no rows for {kernel} D={d} {dt} with {args.kv_heads} kv heads")
             print(
                 f"  {kernel} D={d} {dt}: timing {sum(map(to_time, got))} rows (survivors and the default)", flush=True
             )
             rows += got
-            time_rows(got, on_row=save)
+            time_rows(got, shape, on_row=save)
     else:
         devs = gpu_target.devices(target_config(args.target))
         for kernel, d, dt in groups:
@@ -511,9 +532,10 @@ def main(argv=None) -> int:
                 d,
                 DTYPES[dt],
                 candidates(kernel, d, DTYPES[dt], args.quick),
+                shape,
                 log=lambda *a: print(*a, flush=True),
             )
-            rows += time_rows(got, on_row=save)
+            rows += time_rows(got, shape, on_row=save)
     if not has_gpu():
         print("no GPU here: timing skipped (deviceless filter only)")
     print(table(rows))

@@ -2,8 +2,8 @@
 # The GPU session: what the project wants from a lent GPU, in two device calls that fit its 15 minutes
 # (the machine's start takes 1-2 of them). Run from the repository root; writes under $OUT.
 #   bash benchmarks/tools/gpu_session.sh --plan              # the plan (steps, budgets, expected GPU times); runs nothing
-#   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, model, attention, order
-#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, blocks
+#   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, profile, attention, order
+#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: peers, train, decode, blocks, gqa
 #   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
 #   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
 # Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
@@ -22,13 +22,14 @@ PY=${PYTHON:-python}
 # one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
 # what those did not reach.
 PLAN="tests|1|75|55|gpu tests (55): 8 pytest-xdist workers, 60 s per test; 51 passed in 39-45 s on one H200 (twice)
-profile|1|130|110|issue 42: JAX vs torch cuDNN (BSHD, BHSD), mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired; kernels of every row (H200: 58-67 s, S=4096 traced, no bursts)
+profile|1|130|110|issue 42: each framework's floor (x + 1), then JAX vs torch cuDNN (BSHD, BHSD), mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired, host dispatch; kernels and a per-call timeline of every row (H200: 58-67 s, S=4096 traced, no bursts; an interrupt keeps what finished)
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
 peers|2|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder; H200: 80 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then fp16, fused_loss, remat_full (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8, B 1 and 64, split-K kernel, torch.compile (a compile: 33 s)
-blocks|2|90|80|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward first, then flash: the filter's survivors and each default (H200: 75 s)
+blocks|2|55|40|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward, then flash dkv: the filter's survivors and each default (H200: 75 s with flash fwd / dq, settled and left out now)
+gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads (GQA: the 4-warp tiles spill there), the survivors and the default, paired
 model|-|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200 2026-11-27: 75 s and 82 s); in no call (this H200 model ran it last): by name"
 ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
 DRY=0 PLAN_ONLY=0 CALL="" STEPS=()
@@ -168,8 +169,12 @@ if want decode; then
 fi
 if want blocks; then
   step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
-    --kernel mosaic_fwd --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel flash_bwd_dkv --kernel flash_fwd \
-    --kernel flash_bwd_dq --d 128 --dtype bf16 --out "$RES"
+    --kernel mosaic_fwd --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel flash_bwd_dkv --d 128 --dtype bf16 \
+    --out "$RES"
+fi
+if want gqa; then
+  step gqa "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
+    --kernel flash_bwd_dkv --d 128 --dtype bf16 --kv-heads 4 --out "$RES"
 fi
 echo
 echo "=== session summary (call ${CALL:-all}) ==="

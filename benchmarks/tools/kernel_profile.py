@@ -345,45 +345,52 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
     """First each framework's floor (:func:`floor_variants`, ``floor``), then every attention row; all variants
     of a row timed interleaved (:func:`_time_variants`). Then traces the floor and the profiled rows: every JAX
     variant first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant); each
-    traced record gets ``kernels`` and, where a device ran them, ``timeline`` (:func:`call_timeline`)."""
+    traced record gets ``kernels`` and, where a device ran them, ``timeline`` (:func:`call_timeline`).
+
+    ``budget_s``: start no new shape after it. An interrupt (a session step's budget: SIGINT) ends the run early
+    but still returns what finished, ``complete`` false and ``interrupted`` naming the phase it stopped."""
     t_start = time.perf_counter()
-    rows, complete = [], True
+    rows, complete, interrupted, floor = [], True, None, None
     ref = "torch:math:bhsd" if quick else REFERENCE
-    fvs = floor_variants()
-    floor = {
-        "pass": "floor",
-        "op": "x + 1, 1024 float32",
-        "variants": _time_variants(fvs, "floor", "torch:add", rounds),
-    }
-    to_profile = [(fvs[name], "floor", rec) for name, rec in floor["variants"].items()]
-    for shape in shapes(quick):
-        if budget_s is not None and time.perf_counter() - t_start > budget_s:
-            complete = False
-            break
-        dtype, b, h, s, d, causal, profiled = shape
-        vs = variants(shape, quick)
-        for pss in ("fwd", "fwd_bwd"):
-            flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
-            row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss}
-            row["variants"] = _time_variants(vs, pss, ref, rounds)
-            for name, rec in row["variants"].items():
-                rec["tflops"] = flops / rec["median_s"] / 1e12
-                if profiled:
-                    to_profile.append((vs[name], pss, rec))
-            rows.append(row)
-            print(_line(row, ref), flush=True)
-    for fw in ("jax", "torch"):
-        for var, pss, rec in to_profile:
-            if var["framework"] != fw:
-                continue
-            try:
-                rec["kernels"], spans, intervals = profile(var, pss, profile_calls)
-            except Exception as e:  # a profiler that cannot start: the timing stands
-                rec["kernels_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                continue
-            timeline = call_timeline(spans, intervals)
-            if timeline is not None:
-                rec["timeline"] = timeline
+    to_profile: list = []
+    try:
+        fvs = floor_variants()
+        floor_recs = _time_variants(fvs, "floor", "torch:add", rounds)
+        floor = {"pass": "floor", "op": "x + 1, 1024 float32", "variants": floor_recs}
+        to_profile += [(fvs[name], "floor", rec) for name, rec in floor_recs.items()]
+        for shape in shapes(quick):
+            if budget_s is not None and time.perf_counter() - t_start > budget_s:
+                complete = False
+                break
+            dtype, b, h, s, d, causal, profiled = shape
+            vs = variants(shape, quick)
+            for pss in ("fwd", "fwd_bwd"):
+                flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
+                row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss}
+                row["variants"] = _time_variants(vs, pss, ref, rounds)
+                for name, rec in row["variants"].items():
+                    rec["tflops"] = flops / rec["median_s"] / 1e12
+                    if profiled:
+                        to_profile.append((vs[name], pss, rec))
+                rows.append(row)
+                print(_line(row, ref), flush=True)
+    except KeyboardInterrupt:
+        complete, interrupted = False, "timing"
+    try:
+        for fw in ("jax", "torch") if interrupted is None else ():
+            for var, pss, rec in to_profile:
+                if var["framework"] != fw:
+                    continue
+                try:
+                    rec["kernels"], spans, intervals = profile(var, pss, profile_calls)
+                except Exception as e:  # a profiler that cannot start: the timing stands
+                    rec["kernels_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    continue
+                timeline = call_timeline(spans, intervals)
+                if timeline is not None:
+                    rec["timeline"] = timeline
+    except KeyboardInterrupt:
+        complete, interrupted = False, "tracing"
     for row in rows:
         if any("kernels" in rec for rec in row["variants"].values()):
             print(_line(row, ref, kernels=True), flush=True)
@@ -392,6 +399,7 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
         "reference": ref,
         "env": measure.env_info(),
         "complete": complete,
+        "interrupted": interrupted,
         "floor": floor,
         "rows": rows,
     }
