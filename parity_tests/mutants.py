@@ -451,6 +451,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "each kernel placed in the first call that started before it, not the call whose span holds it",
     ),
     m(
+        "block-search-gqa-merged-with-mha",
+        "statistics",
+        "benchmarks/tools/block_search.py",
+        'return (row["kernel"], row["head_dim"], row["dtype"], row.get("kv_heads", AttnShape().hkv))',
+        'return (row["kernel"], row["head_dim"], row["dtype"], AttnShape().hkv)',
+        "parity_tests/test_gpu_session.py -k gqa_group",
+        "a GQA block search's rows take the MHA group's key: writing them erases the 16/16-head search",
+    ),
+    m(
         "ptxas-serialized-wgmma-ignored",
         "statistics",
         "benchmarks/tools/kernel_stats.py",

@@ -412,3 +412,26 @@ def test_block_search_times_the_fastest_tile_against_the_default_paired():
     # nothing to pair: the default is the fastest, or was not timed
     assert bsr.pair_best_with_default([default, slow], lambda r: calls[id(r)], sync=lambda out: None) is None
     assert bsr.pair_best_with_default([fast, slow], lambda r: calls[id(r)], sync=lambda out: None) is None
+
+
+def test_block_search_keeps_a_gqa_group_apart(tmp_path, capsys):
+    """A GQA search (``--kv-heads``) is its own group: written beside the 16/16-head rows of the same kernel (never
+    replacing them), named with its heads in the table, and selected by its kv heads from a survivors file."""
+    from benchmarks.tools import block_search as bsr
+
+    knobs = {"block_q_dkv": 32, "block_k_dkv": 64, "num_warps": 8, "num_stages": 3}
+    mha = _search_row(knobs, None) | {"kernel": "flash_bwd_dkv"}
+    gqa = _search_row({**knobs, "num_warps": 4}, None) | {"kernel": "flash_bwd_dkv", "q_heads": 16, "kv_heads": 4}
+    bsr.write(str(tmp_path), [mha], {"label": "test"})
+    bsr.write(str(tmp_path), [gqa], {"label": "test"})  # a later GQA search: the MHA rows stay
+    stored = read_results(str(tmp_path))["block_search"]["records"]
+    assert [bsr.group_key(r)[3] for r in stored] == [16, 4]
+    md = (tmp_path / "block_search.md").read_text()
+    assert "| flash_bwd_dkv | 128 |" in md and "| flash_bwd_dkv (16/4 heads) | 128 |" in md
+    survivors = str(tmp_path / "block_search.json")
+    with pytest.raises(SystemExit):  # no 16/2-head rows stored
+        bsr.main(["--survivors", survivors, "--kernel", "flash_bwd_dkv", "--d", "128", "--kv-heads", "2"])
+    assert "no rows for flash_bwd_dkv D=128 bf16 with 2 kv heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bsr.main(["--kernel", "flash_bwd_dkv", "--kv-heads", "3"])
+    assert "--kv-heads must divide the 16 query heads" in capsys.readouterr().err
