@@ -626,3 +626,19 @@ def test_result_environment_names_each_frameworks_cudnn():
     torch = pytest.importorskip("torch")
     expected = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     assert env["cudnn_torch"] == expected
+
+
+def test_decode_budget_reaches_every_weight_format_at_b1_first(monkeypatch):
+    """The decode suite runs batch outermost: with a budget that ends it after two (weights, batch) runs, those are
+    fp32 and bf16 at B=1, not fp32 at both batches (the GPU session never reached bf16 / int8 the other way round).
+    The budget's clock is stepped 100 s per look."""
+    from benchmarks.suites import decode
+
+    clock = iter(range(0, 10_000, 100))
+    monkeypatch.setattr(decode, "_clock", lambda: next(clock))
+    recs = decode.run(quick=True, budget_s=250)
+    ran = [(r["weights"], r["B"]) for r in recs if r["status"] == "ok" and r["impl"] == "jaxattn"]
+    assert sorted(set(ran)) == [("bf16", 1), ("fp32", 1)], ran
+    skipped = {(r["weights"], r["B"]) for r in recs if r["status"] == "skipped"}
+    assert skipped == {("int8", 1), ("fp32", 4), ("bf16", 4), ("int8", 4)}
+    assert all("time budget spent" in r["reason"] for r in recs if r["status"] == "skipped")
