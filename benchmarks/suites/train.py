@@ -32,6 +32,7 @@ BASELINE = {
     "loss": "dense",
     "model": "dense",
     "capacity_factor": None,
+    "matmul": None,  # float32 matmul precision by torch's names (jaxattn/torchref.precision); None: each default
 }
 # name -> changes from BASELINE; attention as {framework: backend name} (torch names are torchref.attention's,
 # "xla" = SDPA math, "flash" = SDPA flash).
@@ -39,6 +40,7 @@ TOGGLES: dict[str, dict] = {
     "baseline": {},
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
+    "tf32": {"matmul": "high"},  # fp32 with TF32 matmuls on both sides: baseline's like-for-like twin on a GPU
     "remat_full": {"remat": "full"},
     "attn_math": {"attention": {"jax": "xla", "torch": "xla"}},
     "attn_fast": {"attention": {"jax": "chunked", "torch": "flash"}},
@@ -151,15 +153,22 @@ def jax_program(toggle: str, quick: bool = False):
 
 @contextlib.contextmanager
 def _backend(s: dict, fw: str):
-    """The row's attention backend for ``fw`` (``jaxattn`` / ``torchref`` ``attention_backend``), or nothing."""
-    if s["attention"] == "default":
-        yield
-        return
-    if fw == "jax":
-        from jaxattn.attention import attention_backend
-    else:
-        from torchref.attention import attention_backend
-    with attention_backend(s["attention"]):
+    """The row's attention backend (``jaxattn`` / ``torchref`` ``attention_backend``) and float32 matmul precision
+    (``jaxattn`` / ``torchref`` ``precision.matmul_precision``) for ``fw``, where the row sets them. JAX reads the
+    precision when it traces and keys its jit cache on it, so every call of a row's step runs inside this too."""
+    with contextlib.ExitStack() as stack:
+        if s["attention"] != "default":
+            if fw == "jax":
+                from jaxattn.attention import attention_backend
+            else:
+                from torchref.attention import attention_backend
+            stack.enter_context(attention_backend(s["attention"]))
+        if s["matmul"] is not None:
+            if fw == "jax":
+                from jaxattn.precision import matmul_precision
+            else:
+                from torchref.precision import matmul_precision
+            stack.enter_context(matmul_precision(s["matmul"]))
         yield
 
 

@@ -26,7 +26,7 @@ profile|1|130|110|issue 42: each framework's floor (x + 1), then JAX vs torch cu
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
 peers|2|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder; H200: 80 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)
-train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then fp16, fused_loss, remat_full (H200: 3 toggles in 118 s)
+train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then tf32 (fp32 at TF32 both sides: never run), remat_full, fp16, fused_loss (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8 at B=1 first (never reached: bf16, int8), then B=64; split-K kernel, torch.compile (a compile: 33 s)
 blocks|2|55|40|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward, then flash dkv: the filter's survivors and each default (H200: 75 s with flash fwd / dq, settled and left out now)
 gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads (GQA: the 4-warp tiles spill there), the survivors and the default, paired
@@ -160,7 +160,7 @@ if want order; then
   fi
 fi
 if want train; then
-  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(bf16 fp16 fused_loss remat_full); fi
+  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(bf16 tf32 remat_full fp16 fused_loss); fi
   step train "${BENCH[@]}" --suite train "${TOGGLES[@]/#/--toggle=}" --budget-s $(($(budget train) - 30))
 fi
 if want decode; then
