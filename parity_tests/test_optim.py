@@ -318,7 +318,10 @@ def test_torch_adamw8bit_vs_bitsandbytes(rng):
     """Our torch AdamW8bit vs ``bitsandbytes.optim.AdamW8bit`` (CPU), 5 steps at lr 1e-3. Not bit-level: the
     bitsandbytes CPU quantiser's table-driven binary search rounds ~0.1% of the values of one step to the
     second-nearest map entry (near midpoints), and those elements then take a different Adam step, by at most
-    about ``lr`` per step; at lr 1e-3 that stays inside the §7 tolerance."""
+    about ``lr`` per step. So: leaves with float32 state (under ``MIN_8BIT_SIZE``, no quantiser) match to the §7
+    tolerance everywhere; a quantised leaf matches to it on at least 99.9% of its elements, and no element is off
+    by more than ``steps * lr``. Over 200 seeds: at least 99.996% within the tolerance, the largest difference
+    0.00255 (5e-3 allowed); the §7 tolerance on every element failed 2 seeds of 40 (0.00212 > 0.00211)."""
     bnb = pytest.importorskip("bitsandbytes")
     init, grads = _tree(rng, scales=False), [_tree(rng) for _ in range(5)]
     sides = []
@@ -336,7 +339,13 @@ def test_torch_adamw8bit_vs_bitsandbytes(rng):
             opt.step()
         sides.append({k: p.detach().numpy() for k, p in params.items()})
     for k in init:
-        np.testing.assert_allclose(sides[0][k], sides[1][k], **TOL, err_msg=k)
+        ours, theirs = sides[0][k], sides[1][k]
+        if ours.size < spec.MIN_8BIT_SIZE:  # float32 state: no quantiser between the two
+            np.testing.assert_allclose(ours, theirs, **TOL, err_msg=k)
+            continue
+        close = np.isclose(ours, theirs, **TOL)
+        assert close.mean() >= 0.999, f"{k}: {close.size - close.sum()} of {close.size} elements outside §7"
+        assert np.abs(ours - theirs).max() <= len(grads) * 1e-3, f"{k}: {np.abs(ours - theirs).max()} > steps * lr"
 
 
 def _bytes_per_param(name, shapes, rng):
