@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         action="append",
         default=None,
         help="decode suite: which extras run beside the jaxattn/torchref pair (repeatable: jaxattn+flash_decode, "
-        "torchref+compile; default both)",
+        "torchref+compile, torchref+cudagraphs; default all)",
     )
     run.add_argument(
         "--preset",

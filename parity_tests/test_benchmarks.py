@@ -670,3 +670,29 @@ def test_train_tf32_row_runs_both_sides_at_tf32_and_restores_the_defaults():
     with train._backend(train._settings("baseline", "torch"), "torch"):
         assert torch.get_float32_matmul_precision() == before[1]
     assert (jax.config.jax_default_matmul_precision, torch.get_float32_matmul_precision()) == before
+
+
+def test_decode_suite_compiled_torch_steps_give_the_eager_tokens(monkeypatch):
+    """The decode suite's torch steps on one shared cache: eager, ``torchref+compile`` and ``torchref+cudagraphs``
+    (``torch.compile`` in ``reduce-overhead`` mode, its cache marked static) decode the same greedy tokens from the
+    same prefill. ``aot_eager`` stands in for inductor here (the mode reaches ``torch.compile``, which it ignores)."""
+    import numpy
+    import torch
+
+    from benchmarks.suites import decode
+    from benchmarks.twins import twin_models
+    from torchref.config import ModelConfig
+
+    real, modes = torch.compile, []
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: modes.append(kw.get("mode")) or real(fn, **{**kw, "backend": "aot_eager"})
+    )
+    tmodel = twin_models(ModelConfig.preset("tiny"), seed=0, perturb_norms=False)[0].eval()
+    tokens = numpy.random.default_rng(0).integers(0, tmodel.config.vocab_size, (2, 5))
+    _, stepper = decode._torch_fns(tmodel, tokens, cache_len=16)
+    runs = {}
+    for impl, mode in {"torchref": None, **decode.TORCH_COMPILED}.items():
+        step = stepper(impl != "torchref", mode)
+        runs[impl] = [step().tolist() for _ in range(4)]
+    assert runs["torchref+compile"] == runs["torchref"] == runs["torchref+cudagraphs"], runs
+    assert modes == [None, "reduce-overhead"]

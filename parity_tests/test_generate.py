@@ -247,24 +247,47 @@ def test_smollm2_chat_32_tokens_matches_transformers(smollm2):
     assert "Paris" in tok.decode(out_j[0])
 
 
-def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, monkeypatch):
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, monkeypatch, mode):
     """The default-run twin of the inductor test below: ``compile=True`` with ``torch.compile``'s ``aot_eager``
     backend (dynamo's ``fullgraph`` trace of the decode step and AOTAutograd's functionalized in-place cache writes,
-    without inductor's C++ build) gives the eager tokens; a graph break fails here as it would there."""
+    without inductor's C++ build) gives the eager tokens; a graph break fails here as it would there. With
+    ``compile_mode="reduce-overhead"`` (CUDA graphs on a GPU; the mode is torch.compile's, ignored by aot_eager) the
+    step's cache is marked static first, every one of its tensors."""
     tmodel, _ = twins
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    real, modes, marked = torch.compile, [], []
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: modes.append(kw.get("mode")) or real(fn, **{**kw, "backend": "aot_eager"})
+    )
+    real_mark = TCache.mark_static
+    monkeypatch.setattr(TCache, "mark_static", lambda self: marked.append(self) or real_mark(self))
     prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
-    assert tgen.generate(tmodel, prompts, 8, compile=True) == tgen.generate(tmodel, prompts, 8)
+    assert tgen.generate(tmodel, prompts, 8, compile=True, compile_mode=mode) == tgen.generate(tmodel, prompts, 8)
+    assert modes == [mode] and len(marked) == (mode is not None)
+    for cache in marked:
+        tensors = (cache.k, cache.v, cache.lengths, cache.slots, cache.rows)
+        assert all(hasattr(t, "_dynamo_static_input_type") for t in tensors)
+
+
+def test_torch_compile_mode_is_checked(twins, capsys):
+    tmodel, _ = twins
+    with pytest.raises(ValueError, match=r"compile_mode must be one of \[None, 'default', 'reduce-overhead'"):
+        tgen.generate(tmodel, [[1, 2]], 2, compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="compile_mode='reduce-overhead' needs compile=True"):
+        tgen.generate(tmodel, [[1, 2]], 2, compile_mode="reduce-overhead")
+    assert tgen.main(["--prompt", "x", "--max-new-tokens", "2", "--compile-mode", "reduce-overhead"]) == 2
+    assert "error: --compile-mode reduce-overhead needs --compile" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.slow_feature
-def test_torch_compiled_decode_step_matches_eager(twins):
-    """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens."""
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compiled_decode_step_matches_eager(twins, mode):
+    """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens, in the default
+    mode and in ``reduce-overhead`` (its cache marked static; a CPU runs no CUDA graph, so this checks the compile)."""
     tmodel, _ = twins
     prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
-    assert tgen.generate(tmodel, prompts, 8, compile=True) == tgen.generate(tmodel, prompts, 8)
+    assert tgen.generate(tmodel, prompts, 8, compile=True, compile_mode=mode) == tgen.generate(tmodel, prompts, 8)
 
 
 @pytest.mark.parametrize("gen", [jgen, tgen], ids=["jax", "torch"])

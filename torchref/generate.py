@@ -11,7 +11,9 @@ Same rules as the JAX twin: right-padded prompts, a length per cache row, prefil
 temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
 (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
 runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
-step has static shapes). Logits that are not finite are refused as in the JAX twin (``twincore.generate.emit``).
+step has static shapes); ``compile_mode="reduce-overhead"`` also replays it as one CUDA graph per step on a GPU
+(gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). Logits that are not finite are refused
+as in the JAX twin (``twincore.generate.emit``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,28 @@ def _decode_step(model, token, cache):
     return model(token[:, None], cache=cache)[:, 0]
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs on a GPU
+
+
+def check_compile_mode(compile: bool, compile_mode: str | None) -> None:
+    """ValueError naming ``compile_mode`` when it is not one of :data:`COMPILE_MODES` or is given without
+    ``compile=True``."""
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {list(COMPILE_MODES)}, got {compile_mode!r}")
+    if compile_mode is not None and not compile:
+        raise ValueError(f"compile_mode={compile_mode!r} needs compile=True (it is torch.compile's mode)")
+
+
+def compiled_step(cache, compile_mode: str | None = None):
+    """The decode step under ``torch.compile`` (fullgraph) in ``compile_mode``; a CUDA-graph mode marks ``cache``
+    static first, so its in-place writes stay inside the recorded graph."""
+    check_compile_mode(True, compile_mode)
+    if compile_mode in CUDAGRAPH_MODES:
+        cache.mark_static()
+    return torch.compile(_decode_step, fullgraph=True, mode=compile_mode)
+
+
 @torch.no_grad()
 def stream(
     model,
@@ -95,8 +119,11 @@ def stream(
     eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
     compile: bool = False,
+    compile_mode: str | None = None,
 ) -> Iterator[list]:
-    """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
+    """Yields, per generation step, a list of B new token ids (None for a row that already stopped).
+    ``compile_mode``: ``torch.compile``'s mode for the decode step (with ``compile=True``; :data:`COMPILE_MODES`)."""
+    check_compile_mode(compile, compile_mode)
     cfg = model.config
     tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     device = model.model.embed_tokens.weight.device
@@ -106,7 +133,7 @@ def stream(
     lengths = torch.from_numpy(lengths).long().to(device)
     logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
     token = _sample_finite(logits, gen, temperature, top_k, top_p)
-    step_fn = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
+    step_fn = compiled_step(cache, compile_mode) if compile else _decode_step
 
     def advance(step, token):
         return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
@@ -127,10 +154,18 @@ def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[
 def main(argv=None) -> int:
     parser = build_parser("python -m torchref.generate")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument(
+        "--compile-mode",
+        choices=[m for m in COMPILE_MODES if m],
+        default=None,
+        help="torch.compile's mode for --compile (reduce-overhead: one CUDA graph per decode step on a GPU)",
+    )
     return cli("python -m torchref.generate", parser, _run, argv)
 
 
 def _run(args) -> None:
+    if args.compile_mode is not None and not args.compile:
+        raise ValueError(f"--compile-mode {args.compile_mode} needs --compile")
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
@@ -147,7 +182,7 @@ def _run(args) -> None:
             file=sys.stderr,
             flush=True,
         )
-    print_generated(stream, model, args, tok, compile=args.compile)
+    print_generated(stream, model, args, tok, compile=args.compile, compile_mode=args.compile_mode)
 
 
 if __name__ == "__main__":

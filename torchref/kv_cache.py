@@ -31,6 +31,15 @@ class KVCache:
         self.slots = torch.arange(max_len, device=device)
         self.rows = torch.arange(batch, device=device)
 
+    def mark_static(self) -> KVCache:
+        """Marks the cache's tensors as static inputs of a ``torch.compile``d step (``torch._dynamo
+        .mark_static_address``), so a CUDA-graph mode (``mode="reduce-overhead"``) records the step with its
+        in-place cache writes at fixed addresses instead of skipping the graph for its mutated inputs (Hugging Face's
+        static cache does the same)."""
+        for t in (self.k, self.v, self.lengths, self.slots, self.rows):
+            torch._dynamo.mark_static_address(t)
+        return self
+
     @property
     def max_len(self) -> int:
         return self.k.shape[3]

@@ -82,6 +82,7 @@ READABLE = {
     "torch:sdpa:cudnn": "torch SDPA cuDNN",
     "torch:torchref": "torch (torchref)",
     "torch:torchref+compile": "torch (torchref, torch.compile)",
+    "torch:torchref+cudagraphs": "torch (torchref, torch.compile reduce-overhead: CUDA graphs)",
 }
 
 

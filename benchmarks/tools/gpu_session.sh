@@ -22,12 +22,12 @@ PY=${PYTHON:-python}
 # one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
 # what those did not reach.
 PLAN="tests|1|75|55|gpu tests (55): 8 pytest-xdist workers, 60 s per test; 51 passed in 39-45 s on one H200 (twice)
-profile|1|130|110|issue 42: each framework's floor (x + 1), then JAX vs torch cuDNN (BSHD, BHSD), mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired, host dispatch; kernels and a per-call timeline of every row (H200: 58-67 s, S=4096 traced, no bursts; an interrupt keeps what finished)
+profile|1|130|110|issue 42: each framework's floor (x + 1), then JAX cuDNN (with and without XLA's command buffers) vs torch cuDNN, mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired, host dispatch; kernels and a per-call timeline of every row (H200: 58-67 s, S=4096 traced, no bursts; an interrupt keeps what finished)
 attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
 peers|2|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder; H200: 80 s)
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then tf32 (fp32 at TF32 both sides: never run), remat_full, fp16, fused_loss (H200: 3 toggles in 118 s)
-decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8 at B=1 first (never reached: bf16, int8), then B=64; split-K kernel, torch.compile (a compile: 33 s)
+decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8 at B=1 first (never reached: bf16, int8), then B=64; split-K kernel, torch.compile with CUDA graphs (reduce-overhead; plain compile timed twice: 3.9-7.0 ms at B=1; a compile: 33 s)
 blocks|2|55|40|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward, then flash dkv: the filter's survivors and each default (H200: 75 s with flash fwd / dq, settled and left out now)
 gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads (GQA: the 4-warp tiles spill there), the survivors and the default, paired
 model|-|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200 2026-11-27: 75 s and 82 s); in no call (this H200 model ran it last): by name"
@@ -164,7 +164,7 @@ if want train; then
   step train "${BENCH[@]}" --suite train "${TOGGLES[@]/#/--toggle=}" --budget-s $(($(budget train) - 30))
 fi
 if want decode; then
-  step decode "${BENCH[@]}" --suite decode --decode-impl jaxattn+flash_decode --decode-impl torchref+compile \
+  step decode "${BENCH[@]}" --suite decode --decode-impl jaxattn+flash_decode --decode-impl torchref+cudagraphs \
     --budget-s $(($(budget decode) - 30))
 fi
 if want blocks; then

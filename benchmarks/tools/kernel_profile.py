@@ -6,10 +6,14 @@ The attention suite gives torch contiguous ``[B, H, S, D]`` tensors (SDPA's own 
 (the jaxattn contract; what a model's projections give). cuDNN takes both, so one shape runs as variants:
 
 * ``jax:cudnn:bshd`` — ``jax.nn.dot_product_attention(implementation="cudnn")``, what the ``cudnn`` backend calls;
-* ``jax:cudnn:bhsd`` — jax's cuDNN wrapper with ``qkv_layout="BNTH"`` on ``[B, H, S, D]`` arrays;
+  ``jax:cudnn:bshd:nocb`` the same executable compiled with XLA's command buffers (CUDA graphs) off: the wall times
+  are the comparison (XLA has a flag, ``xla_enable_command_buffers_during_profiling``, so a traced call may run
+  without them either way);
+* ``jax:cudnn:bhsd`` — jax's cuDNN wrapper with ``qkv_layout="BNTH"`` on ``[B, H, S, D]`` arrays (``--all-layouts``);
 * ``torch:cudnn:bhsd`` — SDPA's cuDNN backend on contiguous ``[B, H, S, D]`` (the attention suite's torch rows);
 * ``torch:cudnn:bshd`` — the same on ``[B, S, H, D]`` memory seen through ``.transpose(1, 2)`` (what
-  ``q.view(B, S, H, D).transpose(1, 2)`` in a Llama block, ``torchref.model`` included, hands SDPA);
+  ``q.view(B, S, H, D).transpose(1, 2)`` in a Llama block, ``torchref.model`` included, hands SDPA;
+  ``--all-layouts``: no layout made a difference on the H200);
 * ``jax:mosaic`` — our Mosaic kernel on ``[B, S, H, D]``; ``jax:mosaic:overlap`` the same with FlashAttention-3's
   intra-warpgroup overlap (``MosaicBlockSizes(overlap=True)``).
 
@@ -46,6 +50,9 @@ from .. import measure
 from ..report.profile_tables import table, timeline_table
 
 REFERENCE = "torch:cudnn:bhsd"
+# XLA's CUDA-graph runtime off for one executable (``compile(compiler_options=...)``): the ``:nocb`` variants say
+# whether replaying a call's kernels as a command buffer (updated for each call's new output buffers) costs time
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 SPAN = "kernel_profile call"  # the host-side name of one traced call and its wait (jax and torch traces)
 
 
@@ -169,8 +176,10 @@ def _per_call(kernels: dict, calls: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
-def variants(shape, quick: bool) -> dict:
-    """name -> {"fwd": f, "fwd_bwd": g, "framework"}: zero-argument callables on fresh random inputs."""
+def variants(shape, quick: bool, all_layouts: bool = False) -> dict:
+    """name -> {"fwd": f, "fwd_bwd": g, "framework"}: zero-argument callables on fresh random inputs. The layout
+    variants (``jax:cudnn:bhsd``, ``torch:cudnn:bshd``) only with ``all_layouts``: on the H200 (2026-11-27b) they
+    ran the same kernels in the same time (16 of 16 pairs, no difference shown); the quick rehearsal keeps torch's."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -178,33 +187,37 @@ def variants(shape, quick: bool) -> dict:
     dtype, b, h, s, d, causal, _ = shape
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (b, s, h, d), dtype) for kk in ks)  # [B, S, H, D]
-    bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D] arrays, made before timing
     scale = 1.0 / d**0.5
     out: dict = {}
 
-    def jax_pair(fwd, args):
+    def jax_pair(fwd, args, compiler_options=None):
         f = jax.jit(fwd)
         g = jax.jit(lambda q, k, v, do: jax.vjp(fwd, q, k, v)[1](do))
+        if compiler_options:  # compiled ahead with these XLA options (this executable only)
+            f = f.lower(*args[:3]).compile(compiler_options=compiler_options)
+            g = g.lower(*args).compile(compiler_options=compiler_options)
         return {"fwd": lambda: f(*args[:3]), "fwd_bwd": lambda: g(*args), "framework": "jax"}
 
     if quick:
-        out["jax:xla:bshd"] = jax_pair(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"), (q, k, v, do)
-        )
+        xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")  # noqa: E731
+        out["jax:xla:bshd"] = jax_pair(xla, (q, k, v, do))
+        out["jax:xla:bshd:nocb"] = jax_pair(xla, (q, k, v, do), NO_COMMAND_BUFFERS)
     else:
         from jax._src.cudnn import fused_attention_stablehlo as cud
 
         from jaxattn.attention import dot_product_attention
         from jaxattn.attention.mosaic import MosaicBlockSizes, mosaic_attention
 
-        out["jax:cudnn:bshd"] = jax_pair(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
-            (q, k, v, do),
-        )
-        mask = cud.MaskType.CAUSAL if causal else cud.MaskType.NO_MASK
-        out["jax:cudnn:bhsd"] = jax_pair(
-            lambda q, k, v: cud.dot_product_attention(q, k, v, scale=scale, mask_type=mask, qkv_layout="BNTH"), bhsd
-        )
+        cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")  # noqa: E731
+        out["jax:cudnn:bshd"] = jax_pair(cudnn, (q, k, v, do))
+        out["jax:cudnn:bshd:nocb"] = jax_pair(cudnn, (q, k, v, do), NO_COMMAND_BUFFERS)
+        if all_layouts:
+            bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D], made before timing
+            mask = cud.MaskType.CAUSAL if causal else cud.MaskType.NO_MASK
+            out["jax:cudnn:bhsd"] = jax_pair(
+                lambda q, k, v: cud.dot_product_attention(q, k, v, scale=scale, mask_type=mask, qkv_layout="BNTH"),
+                bhsd,
+            )
         out["jax:mosaic"] = jax_pair(
             lambda q, k, v: dot_product_attention(q, k, v, causal=causal, backend="mosaic"), (q, k, v, do)
         )
@@ -220,10 +233,9 @@ def variants(shape, quick: bool) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     tdt = getattr(torch, dtype)
     base = [torch.randn(b, s, h, d, generator=g).to(device=dev, dtype=tdt) for _ in range(4)]  # [B, S, H, D]
-    layouts = {
-        "bhsd": [x.transpose(1, 2).contiguous() for x in base],  # SDPA's own layout, contiguous
-        "bshd": [x.transpose(1, 2) for x in base],  # [B, H, S, D] views of [B, S, H, D] memory
-    }
+    layouts = {"bhsd": [x.transpose(1, 2).contiguous() for x in base]}  # SDPA's own layout, contiguous
+    if quick or all_layouts:
+        layouts["bshd"] = [x.transpose(1, 2) for x in base]  # [B, H, S, D] views of [B, S, H, D] memory
     for lay, (tq, tk, tv, tdo) in layouts.items():
 
         def fwd(q, k, v, _b=backend):
@@ -341,7 +353,9 @@ def _time_variants(vs: dict, pss: str, ref: str, rounds: int) -> dict:
     return out
 
 
-def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None) -> dict:
+def run(
+    quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None, all_layouts: bool = False
+) -> dict:
     """First each framework's floor (:func:`floor_variants`, ``floor``), then every attention row; all variants
     of a row timed interleaved (:func:`_time_variants`). Then traces the floor and the profiled rows: every JAX
     variant first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant); each
@@ -363,7 +377,7 @@ def run(quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float |
                 complete = False
                 break
             dtype, b, h, s, d, causal, profiled = shape
-            vs = variants(shape, quick)
+            vs = variants(shape, quick, all_layouts)
             for pss in ("fwd", "fwd_bwd"):
                 flops = attention_flops(b, h, s, s, d, causal, backward=pss == "fwd_bwd")
                 row = {"dtype": dtype, "B": b, "H": h, "S": s, "D": d, "causal": causal, "pass": pss}
@@ -428,6 +442,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CPU rehearsal: tiny fp32 shapes, jax xla vs torch math")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row (default 10)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new shape after this many seconds")
+    ap.add_argument("--all-layouts", action="store_true", help="also JAX cuDNN on BHSD and torch cuDNN on BSHD memory")
     a = ap.parse_args(argv)
     if a.table:
         for path in a.table:
@@ -442,7 +457,7 @@ def main(argv=None) -> int:
         ap.error("--out DIR is needed to run (or --table FILE... to print a table)")
     if a.rounds < 2:
         ap.error(f"--rounds must be >= 2 (a paired interval needs rounds), got {a.rounds}")
-    res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s)
+    res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s, all_layouts=a.all_layouts)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "kernel_profile.json")
     with open(path, "w") as f:
