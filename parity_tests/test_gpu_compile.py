@@ -506,6 +506,11 @@ def test_fwd_bwd_programs_of_ours_cudnn_and_xla_through_the_dispatcher():
 @pytest.mark.slow  # the committed compile records hold the peers' rows (test_report / test_readme read them)
 @pytest.mark.gpu_compile
 @needs_plugin
+@pytest.mark.xfail(  # tracked, strict: red once a tokamax release runs on jax 0.12 (docs/upstream-bugs.md)
+    JAX_GE_0_12,
+    reason="tokamax 0.0.12 calls pl.dot (removed in jax 0.12) and Mesh(out_shape=...) (gone in jax 0.12's Mosaic GPU)",
+    strict=True,
+)
 def test_tokamax_peers_compile_beside_ours_with_the_same_columns():
     """tokamax's Triton pair and its three Mosaic GPU kernels get registers, threads, shared memory (Mosaic's:
     the scratch it allocates) and occupancy like ours."""
