@@ -1,6 +1,6 @@
 """Which device kernels one attention call runs and how long each takes, JAX and torch side by side (issue 42's
-GPU profile): is JAX's cuDNN path slower than torch's because of the call XLA builds, or because the two sides
-were handed different memory layouts?
+GPU profile): is JAX's cuDNN path slower than torch's because of the call XLA builds, the memory layouts the two
+sides were handed, or the time a call spends off the GPU?
 
 The attention suite gives torch contiguous ``[B, H, S, D]`` tensors (SDPA's own layout) and JAX ``[B, S, H, D]``
 (the jaxattn contract; what a model's projections give). cuDNN takes both, so one shape runs as variants:
