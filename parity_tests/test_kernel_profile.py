@@ -78,7 +78,8 @@ def test_quick_run_pairs_every_variant_with_the_reference(quick_run):
             assert ("speedup_vs_reference" in rec) == (name != res["reference"])
             assert ("burst_speedup_vs_reference" in rec) == (name != res["reference"])
             assert rec["burst_per_call_s"] > 0
-            assert rec["kernels"] == []  # traced, but a CPU has no device plane / CUDA events
+            # the first shape traced (a CPU has no device plane / CUDA events), the second timed only
+            assert rec.get("kernels", "untraced") == ([] if not row["causal"] else "untraced")
         sp = row["variants"]["jax:xla:bshd"]["speedup_vs_reference"]
         assert sp["rounds"] == 2 and sp["ci"][0] <= sp["ratio"] <= sp["ci"][1]
 
@@ -200,7 +201,7 @@ def test_quick_run_times_each_frameworks_floor_and_dispatch(quick_run):
     sp = floor["variants"]["jax:add"]["speedup_vs_reference"]
     assert sp["rounds"] == 2 and "speedup_vs_reference" not in floor["variants"]["torch:add"]
     for rec in [*floor["variants"].values(), *(r for row in res["rows"] for r in row["variants"].values())]:
-        assert rec["dispatch_s"] > 0 and rec["burst_per_call_s"] > 0 and rec["kernels"] == []
+        assert rec["dispatch_s"] > 0 and rec["burst_per_call_s"] > 0 and rec.get("kernels", []) == []
         assert "timeline" not in rec  # no device plane on a CPU: nothing to split
 
 
@@ -230,7 +231,8 @@ def test_timeline_table_shows_the_split_only_on_aligned_clocks(quick_run):
 
 def test_an_interrupt_keeps_what_finished(monkeypatch):
     """A session step's budget sends SIGINT: the run returns the rows timed (and traced) so far, marked incomplete
-    with the phase it stopped in, so the tool still writes its JSON."""
+    with the phase it stopped in, so the tool still writes its JSON. (One quick shape: two rows.)"""
+    monkeypatch.setattr(kp, "shapes", lambda quick: [("float32", 1, 2, 128, 64, False, True)])
     real_time, real_profile, n = kp._time_variants, kp.profile, {"t": 0, "p": 0}
 
     def time_twice(*a, **k):  # the floor, one attention row, then the interrupt
@@ -254,7 +256,7 @@ def test_an_interrupt_keeps_what_finished(monkeypatch):
     monkeypatch.setattr(kp, "_time_variants", real_time)
     monkeypatch.setattr(kp, "profile", trace_once)
     res = kp.run(quick=True, rounds=2, profile_calls=1)
-    assert (res["complete"], res["interrupted"]) == (False, "tracing") and len(res["rows"]) == 4
+    assert (res["complete"], res["interrupted"]) == (False, "tracing") and len(res["rows"]) == 2
     traced = [rec for rec in res["floor"]["variants"].values() if "kernels" in rec]
     traced += [rec for row in res["rows"] for rec in row["variants"].values() if "kernels" in rec]
     assert len(traced) == 1  # the first trace (JAX's floor) and no other
