@@ -637,6 +637,8 @@ def test_decode_budget_reaches_every_weight_format_at_b1_first(monkeypatch):
 
     clock = iter(range(0, 10_000, 100))
     monkeypatch.setattr(decode, "_clock", lambda: next(clock))
+    real = decode.measure.timeit_paired  # the order is the point here, not the times: 2 short rounds per pair
+    monkeypatch.setattr(decode.measure, "timeit_paired", lambda calls, **kw: real(calls, rounds=2, per_round=1))
     recs = decode.run(quick=True, budget_s=250)
     ran = [(r["weights"], r["B"]) for r in recs if r["status"] == "ok" and r["impl"] == "jaxattn"]
     assert sorted(set(ran)) == [("bf16", 1), ("fp32", 1)], ran
