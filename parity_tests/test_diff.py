@@ -358,6 +358,8 @@ def test_readme_section_is_the_committed_record():
     assert os.path.isfile(os.path.join(RECORDS, "smollm2-rope-bug.png"))
 
 
+@pytest.mark.slow  # 14 s: a subprocess trains both twins; CI runs it with the slow_feature set
+@pytest.mark.slow_feature
 def test_readme_example_tiny_line_runs_as_written(tmp_path):
     """The block's tiny-init line, as written (runs/ under tmp), exits 0; the SmolLM2 lines run under slow."""
     subprocess.run(["bash", "-c", _init_line()], cwd=tmp_path, env=_env(), check=True, timeout=300)

@@ -55,7 +55,7 @@ def test_bad_mode_and_tp_divisibility():
         pytest.param("ddp", marks=pytest.mark.slow),
         pytest.param("tp", marks=pytest.mark.slow),
         pytest.param("fsdp+tp", marks=pytest.mark.slow),
-        "fsdp --offload-optimizer",
+        pytest.param("fsdp --offload-optimizer", marks=(pytest.mark.slow, pytest.mark.slow_feature)),
         "fsdp --loss fused --loss-chunk 24",  # the fused loss under FSDP2 = the dense loss of one process
         pytest.param("ddp --loss fused", marks=pytest.mark.slow),
     ],

@@ -426,6 +426,8 @@ def _two_process_cli(tmp_path, resume: bool, mesh: str = "data=2,fsdp=2,tensor=2
     assert_exports_agree(tmp_path / "ck" / "final", tmp_path / "ref" / "final", lr=1e-3, steps=3)
 
 
+@pytest.mark.slow  # 21 s; the default run keeps test_two_processes_of_four_devices_match_one_of_eight
+@pytest.mark.slow_feature
 def test_cli_two_processes_train_and_export_like_one_of_eight(tmp_path):
     _two_process_cli(tmp_path, resume=False)
 

@@ -97,20 +97,26 @@ step() {  # step NAME COMMAND...: run under the step's budget (output also to $S
   echo "=== step $name (budget ${b} s, expected $(field "$name" 4) s on one H100) ==="
   t0=$(date +%s.%N)
   if [ -n "${STEP_LOG:-}" ]; then
-    timeout -s INT -k 15 "$b" "$@" 2>&1 | tee "$STEP_LOG"
+    timeout -s INT -k "${KILL_AFTER:-15}" "$b" "$@" 2>&1 | tee "$STEP_LOG"
     rc=${PIPESTATUS[0]}
   else
-    timeout -s INT -k 15 "$b" "$@"
+    timeout -s INT -k "${KILL_AFTER:-15}" "$b" "$@"
     rc=$?
   fi
   local dt
   dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-  local why=""
-  [ "$rc" = 124 ] && why=" (its budget ended it; finished rows are kept)"
+  local why="" over=0
+  # 124: the interrupt ended it. 137 once the budget is spent: it outlived the interrupt by KILL_AFTER s (default 15)
+  # and was killed (pytest-xdist still starting its workers can). Any other 137 (the OOM killer) is a failure.
+  awk -v d="$dt" -v b="$b" 'BEGIN { exit !(d >= b) }' && over=1
+  if [ "$rc" = 124 ] || { [ "$rc" = 137 ] && [ "$over" = 1 ]; }; then
+    why=" (its budget ended it; finished rows are kept)"
+    [ "$rc" = 137 ] && why=" (its budget ended it: killed ${KILL_AFTER:-15} s after the interrupt; finished rows are kept)"
+  fi
   echo "=== step $name: exit $rc after ${dt} s of ${b} s$why ==="
   SUMMARY+=("$name: exit $rc, ${dt} s of ${b} s$why")
   # the session's exit status: a step that failed, or in a rehearsal one that outran its budget
-  if [ "$rc" != 0 ] && { [ "$rc" != 124 ] || [ "$DRY" = 1 ]; }; then FAILED+=("$name"); fi
+  if [ "$rc" != 0 ] && { [ -z "$why" ] || [ "$DRY" = 1 ]; }; then FAILED+=("$name"); fi
 }
 want() {
   local s
