@@ -21,7 +21,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from twincore import attention as _spec
 
-__all__ = ["BACKENDS", "SDPA_BACKENDS", "dot_product_attention", "attention_backend", "build_mask", "math_attention"]
+__all__ = [
+    "BACKENDS",
+    "SDPA_BACKENDS",
+    "dot_product_attention",
+    "masked_attention",
+    "attention_backend",
+    "build_mask",
+    "math_attention",
+]
 
 # The backend table's torch-twin column: jaxattn backend name -> SDPBackend (backends without a twin are absent).
 SDPA_BACKENDS: dict[str, SDPBackend] = {
@@ -145,9 +153,7 @@ def dot_product_attention(
     or an ordered sequence of names."""
     causal, ids, scale, window, softcap = _validate(q, k, v, causal, segment_ids, scale, window, softcap)
     names = None if backend is None else _backend_names(backend)
-    sdp = None if names is None else [SDPA_BACKENDS[n] for n in names]
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    sq, sk = q.shape[2], k.shape[2]
 
     if softcap is not None:
         math_ok = ("xla" in names) if names is not None else torch.backends.cuda.math_sdp_enabled()
@@ -175,10 +181,28 @@ def dot_product_attention(
             attn_mask = attn_mask | dead_rows  # finite softmax for rows with no key; output zeroed below
     if attn_mask is not None:
         kwargs["attn_mask"] = attn_mask
+    out = _sdpa(q, k, v, kwargs, names)
+    if dead_rows is not None:
+        out = out.masked_fill(dead_rows, 0.0)
+    return out
 
+
+def masked_attention(q, k, v, mask):
+    """``dot_product_attention(q, k, v, segment_ids=ids)`` for a mask already built from ``ids`` (``build_mask``'s
+    boolean ``[B|1, 1, Sq, Sk]``, True = may attend) in which every row sees a key: the KV cache's decode step,
+    which builds its mask once per step instead of once per layer. Default scale, SDPA's own backend choice."""
+    return _sdpa(q, k, v, {"scale": _spec.default_scale(q.shape[-1]), "attn_mask": mask}, None)
+
+
+def _sdpa(q, k, v, kwargs: dict, names):
+    """``F.scaled_dot_product_attention`` under ``names`` (None: SDPA's choice), GQA by ``enable_gqa`` or, for
+    EFFICIENT / CUDNN, kv heads expanded (a copy); a backend that cannot serve the call is named in the error."""
+    sdp = None if names is None else [SDPA_BACKENDS[n] for n in names]
+    b, hq, _, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
     if hq != hkv:
         if sdp is None or all(s in _GQA_NATIVE for s in sdp):
-            kwargs["enable_gqa"] = True
+            kwargs = {**kwargs, "enable_gqa": True}
         else:  # EFFICIENT / CUDNN do not take enable_gqa: expand kv heads (a copy)
             g = hq // hkv
             k = k[:, :, None].expand(b, hkv, g, sk, d).reshape(b, hq, sk, d)
@@ -187,18 +211,15 @@ def dot_product_attention(
     ctx = contextlib.nullcontext() if sdp is None else _kernel_ctx(sdp)
     try:
         with ctx:
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
     except RuntimeError as e:
         if sdp is None or "backend" not in str(e).lower() and "kernel" not in str(e).lower():
             raise
         raise RuntimeError(
             f"torch SDPA backend(s) {list(names)} cannot serve this call on {q.device.type} "
             f"(dtype {q.dtype}, q {tuple(q.shape)}, k {tuple(k.shape)}, mask "
-            f"{'yes' if attn_mask is not None else 'no'}): {str(e).splitlines()[0]}"
+            f"{'yes' if kwargs.get('attn_mask') is not None else 'no'}): {str(e).splitlines()[0]}"
         ) from e
-    if dead_rows is not None:
-        out = out.masked_fill(dead_rows, 0.0)
-    return out
 
 
 def _kernel_ctx(sdp):

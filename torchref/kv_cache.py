@@ -8,15 +8,16 @@
 Fixed-shape tensors ``k``/``v`` ``[n_layers, B, Hkv, max_len, D]`` (the torch layout) and ``lengths [B]`` int64,
 updated IN PLACE (``index_put_`` / slice assignment), so ``torch.compile`` captures the decode step with static
 shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: rows are right-padded, a call with
-``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the cache with segment ids
-``(1, slot <= lengths[b])``, ``S > 1`` is a prefill of an empty cache (causal among the new tokens).
+``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the slots
+``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer),
+``S > 1`` is a prefill of an empty cache (causal among the new tokens).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import dot_product_attention
+from .attention import dot_product_attention, masked_attention
 
 
 class KVCache:
@@ -68,15 +69,19 @@ class KVCache:
                 f"lengths {self.lengths.tolist()}; decode one token per call"
             )
 
-    def layer(self, i: int) -> LayerKV:
-        return LayerKV(self, i)
+    def layers(self, s: int) -> list[LayerKV]:
+        """Each layer's view for one call of ``s`` tokens. A decode step (``s == 1``) builds its mask here, once:
+        the slots ``<= lengths[b]`` of row b (the filled ones and the one this step writes) are visible. Built per
+        layer, the mask was about a fifth of an eager step's dispatched ops (benchmarks/NOTES.md)."""
+        visible = (self.slots[None, :] <= self.lengths[:, None])[:, None, None, :] if s == 1 else None  # [B,1,1,T]
+        return [LayerKV(self, i, visible) for i in range(self.k.shape[0])]
 
 
 class LayerKV:
     """Layer ``i``'s view of a :class:`KVCache`: ``attend(q, k, v)`` writes k/v and runs attention."""
 
-    def __init__(self, cache: KVCache, i: int):
-        self.cache, self.i = cache, i
+    def __init__(self, cache: KVCache, i: int, visible=None):
+        self.cache, self.i, self.visible = cache, i, visible
 
     def attend(self, q, k, v):
         """q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``."""
@@ -85,9 +90,7 @@ class LayerKV:
         if s == 1:  # decode: write slot lengths[b] of each row, attend over every filled slot
             kc[c.rows, :, c.lengths] = k[:, :, 0].to(kc.dtype)
             vc[c.rows, :, c.lengths] = v[:, :, 0].to(vc.dtype)
-            kv_ids = (c.slots[None, :] <= c.lengths[:, None]).int()
-            q_ids = torch.ones(q.shape[0], 1, dtype=torch.int32, device=q.device)
-            return dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), segment_ids=(q_ids, kv_ids))
+            return masked_attention(q, kc.to(q.dtype), vc.to(q.dtype), self.visible)
         kc[:, :, :s] = k.to(kc.dtype)  # prefill of an empty cache
         vc[:, :, :s] = v.to(vc.dtype)
         return dot_product_attention(q, k, v, causal=True)

@@ -172,6 +172,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [B, 1, S, head_dim]
         x = self.embed_tokens(input_ids)  # [B, S, dim]
         stats = []  # an MoE's per-layer router sums
+        kvs = None if cache is None else cache.layers(s)
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = run_layer(layer, remat, x, cos, sin, segment_ids, None, moe_mask)
@@ -179,7 +180,7 @@ class LlamaModel(nn.Module):
                     x, st = x
                     stats.append(st)
             else:
-                x = layer(x, cos, sin, None, cache.layer(i))
+                x = layer(x, cos, sin, None, kvs[i])
         if cache is not None:
             cache.lengths += s
         x = self.norm(x)  # [B, S, dim]

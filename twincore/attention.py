@@ -318,6 +318,11 @@ def visible_bounds(causal: bool, window: Window) -> tuple[int | None, int | None
     return left, right
 
 
+def default_scale(head_dim: int) -> float:
+    """The score scale when none is given: ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def check_call(
     q, k, v, *, causal=False, segment_ids=None, scale=None, window=None, softcap=None, layout: str, describe: Describe
 ) -> Call:
@@ -402,6 +407,6 @@ def check_call(
         form = "shared"
         q_ids = kv_ids = _check_ids("segment_ids", segment_ids, b, sq, "S", describe, lay)
 
-    scale = 1.0 / math.sqrt(d) if scale is None else _positive_float("scale", scale)
+    scale = default_scale(d) if scale is None else _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
     return Call(causal, scale, check_window(window, causal), softcap, form, q_ids, kv_ids)
