@@ -626,6 +626,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "decode steps' RoPE positions restart at 0 instead of following the cache",
     ),
     m(
+        "kv-cache-decode-mask-torch",
+        "model",
+        "torchref/kv_cache.py",
+        "visible = (self.slots[None, :] <= self.lengths[:, None])",
+        "visible = (self.slots[None, :] < self.lengths[:, None])",
+        "parity_tests/test_generate.py -k 'cache_decode or mask_once'",
+        "the decode step's mask hides the slot it is writing (the new token does not see itself)",
+    ),
+    m(
         "prefill-last-token-torch",
         "model",
         "torchref/generate.py",
