@@ -199,7 +199,7 @@ def verdict(rec: dict, dtype) -> str | None:
     if rec.get("spill_stores") or rec.get("spill_loads"):
         return f"spills {rec['spill_stores']}/{rec['spill_loads']} B"
     if rec.get("wgmma_serialized"):
-        return f"ptxas serializes its wgmma (C7513: {rec['wgmma_serialized'][:80]})"
+        return f"ptxas serializes its wgmma ({rec['wgmma_serialized'][:80]})"
     if rec.get("registers") is None or rec["registers"] > H100_LIMITS["max_regs_per_thread"]:
         return f"registers {rec.get('registers')}"
     if not rec.get("fits") or rec.get("blocks_per_sm", 0) < 1:

@@ -88,21 +88,36 @@ def occupancy(registers: int, smem_bytes: int, threads: int, limits: dict = H100
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([\w$.]+)'")
 _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:.*?(\d+) bytes smem)?")
-# ptxas gives up overlapping a kernel's wgmma (each waits for the one before): printed before the entry's report
-_PTXAS_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized due to (.+?) in the function '([\w$.]+)'")
+# ptxas gives up overlapping a kernel's wgmma (each waits for the one before): printed before the entry's report,
+# "in the function" (C7509, C7513, ...) or "for the function" (C7512, insufficient register resources)
+_PTXAS_SERIAL = re.compile(
+    r"wgmma\.mma_async instructions are serialized due to (.+?) (?:in|for) the function '([\w$.]+)'"
+)
+# ptxas drops a kernel's setmaxnreg (the register split between warpgroups), e.g. C7504 "to maintain compatibility
+# across compilation units" (a relocatable compile, as jaxlib 0.12's Mosaic GPU does) or C7508; the line names no
+# function: it belongs to the entry reported next
+_PTXAS_NO_SETMAXNREG = re.compile(r"'setmaxnreg' ignored(?: to |; )?(.*?)\.?$")
 
 
 def parse_ptxas(text: str) -> dict[str, dict]:
-    """``{entry: {registers, spill_stores, spill_loads, stack, static_smem, barriers}}`` from ``ptxas -v``, and
-    ``wgmma_serialized`` (ptxas's reason, C7513) for an entry whose wgmma ptxas serialized."""
+    """``{entry: {registers, spill_stores, spill_loads, stack, static_smem, barriers}}`` from ``ptxas -v``;
+    ``wgmma_serialized`` (ptxas's reason: C7509 / C7512 / C7513, ...) for an entry whose wgmma ptxas serialized, and
+    ``setmaxnreg_ignored`` (its reason: C7504 / C7508) for an entry whose ``setmaxnreg`` ptxas dropped."""
     out: dict[str, dict] = {}
     current = None
+    no_setmaxnreg = None  # a reason waiting for the entry it belongs to
     for line in text.splitlines():
-        m = _PTXAS_SERIAL.search(line)
+        m = _PTXAS_NO_SETMAXNREG.search(line)
         if m:
+            no_setmaxnreg = m.group(1) or "no reason given"
+            continue
+        m = _PTXAS_SERIAL.search(line) or _PTXAS_FUNC.search(line)
+        if m and no_setmaxnreg is not None:
+            out.setdefault(m.group(m.lastindex), {})["setmaxnreg_ignored"] = no_setmaxnreg
+            no_setmaxnreg = None
+        if m and m.re is _PTXAS_SERIAL:
             out.setdefault(m.group(2), {})["wgmma_serialized"] = m.group(1)
             continue
-        m = _PTXAS_FUNC.search(line)
         if m:
             current = out.setdefault(m.group(1), {})
             continue
@@ -276,6 +291,7 @@ def _kernel_record(
         "stack": ptxas.get("stack", 0),
         "barriers": ptxas.get("barriers", 0),
         "wgmma_serialized": ptxas.get("wgmma_serialized"),
+        "setmaxnreg_ignored": ptxas.get("setmaxnreg_ignored"),
         "smem_bytes": smem_total,
         "threads": threads,
         "sass": sass,
