@@ -128,6 +128,8 @@ def _init_line() -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # 10 s: two subprocesses; CI runs it with the slow_feature set
+@pytest.mark.slow_feature
 def test_hf_load_example_runs_on_the_readme_tiny_init(tmp_path):
     from benchmarks.tools.train_example import INIT_DIR
 

@@ -208,6 +208,8 @@ def test_killed_suite_keeps_the_rows_it_finished(tmp_path):
 
 
 # ---- the model suite on one device
+@pytest.mark.slow  # 8 s; CI runs it with the slow_feature set
+@pytest.mark.slow_feature
 def test_model_suite_releases_memory_between_presets():
     """No JAX buffer of a finished preset is still alive (the next preset starts from what was there before)."""
     import jax

@@ -289,7 +289,10 @@ def test_a_full_disk_at_a_save_is_one_line_and_exit_1(tmp_path, twin, capsys, mo
     assert marker["steps"] == {} and sorted(os.listdir(ck)) == [".train-run.lock", MARKER]  # nothing half-written
 
 
-@pytest.mark.parametrize("twin_", ["jax", "torch"])
+@pytest.mark.parametrize(
+    "twin_",
+    ["jax", pytest.param("torch", marks=(pytest.mark.slow, pytest.mark.slow_feature))],  # 8 s each
+)
 def test_a_peer_that_never_arrives_ends_the_wait_with_one_line(twin_, tmp_path):
     import socket
     import subprocess

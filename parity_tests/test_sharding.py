@@ -450,6 +450,8 @@ def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
         assert rc == 2 and "processes disagree on --mesh" in out, out[-3000:]
 
 
+@pytest.mark.slow  # 9 s; CI runs it with the slow_feature set
+@pytest.mark.slow_feature
 def test_checkpoint_of_one_mesh_resumes_on_another(tmp_path):
     """orbax restores a ``--mesh data=2,fsdp=2,tensor=2`` checkpoint onto ``--mesh fsdp=8`` (the restore target is
     the new run's sharded state) and onto one device; both continue the uninterrupted run's losses within 1e-5."""
