@@ -523,6 +523,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_gpu_compile.py -k 'split_ptx or sass_counts_where'",
         "a Mosaic module cut at its last function, dropping the debug sections its .loc lines cite (no SASS counts)",
     ),
+    m(
+        "records-mosaic-cache-unsalted",
+        "records",
+        "benchmarks/tools/kernel_stats.py",
+        "salt = os.urandom(16)",
+        'salt = b""',
+        "parity_tests/test_gpu_compile.py -k compiled_twice",
+        "Mosaic's per-process kernel cache hit again: a kernel compiled twice prints no PTX the second time",
+    ),
     # ---- training: accumulation, loss scaling, optimizers
     m(
         "accum-denominator-jax",

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import math
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import types
 from collections.abc import Iterable, Iterator
 
 from jaxattn.gpu_target import tool_path
@@ -452,6 +454,30 @@ def mosaic_smem_sizes():
         core._launch = orig
 
 
+@contextlib.contextmanager
+def fresh_mosaic_kernel_ids():
+    """Mosaic GPU compiles a kernel once per process: its custom call caches the compiled module under the sha256 of
+    the module's bytecode (``kernel_hash``), so a kernel compiled before prints no PTX and no ptxas report, and
+    ``jax.clear_caches()`` does not reach that cache. Inside the block the hash is salted, new for each block, so
+    every kernel lowered there is compiled again (the module itself is unchanged). Reads a private seam
+    (``mosaic.gpu.core.hashlib``); where a jax moved it, nothing is patched."""
+    try:
+        from jax.experimental.mosaic.gpu import core
+    except ImportError:
+        yield
+        return
+    orig = getattr(core, "hashlib", None)
+    if orig is None or not hasattr(orig, "sha256"):
+        yield
+        return
+    salt = os.urandom(16)
+    core.hashlib = types.SimpleNamespace(sha256=lambda data=b"": hashlib.sha256(salt + bytes(data)))
+    try:
+        yield
+    finally:
+        core.hashlib = orig
+
+
 def mosaic_records(compile_thunk, names, workdir: str | None = None, lowering=None) -> dict:
     """Records of the Mosaic GPU kernels ``compile_thunk()`` compiles, named ``names`` in compile order: PTX from
     Mosaic's own dump (``MOSAIC_GPU_DUMP_PTX=1`` prints each module on stdout while XLA compiles the custom call),
@@ -471,7 +497,7 @@ def mosaic_records(compile_thunk, names, workdir: str | None = None, lowering=No
         old = {k: os.environ.get(k) for k in flags}
         os.environ.update({k: "1" for k in flags})
         try:
-            with capture_fd_output(log), mosaic_smem_sizes() as smem:
+            with capture_fd_output(log), mosaic_smem_sizes() as smem, fresh_mosaic_kernel_ids():
                 compile_thunk()
         finally:
             for k, v in old.items():
@@ -483,7 +509,10 @@ def mosaic_records(compile_thunk, names, workdir: str | None = None, lowering=No
             text = f.read()
         modules = split_ptx_modules(text)
         if not modules:
-            raise RuntimeError("Mosaic GPU printed no PTX (MOSAIC_GPU_DUMP_PTX=1 had no effect in this jax)")
+            raise RuntimeError(
+                "Mosaic GPU printed no PTX: MOSAIC_GPU_DUMP_PTX=1 had no effect in this jax, or its kernel cache kept "
+                "a module compiled before in this process (fresh_mosaic_kernel_ids found no seam to salt)"
+            )
         if len(modules) != len(names):
             raise RuntimeError(f"Mosaic GPU compiled {len(modules)} kernels, expected {len(names)} ({names})")
         # each module's own ptxas report: the "ptxas" lines between it and the next module
