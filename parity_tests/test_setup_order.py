@@ -111,13 +111,14 @@ def _main_job_then_tests(clone: str, main_job: list[str], timeout: int) -> None:
 
 
 def test_main_job_then_tests_in_a_clone(clone):
-    """The README's order with the main job cut to one suite (its other suites write the same way): seconds, not
-    minutes, in the default suite; the whole main job as written is the ``slow`` test below. What the model suite
+    """The README's order with the main job cut to one suite and one of its presets (the other suites and presets
+    write the same way): seconds, not minutes, in the default suite; the whole main job as written is the ``slow``
+    test below, and the model suite's MoE preset ``test_benchmarks.test_main_job_model_suite``. What the model suite
     wrote is checked too (``test_benchmarks.check_model_suite_output``)."""
     from parity_tests.test_benchmarks import check_model_suite_output
 
-    _main_job_then_tests(clone, _python_part(setup_commands()[0]) + ["--suite", "model"], 600)
-    check_model_suite_output(Path(clone) / "benchmarks" / "results" / "local" / "cpu-quick")
+    _main_job_then_tests(clone, _python_part(setup_commands()[0]) + ["--suite", "model", "--preset", "tiny"], 600)
+    check_model_suite_output(Path(clone) / "benchmarks" / "results" / "local" / "cpu-quick", presets={"tiny"})
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from twincore.cli import PP_MODES, CLIError, print_line
 from twincore.eval import EvalResult
@@ -210,6 +209,8 @@ class Trainer(BaseTrainer):
         return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # 0.8 s to import
+
         step = self.resume_step()
         p = self.ckpt.load(step)
         self.check_resume(step, p["meta"])
@@ -228,6 +229,8 @@ class Trainer(BaseTrainer):
         """``(model, optimizer)`` full state dicts keyed by parameter name, on the CPU: every rank takes part in the
         gather (FSDP / TP shards are DTensors); rank 0 receives them, the other ranks get empty dicts. ``pp``: the
         stages' weights broadcast to every rank, each parameter's optimizer state gathered from its stage's rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         if self.parallel in PP_MODES:  # each stage's weights and optimizer state, whole, sent by name
             whole = self.synced_model()
             optim_sd = self.pipe.optimizer_state(self.model, self.optimizer)
