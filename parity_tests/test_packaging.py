@@ -49,7 +49,9 @@ def test_import_without_the_other_framework(blocked, modules):
 
 def test_torchref_imports_nothing_of_jaxattn_and_changes_nothing_in_the_process():
     """Every torchref module and public name imported: no jaxattn module, no jax, no new import hook (jaxattn's
-    CUDA-quiet hook is installed by ``import jaxattn`` alone) and no environment variable set or changed."""
+    CUDA-quiet hook is installed by ``import jaxattn`` alone) and no environment variable set or changed. Nor
+    ``torch.distributed.checkpoint`` / ``.tensor`` (about 1 s of every ``python -m torchref.train`` start): the
+    trainer imports them where it saves or resumes, the parallel modes where they shard."""
     code = "import os, sys\nhooks, env = list(sys.meta_path), dict(os.environ)\n"
     code += "".join(f"import {m}\n" for m in TORCHREF)
     code += (
@@ -57,6 +59,8 @@ def test_torchref_imports_nothing_of_jaxattn_and_changes_nothing_in_the_process(
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'jaxattn')\n"
         "assert not bad, bad\nassert 'jax' not in sys.modules\n"
         "assert 'twincore' in sys.modules\n"
+        "slow = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]\n"
+        "assert not slow, slow\n"
         "new = [h for h in sys.meta_path if h not in hooks]\nassert not new, new\n"
         "changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))\n"
         "assert not changed, changed\nprint('ok')\n"
