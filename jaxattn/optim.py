@@ -209,6 +209,9 @@ def adamw8bit(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+EPS32 = float(np.finfo(np.float32).eps)  # torch.optim.Adafactor's eps1=None for float32 parameters
+
+
 def adafactor(
     learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any = decay_mask, min_dim_size_to_factor: int = 128
 ) -> optax.GradientTransformation:
@@ -216,12 +219,18 @@ def adafactor(
 
     torch: ``p <- p (1 - lr wd) - min(lr, 1/sqrt(t)) max(1e-3, RMS(p)) U / max(1, RMS(U))``, U = g / sqrt(V).
     Here: ``-lr * (r_t * max(1e-3, RMS(p)) * clip(U) + wd p)`` with ``r_t = min(1, 1 / (lr sqrt(t)))``.
+    torch clamps V at eps32**2 (float32's eps); optax adds its epsilon to g**2, so it is eps32**2 here (not optax's
+    1e-30): a gradient element far below eps32 gets U = g / eps32 on both sides, not sign(g). Still different: where
+    g**2 is near eps32**2 (add vs clamp: U within sqrt(2)), and torch's clamp of a factored leaf's mean row
+    variance at eps32 (a matrix whose gradient RMS is under 3.5e-4).
     """
     lr_fn = learning_rate if callable(learning_rate) else (lambda count: jnp.float32(learning_rate))
     rel = lambda count: jnp.minimum(1.0, 1.0 / (lr_fn(count) * jnp.sqrt(count + 1.0)))  # noqa: E731
     d = ADAFACTOR_DEFAULTS
     return optax.chain(
-        optax.scale_by_factored_rms(decay_rate=d["decay_rate"], min_dim_size_to_factor=min_dim_size_to_factor),
+        optax.scale_by_factored_rms(
+            decay_rate=d["decay_rate"], epsilon=EPS32**2, min_dim_size_to_factor=min_dim_size_to_factor
+        ),
         optax.clip_by_block_rms(d["clipping_threshold"]),
         optax.scale_by_param_block_rms(d["min_param_scale"]),
         optax.scale_by_schedule(rel),

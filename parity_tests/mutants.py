@@ -561,6 +561,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the growth counter not reset by an overflow (GradScaler resets it)",
     ),
     m(
+        "adafactor-eps-jax",
+        "training",
+        "jaxattn/optim.py",
+        'decay_rate=d["decay_rate"], epsilon=EPS32**2, min_dim_size_to_factor=min_dim_size_to_factor',
+        'decay_rate=d["decay_rate"], min_dim_size_to_factor=min_dim_size_to_factor',
+        "parity_tests/test_optim.py -k adafactor",
+        "JAX's Adafactor back on optax's 1e-30: a gradient element below float32's eps moves by sign(g), not g / eps",
+    ),
+    m(
         "adamw8bit-bias-correction",
         "training",
         "torchref/optim.py",

@@ -251,7 +251,8 @@ def test_adafactor_comparable_pieces(seed, rng):
     whose dims are both >= 128 (optax factors only those; torch factors every matrix) and vectors. lr 0.5 so
     the relative step ``min(lr, 1/sqrt(t))`` caps at t = 5 (1/sqrt(5) = 0.447). Also the factored second-moment
     estimate after the first step: torch's row/col means ``row_var``/``col_var`` equal optax's ``v_row``/``v_col``
-    (the 1e-30 optax adds to g**2 vs torch's clamp at float32 eps do not show at these magnitudes)."""
+    (the eps32**2 added to g**2 here vs torch's clamp of the estimate at eps32**2 do not show at these magnitudes;
+    a gradient element far below eps32 is the next test's)."""
     shapes = {"w": (256, 128), "w_t": (128, 160), "v_norm": (128,), "u": (200,)}
     init, tp, jp, opt, _, state = _run_both("adafactor", 5, seed, lr=0.5, shapes=shapes)
     _assert_close_and_moved(init, tp, jp)
@@ -272,6 +273,30 @@ def test_adafactor_comparable_pieces(seed, rng):
         np.sort(np.concatenate([rows, cols])), np.sort(np.concatenate([t_row, t_col])), rtol=1e-5
     )
     np.testing.assert_allclose(t_row, (g * g).mean(axis=1), rtol=1e-5)
+
+
+def test_adafactor_gradient_elements_below_float32_eps(seed, rng):
+    """torch clamps Adafactor's second-moment estimate at eps32**2 (eps1=None: float32's eps), so an element whose
+    gradient is far below eps32 moves by g / eps32, not by sign(g) as with optax's 1e-30 (a fresh CI draw of
+    |g| = 9e-9 in a vector leaf took 0.45 of difference). Vectors and a factored matrix, 3 steps, one element of
+    each leaf at 1e-9 in the first step, the rest as drawn."""
+    shapes = {"v_norm": (128,), "w": (256, 128)}
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(3)]
+    for g in grads[0].values():
+        g.reshape(-1)[int(rng.integers(g.size))] = np.float32(1e-9) * np.sign(rng.standard_normal())
+    tp = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
+    opt, _ = topt.build(tp, "adafactor", 0.5, 0.0)
+    tx = jopt.build("adafactor", 0.5, 0.0)
+    jp = {k: jnp.asarray(v) for k, v in init.items()}
+    state = tx.init(jp)
+    for g in grads:
+        for k, p in tp.items():
+            p.grad = torch.from_numpy(g[k])
+        opt.step()
+        u, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, jp)
+        jp = optax.apply_updates(jp, u)
+        _assert_close_and_moved(init, tp, {k: np.asarray(v) for k, v in jp.items()})
 
 
 # ----------------------------------------------------------------------------------------------------------------
