@@ -9,14 +9,16 @@ Names, defaults, schedules and the weight-decay rule (by NAME: no decay for norm
 
 * ``adamw`` / ``adamw_fused``: ``optax.adamw`` (= torch ``AdamW``; under ``jit`` XLA fuses the update itself,
   see ``benchmarks/NOTES.md``).
-* ``adafactor``: torch's ``Adafactor`` algorithm from optax's building blocks (``optax.adafactor`` applies weight
-  decay without the lr); where it still differs from torch is in ``parity_tests/test_optim.py``.
+* ``adafactor``: torch's ``Adafactor`` as an optax chain around :func:`scale_by_adafactor`, written here
+  because optax's pieces are another variant (which leaves they factor, where epsilon goes, per-leaf RMS over a
+  whole stack of layers where torch has one param per layer).
 * ``adamw8bit``: block-wise 8-bit AdamW (Dettmers et al. 2022), written here because no JAX library has one
   (:func:`scale_by_adam_8bit`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +38,9 @@ __all__ = [
     "scale_by_adam_8bit",
     "adamw8bit",
     "adafactor",
+    "scale_by_adafactor",
+    "ScaleByAdafactorState",
+    "layer_axes",
     "ScaleByAdam8bitState",
     "state_bytes",
     "OPTIMIZER_NAMES",
@@ -68,6 +73,12 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: spec.decays(param_name(path)), params)
 
 
+def layer_axes(params: Any) -> Any:
+    """The params tree with an int per leaf: 1 where the leaf stacks one tensor per layer on its leading axis (the
+    model's ``layers.*``, a list of per-layer params in torch), else 0."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: int(param_name(path).startswith("layers.")), params)
+
+
 def lr_schedule(
     lr: float, *, schedule: str = "constant", warmup: int = 0, steps: int | None = None, min_lr_ratio: float = 0.0
 ) -> Callable[[jax.Array], jax.Array]:
@@ -89,10 +100,11 @@ def lr_schedule(
 
 class ScaleByAdam8bitState(NamedTuple):
     """Every moment tree has the params' structure with one array per leaf (optax's convention, so
-    ``nnx.Optimizer`` and sharding rules see ordinary leaves). A quantised leaf's moment is its codes, uint8
+    ``nnx.Optimizer`` and sharding rules see ordinary leaves). A quantised param's moment is its codes, uint8
     ``[n_blocks, block_size]`` (indices into the map, the tail padded), with ``*_absmax`` float32 ``[n_blocks]``;
-    dequantised value = ``map[codes] * absmax``. A small leaf's moment is float32 in the param's shape, and its
-    ``*_absmax`` leaf is empty (shape ``(0,)``)."""
+    dequantised value = ``map[codes] * absmax``. A small param's moment is float32 in the param's shape, and its
+    ``*_absmax`` is empty (``n_blocks`` = 0). A stacked leaf (one param per layer) has the layer axis first in all
+    of these."""
 
     count: jax.Array  # int32, applied updates
     mu: Any  # signed map
@@ -101,22 +113,32 @@ class ScaleByAdam8bitState(NamedTuple):
     nu_absmax: Any
 
 
-def _quantize(x: jax.Array, code: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """``twincore.optim.quantize_blockwise`` in jnp: nearest map entry to ``x / absmax``, ties to the lower index."""
-    flat = x.reshape(-1)
-    n_blocks = -(-flat.size // block_size)
-    blocks = jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=1)
-    nonzero = (absmax > 0)[:, None]
-    normed = jnp.where(nonzero, blocks / jnp.where(nonzero, absmax[:, None], 1.0), 0.0)
+def _increment(count: jax.Array) -> jax.Array:
+    """optax's saturating step counter (renamed between optax versions)."""
+    return optax.safe_increment(count) if hasattr(optax, "safe_increment") else optax.safe_int32_increment(count)
+
+
+def _quantize(x: jax.Array, code: jax.Array, block_size: int, b: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``twincore.optim.quantize_blockwise`` in jnp: nearest map entry to ``x / absmax``, ties to the lower index;
+    per param of a stack of ``b`` leading (layer) axes: codes ``[*lead, n_blocks, block_size]``, absmax
+    ``[*lead, n_blocks]``."""
+    lead = x.shape[:b]
+    flat = x.reshape(*lead, -1)
+    n_blocks = -(-flat.shape[-1] // block_size)
+    pad = [(0, 0)] * b + [(0, n_blocks * block_size - flat.shape[-1])]
+    blocks = jnp.pad(flat, pad).reshape(*lead, n_blocks, block_size)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    nonzero = (absmax > 0)[..., None]
+    normed = jnp.where(nonzero, blocks / jnp.where(nonzero, absmax[..., None], 1.0), 0.0)
     idx = jnp.clip(jnp.searchsorted(code, normed, side="right") - 1, 0, code.shape[0] - 2)
     right_closer = jnp.abs(normed - code[idx + 1]) < jnp.abs(normed - code[idx])
     return (idx + right_closer).astype(jnp.uint8), absmax
 
 
-def _dequantize(codes: jax.Array, absmax: jax.Array, code: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    size = int(np.prod(shape))
-    return (code[codes.astype(jnp.int32)] * absmax[:, None]).reshape(-1)[:size].reshape(shape)
+def _dequantize(codes: jax.Array, absmax: jax.Array, code: jax.Array, shape: tuple[int, ...], b: int = 0) -> jax.Array:
+    size = int(np.prod(shape[b:]))
+    values = (code[codes.astype(jnp.int32)] * absmax[..., None]).reshape(*shape[:b], -1)  # [*lead, padded]
+    return values[..., :size].reshape(shape)
 
 
 def scale_by_adam_8bit(
@@ -126,16 +148,19 @@ def scale_by_adam_8bit(
     *,
     block_size: int = BLOCK_SIZE,
     min_8bit_size: int = MIN_8BIT_SIZE,
+    stacked: Any = layer_axes,
 ) -> optax.GradientTransformation:
     """Adam's direction ``m_hat / (sqrt(v_hat) + eps)`` with the moments stored in 8 bits between steps.
 
-    Per leaf with at least ``min_8bit_size`` elements: dequantise m and v, update them in float32
+    Per param with at least ``min_8bit_size`` elements: dequantise m and v, update them in float32
     (``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``), compute the direction from these float32 values, then
-    quantise them back, block-wise (``block_size`` consecutive elements of the C-order flattened leaf share an
+    quantise them back, block-wise (``block_size`` consecutive elements of the C-order flattened param share an
     absmax), m with the signed and v with the unsigned dynamic map (``twincore.optim.quantization_map``), rounding
-    to the nearest map entry (ties to the lower index). Smaller leaves keep float32 moments. This is
+    to the nearest map entry (ties to the lower index). Smaller params keep float32 moments. A param is a leaf, or
+    one layer of a leaf that ``stacked`` (a tree of 0/1, or a function of the tree giving it) says stacks its
+    layers on axis 0, as torch holds one param per layer: its size and its blocks are per layer. This is
     bitsandbytes' ``optimizer_update_8bit_blockwise`` ("adam") with ``percentile_clipping=100``, no max_unorm.
-    State: 2 bytes + 8 bytes per block per element of a quantised leaf (2.03 bytes at block 256).
+    State: 2 bytes + 8 bytes per block per element of a quantised param (2.03 bytes at block 256).
     """
     for arg, val in (("block_size", block_size), ("min_8bit_size", min_8bit_size)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -144,42 +169,42 @@ def scale_by_adam_8bit(
     code_v = jnp.asarray(spec.quantization_map(signed=False))
 
     def init_fn(params):
-        def moment(p):  # absmax 0: every code dequantises to 0
-            if p.size >= min_8bit_size:
-                return jnp.zeros((-(-p.size // block_size), block_size), jnp.uint8)
+        def moment(p, b):  # absmax 0: every code dequantises to 0
+            n = math.prod(p.shape[b:])
+            if n >= min_8bit_size:
+                return jnp.zeros((*p.shape[:b], -(-n // block_size), block_size), jnp.uint8)
             return jnp.zeros(p.shape, jnp.float32)
 
-        def absmax(p):
-            return jnp.zeros((-(-p.size // block_size) if p.size >= min_8bit_size else 0,), jnp.float32)
+        def absmax(p, b):
+            n = math.prod(p.shape[b:])
+            return jnp.zeros((*p.shape[:b], -(-n // block_size) if n >= min_8bit_size else 0), jnp.float32)
 
+        axes = stacked(params) if callable(stacked) else stacked
         # four separate trees: a train step donates the state, and a buffer may be donated only once
         return ScaleByAdam8bitState(
-            jnp.zeros([], jnp.int32), *(jax.tree.map(f, params) for f in (moment, absmax, moment, absmax))
+            jnp.zeros([], jnp.int32), *(jax.tree.map(f, params, axes) for f in (moment, absmax, moment, absmax))
         )
 
     def update_fn(updates, state, params=None):
         del params
-        count = (
-            optax.safe_increment(state.count)
-            if hasattr(optax, "safe_increment")
-            else optax.safe_int32_increment(state.count)
-        )
+        count = _increment(state.count)
         t = count.astype(jnp.float32)
         c1 = 1.0 - jnp.float32(b1) ** t
         c2 = jnp.sqrt(1.0 - jnp.float32(b2) ** t)
+        axes = stacked(updates) if callable(stacked) else stacked
         leaves, treedef = jax.tree.flatten(updates)
-        per_leaf = zip(leaves, *(treedef.flatten_up_to(x) for x in state[1:]))
+        per_leaf = zip(leaves, *(treedef.flatten_up_to(x) for x in (*state[1:], axes)))
         out = []
-        for g, m, m_amax, v, v_amax in per_leaf:
+        for g, m, m_amax, v, v_amax, b in per_leaf:
             q = m.dtype == jnp.uint8
             if q:
-                m, v = _dequantize(m, m_amax, code_m, g.shape), _dequantize(v, v_amax, code_v, g.shape)
+                m, v = _dequantize(m, m_amax, code_m, g.shape, b), _dequantize(v, v_amax, code_v, g.shape, b)
             g32 = g.astype(jnp.float32)
             m = b1 * m + (1.0 - b1) * g32
             v = b2 * v + (1.0 - b2) * (g32 * g32)
             u = ((m / (jnp.sqrt(v) / c2 + eps)) / c1).astype(g.dtype)
             if q:
-                (m, m_amax), (v, v_amax) = _quantize(m, code_m, block_size), _quantize(v, code_v, block_size)
+                (m, m_amax), (v, v_amax) = _quantize(m, code_m, block_size, b), _quantize(v, code_v, block_size, b)
             out.append((u, m, m_amax, v, v_amax))
         trees = [treedef.unflatten(list(col)) for col in zip(*out)] if out else [updates] * 5
         return trees[0], ScaleByAdam8bitState(count, *trees[1:])
@@ -209,30 +234,98 @@ def adamw8bit(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-EPS32 = float(np.finfo(np.float32).eps)  # torch.optim.Adafactor's eps1=None for float32 parameters
+class ScaleByAdafactorState(NamedTuple):
+    """torch ``Adafactor``'s second moments, one leaf per param (optax's ``FactoredState`` layout): a leaf that is
+    a matrix or more per layer keeps ``v_row`` ``[..., R]`` and ``v_col`` ``[..., C]`` (the means of g**2 over its
+    last and second-to-last dim, batched over the leading dims) and an empty ``v``; a vector (per layer) keeps
+    ``v`` in its shape and empty ``v_row``/``v_col``. All float32."""
+
+    count: jax.Array  # int32, applied updates
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+def _rms(x: jax.Array, b: int) -> jax.Array:
+    """RMS per param: over every axis but the first ``b`` (a stack's layer axis), kept for broadcasting."""
+    return jnp.sqrt(jnp.mean(x * x, axis=tuple(range(b, x.ndim)), keepdims=True))
+
+
+def scale_by_adafactor(
+    decay_rate: float = ADAFACTOR_DEFAULTS["decay_rate"],
+    clipping_threshold: float = ADAFACTOR_DEFAULTS["clipping_threshold"],
+    min_param_scale: float = ADAFACTOR_DEFAULTS["min_param_scale"],
+    stacked: Any = layer_axes,
+) -> optax.GradientTransformation:
+    """torch ``Adafactor``'s step before the learning rate: ``max(min_param_scale, RMS(p)) U / max(1, RMS(U) / d)``
+    with ``U = g / sqrt(max(V, eps**2))``, eps = the leaf dtype's eps (``eps1=None``), ``d = clipping_threshold``.
+
+    V is factored for every param of two or more dims, over its last two (``row_var @ col_var / max(mean(row_var),
+    eps)``), and is ``v`` itself for a vector; each moment moves by ``lerp(v, g**2, t**-decay_rate)``. RMS(p) and
+    RMS(U) are per param: per layer for a leaf that ``stacked`` (a tree of 0/1, or a function of the params giving
+    it) says stacks its layers on axis 0. Written here because optax's pieces are another variant:
+    ``scale_by_factored_rms`` factors only where two dims are >= 128 (the two largest), adds epsilon to g**2
+    instead of clamping V, and does not clamp the mean row variance (torch's clamp at eps, which sets the step of a
+    matrix whose gradient RMS is under 3.5e-4); its block RMS are per leaf, whole stacks of layers at once.
+    """
+
+    def moment_shapes(shape, b):  # v_row, v_col, v
+        return (shape[:-1], shape[:-2] + shape[-1:], (0,)) if len(shape) - b > 1 else ((0,), (0,), shape)
+
+    def init_fn(params):
+        axes = stacked(params) if callable(stacked) else stacked
+        # separate trees per moment: a train step donates the state, and a buffer may be donated only once
+        return ScaleByAdafactorState(
+            jnp.zeros([], jnp.int32),
+            *(
+                jax.tree.map(lambda p, b, i=i: jnp.zeros(moment_shapes(p.shape, b)[i], jnp.float32), params, axes)
+                for i in range(3)
+            ),
+        )
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_adafactor needs the params (RMS(p) scales the step); pass them to update")
+        count = _increment(state.count)
+        w = count.astype(jnp.float32) ** -decay_rate  # torch's one_minus_beta2_t
+        axes = stacked(params) if callable(stacked) else stacked
+        leaves, treedef = jax.tree.flatten(updates)
+        rest = (treedef.flatten_up_to(x) for x in (*state[1:], params, axes))
+        out = []
+        for g, v_row, v_col, v, p, b in zip(leaves, *rest):
+            eps = float(jnp.finfo(g.dtype).eps)
+            g32 = g.astype(jnp.float32)
+            g2 = g32 * g32
+            if g.ndim - b > 1:
+                v_row = v_row + w * (g2.mean(-1) - v_row)
+                v_col = v_col + w * (g2.mean(-2) - v_col)
+                row_mean = jnp.maximum(v_row.mean(-1), eps)[..., None, None]
+                var = v_row[..., :, None] * v_col[..., None, :] / row_mean  # [..., R, C]
+            else:
+                v = var = v + w * (g2 - v)
+            u = g32 * jax.lax.rsqrt(jnp.maximum(var, eps * eps))
+            u = u / jnp.maximum(1.0, _rms(u, b) / clipping_threshold)
+            u = u * jnp.maximum(min_param_scale, _rms(p.astype(jnp.float32), b))
+            out.append((u.astype(g.dtype), v_row, v_col, v))
+        trees = [treedef.unflatten(list(col)) for col in zip(*out)] if out else [updates] * 4
+        return trees[0], ScaleByAdafactorState(count, *trees[1:])
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def adafactor(
-    learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any = decay_mask, min_dim_size_to_factor: int = 128
+    learning_rate: LearningRate, weight_decay: float = 0.0, mask: Any = decay_mask, stacked: Any = layer_axes
 ) -> optax.GradientTransformation:
-    """torch.optim.Adafactor's update from optax's pieces (see the module docstring for what still differs).
+    """torch.optim.Adafactor (``eps1=None``, ``eps2=1e-3``, ``d=1``, ``beta2_decay=-0.8``) as an optax chain.
 
-    torch: ``p <- p (1 - lr wd) - min(lr, 1/sqrt(t)) max(1e-3, RMS(p)) U / max(1, RMS(U))``, U = g / sqrt(V).
-    Here: ``-lr * (r_t * max(1e-3, RMS(p)) * clip(U) + wd p)`` with ``r_t = min(1, 1 / (lr sqrt(t)))``.
-    torch clamps V at eps32**2 (float32's eps); optax adds its epsilon to g**2, so it is eps32**2 here (not optax's
-    1e-30): a gradient element far below eps32 gets U = g / eps32 on both sides, not sign(g). Still different: where
-    g**2 is near eps32**2 (add vs clamp: U within sqrt(2)), and torch's clamp of a factored leaf's mean row
-    variance at eps32 (a matrix whose gradient RMS is under 3.5e-4).
+    torch: ``p <- p (1 - lr wd) - min(lr, 1/sqrt(t)) A``, A from :func:`scale_by_adafactor`. Here:
+    ``-lr * (r_t * A + wd p)`` with ``r_t = min(1, 1 / (lr sqrt(t)))``: the same step (``optax.adafactor`` applies
+    weight decay without the lr).
     """
     lr_fn = learning_rate if callable(learning_rate) else (lambda count: jnp.float32(learning_rate))
     rel = lambda count: jnp.minimum(1.0, 1.0 / (lr_fn(count) * jnp.sqrt(count + 1.0)))  # noqa: E731
-    d = ADAFACTOR_DEFAULTS
     return optax.chain(
-        optax.scale_by_factored_rms(
-            decay_rate=d["decay_rate"], epsilon=EPS32**2, min_dim_size_to_factor=min_dim_size_to_factor
-        ),
-        optax.clip_by_block_rms(d["clipping_threshold"]),
-        optax.scale_by_param_block_rms(d["min_param_scale"]),
+        scale_by_adafactor(stacked=stacked),
         optax.scale_by_schedule(rel),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

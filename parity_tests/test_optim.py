@@ -29,12 +29,13 @@ from torchref.model import LlamaForCausalLM  # noqa: E402
 
 TOL = dict(rtol=1e-3, atol=2e-3)
 
-# name -> shape: weights with and without decay, quantised (>= 4096 elements) and float32-state (< 4096) leaves,
-# a size that is not a multiple of the 256-element block, and a 2-D norm like the JAX model's stacked norms.
+# name -> shape: weights with and without decay, quantised (>= 4096 elements per param) and float32-state (< 4096)
+# params, a size that is not a multiple of the 256-element block, and the JAX model's stacked ``layers.*`` leaves
+# (torch: one param per layer; a stack of 3 x 1920 and of 2 x 2100 is over 4096 but no layer of it is).
 SHAPES = {
     "embed": (256, 96),
-    "layers.wq": (96, 100),
-    "layers.w_small": (48, 40),
+    "layers.wq": (2, 96, 100),
+    "layers.w_small": (3, 48, 40),
     "layers.attn_norm": (2, 2100),
     "norm": (96,),
     "head.bias": (77,),
@@ -49,15 +50,31 @@ def _tree(rng, scales=True, shapes=None):
     }
 
 
+def _per_layer(tree):
+    """A ``layers.*`` leaf [L, ...] as torch's model holds it: L params ``layers.{i}.*``; other leaves as they are."""
+    out = {}
+    for k, v in tree.items():
+        out.update({f"{k}.{i}": v[i] for i in range(len(v))} if k.startswith("layers.") else {k: v})
+    return out
+
+
+def _stacked_leaf(tree, name):
+    """The JAX leaf (or layer of a stacked leaf) that torch's ``name`` (a :func:`_per_layer` key) is."""
+    base, _, i = name.rpartition(".")
+    return tree[base][int(i)] if base.startswith("layers.") and i.isdigit() else tree[name]
+
+
 def _run_both(
     name, n_steps, seed, lr=1e-2, weight_decay=0.1, applied=None, torch_step_always=False, shapes=None, **sched
 ):
-    """Same init and gradients into ``torchref.optim.build`` and ``jaxattn.optim.build``; ``applied[i] = False``
-    skips step i (torch: no optimizer.step(); JAX: keep the old params and opt_state, as the train step does)."""
+    """Same init and gradients into ``torchref.optim.build`` (``layers.*`` leaves split per layer, as the torch
+    model holds them) and ``jaxattn.optim.build`` (stacked); ``applied[i] = False`` skips step i (torch: no
+    optimizer.step(); JAX: keep the old params and opt_state, as the train step does). Returns the init, the
+    torch params and the JAX params (as numpy) by torch name, the torch optimizer and scheduler, the JAX state."""
     rng = np.random.default_rng(seed)
     init = _tree(rng, scales=False, shapes=shapes)
     grads = [_tree(rng, shapes=shapes) for _ in range(n_steps)]
-    tparams = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
+    tparams = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in _per_layer(init).items()}
     opt, sched_ = topt.build(tparams, name, lr, weight_decay, **sched)
     tx = jopt.build(name, lr, weight_decay, **sched)
     jparams = {k: jnp.asarray(v) for k, v in init.items()}
@@ -66,8 +83,8 @@ def _run_both(
     applied = applied or [True] * n_steps
     for g, ok in zip(grads, applied):
         if ok:
-            for k, p in tparams.items():
-                p.grad = torch.from_numpy(g[k])
+            for k, v in _per_layer(g).items():
+                tparams[k].grad = torch.from_numpy(np.ascontiguousarray(v))
             opt.step()
             u, state = update({k: jnp.asarray(v) for k, v in g.items()}, state, jparams)
             jparams = optax.apply_updates(jparams, u)
@@ -75,7 +92,8 @@ def _run_both(
             sched_.step()
         else:
             topt.step_scheduler(sched_, skipped=not ok)
-    return init, tparams, {k: np.asarray(v) for k, v in jparams.items()}, opt, sched_, state
+    jp = _per_layer({k: np.asarray(v) for k, v in jparams.items()})
+    return _per_layer(init), tparams, jp, opt, sched_, state
 
 
 def _assert_close_and_moved(init, tp, jp):
@@ -201,7 +219,7 @@ def test_nnx_optimizer_decays_only_by_name(name, seed):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit"])
+@pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit", "adafactor"])
 def test_five_step_trajectory(name, seed):
     """5 steps, lr 1e-2 under a warmup + cosine schedule, weight decay 0.1 masked by name.
 
@@ -210,7 +228,8 @@ def test_five_step_trajectory(name, seed):
     kernel vs the same optax chain). adamw8bit: the same algorithm and rounding rule on both sides; besides the
     params, the block absmax agree to float rounding and the 8-bit codes are equal (measured: all equal, params
     within 2.4e-7) except, possibly, the rare element whose float32 moment lands within rounding of a midpoint
-    between two map entries (allowed: 0.1% of the codes; where codes agree the dequantised moments agree to 1e-6)."""
+    between two map entries (allowed: 0.1% of the codes; where codes agree the dequantised moments agree to 1e-6).
+    adafactor: torch's algorithm on both sides (the moments: ``test_adafactor_every_leaf_and_its_moments``)."""
     init, tp, jp, opt, _, state = _run_both(name, 5, seed, schedule="cosine", warmup=2, steps=5)
     _assert_close_and_moved(init, tp, jp)
     if name != "adamw8bit":
@@ -219,84 +238,99 @@ def test_five_step_trajectory(name, seed):
     n_quantised, n_codes, n_diff = 0, 0, 0
     code_m, code_v = spec.quantization_map(True), spec.quantization_map(False)
     for k, p in tp.items():
-        st = opt.state[p]
-        if adam_state.mu[k].dtype == jnp.uint8:
+        st, shape = opt.state[p], init[k].shape
+        mu, mu_absmax, nu, nu_absmax = (_stacked_leaf(tree, k) for tree in adam_state[1:])
+        if mu.dtype == jnp.uint8:
             n_quantised += 1
             assert "m_codes" in st and st["m_codes"].dtype == torch.uint8
-            for pre, jc, ja, code in (
-                ("m", adam_state.mu[k], adam_state.mu_absmax[k], code_m),
-                ("v", adam_state.nu[k], adam_state.nu_absmax[k], code_v),
-            ):
+            for pre, jc, ja, code in (("m", mu, mu_absmax, code_m), ("v", nu, nu_absmax, code_v)):
                 tc, ta, jc, ja = st[f"{pre}_codes"].numpy(), st[f"{pre}_absmax"].numpy(), np.asarray(jc), np.asarray(ja)
                 same = tc == jc
                 n_codes, n_diff = n_codes + same.size, n_diff + int((~same).sum())
                 np.testing.assert_allclose(ja, ta, rtol=1e-6, err_msg=k)
-                td = spec.dequantize_blockwise(tc, ta, code, SHAPES[k])
-                jd = spec.dequantize_blockwise(jc, ja, code, SHAPES[k])
+                td = spec.dequantize_blockwise(tc, ta, code, shape)
+                jd = spec.dequantize_blockwise(jc, ja, code, shape)
                 agree = same.reshape(-1)[: td.size].reshape(td.shape)
                 np.testing.assert_allclose(
                     jd[agree], td[agree], rtol=1e-6, atol=1e-6 * float(np.abs(td).max()), err_msg=k
                 )
         else:
-            assert "exp_avg" in st and math.prod(SHAPES[k]) < spec.MIN_8BIT_SIZE
-            np.testing.assert_allclose(
-                np.asarray(adam_state.mu[k]), st["exp_avg"].numpy(), rtol=1e-4, atol=1e-7, err_msg=k
-            )
+            assert "exp_avg" in st and math.prod(shape) < spec.MIN_8BIT_SIZE
+            np.testing.assert_allclose(np.asarray(mu), st["exp_avg"].numpy(), rtol=1e-4, atol=1e-7, err_msg=k)
     assert n_quantised == 3
     assert n_diff <= 1e-3 * n_codes, (n_diff, n_codes)
 
 
-def test_adafactor_comparable_pieces(seed, rng):
-    """torch.optim.Adafactor vs the optax chain, 5 steps, on leaves where the algorithms coincide: 2-D leaves
-    whose dims are both >= 128 (optax factors only those; torch factors every matrix) and vectors. lr 0.5 so
-    the relative step ``min(lr, 1/sqrt(t))`` caps at t = 5 (1/sqrt(5) = 0.447). Also the factored second-moment
-    estimate after the first step: torch's row/col means ``row_var``/``col_var`` equal optax's ``v_row``/``v_col``
-    (the eps32**2 added to g**2 here vs torch's clamp of the estimate at eps32**2 do not show at these magnitudes;
-    a gradient element far below eps32 is the next test's)."""
-    shapes = {"w": (256, 128), "w_t": (128, 160), "v_norm": (128,), "u": (200,)}
-    init, tp, jp, opt, _, state = _run_both("adafactor", 5, seed, lr=0.5, shapes=shapes)
-    _assert_close_and_moved(init, tp, jp)
-    # one step, to compare the factored estimate itself
-    w = rng.standard_normal((256, 128)).astype(np.float32)
-    g = rng.standard_normal((256, 128)).astype(np.float32)
-    p = torch.nn.Parameter(torch.from_numpy(w.copy()))
-    o, _ = topt.build({"w": p}, "adafactor", 1e-2, 0.0)
-    p.grad = torch.from_numpy(g)
-    o.step()
-    tx = jopt.build("adafactor", 1e-2, 0.0)
-    _, st = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.asarray(w)}), {"w": jnp.asarray(w)})
-    fact = st[0]
-    rows = np.asarray(fact.v_row["w"]).reshape(-1)
-    cols = np.asarray(fact.v_col["w"]).reshape(-1)
-    t_row, t_col = o.state[p]["row_var"].numpy().reshape(-1), o.state[p]["col_var"].numpy().reshape(-1)
-    np.testing.assert_allclose(
-        np.sort(np.concatenate([rows, cols])), np.sort(np.concatenate([t_row, t_col])), rtol=1e-5
-    )
-    np.testing.assert_allclose(t_row, (g * g).mean(axis=1), rtol=1e-5)
+def _adafactor_both(init, grads, lr, weight_decay=0.0):
+    """``init`` and each step's gradients through torch's Adafactor (``layers.*`` leaves split per layer, as the
+    torch model holds them) and ours (stacked); returns (torch params and optimizer by torch name, JAX params as
+    numpy, JAX state), after checking that both moved the same."""
+    tp = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in _per_layer(init).items()}
+    opt, _ = topt.build(tp, "adafactor", lr, weight_decay)
+    tx = jopt.build("adafactor", lr, weight_decay)
+    jp = {k: jnp.asarray(v) for k, v in init.items()}
+    state = tx.init(jp)
+    update = jax.jit(tx.update)
+    for g in grads:
+        for k, v in _per_layer(g).items():
+            tp[k].grad = torch.from_numpy(np.ascontiguousarray(v))
+        opt.step()
+        u, state = update({k: jnp.asarray(v) for k, v in g.items()}, state, jp)
+        jp = optax.apply_updates(jp, u)
+    jp = {k: np.asarray(v) for k, v in jp.items()}
+    _assert_close_and_moved(_per_layer(init), tp, _per_layer(jp))
+    return tp, opt, state[0]
+
+
+def test_adafactor_every_leaf_and_its_moments(seed, rng):
+    """torch.optim.Adafactor = ours, 5 steps at lr 0.5 (the relative step ``min(lr, 1/sqrt(t))`` caps at t = 5),
+    weight decay 0.1, on every kind of leaf: matrices large and small (torch factors EVERY matrix; optax's own
+    transform only dims >= 128), a 3-D expert stack (factored over its last two dims, per expert), vectors, a
+    matrix whose gradients are ~1e-5 (mean row variance 1e-10: torch's clamp of it at eps32 = 1.2e-7 sets the
+    step: its direction is ~27x smaller than without it), and the model's stacked ``layers.*`` leaves, which torch
+    holds as one param per layer (RMS(p) and RMS(U) per layer; a stacked norm is a vector per layer, not a matrix).
+    The moments after the steps: torch's ``row_var`` / ``col_var`` = our ``v_row`` / ``v_col`` per factored
+    param, ``variance`` = ``v`` per vector."""
+    shapes = {"w": (256, 128), "w_small": (48, 40), "experts": (3, 40, 24), "norm": (128,), "u": (77,)}
+    shapes |= {"w_tiny": (64, 96), "layers.wq": (2, 48, 40), "layers.attn_norm": (3, 64), "layers.e_up": (2, 3, 8, 24)}
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    grads = [_tree(rng, shapes=shapes) for _ in range(5)]
+    for g in grads:
+        g["w_tiny"] = (g["w_tiny"] / np.abs(g["w_tiny"]).mean() * 1e-5).astype(np.float32)
+    # RMS(p), RMS(U) and the clip are per layer: one layer of a stack 10x larger, and its gradient jumping 30x at
+    # step 3 (U = g / sqrt(V) over 1 there, so the clip acts on that layer alone)
+    init["layers.wq"][1] *= 10.0
+    grads[2]["layers.wq"][1] *= 30.0
+    tp, opt, st = _adafactor_both(init, grads, 0.5, weight_decay=0.1)
+    for k, shape in shapes.items():
+        per_layer = k.startswith("layers.")
+        states = [opt.state[tp[f"{k}.{i}"]] for i in range(shape[0])] if per_layer else [opt.state[tp[k]]]
+        core = shape[1:] if per_layer else shape
+        if len(core) > 1:
+            assert states[0]["row_var"].shape == (*core[:-1], 1) and states[0]["col_var"].shape[-2] == 1, k
+            for ours, theirs in ((st.v_row[k], "row_var"), (st.v_col[k], "col_var")):
+                want = np.concatenate([s[theirs].numpy().ravel() for s in states])
+                np.testing.assert_allclose(np.asarray(ours).ravel(), want, rtol=1e-5, err_msg=k)
+            assert st.v[k].size == 0, k
+        else:
+            want = np.concatenate([s["variance"].numpy().ravel() for s in states])
+            np.testing.assert_allclose(np.asarray(st.v[k]).ravel(), want, rtol=1e-5, err_msg=k)
+    # the clamp decided the tiny leaf's step: unclamped, its direction would be sqrt(eps32 / 1.6e-10) ~ 27x larger
+    row_mean = float(opt.state[tp["w_tiny"]]["row_var"].mean())
+    assert row_mean < 1e-2 * np.finfo(np.float32).eps, row_mean
 
 
 def test_adafactor_gradient_elements_below_float32_eps(seed, rng):
     """torch clamps Adafactor's second-moment estimate at eps32**2 (eps1=None: float32's eps), so an element whose
-    gradient is far below eps32 moves by g / eps32, not by sign(g) as with optax's 1e-30 (a fresh CI draw of
-    |g| = 9e-9 in a vector leaf took 0.45 of difference). Vectors and a factored matrix, 3 steps, one element of
-    each leaf at 1e-9 in the first step, the rest as drawn."""
+    gradient is far below eps32 moves by g / eps32, not by sign(g) as with optax's 1e-30 added to g**2 (a fresh CI
+    draw of |g| = 9e-9 in a vector leaf took 0.45 of difference). Vectors and a factored matrix, 3 steps, one
+    element of each leaf at 1e-9 in the first step, the rest as drawn."""
     shapes = {"v_norm": (128,), "w": (256, 128)}
     init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(3)]
     for g in grads[0].values():
         g.reshape(-1)[int(rng.integers(g.size))] = np.float32(1e-9) * np.sign(rng.standard_normal())
-    tp = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
-    opt, _ = topt.build(tp, "adafactor", 0.5, 0.0)
-    tx = jopt.build("adafactor", 0.5, 0.0)
-    jp = {k: jnp.asarray(v) for k, v in init.items()}
-    state = tx.init(jp)
-    for g in grads:
-        for k, p in tp.items():
-            p.grad = torch.from_numpy(g[k])
-        opt.step()
-        u, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, jp)
-        jp = optax.apply_updates(jp, u)
-        _assert_close_and_moved(init, tp, {k: np.asarray(v) for k, v in jp.items()})
+    _adafactor_both(init, grads, 0.5)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -387,8 +421,9 @@ def _bytes_per_param(name, shapes, rng):
 
 def test_state_bytes_per_parameter(rng):
     """Optimizer-state bytes per parameter. A 1024x1024 matrix: fp32 AdamW 8, adamw8bit 2 + 2*4/256 = 2.03 in
-    both frameworks. The tiny model: 8-bit keeps float32 moments for tensors under 4096 elements; JAX stacks the
-    layers, so its [2, 64, 32] k/v weights (4096) are quantised where torch's per-layer [32, 64] (2048) are not."""
+    both frameworks. The tiny model: 8-bit keeps float32 moments for params under 4096 elements, per layer in both
+    (JAX stacks the layers: its [2, 64, 32] k/v weights, 4096, keep float32 moments as torch's per-layer [32, 64]
+    do); the step counters apart, the bytes agree."""
     big = {"w": (1024, 1024)}
     t32, j32 = _bytes_per_param("adamw", big, rng)
     t8, j8 = _bytes_per_param("adamw8bit", big, rng)
@@ -411,7 +446,7 @@ def test_state_bytes_per_parameter(rng):
         f"state bytes/param: 1024x1024 adamw torch {t32:.4f} jax {j32:.4f}; adamw8bit torch {t8:.4f} "
         f"jax {j8:.4f}; tiny adamw8bit torch {t_tiny:.3f} jax {j_tiny:.3f}"
     )
-    assert 2.0 < j_tiny < t_tiny < 4.0, (t_tiny, j_tiny)
+    assert 2.0 < t_tiny < 4.0 and abs(j_tiny - t_tiny) < 1e-3, (t_tiny, j_tiny)
 
 
 # ----------------------------------------------------------------------------------------------------------------
