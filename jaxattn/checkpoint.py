@@ -9,16 +9,20 @@ A checkpoint holds the whole ``TrainState`` pytree, the root PRNG key data and a
 orbax writes it into a temporary directory and renames it when complete, so a kill leaves the previous steps whole.
 orbax's own pruning and step discovery are off: the run marker (``twincore.rundir``) records each step before it is
 written and its files' sha256 after, so ``keep`` deletes only steps this run wrote and :meth:`latest_step` is the
-newest step whose checksums match (a corrupt one is skipped with a warning). Saves are synchronous. The writer holds
+newest step whose checksums match (a corrupt one is skipped with a warning). Zero-size arrays (an optimizer's
+unused state) are not written (orbax refuses them) and come back from ``like``. Saves are synchronous. The writer holds
 the directory's lock from construction (a directory in use is refused before orbax's manager is built) to
 :meth:`close` or the end of :meth:`locked`."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from twincore.rundir import StepCheckpointer
@@ -36,6 +40,28 @@ def _abstract(tree: Any) -> Any:
         ),
         tree,
     )
+
+
+def _is_empty(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and math.prod(x.shape) == 0
+
+
+def _without_empty(tree: Any) -> Any:
+    """``tree`` with every zero-size array as ``None``: orbax refuses to save one (an 8-bit optimizer's absmax of a
+    small param, Adafactor's unused moment), and its contents are its shape, which ``like`` gives back."""
+    return jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
+
+
+def _refill(restored: Any, like: Any) -> Any:
+    """:func:`_without_empty`'s inverse: zeros of ``like``'s shape, dtype and sharding where ``restored`` has None."""
+    leaves, treedef = jax.tree.flatten(like)
+    got = treedef.flatten_up_to(restored)
+
+    def empty(x):
+        z = np.zeros(x.shape, x.dtype)
+        return jax.device_put(z, x.sharding) if getattr(x, "sharding", None) is not None else jnp.asarray(z)
+
+    return treedef.unflatten([empty(x) if _is_empty(x) else r for x, r in zip(leaves, got)])
 
 
 class Checkpointer(StepCheckpointer):
@@ -73,7 +99,9 @@ class Checkpointer(StepCheckpointer):
             self.manager.reload()
             self.manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_without_empty(tree)), meta=ocp.args.JsonSave(meta)
+                ),
                 force=True,
             )
             self.manager.wait_until_finished()
@@ -90,9 +118,11 @@ class Checkpointer(StepCheckpointer):
         self.manager.reload()
         out = self.manager.restore(
             int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(_without_empty(like))), meta=ocp.args.JsonRestore()
+            ),
         )
-        return out["state"], out["meta"]
+        return _refill(out["state"], like), out["meta"]
 
     def close(self) -> None:
         """Close orbax's manager and let the directory's lock go."""

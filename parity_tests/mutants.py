@@ -599,6 +599,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "RMS over all layers at once; torch has one param per layer)",
     ),
     m(
+        "checkpoint-empty-leaves-jax",
+        "training",
+        "jaxattn/checkpoint.py",
+        "return jax.tree.map(lambda x: None if _is_empty(x) else x, tree)",
+        "return tree",
+        "parity_tests/test_checkpoint.py -k every_optimizer",
+        "the JAX checkpointer hands orbax the optimizer state's zero-size arrays (adamw8bit / adafactor runs "
+        "cannot save)",
+    ),
+    m(
         "adamw8bit-bias-correction",
         "training",
         "torchref/optim.py",
