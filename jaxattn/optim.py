@@ -158,7 +158,10 @@ def scale_by_adam_8bit(
     absmax), m with the signed and v with the unsigned dynamic map (``twincore.optim.quantization_map``), rounding
     to the nearest map entry (ties to the lower index). Smaller params keep float32 moments. A param is a leaf, or
     one layer of a leaf that ``stacked`` (a tree of 0/1, or a function of the tree giving it) says stacks its
-    layers on axis 0, as torch holds one param per layer: its size and its blocks are per layer. This is
+    layers on axis 0, as torch holds one param per layer: its size and its blocks are per layer. A linear weight is
+    ``[in, out]`` here and ``[out, in]`` in torch, so its blocks group other elements than torch's: the same
+    algorithm, quantisation errors that differ (the twins' CLI runs agree within §7; a transpose per step would
+    buy equal codes at the cost of the update's memory traffic). This is
     bitsandbytes' ``optimizer_update_8bit_blockwise`` ("adam") with ``percentile_clipping=100``, no max_unorm.
     State: 2 bytes + 8 bytes per block per element of a quantised param (2.03 bytes at block 256).
     """

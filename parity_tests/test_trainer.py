@@ -139,6 +139,16 @@ BAD = [
     (["--offload-optimizer"], "jax", r"--offload-optimizer needs --mesh"),
     (["--offload-optimizer", "--parallel", "ddp"], "torch", r"--offload-optimizer needs --parallel fsdp or fsdp\+tp"),
     (
+        ["--optimizer", "adafactor", "--parallel", "fsdp"],
+        "torch",
+        r"--optimizer adafactor does not run with --parallel fsdp in torchref: .*Adafactor.*use --parallel ddp or pp",
+    ),
+    (
+        ["--optimizer", "adamw8bit", "--parallel", "ep+fsdp"],
+        "torch",
+        r"--optimizer adamw8bit does not run with --parallel ep\+fsdp in torchref: .*AdamW8bit.*runs adamw8bit on any",
+    ),
+    (
         ["--parallel", "zero"],
         "torch",
         r"--parallel: invalid choice: 'zero' \(choose from ddp, fsdp, tp, fsdp\+tp, ep, ep\+fsdp, pp, pp\+fsdp, "
