@@ -79,6 +79,21 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
     assert got["eval_tokens"] == want["eval_tokens"] and abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5
 
 
+@pytest.mark.slow  # 2 x 6 s; CI runs it (slow_feature)
+@pytest.mark.slow_feature
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw8bit"])
+def test_ddp_runs_the_optimizers_that_refuse_dtensors(optimizer, tmp_path):
+    """torch's Adafactor and our AdamW8bit fail on DTensor parameters, so the CLI refuses them with every mode but
+    ddp and pp (``test_trainer``'s bad flags); under ddp they log the one-process losses within 1e-5."""
+    from torchref import train as trainer
+
+    argv = ["--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", optimizer]
+    single = trainer.run(argv + ["--num-workers", "0"])
+    log = tmp_path / "log.jsonl"
+    torchrun("-m", "torchref.train", "--parallel", "ddp", "--log-json", str(log), *argv)
+    np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow  # 13 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)
 @pytest.mark.slow_feature
 def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
