@@ -93,12 +93,15 @@ def test_cli_writes_json_and_rejects_one_round(tmp_path, capsys):
 
 def test_table_reads_device_time_from_the_traced_kernels(quick_run):
     """Device time = the traced kernels' microseconds summed; device TF/s from it; ratio = reference / variant;
-    off-GPU = wall - device; a row without kernels shows wall figures only."""
+    off-GPU = wall - device; a row without kernels shows wall figures only. A torch record's GPU copy of the call's
+    range (named SPAN; the H200 file of 2026-11-28 has one per torch variant) is not a kernel."""
     res = quick_run
     row = res["rows"][0]
     ref, other = res["reference"], "jax:xla:bshd"
-    row["variants"][ref]["kernels"] = [{"kernel": "k_ref", "launches_per_call": 1.0, "us_per_call": 300.0}]
+    span = {"kernel": profile_tables.SPAN, "launches_per_call": 1.0, "us_per_call": 400.0}
+    row["variants"][ref]["kernels"] = [span, {"kernel": "k_ref", "launches_per_call": 1.0, "us_per_call": 300.0}]
     row["variants"][other]["kernels"] = [
+        dict(span),
         {"kernel": "k_main", "launches_per_call": 1.0, "us_per_call": 100.0},
         {"kernel": "memset", "launches_per_call": 3.0, "us_per_call": 50.0},
     ]
@@ -115,6 +118,42 @@ def test_table_reads_device_time_from_the_traced_kernels(quick_run):
     assert len(untraced) == 3 * n and all([x.strip() for x in c[9:]] == [""] * 5 for c in untraced), untraced
 
 
+class _Range:
+    def __init__(self, start_us, end_us):
+        self.start, self.end = start_us, end_us
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+def _torch_event(name, cuda, start_us, end_us, annotation=False):
+    import torch
+    from types import SimpleNamespace
+
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(
+        name=name, device_type=kind, is_user_annotation=annotation, time_range=_Range(start_us, end_us)
+    )
+
+
+def test_torch_reader_leaves_out_the_gpu_copy_of_the_call_range():
+    """kineto copies a ``record_function`` range onto the GPU as a CUDA event (``gpu_user_annotation``): the
+    readers take it as neither a kernel nor a second host span. (On the H200, 2026-11-28, it was summed into every
+    torch call's device time: 866 us for a 443 us forward.)"""
+    events = [
+        _torch_event(kp.SPAN, False, 0.0, 500.0, annotation=True),  # the host range
+        _torch_event(kp.SPAN, True, 120.0, 400.0, annotation=True),  # its GPU copy
+        _torch_event("cudnn_fprop", True, 120.0, 400.0),
+        _torch_event("Memset (Device)", True, 401.0, 402.0),
+    ]
+    prof = type("Prof", (), {"events": lambda self: events})()
+    assert kp.device_kernels_torch(prof) == {"cudnn_fprop": [1, 280000.0], "Memset (Device)": [1, 1000.0]}
+    spans, kernels = kp.intervals_torch(prof)
+    assert spans == [(0.0, 500000.0)] and kernels == [(120000.0, 400000.0), (401000.0, 402000.0)]
+    tl = kp.call_timeline(spans, kernels)
+    assert (tl["busy_us"], tl["gaps_us"], tl["tail_us"]) == (281.0, 1.0, 98.0)
+
+
 def test_committed_h200_profile_tables_are_generated_from_their_json():
     """benchmarks/results/nvidia-h200/kernel_profile.md holds exactly the tables --table prints for the JSON beside
     it: no GPU number typed by hand, none left stale after a new profile."""
@@ -123,9 +162,11 @@ def test_committed_h200_profile_tables_are_generated_from_their_json():
     )
     with open(os.path.join(here, "kernel_profile.md")) as f:
         text = f.read()
-    for name in ["kernel_profile-call1.json", "kernel_profile-call3.json"]:
+    for name in ["kernel_profile-call1.json", "kernel_profile-call3.json", "kernel_profile-2026-11-28.json"]:
         with open(os.path.join(here, name)) as f:
-            assert profile_tables.table(json.load(f), name) in text, name
+            res = json.load(f)
+        assert profile_tables.table(res, name) in text, name
+        assert profile_tables.timeline_table(res) in text, name
 
 
 SPANS_XSPACE = """

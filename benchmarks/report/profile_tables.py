@@ -11,9 +11,18 @@ from twincore.flops import attention_flops
 from .tables import format_ratio
 
 
+SPAN = "kernel_profile call"  # the traced call's range; a torch trace also copies it onto the GPU as a CUDA event
+
+
+def kernels(rec: dict) -> list[dict]:
+    """One variant's traced kernels, longest first. A torch record written before 2026-11-28's fix also lists its
+    ``record_function`` range (kineto's GPU copy, named :data:`SPAN`): it is not a kernel, and it is left out."""
+    return [k for k in rec.get("kernels") or [] if k["kernel"] != SPAN]
+
+
 def device_us(rec: dict) -> float | None:
     """Device time of one call: the traced kernels' microseconds summed (None when the row was not traced)."""
-    ks = rec.get("kernels")
+    ks = kernels(rec)
     return sum(k["us_per_call"] for k in ks) if ks else None
 
 
@@ -50,7 +59,7 @@ def table(res: dict, name: str = "") -> str:
         for v, rec in row["variants"].items():
             sp = rec.get("speedup_vs_reference")
             dev = device_us(rec)
-            top = (rec.get("kernels") or [None])[0]
+            top = (kernels(rec) or [None])[0]
             cells = [
                 row["S"],
                 "yes" if row["causal"] else "no",

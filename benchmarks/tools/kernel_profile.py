@@ -47,13 +47,13 @@ from twincore.flops import attention_flops
 from twincore.timing import paired_ratio, time_interleaved
 
 from .. import measure
-from ..report.profile_tables import table, timeline_table
+from ..report.profile_tables import SPAN, table, timeline_table
 
 REFERENCE = "torch:cudnn:bhsd"
 # XLA's CUDA-graph runtime off for one executable (``compile(compiler_options=...)``): the ``:nocb`` variants say
 # whether replaying a call's kernels as a command buffer (updated for each call's new output buffers) costs time
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-SPAN = "kernel_profile call"  # the host-side name of one traced call and its wait (jax and torch traces)
+# SPAN: the host-side name of one traced call and its wait (jax and torch traces)
 
 
 def shapes(quick: bool) -> list[tuple]:
@@ -108,13 +108,22 @@ def intervals_jax(log_dir: str) -> tuple[list, list]:
     return sorted(spans), sorted(kernels)
 
 
-def device_kernels_torch(prof) -> dict:
-    """``{kernel name: [count, total ns]}`` of a finished ``torch.profiler.profile``'s CUDA events."""
+def _torch_device_event(ev) -> bool:
+    """A CUDA kernel or memory op of a torch trace. Not kineto's GPU copy of a ``record_function`` range (a
+    ``gpu_user_annotation`` named :data:`SPAN`, CUDA-typed): counted as a kernel, it added its span's length to the
+    device time of every torch call (the H200 profile of 2026-11-28)."""
     import torch
 
+    return ev.device_type == torch.autograd.DeviceType.CUDA and not (
+        getattr(ev, "is_user_annotation", False) or ev.name == SPAN
+    )
+
+
+def device_kernels_torch(prof) -> dict:
+    """``{kernel name: [count, total ns]}`` of a finished ``torch.profiler.profile``'s CUDA kernels."""
     out: dict = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if _torch_device_event(ev):
             out[ev.name][0] += 1
             out[ev.name][1] += ev.time_range.elapsed_us() * 1e3
     return dict(out)
@@ -122,15 +131,15 @@ def device_kernels_torch(prof) -> dict:
 
 def intervals_torch(prof) -> tuple[list, list]:
     """``(spans, kernels)`` of a finished ``torch.profiler.profile`` in ns on kineto's one clock: the
-    ``record_function(SPAN)`` ranges and the CUDA events."""
+    ``record_function(SPAN)`` ranges on the host and the CUDA kernels."""
     import torch
 
     spans, kernels = [], []
     for ev in prof.events():
         iv = (ev.time_range.start * 1e3, ev.time_range.end * 1e3)
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if _torch_device_event(ev):
             kernels.append(iv)
-        elif ev.name == SPAN:
+        elif ev.name == SPAN and ev.device_type != torch.autograd.DeviceType.CUDA:
             spans.append(iv)
     return sorted(spans), sorted(kernels)
 
