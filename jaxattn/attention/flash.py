@@ -113,29 +113,39 @@ class BlockSizes:
             raise ValueError(f"head_dim must be an int in [1, {MAX_HEAD_DIM}], got {head_dim!r}")
         wide = jnp.dtype(dtype).itemsize >= 4
         dp = max(64, next_pow2(head_dim))
-        *blocks, warps, stages, warps_bwd, stages_bwd = _DEFAULTS[dp, "fp32" if wide else "16bit"]
-        return cls(*blocks, num_warps=warps, num_stages=stages, num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
+        *blocks, warps, stages, warps_bwd, stages_bwd, warps_dkv, stages_dkv = _DEFAULTS[
+            dp, "fp32" if wide else "16bit"
+        ]
+        return cls(
+            *blocks,
+            num_warps=warps,
+            num_stages=stages,
+            num_warps_bwd=warps_bwd,
+            num_stages_bwd=stages_bwd,
+            num_warps_dkv=warps_dkv,
+            num_stages_dkv=stages_dkv,
+        )
 
 
 # Default BlockSizes per (head dim rounded up, dtype width), from the deviceless filter of
-# benchmarks/block_search.py ("compiled for H100, not run"); the D=128 16-bit dq tile from timings on one H100
-# (2026-11-27: 0.58 ms against 1.12 for 64x32, kernel alone; benchmarks/results/nvidia-h100-80gb-hbm3/
-# block_search.json). One H200 timed 4 backward warps faster (nvidia-h200/block_search.json), the H100 did not: kept
-# until a paired timing (the search's `vs_default`) says so. How each row was chosen: benchmarks/NOTES.md,
-# "attention kernels: history" and "GPU session on one H100" / "on one H200".
-#   fwd block_q, block_k | dkv block_q, block_k | dq block_q, block_k | fwd warps, stages | bwd warps, stages
+# benchmarks/block_search.py ("compiled for H100, not run"), then from timings where a GPU ran them:
+# - D=128 16-bit dq tile: one H100 (2026-11-27: 0.58 ms against 1.12 for 64x32, kernel alone;
+#   benchmarks/results/nvidia-h100-80gb-hbm3/block_search.json);
+# - D=128 16-bit dkv tile and launch (32x128, 8 warps, 3 stages; was 32x64, 8 warps, 2 stages): paired against the
+#   old default on one H200, 1.71x [1.65-1.81] at 16/16 heads and 1.62x [1.56-1.71] at 16/4 heads (GQA), the fastest
+#   of 8 and 12 filter survivors (2026-11-28, nvidia-h200/block_search.json). No spill at either (238 / 248
+#   registers); the 4-warp tiles, faster at 16/16 heads on 2026-11-27b, spill with GQA.
+# How each row was chosen: benchmarks/NOTES.md, "attention kernels: history" and the GPU session sections.
+#   fwd block_q, block_k | dkv block_q, block_k | dq block_q, block_k | fwd warps, stages | bwd warps, stages |
+#   dkv warps, stages (None: the backward's)
 _DEFAULTS = {
-    (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3),
-    (128, "16bit"): (128, 64, 32, 64, 128, 64, 8, 2, 8, 2),
-    (256, "16bit"): (64, 32, 16, 64, 128, 32, 8, 2, 8, 2),
-    (64, "fp32"): (64, 64, 32, 64, 64, 64, 8, 2, 8, 2),
-    (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1),
-    (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1),
+    (64, "16bit"): (128, 64, 32, 128, 128, 32, 4, 3, 8, 3, None, None),
+    (128, "16bit"): (128, 64, 32, 128, 128, 64, 8, 2, 8, 2, 8, 3),
+    (256, "16bit"): (64, 32, 16, 64, 128, 32, 8, 2, 8, 2, None, None),
+    (64, "fp32"): (64, 64, 32, 64, 64, 64, 8, 2, 8, 2, None, None),
+    (128, "fp32"): (32, 64, 16, 64, 64, 16, 8, 1, 8, 1, None, None),
+    (256, "fp32"): (16, 32, 16, 16, 16, 16, 8, 1, 8, 1, None, None),
 }
-# The dkv kernel's own launch (num_warps_dkv / num_stages_dkv) follows the backward's in every row: at D=128 16-bit
-# 4 dkv warps timed 1.79x [1.70-1.91] the default's 8, paired on one H200 (2026-11-27b, nvidia-h200/block_search.json,
-# MHA), but with GQA that kernel reaches 255 registers and spills 12-28 B (compiled for H100): kept at 8 until a GQA
-# shape is timed (benchmarks/NOTES.md, "GPU session on one H200, 2026-11-27b").
 
 
 # ----------------------------------------------------------------------------------------- static config
