@@ -94,6 +94,13 @@ def main(argv=None) -> int:
         help="output directory (default benchmarks/results/local/<device>[-quick], untracked)",
     )
     run.add_argument(
+        "--batch",
+        type=int,
+        action="append",
+        metavar="B",
+        help="decode suite: only these batch sizes, in this order (repeatable; default 1 and 64, --quick 1 and 4)",
+    )
+    run.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -153,6 +160,8 @@ def main(argv=None) -> int:
         run.error(f"--impl/--max-seq/--head-dim filter the attention suite, which is not selected (suites: {suites})")
     if args.decode_impl is not None and "decode" not in suites:
         run.error(f"--decode-impl picks decode suite rows; the decode suite is not selected (suites: {suites})")
+    if args.batch is not None and "decode" not in suites:
+        run.error(f"--batch picks decode suite rows; the decode suite is not selected (suites: {suites})")
     if args.preset is not None and "model" not in suites:
         run.error(f"--preset picks model suite rows; the model suite is not selected (suites: {suites})")
     if args.toggle is not None and "train" not in suites:
@@ -160,13 +169,19 @@ def main(argv=None) -> int:
     try:
         attention.check_filters(args.quick, args.impl, args.max_seq, args.head_dim)
         decode.check_impls(args.decode_impl)
+        if args.batch is not None:
+            decode.check_batches(args.batch)
         if args.toggle is not None:
             train.check_toggles(args.toggle)
         if args.preset is not None:
             model.check_presets(args.quick, args.preset)
     except ValueError as e:
         run.error(
-            str(e).replace("impls:", "--impl:").replace("max_seq", "--max-seq").replace("head_dims:", "--head-dim:")
+            str(e)
+            .replace("impls:", "--impl:")
+            .replace("max_seq", "--max-seq")
+            .replace("head_dims:", "--head-dim:")
+            .replace("batches:", "--batch:")
         )
     try:
         if args.out is not None:
@@ -203,6 +218,7 @@ def main(argv=None) -> int:
         )
         if suite == "decode":
             kwargs["impls"] = args.decode_impl
+            kwargs["batches"] = args.batch
         if suite == "train":
             kwargs["toggles"] = args.toggle
         if suite == "model":
@@ -255,6 +271,10 @@ def _run_repeated(args, out: str) -> int:
     extra = [a for i in args.impl or () for a in ("--impl", i)]
     extra += ["--max-seq", str(args.max_seq)] if args.max_seq is not None else []
     extra += [a for d in args.head_dim or () for a in ("--head-dim", str(d))]
+    for flag, values in (("--decode-impl", args.decode_impl), ("--batch", args.batch), ("--toggle", args.toggle)):
+        extra += [a for v in values or () for a in (flag, str(v))]
+    extra += [a for p in args.preset or () for a in ("--preset", p)]
+    extra += ["--budget-s", str(args.budget_s)] if args.budget_s is not None else []
     tmp = tempfile.mkdtemp(prefix="benchmarks-repeat-")
     try:
         runs = run_processes(args.suite or ["all"], args.repeat, args.quick, tmp, extra)

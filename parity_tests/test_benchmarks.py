@@ -192,8 +192,10 @@ def test_run_repeat_pools_fresh_processes_into_one_record_per_suite(tmp_path, mo
         ]
 
     monkeypatch.setattr(repeat, "run_processes", fake)
-    assert cli.main(["run", "--suite", "model", "--quick", "--repeat", "3", "--out", str(tmp_path)]) == 0
+    argv = ["run", "--suite", "model", "--quick", "--repeat", "3", "--out", str(tmp_path), "--preset", "tiny"]
+    assert cli.main(argv) == 0
     assert seen["runs"] == 3 and seen["suites"] == ["model"] and seen["quick"] and not os.path.exists(seen["out"])
+    assert seen["extra"] == ["--preset", "tiny"]  # each process gets the row filters
     data = json.loads((tmp_path / "model.json").read_text())
     assert data["env"]["repeat"] == 3 and data["env"]["process_loadavg"] == [[1.0, 1, 1]] * 3
     assert data["records"][0]["process_median_ms"] == [2.0, 2.1, 2.2] and data["records"][0]["paired"]["processes"] == 3
@@ -265,6 +267,8 @@ def _cli(*argv, timeout=60):
         ),
         (["--suite", "model", "--impl", "flash"], r"filter the attention suite, which is not selected"),
         (["--head-dim", "96"], r"--head-dim: \[96\] not among the suite's head dims \[64, 128\]"),
+        (["--suite", "decode", "--batch", "0"], r"--batch: give batch sizes >= 1, got 0"),
+        (["--suite", "model", "--batch", "4"], r"--batch picks decode suite rows; the decode suite is not selected"),
     ],
     ids=[
         "impl-nope",
@@ -274,6 +278,8 @@ def _cli(*argv, timeout=60):
         "max-seq-below-shapes",
         "filter-without-attention",
         "head-dim-not-in-suite",
+        "batch-zero",
+        "batch-without-decode",
     ],
 )
 def test_filter_that_selects_nothing_fails_fast_and_writes_nothing(tmp_path, argv, message):
@@ -647,6 +653,24 @@ def test_decode_budget_reaches_every_weight_format_at_b1_first(monkeypatch):
     skipped = {(r["weights"], r["B"]) for r in recs if r["status"] == "skipped"}
     assert skipped == {("int8", 1), ("fp32", 4), ("bf16", 4), ("int8", 4)}
     assert all("time budget spent" in r["reason"] for r in recs if r["status"] == "skipped")
+
+
+def test_decode_batch_flag_runs_only_those_batches(monkeypatch, tmp_path):
+    """``run --suite decode --batch 4``: the suite's records are of B=4 alone (the GPU session reaches the B=64 rows
+    it never reached behind the B=1 ones); the budget's clock is stepped 100 s per look, so one row runs."""
+    from benchmarks.suites import decode
+
+    clock = iter(range(0, 10_000, 100))
+    monkeypatch.setattr(decode, "_clock", lambda: next(clock))
+    real = decode.measure.timeit_paired
+    monkeypatch.setattr(decode.measure, "timeit_paired", lambda calls, **kw: real(calls, rounds=2, per_round=1))
+    recs = decode.run(quick=True, budget_s=150, batches=[4])
+    assert {r["B"] for r in recs} == {4}
+    assert [(r["weights"], r["status"]) for r in recs if r["impl"] == "jaxattn" and r.get("pass") == "decode"] == [
+        ("fp32", "ok"),
+        ("bf16", "skipped"),
+        ("int8", "skipped"),
+    ]
 
 
 def test_train_tf32_row_runs_both_sides_at_tf32_and_restores_the_defaults():

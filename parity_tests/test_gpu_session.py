@@ -54,7 +54,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         "gqa",
         "model",
     ]
-    assert plan["model"][0] == "-", "model is in no call (run by name)"
+    assert plan["model"][0] == plan["peers"][0] == "-", "model and peers are in no call (run by name)"
     for call in (1, 2):
         steps = {s: v for s, v in plan.items() if v[0] == call}
         assert steps, f"call {call} has no step"
@@ -101,9 +101,7 @@ def test_budget_ends_a_step_and_the_session_goes_on(tmp_path):
     assert len(dirs) == 1
     got = read_results(str(tmp_path / "results" / dirs[0]))["block_search"]
     groups = {(r["kernel"], r.get("kv_heads", 16)) for r in got["records"]}  # both steps' rows, merged in one file
-    assert groups == {("mosaic_fwd", 16), ("mosaic_bwd_dq", 16), ("mosaic_bwd_dkv", 16), ("flash_bwd_dkv", 16)} | {
-        ("flash_bwd_dkv", 4)
-    }
+    assert groups == {("flash_bwd_dkv", 16), ("flash_bwd_dkv", 4)}
     assert {r["head_dim"] for r in got["records"]} == {128}
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
     assert len(files) <= 8, f"a device call returns at most 8 files: {files}"
@@ -257,21 +255,25 @@ def test_a_preset_whose_process_dies_is_skipped_with_its_last_line():
 def test_whole_session_rehearsed_on_cpu(tmp_path):
     """Both calls at quick sizes: every step exits 0 within its budget, each suite's JSON is complete, the report
     builds from the results folder a session leaves."""
-    for call in ("1", "2", "model"):
+    for call in ("1", "2", "named"):  # "named": the steps in no call (model, peers), run by name
         out = tmp_path / f"call{call}"
-        r = _session("--dry-run", *(["model"] if call == "model" else ["--call", call]), out=out, timeout=900)
+        r = _session("--dry-run", *(["model", "peers"] if call == "named" else ["--call", call]), out=out, timeout=900)
         log = (out / "session.log").read_text()
         assert r.returncode == 0, log[-3000:]
         summary = log.split("=== session summary")[1]
         assert "exit 124" not in summary and re.findall(r"exit 0", summary), summary
         (res,) = [out / "results" / d for d in os.listdir(out / "results")]
         found = read_results(str(res))
-        want = {"1": {"attention"}, "2": {"train", "decode", "block_search"}, "model": {"model"}}[call]
+        want = {"1": {"attention"}, "2": {"train", "decode", "block_search"}, "named": {"model"}}[call]
         assert set(found) == want
         assert all(found[s].get("complete", True) for s in want)
-        if call == "1":  # issue 42's profile beside the suites
-            assert json.loads((res / "kernel_profile.json").read_text())["complete"]
-        if call == "2":  # the peers in their own folder
+        if call == "1":  # issue 42's profile beside the suites, its wait ladder included
+            profile = json.loads((res / "kernel_profile.json").read_text())
+            assert profile["complete"] and len(profile["tails"]) == 2
+        if call == "2":  # the decode rows of the batches it was given, the larger first
+            batches = [r["B"] for r in found["decode"]["records"] if r["impl"] == "jaxattn" and r["pass"] == "decode"]
+            assert batches and batches[0] == 4 and set(batches) == {1, 4}, batches
+        if call == "named":  # the peers in their own folder
             assert set(read_results(str(out / "peers"))) == {"attention"}
         rep = subprocess.run(
             [sys.executable, "-m", "benchmarks", "report", str(res)], cwd=ROOT, capture_output=True, text=True

@@ -127,8 +127,9 @@ class _Range:
 
 
 def _torch_event(name, cuda, start_us, end_us, annotation=False):
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     return SimpleNamespace(
@@ -246,6 +247,56 @@ def test_quick_run_times_each_frameworks_floor_and_dispatch(quick_run):
         assert "timeline" not in rec  # no device plane on a CPU: nothing to split
 
 
+def test_quick_run_climbs_the_wait_ladder(quick_run):
+    """The wait ladder: one matmul per size, each variant waiting its own way (jax's block, a spin on ``is_ready``,
+    the suites' two-framework sync, torch's), timed and traced (on the CPU no device kernel, so no timeline), and
+    one timeline-table line per size and variant."""
+    tails = quick_run["tails"]
+    assert [t["n"] for t in tails] == list(kp.tail_sizes(True)) and all(t["pass"] == "tail" for t in tails)
+    for t in tails:
+        assert set(t["variants"]) == {"jax:dot", "jax:dot:spin", "jax:dot:suite", "torch:mm"}
+        assert all(rec["median_s"] > 0 and rec["kernels"] == [] for rec in t["variants"].values()), t
+    lines = [ln for ln in profile_tables.timeline_table(quick_run).splitlines() if "| tail n=" in ln]
+    assert len(lines) == 4 * len(tails)
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[2:5] == [
+        f"tail n={tails[0]['n']}",
+        "`jax:dot`",
+        f"{tails[0]['variants']['jax:dot']['median_s'] * 1e6:.0f}",
+    ]
+
+
+def test_ladder_variants_return_after_their_result_is_ready():
+    """Each ladder call has waited when it returns (the profiler's span and the timer add no wait of their own):
+    a jax variant's result is ready, the matmul it ran is ``a @ a``."""
+    import jax
+
+    seen = []
+    real_jit = jax.jit
+
+    def spy_jit(f):
+        g = real_jit(f)
+
+        def call(a):
+            out = g(a)
+            seen.append((a, out))
+            return out
+
+        return call
+
+    jax.jit = spy_jit
+    try:
+        vs = kp.tail_variants(32, quick=True)
+    finally:
+        jax.jit = real_jit
+    for name in ("jax:dot", "jax:dot:spin", "jax:dot:suite"):
+        assert vs[name]["tail"]() is None
+        a, out = seen[-1]
+        assert out.is_ready(), name
+        assert float(abs(out - a @ a).max()) < 1e-3, name
+    assert vs["torch:mm"]["tail"]() is None
+
+
 def test_timeline_table_shows_the_split_only_on_aligned_clocks(quick_run):
     res = quick_run
     rec = res["rows"][0]["variants"]["jax:xla:bshd"]
@@ -259,7 +310,7 @@ def test_timeline_table_shows_the_split_only_on_aligned_clocks(quick_run):
     }
     res["floor"]["variants"]["torch:add"]["timeline"] = {"aligned": False, "calls": 3, "reason": "a kernel at 5 ns"}
     lines = profile_tables.timeline_table(res).splitlines()
-    assert len(lines) == 2 + 2 + 16  # header, floor (2 variants), 4 rows x 4 variants
+    assert len(lines) == 2 + 2 + 8 + 16  # header, floor (2 variants), the ladder (2 sizes x 4), 4 rows x 4 variants
     cells = [c.strip() for c in next(ln for ln in lines if "`jax:xla:bshd`" in ln).strip("|").split("|")]
     assert cells[:4] == ["128", "no", "fwd", "`jax:xla:bshd`"] and cells[7:] == ["41", "800", "2", "301", ""]
     assert cells[4] == f"{rec['median_s'] * 1e6:.0f}" and cells[6] == f"{rec['dispatch_s'] * 1e6:.0f}"

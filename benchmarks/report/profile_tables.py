@@ -10,7 +10,6 @@ from twincore.flops import attention_flops
 
 from .tables import format_ratio
 
-
 SPAN = "kernel_profile call"  # the traced call's range; a torch trace also copies it onto the GPU as a CUDA event
 
 
@@ -89,13 +88,18 @@ def timeline_table(res: dict) -> str:
     for older ones): per traced variant with a timeline on one clock, wall µs per call, per call in a burst, the
     host time to enqueue the call (dispatch), and from the trace the launch (call start to first kernel), the
     device's busy time, its idle gaps inside the call and the tail (last kernel's end to the result in hand).
-    The floor row (one ``x + 1`` call per framework) is the smallest call each framework can make."""
-    rows = ([dict(res["floor"], S="", causal=None)] if res.get("floor") else []) + list(res.get("rows", []))
+    The floor row (one ``x + 1`` call per framework) is the smallest call each framework can make; the ladder's rows
+    (``tails``, pass ``tail n=N``: one ``[N, N]`` matmul, each variant waiting its own way) set the tail against
+    the kernel's length."""
+    rows = ([dict(res["floor"], S="", causal=None)] if res.get("floor") else []) + [
+        dict(t, S="", causal=None, **{"pass": f"tail n={t['n']}"}) for t in res.get("tails") or []
+    ]
+    rows += list(res.get("rows", []))
     lines = []
     for row in rows:
         for v, rec in row["variants"].items():
             tl = rec.get("timeline")
-            if "dispatch_s" not in rec:
+            if "dispatch_s" not in rec and not row["pass"].startswith("tail"):  # a file from before the timeline
                 continue
             aligned = tl is not None and tl.get("aligned")
             cells = [

@@ -297,12 +297,28 @@ def check_impls(impls) -> list[str] | None:
     return list(impls)
 
 
-def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = None) -> list[dict]:
+def default_batches(quick: bool) -> tuple[int, ...]:
+    """The decode suite's batch sizes: one sequence (latency) and a served batch."""
+    return (1, 4) if quick else (1, 64)
+
+
+def check_batches(batches: list[int]) -> list[int]:
+    """``batches`` if every one is an int >= 1 (``--batch``), else a ValueError naming the bad value."""
+    for b in batches:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batches: give batch sizes >= 1, got {b!r}")
+    return list(batches)
+
+
+def run(
+    quick: bool, impls: list[str] | None = None, budget_s: float | None = None, batches: list[int] | None = None
+) -> list[dict]:
     """Per model, weights and batch: our JAX and eager torch (prefill, then decode steps on its cache) timed as a
     pair (``measure.timeit_paired``, JAX and torch alternating in rounds: each record carries the paired JAX
     speed-up with its interval); the extra implementations (JAX split-K decode kernel on a GPU, ``torch.compile``d
     decode step outside ``--quick``) by :func:`timeit_budget`, unpaired. ``impls``: which extras to run (the
-    pair always runs); ``budget_s``: a (model, weights, batch) not started within it is a ``skipped`` record.
+    pair always runs); ``budget_s``: a (model, weights, batch) not started within it is a ``skipped`` record;
+    ``batches``: only these batch sizes, in this order (default :func:`default_batches`).
     Outside ``--quick`` the larger model goes first; within a model every weight format's smaller batch comes
     before the larger batch (a budget that ends the suite still reaches bf16 and int8)."""
     import jax
@@ -310,7 +326,7 @@ def run(quick: bool, impls: list[str] | None = None, budget_s: float | None = No
     from jaxattn.attention import attention_backend
     from jaxattn.quant import weight_bytes
 
-    batches = (1, 4) if quick else (1, 64)
+    batches = tuple(check_batches(batches)) if batches else default_batches(quick)
     prompt_len = 16 if quick else 64
     warmup, iters = (2, 20) if quick else (3, 30)
     rounds, per_round = (15, 5) if quick else (10, 3)  # the pair's (sub-millisecond calls at quick sizes)

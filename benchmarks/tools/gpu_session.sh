@@ -3,7 +3,7 @@
 # (the machine's start takes 1-2 of them). Run from the repository root; writes under $OUT.
 #   bash benchmarks/tools/gpu_session.sh --plan              # the plan (steps, budgets, expected GPU times); runs nothing
 #   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, profile, attention, order
-#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: peers, train, decode, blocks, gqa
+#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, blocks, gqa
 #   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
 #   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
 # Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
@@ -18,18 +18,18 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}
 PY=${PYTHON:-python}
-# step | call | budget s | expected on one H100, s | what. Expectations from the two sessions so far (one H100 and
-# one H200, 2026-11-27; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first measures
-# what those did not reach.
-PLAN="tests|1|75|55|gpu tests (55): 8 pytest-xdist workers, 60 s per test; 51 passed in 39-45 s on one H200 (twice)
-profile|1|130|110|issue 42: each framework's floor (x + 1), then JAX cuDNN (with and without XLA's command buffers) vs torch cuDNN, mosaic with and without overlap, D=128: one call per wait and bursts of 10, paired, host dispatch; kernels and a per-call timeline of every row (H200: 58-67 s, S=4096 traced, no bursts; an interrupt keeps what finished)
-attention|1|100|90|attention suite at D=64, S <= 4096: ours (flash, mosaic), JAX and torch cuDNN (H200, D=128: 89 s)
-peers|2|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic, in one run (its own folder; H200: 80 s)
+# step | call | budget s | expected on one H100, s | what. Expectations from the sessions so far (one H100, three
+# H200s, 2026-11-27 to 2026-11-28; benchmarks/NOTES.md "GPU session on one H100" / "on one H200"); each step first
+# measures what those did not reach.
+PLAN="tests|1|75|50|gpu tests (55 + the flash dkv default's): 8 pytest-xdist workers, 60 s per test; 55 passed in 49.6 s on one H200 (2026-11-28)
+profile|1|130|90|issue 42: each framework's floor (x + 1), the wait ladder (a matmul of 3 us to 1.4 ms: the tail after it, jax blocking / spinning / the suites' wait, torch), then JAX cuDNN vs torch cuDNN and mosaic at D=128, S 2048 and 4096: one call per wait and bursts of 10, paired, host dispatch, kernels and a per-call timeline (H200 2026-11-28: 77 s with two more variants, no ladder)
+attention|1|100|90|attention suite at D=128, S <= 4096: ours (flash with its new dkv default, mosaic), JAX and torch cuDNN (H200, D=128: 89 s on 2026-11-27)
+peers|-|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic (its own folder; H200: 30 of 32 rows in 85 s, twice measured); in no call: by name
 order|1|5|1|default attention order by evidence (tests log + attention records)
-train|2|130|120|train suite 1b B=1 S=2048: bf16 first, then tf32 (fp32 at TF32 both sides: never run), remat_full, fp16, fused_loss (H200: 3 toggles in 118 s)
-decode|2|130|120|decode suite: 125m-random, fp32/bf16/int8 at B=1 first (never reached: bf16, int8), then B=64; split-K kernel, torch.compile with CUDA graphs (reduce-overhead; plain compile timed twice: 3.9-7.0 ms at B=1; a compile: 33 s)
-blocks|2|55|40|D=128 bf16 block sizes, Mosaic forward (overlap or not) / backward, then flash dkv: the filter's survivors and each default (H200: 75 s with flash fwd / dq, settled and left out now)
-gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads (GQA: the 4-warp tiles spill there), the survivors and the default, paired
+train|2|130|120|train suite 1b B=1 S=2048: fused_loss, fp16 (not reached on 2026-11-28), then bf16, tf32, remat_full (H200: 3 toggles in 118 s)
+decode|2|130|120|decode suite: 125m-random, B=64 first (never reached), then B=1; fp32/bf16/int8, split-K kernel, torch.compile with CUDA graphs (reduce-overhead; a compile: 14-24 s per weights format)
+blocks|2|35|25|D=128 bf16 flash dkv block sizes at 16/16 heads: the filter's survivors and the default (moved to 32 x 128, 8 warps, 3 stages by the 2026-11-28 pairs: expected the default fastest); Mosaic's tiles settled in three sessions, left out
+gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads, the survivors and the default (the default won 1.62x on 2026-11-28; expected the default fastest)
 model|-|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200 2026-11-27: 75 s and 82 s); in no call (this H200 model ran it last): by name"
 ALL_STEPS=($(cut -d'|' -f1 <<<"$PLAN"))
 DRY=0 PLAN_ONLY=0 CALL="" STEPS=()
@@ -148,7 +148,7 @@ if want attention; then
   if [ "$DRY" = 1 ]; then
     step attention "${BENCH[@]}" --suite attention --head-dim 64 --impl xla --impl sdpa:math
   else
-    step attention "${BENCH[@]}" --suite attention --head-dim 64 --max-seq 4096 --impl flash --impl mosaic \
+    step attention "${BENCH[@]}" --suite attention --head-dim 128 --max-seq 4096 --impl flash --impl mosaic \
       --impl cudnn --impl sdpa:cudnn
   fi
 fi
@@ -166,17 +166,17 @@ if want order; then
   fi
 fi
 if want train; then
-  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(bf16 tf32 remat_full fp16 fused_loss); fi
+  if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(fused_loss fp16 bf16 tf32 remat_full); fi
   step train "${BENCH[@]}" --suite train "${TOGGLES[@]/#/--toggle=}" --budget-s $(($(budget train) - 30))
 fi
 if want decode; then
+  if [ "$DRY" = 1 ]; then BATCHES=(4 1); else BATCHES=(64 1); fi  # the larger batch first: never reached before
   step decode "${BENCH[@]}" --suite decode --decode-impl jaxattn+flash_decode --decode-impl torchref+cudagraphs \
-    --budget-s $(($(budget decode) - 30))
+    "${BATCHES[@]/#/--batch=}" --budget-s $(($(budget decode) - 30))
 fi
 if want blocks; then
   step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
-    --kernel mosaic_fwd --kernel mosaic_bwd_dkv --kernel mosaic_bwd_dq --kernel flash_bwd_dkv --d 128 --dtype bf16 \
-    --out "$RES"
+    --kernel flash_bwd_dkv --d 128 --dtype bf16 --out "$RES"
 fi
 if want gqa; then
   step gqa "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \

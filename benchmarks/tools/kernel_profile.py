@@ -9,11 +9,11 @@ The attention suite gives torch contiguous ``[B, H, S, D]`` tensors (SDPA's own 
   ``jax:cudnn:bshd:nocb`` the same executable compiled with XLA's command buffers (CUDA graphs) off: the wall times
   are the comparison (XLA has a flag, ``xla_enable_command_buffers_during_profiling``, so a traced call may run
   without them either way);
-* ``jax:cudnn:bhsd`` — jax's cuDNN wrapper with ``qkv_layout="BNTH"`` on ``[B, H, S, D]`` arrays (``--all-layouts``);
+* ``jax:cudnn:bhsd`` — jax's cuDNN wrapper with ``qkv_layout="BNTH"`` on ``[B, H, S, D]`` arrays (``--all-variants``);
 * ``torch:cudnn:bhsd`` — SDPA's cuDNN backend on contiguous ``[B, H, S, D]`` (the attention suite's torch rows);
 * ``torch:cudnn:bshd`` — the same on ``[B, S, H, D]`` memory seen through ``.transpose(1, 2)`` (what
   ``q.view(B, S, H, D).transpose(1, 2)`` in a Llama block, ``torchref.model`` included, hands SDPA;
-  ``--all-layouts``: no layout made a difference on the H200);
+  ``--all-variants``: no layout made a difference on the H200);
 * ``jax:mosaic`` — our Mosaic kernel on ``[B, S, H, D]``; ``jax:mosaic:overlap`` the same with FlashAttention-3's
   intra-warpgroup overlap (``MosaicBlockSizes(overlap=True)``).
 
@@ -24,7 +24,10 @@ to enqueue one call is taken alone. Then a few calls of each are traced: ``jax.p
 cuDNN engine ran (tile shape, knobs). Each traced call and its wait is one host span (:data:`SPAN`), so a call's
 wall time splits into launch, device busy, gaps and tail (:func:`call_timeline`) where the trace puts host and
 device on one clock. A ``floor`` row (``x + 1`` on 1024 values) gives each framework's smallest synchronized
-call. Hand-written here: only the table of variants, the short readers of the traces and the split::
+call, and the wait ladder (``tails``: one matmul of 3 µs to 1.4 ms, each framework's wait and a spinning one) the
+tail after a kernel against the kernel's length (on the H200, 2026-11-28, JAX's tail was 0.2-0.6 ms after attention
+calls, torch's 16-33 µs). Settled variants (``:nocb``, ``:overlap``, the layouts) need ``--all-variants``.
+Hand-written here: only the table of variants, the short readers of the traces and the split::
 
     python -m benchmarks.tools.kernel_profile --out DIR           # one Hopper GPU: DIR/kernel_profile.json
     python -m benchmarks.tools.kernel_profile --quick --out DIR   # the CPU rehearsal: jax xla vs torch math
@@ -186,9 +189,11 @@ def _per_call(kernels: dict, calls: int) -> list[dict]:
 
 
 def variants(shape, quick: bool, all_layouts: bool = False) -> dict:
-    """name -> {"fwd": f, "fwd_bwd": g, "framework"}: zero-argument callables on fresh random inputs. The layout
-    variants (``jax:cudnn:bhsd``, ``torch:cudnn:bshd``) only with ``all_layouts``: on the H200 (2026-11-27b) they
-    ran the same kernels in the same time (16 of 16 pairs, no difference shown); the quick rehearsal keeps torch's."""
+    """name -> {"fwd": f, "fwd_bwd": g, "framework"}: zero-argument callables on fresh random inputs. The variants
+    the H200 settled only with ``all_layouts`` (``--all-variants``): the layouts (``jax:cudnn:bhsd``,
+    ``torch:cudnn:bshd``: the same kernels in the same time, 16 of 16 pairs, 2026-11-27b), ``jax:cudnn:bshd:nocb``
+    (no difference in 8 of 8 rows) and ``jax:mosaic:overlap`` (3-4% less device time, no wall difference; both
+    2026-11-28). The quick rehearsal keeps its xla ``:nocb`` and both torch layouts, so their code paths run."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -219,8 +224,8 @@ def variants(shape, quick: bool, all_layouts: bool = False) -> dict:
 
         cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")  # noqa: E731
         out["jax:cudnn:bshd"] = jax_pair(cudnn, (q, k, v, do))
-        out["jax:cudnn:bshd:nocb"] = jax_pair(cudnn, (q, k, v, do), NO_COMMAND_BUFFERS)
         if all_layouts:
+            out["jax:cudnn:bshd:nocb"] = jax_pair(cudnn, (q, k, v, do), NO_COMMAND_BUFFERS)
             bhsd = [jnp.transpose(x, (0, 2, 1, 3)).copy() for x in (q, k, v, do)]  # [B, H, S, D], made before timing
             mask = cud.MaskType.CAUSAL if causal else cud.MaskType.NO_MASK
             out["jax:cudnn:bhsd"] = jax_pair(
@@ -230,10 +235,11 @@ def variants(shape, quick: bool, all_layouts: bool = False) -> dict:
         out["jax:mosaic"] = jax_pair(
             lambda q, k, v: dot_product_attention(q, k, v, causal=causal, backend="mosaic"), (q, k, v, do)
         )
-        overlap = MosaicBlockSizes(overlap=True)  # FA3's intra-warpgroup overlap, not (yet) the default
-        out["jax:mosaic:overlap"] = jax_pair(
-            lambda q, k, v: mosaic_attention(q, k, v, causal=causal, block_sizes=overlap), (q, k, v, do)
-        )
+        if all_layouts:
+            overlap = MosaicBlockSizes(overlap=True)  # FA3's intra-warpgroup overlap, not the default
+            out["jax:mosaic:overlap"] = jax_pair(
+                lambda q, k, v: mosaic_attention(q, k, v, causal=causal, block_sizes=overlap), (q, k, v, do)
+            )
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -263,12 +269,12 @@ def variants(shape, quick: bool, all_layouts: bool = False) -> dict:
     return out
 
 
-def profile(var: dict, pss: str, calls: int) -> tuple[list[dict], list, list]:
-    """``calls`` traced calls of one variant's pass (after one untimed call), each call and its wait named
-    :data:`SPAN` on the host: ``(kernels per call, spans, kernel intervals)``, the last two for
+def profile(var: dict, pss: str, calls: int, sync=measure.sync) -> tuple[list[dict], list, list]:
+    """``calls`` traced calls of one variant's pass (after one untimed call), each call and its wait (``sync``)
+    named :data:`SPAN` on the host: ``(kernels per call, spans, kernel intervals)``, the last two for
     :func:`call_timeline`."""
     fn = var[pss]
-    measure.sync(fn())
+    sync(fn())
     if var["framework"] == "jax":
         import jax
 
@@ -276,7 +282,7 @@ def profile(var: dict, pss: str, calls: int) -> tuple[list[dict], list, list]:
             jax.profiler.start_trace(tmp)
             for _ in range(calls):
                 with jax.profiler.TraceAnnotation(SPAN):
-                    measure.sync(fn())
+                    sync(fn())
             jax.profiler.stop_trace()
             return (_per_call(device_kernels_jax(tmp), calls), *intervals_jax(tmp))
     import torch
@@ -287,7 +293,7 @@ def profile(var: dict, pss: str, calls: int) -> tuple[list[dict], list, list]:
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
             with torch.profiler.record_function(SPAN):
-                measure.sync(fn())
+                sync(fn())
     return (_per_call(device_kernels_torch(prof), calls), *intervals_torch(prof))
 
 
@@ -335,6 +341,52 @@ def floor_variants() -> dict:
     }
 
 
+def tail_sizes(quick: bool) -> tuple[int, ...]:
+    """The ladder's square matmul sizes: on an H200 (bf16, ~790 TFLOP/s) kernels of about 3 µs, 22 µs, 0.17 ms and
+    1.4 ms; the CPU rehearsal's are tiny float32 ones."""
+    return (32, 64) if quick else (1024, 2048, 4096, 8192)
+
+
+def _no_wait(out) -> None:
+    """The ladder's variants wait inside their call (each its own way), so the timers and the trace add none."""
+
+
+def tail_variants(n: int, quick: bool) -> dict:
+    """One ``[n, n] @ [n, n]`` matmul per call, each variant waiting for its result its own way (the ``tail`` pass,
+    same dict shape as :func:`variants`), so the tail after the kernel can be set against the kernel's length:
+
+    * ``jax:dot`` — ``jax.block_until_ready`` alone;
+    * ``jax:dot:spin`` — a Python loop on ``Array.is_ready()``, then the same (if the tail shrinks, the cost is in
+      waking the blocked caller; if not, in learning of the kernel's end at all);
+    * ``jax:dot:suite`` — ``benchmarks.measure.sync``, the suites' wait: jax's, then ``torch.cuda.synchronize()``
+      (torch is loaded in every cross-framework run);
+    * ``torch:mm`` — ``torch.cuda.synchronize()``."""
+    import jax
+    import torch
+
+    dtype = "float32" if quick else "bfloat16"
+    a = jax.random.normal(jax.random.key(n), (n, n), dtype)
+    mm = jax.jit(lambda a: a @ a)
+
+    def block(out):
+        jax.block_until_ready(out)
+
+    def spin(out):
+        while not out.is_ready():
+            pass
+        jax.block_until_ready(out)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.randn(n, n, generator=torch.Generator().manual_seed(n)).to(device=dev, dtype=getattr(torch, dtype))
+    torch_wait = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    return {
+        "jax:dot": {"tail": lambda: block(mm(a)), "framework": "jax"},
+        "jax:dot:spin": {"tail": lambda: spin(mm(a)), "framework": "jax"},
+        "jax:dot:suite": {"tail": lambda: measure.sync(mm(a)), "framework": "jax"},
+        "torch:mm": {"tail": lambda: (t @ t, torch_wait())[1], "framework": "torch"},
+    }
+
+
 def _time_variants(vs: dict, pss: str, ref: str, rounds: int) -> dict:
     """``{name: record}`` of one pass of every variant, timed interleaved: one call and its wait (``median_s``, as
     the attention suite times), then :data:`BURST` calls per wait (``burst_per_call_s``), each with its paired
@@ -363,17 +415,24 @@ def _time_variants(vs: dict, pss: str, ref: str, rounds: int) -> dict:
 
 
 def run(
-    quick: bool, rounds: int = 10, profile_calls: int = 3, budget_s: float | None = None, all_layouts: bool = False
+    quick: bool,
+    rounds: int = 10,
+    profile_calls: int = 3,
+    budget_s: float | None = None,
+    all_layouts: bool = False,
+    tails: bool = True,
 ) -> dict:
-    """First each framework's floor (:func:`floor_variants`, ``floor``), then every attention row; all variants
-    of a row timed interleaved (:func:`_time_variants`). Then traces the floor and the profiled rows: every JAX
-    variant first, then every torch one (the two profilers share CUPTI: one hand-over, not one per variant); each
-    traced record gets ``kernels`` and, where a device ran them, ``timeline`` (:func:`call_timeline`).
+    """First each framework's floor (:func:`floor_variants`, ``floor``), then the wait ladder (``tails``: one
+    matmul per size of :func:`tail_sizes`, the :func:`tail_variants`, timed interleaved), then every attention row;
+    all variants of a row timed interleaved (:func:`_time_variants`). Then traces the floor, the ladder and the
+    profiled rows: every JAX variant first, then every torch one (the two profilers share CUPTI: one hand-over,
+    not one per variant); each traced record gets ``kernels`` and, where a device ran them, ``timeline``
+    (:func:`call_timeline`).
 
     ``budget_s``: start no new shape after it. An interrupt (a session step's budget: SIGINT) ends the run early
     but still returns what finished, ``complete`` false and ``interrupted`` naming the phase it stopped."""
     t_start = time.perf_counter()
-    rows, complete, interrupted, floor = [], True, None, None
+    rows, complete, interrupted, floor, ladder = [], True, None, None, []
     ref = "torch:math:bhsd" if quick else REFERENCE
     to_profile: list = []
     try:
@@ -381,6 +440,12 @@ def run(
         floor_recs = _time_variants(fvs, "floor", "torch:add", rounds)
         floor = {"pass": "floor", "op": "x + 1, 1024 float32", "variants": floor_recs}
         to_profile += [(fvs[name], "floor", rec) for name, rec in floor_recs.items()]
+        for n in tail_sizes(quick) if tails else ():
+            tvs = tail_variants(n, quick)
+            timed = time_interleaved({k: v["tail"] for k, v in tvs.items()}, rounds=rounds, per_round=3, warmup=2)
+            recs = {k: {f: st[f] for f in ("median_s", "p10_s", "p90_s", "cv")} for k, st in timed.items()}
+            ladder.append({"pass": "tail", "n": n, "op": f"[{n}, {n}] @ [{n}, {n}], waited for", "variants": recs})
+            to_profile += [(tvs[k], "tail", rec) for k, rec in recs.items()]
         for shape in shapes(quick):
             if budget_s is not None and time.perf_counter() - t_start > budget_s:
                 complete = False
@@ -405,7 +470,8 @@ def run(
                 if var["framework"] != fw:
                     continue
                 try:
-                    rec["kernels"], spans, intervals = profile(var, pss, profile_calls)
+                    wait = _no_wait if pss == "tail" else measure.sync
+                    rec["kernels"], spans, intervals = profile(var, pss, profile_calls, sync=wait)
                 except Exception as e:  # a profiler that cannot start: the timing stands
                     rec["kernels_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     continue
@@ -424,6 +490,7 @@ def run(
         "complete": complete,
         "interrupted": interrupted,
         "floor": floor,
+        "tails": ladder,
         "rows": rows,
     }
 
@@ -451,7 +518,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CPU rehearsal: tiny fp32 shapes, jax xla vs torch math")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row (default 10)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new shape after this many seconds")
-    ap.add_argument("--all-layouts", action="store_true", help="also JAX cuDNN on BHSD and torch cuDNN on BSHD memory")
+    ap.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="also the variants the H200 settled: BHSD / BSHD layouts, command buffers off, the overlap forward",
+    )
+    ap.add_argument("--no-tails", action="store_true", help="skip the wait ladder (a matmul per size, each wait)")
     a = ap.parse_args(argv)
     if a.table:
         for path in a.table:
@@ -466,7 +538,7 @@ def main(argv=None) -> int:
         ap.error("--out DIR is needed to run (or --table FILE... to print a table)")
     if a.rounds < 2:
         ap.error(f"--rounds must be >= 2 (a paired interval needs rounds), got {a.rounds}")
-    res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s, all_layouts=a.all_layouts)
+    res = run(a.quick, rounds=a.rounds, budget_s=a.budget_s, all_layouts=a.all_variants, tails=not a.no_tails)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "kernel_profile.json")
     with open(path, "w") as f:
