@@ -250,6 +250,15 @@ def _kv_bounds(q_base, rows: int, *, sq: int, sk: int, block_kv: int, causal: bo
     return steps, full
 
 
+def _q_block(n_blocks: int, causal: bool):
+    """This CTA's query block along the ``q_seq`` grid axis. A causal block's work grows with its index and the
+    hardware hands CTAs out in grid order in practice (``heads`` varies fastest), so under ``causal`` the first CTAs
+    take the last (longest) blocks and the launch's last wave holds short ones: longest-first, as FlashAttention's
+    causal tile schedulers order them. The dkv kernel needs no turn: its first kv blocks are the longest."""
+    i = lax.axis_index("q_seq")
+    return n_blocks - 1 - i if causal else i
+
+
 def _tile_mask(iota, q_start, kv_start, shape, *, sq: int, sk: int, causal: bool):
     """Visibility of a ``shape = (rows, block_kv)`` score tile (:func:`tiling.tile_mask`). With causal the
     bottom-right mask already hides padded keys from every real query row, so one comparison suffices."""
@@ -383,7 +392,7 @@ def _mosaic_forward_padded(qp, kp, vp, *, sq, sk, causal, scale, cfg, interpret)
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        cta_base = lax.axis_index("q_seq") * (2 * bq)
+        cta_base = _q_block(sqp // (2 * bq), causal) * (2 * bq)
         cta_steps, _ = bounds(cta_base, 2 * bq)  # = steps of warpgroup 1, >= steps of warpgroup 0
         if overlap:  # >= 1 step everywhere: a row that sees no key meets a fully masked block 0 (p = 0, same result)
             cta_steps = jnp.maximum(cta_steps, 1)
@@ -865,7 +874,7 @@ def _mosaic_dq_padded(qp, kp, vp, dop, lse2, delta, *, sq, sk, causal, scale, bl
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q2, do2, lse2_, delta2, k_ring, v_ring, *bars):
         q_bar, do_bar, lse_bar, delta_bar, k_bars, v_bars, consumed = bars
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        cta_base = lax.axis_index("q_seq") * (2 * bq)
+        cta_base = _q_block(sqp // (2 * bq), causal) * (2 * bq)
         cta_steps, _ = bounds(cta_base, 2 * bq)
 
         @pl.when(wg < 2)
