@@ -676,7 +676,8 @@ def gpu_device_time_section(results_dir: str) -> list[str]:
     if split:
         notes.append(
             "Launch: from the call to its first kernel; tail: from its last kernel to the result in the caller's "
-            "hands (both from the trace, on one clock)."
+            "hands (both from the trace, on one clock; a traced call runs slower than a timed one, the profiler's "
+            "own cost, so the two need not add up to the wall time)."
         )
     return out + (["", " ".join(notes)] if notes else [])
 
