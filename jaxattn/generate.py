@@ -15,6 +15,9 @@ place where the backend supports donation). Sampling: ``temperature == 0`` is gr
 reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
 returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
 finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
+``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted ``lax.while_loop``
+that stops when every row has: the host waits once per generation instead of once per token (the same steps
+and ids; ``stream`` yields them after the program ends).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from twincore.generate import (
     FROM_CONFIG,
     NON_FINITE,
     build_parser,
+    check_loop,
     cli,
     decode_steps,
     generate_with,
@@ -39,6 +43,7 @@ from twincore.generate import (
     prepare,
     preset_dtype,
     print_generated,
+    replay_steps,
     takes_arguments_of,
 )
 
@@ -82,28 +87,91 @@ def _programs(graphdef, temperature: float, top_k, top_p):
     return _programs_for(graphdef, temperature, top_k, top_p, current_backends())
 
 
-@functools.lru_cache(maxsize=32)
-def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
+def _steps(graphdef, temperature: float, top_k, top_p):
+    """The pure (prefill, decode) step functions both loops run."""
 
     def prefill(state, tokens, lengths, cache, key):  # only each row's last real position reaches the LM head
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
-        return _sample_finite(logits[:, 0], key, temperature, top_k, top_p), cache.with_lengths(lengths)
+        token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
+        return token, cache.with_lengths(lengths)
 
-    def decode(state, token, cache, key):
+    def decode(state, token, cache, key, step):  # step t draws with fold_in(key, t), inside the program
         logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
-        return _sample_finite(logits[:, 0], key, temperature, top_k, top_p), cache
+        return _sample_finite(logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p), cache
 
-    def traced_under(fn):  # the programs trace lazily: re-enter the backends they were made for
-        @functools.wraps(fn)
-        def wrapped(*args):
-            if backends is None:
-                return fn(*args)
-            with attention_backend(*backends):
-                return fn(*args)
+    return prefill, decode
 
-        return wrapped
 
-    return jax.jit(traced_under(prefill)), jax.jit(traced_under(decode), donate_argnums=(2,))
+def _traced_under(fn, backends):
+    """``fn`` re-entering the attention backends it was made for when it traces (the programs trace lazily)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        if backends is None:
+            return fn(*args)
+        with attention_backend(*backends):
+            return fn(*args)
+
+    return wrapped
+
+
+@functools.lru_cache(maxsize=32)
+def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p)
+    return jax.jit(_traced_under(prefill, backends)), jax.jit(_traced_under(decode, backends), donate_argnums=(2,))
+
+
+@functools.lru_cache(maxsize=32)
+def _loop_program_for(graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, cache):
+    """``loop="device"``: the prefill and every decode step as ONE jitted program: with ``eos`` a ``lax.while_loop``
+    that ends when every row has stopped (an EOS, or a non-finite step the host will refuse) or after
+    ``max_new_tokens``; without, ``max_new_tokens - 1`` decode steps (``fori_loop``).
+    ``cache``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program (no second copy).
+    Returns ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p)
+    stop_ids = jnp.asarray((*eos, NON_FINITE), jnp.int32)
+    feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
+
+    treedef, leaves = cache
+
+    def run(state, tokens, lengths, key):
+        empty = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+        token, cache = prefill(state, tokens, lengths, empty, key)
+        ids = jnp.zeros((max_new_tokens, token.shape[0]), jnp.int32).at[0].set(token)  # [max_new_tokens, B]
+
+        def going(carry):
+            step, _, _, done, _ = carry
+            return (step < max_new_tokens) & ~done.all()
+
+        def advance(carry):
+            step, token, cache, done, ids = carry
+            token, cache = decode(state, jnp.where(done, feed, token), cache, key, step)
+            return step + 1, token, cache, done | jnp.isin(token, stop_ids), ids.at[step].set(token)
+
+        carry = (jnp.int32(1), token, cache, jnp.isin(token, stop_ids), ids)
+        if eos:  # a data-dependent stop (XLA:GPU reads the predicate back each step: a copy, not a Python call)
+            carry = jax.lax.while_loop(going, advance, carry)
+        else:  # a fixed trip count: no predicate to read (a non-finite row is refused by the host afterwards)
+            carry = jax.lax.fori_loop(1, max_new_tokens, lambda _, c: advance(c), carry)
+        return carry[4], carry[0]  # ids, steps run
+
+    return jax.jit(_traced_under(run, backends))
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_spec(cfg, batch: int, max_len: int, dtype) -> tuple:
+    """``(treedef, ((shape, dtype), ...))`` of ``KVCache.init(cfg, batch, max_len, dtype)``, without making it
+    (traced once per cache shape, not once per call)."""
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda: KVCache.init(cfg, batch, max_len, dtype=dtype)))
+    return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
+
+
+def _device_loop(graphdef, state, sampling, cache: tuple, tokens, lengths, key, max_new_tokens: int, eos: tuple):
+    """``loop="device"``'s run: ``(ids [max_new_tokens, B] numpy, steps run)`` from :func:`_loop_program_for`;
+    ``cache``: :func:`_cache_spec`'s arguments."""
+    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, _cache_spec(*cache))
+    ids, steps = run(state, jnp.asarray(tokens), jnp.asarray(lengths), key)
+    return np.asarray(ids), int(steps)
 
 
 def stream(
@@ -116,19 +184,29 @@ def stream(
     seed: int = 0,
     eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
+    loop: str = "host",
 ) -> Iterator[list]:
-    """Yields, per generation step, a list of B new token ids (None for a row that already stopped)."""
+    """Yields, per generation step, a list of B new token ids (None for a row that already stopped).
+    ``loop="device"``: the whole generation runs as one program (``lax.while_loop``) and the steps are yielded
+    after it, from ids read once (no host wait per token)."""
+    check_loop(loop)
     cfg = model.config
     tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
-    prefill, decode = _programs(graphdef, float(temperature), top_k, None if top_p is None else float(top_p))
-    cache = KVCache.init(cfg, len(tokens), t, dtype=model.embed[...].dtype)
+    sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+    cache = (cfg, len(tokens), t, model.embed[...].dtype)  # KVCache.init's arguments
     key = jax.random.PRNGKey(seed)
-    token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.fold_in(key, 0))
+    if loop == "device":
+        ids, _ = _device_loop(graphdef, state, sampling, cache, tokens, lengths, key, max_new_tokens, eos)
+        yield from replay_steps(ids, eos)
+        return
+    cache = KVCache.init(*cache[:3], dtype=cache[3])
+    prefill, decode = _programs(graphdef, *sampling)
+    token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
 
     def advance(step, token):
         nonlocal cache
-        token, cache = decode(state, token, cache, jax.random.fold_in(key, step))
+        token, cache = decode(state, token, cache, key, step)
         return token
 
     def feed_eos(token, done, eos_id):

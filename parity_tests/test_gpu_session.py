@@ -50,6 +50,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         "order",
         "train",
         "decode",
+        "loops",
         "blocks",
         "gqa",
         "model",
@@ -73,7 +74,10 @@ def test_plan_fits_two_device_calls(tmp_path):
     "args,message",
     [
         (["--call", "3"], r"--call '3': give 1 or 2"),
-        (["nope"], r"unknown step 'nope'; steps: tests profile attention peers order train decode blocks gqa model"),
+        (
+            ["nope"],
+            r"unknown step 'nope'; steps: tests profile attention peers order train decode loops blocks gqa model",
+        ),
         (["--fast"], r"unknown option '--fast'"),
     ],
 )
@@ -273,6 +277,8 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
         if call == "2":  # the decode rows of the batches it was given, the larger first
             batches = [r["B"] for r in found["decode"]["records"] if r["impl"] == "jaxattn" and r["pass"] == "decode"]
             assert batches and batches[0] == 4 and set(batches) == {1, 4}, batches
+            loops = json.loads((res / "generate_loop.json").read_text())  # generate's loops, paired
+            assert loops["same_tokens_jax_torch"] and len(loops["pairs"]) == 4
         if call == "named":  # the peers in their own folder
             assert set(read_results(str(out / "peers"))) == {"attention"}
         rep = subprocess.run(

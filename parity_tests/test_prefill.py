@@ -156,8 +156,8 @@ def full_logits_greedy_jax(model, prompts, n: int) -> list[list[int]]:
     cache = JCache.init(model.config, len(tokens), t, dtype=model.embed[...].dtype)
     token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache)
     out = [np.asarray(token)]
-    for _ in range(n - 1):
-        token, cache = decode(state, token, cache, jax.random.PRNGKey(0))
+    for step in range(1, n):
+        token, cache = decode(state, token, cache, jax.random.PRNGKey(0), step)
         out.append(np.asarray(token))
     return np.stack(out, axis=1).tolist()
 

@@ -13,7 +13,10 @@ temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`
 runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
 step has static shapes); ``compile_mode="reduce-overhead"`` also replays it as one CUDA graph per step on a GPU
 (gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). Logits that are not finite are refused
-as in the JAX twin (``twincore.generate.emit``).
+as in the JAX twin (``twincore.generate.emit``). ``loop="device"`` (``--loop device``) keeps the ids on the device:
+the steps are queued without a host wait per token (the stopped rows' EOS fed by ``torch.where``), and the host
+checks whether every row has stopped once per :data:`CHECK_EVERY` steps (torch has no on-device loop; the JAX twin
+runs one ``lax.while_loop``); ``stream`` yields the same steps after the loop.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from twincore.generate import (
     FROM_CONFIG,
     NON_FINITE,
     build_parser,
+    check_loop,
     cli,
     decode_steps,
     generate_with,
@@ -34,6 +38,7 @@ from twincore.generate import (
     prepare,
     preset_dtype,
     print_generated,
+    replay_steps,
     takes_arguments_of,
 )
 
@@ -85,6 +90,27 @@ def _decode_step(model, token, cache):
     return model(token[:, None], cache=cache)[:, 0]
 
 
+CHECK_EVERY = 16  # loop="device": steps queued between two host checks that some row is still going
+
+
+def _device_loop(advance, token, max_new_tokens: int, eos: tuple[int, ...]) -> torch.Tensor:
+    """``loop="device"``: ids ``[max_new_tokens, B]`` from the first ``token`` and ``advance(step, token)``, the
+    host waiting only every :data:`CHECK_EVERY` steps (to stop once every row has: an EOS, or a non-finite step
+    the host will refuse); rows past the step it stopped at are never read (``replay_steps``)."""
+    stop_ids = torch.tensor((*eos, NON_FINITE), device=token.device)
+    feed = torch.full_like(token, eos[0] if eos else 0)  # a stopped row's next input
+    ids = torch.zeros((max_new_tokens, *token.shape), dtype=token.dtype, device=token.device)
+    ids[0] = token
+    done = torch.isin(token, stop_ids)
+    for step in range(1, max_new_tokens):
+        if step % CHECK_EVERY == 0 and bool(done.all()):
+            break
+        token = advance(step, torch.where(done, feed, token))
+        ids[step] = token
+        done |= torch.isin(token, stop_ids)
+    return ids
+
+
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs on a GPU
 
@@ -118,11 +144,14 @@ def stream(
     seed: int = 0,
     eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
+    loop: str = "host",
     compile: bool = False,
     compile_mode: str | None = None,
 ) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped).
+    ``loop="device"``: no host wait per token (:func:`_device_loop`); the steps are yielded after it.
     ``compile_mode``: ``torch.compile``'s mode for the decode step (with ``compile=True``; :data:`COMPILE_MODES`)."""
+    check_loop(loop)
     check_compile_mode(compile, compile_mode)
     cfg = model.config
     tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
@@ -137,6 +166,10 @@ def stream(
 
     def advance(step, token):
         return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+
+    if loop == "device":
+        yield from replay_steps(_device_loop(advance, token, max_new_tokens, eos).cpu().numpy(), eos)
+        return
 
     def feed_eos(token, done, eos_id):
         return torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)

@@ -166,6 +166,22 @@ def decode_steps(token, n_rows: int, max_new_tokens: int, eos: tuple[int, ...], 
             token = feed_eos(token, done, eos[0])
 
 
+LOOPS = ("host", "device")  # stream(loop=...): the host reads each step's ids, or all of them once at the end
+
+
+def check_loop(loop) -> None:
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {list(LOOPS)}, got {loop!r}")
+
+
+def replay_steps(ids: np.ndarray, eos: tuple[int, ...]):
+    """``stream``'s steps from the ids a device loop wrote (``ids [max_new_tokens, B]``, numpy; rows past the
+    step where the loop stopped are never read): the host loop's :func:`decode_steps` over them, so both loops
+    yield the same lists, stop at the same step and refuse a non-finite step with the same error."""
+    n, b = ids.shape
+    yield from decode_steps(ids[0], b, n, eos, lambda step, _: ids[step], np.asarray, lambda t, done, eos_id: t)
+
+
 def takes_arguments_of(stream):
     """Decorator: the decorated ``generate(model, prompts, *args, **kwargs)`` shows ``stream``'s parameters
     (``help()``, ``inspect.signature``, editors), so forwarding them does not hide them."""
@@ -243,6 +259,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--dtype", default=None, help=f"weights and compute dtype: {', '.join(MODEL_DTYPES)} (default float32)"
     )
     p.add_argument("--int8", action="store_true", help="int8 weight-only quantization (quant.quantize)")
+    p.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="host",
+        help="host: print each token as it is made; device: the tokens stay on the device and print at the end "
+        "(no host wait per token)",
+    )
     return p
 
 
@@ -309,6 +332,7 @@ def print_generated(stream, model, args: argparse.Namespace, tokenizer, **option
         args.top_p,
         args.seed,
         eos_id,
+        loop=args.loop,
         **options,
     )
     print_stream(steps, tokenizer)

@@ -414,7 +414,10 @@ def plot_decode(out_dir: str, records: list[dict], info: dict | None = None) -> 
     devices = {r.get("device") for r in ok}
     panels = []
     for model, pss in sorted({(r["model"], r["pass"]) for r in ok}, key=lambda k: (k[0], k[1] != "decode")):
-        what = "one step, B new tokens" if pss == "decode" else f"prompt of {ok[0].get('prompt_len')} tokens"
+        what = {
+            "decode": "one step, B new tokens",
+            "generate": f"{next(r.get('new_tokens') for r in ok if r['pass'] == pss)} new tokens per row, one wait",
+        }.get(pss, f"prompt of {ok[0].get('prompt_len')} tokens")
         panel = Panel(f"{model}: {pss} ({what})", "batch size", "tokens/s", {}, logx=2)
         for r in ok:
             if (r["model"], r["pass"]) == (model, pss):

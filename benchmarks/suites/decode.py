@@ -30,6 +30,9 @@ RANDOM_125M = "125m-random"  # the 125m preset with drawn weights, where the Smo
 # timed alone, after the jaxattn / torchref pair; torchref+cudagraphs: torch.compile(mode="reduce-overhead")
 EXTRA_IMPLS = ("jaxattn+flash_decode", "torchref+compile", "torchref+cudagraphs")
 TORCH_COMPILED = {"torchref+compile": None, "torchref+cudagraphs": "reduce-overhead"}  # impl -> torch.compile mode
+NEW_TOKENS = {True: 8, False: 32}  # the generate pass's new tokens per row, by ``quick``
+GENERATE_MAX_B = 4  # the generate pass runs at batch sizes up to this: where a per-token wait is the cost (B=1)
+GENERATE_ROUNDS = {True: (5, 2, 1), False: (5, 1, 1)}  # its (rounds, per_round, warmup): one call is NEW_TOKENS steps
 BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iterations when calls are fast
 _clock = time.perf_counter  # the suite budget's clock (a test steps it)
 
@@ -217,7 +220,7 @@ def _jax_fns(jmodel, tokens, cache_len):
             if "filled" not in box:
                 run_prefill()
             box["cur"] = box.pop("filled")
-        box["cur"] = decode(state, *box["cur"], key)  # the cache is donated
+        box["cur"] = decode(state, *box["cur"], key, 1)  # the cache is donated (greedy: the step's key is unused)
         return box["cur"][0]
 
     return run_prefill, step
@@ -269,6 +272,20 @@ def _torch_fns(tmodel, tokens, cache_len):
     return prefill, stepper
 
 
+def _generate_calls(tmodel, jmodel, tokens: np.ndarray, new_tokens: int) -> dict:
+    """The pair's ``generate`` pass: each twin's ``generate(loop="device")`` of ``new_tokens`` tokens per row from
+    ``tokens`` (prefill, then the decode steps with no host wait per token; no EOS, so every row runs them all)."""
+    from jaxattn import generate as jgen
+    from torchref import generate as tgen
+
+    prompts = tokens.tolist()
+    kw = dict(eos_id=None, loop="device")
+    return {
+        "jax": lambda: jgen.generate(jmodel, prompts, new_tokens, **kw),
+        "torch": lambda: tgen.generate(tmodel, prompts, new_tokens, **kw),
+    }
+
+
 def _timed_record(base: dict, impl: str, fw: str, device: str, pass_name: str, ntok: int, t: dict, diff) -> dict:
     return {
         **base,
@@ -313,7 +330,9 @@ def check_batches(batches: list[int]) -> list[int]:
 def run(
     quick: bool, impls: list[str] | None = None, budget_s: float | None = None, batches: list[int] | None = None
 ) -> list[dict]:
-    """Per model, weights and batch: our JAX and eager torch (prefill, then decode steps on its cache) timed as a
+    """Per model, weights and batch: our JAX and eager torch (prefill, then decode steps on its cache, each call
+    waited for; then, at B <= :data:`GENERATE_MAX_B`, ``generate`` of :data:`NEW_TOKENS` tokens with ``loop="device"``,
+    one wait per call) timed as a
     pair (``measure.timeit_paired``, JAX and torch alternating in rounds: each record carries the paired JAX
     speed-up with its interval); the extra implementations (JAX split-K decode kernel on a GPU, ``torch.compile``d
     decode step outside ``--quick``) by :func:`timeit_budget`, unpaired. ``impls``: which extras to run (the
@@ -445,13 +464,26 @@ def run(
                     except Exception as e:  # noqa: BLE001 - a backend that cannot run here is recorded, not fatal
                         skipped(fw, impl, e)
                 if "jaxattn" in made and "torchref" in made:  # the pair: prefills first, then steps on their caches
+                    n_new = NEW_TOKENS[quick]
+                    passes = [
+                        (
+                            name,
+                            {"jax": made["jaxattn"][i], "torch": made["torchref"][i]},
+                            ntok,
+                            (rounds, per_round, warmup),
+                            {},
+                        )
+                        for name, i, ntok in (("prefill", 1, b * prompt_len), ("decode", 2, b))
+                    ]
+                    if b <= GENERATE_MAX_B:  # (a B=64 call of 32 steps takes minutes on a CPU)
+                        gen_calls = _generate_calls(tmodel, jmodel, tokens, n_new)
+                        passes.append(("generate", gen_calls, b * n_new, GENERATE_ROUNDS[quick], {"new_tokens": n_new}))
                     try:
-                        for pass_name, idx, ntok in (("prefill", 1, b * prompt_len), ("decode", 2, b)):
-                            calls = {"jax": made["jaxattn"][idx], "torch": made["torchref"][idx]}
-                            t = measure.timeit_paired(calls, rounds=rounds, per_round=per_round, warmup=warmup)
+                        for pass_name, calls, ntok, (n_rounds, n_per, n_warm), extra in passes:
+                            t = measure.timeit_paired(calls, rounds=n_rounds, per_round=n_per, warmup=n_warm)
                             for fw, impl in (("jax", "jaxattn"), ("torch", "torchref")):
                                 rec = _timed_record(base, impl, fw, devices[fw], pass_name, ntok, t[fw], diff)
-                                records.append(rec | {"cv": t[fw]["cv"], "paired": t["paired"]})
+                                records.append(rec | extra | {"cv": t[fw]["cv"], "paired": t["paired"]})
                             p = t["paired"]
                             print(
                                 f"{label} {pass_name}: JAX {1e3 * t['jax']['median_s']:.4g} ms, torch "

@@ -3,14 +3,14 @@
 # (the machine's start takes 1-2 of them). Run from the repository root; writes under $OUT.
 #   bash benchmarks/tools/gpu_session.sh --plan              # the plan (steps, budgets, expected GPU times); runs nothing
 #   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, profile, attention, order
-#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, blocks, gqa
+#   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, loops, blocks, gqa
 #   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
 #   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
 # Every step runs under its own budget (`timeout -s INT`: pytest still prints its summary, a suite keeps the rows it
 # finished: they are written one by one). Exit status 1 when a step failed (in a --dry-run rehearsal, also when
 # one outran its budget; CI runs the whole rehearsal, .ci/run). $OUT holds at most 6 files per call (a device call returns 8):
 # session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, kernel_profile.json,
-# peers/attention.json, block_search.{json,md}.
+# generate_loop.json, peers/attention.json, block_search.{json,md}.
 # Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
 # `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
 # (jax with its CUDA plugin, torch, pytest-xdist, pytest-timeout); $PYTHON picks the interpreter (default python).
@@ -28,6 +28,7 @@ peers|-|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic 
 order|1|5|1|default attention order by evidence (tests log + attention records)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, fp16 (not reached on 2026-11-28), then bf16, tf32, remat_full (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, B=64 first (never reached), then B=1; fp32/bf16/int8, split-K kernel, torch.compile with CUDA graphs (reduce-overhead; a compile: 14-24 s per weights format)
+loops|2|45|30|generate's loops at 125m B=1, 32 tokens, paired: JAX host loop vs loop="device" (one program, one wait) vs torch's (expected: JAX's device loop per token well under its 1.1-1.4 ms synchronized step and under torch's CUDA-graph steps, 0.81-1.37 ms)
 blocks|2|35|25|D=128 bf16 flash dkv block sizes at 16/16 heads: the filter's survivors and the default (moved to 32 x 128, 8 warps, 3 stages by the 2026-11-28 pairs: expected the default fastest); Mosaic's tiles settled in three sessions, left out
 gqa|2|45|30|flash dkv block sizes at 16 query / 4 kv heads, the survivors and the default (the default won 1.62x on 2026-11-28; expected the default fastest)
 model|-|170|160|model suite: 350m and moe-350m fp32, a fresh process each (H200 2026-11-27: 75 s and 82 s); in no call (this H200 model ran it last): by name"
@@ -173,6 +174,10 @@ if want decode; then
   if [ "$DRY" = 1 ]; then BATCHES=(4 1); else BATCHES=(64 1); fi  # the larger batch first: never reached before
   step decode "${BENCH[@]}" --suite decode --decode-impl jaxattn+flash_decode --decode-impl torchref+cudagraphs \
     "${BATCHES[@]/#/--batch=}" --budget-s $(($(budget decode) - 30))
+fi
+if want loops; then
+  if [ "$DRY" = 1 ]; then LOOPS=(--preset tiny --new 8 --rounds 2); else LOOPS=(--preset 125m --new 32 --rounds 5); fi
+  step loops "$PY" -m benchmarks.tools.generate_loop "${LOOPS[@]}" --out "$RES"
 fi
 if want blocks; then
   step blocks "$PY" -m benchmarks.tools.block_search --survivors benchmarks/results/h100-compiled/block_search.json \
