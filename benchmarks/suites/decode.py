@@ -31,7 +31,7 @@ RANDOM_125M = "125m-random"  # the 125m preset with drawn weights, where the Smo
 EXTRA_IMPLS = ("jaxattn+flash_decode", "torchref+compile", "torchref+cudagraphs")
 TORCH_COMPILED = {"torchref+compile": None, "torchref+cudagraphs": "reduce-overhead"}  # impl -> torch.compile mode
 NEW_TOKENS = {True: 8, False: 32}  # the generate pass's new tokens per row, by ``quick``
-GENERATE_MAX_B = 4  # the generate pass runs at batch sizes up to this: where a per-token wait is the cost (B=1)
+GENERATE_MAX_B = 1  # the generate pass runs at batch sizes up to this: where a per-token wait is the cost
 GENERATE_ROUNDS = {True: (5, 2, 1), False: (5, 1, 1)}  # its (rounds, per_round, warmup): one call is NEW_TOKENS steps
 BUDGET_S = 10.0  # seconds of timed calls per measurement (non-quick); more iterations when calls are fast
 _clock = time.perf_counter  # the suite budget's clock (a test steps it)
@@ -475,7 +475,7 @@ def run(
                         )
                         for name, i, ntok in (("prefill", 1, b * prompt_len), ("decode", 2, b))
                     ]
-                    if b <= GENERATE_MAX_B:  # (a B=64 call of 32 steps takes minutes on a CPU)
+                    if b <= GENERATE_MAX_B:  # (a B=64 call of 32 steps takes minutes on a CPU; B=4 adds little)
                         gen_calls = _generate_calls(tmodel, jmodel, tokens, n_new)
                         passes.append(("generate", gen_calls, b * n_new, GENERATE_ROUNDS[quick], {"new_tokens": n_new}))
                     try:
