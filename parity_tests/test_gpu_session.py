@@ -87,8 +87,12 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 def test_budget_ends_a_step_and_the_session_goes_on(tmp_path):
-    """A step over its budget is interrupted (exit 124, said in the summary) and the next step still runs."""
+    """A step over its budget is interrupted (exit 124, said in the summary) and the next step still runs.
+    ``slow_feature`` (15-18 s: three real steps): the default run keeps :func:`test_step_names_what_ended_it`, the
+    ``step`` function's exits on a harness, and CI's rehearsal runs every step within its budget."""
     r = _session(
         "--dry-run", "tests", "blocks", "gqa", out=tmp_path, env={"BUDGET_tests": "3", "KILL_AFTER": "2"}, timeout=300
     )
