@@ -122,17 +122,18 @@ def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
 
 
 @functools.lru_cache(maxsize=32)
-def _loop_program_for(graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, cache):
+def _loop_program_for(graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, spec):
     """``loop="device"``: the prefill and every decode step as ONE jitted program: with ``eos`` a ``lax.while_loop``
     that ends when every row has stopped (an EOS, or a non-finite step the host will refuse) or after
     ``max_new_tokens``; without, ``max_new_tokens - 1`` decode steps (``fori_loop``).
-    ``cache``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program (no second copy).
-    Returns ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
+    ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program (no second copy).
+    Compiled once per ``max_new_tokens``, EOS ids and cache shape. Returns ``(ids [max_new_tokens, B], steps run)``;
+    the host reads them once."""
     prefill, decode = _steps(graphdef, temperature, top_k, top_p)
     stop_ids = jnp.asarray((*eos, NON_FINITE), jnp.int32)
     feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
 
-    treedef, leaves = cache
+    treedef, leaves = spec
 
     def run(state, tokens, lengths, key):
         empty = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
@@ -166,10 +167,11 @@ def _cache_spec(cfg, batch: int, max_len: int, dtype) -> tuple:
     return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
 
 
-def _device_loop(graphdef, state, sampling, cache: tuple, tokens, lengths, key, max_new_tokens: int, eos: tuple):
+def _device_loop(graphdef, state, sampling, cache_args: tuple, tokens, lengths, key, max_new_tokens: int, eos: tuple):
     """``loop="device"``'s run: ``(ids [max_new_tokens, B] numpy, steps run)`` from :func:`_loop_program_for`;
-    ``cache``: :func:`_cache_spec`'s arguments."""
-    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, _cache_spec(*cache))
+    ``cache_args``: ``KVCache.init``'s (:func:`_cache_spec`'s) arguments."""
+    spec = _cache_spec(*cache_args)
+    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, spec)
     ids, steps = run(state, jnp.asarray(tokens), jnp.asarray(lengths), key)
     return np.asarray(ids), int(steps)
 
@@ -194,13 +196,13 @@ def stream(
     tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
     sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
-    cache = (cfg, len(tokens), t, model.embed[...].dtype)  # KVCache.init's arguments
+    cache_args = (cfg, len(tokens), t, model.embed[...].dtype)  # KVCache.init's
     key = jax.random.PRNGKey(seed)
     if loop == "device":
-        ids, _ = _device_loop(graphdef, state, sampling, cache, tokens, lengths, key, max_new_tokens, eos)
+        ids, _ = _device_loop(graphdef, state, sampling, cache_args, tokens, lengths, key, max_new_tokens, eos)
         yield from replay_steps(ids, eos)
         return
-    cache = KVCache.init(*cache[:3], dtype=cache[3])
+    cache = KVCache.init(*cache_args[:3], dtype=cache_args[3])
     prefill, decode = _programs(graphdef, *sampling)
     token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
 
