@@ -17,7 +17,9 @@ returned); finished rows keep feeding EOS until every row is done, their outputs
 finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
 ``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted ``lax.while_loop``
 that stops when every row has: the host waits once per generation instead of once per token (the same steps
-and ids; ``stream`` yields them after the program ends).
+and ids; ``stream`` yields them after the program ends). On a GPU the stop is checked once per
+``CHECK_EVERY`` steps, between ``fori_loop`` chunks of fixed trip count: XLA:GPU reads a while loop's predicate
+back on the host each iteration, a wait per token otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from twincore.generate import (
+    CHECK_EVERY,
     FROM_CONFIG,
     NON_FINITE,
     build_parser,
@@ -122,38 +125,44 @@ def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
 
 
 @functools.lru_cache(maxsize=32)
-def _loop_program_for(graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, spec):
+def _loop_program_for(
+    graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, spec, check_every: int
+):
     """``loop="device"``: the prefill and every decode step as ONE jitted program: with ``eos`` a ``lax.while_loop``
     that ends when every row has stopped (an EOS, or a non-finite step the host will refuse) or after
-    ``max_new_tokens``; without, ``max_new_tokens - 1`` decode steps (``fori_loop``).
-    ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program (no second copy).
-    Compiled once per ``max_new_tokens``, EOS ids and cache shape. Returns ``(ids [max_new_tokens, B], steps run)``;
-    the host reads them once."""
+    ``max_new_tokens``, checking every ``check_every`` steps (the steps between two checks are a ``fori_loop`` of
+    fixed trip count, which XLA:GPU runs without reading a predicate back); without, ``max_new_tokens - 1`` decode
+    steps (``fori_loop``). ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program
+    (no second copy). Compiled once per ``max_new_tokens``, EOS ids, cache shape and ``check_every``. Returns
+    ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
     prefill, decode = _steps(graphdef, temperature, top_k, top_p)
     stop_ids = jnp.asarray((*eos, NON_FINITE), jnp.int32)
     feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
 
     treedef, leaves = spec
 
+    def advance(state, key, carry):
+        step, token, cache, done, ids = carry
+        token, cache = decode(state, jnp.where(done, feed, token), cache, key, step)
+        return step + 1, token, cache, done | jnp.isin(token, stop_ids), ids.at[step].set(token)
+
     def run(state, tokens, lengths, key):
         empty = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
         token, cache = prefill(state, tokens, lengths, empty, key)
         ids = jnp.zeros((max_new_tokens, token.shape[0]), jnp.int32).at[0].set(token)  # [max_new_tokens, B]
-
-        def going(carry):
-            step, _, _, done, _ = carry
-            return (step < max_new_tokens) & ~done.all()
-
-        def advance(carry):
-            step, token, cache, done, ids = carry
-            token, cache = decode(state, jnp.where(done, feed, token), cache, key, step)
-            return step + 1, token, cache, done | jnp.isin(token, stop_ids), ids.at[step].set(token)
-
         carry = (jnp.int32(1), token, cache, jnp.isin(token, stop_ids), ids)
-        if eos:  # a data-dependent stop (XLA:GPU reads the predicate back each step: a copy, not a Python call)
-            carry = jax.lax.while_loop(going, advance, carry)
-        else:  # a fixed trip count: no predicate to read (a non-finite row is refused by the host afterwards)
-            carry = jax.lax.fori_loop(1, max_new_tokens, lambda _, c: advance(c), carry)
+
+        def steps(k):  # k decode steps at a fixed trip count: no predicate read between them
+            return lambda carry: jax.lax.fori_loop(0, k, lambda _, c: advance(state, key, c), carry)
+
+        if not eos:  # only a non-finite row could stop, and the host refuses it afterwards
+            carry = steps(max_new_tokens - 1)(carry)
+        else:
+            chunks, rest = divmod(max_new_tokens - 1, check_every)
+            last = 1 + chunks * check_every  # the step after the last whole chunk
+            carry = jax.lax.while_loop(lambda c: (c[0] < last) & ~c[3].all(), steps(check_every), carry)
+            if rest:  # the last, shorter chunk, unless every row has stopped (one more check)
+                carry = jax.lax.cond(carry[3].all(), lambda c: c, steps(rest), carry)
         return carry[4], carry[0]  # ids, steps run
 
     return jax.jit(_traced_under(run, backends))
@@ -167,11 +176,31 @@ def _cache_spec(cfg, batch: int, max_len: int, dtype) -> tuple:
     return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
 
 
-def _device_loop(graphdef, state, sampling, cache_args: tuple, tokens, lengths, key, max_new_tokens: int, eos: tuple):
+def _check_every() -> int:
+    """Decode steps between two checks that some row is still going: :data:`CHECK_EVERY` on a GPU (each check of
+    a while loop's predicate is a host wait there: XLA's ``WhileThunk`` copies it back and blocks), 1 elsewhere (a
+    CPU reads it in place, a TPU's scalar core runs the loop)."""
+    return CHECK_EVERY if jax.default_backend() == "gpu" else 1
+
+
+def _device_loop(
+    graphdef,
+    state,
+    sampling,
+    cache_args: tuple,
+    tokens,
+    lengths,
+    key,
+    max_new_tokens: int,
+    eos: tuple,
+    check_every=None,
+):
     """``loop="device"``'s run: ``(ids [max_new_tokens, B] numpy, steps run)`` from :func:`_loop_program_for`;
-    ``cache_args``: ``KVCache.init``'s (:func:`_cache_spec`'s) arguments."""
+    ``cache_args``: ``KVCache.init``'s (:func:`_cache_spec`'s) arguments; ``check_every``: :func:`_check_every`'s
+    unless given (the loops tool times 1 on a GPU too)."""
     spec = _cache_spec(*cache_args)
-    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, spec)
+    every = _check_every() if check_every is None else check_every
+    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, spec, every)
     ids, steps = run(state, jnp.asarray(tokens), jnp.asarray(lengths), key)
     return np.asarray(ids), int(steps)
 

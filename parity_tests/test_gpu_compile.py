@@ -854,3 +854,32 @@ def test_flash_dkv_launches_with_its_own_warps():
         for k in ("flash_bwd_dkv", "flash_bwd_dq")
     }
     assert threads == {"flash_bwd_dkv": 128, "flash_bwd_dq": 256}, threads
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_device_loop_reads_its_stop_once_per_chunk_on_a_gpu():
+    """``generate(loop="device")`` with an EOS, compiled for an H100: XLA:GPU reads a while loop's predicate back
+    on the host each iteration (a copy and a stream wait) unless the trip count is known. The GPU's program
+    (``_check_every() == CHECK_EVERY``) has ONE loop of unknown trip count, over chunks; its 31 decode steps are a
+    16-step chunk of known trip count and a last chunk of 15 behind one conditional, so the stop is read at most 3
+    times, not 31 (the model's layer scans have known trip counts too)."""
+    from flax import nnx
+
+    from jaxattn import generate as jgen
+    from jaxattn.config import ModelConfig
+    from jaxattn.model import Llama
+    from twincore.generate import CHECK_EVERY
+
+    cfg = ModelConfig.preset("tiny")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    devs = _devices()
+    state = jax.tree.map(lambda x: gpu_target.place(_sds(x.shape, x.dtype), devs), state)
+    spec = jgen._cache_spec(cfg, 1, 64, jnp.float32)
+    run = jgen._loop_program_for(graphdef, 0.0, None, None, None, 32, (2,), spec, CHECK_EVERY)
+    ids, lengths, key = _sds((1, 16), jnp.int32), _sds((1,), jnp.int32), _sds((2,), jnp.uint32)
+    _, compiled = gpu_target.compile(run, state, *(gpu_target.place(x, devs) for x in (ids, lengths, key)))
+    text = compiled.as_text()
+    trips = [re.search(r'known_trip_count":\{"n":"(\d+)"', w) for w in re.findall(r"^.* while\(.*$", text, re.M)]
+    assert sum(t is None for t in trips) == 1, trips
+    assert {"16", "15"} <= {t.group(1) for t in trips if t} and len(re.findall(r" conditional\(", text)) == 1

@@ -282,7 +282,7 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
             batches = [r["B"] for r in found["decode"]["records"] if r["impl"] == "jaxattn" and r["pass"] == "decode"]
             assert batches and batches[0] == 4 and set(batches) == {1, 4}, batches
             loops = json.loads((res / "generate_loop.json").read_text())  # generate's loops, paired
-            assert loops["same_tokens_jax_torch"] and len(loops["pairs"]) == 4
+            assert all(loops["tokens_agree"].values()) and len(loops["pairs"]) == 5  # no CUDA: no graph loops
         if call == "named":  # the peers in their own folder
             assert set(read_results(str(out / "peers"))) == {"attention"}
         rep = subprocess.run(

@@ -12,7 +12,10 @@ temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`
 (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
 runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
 step has static shapes); ``compile_mode="reduce-overhead"`` also replays it as one CUDA graph per step on a GPU
-(gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). Logits that are not finite are refused
+(gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). A CUDA graph holds its inputs' addresses,
+so in those modes the cache is kept per model and reused by the next call of the same shape, zeroed in place
+(:func:`static_cache`, as gpt-fast's ``setup_caches`` and Hugging Face's static cache do): a new cache per call would
+re-record every step's graph per call. Logits that are not finite are refused
 as in the JAX twin (``twincore.generate.emit``). ``loop="device"`` (``--loop device``) keeps the ids on the device:
 the steps are queued without a host wait per token (the stopped rows' EOS fed by ``torch.where``), and the host
 checks whether every row has stopped once per :data:`CHECK_EVERY` steps (torch has no on-device loop; the JAX twin
@@ -22,11 +25,14 @@ runs one ``lax.while_loop``); ``stream`` yields the same steps after the loop.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from twincore.generate import (
+    CHECK_EVERY,
     FROM_CONFIG,
     NON_FINITE,
     build_parser,
@@ -90,9 +96,6 @@ def _decode_step(model, token, cache):
     return model(token[:, None], cache=cache)[:, 0]
 
 
-CHECK_EVERY = 16  # loop="device": steps queued between two host checks that some row is still going
-
-
 def _device_loop(advance, token, max_new_tokens: int, eos: tuple[int, ...]) -> torch.Tensor:
     """``loop="device"``: ids ``[max_new_tokens, B]`` from the first ``token`` and ``advance(step, token)``, the
     host waiting only every :data:`CHECK_EVERY` steps (to stop once every row has: an EOS, or a non-finite step
@@ -133,6 +136,34 @@ def compiled_step(cache, compile_mode: str | None = None):
     return torch.compile(_decode_step, fullgraph=True, mode=compile_mode)
 
 
+_STATIC = weakref.WeakKeyDictionary()  # model -> the KVCache its CUDA-graph decode steps were recorded with
+_IN_USE: set[int] = set()  # ids of the kept caches a live stream is using
+
+
+@contextmanager
+def static_cache(model, batch: int, max_len: int, dtype, device):
+    """The model's kept :class:`KVCache` when it has this shape (``batch``, ``max_len`` slots, ``dtype``,
+    ``device``) and no live stream holds it, emptied in place (zeros, lengths 0: a CUDA graph recorded with it
+    still points at its tensors), else a new one kept in its place. One cache per model, the last shape used (a
+    new shape records new graphs anyway); a cache held by a live stream is left to it, the caller gets a fresh
+    one that is not kept."""
+    cache = _STATIC.get(model)
+    shape = (model.config.n_layers, batch, model.config.n_kv_heads, max_len, model.config.resolved_head_dim)
+    if cache is not None and id(cache) in _IN_USE:
+        yield KVCache(model.config, batch, max_len, dtype=dtype, device=device)
+        return
+    if cache is None or (tuple(cache.k.shape), cache.k.dtype, cache.k.device) != (shape, dtype, torch.device(device)):
+        cache = _STATIC[model] = KVCache(model.config, batch, max_len, dtype=dtype, device=device)
+    else:
+        for t in (cache.k, cache.v, cache.lengths):  # stale keys may hold anything a masked slot could turn to NaN
+            t.zero_()
+    _IN_USE.add(id(cache))
+    try:
+        yield cache
+    finally:
+        _IN_USE.discard(id(cache))
+
+
 @torch.no_grad()
 def stream(
     model,
@@ -157,24 +188,29 @@ def stream(
     tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
     device = model.model.embed_tokens.weight.device
     b = len(tokens)
-    cache = KVCache(cfg, b, t, dtype=model.model.embed_tokens.weight.dtype, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
-    lengths = torch.from_numpy(lengths).long().to(device)
-    logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
-    token = _sample_finite(logits, gen, temperature, top_k, top_p)
-    step_fn = compiled_step(cache, compile_mode) if compile else _decode_step
+    dtype = model.model.embed_tokens.weight.dtype
+    if compile and compile_mode in CUDAGRAPH_MODES:  # the graphs hold the cache's addresses: keep it across calls
+        held = static_cache(model, b, t, dtype, device)
+    else:
+        held = nullcontext(KVCache(cfg, b, t, dtype=dtype, device=device))
+    with held as cache:
+        gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
+        lengths = torch.from_numpy(lengths).long().to(device)
+        logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
+        token = _sample_finite(logits, gen, temperature, top_k, top_p)
+        step_fn = compiled_step(cache, compile_mode) if compile else _decode_step
 
-    def advance(step, token):
-        return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+        def advance(step, token):
+            return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
 
-    if loop == "device":
-        yield from replay_steps(_device_loop(advance, token, max_new_tokens, eos).cpu().numpy(), eos)
-        return
+        if loop == "device":
+            yield from replay_steps(_device_loop(advance, token, max_new_tokens, eos).cpu().numpy(), eos)
+            return
 
-    def feed_eos(token, done, eos_id):
-        return torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
+        def feed_eos(token, done, eos_id):
+            return torch.where(torch.from_numpy(done).to(device), torch.full_like(token, eos_id), token)
 
-    yield from decode_steps(token, b, max_new_tokens, eos, advance, lambda t: t.cpu().numpy(), feed_eos)
+        yield from decode_steps(token, b, max_new_tokens, eos, advance, lambda t: t.cpu().numpy(), feed_eos)
 
 
 @takes_arguments_of(stream)

@@ -121,6 +121,8 @@ def prepare(
 
 
 NON_FINITE = -1  # the id both step programs give a row whose logits are not all finite (emit refuses it)
+CHECK_EVERY = 16  # loop="device": decode steps between two checks that some row is still going, where a check
+# costs a host wait (torch's queue; JAX's while loop on a GPU, whose predicate XLA reads back on the host)
 
 
 def emit(host: np.ndarray, done: np.ndarray, eos: tuple[int, ...], step: int = 0) -> list:

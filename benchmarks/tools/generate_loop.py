@@ -7,7 +7,13 @@
 Random ``--preset`` weights (fp32, seed 0; the twins hold the same ones), B = 1, a prompt of ``--prompt`` random ids,
 ``--new`` greedy tokens, no EOS. Variants: ``jax:host:key-on-host`` (the host loop as it was: each step's key
 ``fold_in`` dispatched from Python), ``jax:host`` (``loop="host"``), ``jax:device`` (``loop="device"``),
-``torch:host``, ``torch:device``. Whether each framework's variants give the same tokens, and the two frameworks
+``torch:host``, ``torch:device``, ``jax:device:eos`` (``loop="device"`` with an EOS id the greedy tokens never
+reach, so the same steps in the stopping loop: on a GPU its stop is read once per ``CHECK_EVERY`` steps) and
+``jax:device:eos:per-step`` (the same loop with the stop read after every step, as before the chunks; on a CPU
+both are one program), and with ``--graphs`` (the default where CUDA is present) ``torch:host:graphs`` and
+``torch:device:graphs``: the decode step under ``torch.compile(mode="reduce-overhead")``, one CUDA graph per step
+replayed on the cache ``generate`` keeps per model (its compile, 14-24 s for 125m on an H200, is in the first,
+untimed call). Whether each framework's variants give the same tokens, and the two frameworks
 too, is recorded (``tokens_agree``), not enforced: ``parity_tests/test_generate.py`` guards that on trained-like
 logits, while a random model's near-ties may flip under a GPU's TF32 dots or another fusion. Prints each variant's
 median and 10th-90th percentile per call and per token, and each ratio of a pair named in :data:`PAIRS` with its 95%
@@ -29,6 +35,9 @@ PAIRS = (  # (slower, faster): the ratio printed is slower / faster per round, t
     ("jax:host", "jax:device"),
     ("torch:host", "torch:device"),
     ("torch:device", "jax:device"),
+    ("jax:device:eos:per-step", "jax:device:eos"),
+    ("torch:host:graphs", "torch:device:graphs"),  # with --graphs
+    ("torch:device:graphs", "jax:device"),
 )
 
 
@@ -59,8 +68,23 @@ def _key_on_host_loop(jmodel, prompt, n: int):
     return run
 
 
-def calls(preset: str, prompt_len: int, n: int) -> dict:
-    """The variants as zero-argument callables returning the generated ids (each waits for its own result)."""
+def _stop_read_every_step(jmodel, prompt, n: int, eos: int):
+    """JAX's device loop with an EOS whose stop is read after every decode step (``_check_every() == 1``: a CPU's
+    and a TPU's loop, and a GPU's before the chunks), through ``generate`` as the other variants."""
+    from unittest import mock
+
+    from jaxattn import generate as jgen
+
+    def run():
+        with mock.patch.object(jgen, "_check_every", return_value=1):
+            return jgen.generate(jmodel, [prompt], n, eos_id=eos, loop="device")
+
+    return run
+
+
+def calls(preset: str, prompt_len: int, n: int, graphs: bool = False) -> dict:
+    """The variants as zero-argument callables returning the generated ids (each waits for its own result);
+    ``graphs``: also torch's loops with the CUDA-graph step."""
     import torch
 
     from benchmarks.twins import twin_models
@@ -77,15 +101,24 @@ def calls(preset: str, prompt_len: int, n: int) -> dict:
             out[f"{fw}:{loop}"] = lambda gen=gen, model=model, loop=loop: gen.generate(
                 model, [prompt], n, eos_id=None, loop=loop
             )
+    free = jgen.generate(jmodel, [prompt], n, eos_id=None, loop="device")[0]
+    eos = min(set(range(jmodel.config.vocab_size)) - set(free))  # never reached: every variant runs n steps
+    out["jax:device:eos"] = lambda: jgen.generate(jmodel, [prompt], n, eos_id=eos, loop="device")
+    out["jax:device:eos:per-step"] = _stop_read_every_step(jmodel, prompt, n, eos)
+    for loop in ("host", "device") if graphs else ():
+        out[f"torch:{loop}:graphs"] = lambda loop=loop: tgen.generate(
+            tmodel, [prompt], n, eos_id=None, loop=loop, compile=True, compile_mode="reduce-overhead"
+        )
     return out
 
 
-def run(preset: str = "tiny", prompt_len: int = 16, n: int = 32, rounds: int = 15) -> dict:
-    """The variants' tokens checked equal, then timed: ``{"env", "args", "variants": {name: stats}, "pairs"}``."""
+def run(preset: str = "tiny", prompt_len: int = 16, n: int = 32, rounds: int = 15, graphs: bool = False) -> dict:
+    """The variants' tokens compared, then timed: ``{"env", "args", "variants": {name: stats}, "pairs"}`` (the
+    :data:`PAIRS` whose two variants ran)."""
     from benchmarks import measure
     from twincore.timing import paired_ratio, time_interleaved
 
-    fns = calls(preset, prompt_len, n)
+    fns = calls(preset, prompt_len, n, graphs)
     ids = {name: fn() for name, fn in fns.items()}  # also the first (compiling) call
     agree = {fw: all(v == ids[f"{fw}:host"] for k, v in ids.items() if k.startswith(fw)) for fw in ("jax", "torch")}
     agree["jax_torch"] = ids["jax:host"] == ids["torch:host"]  # recorded, not enforced: the timings stand either way
@@ -96,10 +129,11 @@ def run(preset: str = "tiny", prompt_len: int = 16, n: int = 32, rounds: int = 1
         for name in fns
     }
     pairs = []
-    for slow, fast in PAIRS:
+    for slow, fast in (p for p in PAIRS if set(p) <= set(fns)):
         r = paired_ratio(t[slow]["rounds"], t[fast]["rounds"], cv=(t[slow]["cv"], t[fast]["cv"]))
         pairs.append({"slow": slow, "fast": fast, "ratio": r["ratio"], "ci": list(r["ci"]), "unstable": r["unstable"]})
     args = {"preset": preset, "B": 1, "prompt": prompt_len, "new_tokens": n, "rounds": rounds, "per_round": 3}
+    args["graphs"] = graphs
     return {"tool": "generate_loop", "env": measure.env_info(), "args": args, "tokens_agree": agree} | {
         "variants": variants,
         "pairs": pairs,
@@ -123,15 +157,28 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tools.generate_loop", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (B = 1)")
     p.add_argument("--new", type=int, default=32, help="new tokens per call (greedy, no EOS)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (3 calls of each variant per round)")
+    p.add_argument(
+        "--graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch's loops with the CUDA-graph step too (auto: where CUDA is present; on a CPU, minutes of compile)",
+    )
     p.add_argument("--out", default=None, help="also write DIR/generate_loop.json")
     args = p.parse_args(argv)
-    res = run(args.preset, args.prompt, args.new, args.rounds)
+    graphs = args.graphs == "on" or (args.graphs == "auto" and _cuda())
+    res = run(args.preset, args.prompt, args.new, args.rounds, graphs)
     print(table(res), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
