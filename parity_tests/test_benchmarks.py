@@ -637,6 +637,8 @@ def test_result_environment_names_each_frameworks_cudnn():
     assert env["cudnn_torch"] == expected
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 def test_decode_budget_reaches_every_weight_format_at_b1_first(monkeypatch):
     """The decode suite runs batch outermost: with a budget that ends it after two (weights, batch) runs, those are
     fp32 and bf16 at B=1, not fp32 at both batches (the GPU session never reached bf16 / int8 the other way round).

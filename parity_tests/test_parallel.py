@@ -51,12 +51,14 @@ def test_bad_mode_and_tp_divisibility():
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param("fsdp", marks=pytest.mark.slow),  # fsdp with one more flag, below, in the default run
+        pytest.param("fsdp", marks=pytest.mark.slow),  # fsdp with one more flag, below, in CI's slow_feature run
         pytest.param("ddp", marks=pytest.mark.slow),
         pytest.param("tp", marks=pytest.mark.slow),
         pytest.param("fsdp+tp", marks=pytest.mark.slow),
         pytest.param("fsdp --offload-optimizer", marks=(pytest.mark.slow, pytest.mark.slow_feature)),
-        "fsdp --loss fused --loss-chunk 24",  # the fused loss under FSDP2 = the dense loss of one process
+        pytest.param(  # the fused loss under FSDP2 = the dense loss of one process
+            "fsdp --loss fused --loss-chunk 24", marks=(pytest.mark.slow, pytest.mark.slow_feature)
+        ),
         pytest.param("ddp --loss fused", marks=pytest.mark.slow),
     ],
 )
@@ -136,6 +138,8 @@ def test_torchrun_checkpoint_resumes_in_one_process_and_exports(tmp_path):
     assert_exports_agree(ck / "final", tmp_path / "ref" / "final", lr=1e-3, steps=4)
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 def test_sharded_jax_and_sharded_torch_agree(tmp_path):
     """The same ``--init`` checkpoint and data: ``python -m jaxattn.train --mesh data=2,fsdp=2,tensor=2`` (8 CPU
     devices, in this process) and ``torchrun --nproc-per-node 2 -m torchref.train --parallel fsdp+tp`` (dp=1 x

@@ -219,7 +219,7 @@ _CLI_FLAGS += ["--schedule", "constant"]
     "mesh, m",
     [
         pytest.param("stage=2,data=4", "2", marks=(pytest.mark.slow, pytest.mark.slow_feature)),
-        ("stage=2,fsdp=2,tensor=2", "4"),
+        pytest.param("stage=2,fsdp=2,tensor=2", "4", marks=(pytest.mark.slow, pytest.mark.slow_feature)),
     ],
 )
 def test_cli_stage_meshes_train_like_one_device(mesh, m):

@@ -222,6 +222,8 @@ def test_committed_stage_plans_hand_off_what_the_schedule_says():
 _REASON = gpu_target.unavailable_reason()
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
 def test_compiled_plans_move_what_the_analysis_says():

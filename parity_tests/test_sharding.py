@@ -438,6 +438,8 @@ def test_cli_two_processes_resume_like_one_of_eight(tmp_path):
     _two_process_cli(tmp_path, resume=True)
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 def test_cli_processes_that_disagree_on_the_mesh_fail_before_compiling():
     """Two processes started with different ``--mesh`` (same device count) both exit 2 with a message naming
     ``--mesh``, before the train step compiles."""

@@ -293,6 +293,8 @@ def test_cross_framework_losses_agree_over_30_steps(init_dir, tmp_path, extra):
     assert log[0]["lr"] == 0.0 and log[3]["lr"] == pytest.approx(3e-3 * 0.5 * (1 + np.cos(np.pi * 0 / 27)))
 
 
+@pytest.mark.slow
+@pytest.mark.slow_feature
 def test_same_seed_twice_gives_identical_losses(tmp_path):
     argv = ["--steps", "5", "--seed", "5", "--lr", "1e-3"] + SMALL
     for fw in (jtrainer, ttrainer):
