@@ -32,14 +32,20 @@ def rows() -> list:
 
 
 def sync(out: Any = None) -> None:
-    """Wait for device work behind ``out`` with each loaded framework's ``profiling.synchronize`` (jax arrays,
-    torch tensors, or pytrees of them); a framework that is not imported is not touched."""
-    if "jax" in sys.modules:
+    """Wait for the device work behind ``out`` with the framework that made it: jax arrays in ``out`` (any pytree)
+    with ``jaxattn.profiling.synchronize`` (their own readiness), torch tensors with ``torchref.profiling``'s
+    (``torch.cuda.synchronize``); ``out`` holding neither (None, a number) is torch's (its queued work has no
+    handle). A jax result is not also waited for by torch: ``cudaDeviceSynchronize`` after jax's wait is one more
+    host round trip charged to every JAX row of a cross-framework run (the kernel_profile ladder's
+    ``jax:dot:both`` measures it). A framework that is not imported is not touched."""
+    jax, torch = sys.modules.get("jax"), sys.modules.get("torch")
+    leaves = jax.tree.leaves(out) if jax is not None else [out]
+    jax_out = jax is not None and any(isinstance(x, jax.Array) for x in leaves)
+    if jax_out:
         from jaxattn.profiling import synchronize as jax_sync
 
-        if out is not None:  # None: nothing of jax's to wait for (jax_sync() would wait on every live array)
-            jax_sync(out)
-    if "torch" in sys.modules:
+        jax_sync(out)
+    if torch is not None and (not jax_out or any(isinstance(x, torch.Tensor) for x in leaves)):
         from torchref.profiling import synchronize as torch_sync
 
         torch_sync(out)

@@ -6,20 +6,21 @@
     python -m jaxattn.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
 Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row). The model is split once
-(``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per power-of-two
-prompt length; it computes the logits of each row's last real position only, ``logits_at``, never ``[B, P,
-vocab]``) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
-place where the backend supports donation). Sampling: ``temperature == 0`` is greedy (argmax); otherwise logits
-/ temperature, then top-k, then top-p (nucleus: the smallest set of most-likely tokens whose probability reaches
-``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)``: a fixed seed
-reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
-returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
-finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
-``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted ``lax.while_loop``
-that stops when every row has: the host waits once per generation instead of once per token (the same steps
-and ids; ``stream`` yields them after the program ends). On a GPU the stop is checked once per
-``CHECK_EVERY`` steps, between ``fori_loop`` chunks of fixed trip count: XLA:GPU reads a while loop's predicate
-back on the host each iteration, a wait per token otherwise.
+(``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per power-of-two prompt
+length; it makes the empty cache and computes the logits of each row's last real position only, ``logits_at``, never
+``[B, P, vocab]``) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
+place where the backend supports donation). Both keep on the device which rows have stopped, and a decode step feeds a
+stopped row its EOS itself: the host's work per token is the call and the read of B ids. Sampling:
+``temperature == 0`` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus: the smallest
+set of most-likely tokens whose probability reaches ``top_p``), then a draw with ``jax.random.categorical`` from
+``fold_in(PRNGKey(seed), step)`` (``seed`` an int in ``[0, 2**32)``): a fixed seed reproduces the same tokens (within
+jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is returned); finished rows keep feeding EOS
+until every row is done, their outputs discarded. Logits that are not finite (NaN weights) are refused with a
+ValueError at the prefill or step they appear (``twincore.generate.emit``). ``loop="device"`` (``--loop device``) runs
+the prefill and every decode step as one jitted ``lax.while_loop`` that stops when every row has: the host waits once
+per generation instead of once per token (the same steps and ids; ``stream`` yields them after the program ends). On a
+GPU the stop is checked once per ``CHECK_EVERY`` steps, between ``fori_loop`` chunks of fixed trip count: XLA:GPU
+reads a while loop's predicate back on the host each iteration, a wait per token otherwise.
 """
 
 from __future__ import annotations
@@ -83,24 +84,36 @@ def _sample_finite(logits: jax.Array, key, temperature: float, top_k, top_p) -> 
     return jnp.where(finite, sample(logits, key, temperature, top_k, top_p), jnp.int32(NON_FINITE))
 
 
-def _programs(graphdef, temperature: float, top_k, top_p):
-    """(prefill, decode) jitted pure functions of the model state for one sampling setting, traced under the
-    attention backends active NOW (``attention_backend(...)``: part of the cache key, so entering another backend
-    block gives other programs instead of reusing the first trace)."""
-    return _programs_for(graphdef, temperature, top_k, top_p, current_backends())
+def _programs(graphdef, temperature: float, top_k, top_p, eos: tuple, spec):
+    """(prefill, decode) jitted pure functions of the model state for one sampling setting, EOS ids and cache
+    shape, traced under the attention backends active NOW (``attention_backend(...)``: part of the cache key, so
+    entering another backend block gives other programs instead of reusing the first trace)."""
+    return _programs_for(graphdef, temperature, top_k, top_p, current_backends(), eos, spec)
 
 
-def _steps(graphdef, temperature: float, top_k, top_p):
-    """The pure (prefill, decode) step functions both loops run."""
+def _empty_cache(spec) -> KVCache:
+    """The empty cache of ``spec`` (:func:`_cache_spec`), made inside a program (no eager zeros, no second copy)."""
+    treedef, leaves = spec
+    return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
 
-    def prefill(state, tokens, lengths, cache, key):  # only each row's last real position reaches the LM head
+
+def _steps(graphdef, temperature: float, top_k, top_p, eos: tuple, spec):
+    """The pure (prefill, decode) step functions both loops run. Each returns the drawn ``token [B]`` and ``done
+    [B]``, the rows that have stopped (an ``eos`` id, or a non-finite step the host will refuse); a stopped row is
+    fed ``eos[0]`` inside the next decode step (no eager ``where`` per step on the host)."""
+    stop_ids = np.asarray((*eos, NON_FINITE), np.int32)
+    feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
+
+    def prefill(state, tokens, lengths, key):  # only each row's last real position reaches the LM head
+        cache = _empty_cache(spec)
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
         token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
-        return token, cache.with_lengths(lengths)
+        return token, jnp.isin(token, stop_ids), cache.with_lengths(lengths)
 
-    def decode(state, token, cache, key, step):  # step t draws with fold_in(key, t), inside the program
-        logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
-        return _sample_finite(logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p), cache
+    def decode(state, token, done, cache, key, step):  # step t draws with fold_in(key, t), inside the program
+        logits, cache = nnx.merge(graphdef, state)(jnp.where(done, feed, token)[:, None], cache=cache)
+        token = _sample_finite(logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p)
+        return token, done | jnp.isin(token, stop_ids), cache
 
     return prefill, decode
 
@@ -119,9 +132,9 @@ def _traced_under(fn, backends):
 
 
 @functools.lru_cache(maxsize=32)
-def _programs_for(graphdef, temperature: float, top_k, top_p, backends):
-    prefill, decode = _steps(graphdef, temperature, top_k, top_p)
-    return jax.jit(_traced_under(prefill, backends)), jax.jit(_traced_under(decode, backends), donate_argnums=(2,))
+def _programs_for(graphdef, temperature: float, top_k, top_p, backends, eos: tuple, spec):
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p, eos, spec)
+    return jax.jit(_traced_under(prefill, backends)), jax.jit(_traced_under(decode, backends), donate_argnums=(3,))
 
 
 @functools.lru_cache(maxsize=32)
@@ -133,24 +146,19 @@ def _loop_program_for(
     ``max_new_tokens``, checking every ``check_every`` steps (the steps between two checks are a ``fori_loop`` of
     fixed trip count, which XLA:GPU runs without reading a predicate back); without, ``max_new_tokens - 1`` decode
     steps (``fori_loop``). ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program
-    (no second copy). Compiled once per ``max_new_tokens``, EOS ids, cache shape and ``check_every``. Returns
+    (:func:`_empty_cache`). Compiled once per ``max_new_tokens``, EOS ids, cache shape and ``check_every``. Returns
     ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
-    prefill, decode = _steps(graphdef, temperature, top_k, top_p)
-    stop_ids = jnp.asarray((*eos, NON_FINITE), jnp.int32)
-    feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
-
-    treedef, leaves = spec
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p, eos, spec)
 
     def advance(state, key, carry):
-        step, token, cache, done, ids = carry
-        token, cache = decode(state, jnp.where(done, feed, token), cache, key, step)
-        return step + 1, token, cache, done | jnp.isin(token, stop_ids), ids.at[step].set(token)
+        step, token, cache, done, ids = carry  # the loop's step t
+        token, done, cache = decode(state, token, done, cache, key, step)
+        return step + 1, token, cache, done, ids.at[step].set(token)
 
     def run(state, tokens, lengths, key):
-        empty = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
-        token, cache = prefill(state, tokens, lengths, empty, key)
+        token, done, cache = prefill(state, tokens, lengths, key)
         ids = jnp.zeros((max_new_tokens, token.shape[0]), jnp.int32).at[0].set(token)  # [max_new_tokens, B]
-        carry = (jnp.int32(1), token, cache, jnp.isin(token, stop_ids), ids)
+        carry = (jnp.int32(1), token, cache, done, ids)
 
         def steps(k):  # k decode steps at a fixed trip count: no predicate read between them
             return lambda carry: jax.lax.fori_loop(0, k, lambda _, c: advance(state, key, c), carry)
@@ -174,6 +182,13 @@ def _cache_spec(cfg, batch: int, max_len: int, dtype) -> tuple:
     (traced once per cache shape, not once per call)."""
     leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda: KVCache.init(cfg, batch, max_len, dtype=dtype)))
     return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _key(seed: int) -> jax.Array:
+    """``jax.random.PRNGKey(seed)``, made once per seed (an eager op per call otherwise; ``check_seed`` made
+    ``seed`` an int in ``[0, 2**32)``). Never donated, so one array serves every call."""
+    return jax.random.PRNGKey(seed)
 
 
 def _check_every() -> int:
@@ -201,8 +216,8 @@ def _device_loop(
     spec = _cache_spec(*cache_args)
     every = _check_every() if check_every is None else check_every
     run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, spec, every)
-    ids, steps = run(state, jnp.asarray(tokens), jnp.asarray(lengths), key)
-    return np.asarray(ids), int(steps)
+    ids, steps = jax.device_get(run(state, tokens, lengths, key))  # numpy in, both results out in one fetch
+    return ids, int(steps)
 
 
 def stream(
@@ -222,28 +237,27 @@ def stream(
     after it, from ids read once (no host wait per token)."""
     check_loop(loop)
     cfg = model.config
-    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
+    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed)
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
     sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
     cache_args = (cfg, len(tokens), t, model.embed[...].dtype)  # KVCache.init's
-    key = jax.random.PRNGKey(seed)
+    key = _key(int(seed))
     if loop == "device":
         ids, _ = _device_loop(graphdef, state, sampling, cache_args, tokens, lengths, key, max_new_tokens, eos)
         yield from replay_steps(ids, eos)
         return
-    cache = KVCache.init(*cache_args[:3], dtype=cache_args[3])
-    prefill, decode = _programs(graphdef, *sampling)
-    token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+    prefill, decode = _programs(graphdef, *sampling, eos, _cache_spec(*cache_args))
+    token, done, cache = prefill(state, tokens, lengths, key)  # numpy in: jit's own transfer, no eager op
 
     def advance(step, token):
-        nonlocal cache
-        token, cache = decode(state, token, cache, key, step)
+        nonlocal cache, done
+        token, done, cache = decode(state, token, done, cache, key, step)
         return token
 
-    def feed_eos(token, done, eos_id):
-        return jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
+    def fed_in_the_program(token, done, eos_id):  # decode feeds a stopped row its EOS from its own `done`
+        return token
 
-    yield from decode_steps(token, len(tokens), max_new_tokens, eos, advance, np.asarray, feed_eos)
+    yield from decode_steps(token, len(tokens), max_new_tokens, eos, advance, np.asarray, fed_in_the_program)
 
 
 @takes_arguments_of(stream)

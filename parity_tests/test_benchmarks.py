@@ -209,6 +209,34 @@ def test_timeit_rejects_bad_counts():
         measure.timeit(lambda: None, iters=0)
 
 
+@pytest.mark.parametrize(
+    "make, waits",
+    [
+        (lambda jnp, torch: jnp.ones(3), {"jax"}),
+        (lambda jnp, torch: torch.ones(3), {"torch"}),
+        (lambda jnp, torch: {"loss": jnp.ones(()), "grads": [jnp.ones(2)]}, {"jax"}),
+        (lambda jnp, torch: (jnp.ones(2), torch.ones(2)), {"jax", "torch"}),
+        (lambda jnp, torch: None, {"torch"}),
+        (lambda jnp, torch: 1.5, {"torch"}),
+    ],
+    ids=["jax-array", "torch-tensor", "jax-pytree", "both", "none", "number"],
+)
+def test_sync_waits_with_the_framework_that_made_the_result(monkeypatch, make, waits):
+    """``measure.sync``: a jax result is waited for by jax alone (no ``torch.cuda.synchronize`` after it), a torch
+    one by torch, a result holding neither by torch (its queued work has no handle), a mix by both."""
+    import jax.numpy as jnp
+    import torch
+
+    import jaxattn.profiling
+    import torchref.profiling
+
+    seen = []
+    monkeypatch.setattr(jaxattn.profiling, "synchronize", lambda out=None: seen.append("jax"))
+    monkeypatch.setattr(torchref.profiling, "synchronize", lambda out=None: seen.append("torch"))
+    measure.sync(make(jnp, torch))
+    assert sorted(seen) == sorted(waits)
+
+
 def check_model_suite_output(out, presets=frozenset({"tiny", "moe-tiny"})) -> None:
     """What ``run --suite model --quick`` writes into ``out``: ok records of both twins, dense and MoE (``presets``:
     those the run was given), both passes, parity-gated, with their first call, and a report with the speed-up

@@ -187,6 +187,32 @@ def test_device_loop_yields_the_host_loops_steps(twins, monkeypatch, framework):
     assert host[2][1] == eos and host[3][1] is None  # the EOS case stopped a row mid-way
 
 
+def test_jax_decode_program_feeds_a_stopped_row_its_eos(twins):
+    """JAX's step programs keep ``done`` on the device: the prefill marks a row whose first token is an EOS; a
+    decode step feeds a stopped row ``eos[0]`` (the same token and cache as feeding it by hand, as the host loop
+    did) and marks the rows its token stops. Row 0 stops on ``eos[1]``, so a lost feed shows in its cache."""
+    _, jmodel = twins
+    tokens = np.asarray([[5, 9, 2, 0], [7, 3, 1, 4]], np.int32)
+    lengths = np.asarray([3, 4], np.int32)
+    graphdef, state = nnx.split(jmodel)
+    spec = jgen._cache_spec(jmodel.config, 2, 16, jnp.float32)
+    free_prefill, free_decode = jgen._programs(graphdef, 0.0, None, None, (), spec)
+    first, _, _ = free_prefill(state, tokens, lengths, jgen._key(0))
+    feed = min({250, 251, 252} - {int(first[0]), int(first[1])})  # eos[0]: no row's token
+    eos = (feed, int(first[0]))  # row 0 stops at once on eos[1] (so its fed eos[0] differs from it), row 1 does not
+    prefill, decode = jgen._programs(graphdef, 0.0, None, None, eos, spec)
+    token, done, cache = prefill(state, tokens, lengths, jgen._key(0))
+    assert np.asarray(done).tolist() == [True, False]
+    fed, fed_done, fed_cache = decode(state, token, done, cache, jgen._key(0), 1)
+    _, _, cache2 = prefill(state, tokens, lengths, jgen._key(0))
+    by_hand = jnp.asarray([feed, int(token[1])], jnp.int32)
+    want, want_done, want_cache = free_decode(state, by_hand, jnp.zeros(2, bool), cache2, jgen._key(0), 1)
+    np.testing.assert_array_equal(np.asarray(fed), np.asarray(want))
+    for a, b in zip(jax.tree.leaves(fed_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(fed_done).tolist() == [True, int(fed[1]) in eos] and not np.asarray(want_done).any()
+
+
 def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
     """Every row stops at step 2 of 40: JAX's while_loop runs 3 steps (the prefill's and 2 decode steps), torch's
     queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; JAX's loop on a GPU checks
@@ -226,6 +252,9 @@ def test_bad_inputs(twins, framework):
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
         (dict(eos_id=300), "eos_id"),
         (dict(loop="gpu"), r"loop must be one of \['host', 'device'\], got 'gpu'"),
+        (dict(seed=2**32 + 5), r"seed must be an int in \[0, 2\*\*32\), got 4294967301"),  # jax: seed 5's key
+        (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\), got -1"),
+        (dict(seed=1.5), "seed must be an int"),
     ]
     for kw, msg in cases:
         args = {"prompts": ok, "max_new_tokens": 16, **kw}
@@ -586,7 +615,7 @@ def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys, aot_eage
     from benchmarks.tools import generate_loop as tool
 
     base = {"jax:host:key-on-host", "jax:host", "jax:device", "torch:host", "torch:device"}
-    base |= {"jax:device:eos", "jax:device:eos:per-step"}
+    base |= {"jax:host:eos", "jax:host:eos:fed-on-host", "jax:device:eos", "jax:device:eos:per-step"}
     assert set(tool.calls("tiny", 8, 4)) == base
     res = tool.run("tiny", prompt_len=8, n=4, rounds=2, graphs=True)
     assert res["tokens_agree"] == {"jax": True, "torch": True, "jax_torch": True}
@@ -597,4 +626,4 @@ def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys, aot_eage
     assert [(p["slow"], p["fast"]) for p in res["pairs"]] == list(tool.PAIRS)
     assert all(p["ci"][0] <= p["ratio"] <= p["ci"][1] for p in res["pairs"])
     text = tool.table(res)
-    assert "jax:device vs jax:host:" in text and text.count("ms per token") == 9
+    assert "jax:device vs jax:host:" in text and text.count("ms per token") == 11

@@ -249,12 +249,12 @@ def test_quick_run_times_each_frameworks_floor_and_dispatch(quick_run):
 
 def test_quick_run_climbs_the_wait_ladder(quick_run):
     """The wait ladder: one matmul per size, each variant waiting its own way (jax's block, a spin on ``is_ready``,
-    the suites' two-framework sync, torch's), timed and traced (on the CPU no device kernel, so no timeline), and
-    one timeline-table line per size and variant."""
+    jax's then torch's as the suites waited until 2026-11-28, torch's), timed and traced (on the CPU no device
+    kernel, so no timeline), and one timeline-table line per size and variant."""
     tails = quick_run["tails"]
     assert [t["n"] for t in tails] == list(kp.tail_sizes(True)) and all(t["pass"] == "tail" for t in tails)
     for t in tails:
-        assert set(t["variants"]) == {"jax:dot", "jax:dot:spin", "jax:dot:suite", "torch:mm"}
+        assert set(t["variants"]) == {"jax:dot", "jax:dot:spin", "jax:dot:both", "torch:mm"}
         assert all(rec["median_s"] > 0 and rec["kernels"] == [] for rec in t["variants"].values()), t
     lines = [ln for ln in profile_tables.timeline_table(quick_run).splitlines() if "| tail n=" in ln]
     assert len(lines) == 4 * len(tails)
@@ -289,7 +289,7 @@ def test_ladder_variants_return_after_their_result_is_ready():
         vs = kp.tail_variants(32, quick=True)
     finally:
         jax.jit = real_jit
-    for name in ("jax:dot", "jax:dot:spin", "jax:dot:suite"):
+    for name in ("jax:dot", "jax:dot:spin", "jax:dot:both"):
         assert vs[name]["tail"]() is None
         a, out = seen[-1]
         assert out.is_ready(), name

@@ -144,8 +144,8 @@ def full_logits_greedy_jax(model, prompts, n: int) -> list[list[int]]:
     """Greedy tokens with the prefill as it was: logits for every prompt position ``[B, P, vocab]``, then each
     row's last real one; decode with ``generate``'s own step program."""
     tokens, lengths, t, _ = prepare(prompts, n, 0.0, None, None, None, None, model.config)
-    graphdef, state = nnx.split(model)
-    _, decode = jgen._programs(graphdef, 0.0, None, None)
+    graphdef, state, dtype = *nnx.split(model), model.embed[...].dtype
+    _, decode = jgen._programs(graphdef, 0.0, None, None, (), jgen._cache_spec(model.config, len(tokens), t, dtype))
 
     @jax.jit
     def prefill(state, tokens, lengths, cache):
@@ -153,11 +153,11 @@ def full_logits_greedy_jax(model, prompts, n: int) -> list[list[int]]:
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, vocab]
         return jnp.argmax(last, axis=-1).astype(jnp.int32), cache.with_lengths(lengths)
 
-    cache = JCache.init(model.config, len(tokens), t, dtype=model.embed[...].dtype)
+    cache = JCache.init(model.config, len(tokens), t, dtype=dtype)
     token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache)
-    out = [np.asarray(token)]
+    out, done = [np.asarray(token)], jnp.zeros(len(tokens), bool)
     for step in range(1, n):
-        token, cache = decode(state, token, cache, jax.random.PRNGKey(0), step)
+        token, done, cache = decode(state, token, done, cache, jax.random.PRNGKey(0), step)
         out.append(np.asarray(token))
     return np.stack(out, axis=1).tolist()
 
@@ -246,7 +246,7 @@ def test_jax_prefill_program_holds_no_full_logits():
     b, p, t = 2, 128, 256
     full_bytes = b * p * cfg.vocab_size * 4
     graphdef, state = nnx.split(model)
-    prefill, _ = jgen._programs(graphdef, 0.0, None, None)
+    prefill, _ = jgen._programs(graphdef, 0.0, None, None, (), jgen._cache_spec(model.config, b, t, jnp.float32))
 
     @jax.jit
     def old_prefill(state, tokens, lengths, cache, key):  # the prefill before logits_at
@@ -262,7 +262,7 @@ def test_jax_prefill_program_holds_no_full_logits():
         jax.random.PRNGKey(0),
     )
     shape = f"tensor<{b}x{p}x{cfg.vocab_size}xf32>"  # StableHLO's spelling of a [B, P, vocab] float32 array
-    new, old = prefill.lower(*args), old_prefill.lower(*args)
+    new, old = prefill.lower(*args[:3], args[4]), old_prefill.lower(*args)  # generate's makes its cache inside
     assert shape in old.as_text() and shape not in new.as_text()
     new_mem, old_mem = new.compile().memory_analysis(), old.compile().memory_analysis()
     assert old_mem.temp_size_in_bytes >= full_bytes, old_mem

@@ -185,7 +185,7 @@ def stream(
     check_loop(loop)
     check_compile_mode(compile, compile_mode)
     cfg = model.config
-    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg)
+    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed)
     device = model.model.embed_tokens.weight.device
     b = len(tokens)
     dtype = model.model.embed_tokens.weight.dtype

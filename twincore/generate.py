@@ -52,6 +52,16 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id=None, vocab
             )
 
 
+SEED_LIMIT = 2**32  # jax keeps a seed's low 32 bits without x64: 2**32 + 5 would draw as seed 5 does
+
+
+def check_seed(seed) -> None:
+    """``seed`` must be an int in ``[0, 2**32)``: jax's ``PRNGKey`` silently drops a larger seed's high bits (2**32
+    + 5 draws as 5) and maps a negative one onto a large one; torch's generator would take both."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+
+
 def eos_ids(eos_id, config) -> tuple[int, ...]:
     """The ids a row stops after: ``eos_id=FROM_CONFIG`` (the default of ``generate``) is the model config's
     ``eos_token_id`` (from ``config.json`` or the GGUF metadata; none for a preset), None is none."""
@@ -109,11 +119,12 @@ def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple
 
 
 def prepare(
-    prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config
+    prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
     """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
     Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots, the EOS ids (:func:`eos_ids`))``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
+    check_seed(seed)
     prompts = check_prompts(prompts, config.vocab_size)
     t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
     tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))

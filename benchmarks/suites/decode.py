@@ -201,18 +201,18 @@ def _jax_fns(jmodel, tokens, cache_len):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxattn.generate import _programs
-    from jaxattn.kv_cache import KVCache
+    from jaxattn.generate import _cache_spec, _programs
 
     graphdef, state = nnx.split(jmodel)
-    prefill, decode = _programs(graphdef, 0.0, None, None)
     b, s = tokens.shape
+    prefill, decode = _programs(
+        graphdef, 0.0, None, None, (), _cache_spec(jmodel.config, b, cache_len, jmodel.embed[...].dtype)
+    )
     tok, lengths, key = jnp.asarray(tokens, jnp.int32), jnp.full((b,), s, jnp.int32), jax.random.PRNGKey(0)
-    empty = KVCache.init(jmodel.config, b, cache_len, dtype=jmodel.embed[...].dtype)
     box = {}
 
-    def run_prefill():  # the first call compiles; every call leaves its (first token, filled cache) for decode
-        box["filled"] = out = prefill(state, tok, lengths, empty, key)
+    def run_prefill():  # the first call compiles; each leaves its (first token, done, filled cache) for decode
+        box["filled"] = out = prefill(state, tok, lengths, key)  # the empty cache is made inside the program
         return out
 
     def step():

@@ -7,8 +7,10 @@
 Random ``--preset`` weights (fp32, seed 0; the twins hold the same ones), B = 1, a prompt of ``--prompt`` random ids,
 ``--new`` greedy tokens, no EOS. Variants: ``jax:host:key-on-host`` (the host loop as it was: each step's key
 ``fold_in`` dispatched from Python), ``jax:host`` (``loop="host"``), ``jax:device`` (``loop="device"``),
-``torch:host``, ``torch:device``, ``jax:device:eos`` (``loop="device"`` with an EOS id the greedy tokens never
-reach, so the same steps in the stopping loop: on a GPU its stop is read once per ``CHECK_EVERY`` steps) and
+``torch:host``, ``torch:device``, ``jax:host:eos`` (``loop="host"`` with an EOS id the greedy tokens never reach,
+so the same steps in the stopping loop: a stopped row's EOS is fed inside the decode program) and
+``jax:host:eos:fed-on-host`` (the same loop with that feed an eager ``where`` per step, as before),
+``jax:device:eos`` (``loop="device"`` with that EOS: on a GPU its stop is read once per ``CHECK_EVERY`` steps) and
 ``jax:device:eos:per-step`` (the same loop with the stop read after every step, as before the chunks; on a CPU
 both are one program), and with ``--graphs`` (the default where CUDA is present) ``torch:host:graphs`` and
 ``torch:device:graphs``: the decode step under ``torch.compile(mode="reduce-overhead")``, one CUDA graph per step
@@ -35,6 +37,7 @@ PAIRS = (  # (slower, faster): the ratio printed is slower / faster per round, t
     ("jax:host", "jax:device"),
     ("torch:host", "torch:device"),
     ("torch:device", "jax:device"),
+    ("jax:host:eos:fed-on-host", "jax:host:eos"),
     ("jax:device:eos:per-step", "jax:device:eos"),
     ("torch:host:graphs", "torch:device:graphs"),  # with --graphs
     ("torch:device:graphs", "jax:device"),
@@ -48,22 +51,52 @@ def _key_on_host_loop(jmodel, prompt, n: int):
     from flax import nnx
 
     from jaxattn import generate as jgen
-    from jaxattn.kv_cache import KVCache
     from twincore.generate import prepare
 
     tokens, lengths, t, _ = prepare([prompt], n, 0.0, None, None, None, None, jmodel.config)
     graphdef, state = nnx.split(jmodel)
-    prefill, decode = jgen._programs(graphdef, 0.0, None, None)
+    spec = jgen._cache_spec(jmodel.config, 1, t, jmodel.embed[...].dtype)
+    prefill, decode = jgen._programs(graphdef, 0.0, None, None, (), spec)
     key = jax.random.PRNGKey(0)
 
     def run():
-        cache = KVCache.init(jmodel.config, 1, t, dtype=jmodel.embed[...].dtype)
-        token, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+        token, done, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(lengths), key)
         out = [int(np.asarray(token)[0])]
         for step in range(1, n):
-            token, cache = decode(state, token, cache, jax.random.fold_in(key, step), step)
+            token, done, cache = decode(state, token, done, cache, jax.random.fold_in(key, step), step)
             out.append(int(np.asarray(token)[0]))
         return [out]
+
+    return run
+
+
+def _eos_fed_on_host(jmodel, prompt, n: int, eos: int):
+    """JAX's host loop with an EOS as it was before the feed moved into the decode program: after each step, a
+    stopped row's next input chosen by an eager ``jnp.where`` on the host's ``done`` (two eager ops a token)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxattn import generate as jgen
+    from twincore.generate import collect, decode_steps, prepare
+
+    tokens, lengths, t, eos_ids = prepare([prompt], n, 0.0, None, None, eos, None, jmodel.config)
+    graphdef, state = nnx.split(jmodel)
+    spec = jgen._cache_spec(jmodel.config, 1, t, jmodel.embed[...].dtype)
+    prefill, decode = jgen._programs(graphdef, 0.0, None, None, (), spec)  # no EOS in the programs
+    key = jgen._key(0)
+
+    def run():
+        token, done, cache = prefill(state, tokens, lengths, key)
+        box = [done, cache]
+
+        def advance(step, token):
+            token, box[0], box[1] = decode(state, token, box[0], box[1], key, step)
+            return token
+
+        def feed_eos(token, done, eos_id):
+            return jnp.where(jnp.asarray(done), jnp.int32(eos_id), token)
+
+        return collect(decode_steps(token, 1, n, eos_ids, advance, np.asarray, feed_eos), 1)
 
     return run
 
@@ -103,6 +136,8 @@ def calls(preset: str, prompt_len: int, n: int, graphs: bool = False) -> dict:
             )
     free = jgen.generate(jmodel, [prompt], n, eos_id=None, loop="device")[0]
     eos = min(set(range(jmodel.config.vocab_size)) - set(free))  # never reached: every variant runs n steps
+    out["jax:host:eos"] = lambda: jgen.generate(jmodel, [prompt], n, eos_id=eos, loop="host")
+    out["jax:host:eos:fed-on-host"] = _eos_fed_on_host(jmodel, prompt, n, eos)
     out["jax:device:eos"] = lambda: jgen.generate(jmodel, [prompt], n, eos_id=eos, loop="device")
     out["jax:device:eos:per-step"] = _stop_read_every_step(jmodel, prompt, n, eos)
     for loop in ("host", "device") if graphs else ():

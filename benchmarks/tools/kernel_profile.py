@@ -358,8 +358,9 @@ def tail_variants(n: int, quick: bool) -> dict:
     * ``jax:dot`` — ``jax.block_until_ready`` alone;
     * ``jax:dot:spin`` — a Python loop on ``Array.is_ready()``, then the same (if the tail shrinks, the cost is in
       waking the blocked caller; if not, in learning of the kernel's end at all);
-    * ``jax:dot:suite`` — ``benchmarks.measure.sync``, the suites' wait: jax's, then ``torch.cuda.synchronize()``
-      (torch is loaded in every cross-framework run);
+    * ``jax:dot:both`` — jax's wait, then ``torch.cuda.synchronize()``: the suites' wait for a JAX result until
+      2026-11-28 (``benchmarks.measure.sync`` waited with every loaded framework; now with the result's own), so
+      the ladder measures what that cost every JAX row;
     * ``torch:mm`` — ``torch.cuda.synchronize()``."""
     import jax
     import torch
@@ -382,7 +383,7 @@ def tail_variants(n: int, quick: bool) -> dict:
     return {
         "jax:dot": {"tail": lambda: block(mm(a)), "framework": "jax"},
         "jax:dot:spin": {"tail": lambda: spin(mm(a)), "framework": "jax"},
-        "jax:dot:suite": {"tail": lambda: measure.sync(mm(a)), "framework": "jax"},
+        "jax:dot:both": {"tail": lambda: (block(mm(a)), torch_wait())[1], "framework": "jax"},
         "torch:mm": {"tail": lambda: (t @ t, torch_wait())[1], "framework": "torch"},
     }
 
