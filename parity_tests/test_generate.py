@@ -522,6 +522,8 @@ BAD_GENERATE = [
     ("top-p-1.5", lambda p, t: (["--top-p", "1.5"], ["--top-p: must be None or a float in (0, 1], got 1.5"])),
     ("top-p-0", lambda p, t: (["--top-p", "0"], ["--top-p: must be None or a float in (0, 1], got 0.0"])),
     ("seed-text", lambda p, t: (["--seed", "x"], ["argument --seed: invalid int value: 'x'"])),
+    ("seed-neg", lambda p, t: (["--seed", "-1"], ["--seed: must be an int in [0, 2**32), got -1"])),
+    ("seed-2**32", lambda p, t: (["--seed", str(2**32)], ["--seed: must be an int in [0, 2**32), got 4294967296"])),
     ("dtype-int4", lambda p, t: (["--dtype", "int4"], ["--dtype='int4' is not supported"])),
     ("preset-nope", lambda p, t: (["--preset", "nope"], ["argument --preset: invalid choice: 'nope'"])),
     ("init-missing", lambda p, t: (["--init", str(t / "none")], ["no such file or directory; expected a .gguf"])),

@@ -286,6 +286,7 @@ def check_cli_args(args: argparse.Namespace) -> None:
     """Every generate flag checked before a model is loaded; ValueError naming the flag."""
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        check_seed(args.seed)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise ValueError(f"--{name.replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
