@@ -111,6 +111,22 @@ def test_torch_decode_builds_its_mask_once_per_step(twins):
     torch.testing.assert_close(masked_attention(q, k, v, kvs[0].visible), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_torch_decode_steps_make_no_device_sync(twins, loop):
+    """torch's decode steps feed the model its own draws, so they skip the id range check, whose ``bool(any())`` is
+    a device sync (a CPU shows it as ``aten::is_nonzero``): in 20 steps the queued loop syncs only at its checks
+    every ``CHECK_EVERY`` steps (1), the host loop nowhere but its reads of the ids; the prefill checks its ids
+    (and its ``logits_at``: 2). Outside generate a bad id still raises."""
+    tmodel, _ = twins
+    prompts = _ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 3])
+    with torch.profiler.profile() as prof:
+        tgen.generate(tmodel, prompts, 21, eos_id=None, loop=loop)
+    syncs = sum(e.count for e in prof.key_averages() if e.key == "aten::is_nonzero")
+    assert syncs == 2 + (loop == "device"), f"{syncs} device syncs in a generate call of 20 decode steps"
+    with pytest.raises(ValueError, match=r"input_ids holds an id outside \[0, vocab_size=256\)"), torch.no_grad():
+        tmodel(torch.tensor([[1, tmodel.config.vocab_size]]))
+
+
 def test_greedy_tokens_identical_in_both_frameworks(twins):
     tmodel, jmodel = twins
     rng = np.random.default_rng(2)

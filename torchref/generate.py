@@ -51,7 +51,7 @@ from twincore.generate import (
 from . import hf
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, trusted_ids
 from .quant import quantize
 
 
@@ -200,8 +200,9 @@ def stream(
         token = _sample_finite(logits, gen, temperature, top_k, top_p)
         step_fn = compiled_step(cache, compile_mode) if compile else _decode_step
 
-        def advance(step, token):
-            return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
+        def advance(step, token):  # the model's own draws or a fed EOS: no id check, no device sync per step
+            with trusted_ids():
+                return _sample_finite(step_fn(model, token, cache), gen, temperature, top_k, top_p)
 
         if loop == "device":
             yield from replay_steps(_device_loop(advance, token, max_new_tokens, eos).cpu().numpy(), eos)

@@ -14,12 +14,16 @@ swap the MLP for ``torchref.moe.MoEBlock`` (HF's ``mlp.gate`` / ``mlp.experts``,
 the router's losses and loads (``torchref.moe.moe_losses``).
 
 Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
-skipped while ``torch.compile`` traces). ``remat`` (one of ``twincore.remat.REMAT_POLICIES``, set from
-outside by ``torchref.remat.apply``) is how each decoder layer runs in training: ``torchref.remat.run_layer``
-(per-layer ``torch.utils.checkpoint``, selective checkpointing or ``save_on_cpu``; the op lists are there).
+skipped while ``torch.compile`` traces and inside :func:`trusted_ids`, where the ids are the model's own draws).
+``remat`` (one of ``twincore.remat.REMAT_POLICIES``, set from outside by ``torchref.remat.apply``) is how each decoder
+layer runs in training: ``torchref.remat.run_layer`` (per-layer ``torch.utils.checkpoint``, selective checkpointing or
+``save_on_cpu``; the op lists are there).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -160,7 +164,7 @@ class LlamaModel(nn.Module):
     ):
         check_model_inputs(input_ids, positions, segment_ids, arg="input_ids")
         check_moe_args(self.config, input_ids.shape, cache, moe_stats, moe_mask, arg="input_ids")
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not getattr(_TRUSTED, "on", False):
             _check_ids(input_ids, self.config.vocab_size)
         remat = check_remat(self.remat, "LlamaModel.remat")
         if input_ids.dtype not in (torch.int32, torch.int64):
@@ -269,6 +273,22 @@ class LlamaForCausalLM(nn.Module):
 
 # The JAX twin's class name (``jaxattn.Llama``); both names work in both packages.
 Llama = LlamaForCausalLM
+
+
+_TRUSTED = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_ids():
+    """Inside, ``forward`` skips the token-id range check, a device sync (``bool(tensor.any())``) per call: for ids
+    in range by construction, e.g. ``generate``'s decode steps, fed the model's own draws (or an EOS), so torch's
+    queued loop does not wait for the device at every step. JAX's jitted step has no such check either."""
+    before = getattr(_TRUSTED, "on", False)
+    _TRUSTED.on = True
+    try:
+        yield
+    finally:
+        _TRUSTED.on = before
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:

@@ -236,6 +236,7 @@ def _torch_fns(tmodel, tokens, cache_len):
 
     from torchref.generate import _decode_step, _prefill, compiled_step
     from torchref.kv_cache import KVCache
+    from torchref.model import trusted_ids
 
     b, s = tokens.shape
     weight = tmodel.model.embed_tokens.weight
@@ -264,7 +265,8 @@ def _torch_fns(tmodel, tokens, cache_len):
                     prefill()
                 cache.lengths.fill_(s)
                 state["tok"] = box["first"]
-            state["tok"] = step_fn(tmodel, state["tok"], cache).argmax(-1)
+            with trusted_ids():  # as generate's steps: the model's own draws, no id check (a device sync)
+                state["tok"] = step_fn(tmodel, state["tok"], cache).argmax(-1)
             return state["tok"]
 
         return step
