@@ -85,10 +85,20 @@ def _sample_finite(logits: jax.Array, key, temperature: float, top_k, top_p) -> 
 
 
 def _programs(graphdef, temperature: float, top_k, top_p, eos: tuple, spec):
-    """(prefill, decode) jitted pure functions of the model state for one sampling setting, EOS ids and cache
-    shape, traced under the attention backends active NOW (``attention_backend(...)``: part of the cache key, so
-    entering another backend block gives other programs instead of reusing the first trace)."""
-    return _programs_for(graphdef, temperature, top_k, top_p, current_backends(), eos, spec)
+    """(prefill, decode) jitted pure functions of the model state for one sampling setting and cache shape, traced
+    under the attention backends active NOW (``attention_backend(...)``: part of the cache key, so entering another
+    backend block gives other programs instead of reusing the first trace). The ``eos`` ids are an argument of the
+    programs (bound here), not a constant in them: another EOS set of the same size reuses the compiled programs."""
+    prefill, decode = _programs_for(graphdef, temperature, top_k, top_p, current_backends(), bool(eos), spec)
+    stop = _stop_ids(eos)
+    return functools.partial(prefill, stop), functools.partial(decode, stop)
+
+
+@functools.lru_cache(maxsize=64)
+def _stop_ids(eos: tuple) -> jax.Array:
+    """The ids that stop a row, ``[*eos, NON_FINITE]`` int32 on the device, made once per EOS set (a transfer per
+    decode step otherwise); the step programs feed a stopped row the first."""
+    return jnp.asarray((*eos, NON_FINITE), jnp.int32)
 
 
 def _empty_cache(spec) -> KVCache:
@@ -97,23 +107,23 @@ def _empty_cache(spec) -> KVCache:
     return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
 
 
-def _steps(graphdef, temperature: float, top_k, top_p, eos: tuple, spec):
-    """The pure (prefill, decode) step functions both loops run. Each returns the drawn ``token [B]`` and ``done
-    [B]``, the rows that have stopped (an ``eos`` id, or a non-finite step the host will refuse); a stopped row is
-    fed ``eos[0]`` inside the next decode step (no eager ``where`` per step on the host)."""
-    stop_ids = np.asarray((*eos, NON_FINITE), np.int32)
-    feed = eos[0] if eos else 0  # a stopped row's next input; without an EOS only a non-finite row stops
+def _steps(graphdef, temperature: float, top_k, top_p, has_eos: bool, spec):
+    """The pure (prefill, decode) step functions both loops run; ``stop`` (their first argument) is
+    :func:`_stop_ids`. Each returns the drawn ``token [B]`` and ``done [B]``, the rows that have stopped (an EOS id,
+    or a non-finite step the host will refuse); a stopped row is fed ``stop[0]``, its first EOS, inside the next
+    decode step (no eager ``where`` per step on the host)."""
 
-    def prefill(state, tokens, lengths, key):  # only each row's last real position reaches the LM head
+    def prefill(stop, state, tokens, lengths, key):  # only each row's last real position reaches the LM head
         cache = _empty_cache(spec)
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
         token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
-        return token, jnp.isin(token, stop_ids), cache.with_lengths(lengths)
+        return token, jnp.isin(token, stop), cache.with_lengths(lengths)
 
-    def decode(state, token, done, cache, key, step):  # step t draws with fold_in(key, t), inside the program
+    def decode(stop, state, token, done, cache, key, step):  # step t draws with fold_in(key, t), in the program
+        feed = stop[0] if has_eos else 0  # without an EOS only a non-finite row stops, and the host refuses it
         logits, cache = nnx.merge(graphdef, state)(jnp.where(done, feed, token)[:, None], cache=cache)
         token = _sample_finite(logits[:, 0], jax.random.fold_in(key, step), temperature, top_k, top_p)
-        return token, done | jnp.isin(token, stop_ids), cache
+        return token, done | jnp.isin(token, stop), cache
 
     return prefill, decode
 
@@ -132,38 +142,39 @@ def _traced_under(fn, backends):
 
 
 @functools.lru_cache(maxsize=32)
-def _programs_for(graphdef, temperature: float, top_k, top_p, backends, eos: tuple, spec):
-    prefill, decode = _steps(graphdef, temperature, top_k, top_p, eos, spec)
-    return jax.jit(_traced_under(prefill, backends)), jax.jit(_traced_under(decode, backends), donate_argnums=(3,))
+def _programs_for(graphdef, temperature: float, top_k, top_p, backends, has_eos: bool, spec):
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p, has_eos, spec)
+    return jax.jit(_traced_under(prefill, backends)), jax.jit(_traced_under(decode, backends), donate_argnums=(4,))
 
 
 @functools.lru_cache(maxsize=32)
 def _loop_program_for(
-    graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, eos: tuple, spec, check_every: int
+    graphdef, temperature: float, top_k, top_p, backends, max_new_tokens: int, has_eos: bool, spec, check_every: int
 ):
-    """``loop="device"``: the prefill and every decode step as ONE jitted program: with ``eos`` a ``lax.while_loop``
+    """``loop="device"``: the prefill and every decode step as ONE jitted program: with an EOS a ``lax.while_loop``
     that ends when every row has stopped (an EOS, or a non-finite step the host will refuse) or after
     ``max_new_tokens``, checking every ``check_every`` steps (the steps between two checks are a ``fori_loop`` of
     fixed trip count, which XLA:GPU runs without reading a predicate back); without, ``max_new_tokens - 1`` decode
     steps (``fori_loop``). ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program
-    (:func:`_empty_cache`). Compiled once per ``max_new_tokens``, EOS ids, cache shape and ``check_every``. Returns
-    ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
-    prefill, decode = _steps(graphdef, temperature, top_k, top_p, eos, spec)
+    (:func:`_empty_cache`); ``run(stop, state, tokens, lengths, key)``, ``stop`` :func:`_stop_ids`. Compiled once
+    per ``max_new_tokens``, number of EOS ids, cache shape and ``check_every``. Returns ``(ids [max_new_tokens, B],
+    steps run)``; the host reads them once."""
+    prefill, decode = _steps(graphdef, temperature, top_k, top_p, has_eos, spec)
 
-    def advance(state, key, carry):
+    def advance(stop, state, key, carry):
         step, token, cache, done, ids = carry  # the loop's step t
-        token, done, cache = decode(state, token, done, cache, key, step)
+        token, done, cache = decode(stop, state, token, done, cache, key, step)
         return step + 1, token, cache, done, ids.at[step].set(token)
 
-    def run(state, tokens, lengths, key):
-        token, done, cache = prefill(state, tokens, lengths, key)
+    def run(stop, state, tokens, lengths, key):
+        token, done, cache = prefill(stop, state, tokens, lengths, key)
         ids = jnp.zeros((max_new_tokens, token.shape[0]), jnp.int32).at[0].set(token)  # [max_new_tokens, B]
         carry = (jnp.int32(1), token, cache, done, ids)
 
         def steps(k):  # k decode steps at a fixed trip count: no predicate read between them
-            return lambda carry: jax.lax.fori_loop(0, k, lambda _, c: advance(state, key, c), carry)
+            return lambda carry: jax.lax.fori_loop(0, k, lambda _, c: advance(stop, state, key, c), carry)
 
-        if not eos:  # only a non-finite row could stop, and the host refuses it afterwards
+        if not has_eos:  # only a non-finite row could stop, and the host refuses it afterwards
             carry = steps(max_new_tokens - 1)(carry)
         else:
             chunks, rest = divmod(max_new_tokens - 1, check_every)
@@ -215,8 +226,10 @@ def _device_loop(
     unless given (the loops tool times 1 on a GPU too)."""
     spec = _cache_spec(*cache_args)
     every = _check_every() if check_every is None else check_every
-    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, eos, spec, every)
-    ids, steps = jax.device_get(run(state, tokens, lengths, key))  # numpy in, both results out in one fetch
+    run = _loop_program_for(graphdef, *sampling, current_backends(), max_new_tokens, bool(eos), spec, every)
+    ids, steps = jax.device_get(
+        run(_stop_ids(eos), state, tokens, lengths, key)
+    )  # numpy in, both results out in one fetch
     return ids, int(steps)
 
 

@@ -746,6 +746,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "JAX's decode step feeds a stopped row its own last token, not the EOS the host loop fed it",
     ),
     m(
+        "generate-eos-compiled-in-jax",
+        "model",
+        "jaxattn/generate.py",
+        "current_backends(), bool(eos), spec)",
+        "current_backends(), eos, spec)",
+        "parity_tests/test_generate.py -k another_eos",
+        "JAX's step programs are cached per EOS set again: another set of stop ids compiles them anew",
+    ),
+    m(
         "generate-id-check-per-step-torch",
         "model",
         "torchref/generate.py",

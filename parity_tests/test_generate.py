@@ -229,6 +229,41 @@ def test_jax_decode_program_feeds_a_stopped_row_its_eos(twins):
     assert np.asarray(fed_done).tolist() == [True, int(fed[1]) in eos] and not np.asarray(want_done).any()
 
 
+def _compiles(fn) -> int:
+    """How many programs XLA compiled while ``fn()`` ran (jax's backend-compile event, counted)."""
+    seen = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen)
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_another_eos_set_reuses_the_jax_programs(twins, loop):
+    """The EOS ids are an argument of JAX's step programs, not constants in them: generating with another EOS set
+    of the same size (per-request stop ids) compiles nothing, and stops where that set says."""
+    _, jmodel = twins
+    prompts = _ragged(np.random.default_rng(12), jmodel.config.vocab_size, [4, 3])
+    free = jgen.generate(jmodel, prompts, 6, loop=loop)
+    fresh = [x for x in range(jmodel.config.vocab_size) if x not in free[0] + free[1]]
+    first, second = [[free[0][k], fresh[k]] for k in (1, 3)]  # two ids each: one program shape serves both sets
+    want = [
+        [row[: next((k + 1 for k, x in enumerate(row) if x in eos), len(row))] for row in free]
+        for eos in (first, second)
+    ]
+    assert jgen.generate(jmodel, prompts, 6, eos_id=first, loop=loop) == want[0]
+    got = []
+    assert _compiles(lambda: got.append(jgen.generate(jmodel, prompts, 6, eos_id=second, loop=loop))) == 0
+    assert got[0] == want[1] != want[0], (free, first, second)
+
+
 def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
     """Every row stops at step 2 of 40: JAX's while_loop runs 3 steps (the prefill's and 2 decode steps), torch's
     queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; JAX's loop on a GPU checks

@@ -876,9 +876,10 @@ def test_device_loop_reads_its_stop_once_per_chunk_on_a_gpu():
     devs = _devices()
     state = jax.tree.map(lambda x: gpu_target.place(_sds(x.shape, x.dtype), devs), state)
     spec = jgen._cache_spec(cfg, 1, 64, jnp.float32)
-    run = jgen._loop_program_for(graphdef, 0.0, None, None, None, 32, (2,), spec, CHECK_EVERY)
-    ids, lengths, key = _sds((1, 16), jnp.int32), _sds((1,), jnp.int32), _sds((2,), jnp.uint32)
-    _, compiled = gpu_target.compile(run, state, *(gpu_target.place(x, devs) for x in (ids, lengths, key)))
+    run = jgen._loop_program_for(graphdef, 0.0, None, None, None, 32, True, spec, CHECK_EVERY)
+    stop, ids, lengths = _sds((2,), jnp.int32), _sds((1, 16), jnp.int32), _sds((1,), jnp.int32)
+    stop, ids, lengths, key = (gpu_target.place(x, devs) for x in (stop, ids, lengths, _sds((2,), jnp.uint32)))
+    _, compiled = gpu_target.compile(run, stop, state, ids, lengths, key)
     text = compiled.as_text()
     trips = [re.search(r'known_trip_count":\{"n":"(\d+)"', w) for w in re.findall(r"^.* while\(.*$", text, re.M)]
     assert sum(t is None for t in trips) == 1, trips

@@ -246,7 +246,8 @@ def test_jax_prefill_program_holds_no_full_logits():
     b, p, t = 2, 128, 256
     full_bytes = b * p * cfg.vocab_size * 4
     graphdef, state = nnx.split(model)
-    prefill, _ = jgen._programs(graphdef, 0.0, None, None, (), jgen._cache_spec(model.config, b, t, jnp.float32))
+    spec = jgen._cache_spec(model.config, b, t, jnp.float32)
+    prefill, _ = jgen._programs_for(graphdef, 0.0, None, None, None, False, spec)  # jitted, its stop ids unbound
 
     @jax.jit
     def old_prefill(state, tokens, lengths, cache, key):  # the prefill before logits_at
@@ -262,7 +263,8 @@ def test_jax_prefill_program_holds_no_full_logits():
         jax.random.PRNGKey(0),
     )
     shape = f"tensor<{b}x{p}x{cfg.vocab_size}xf32>"  # StableHLO's spelling of a [B, P, vocab] float32 array
-    new, old = prefill.lower(*args[:3], args[4]), old_prefill.lower(*args)  # generate's makes its cache inside
+    new = prefill.lower(jgen._stop_ids(()), *args[:3], args[4])  # generate's makes its cache inside
+    old = old_prefill.lower(*args)
     assert shape in old.as_text() and shape not in new.as_text()
     new_mem, old_mem = new.compile().memory_analysis(), old.compile().memory_analysis()
     assert old_mem.temp_size_in_bytes >= full_bytes, old_mem

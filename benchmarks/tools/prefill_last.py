@@ -29,15 +29,15 @@ def _jax(cfg, tokens, lengths, t):
     model = Llama(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     spec = jgen._cache_spec(cfg, len(tokens), t, jnp.float32)
-    new, _ = jgen._programs(graphdef, 0.0, None, None, (), spec)
+    new, _ = jgen._programs_for(graphdef, 0.0, None, None, None, False, spec)  # jitted, its stop ids unbound
 
     @jax.jit
-    def old(state, tokens, lengths, key):  # generate's prefill before logits_at (its empty cache made inside too)
+    def old(stop, state, tokens, lengths, key):  # generate's prefill before logits_at (its empty cache made inside too)
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=jgen._empty_cache(spec))  # [B, P, vocab]
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, vocab]
         return jgen.sample(last, key, 0.0, None, None), cache.with_lengths(lengths)
 
-    args = (state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(0))
+    args = (jgen._stop_ids(()), state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(0))
     temp = {}
     for name, fn in (("old", old), ("new", new)):
         temp[name] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
