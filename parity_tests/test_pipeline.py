@@ -149,15 +149,15 @@ def test_bubble_fraction_is_gpipes_and_shrinks_with_virtual_stages():
 @pytest.mark.slow
 @pytest.mark.slow_feature
 def test_torch_pipeline_four_stages_on_four_ranks_equal_one_process(tmp_path):
-    """torchrun 4 ranks, one layer per stage: GPipe and 1F1B (and GPipe with a loss mask) — every stage's
-    parameters after 3 SGD steps and the last stage's losses equal one process's within 1e-5."""
+    """torchrun 4 ranks, one layer per stage: GPipe and 1F1B (and GPipe with a loss mask, 1F1B on packed rows) —
+    every stage's parameters after 3 SGD steps and the last stage's losses equal one process's within 1e-5."""
     import json
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
     torchrun(os.path.join(here, "pipeline_child.py"), "gpipe,1f1b", str(tmp_path / "out"), nproc=4)
     ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
-    for schedule in ("gpipe", "1f1b", "gpipe-masked"):
+    for schedule in ("gpipe", "1f1b", "gpipe-masked", "1f1b-packed"):
         assert [rank[schedule]["stages"] for rank in ranks] == [[0], [1], [2], [3]]
         assert max(rank[schedule]["param_diff"] for rank in ranks) <= 1e-5, schedule
         last = ranks[3][schedule]
@@ -182,14 +182,18 @@ def test_torch_pipeline_schedules_equal_one_process_and_the_jax_pipeline(tmp_pat
     out, init = tmp_path / "out", tmp_path / "init"
     torchrun(os.path.join(here, "pipeline_child.py"), "gpipe,1f1b,interleaved", str(out), str(init))
     ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
-    for schedule in ("gpipe", "1f1b", "interleaved", "gpipe-masked"):  # masked: a loss_mask drops some targets
+    # masked: a loss_mask drops some targets; packed: two documents a row (segment ids, positions)
+    for schedule in ("gpipe", "1f1b", "interleaved", "gpipe-masked", "1f1b-packed"):
         first, last = ranks[0][schedule], ranks[1][schedule]
         assert first["stages"] == ([0, 2] if schedule == "interleaved" else [0]), first
-        assert last["ref_losses"] != ranks[1]["gpipe"]["ref_losses"] or schedule != "gpipe-masked"
+        assert last["ref_losses"] != ranks[1]["gpipe"]["ref_losses"] or "-" not in schedule
         assert first["param_diff"] <= 1e-5 and last["param_diff"] <= 1e-5, (schedule, first, last)
         np.testing.assert_allclose(last["losses"], last["ref_losses"], rtol=0, atol=1e-5)
     for r in ranks:
-        assert r["packed"].startswith("batch: Pipeline.step takes 'tokens' and 'loss_mask', not ['segment_ids']")
+        assert (
+            r["labels"]
+            == "batch: Pipeline.step takes ['tokens', 'loss_mask', 'segment_ids', 'positions'], not ['labels']"
+        )
     torch_losses = ranks[1]["gpipe"]["losses"]
 
     jmodel = from_pretrained(init)
@@ -369,15 +373,29 @@ def _pp_argv(tmp_path):
     return argv, ["--microbatches", "4"]
 
 
+def _packed(argv, micro, tmp_path):
+    """``_pp_argv``'s flags with ``--packing pack`` over short documents (a file each, 5-13 bytes), so every packed
+    row of 17 tokens holds two or more."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = open("README.md", encoding="utf-8").read()
+    for i in range(64):
+        (docs / f"{i:02d}.txt").write_text(text[i * 40 : i * 40 + 5 + i % 9], encoding="utf-8")
+    argv = list(argv)
+    argv[argv.index("bucket")], argv[argv.index("benchmarks/data/train-example.txt")] = "pack", str(docs)
+    return argv, micro
+
+
 def test_cli_parallel_pp_trains_like_one_process_and_the_jax_pipeline(tmp_path):
-    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp`` (1F1B, 4 micro-batches) logs the one-process
-    losses within 1e-5; ``python -m jaxattn.train --mesh stage=2,fsdp=2,tensor=2`` from the same ``--init`` logs the
-    same losses at the training tolerance (1e-4)."""
+    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp --packing pack`` (1F1B, 4 micro-batches; packed
+    rows, so every stage masks attention by segment and restarts RoPE at each document) logs the one-process losses
+    within 1e-5; ``python -m jaxattn.train --mesh stage=2,fsdp=2,tensor=2`` from the same ``--init`` logs the same
+    losses at the training tolerance (1e-4)."""
     from jaxattn import train as jt
     from parity_tests.twins import jsonl_losses
     from torchref import train as tt
 
-    argv, micro = _pp_argv(tmp_path)
+    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path)
     one = tt.run(argv + ["--steps", "4"])["losses"]
     log = tmp_path / "1f1b.jsonl"
     torchrun("-m", "torchref.train", "--parallel", "pp", "--steps", "4", "--log-json", str(log), *argv, *micro)
@@ -413,9 +431,9 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.slow_feature
 def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
-    """torchrun 4 ranks: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each FSDP2-sharded over 2 ranks that
-    take half the rows each, the gathered weights kept for the step) and ``--parallel pp+tp`` (2 stages, each
-    tensor-parallel over 2 ranks) log the one-process losses and held-out loss within 1e-5; the ``pp+fsdp``
+    """torchrun 4 ranks, packed rows: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each FSDP2-sharded over 2
+    ranks that take half the rows each, the gathered weights kept for the step) and ``--parallel pp+tp`` (2 stages,
+    each tensor-parallel over 2 ranks) log the one-process losses and held-out loss within 1e-5; the ``pp+fsdp``
     checkpoint (the stages' shards gathered whole by name) resumes in one process with the uninterrupted losses,
     and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
     import json
@@ -424,7 +442,7 @@ def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_pa
     from parity_tests.twins import jsonl_losses
     from torchref import train as tt
 
-    argv, micro = _pp_argv(tmp_path)
+    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path)
     argv += ["--eval-data", "README.md"]
     one = tt.run(argv + ["--steps", "4"])
     held_out = tt.run(argv + ["--steps", "2"])["evals"][-1]  # the held-out loss after step 2
@@ -509,7 +527,6 @@ def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_proc
             "--microbatches 1: --pp-schedule interleaved needs at least as many micro-batches as pipeline stages",
         ),
         (["--parallel", "pp", "--packing", "bucket", "--pp-virtual", "3"], "--pp-virtual: virtual=3: virtual stag"),
-        (["--parallel", "pp", "--packing", "pack"], "--packing pack does not run with --parallel pp"),
         (
             ["--parallel", "pp", "--packing", "bucket", "--loss", "fused"],
             "--loss fused does not run with --parallel pp",
@@ -528,6 +545,30 @@ def test_torch_cli_refuses_bad_pipeline_flags_naming_them(argv, message, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the flags are refused before any rank meets
     with pytest.raises(CLIError, match=message):
         tt.Trainer.from_argv(["--batch-size", "8", "--seq-len", "16", "--steps", "1", "--no-progress", *argv])
+
+
+def test_a_whole_model_stage_on_packed_rows_is_the_model():
+    """``StageModule(model, 0, 1)`` (the embedding, every layer, the head) on packed rows gives the model's logits:
+    a stage masks attention by the schedule's ``segment_ids`` and takes RoPE at its ``positions``, and the packed
+    rows' logits differ from the same tokens read as one document each."""
+    import torch
+
+    from torchref.config import ModelConfig as TConfig
+    from torchref.model import LlamaForCausalLM
+    from torchref.pipeline import StageModule
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TConfig.preset("tiny"))
+    lens = [[5, 7, 4], [9, 7]]  # documents per row, 16 tokens each
+    seg = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lens])
+    pos = torch.tensor([[t for n in row for t in range(n)] for row in lens])
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = model(tokens, positions=pos, segment_ids=seg)
+        got = StageModule(model, 0, 1)(tokens, segment_ids=seg, positions=pos)
+        one_document = StageModule(model, 0, 1)(tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert (one_document - want).abs().amax() > 1e-2
 
 
 def test_torch_pipeline_stages_go_round_robin_over_the_ranks():

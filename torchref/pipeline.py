@@ -30,12 +30,16 @@ from .remat import run_layer
 
 __all__ = ["SCHEDULES", "StageModule", "Pipeline", "check_pipeline", "make_pipeline_step", "rank_stages"]
 
+PIPELINE_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")  # the batch keys Pipeline.step takes
+
 
 class StageModule(nn.Module):
     """Stage ``index`` of ``n_stages`` of ``model``: its share of the decoder layers (the model's own modules, so
     the stage trains the model's parameters), with the embedding on stage 0 and the final norm + LM head on the
-    last. Input: token ids ``[b, S]`` (stage 0) or hidden states ``[b, S, dim]``; output: hidden states, or float32
-    logits ``[b, S, vocab]`` on the last stage. Positions are ``0..S-1`` (RoPE recomputed per stage)."""
+    last. Input: token ids ``[b, S]`` (stage 0) or hidden states ``[b, S, dim]``, and for packed rows
+    ``segment_ids`` / ``positions [b, S]`` (every stage gets them from the schedule's kwargs: RoPE is recomputed and
+    attention masked per stage; positions default to ``0..S-1``); output: hidden states, or float32 logits
+    ``[b, S, vocab]`` on the last stage."""
 
     def __init__(self, model: LlamaForCausalLM, index: int, n_stages: int):
         super().__init__()
@@ -54,14 +58,15 @@ class StageModule(nn.Module):
         self.register_buffer("inv_freq", model.model.inv_freq.clone(), persistent=False)
         self.remat = check_remat(model.remat, "model.remat")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids=None, positions=None) -> torch.Tensor:
         b, s = x.shape[:2]
-        positions = torch.arange(s, device=x.device).expand(b, s)
+        if positions is None:
+            positions = torch.arange(s, device=x.device).expand(b, s)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [b, 1, S, head_dim]
         if self.first:
             x = self.embed_tokens(x)  # [b, S, dim]
         for layer in self.layers:
-            x = run_layer(layer, self.remat, x, cos, sin, None)
+            x = run_layer(layer, self.remat, x, cos, sin, segment_ids)
         if self.last:
             return self.lm_head(self.norm(x)).float()  # [b, S, vocab]
         return x
@@ -143,35 +148,35 @@ class Pipeline:
         return nll / self._denominator * self.loss_scale
 
     def step(self, batch: dict, denominator: float | None = None) -> float | None:
-        """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?}``; a target whose ``loss_mask`` is 0 adds nothing and
-        the mean is over the counted targets (the train step's rule). Packed rows (``segment_ids`` / ``positions``)
-        are refused: the stages recompute positions ``0..S-1`` and pass only hidden states on."""
-        extra = sorted(k for k in batch if k not in ("tokens", "loss_mask") and batch[k] is not None)
+        """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?, "segment_ids"?, "positions"?}``; the targets are the
+        train step's (``torchref.train_step.loss_weights``: a target whose ``loss_mask`` is 0, or the first token of
+        a packed document, adds nothing) and the mean is over the counted ones. Packed rows' ``segment_ids`` and
+        ``positions`` go to every stage as the schedule's kwargs, split into the micro-batches with the tokens."""
+        from .train_step import loss_weights
+
+        extra = sorted(k for k in batch if k not in PIPELINE_KEYS and batch[k] is not None)
         if extra:
-            raise ValueError(
-                f"batch: Pipeline.step takes 'tokens' and 'loss_mask', not {extra} (packed rows do not cross the "
-                f"stages yet; train them without --packing)"
-            )
+            raise ValueError(f"batch: Pipeline.step takes {list(PIPELINE_KEYS)}, not {extra}")
         tokens = batch["tokens"]
         check_pipeline(1, 1, tokens.shape[0], self.microbatches)
         # contiguous: torch 2.11's stages check each micro-batch's strides against the first one's ([B, S+1] sliced
         # to [B, S] has stride S+1: "stride mismatch: expected (16, 1) actual (17, 1)")
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].long()  # cross_entropy takes int64 targets
-        mask = batch.get("loss_mask")
-        if mask is not None:  # an ignored target: cross_entropy's ignore_index
-            targets = torch.where(mask[:, 1:].bool(), targets, torch.full_like(targets, -100))
+        # an ignored target (masked, or a document's first token): cross_entropy's ignore_index
+        targets = torch.where(loss_weights(batch) > 0, targets, torch.full_like(targets, -100))
+        packed = {k: batch[k][:, :-1].contiguous() for k in ("segment_ids", "positions") if batch.get(k) is not None}
         # pp+fsdp: each rank's loss is over the whole batch's count / dp, and FSDP averages the gradients over dp
         count = float((targets != -100).sum()) if denominator is None else denominator
         self._denominator = max(count, 1.0)
         losses: list = []
         if self.first and self.last:  # interleaved on one rank: both ends here
-            self.schedule.step(inputs, target=targets, losses=losses)
+            self.schedule.step(inputs, target=targets, losses=losses, **packed)
         elif self.first:
-            self.schedule.step(inputs)
+            self.schedule.step(inputs, **packed)
         elif self.last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=targets, losses=losses, **packed)
         else:
-            self.schedule.step()
+            self.schedule.step(**packed)
         return float(sum(loss.item() for loss in losses)) if self.last else None
 
     def parameters(self):

@@ -201,11 +201,10 @@ class Trainer(BaseTrainer):
         return loss_denominator(host).to(self.device) / parallel.dp_size(self.parallel, self.mesh)
 
     def rows(self, host: dict) -> dict:
-        """This rank's rows of a host batch (all of them without --parallel, with tp, and with pp: there only the
-        tokens and the loss mask, one document per row, so causal attention never reaches the padding at the end and
-        the stages' own positions 0..S-1 are the rows' positions)."""
-        if self.parallel in PP_MODES:  # pp+fsdp: the rows of this rank's block
-            return self.pipe.rows({"tokens": host["tokens"], "loss_mask": host["loss_mask"]})
+        """This rank's rows of a host batch (all of them without --parallel, with tp, and with pp; pp+fsdp: the
+        rows of this rank's block)."""
+        if self.parallel in PP_MODES:
+            return self.pipe.rows(host)
         return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
 
     def _resume(self) -> None:

@@ -395,9 +395,8 @@ def _check_moe_pipeline(args: argparse.Namespace, framework: str, config: ModelC
 
 
 def _check_pipeline_flags(args: argparse.Namespace) -> None:
-    """torch's pipeline modes: what the library's schedule serves (the loss inside it: no fused head, no packed
-    rows, no compile), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation
-    block."""
+    """torch's pipeline modes: what the library's schedule serves (the loss inside it: no fused head, no compile),
+    ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation block."""
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
@@ -423,11 +422,6 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
     args.pp_stages = stages
     refused = (
         ("--loss fused", args.loss == "fused", "the last stage computes the dense loss; use --loss dense"),
-        (
-            "--packing pack",
-            args.packing == "pack",
-            "packed rows (segment ids) do not cross the stages yet; use --packing bucket (one document per row)",
-        ),
         ("--compile", args.compile, "torch.compile of pipeline stages is not wired"),
         ("--offload-optimizer", args.offload_optimizer, "it is FSDP2's (--parallel fsdp)"),
     )
