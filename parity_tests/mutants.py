@@ -764,6 +764,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the last torch pipeline stage gets no segment ids: its layers read a packed row as one document",
     ),
     m(
+        "pipeline-fused-unweighted-torch",
+        "pipeline",
+        "torchref/pipeline.py",
+        "weights=loss_weights(batch))",
+        "weights=torch.ones_like(targets, dtype=torch.float32))",
+        "parity_tests/test_pipeline.py -k cli_parallel_pp_trains",
+        "the last torch stage's fused loss counts every target, each packed document's first one too",
+    ),
+    m(
         "generate-eos-compiled-in-jax",
         "model",
         "jaxattn/generate.py",

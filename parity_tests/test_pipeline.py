@@ -373,9 +373,9 @@ def _pp_argv(tmp_path):
     return argv, ["--microbatches", "4"]
 
 
-def _packed(argv, micro, tmp_path):
+def _packed(argv, micro, tmp_path, loss: str):
     """``_pp_argv``'s flags with ``--packing pack`` over short documents (a file each, 5-13 bytes), so every packed
-    row of 17 tokens holds two or more."""
+    row of 17 tokens holds two or more, and ``--loss loss``."""
     docs = tmp_path / "docs"
     docs.mkdir()
     text = open("README.md", encoding="utf-8").read()
@@ -383,19 +383,20 @@ def _packed(argv, micro, tmp_path):
         (docs / f"{i:02d}.txt").write_text(text[i * 40 : i * 40 + 5 + i % 9], encoding="utf-8")
     argv = list(argv)
     argv[argv.index("bucket")], argv[argv.index("benchmarks/data/train-example.txt")] = "pack", str(docs)
+    argv[argv.index("dense")] = loss
     return argv, micro
 
 
 def test_cli_parallel_pp_trains_like_one_process_and_the_jax_pipeline(tmp_path):
-    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp --packing pack`` (1F1B, 4 micro-batches; packed
-    rows, so every stage masks attention by segment and restarts RoPE at each document) logs the one-process losses
-    within 1e-5; ``python -m jaxattn.train --mesh stage=2,fsdp=2,tensor=2`` from the same ``--init`` logs the same
-    losses at the training tolerance (1e-4)."""
+    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp --packing pack --loss fused`` (1F1B, 4
+    micro-batches; packed rows, so every stage masks attention by segment; the last stage's fused head + loss drops
+    each document's first target) logs the one-process losses within 1e-5; ``python -m jaxattn.train --mesh
+    stage=2,fsdp=2,tensor=2`` from the same ``--init`` logs the same losses at the training tolerance (1e-4)."""
     from jaxattn import train as jt
     from parity_tests.twins import jsonl_losses
     from torchref import train as tt
 
-    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path)
+    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path, "fused")
     one = tt.run(argv + ["--steps", "4"])["losses"]
     log = tmp_path / "1f1b.jsonl"
     torchrun("-m", "torchref.train", "--parallel", "pp", "--steps", "4", "--log-json", str(log), *argv, *micro)
@@ -431,18 +432,18 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.slow_feature
 def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
-    """torchrun 4 ranks, packed rows: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each FSDP2-sharded over 2
-    ranks that take half the rows each, the gathered weights kept for the step) and ``--parallel pp+tp`` (2 stages,
-    each tensor-parallel over 2 ranks) log the one-process losses and held-out loss within 1e-5; the ``pp+fsdp``
-    checkpoint (the stages' shards gathered whole by name) resumes in one process with the uninterrupted losses,
-    and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
+    """torchrun 4 ranks, packed rows, ``--loss auto``: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each
+    FSDP2-sharded over 2 ranks that take half the rows each, the gathered weights kept for the step; the fused loss)
+    and ``--parallel pp+tp`` (2 stages, each tensor-parallel over 2 ranks; the dense loss) log the one-process losses
+    and held-out loss within 1e-5; the ``pp+fsdp`` checkpoint (the stages' shards gathered whole by name) resumes in
+    one process with the uninterrupted losses, and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
     import json
     import shutil
 
     from parity_tests.twins import jsonl_losses
     from torchref import train as tt
 
-    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path)
+    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path, "auto")  # fused in one process and pp+fsdp, pp+tp dense
     argv += ["--eval-data", "README.md"]
     one = tt.run(argv + ["--steps", "4"])
     held_out = tt.run(argv + ["--steps", "2"])["evals"][-1]  # the held-out loss after step 2
@@ -528,8 +529,8 @@ def test_cli_pipeline_with_fp16_loss_scaling_and_grad_accum_trains_like_one_proc
         ),
         (["--parallel", "pp", "--packing", "bucket", "--pp-virtual", "3"], "--pp-virtual: virtual=3: virtual stag"),
         (
-            ["--parallel", "pp", "--packing", "bucket", "--loss", "fused"],
-            "--loss fused does not run with --parallel pp",
+            ["--parallel", "pp+tp", "--packing", "bucket", "--loss", "fused"],
+            r"--loss fused does not run with --parallel pp\+tp: the last stage's LM head is split over the vocabulary",
         ),
         (
             ["--parallel", "pp", "--packing", "bucket", "--grad-accum", "2", "--microbatches", "8"],

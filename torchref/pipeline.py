@@ -21,10 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from twincore.loss import DEFAULT_CHUNK, check_loss
 from twincore.pipeline import SCHEDULES, check_pipeline, virtual_stages
 from twincore.remat import check_remat
 
 from . import parallel
+from .fused_ce import fused_cross_entropy
 from .model import LlamaForCausalLM, rope_cos_sin
 from .remat import run_layer
 
@@ -39,7 +41,9 @@ class StageModule(nn.Module):
     last. Input: token ids ``[b, S]`` (stage 0) or hidden states ``[b, S, dim]``, and for packed rows
     ``segment_ids`` / ``positions [b, S]`` (every stage gets them from the schedule's kwargs: RoPE is recomputed and
     attention masked per stage; positions default to ``0..S-1``); output: hidden states, or float32 logits
-    ``[b, S, vocab]`` on the last stage."""
+    ``[b, S, vocab]`` on the last stage. With ``fused`` set (``(chunk, dtype)``, :class:`Pipeline`'s ``loss="fused"``)
+    the last stage returns the summed token losses of its micro-batch instead (``torchref.fused_ce``: the head and the
+    cross-entropy in chunks, never the logits), from the ``targets`` / ``weights [b, S]`` kwargs."""
 
     def __init__(self, model: LlamaForCausalLM, index: int, n_stages: int):
         super().__init__()
@@ -57,8 +61,9 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if self.last else None
         self.register_buffer("inv_freq", model.model.inv_freq.clone(), persistent=False)
         self.remat = check_remat(model.remat, "model.remat")
+        self.fused: tuple[int, torch.dtype] | None = None
 
-    def forward(self, x: torch.Tensor, segment_ids=None, positions=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids=None, positions=None, targets=None, weights=None) -> torch.Tensor:
         b, s = x.shape[:2]
         if positions is None:
             positions = torch.arange(s, device=x.device).expand(b, s)
@@ -67,6 +72,13 @@ class StageModule(nn.Module):
             x = self.embed_tokens(x)  # [b, S, dim]
         for layer in self.layers:
             x = run_layer(layer, self.remat, x, cos, sin, segment_ids)
+        if self.last and self.fused is not None:  # as the train step's fused loss: outside autocast, in `dtype`
+            chunk, dtype = self.fused
+            hidden = self.norm(x).flatten(0, 1)  # [b * S, dim]
+            with torch.autocast(x.device.type, enabled=False):
+                return fused_cross_entropy(
+                    hidden, self.lm_head.weight, targets.flatten(), weights.flatten(), 1.0, chunk=chunk, dtype=dtype
+                ).reshape(1)  # the micro-batch's summed token losses, [1]: the library concatenates outputs
         if self.last:
             return self.lm_head(self.norm(x)).float()  # [b, S, vocab]
         return x
@@ -81,7 +93,9 @@ class Pipeline:
     that dimension — or ``"tp"``, applied to the stage modules before the library wraps them, torchtitan's order);
     None: every rank is one pipeline rank. ``gather_once`` (fsdp): FSDP2 keeps each layer's gathered weights from
     its forward to the step's end (``reshard_after_forward=False``, torchtitan's setting under pipelining) instead
-    of regathering them for every micro-batch."""
+    of regathering them for every micro-batch. ``loss``: ``"dense"`` (the last stage's logits, then the
+    cross-entropy) or ``"fused"`` (``torchref.fused_ce`` in the last stage, chunks of ``loss_chunk`` tokens, the head
+    in ``loss_dtype``; not with ``shard="tp"``, whose head is split over the vocabulary)."""
 
     def __init__(
         self,
@@ -94,8 +108,18 @@ class Pipeline:
         mesh=None,
         shard: str | None = None,
         gather_once: bool = False,
+        loss: str = "dense",
+        loss_chunk: int = DEFAULT_CHUNK,
+        loss_dtype: torch.dtype | None = None,
     ):
         from torch.distributed import pipelining as pp
+
+        check_loss(loss, loss_chunk)
+        if loss == "fused" and shard == "tp":
+            raise ValueError(
+                "loss='fused' with shard='tp': the last stage's LM head is split over the vocabulary, and the fused "
+                "loss is not the vocabulary-parallel cross-entropy; use loss='dense'"
+            )
 
         if model.config.is_moe:
             raise NotImplementedError(
@@ -116,6 +140,9 @@ class Pipeline:
         self.indices = rank_stages(rank, world, per_rank)
         self.n_stages, self.pp_size, self.mesh, self.shard = n_stages, world, mesh, shard
         self.modules = [StageModule(model, i, n_stages) for i in self.indices]
+        self.fused = loss == "fused"
+        for m in self.modules if self.fused else ():
+            m.fused = (loss_chunk, loss_dtype)
         for m in self.modules if shard is not None else ():
             _shard_stage(m, shard, mesh[mesh.mesh_dim_names[1]], gather_once)
         stages = [pp.PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(self.modules, self.indices)]
@@ -142,8 +169,13 @@ class Pipeline:
         rank = self.mesh["dp_shard"].get_local_rank()
         return parallel.row_block(batch, self.dp, rank, f"the {self.dp} FSDP ranks of each stage")
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
+    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss from the last stage's ``out``: its logits (dense), or its summed token losses
+        (fused), over the whole batch's target count."""
+        if self.fused:
+            nll = out.sum()
+        else:
+            nll = F.cross_entropy(out.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
         # the whole batch's token count: micro-batch losses add up to its mean (times the loss scale under fp16)
         return nll / self._denominator * self.loss_scale
 
@@ -165,6 +197,8 @@ class Pipeline:
         # an ignored target (masked, or a document's first token): cross_entropy's ignore_index
         targets = torch.where(loss_weights(batch) > 0, targets, torch.full_like(targets, -100))
         packed = {k: batch[k][:, :-1].contiguous() for k in ("segment_ids", "positions") if batch.get(k) is not None}
+        if self.fused:  # the last stage computes the loss: its targets and their weights, split with the tokens
+            packed.update(targets=tokens[:, 1:].contiguous(), weights=loss_weights(batch))
         # pp+fsdp: each rank's loss is over the whole batch's count / dp, and FSDP averages the gradients over dp
         count = float((targets != -100).sum()) if denominator is None else denominator
         self._denominator = max(count, 1.0)

@@ -175,6 +175,9 @@ class Trainer(BaseTrainer):
                     mesh=mesh,
                     shard=shard,
                     gather_once=self.args.pp_gather_once,
+                    loss=self.args.loss,
+                    loss_chunk=self.args.loss_chunk,
+                    loss_dtype=get_policy(self.args.precision).compute_dtype,
                 )
             except ValueError as e:
                 raise CLIError(f"--parallel {mode} --pp-schedule {self.args.pp_schedule}: {e}") from None

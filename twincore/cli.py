@@ -136,7 +136,7 @@ FLAGS: tuple[Flag, ...] = (
         "--loss",
         "dense: the LM head's full [tokens, vocab] logits, then the loss; fused: head + loss in chunks of "
         "--loss-chunk tokens, never the full logits (less memory, the head matmul recomputed in the backward); "
-        "auto: fused, except torch's tensor-parallel modes (tp, fsdp+tp), which use dense",
+        "auto: fused, except torch's tensor-parallel modes (tp, fsdp+tp, pp+tp), which use dense",
         str,
         "auto",
         ("auto", *LOSSES),
@@ -395,8 +395,8 @@ def _check_moe_pipeline(args: argparse.Namespace, framework: str, config: ModelC
 
 
 def _check_pipeline_flags(args: argparse.Namespace) -> None:
-    """torch's pipeline modes: what the library's schedule serves (the loss inside it: no fused head, no compile),
-    ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation block."""
+    """torch's pipeline modes: what the library's schedule serves (no fused loss with a tensor-parallel head, no
+    compile), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation block."""
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
@@ -421,7 +421,12 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
         )
     args.pp_stages = stages
     refused = (
-        ("--loss fused", args.loss == "fused", "the last stage computes the dense loss; use --loss dense"),
+        (
+            "--loss fused",
+            args.loss == "fused" and args.parallel == "pp+tp",
+            "the last stage's LM head is split over the vocabulary, and the fused loss is not the "
+            "vocabulary-parallel cross-entropy; use --loss dense",
+        ),
         ("--compile", args.compile, "torch.compile of pipeline stages is not wired"),
         ("--offload-optimizer", args.offload_optimizer, "it is FSDP2's (--parallel fsdp)"),
     )
@@ -605,7 +610,7 @@ def check_args(args: argparse.Namespace, framework: str, attention_backends: Seq
     if framework == "jax":
         _check_jax(args)
     if args.loss == "auto":  # the default, chosen by the measurements in benchmarks/NOTES.md (fused loss)
-        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", *PP_MODES)
+        tp_head = framework == "torch" and args.parallel in ("tp", "fsdp+tp", "pp+tp")
         args.loss = "dense" if tp_head else "fused"
     if framework == "torch":
         _check_torch(args)
