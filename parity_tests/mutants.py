@@ -773,6 +773,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the last torch stage's fused loss counts every target, each packed document's first one too",
     ),
     m(
+        "pipeline-compile-ignored-torch",
+        "pipeline",
+        "torchref/pipeline.py",
+        "for m in self.modules if compile else ():",
+        "for m in ():",
+        "parity_tests/test_pipeline.py -k compiled_stages",
+        "torch's Pipeline(compile=True) runs its stages eagerly",
+    ),
+    m(
         "generate-eos-compiled-in-jax",
         "model",
         "jaxattn/generate.py",

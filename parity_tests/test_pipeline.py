@@ -405,6 +405,28 @@ def test_cli_parallel_pp_trains_like_one_process_and_the_jax_pipeline(tmp_path):
     np.testing.assert_allclose(jax_losses, one, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # two ranks compile their stage with inductor; CI runs it (slow_feature)
+@pytest.mark.slow_feature
+def test_cli_parallel_pp_compiled_stages_train_like_one_process(tmp_path, monkeypatch):
+    """``torchrun --nproc-per-node 2 -m torchref.train --parallel pp --compile`` (inductor on each stage, packed rows,
+    the fused loss) logs the one-process losses, eager and compiled, within 1e-5; the ranks' inductor wrote its
+    compiled code (a cache directory of the run's own)."""
+    from parity_tests.twins import jsonl_losses
+    from torchref import train as tt
+
+    argv, micro = _packed(*_pp_argv(tmp_path), tmp_path, "fused")
+    one = tt.run(argv + ["--steps", "3"])["losses"]
+    compiled = tt.run(argv + ["--steps", "3", "--compile"])["losses"]
+    log, cache = tmp_path / "compiled.jsonl", tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' own: empty unless they compile
+    torchrun(
+        "-m", "torchref.train", "--parallel", "pp", "--compile", "--steps", "3", "--log-json", str(log), *argv, *micro
+    )
+    np.testing.assert_allclose(jsonl_losses(log), one, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(jsonl_losses(log), compiled, rtol=0, atol=1e-5)
+    assert any(f.is_file() for f in cache.rglob("*")), "the pipeline ranks compiled nothing"
+
+
 @pytest.mark.slow
 @pytest.mark.slow_feature
 def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
@@ -646,5 +668,37 @@ def test_torch_pipeline_loss_is_the_token_weighted_mean_over_micro_batches(one_r
     want.backward()
     loss = Pipeline(model, schedule, 4).step(batch)
     assert loss == pytest.approx(float(want), rel=1e-6, abs=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)
+
+
+def test_torch_pipeline_compiled_stages_on_packed_rows_with_the_fused_loss(one_rank_group, monkeypatch):
+    """One rank, GPipe over 2 micro-batches, ``compile=True`` (``aot_eager`` standing in for inductor), packed rows
+    (segment ids, positions) and the fused loss: every stage module goes through ``torch.compile``, and the loss and
+    gradients are the one-process fused loss's on the same rows."""
+    import torch
+
+    from torchref.model import LlamaForCausalLM
+    from torchref.pipeline import Pipeline
+    from torchref.train_step import loss_fn as torch_loss_fn
+
+    compiled, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real(fn, backend="aot_eager"))
+    cfg = ModelConfig.preset("tiny", n_layers=2, tie_embeddings=False)
+    torch.manual_seed(0)
+    model, ref = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    cut = torch.tensor([[3], [6], [9], [4]])  # each row: two documents, the second from `cut`
+    t = torch.arange(13)[None]
+    batch = {
+        "tokens": torch.randint(0, cfg.vocab_size, (4, 13)),
+        "segment_ids": (t >= cut).long() + 1,
+        "positions": torch.where(t >= cut, t - cut, t),
+    }
+    want = torch_loss_fn(ref, batch, loss="fused", loss_chunk=16)
+    want.backward()
+    pipe = Pipeline(model, "gpipe", 2, loss="fused", loss_chunk=16, compile=True)
+    assert len(compiled) == len(pipe.modules) == 1
+    assert pipe.step(batch) == pytest.approx(float(want), rel=1e-6, abs=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)

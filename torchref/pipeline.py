@@ -95,7 +95,9 @@ class Pipeline:
     its forward to the step's end (``reshard_after_forward=False``, torchtitan's setting under pipelining) instead
     of regathering them for every micro-batch. ``loss``: ``"dense"`` (the last stage's logits, then the
     cross-entropy) or ``"fused"`` (``torchref.fused_ce`` in the last stage, chunks of ``loss_chunk`` tokens, the head
-    in ``loss_dtype``; not with ``shard="tp"``, whose head is split over the vocabulary)."""
+    in ``loss_dtype``; not with ``shard="tp"``, whose head is split over the vocabulary). ``compile``: each stage
+    module ``torch.compile``d in place (after its sharding, as the trainer compiles a whole FSDP2 model), so the
+    library's schedule runs compiled forwards and backwards."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class Pipeline:
         loss: str = "dense",
         loss_chunk: int = DEFAULT_CHUNK,
         loss_dtype: torch.dtype | None = None,
+        compile: bool = False,
     ):
         from torch.distributed import pipelining as pp
 
@@ -145,6 +148,8 @@ class Pipeline:
             m.fused = (loss_chunk, loss_dtype)
         for m in self.modules if shard is not None else ():
             _shard_stage(m, shard, mesh[mesh.mesh_dim_names[1]], gather_once)
+        for m in self.modules if compile else ():
+            m.compile()
         stages = [pp.PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(self.modules, self.indices)]
         self.first = 0 in self.indices
         self.last = n_stages - 1 in self.indices

@@ -178,6 +178,7 @@ class Trainer(BaseTrainer):
                     loss=self.args.loss,
                     loss_chunk=self.args.loss_chunk,
                     loss_dtype=get_policy(self.args.precision).compute_dtype,
+                    compile=self.args.compile,
                 )
             except ValueError as e:
                 raise CLIError(f"--parallel {mode} --pp-schedule {self.args.pp_schedule}: {e}") from None

@@ -396,7 +396,8 @@ def _check_moe_pipeline(args: argparse.Namespace, framework: str, config: ModelC
 
 def _check_pipeline_flags(args: argparse.Namespace) -> None:
     """torch's pipeline modes: what the library's schedule serves (no fused loss with a tensor-parallel head, no
-    compile), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's accumulation block."""
+    offloaded optimizer), ``--pp-stages`` against the ranks and ``--microbatches`` dividing each rank's
+    accumulation block."""
     m = args.microbatches
     if m < 1:
         raise _err("--microbatches", m, "expected an int >= 1")
@@ -427,7 +428,6 @@ def _check_pipeline_flags(args: argparse.Namespace) -> None:
             "the last stage's LM head is split over the vocabulary, and the fused loss is not the "
             "vocabulary-parallel cross-entropy; use --loss dense",
         ),
-        ("--compile", args.compile, "torch.compile of pipeline stages is not wired"),
         ("--offload-optimizer", args.offload_optimizer, "it is FSDP2's (--parallel fsdp)"),
     )
     for flag, bad, why in refused:
