@@ -454,11 +454,12 @@ def test_cli_parallel_pp_gpipe_checkpoint_resumes_in_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.slow_feature
 def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_path):
-    """torchrun 4 ranks, packed rows, ``--loss auto``: ``--parallel pp+fsdp --pp-gather-once`` (2 stages, each
-    FSDP2-sharded over 2 ranks that take half the rows each, the gathered weights kept for the step; the fused loss)
-    and ``--parallel pp+tp`` (2 stages, each tensor-parallel over 2 ranks; the dense loss) log the one-process losses
-    and held-out loss within 1e-5; the ``pp+fsdp`` checkpoint (the stages' shards gathered whole by name) resumes in
-    one process with the uninterrupted losses, and a ``pp`` checkpoint under ``--parallel fsdp`` on 2 ranks."""
+    """torchrun 4 ranks, packed rows, ``--loss auto``, ``--compile`` (inductor): ``--parallel pp+fsdp
+    --pp-gather-once`` (2 stages, each FSDP2-sharded over 2 ranks that take half the rows each, the gathered weights
+    kept for the step; the fused loss) and ``--parallel pp+tp`` (2 stages, each tensor-parallel over 2 ranks; the dense
+    loss) log the eager one-process losses and held-out loss within 1e-5; the ``pp+fsdp`` checkpoint (the stages'
+    shards gathered whole by name) resumes in one process with the uninterrupted losses, and a ``pp`` checkpoint
+    under ``--parallel fsdp`` on 2 ranks."""
     import json
     import shutil
 
@@ -469,7 +470,7 @@ def test_cli_pipeline_stages_sharded_by_fsdp_or_tp_train_like_one_process(tmp_pa
     argv += ["--eval-data", "README.md"]
     one = tt.run(argv + ["--steps", "4"])
     held_out = tt.run(argv + ["--steps", "2"])["evals"][-1]  # the held-out loss after step 2
-    for mode, extra in (("pp+fsdp", ["--pp-gather-once"]), ("pp+tp", [])):
+    for mode, extra in (("pp+fsdp", ["--pp-gather-once", "--compile"]), ("pp+tp", ["--compile"])):
         log, ck = tmp_path / f"{mode}.jsonl", tmp_path / mode
         torchrun(
             "-m", "torchref.train", "--parallel", mode, "--steps", "2", "--log-json", str(log), "--checkpoint-dir",
