@@ -199,11 +199,11 @@ class Pipeline:
         # contiguous: torch 2.11's stages check each micro-batch's strides against the first one's ([B, S+1] sliced
         # to [B, S] has stride S+1: "stride mismatch: expected (16, 1) actual (17, 1)")
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].long()  # cross_entropy takes int64 targets
-        # an ignored target (masked, or a document's first token): cross_entropy's ignore_index
-        targets = torch.where(loss_weights(batch) > 0, targets, torch.full_like(targets, -100))
+        weights = loss_weights(batch)  # [B, S]: an ignored target (masked, or a document's first token) weighs 0
         packed = {k: batch[k][:, :-1].contiguous() for k in ("segment_ids", "positions") if batch.get(k) is not None}
         if self.fused:  # the last stage computes the loss: its targets and their weights, split with the tokens
-            packed.update(targets=tokens[:, 1:].contiguous(), weights=loss_weights(batch))
+            packed.update(targets=targets.contiguous(), weights=weights)
+        targets = torch.where(weights > 0, targets, torch.full_like(targets, -100))  # cross_entropy's ignore_index
         # pp+fsdp: each rank's loss is over the whole batch's count / dp, and FSDP averages the gradients over dp
         count = float((targets != -100).sum()) if denominator is None else denominator
         self._denominator = max(count, 1.0)
