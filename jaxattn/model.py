@@ -90,22 +90,19 @@ def per_shard(fn, args: tuple, in_axes: tuple, out_axes: tuple):
 
 
 # Layer-stack seam: ``None`` (``lax.scan`` over the stacked layers) unless ``jaxattn.pipeline.pipelining(mesh, m)``
-# sets a ``(layer, x, stacked, side) -> x`` that runs the stack as pipeline stages; ``side`` holds the per-row inputs
-# every layer reads (RoPE tables, segment ids), so a pipeline can split them into micro-batches with their rows.
+# sets a ``(layer, x, stacked, side, stats=False) -> x`` that runs the stack as pipeline stages; ``side`` holds the
+# per-row inputs every layer reads (RoPE tables, segment ids), so a pipeline can split them into micro-batches with
+# their rows; with ``stats`` it returns ``(x, stats [microbatches, n_layers, ...])``, each micro-batch's own.
 LAYER_STACK: contextvars.ContextVar = contextvars.ContextVar("jaxattn_layer_stack", default=None)
 
 
 def run_layers(layer, x: jax.Array, stacked: dict, side, stats: bool = False):
     """``layer(h, p, side)`` applied over the stacked layers (leaves ``[n_layers, ...]``), in order. ``stats``: the
-    layer returns ``(h, per-layer stats)`` (an MoE's router sums) and this returns ``(h, stats stacked)``."""
+    layer returns ``(h, per-layer stats)`` (an MoE's router sums) and this returns ``(h, stats stacked)`` (under a
+    pipeline, with a leading micro-batch axis)."""
     hook = LAYER_STACK.get()
     if hook is not None:
-        if stats:
-            raise NotImplementedError(
-                "Mixture-of-Experts layers inside pipeline stages are not supported yet (the stage loop carries "
-                "hidden states only, not the router statistics); use a mesh without a stage axis"
-            )
-        return hook(layer, x, stacked, side)
+        return hook(layer, x, stacked, side, stats=True) if stats else hook(layer, x, stacked, side)
     if stats:
         return jax.lax.scan(lambda h, p: layer(h, p, side), x, stacked)
     return jax.lax.scan(lambda h, p: (layer(h, p, side), None), x, stacked)[0]

@@ -244,7 +244,12 @@ def moe_block(
 def moe_losses(stats: dict, cfg) -> dict:
     """Per-layer ``stats`` stacked on a leading layer axis -> ``aux_loss`` (transformers' load-balancing loss, NOT
     multiplied by ``router_aux_loss_coef``), ``z_loss`` (likewise unweighted), ``tokens_per_expert [L, E]`` and
-    ``dropped_fraction`` (of the top-k assignments, 0 when dropless)."""
+    ``dropped_fraction`` (of the top-k assignments, 0 when dropless). Stats with a micro-batch axis before the
+    layer axis (``[m, L, ...]``, a pipeline's): each micro-batch's losses, as one process's accumulation blocks have
+    them, averaged (``tokens_per_expert`` then ``[m, L, E]``)."""
+    if stats["tokens"].ndim == 2:  # [m, L]
+        each = jax.vmap(lambda st: moe_losses(st, cfg))(stats)
+        return {k: v if k == "tokens_per_expert" else jnp.mean(v) for k, v in each.items()}
     n = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)  # real tokens x layers
     f = jnp.sum(stats["counts"], axis=0) / n  # [E]
     share = jnp.sum(stats["probs"], axis=0) / n  # [E]

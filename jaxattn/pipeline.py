@@ -17,7 +17,8 @@ reduce-scatters the last stage's outputs back to each stage's rows (a batch that
 enters whole and leaves summed). ``jax.grad`` transposes the forward
 loop into the backward one (``ppermute`` reversed), so the activations of all ``m`` micro-batches stay live per
 stage until the backward — 1F1B's memory gain needs the loss inside the loop; remat (``Llama.remat``) bounds them
-instead. Idle fraction ``(p - 1) / (v m + p - 1)`` (:func:`bubble_fraction`).
+instead. Idle fraction ``(p - 1) / (v m + p - 1)`` (:func:`bubble_fraction`). An MoE's router sums leave the loop
+per (micro-batch, layer), so each micro-batch's router terms are its own, as under gradient accumulation.
 
 The circular chunks are strided over the stored layers (chunk ``c = r p + s`` on stage ``s``), the parameters are
 stored in layer order (contiguous blocks per stage), so ``virtual > 1`` regathers each stage's layers inside the
@@ -56,11 +57,15 @@ def pipelined(
     virtual: int = 1,
     axis: str = STAGE_AXIS,
     gather_once: bool = False,
+    stats: bool = False,
 ):
     """``layer`` (``(h, params_of_one_layer, side) -> h``) applied over the stacked layers ``stacked`` (leaves
     ``[n_layers, ...]``), pipelined over ``mesh``'s ``axis`` with ``virtual`` chunks per stage (1: GPipe, > 1:
     circular): equal to ``lax.scan`` over all layers. ``x`` ``[B, ...]``; ``side``: a pytree of per-row inputs
     ``[B, ...]`` (RoPE tables, segment ids; None leaves kept) that follow their rows into the micro-batches.
+    ``stats``: ``layer`` returns ``(h, per-layer stats)`` (an MoE's router sums over its micro-batch) and this
+    returns ``(h, stats)`` with leaves ``[microbatches, n_layers, ...]``: each micro-batch's own, as one process's
+    accumulation blocks have them (``jaxattn.moe.moe_losses`` averages their router terms).
     ``gather_once``: each stage's weights gathered whole over the mesh's other axes (tensor parallel kept) once per
     step, before the loop, instead of once per trip inside it (MaxText's ``pipeline_fsdp_ag_once``; torch's twin is
     FSDP2's ``reshard_after_forward=False``): FSDP traffic for memory."""
@@ -89,38 +94,53 @@ def pipelined(
         chunks = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), stacked)  # [v, k, ...]
         xm, sm = split(x), jax.tree.map(split, side)
 
-        def run(h, r, sd):  # round r's chunk of this stage
+        def run(h, r, sd):  # round r's chunk of this stage -> (h, its layers' stats [k, ...] or None)
             ws = jax.tree.map(lambda a: a[r], chunks)
-            return jax.lax.scan(lambda h, w: (layer(h, w, sd), None), h, ws)[0]
+            return jax.lax.scan(lambda h, w: layer(h, w, sd) if stats else (layer(h, w, sd), None), h, ws)
 
         def step(carry, t):
-            h, park, out = carry
+            h, park, out, st_out = carry
             if v > 1:  # stage 0 parks item t - p (back from the last stage) until its micro-batch's next round
                 back = t - p
                 keep = (s == 0) & (back >= 0) & (back < (v - 1) * m)
                 park = park.at[back % m].set(jnp.where(keep, h, park[back % m]))
             h = jnp.where(s == 0, park[t % m], h)  # stage 0 takes item t: a fresh micro-batch in round 0
             i = jnp.clip(t - s, 0, v * m - 1)  # this stage's item
-            y = run(h, i // m, jax.tree.map(lambda a: a[i % m], sm))
+            y, st = run(h, i // m, jax.tree.map(lambda a: a[i % m], sm))
             done = (s == p - 1) & (t - s >= (v - 1) * m)  # the last stage finished micro-batch i mod m
             j = i % m
             out = out.at[j].set(jnp.where(done, y, out[j]))
+            real = (t - s >= 0) & (t - s < v * m)  # not a bubble step: item i's stats are its micro-batch's
+            st_out = jax.tree.map(lambda b, a: b.at[j, i // m].set(jnp.where(real, a, b[j, i // m])), st_out, st)
             h = jax.lax.ppermute(y, axis, [(a, (a + 1) % p) for a in range(p)])
-            return (h, park, out), None
+            return (h, park, out, st_out), None
 
-        init = (jnp.zeros_like(xm[0]), xm, jnp.zeros_like(xm))  # park starts as the micro-batches (round 0)
-        (_, _, out), _ = jax.lax.scan(step, init, jnp.arange(v * m + p - 1))
+        shapes = jax.eval_shape(run, xm[0], 0, jax.tree.map(lambda a: a[0], sm))[1]  # [k, ...] per layer stat
+        st_out = jax.tree.map(lambda a: jnp.zeros((m, v, *a.shape), a.dtype), shapes)  # [m, v, k, ...]
+        init = (jnp.zeros_like(xm[0]), xm, jnp.zeros_like(xm), st_out)  # park starts as the micro-batches
+        (_, _, out, st_out), _ = jax.lax.scan(step, init, jnp.arange(v * m + p - 1))
         out = jnp.where(s == p - 1, out, jnp.zeros((), out.dtype)).swapaxes(0, 1).reshape(x.shape)  # [B, ...]
         if rows:  # each stage its rows of the last stage's outputs; the backward gathers their cotangents
-            return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(out, axis)
+            out = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+        else:
+            out = jax.lax.psum(out, axis)
+        return out, jax.tree.map(lambda a: a[:, :, None], st_out)  # [m, v, 1 (this stage), k, ...]
 
     # check_vma=False: a Pallas kernel inside (flash attention) has no varying-axis rule, and the attention's own
     # per-device-block shard_map nested in this one (jaxattn.sharding) then differentiates too
     spec = P(axis) if rows else P()
-    return jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(spec, P(axis), spec), out_specs=spec, axis_names={axis}, check_vma=False
+    h, st = jax.shard_map(
+        per_stage,
+        mesh=mesh,
+        in_specs=(spec, P(axis), spec),
+        out_specs=(spec, P(None, None, axis)),
+        axis_names={axis},
+        check_vma=False,
     )(x, stacked, side)
+    if not stats:
+        return h
+    # [m, v, p, k, ...] -> [m, n_layers, ...]: round r of stage s ran chunk r p + s, layers [(r p + s) k, ... + k)
+    return h, jax.tree.map(lambda a: a.reshape(m, n_layers, *a.shape[4:]), st)
 
 
 def _gathered(w, name: str, mesh: Mesh, axis: str):
@@ -145,10 +165,10 @@ def pipelining(
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no {axis!r} axis (axes: {tuple(mesh.shape)}); pipelining needs one")
 
-    def run(layer, x, stacked, side):
+    def run(layer, x, stacked, side, stats=False):
         return pipelined(
             layer, x, stacked, side, mesh=mesh, microbatches=microbatches, virtual=virtual, axis=axis,
-            gather_once=gather_once,
+            gather_once=gather_once, stats=stats,
         )  # fmt: skip
 
     token = model.LAYER_STACK.set(run)

@@ -376,11 +376,11 @@ def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):
     """``jaxattn.moe.moe_block`` on each device's rows under ``shard_map``: tokens are routed where they live (no
     global sort), the experts split over the ``expert`` axis (their weights gathered over ``fsdp`` / ``tensor``)
     with the assignments exchanged by all-to-all when it is > 1; the router statistics are summed over devices
-    after the map (so they equal one device's)."""
-    if _context_mesh(mesh)[1]:
-        raise NotImplementedError("Mixture-of-Experts layers inside pipeline stages are not supported yet")
+    after the map (so they equal one device's). Inside a pipeline's stage loop (``stage`` held by hand) the map is
+    over the other axes, on the micro-batch's rows (split over ``data`` / ``fsdp`` where they divide it)."""
     n = _axis_size(mesh, "expert")
-    rows = P(batch_axes(mesh))
+    axes = tuple(a for a in batch_axes(mesh) if a not in _context_mesh(mesh)[1])
+    rows = P(axes) if x.shape[0] % _axis_size(mesh, axes) == 0 else P()
     # the block's weights (the parameter table's router and expert rows): experts split over `expert`, router whole;
     # an int8 weight is a pytree (q, scale): one spec per leaf
     moe_rows = [r for r in params.layer_rows(cfg) if r.expert or r.kind == "router"]

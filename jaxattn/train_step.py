@@ -226,13 +226,13 @@ def moe_metrics(moe: Mapping[str, jax.Array], cfg) -> Metrics:
     """The train step's router metrics from ``jaxattn.moe.moe_losses``: ``aux_loss`` and ``z_loss`` (unweighted),
     ``expert_load_min`` / ``expert_load_max`` (the least and most loaded expert of any layer, as a multiple of a
     perfectly balanced share: 1.0 = balanced) and ``dropped_fraction`` (capacity-factor drops)."""
-    load = moe["tokens_per_expert"].astype(jnp.float32)  # [L, E]
+    load = moe["tokens_per_expert"].astype(jnp.float32)  # [L, E]; a pipeline's [m, L, E]: the mean over its m
     balanced = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0) / cfg.n_experts
     return {
         "aux_loss": moe["aux_loss"],
         "z_loss": moe["z_loss"],
-        "expert_load_min": jnp.min(load / balanced),
-        "expert_load_max": jnp.max(load / balanced),
+        "expert_load_min": jnp.mean(jnp.min(load / balanced, axis=(-2, -1))),
+        "expert_load_max": jnp.mean(jnp.max(load / balanced, axis=(-2, -1))),
         "dropped_fraction": moe["dropped_fraction"],
     }
 

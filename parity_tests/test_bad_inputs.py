@@ -256,26 +256,24 @@ def _small_vocab_text_data(flag):
 
 
 # --------------------------------------------------------------------------------------------- bad inputs
-def _moe_in_pipeline_stages(pkg, tmp_path):
-    """An MoE preset with pipeline stages: refused with the flags (exit 2), not at the first step."""
-    flags = ["--preset", "moe-tiny", "--microbatches", "2", "--batch-size", "8"]
-    if pkg == "jax":
-        thunk = _train_main(pkg, [*flags, "--mesh", "stage=2,data=4"])
-        return thunk, ["--mesh 'stage=2,data=4': a stage axis", "Mixture-of-Experts (MoE)", "without stage"]
+def _moe_in_tp_pipeline_stages(pkg, tmp_path):
+    """An MoE preset in torch's tensor-parallel pipeline stages (no TP plan for stacked experts): refused with the
+    flags (exit 2), not at the first step."""
     import socket
     from unittest import mock
 
+    flags = ["--preset", "moe-tiny", "--microbatches", "2", "--batch-size", "8"]
     with socket.socket() as s:  # a port nobody listens on: a late refusal would wait for rank 1, then time out
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    thunk = _train_main(pkg, [*flags, "--parallel", "pp", "--packing", "bucket", "--distributed-timeout", "5"])
+    env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    thunk = _train_main(pkg, [*flags, "--parallel", "pp+tp", "--packing", "bucket", "--distributed-timeout", "5"])
 
     def run():
         with mock.patch.dict(os.environ, env):
             thunk()
 
-    return run, ["--parallel pp: pipeline stages", "Mixture-of-Experts (MoE)", "--parallel ddp / fsdp or ep"]
+    return run, ["--parallel pp+tp: torchref has no tensor-parallel plan", "(MoE)", "--parallel pp or pp+fsdp"]
 
 
 @dataclass(frozen=True)
@@ -564,7 +562,7 @@ BAD = [
             ["--checkpoint-dir", "cannot be created", "is not a directory"],
         ),
     ),
-    Bad("m-moe-in-pipeline-stages", BOTH, SystemExit, _moe_in_pipeline_stages),
+    Bad("m-moe-in-tp-pipeline-stages", ("torch",), SystemExit, _moe_in_tp_pipeline_stages),
     Bad("m-config-json-vocab-under-bytes-data", BOTH, SystemExit, _small_vocab_text_data("--data")),
     Bad("m-config-json-vocab-under-bytes-eval-data", BOTH, SystemExit, _small_vocab_text_data("--eval-data")),
     # (n) training data: no trainable target in either packing mode; uint64 ids shown as they are; a text file

@@ -703,3 +703,86 @@ def test_torch_pipeline_compiled_stages_on_packed_rows_with_the_fused_loss(one_r
     assert pipe.step(batch) == pytest.approx(float(want), rel=1e-6, abs=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)
+
+
+@_SELF_SEND
+def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(one_rank_group):
+    """An MoE in pipeline stages: a micro-batch's router sums travel stage to stage with its hidden states, and the
+    last stage adds ITS load-balancing and z terms (weighted 1/m), as one process's accumulation blocks do — a
+    stage's gradient reaches the router of every earlier one. Micro-batch j is rows j, j + m, ... in both twins.
+    torch: one rank running 2 interleaved stages; JAX: a stage=2 mesh. Each equals its own twin's accumulation over
+    those blocks (loss, router metrics, gradients), and the twins give the same loss and router metrics."""
+    import torch
+
+    from benchmarks.twins import twin_models
+    from torchref.pipeline import Pipeline, make_pipeline_step
+    from torchref.train_step import loss_fn as torch_loss_fn
+    from twincore.runlog import MOE_KEYS
+
+    cfg = ModelConfig.preset("moe-tiny", n_layers=2, tie_embeddings=False, router_z_loss_coef=0.01)
+    m, tokens = 2, np.random.default_rng(3).integers(0, cfg.vocab_size, (4, 9))
+    blocks = [tokens[j::m] for j in range(m)]
+
+    tm, jm = twin_models(cfg, seed=4)
+    ref, _ = twin_models(cfg, seed=4)
+    want_t, metrics_t = 0.0, []
+    for rows in blocks:  # the accumulation reference: each block's router terms, weighted 1/m
+        loss, moe = torch_loss_fn(ref, {"tokens": torch.as_tensor(rows)}, denominator=torch.tensor(32.0), moe_scale=0.5)
+        loss.backward()
+        want_t, metrics_t = want_t + float(loss), metrics_t + [moe]
+    pipe = Pipeline(tm, "interleaved", m)
+    got_t = make_pipeline_step(pipe, torch.optim.SGD(pipe.parameters(), lr=0.0))({"tokens": torch.as_tensor(tokens)})
+    assert float(got_t["loss"]) == pytest.approx(want_t, rel=1e-6)
+    for key in MOE_KEYS:
+        assert float(got_t[key]) == pytest.approx(np.mean([float(x[key]) for x in metrics_t]), rel=1e-5), key
+    for (name, p), q in zip(tm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)
+
+    graphdef, params, rest = nnx.split(jm, nnx.Param, ...)
+
+    def one_process(params):
+        out = [loss_fn(nnx.merge(graphdef, params, rest), {"tokens": b}, 32.0, moe_scale=0.5) for b in blocks]
+        return sum(v for v, _ in out), jax.tree.map(lambda *a: sum(a) / m, *(moe for _, moe in out))
+
+    def pipelined(params):
+        return loss_fn(nnx.merge(graphdef, params, rest), {"tokens": jnp.asarray(tokens)}, moe_scale=1.0)
+
+    (want_j, metrics_j), grads_want = jax.jit(jax.value_and_grad(one_process, has_aux=True))(params)
+    with pipeline.pipelining(_mesh(2), m):
+        (got_j, got_metrics), grads = jax.jit(jax.value_and_grad(pipelined, has_aux=True))(params)
+    _assert_close((got_j, grads), (want_j, grads_want))
+    for key in MOE_KEYS:
+        assert float(got_metrics[key]) == pytest.approx(float(metrics_j[key]), rel=1e-5, abs=1e-7), key
+        assert float(got_metrics[key]) == pytest.approx(float(got_t[key]), rel=1e-5, abs=1e-7), key
+    assert float(got_j) == pytest.approx(float(got_t["loss"]), rel=1e-5)
+
+
+@pytest.mark.slow  # three multi-process runs; CI runs it (slow_feature)
+@pytest.mark.slow_feature
+def test_cli_moe_pipelines_train_alike_in_both_twins(tmp_path):
+    """An MoE ``--init`` in pipeline stages, 4 steps, 2 micro-batches, z-loss on: ``torchrun --nproc-per-node 2
+    --parallel pp`` and ``--nproc-per-node 4 --parallel pp+fsdp`` (micro-batch j of each FSDP rank's rows is its
+    share of the global micro-batch j, the router sums all-reduced over the FSDP ranks) log the same losses and
+    router metrics within 1e-5; ``jaxattn.train --mesh stage=2,data=2,expert=2`` (the experts split too) logs them
+    at the twins' training tolerance."""
+    from benchmarks.twins import twin_models
+    from jaxattn import train as jt
+    from parity_tests.twins import jsonl_losses
+    from torchref.hf import save_pretrained
+    from twincore.runlog import MOE_KEYS, read_log
+
+    cfg = ModelConfig.preset("moe-tiny", n_layers=2, tie_embeddings=False, router_z_loss_coef=0.001)
+    init = save_pretrained(twin_models(cfg, seed=3)[0], tmp_path / "init")
+    argv = ["--init", str(init), "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--no-progress"]
+    argv += ["--lr", "3e-3", "--schedule", "constant", "--microbatches", "2"]
+    logs = {name: tmp_path / f"{name}.jsonl" for name in ("pp", "pp+fsdp", "jax")}
+    torchrun("-m", "torchref.train", "--parallel", "pp", "--log-json", str(logs["pp"]), *argv)
+    torchrun("-m", "torchref.train", "--parallel", "pp+fsdp", "--log-json", str(logs["pp+fsdp"]), *argv, nproc=4)
+    jt.run(argv + ["--mesh", "stage=2,data=2,expert=2", "--log-json", str(logs["jax"])])
+    runs = {name: read_log(str(path)) for name, path in logs.items()}
+    np.testing.assert_allclose(jsonl_losses(logs["pp+fsdp"]), jsonl_losses(logs["pp"]), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(jsonl_losses(logs["jax"]), jsonl_losses(logs["pp"]), rtol=0, atol=1e-4)
+    for key in MOE_KEYS:
+        want = [r[key] for r in runs["pp"]]
+        np.testing.assert_allclose([r[key] for r in runs["pp+fsdp"]], want, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose([r[key] for r in runs["jax"]], want, rtol=1e-4, atol=1e-5, err_msg=key)

@@ -10,8 +10,9 @@ norm + LM head + loss on the last, micro-batches scheduled by the library (GPipe
 
 Nothing is written by hand but the split (:class:`StageModule`) and the loss scaling: each micro-batch's loss is its
 summed token losses over the WHOLE batch's token count, so the micro-batches' gradients add up to the full batch's
-mean (the library backpropagates each micro-batch's loss). Idle fraction ``(p - 1) / (m + p - 1)`` (GPipe and 1F1B;
-interleaving divides it by the virtual stages per rank).
+mean (the library backpropagates each micro-batch's loss); an MoE's micro-batch adds its own router terms, weighted
+1/m, from router sums its stages hand on with the hidden states. Idle fraction ``(p - 1) / (m + p - 1)`` (GPipe
+and 1F1B; interleaving divides it by the virtual stages per rank).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from twincore.loss import DEFAULT_CHUNK, check_loss
 from twincore.pipeline import SCHEDULES, check_pipeline, virtual_stages
 from twincore.remat import check_remat
+from twincore.runlog import MOE_KEYS
 
 from . import parallel
 from .fused_ce import fused_cross_entropy
@@ -43,7 +45,9 @@ class StageModule(nn.Module):
     attention masked per stage; positions default to ``0..S-1``); output: hidden states, or float32 logits
     ``[b, S, vocab]`` on the last stage. With ``fused`` set (``(chunk, dtype)``, :class:`Pipeline`'s ``loss="fused"``)
     the last stage returns the summed token losses of its micro-batch instead (``torchref.fused_ce``: the head and the
-    cross-entropy in chunks, never the logits), from the ``targets`` / ``weights [b, S]`` kwargs."""
+    cross-entropy in chunks, never the logits), from the ``targets`` / ``weights [b, S]`` kwargs. An MoE stage also
+    takes (after stage 0) and returns the micro-batch's router sums ``[n_layers, 3E + 3]`` (:func:`_stats_row` per
+    layer; the earlier stages' rows, its own, zeros after): the last stage's loss reads the whole model's."""
 
     def __init__(self, model: LlamaForCausalLM, index: int, n_stages: int):
         super().__init__()
@@ -55,7 +59,9 @@ class StageModule(nn.Module):
             )
         self.config = cfg  # the tensor-parallel plan reads it (torchref.parallel.apply_tp)
         self.first, self.last = index == 0, index == n_stages - 1
-        self.layers = nn.ModuleList(model.model.layers[i] for i in stage_layers(cfg.n_layers, index, n_stages))
+        self.layer_ids = stage_layers(cfg.n_layers, index, n_stages)
+        self.layers = nn.ModuleList(model.model.layers[i] for i in self.layer_ids)
+        self.stat_width = 3 * cfg.n_experts + 3  # an MoE's router sums per layer (_stats_row)
         self.embed_tokens = model.model.embed_tokens if self.first else None
         self.norm = model.model.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
@@ -63,25 +69,39 @@ class StageModule(nn.Module):
         self.remat = check_remat(model.remat, "model.remat")
         self.fused: tuple[int, torch.dtype] | None = None
 
-    def forward(self, x: torch.Tensor, segment_ids=None, positions=None, targets=None, weights=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *router, segment_ids=None, positions=None, targets=None, weights=None):
         b, s = x.shape[:2]
         if positions is None:
             positions = torch.arange(s, device=x.device).expand(b, s)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [b, 1, S, head_dim]
         if self.first:
             x = self.embed_tokens(x)  # [b, S, dim]
+        moe = self.config.is_moe
+        mask = None if segment_ids is None or not moe else segment_ids != 0  # as the train step: padding not routed
+        rows = []  # an MoE's router sums of this stage's layers for the micro-batch, one [3E + 3] row each
         for layer in self.layers:
-            x = run_layer(layer, self.remat, x, cos, sin, segment_ids)
-        if self.last and self.fused is not None:  # as the train step's fused loss: outside autocast, in `dtype`
+            x = run_layer(layer, self.remat, x, cos, sin, segment_ids, *((None, mask) if moe else ()))
+            if moe:
+                x, st = x
+                rows.append(_stats_row(st))
+        out = self._head(x, targets, weights) if self.last else x
+        if not moe:
+            return out
+        # the micro-batch's router sums so far, one row per layer [n_layers, 3E + 3]: the earlier stages' rows,
+        # then this stage's (the layers after it are still zeros); the loss reads them on the last stage
+        before = router[0] if router else x.new_zeros(self.config.n_layers, self.stat_width, dtype=torch.float32)
+        lo, hi = self.layer_ids.start, self.layer_ids.stop
+        return out, torch.cat([before[:lo], torch.stack(rows), before[hi:]])
+
+    def _head(self, x: torch.Tensor, targets, weights) -> torch.Tensor:
+        if self.fused is not None:  # as the train step's fused loss: outside autocast, in `dtype`
             chunk, dtype = self.fused
             hidden = self.norm(x).flatten(0, 1)  # [b * S, dim]
             with torch.autocast(x.device.type, enabled=False):
                 return fused_cross_entropy(
                     hidden, self.lm_head.weight, targets.flatten(), weights.flatten(), 1.0, chunk=chunk, dtype=dtype
                 ).reshape(1)  # the micro-batch's summed token losses, [1]: the library concatenates outputs
-        if self.last:
-            return self.lm_head(self.norm(x)).float()  # [b, S, vocab]
-        return x
+        return self.lm_head(self.norm(x)).float()  # [b, S, vocab]
 
 
 class Pipeline:
@@ -124,10 +144,10 @@ class Pipeline:
                 "loss is not the vocabulary-parallel cross-entropy; use loss='dense'"
             )
 
-        if model.config.is_moe:
-            raise NotImplementedError(
-                "Mixture-of-Experts models in pipeline stages are not supported yet (a stage passes hidden states "
-                "only, not the router statistics the loss needs); use --parallel fsdp / ddp"
+        if model.config.is_moe and shard == "tp":
+            raise ValueError(
+                "shard='tp' with a Mixture-of-Experts model: torchref has no tensor-parallel plan for stacked experts; "
+                "use shard='fsdp' or none"
             )
         if not dist.is_initialized():
             raise RuntimeError("torchref.pipeline needs torch.distributed initialised (run under torchrun)")
@@ -155,6 +175,10 @@ class Pipeline:
         self.last = n_stages - 1 in self.indices
         self.microbatches = microbatches
         self._denominator, self.loss_scale = 1.0, 1.0
+        self.config = model.config
+        # an MoE's router terms: each micro-batch's, weighted moe_scale / microbatches (make_pipeline_step sets
+        # 1 / grad_accum), as one process weighs its accumulation blocks'; their metrics, one dict per micro-batch
+        self.moe_scale, self.moe_metrics, self._pending = 1.0, [], []
         cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B}[schedule]
         # scale_grads=False: the library would divide the gradients by the micro-batch count (it assumes each
         # micro-batch's loss is that micro-batch's mean); ours are already fractions of the whole batch's mean
@@ -174,28 +198,49 @@ class Pipeline:
         rank = self.mesh["dp_shard"].get_local_rank()
         return parallel.row_block(batch, self.dp, rank, f"the {self.dp} FSDP ranks of each stage")
 
-    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss from the last stage's ``out``: its logits (dense), or its summed token losses
-        (fused), over the whole batch's target count."""
+        (fused), over the whole batch's target count; an MoE's ``(out, router sums [n_layers, 3E + 3])`` adds
+        the micro-batch's router terms (``torchref.moe.moe_losses`` of its own sums, as a one-process
+        accumulation block's)."""
+        from .moe import moe_losses
+        from .train_step import moe_metrics
+
+        router = None
+        if isinstance(out, tuple):
+            out, router = out
         if self.fused:
             nll = out.sum()
         else:
             nll = F.cross_entropy(out.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
         # the whole batch's token count: micro-batch losses add up to its mean (times the loss scale under fp16)
-        return nll / self._denominator * self.loss_scale
+        loss = nll / self._denominator
+        if router is not None:
+            cfg, moe = self.config, moe_losses(_stats_of(router), self.config)
+            terms = cfg.router_aux_loss_coef * moe["aux_loss"] + cfg.router_z_loss_coef * moe["z_loss"]
+            loss = (loss + self.moe_scale / self.microbatches * terms) * self.loss_scale
+            # kept with its loss: the library also calls this once on placeholder outputs (shape inference)
+            self._pending.append((loss, {k: v.detach() for k, v in moe_metrics(moe, cfg).items()}))
+            return loss
+        return loss * self.loss_scale
 
     def step(self, batch: dict, denominator: float | None = None) -> float | None:
         """``batch``: ``{"tokens": [B, S + 1], "loss_mask"?, "segment_ids"?, "positions"?}``; the targets are the
         train step's (``torchref.train_step.loss_weights``: a target whose ``loss_mask`` is 0, or the first token of
         a packed document, adds nothing) and the mean is over the counted ones. Packed rows' ``segment_ids`` and
-        ``positions`` go to every stage as the schedule's kwargs, split into the micro-batches with the tokens."""
+        ``positions`` go to every stage as the schedule's kwargs, split into the micro-batches with the tokens.
+        Micro-batch j is rows ``j, j + m, j + 2m, ...`` (JAX's twin splits a row-sharded batch that way): an MoE's
+        router terms, each micro-batch's own, then equal ``jaxattn.pipeline``'s."""
         from .train_step import loss_weights
 
         extra = sorted(k for k in batch if k not in PIPELINE_KEYS and batch[k] is not None)
         if extra:
             raise ValueError(f"batch: Pipeline.step takes {list(PIPELINE_KEYS)}, not {extra}")
+        rows, m = batch["tokens"].shape[0], self.microbatches
+        check_pipeline(1, 1, rows, m)
+        order = torch.arange(rows, device=batch["tokens"].device).reshape(rows // m, m).T.flatten()  # library: blocks
+        batch = {k: None if v is None else v[order] for k, v in batch.items()}
         tokens = batch["tokens"]
-        check_pipeline(1, 1, tokens.shape[0], self.microbatches)
         # contiguous: torch 2.11's stages check each micro-batch's strides against the first one's ([B, S+1] sliced
         # to [B, S] has stride S+1: "stride mismatch: expected (16, 1) actual (17, 1)")
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].long()  # cross_entropy takes int64 targets
@@ -216,6 +261,8 @@ class Pipeline:
             self.schedule.step(target=targets, losses=losses, **packed)
         else:
             self.schedule.step(**packed)
+        self.moe_metrics += [m for loss, m in self._pending if any(loss is x for x in losses)]  # the real ones
+        self._pending = []
         return float(sum(loss.item() for loss in losses)) if self.last else None
 
     def parameters(self):
@@ -307,6 +354,20 @@ class Pipeline:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item()) / (dist.get_world_size() // self.pp_size)
 
+    def broadcast_moe(self) -> dict:
+        """An MoE's router metrics of the step on every rank (``{}`` for a dense model): each the mean over the
+        micro-batches the last stage saw since :func:`make_pipeline_step` began the step (its ranks hold the same
+        values: their router sums are all-reduced over the FSDP ranks)."""
+        if not self.config.is_moe:
+            return {}
+        t = torch.zeros(len(MOE_KEYS), dtype=torch.float64)
+        if self.last and self.moe_metrics:
+            t = torch.tensor([[float(m[k]) for k in MOE_KEYS] for m in self.moe_metrics], dtype=torch.float64)
+            t = t.mean(0)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t = t / (dist.get_world_size() // self.pp_size)
+        return {k: v.float() for k, v in zip(MOE_KEYS, t)}
+
 
 def _shard_stage(stage: StageModule, shard: str, mesh, gather_once: bool = False) -> None:
     """``shard`` (``"fsdp"``: FSDP2 per layer and over the stage, fp32 gradient reduction, as ``--parallel
@@ -316,6 +377,7 @@ def _shard_stage(stage: StageModule, shard: str, mesh, gather_once: bool = False
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32), reshard_after_forward=not gather_once)
+        parallel.apply_ep(stage, mesh, mesh.size(), split=False)  # an MoE: router sums over the FSDP ranks' rows
         for layer in stage.layers:
             fully_shard(layer, mesh=mesh, **kw)
         fully_shard(stage, mesh=mesh, **kw)
@@ -370,6 +432,7 @@ def make_pipeline_step(
             denominator = float(loss_denominator({k: v for k, v in batch.items() if v is not None}))
         # scaler.scale(1) sets the scaler up for this step (its scale lives on the first tensor it scales)
         pipe.loss_scale = loss_scale = float(scaler.scale(torch.ones(()))) if scaling else 1.0
+        pipe.moe_scale, pipe.moe_metrics = 1.0 / grad_accum, []
         total, b = 0.0, rows // grad_accum
         for i in range(grad_accum):
             block = {k: v if v is None else v[i * b : (i + 1) * b] for k, v in batch.items()}
@@ -392,6 +455,27 @@ def make_pipeline_step(
             "grad_norm": norm,
             "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
             "skipped": torch.tensor(skipped),
+            **pipe.broadcast_moe(),  # an MoE's router metrics (mean over micro-batches), as make_train_step's
         }
 
     return step
+
+
+def _stats_row(st: dict) -> torch.Tensor:
+    """One layer's router sums (``torchref.moe.MoEBlock``'s ``stats``) as one float32 row ``[3E + 3]``: counts,
+    probs, kept, then z, tokens, routed (every count is exact in float32 below 2^24)."""
+    return torch.cat(
+        [st[k].float() for k in ("counts", "probs", "kept")] + [st[k].float().reshape(1) for k in _SCALARS]
+    )
+
+
+def _stats_of(rows: torch.Tensor) -> list[dict]:
+    """:func:`_stats_row`'s rows ``[n_layers, 3E + 3]`` back into the per-layer stats ``moe_losses`` takes."""
+    e = (rows.shape[-1] - len(_SCALARS)) // 3
+    return [
+        {"counts": r[:e], "probs": r[e : 2 * e], "kept": r[2 * e : 3 * e], **dict(zip(_SCALARS, r[3 * e :]))}
+        for r in rows
+    ]
+
+
+_SCALARS = ("z", "tokens", "routed")

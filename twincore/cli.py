@@ -377,20 +377,13 @@ def _mesh_devices(spec: str) -> int:
 
 
 def _check_moe_pipeline(args: argparse.Namespace, framework: str, config: ModelConfig) -> None:
-    """Pipeline stages carry hidden states only, not the router statistics an MoE's loss needs: refused here, not
-    at the first step (a 47-line NotImplementedError from the traced model, or a traceback under torchrun)."""
-    if not config.is_moe:
-        return
-    why = "the stages pass hidden states only, not the router statistics its loss needs"
-    if framework == "jax" and args.mesh is not None and _mesh_axis(args.mesh, "stage") > 1:
+    """An MoE in torch's pipeline stages: ``pp`` and ``pp+fsdp`` (each micro-batch's router sums travel with its
+    hidden states); ``pp+tp`` refused here, not at the first step under torchrun (torchref has no tensor-parallel
+    plan for stacked experts)."""
+    if config.is_moe and framework == "torch" and args.parallel == "pp+tp":
         raise CLIError(
-            f"--mesh {args.mesh!r}: a stage axis (pipeline stages) does not run a Mixture-of-Experts (MoE) model "
-            f"yet ({why}); use a mesh without stage, e.g. data=N,expert=M"
-        )
-    if framework == "torch" and args.parallel in PP_MODES:
-        raise CLIError(
-            f"--parallel {args.parallel}: pipeline stages do not run a Mixture-of-Experts (MoE) model yet ({why}); "
-            f"use --parallel ddp / fsdp or {' / '.join(EP_MODES)}"
+            f"--parallel {args.parallel}: torchref has no tensor-parallel plan for a Mixture-of-Experts (MoE) "
+            "model's stacked experts; use --parallel pp or pp+fsdp"
         )
 
 
