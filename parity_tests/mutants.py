@@ -828,6 +828,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "JAX's MoE terms pool a pipeline's micro-batches (the whole batch's router sums), not each its own",
     ),
     m(
+        "parallel-rows-ignore-accum-blocks-torch",
+        "moe",
+        "torchref/parallel.py",
+        'return row_block(batch, n, rank, f"the {n} data-parallel ranks ({mode})", blocks)',
+        'return row_block(batch, n, rank, f"the {n} data-parallel ranks ({mode})")',
+        "parity_tests/test_moe_train.py -k 'torchrun_expert_parallel and ep-capacity'",
+        "torch's data-parallel ranks take consecutive row blocks: under --grad-accum a rank's accumulation block j is "
+        "not its share of the batch's block j, so an MoE's per-block router terms differ from one process's",
+    ),
+    m(
         "generate-eos-compiled-in-jax",
         "model",
         "jaxattn/generate.py",

@@ -227,12 +227,15 @@ def test_torchrun_expert_parallel_equals_one_process(mode, init, request, tmp_pa
     """torchrun 2 ranks, each holding 2 of the 4 experts (DTensors sharded by expert; tokens exchanged by
     all_to_all_single over gloo, dropless by exact split sizes or, with a capacity, as equal [B, E, C, dim]
     buffers; the router statistics all-reduced, so the balance loss is the whole batch's): the losses and grad
-    norms of 4 steps equal one process's (§7 steps rule) — ddp too, which sums the statistics the same way."""
+    norms of 4 steps equal one process's (§7 steps rule) — ddp too, which sums the statistics the same way. With
+    ``--grad-accum 2``: each rank's block j is its share of the batch's block j, so the router terms of each block
+    are one process's."""
     from parity_tests.twins import jsonl_losses, torchrun
     from twincore.runlog import read_log
 
     init = request.getfixturevalue(init)
-    argv = ["--init", init, "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
+    argv = ["--init", init, "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--no-progress"]
+    argv += ["--grad-accum", "2"]
     torchrun("-m", "torchref.train", "--parallel", mode, "--log-json", str(tmp_path / "ep.jsonl"), *argv)
     _train("torch", argv + ["--log-json", str(tmp_path / "one.jsonl")])
     np.testing.assert_allclose(jsonl_losses(tmp_path / "ep.jsonl"), jsonl_losses(tmp_path / "one.jsonl"), atol=1e-5)

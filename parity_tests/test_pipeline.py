@@ -760,7 +760,8 @@ def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(one_rank
 @pytest.mark.slow  # three multi-process runs; CI runs it (slow_feature)
 @pytest.mark.slow_feature
 def test_cli_moe_pipelines_train_alike_in_both_twins(tmp_path):
-    """An MoE ``--init`` in pipeline stages, 4 steps, 2 micro-batches, z-loss on: ``torchrun --nproc-per-node 2
+    """An MoE ``--init`` in pipeline stages, 4 steps of 2 accumulation blocks of 2 micro-batches, z-loss on (each of
+    the 4 micro-batches adds its own router terms, weighted 1/4): ``torchrun --nproc-per-node 2
     --parallel pp`` and ``--nproc-per-node 4 --parallel pp+fsdp`` (micro-batch j of each FSDP rank's rows is its
     share of the global micro-batch j, the router sums all-reduced over the FSDP ranks) log the same losses and
     router metrics within 1e-5; ``jaxattn.train --mesh stage=2,data=2,expert=2`` (the experts split too) logs them
@@ -773,8 +774,8 @@ def test_cli_moe_pipelines_train_alike_in_both_twins(tmp_path):
 
     cfg = ModelConfig.preset("moe-tiny", n_layers=2, tie_embeddings=False, router_z_loss_coef=0.001)
     init = save_pretrained(twin_models(cfg, seed=3)[0], tmp_path / "init")
-    argv = ["--init", str(init), "--steps", "4", "--batch-size", "8", "--seq-len", "16", "--no-progress"]
-    argv += ["--lr", "3e-3", "--schedule", "constant", "--microbatches", "2"]
+    argv = ["--init", str(init), "--steps", "4", "--batch-size", "16", "--seq-len", "16", "--no-progress"]
+    argv += ["--lr", "3e-3", "--schedule", "constant", "--microbatches", "2", "--grad-accum", "2"]
     logs = {name: tmp_path / f"{name}.jsonl" for name in ("pp", "pp+fsdp", "jax")}
     torchrun("-m", "torchref.train", "--parallel", "pp", "--log-json", str(logs["pp"]), *argv)
     torchrun("-m", "torchref.train", "--parallel", "pp+fsdp", "--log-json", str(logs["pp+fsdp"]), *argv, nproc=4)

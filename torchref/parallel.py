@@ -80,21 +80,29 @@ def dp_size(mode: str, mesh) -> int:
     return 1 if mode == "tp" else mesh["dp"].size() if mode == "fsdp+tp" else mesh.size()  # ep: every rank
 
 
-def local_rows(batch: dict, mode: str, mesh) -> dict:
-    """This rank's rows of a global batch (consecutive blocks, rank order); ValueError if they do not divide."""
+def local_rows(batch: dict, mode: str, mesh, blocks: int = 1) -> dict:
+    """This rank's rows of a global batch (rank order; :func:`row_block`'s ``blocks``: the step's accumulation
+    blocks); ValueError if they do not divide."""
     n = dp_size(mode, mesh)
     rank = 0 if n == 1 else (mesh["dp"].get_local_rank() if mode == "fsdp+tp" else mesh.get_local_rank())
-    return row_block(batch, n, rank, f"the {n} data-parallel ranks ({mode})")
+    return row_block(batch, n, rank, f"the {n} data-parallel ranks ({mode})", blocks)
 
 
-def row_block(batch: dict, n: int, rank: int, ranks: str) -> dict:
-    """Block ``rank`` of ``n`` equal consecutive row blocks of every array in ``batch`` (None kept); ValueError
-    naming ``ranks`` (who shares the rows) when the rows do not divide."""
+def row_block(batch: dict, n: int, rank: int, ranks: str, blocks: int = 1) -> dict:
+    """Share ``rank`` of ``n`` of every array in ``batch`` (None kept): of each of ``blocks`` consecutive row blocks
+    (a step's accumulation blocks) its ``rank``-th consecutive part, so the ranks' block j together is the batch's
+    block j, as one process accumulates it (an MoE's router terms are per block); ValueError naming ``ranks`` (who
+    shares the rows) when the rows do not divide."""
     b = batch["tokens"].shape[0]
-    if b % n:
-        raise ValueError(f"batch size {b} is not divisible by {ranks}")
-    m = b // n
-    return {k: None if v is None else v[rank * m : (rank + 1) * m] for k, v in batch.items()}
+    if b % (n * blocks):
+        raise ValueError(
+            f"batch size {b} is not divisible by {ranks}" + (f" times {blocks} blocks" if blocks > 1 else "")
+        )
+    m = b // (n * blocks)
+    return {
+        k: None if v is None else v.reshape(blocks, n, m, *v.shape[1:])[:, rank].reshape(blocks * m, *v.shape[1:])
+        for k, v in batch.items()
+    }
 
 
 def _check_tp(cfg, tp: int) -> None:

@@ -191,12 +191,13 @@ class Pipeline:
         """Ranks that see different rows: the FSDP dimension of ``pp+fsdp``, else 1."""
         return self.mesh["dp_shard"].size() if self.shard == "fsdp" else 1
 
-    def rows(self, batch: dict) -> dict:
-        """This rank's rows of a host batch: a block per FSDP rank (``pp+fsdp``), all of them otherwise."""
+    def rows(self, batch: dict, blocks: int = 1) -> dict:
+        """This rank's rows of a host batch: a share per FSDP rank (``pp+fsdp``; of each of ``blocks`` accumulation
+        blocks, ``torchref.parallel.row_block``), all of them otherwise."""
         if self.dp == 1:
             return batch
         rank = self.mesh["dp_shard"].get_local_rank()
-        return parallel.row_block(batch, self.dp, rank, f"the {self.dp} FSDP ranks of each stage")
+        return parallel.row_block(batch, self.dp, rank, f"the {self.dp} FSDP ranks of each stage", blocks)
 
     def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss from the last stage's ``out``: its logits (dense), or its summed token losses

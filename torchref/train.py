@@ -204,12 +204,12 @@ class Trainer(BaseTrainer):
             return None
         return loss_denominator(host).to(self.device) / parallel.dp_size(self.parallel, self.mesh)
 
-    def rows(self, host: dict) -> dict:
+    def rows(self, host: dict, blocks: int = 1) -> dict:
         """This rank's rows of a host batch (all of them without --parallel, with tp, and with pp; pp+fsdp: the
-        rows of this rank's block)."""
+        rows of this rank's share), its share of each of ``blocks`` accumulation blocks."""
         if self.parallel in PP_MODES:
-            return self.pipe.rows(host)
-        return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh)
+            return self.pipe.rows(host, blocks)
+        return host if self.parallel is None else parallel.local_rows(host, self.parallel, self.mesh, blocks)
 
     def _resume(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # 0.8 s to import
@@ -316,7 +316,7 @@ class Trainer(BaseTrainer):
         for host in loader(self.data, self.start, args.steps, num_workers=args.num_workers, pin_memory=pin):
             tokens = int(host["loss_mask"][:, :-1].sum())
             denominator = self.denominator(host)
-            host = self.rows(host)  # --parallel under torchrun: this rank's rows
+            host = self.rows(host, args.grad_accum)  # --parallel under torchrun: this rank's rows
             yield (({k: v.to(self.device, non_blocking=True) for k, v in host.items()}, denominator), tokens)
 
     def dispatch(self, batch):
