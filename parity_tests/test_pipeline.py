@@ -705,13 +705,24 @@ def test_torch_pipeline_compiled_stages_on_packed_rows_with_the_fused_loss(one_r
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * float(q.grad.abs().max()), msg=name)
 
 
-@_SELF_SEND
-def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(one_rank_group):
+@pytest.mark.parametrize(
+    "n_layers, capacity, virtual",
+    [
+        pytest.param(2, None, 1, marks=_SELF_SEND),
+        pytest.param(4, 1.0, 2, marks=(_SELF_SEND, pytest.mark.slow, pytest.mark.slow_feature)),
+    ],
+    ids=["dropless-gpipe", "capacity-circular"],
+)
+def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(
+    one_rank_group, rng, seed, n_layers, capacity, virtual
+):
     """An MoE in pipeline stages: a micro-batch's router sums travel stage to stage with its hidden states, and the
     last stage adds ITS load-balancing and z terms (weighted 1/m), as one process's accumulation blocks do — a
     stage's gradient reaches the router of every earlier one. Micro-batch j is rows j, j + m, ... in both twins.
-    torch: one rank running 2 interleaved stages; JAX: a stage=2 mesh. Each equals its own twin's accumulation over
-    those blocks (loss, router metrics, gradients), and the twins give the same loss and router metrics."""
+    torch: one rank running every stage (2 per JAX stage, interleaved 1F1B); JAX: a stage=2 mesh (GPipe, or the
+    circular schedule with ``virtual`` chunks per stage). Each equals its own twin's accumulation over those blocks
+    (loss, router metrics, gradients), and the twins give the same loss and router metrics; dropless, or with a
+    capacity factor that drops assignments."""
     import torch
 
     from benchmarks.twins import twin_models
@@ -719,18 +730,20 @@ def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(one_rank
     from torchref.train_step import loss_fn as torch_loss_fn
     from twincore.runlog import MOE_KEYS
 
-    cfg = ModelConfig.preset("moe-tiny", n_layers=2, tie_embeddings=False, router_z_loss_coef=0.01)
-    m, tokens = 2, np.random.default_rng(3).integers(0, cfg.vocab_size, (4, 9))
+    cfg = ModelConfig.preset(
+        "moe-tiny", n_layers=n_layers, tie_embeddings=False, router_z_loss_coef=0.01, capacity_factor=capacity
+    )
+    m, tokens = 2, rng.integers(0, cfg.vocab_size, (4, 9))
     blocks = [tokens[j::m] for j in range(m)]
 
-    tm, jm = twin_models(cfg, seed=4)
-    ref, _ = twin_models(cfg, seed=4)
+    tm, jm = twin_models(cfg, seed=seed % 2**16)
+    ref, _ = twin_models(cfg, seed=seed % 2**16)
     want_t, metrics_t = 0.0, []
     for rows in blocks:  # the accumulation reference: each block's router terms, weighted 1/m
         loss, moe = torch_loss_fn(ref, {"tokens": torch.as_tensor(rows)}, denominator=torch.tensor(32.0), moe_scale=0.5)
         loss.backward()
         want_t, metrics_t = want_t + float(loss), metrics_t + [moe]
-    pipe = Pipeline(tm, "interleaved", m)
+    pipe = Pipeline(tm, "interleaved", m, virtual=2 * virtual)
     got_t = make_pipeline_step(pipe, torch.optim.SGD(pipe.parameters(), lr=0.0))({"tokens": torch.as_tensor(tokens)})
     assert float(got_t["loss"]) == pytest.approx(want_t, rel=1e-6)
     for key in MOE_KEYS:
@@ -748,7 +761,7 @@ def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(one_rank
         return loss_fn(nnx.merge(graphdef, params, rest), {"tokens": jnp.asarray(tokens)}, moe_scale=1.0)
 
     (want_j, metrics_j), grads_want = jax.jit(jax.value_and_grad(one_process, has_aux=True))(params)
-    with pipeline.pipelining(_mesh(2), m):
+    with pipeline.pipelining(_mesh(2), m, virtual):
         (got_j, got_metrics), grads = jax.jit(jax.value_and_grad(pipelined, has_aux=True))(params)
     _assert_close((got_j, grads), (want_j, grads_want))
     for key in MOE_KEYS:
