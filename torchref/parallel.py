@@ -11,7 +11,8 @@ with the plan :func:`tp_plan` reads off the parameter table's logical axes (colu
 o/down, the embedding and the LM head split by vocab with replicated activations), each attention module's head
 counts divided by ``tp`` (torchtitan's ``attn.n_heads //= tp``); (2) FSDP2: ``fully_shard`` on every decoder layer,
 then on the root, with a ``MixedPrecisionPolicy``, on the ``dp`` mesh dimension; or (3) DDP. The data-parallel
-ranks each get ``batch / dp`` rows (:func:`local_rows`); TP ranks see the same rows.
+ranks each get ``batch / dp`` rows, their share of every accumulation block (:func:`local_rows`); TP ranks see the
+same rows.
 
 Under ``fsdp+tp`` FSDP2 warns that the root "returned a view tensor ... can produce wrong gradients": the logits are
 the tensor-parallel LM head's gathered output, a view. The hazard it names is an in-place op on that view (which
