@@ -754,9 +754,13 @@ def test_moe_pipelines_add_each_micro_batchs_router_terms_in_both_twins(
 
     graphdef, params, rest = nnx.split(jm, nnx.Param, ...)
 
-    def one_process(params):
-        out = [loss_fn(nnx.merge(graphdef, params, rest), {"tokens": b}, 32.0, moe_scale=0.5) for b in blocks]
-        return sum(v for v, _ in out), jax.tree.map(lambda *a: sum(a) / m, *(moe for _, moe in out))
+    def one_process(params):  # the blocks one after another, as jaxattn.train_step accumulates them
+        def block(total, b):
+            value, moe = loss_fn(nnx.merge(graphdef, params, rest), {"tokens": b}, 32.0, moe_scale=0.5)
+            return total + value, moe
+
+        total, moe = jax.lax.scan(block, jnp.zeros(()), jnp.asarray(np.stack(blocks)))
+        return total, jax.tree.map(lambda a: a.mean(0), moe)
 
     def pipelined(params):
         return loss_fn(nnx.merge(graphdef, params, rest), {"tokens": jnp.asarray(tokens)}, moe_scale=1.0)
