@@ -362,15 +362,20 @@ def _check_large_logits(x, w, t, weights, dtype, relative_loss):
         return float(loss), xt.grad.double().numpy(), wt.grad.double().numpy().T
 
     eps = float(jnp.finfo(dj).eps)
-    for twin, run in (("jax", jax_run), ("torch", torch_run)):
-        fused, dense = run(True), run(False)
-        for name, f, d, r in zip(("loss", "d hidden", "d head"), fused, dense, ref):
+    runs = {twin: (run(True), run(False)) for twin, run in (("jax", jax_run), ("torch", torch_run))}
+    names = ("loss", "d hidden", "d head")
+    # the dense error in this dtype: the worse of the twins' dense losses, both honest float32 (or bf16) computations
+    # whose logits round differently (seed 222661934: torch's dense d head 2.1e-7 from the float64 one, JAX's 5.2e-7,
+    # and the twins' fused d heads equal to the bit at 7.0e-7)
+    dense_err = [max(np.abs(np.subtract(runs[tw][1][i], ref[i])).max() for tw in runs) for i in range(len(names))]
+    for twin, (fused, _) in runs.items():
+        for name, f, r, d_err in zip(names, fused, ref, dense_err):
             assert np.isfinite(f).all(), (twin, dtype, name, f)
-            err, dense_err = np.abs(np.subtract(f, r)).max(), np.abs(np.subtract(d, r)).max()
+            err = np.abs(np.subtract(f, r)).max()
             # roundoff: each output is a float32 sum over the tokens (and, fused, over the chunks); a correct fused
             # loss reached 19 units of the largest entry in 50 seeds where the dense one was lucky. A log-sum-exp
             # kept as one float32 misses the confident rows' loss by ~ulp(1e4) = 1e-3, far above this.
-            tol = 2 * dense_err + 32 * eps * np.abs(r).max()
-            assert err <= tol, f"{twin} {dtype} {name}: fused error {err:.3g} > 2x dense {dense_err:.3g} + roundoff"
+            tol = 2 * d_err + 32 * eps * np.abs(r).max()
+            assert err <= tol, f"{twin} {dtype} {name}: fused error {err:.3g} > 2x dense {d_err:.3g} + roundoff"
         if dtype == "float32" and relative_loss:  # all rows: the loss is large beside its logits' rounding
             assert abs(fused[0] - ref[0]) <= 1e-6 * abs(ref[0]), (twin, fused[0], ref[0])
