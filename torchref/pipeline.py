@@ -61,7 +61,6 @@ class StageModule(nn.Module):
         self.first, self.last = index == 0, index == n_stages - 1
         self.layer_ids = stage_layers(cfg.n_layers, index, n_stages)
         self.layers = nn.ModuleList(model.model.layers[i] for i in self.layer_ids)
-        self.stat_width = 3 * cfg.n_experts + 3  # an MoE's router sums per layer (_stats_row)
         self.embed_tokens = model.model.embed_tokens if self.first else None
         self.norm = model.model.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
@@ -80,7 +79,7 @@ class StageModule(nn.Module):
         mask = None if segment_ids is None or not moe else segment_ids != 0  # as the train step: padding not routed
         rows = []  # an MoE's router sums of this stage's layers for the micro-batch, one [3E + 3] row each
         for layer in self.layers:
-            x = run_layer(layer, self.remat, x, cos, sin, segment_ids, *((None, mask) if moe else ()))
+            x = run_layer(layer, self.remat, x, cos, sin, segment_ids, None, mask)  # a dense layer ignores mask
             if moe:
                 x, st = x
                 rows.append(_stats_row(st))
@@ -89,7 +88,7 @@ class StageModule(nn.Module):
             return out
         # the micro-batch's router sums so far, one row per layer [n_layers, 3E + 3]: the earlier stages' rows,
         # then this stage's (the layers after it are still zeros); the loss reads them on the last stage
-        before = router[0] if router else x.new_zeros(self.config.n_layers, self.stat_width, dtype=torch.float32)
+        before = router[0] if router else x.new_zeros(self.config.n_layers, rows[0].numel(), dtype=torch.float32)
         lo, hi = self.layer_ids.start, self.layer_ids.stop
         return out, torch.cat([before[:lo], torch.stack(rows), before[hi:]])
 
