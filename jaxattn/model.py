@@ -9,7 +9,8 @@ Embedding -> n_layers x [RMSNorm -> GQA attention with RoPE, RMSNorm -> SwiGLU M
 the layers stacked and run under ``lax.scan`` (compile time does not grow with depth); weights ``[in, out]``, the
 parameters those of the table ``twincore.params``. Mixtral / Qwen3-MoE configs (``cfg.n_experts > 0``) swap the
 MLP for ``jaxattn.moe.moe_block`` (Qwen3 also normalises each query / key head); ``model(tokens, moe_stats=True)``
-then also returns the router's losses and loads (``jaxattn.moe.moe_losses``). The model computes in its parameters'
+then also returns the router's losses and loads (``jaxattn.moe.moe_losses``); a ``sliding_window`` (Mistral) reaches
+the attention call as its ``window``. The model computes in its parameters'
 dtype (a precision policy casts the state from outside); norm statistics, softmax, router and logits are float32.
 
 Seams for outside code, nothing more: logical axis names on every ``nnx.Param``; ``checkpoint_name`` tags
@@ -25,6 +26,7 @@ checks inside jit).
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,8 +137,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _self_attention(q, k, v, segment_ids):
-    return dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+def _self_attention(q, k, v, segment_ids, window=None):
+    return dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, window=window)
 
 
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
@@ -155,13 +157,13 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is None:
         o = per_shard(
-            _self_attention,
+            functools.partial(_self_attention, window=cfg.attention_window),
             (q, k, v, segment_ids),  # [B, S, Hq, D]
             (Q_AXES, KV_AXES, KV_AXES, SEGMENT_AXES),
             Q_AXES,
         )
     else:
-        o, kv = cached_attention(q, k, v, *kv)
+        o, kv = cached_attention(q, k, v, *kv, window=cfg.sliding_window)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attn_output")  # [B, S, Hq*D]
     o = checkpoint_name(matmul(o, p["wo"]), "o_proj")  # [B, S, dim]
     return o if kv is None else (o, kv)

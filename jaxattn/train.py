@@ -159,7 +159,9 @@ class Trainer(BaseTrainer):
         q = jax.ShapeDtypeStruct((b, s, config.n_heads, d), dtype)
         kv = jax.ShapeDtypeStruct((b, s, config.n_kv_heads, d), dtype)
         seg = jax.ShapeDtypeStruct((b, s), jax.numpy.int32)
-        reasons = available_backends(q, kv, kv, causal=True, segment_ids=seg, backends=self.attention)
+        reasons = available_backends(
+            q, kv, kv, causal=True, segment_ids=seg, window=config.attention_window, backends=self.attention
+        )
         if all(r is not None for r in reasons.values()):
             raise CLIError(
                 f"--attention {args.attention!r} cannot serve this model's attention call here: "

@@ -8,7 +8,7 @@ import pytest
 import jaxattn.config as jc
 import torchref.config as tc
 
-PRESETS = ["tiny", "125m", "350m", "1b", "8b", "70b"]
+PRESETS = ["tiny", "125m", "350m", "1b", "8b", "70b", "mistral-7b"]
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -46,6 +46,7 @@ def test_fields_and_defaults_identical():
         "bos_token_id",
         "eos_token_id",
         "model_type",
+        "sliding_window",
         "n_experts",
         "experts_per_token",
         "moe_ffn_dim",
@@ -74,6 +75,7 @@ def test_param_count_of_presets_is_llama_shaped():
     assert 100 < sizes["125m"] < 150 and 300 < sizes["350m"] < 400
     assert 1200 < sizes["1b"] < 1300 and 7900 < sizes["8b"] < 8100  # Llama-3.2-1B: 1.24B, Llama-3.1-8B: 8.03B
     assert 70000 < sizes["70b"] < 71000  # Llama-3.1-70B: 70.55B
+    assert 7200 < sizes["mistral-7b"] < 7300  # Mistral-7B-v0.1: 7.24B
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
@@ -96,6 +98,23 @@ def test_transformers_config_interop(mod):
     assert hf.head_dim == 32 and hf.num_key_value_heads == 1 and hf.tie_word_embeddings
     back = mod.ModelConfig.from_hf(hf.to_dict())
     assert back == c
+
+
+@pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
+@pytest.mark.parametrize("window", [4096, None])
+def test_mistral_config_interop_keeps_the_sliding_window(mod, window):
+    """Mistral's config.json keeps sliding_window (null: full attention, as in Mistral-7B-v0.2); transformers reads
+    ours as a MistralConfig, and a layer_types list mixing sliding and full layers is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    c = mod.ModelConfig.preset("mistral-7b", sliding_window=window)
+    assert c.attention_window == (None if window is None else (window - 1, None))
+    hf = transformers.MistralConfig(**c.to_hf())
+    assert hf.sliding_window == window and c.to_hf()["architectures"] == ["MistralForCausalLM"]
+    assert mod.ModelConfig.from_hf(hf.to_dict()) == c
+    mixed = {**c.to_hf(), "layer_types": ["sliding_attention"] * 31 + ["full_attention"]}
+    with pytest.raises(ValueError, match="layer_types"):
+        mod.ModelConfig.from_hf(mixed)
+    assert "sliding_window" not in mod.ModelConfig.preset("8b").to_hf()  # Llama's config.json has no such key
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
@@ -123,6 +142,9 @@ def test_from_hf_reads_legacy_and_v5_rope_keys(mod):
         (dict(rope_theta=-1.0), "rope_theta"),
         (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "rope_scaling"),
+        (dict(model_type="mistral", sliding_window=0), "sliding_window"),
+        (dict(model_type="mistral", sliding_window=4.0), "sliding_window"),
+        (dict(sliding_window=8), "sliding_window=8 with model_type='llama'"),
     ],
 )
 def test_invalid_config_names_field(mod, kwargs, field):

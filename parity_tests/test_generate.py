@@ -42,14 +42,27 @@ def twins():
     return tmodel, jmodel
 
 
+@pytest.fixture(scope="module")
+def windowed(twins):
+    """The twins' weights as a Mistral whose sliding window (4 tokens) is shorter than the longer prompts."""
+    tmodel, _ = twins
+    cfg = tmodel.config.replace(model_type="mistral", sliding_window=4)
+    sd = {k: v.detach().clone() for k, v in tmodel.state_dict().items()}
+    t = type(tmodel)(cfg)
+    t.load_state_dict(sd)
+    return t.eval(), jhf.from_state_dict(jax_config(cfg), {k: v.numpy() for k, v in sd.items()})
+
+
 def _ragged(rng, vocab, lens):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window"])
 @pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_cache_decode_equals_full_forward(twins, framework):
-    """Ragged rows (right-padded prefill, then 6 one-token steps) vs each row's own full forward."""
-    tmodel, jmodel = twins
+def test_cache_decode_equals_full_forward(twins, windowed, framework, window):
+    """Ragged rows (right-padded prefill, then 6 one-token steps) vs each row's own full forward; with a sliding
+    window shorter than the prompts of 5 and 8 tokens, the prefill and every step see only the window."""
+    tmodel, jmodel = twins if window is None else windowed
     cfg = tmodel.config
     rng = np.random.default_rng(1)
     prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])

@@ -74,6 +74,50 @@ def test_transformers_directory_loads_into_both(tmp_path, case):
     assert np.abs(out_j - ref).max() <= LOGITS_TOL
 
 
+def test_mistral_sliding_window_directory_loads_decodes_and_saves_in_both(tmp_path):
+    """A transformers ``MistralForCausalLM`` (sliding window of 5 tokens) loads into both twins with its logits on
+    21 tokens, its greedy tokens through the KV cache past the window, and each twin saves a directory transformers
+    reloads as the same Mistral. The window matters at this length: transformers' full-attention logits differ."""
+    from jaxattn.generate import generate as jgen
+    from torchref.generate import generate as tgen
+
+    cfg = transformers.MistralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=5,
+        bos_token_id=None, eos_token_id=None,  # no EOS: transformers' generate runs its 10 tokens unforced
+    )  # fmt: skip
+    torch.manual_seed(5)
+    ref = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    tok = torch.from_numpy(tokens(np.random.default_rng(2), 96, 2, 21))
+    with torch.no_grad():
+        want = ref(tok).logits.double().numpy()
+        ref.config.sliding_window = None
+        assert np.abs(ref(tok).logits.double().numpy() - want).max() > 1e-2  # the window changes these logits
+        ref.config.sliding_window = 5
+        greedy = ref.generate(tok[:1, :7], max_new_tokens=10, do_sample=False)[0, 7:].tolist()
+    assert len(greedy) == 10
+    tmodel, jmodel = torchref.from_pretrained(tmp_path / "hf"), jaxattn.from_pretrained(tmp_path / "hf")
+    assert tmodel.config.sliding_window == jmodel.config.sliding_window == 5
+    with torch.no_grad():
+        assert np.abs(tmodel(tok).double().numpy() - want).max() <= LOGITS_TOL
+    assert (
+        np.abs(np.asarray(jitted(jmodel)(jnp.asarray(tok.numpy(), jnp.int32)), np.float64) - want).max() <= LOGITS_TOL
+    )
+    prompt = tok[:1, :7].tolist()
+    assert tgen(tmodel, prompt, 10, eos_id=None)[0] == greedy
+    assert jgen(jmodel, prompt, 10, eos_id=None)[0] == greedy
+    for name, save, model in (("torch", torchref.save_pretrained, tmodel), ("jax", jaxattn.save_pretrained, jmodel)):
+        save(model, tmp_path / name)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == 5, name
+        with torch.no_grad():
+            assert np.abs(back(tok).logits.double().numpy() - want).max() <= LOGITS_TOL, name
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("shard", [None, 30_000])
 def test_cross_framework_round_trip_is_bit_exact(tmp_path, tied, shard):

@@ -30,6 +30,8 @@ CONFIGS = {
         rope_theta=5e5,
         rope_scaling={**ModelConfig.preset("8b").rope_scaling, "original_max_position_embeddings": 16},
     ),
+    # Mistral's sliding window, 6 tokens, so the 17- and 64-token rows and the packed segments cross it
+    "mistral-window": ModelConfig.preset("tiny", model_type="mistral", sliding_window=6),
 }
 
 
@@ -220,3 +222,23 @@ def test_hidden_states_match_torch_and_transformers_and_feed_the_head(twins):
         jmodel.features(jnp.ones((2, 4), jnp.float32))
     with pytest.raises(ValueError, match="input_ids"):
         tmodel.model(torch.tensor([[1, cfg.vocab_size]]))
+
+
+def test_sliding_window_reaches_exactly_layers_times_window_minus_one_back():
+    """Mistral's window w: a token sees itself and the w - 1 before it, so through L layers token j reaches
+    positions j .. j + L(w - 1) and no later one. Changing one token moves exactly those logits, in both twins."""
+    cfg = CONFIGS["mistral-window"]
+    w, n, j, s = cfg.sliding_window, cfg.n_layers, 3, 24
+    reach = j + n * (w - 1)  # the last position token j reaches
+    tmodel, jmodel = twin_models(cfg, seed=11)
+    tok = tokens(np.random.default_rng(8), cfg.vocab_size, 1, s)
+    other = tok.copy()
+    other[0, j] = (tok[0, j] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        t = [tmodel(torch.from_numpy(x))[0].numpy() for x in (tok, other)]
+    jfn = jitted(jmodel)
+    jx = [np.asarray(jfn(jnp.asarray(x, jnp.int32)))[0] for x in (tok, other)]
+    for name, (a, b) in (("torch", t), ("jax", jx)):
+        moved = np.abs(a - b).max(axis=-1)  # [s]
+        assert (moved[:j] <= 1e-6).all() and (moved[reach + 1 :] <= 1e-6).all(), (name, moved)
+        assert (moved[j : reach + 1] > 1e-4).all(), (name, moved)

@@ -36,7 +36,9 @@ FAMILIES = {
     "mixtral": dict(model_type="mixtral"),
     "qwen3_moe": dict(model_type="qwen3_moe", moe_ffn_dim=32, norm_topk_prob=False),
     "qwen3_moe-renorm": dict(model_type="qwen3_moe", moe_ffn_dim=32, norm_topk_prob=True),
+    "mixtral-window": dict(model_type="mixtral", sliding_window=4),  # shorter than the 13-token rows and decode
 }
+SLOW_FAMILIES = ("qwen3_moe", "mixtral-window")  # the window's own tests are Mistral's (test_model, test_hf)
 
 
 def moe_config(family: str = "mixtral", **kw) -> ModelConfig:
@@ -68,10 +70,11 @@ def twins(cfg: ModelConfig, seed: int = 0):
 # ----------------------------------------------------------------------------------------------- vs transformers
 
 
-# Qwen3-MoE without renormalisation under slow: the block tests (no-renorm) and the gradient parity cover its router
+# Qwen3-MoE without renormalisation under slow: the block tests (no-renorm) and the gradient parity cover its router;
+# Mixtral with a sliding window too
 @pytest.fixture(
     scope="module",
-    params=[f if f != "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+    params=[pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in FAMILIES],
 )
 def family(request, tmp_path_factory):
     cfg = moe_config(request.param)
@@ -415,7 +418,8 @@ def test_hf_names_per_family():
     "hf_patch, match",
     [
         ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
-        ({"sliding_window": 4096}, "sliding_window"),
+        ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"sliding_window": 0}, "sliding_window"),
         ({"num_experts_per_tok": 5}, "experts_per_token=5 is more than n_experts=4"),
         ({"num_local_experts": 0}, "num_local_experts"),
         ({"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": [1]}, "mlp_only_layers"),
@@ -436,7 +440,8 @@ def test_bad_hf_configs_are_refused_by_key(hf_patch, match):
         (dict(experts_per_token=5), "experts_per_token=5 is more than n_experts=4"),
         (dict(experts_per_token=0), "experts_per_token"),
         (dict(n_experts=0), "n_experts=0"),
-        (dict(model_type="llama"), "'llama' is the dense model"),
+        (dict(model_type="llama"), "'llama' and 'mistral' are the dense models"),
+        (dict(model_type="mistral"), "'llama' and 'mistral' are the dense models"),
         (dict(capacity_factor=0.0), "capacity_factor"),
         (dict(norm_topk_prob=False), "Mixtral always renormalises"),
         (dict(moe_ffn_dim=32), "Mixtral's experts are ffn_dim wide"),

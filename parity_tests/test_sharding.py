@@ -175,9 +175,9 @@ def test_attention_runs_per_device_block_under_mesh(name, reference, monkeypatch
 
     seen = []
 
-    def spy(q, k, v, segment_ids):
+    def spy(q, k, v, segment_ids, window=None):
         seen.append((q.shape, k.shape))
-        return jm.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        return jm.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, window=window)
 
     monkeypatch.setattr(jm, "_self_attention", spy)
     mesh = sharding.make_mesh(MESHES[name])

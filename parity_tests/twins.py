@@ -67,7 +67,8 @@ def smollm2_path() -> str:
 
 
 def hf_llama(config, tensors: dict):
-    """transformers' ``LlamaForCausalLM`` holding the HF-named numpy ``tensors`` (random init skipped)."""
+    """transformers' model of ``config``'s family (``LlamaForCausalLM``, ``MistralForCausalLM`` with its sliding
+    window, ...) holding the HF-named numpy ``tensors`` (random init skipped)."""
     import torch
     import transformers
 
@@ -76,7 +77,8 @@ def hf_llama(config, tensors: dict):
     except ImportError:  # pragma: no cover - transformers 4.x
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf())).eval()
+        hf = config.to_hf()
+        model = getattr(transformers, hf["architectures"][0])(transformers.AutoConfig.for_model(**hf)).eval()
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if config.tie_embeddings:

@@ -9,8 +9,9 @@ Fixed-shape tensors ``k``/``v`` ``[n_layers, B, Hkv, max_len, D]`` (the torch la
 updated IN PLACE (``index_put_`` / slice assignment), so ``torch.compile`` captures the decode step with static
 shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: rows are right-padded, a call with
 ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the slots
-``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer),
-``S > 1`` is a prefill of an empty cache (causal among the new tokens).
+``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer; with the
+model's ``sliding_window`` w also ``slot > lengths[b] - w``), ``S > 1`` is a prefill of an empty cache (causal among
+the new tokens, in the window). Every slot is kept: no rolling buffer of w slots.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
+        self.window = config.sliding_window  # a token sees itself and the window - 1 before it (None: all)
         self.rows = torch.arange(batch, device=device)
 
     def mark_static(self) -> KVCache:
@@ -73,7 +75,11 @@ class KVCache:
         """Each layer's view for one call of ``s`` tokens. A decode step (``s == 1``) builds its mask here, once:
         the slots ``<= lengths[b]`` of row b (the filled ones and the one this step writes) are visible. Built per
         layer, the mask was about a fifth of an eager step's dispatched ops (benchmarks/NOTES.md)."""
-        visible = (self.slots[None, :] <= self.lengths[:, None])[:, None, None, :] if s == 1 else None  # [B,1,1,T]
+        visible = None
+        if s == 1:
+            slots, last = self.slots[None, :], self.lengths[:, None]  # [1, T], [B, 1]
+            visible = slots <= last if self.window is None else (slots <= last) & (slots > last - self.window)
+            visible = visible[:, None, None, :]  # [B, 1, 1, T]
         return [LayerKV(self, i, visible) for i in range(self.k.shape[0])]
 
 
@@ -93,4 +99,5 @@ class LayerKV:
             return masked_attention(q, kc.to(q.dtype), vc.to(q.dtype), self.visible)
         kc[:, :, :s] = k.to(kc.dtype)  # prefill of an empty cache
         vc[:, :, :s] = v.to(vc.dtype)
-        return dot_product_attention(q, k, v, causal=True)
+        w = self.cache.window
+        return dot_product_attention(q, k, v, causal=True, window=None if w is None else (w - 1, None))

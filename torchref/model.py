@@ -11,7 +11,8 @@ real HF checkpoint loads with ``load_state_dict``. Attention goes through ``torc
 active ``sdpa_kernel`` backends). Logits are returned in float32. Mixtral / Qwen3-MoE configs (``n_experts > 0``)
 swap the MLP for ``torchref.moe.MoEBlock`` (HF's ``mlp.gate`` / ``mlp.experts``, experts stacked as in transformers
 5: ``torchref.hf`` maps them to the per-expert tensors of HF files); ``model(ids, moe_stats=True)`` then also returns
-the router's losses and loads (``torchref.moe.moe_losses``).
+the router's losses and loads (``torchref.moe.moe_losses``). A ``sliding_window`` (Mistral) reaches the attention call
+as its ``window``.
 
 Token ids: an id outside ``[0, vocab)`` raises ValueError naming its position and value (checked in eager mode;
 skipped while ``torch.compile`` traces and inside :func:`trusted_ids`, where the ids are the model's own draws).
@@ -99,7 +100,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)  # a float32 norm weight: keep q's dtype
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
-            o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+            o = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, window=self.cfg.attention_window)
         else:
             o = kv.attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.cfg.n_heads * d))

@@ -127,7 +127,7 @@ class Trainer(BaseTrainer):
         kv = torch.randn(1, config.n_kv_heads, 8, d, device=dev, dtype=dtype)
         try:
             with torch.no_grad():
-                dot_product_attention(q, kv, kv, causal=True, backend=self.attention)
+                dot_product_attention(q, kv, kv, causal=True, window=config.attention_window, backend=self.attention)
         except (RuntimeError, ValueError) as e:
             raise CLIError(
                 f"--attention {args.attention!r} cannot serve this model's attention call on "

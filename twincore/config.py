@@ -2,9 +2,10 @@
 
 ``ModelConfig`` holds the Llama-style decoder's shape; ``preset(name)`` gives the project's standard sizes and
 ``from_hf`` / ``to_hf`` read and write a Hugging Face ``config.json`` dictionary (both the transformers 4.x
-keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the three families the
-model covers (``model_type``): ``llama``; ``mixtral`` (every layer's MLP a sparse Mixture of Experts); ``qwen3_moe``
-(the same, plus RMSNorm on each query / key head, ``qk_norm``).
+keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the four families the
+model covers (``model_type``): ``llama``; ``mistral`` (Llama's layers, names on disk and ``sliding_window``
+attention); ``mixtral`` (every layer's MLP a sparse Mixture of Experts, a sliding window allowed); ``qwen3_moe``
+(the same, plus RMSNorm on each query / key head, ``qk_norm``; no window).
 
     cfg = ModelConfig.preset("moe-tiny")         # 4 experts, 2 per token
     cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn_dim, cfg.capacity_factor   # (4, 2, 32, None)
@@ -124,9 +125,32 @@ _PRESETS["qwen3-30b-a3b"] = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+# Mistral-7B-v0.1: the 8b's layers at 32k vocabulary, every layer attending over a 4096-token sliding window.
+_PRESETS["mistral-7b"] = dict(
+    model_type="mistral",
+    vocab_size=32000,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=14336,
+    max_seq_len=32768,
+    norm_eps=1e-5,
+    rope_theta=10000.0,
+    sliding_window=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
-MODEL_TYPES: tuple[str, ...] = ("llama", "mixtral", "qwen3_moe")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "mixtral", "qwen3_moe")
+DENSE_TYPES: tuple[str, ...] = ("llama", "mistral")  # the families whose MLP is the dense SwiGLU
+WINDOW_TYPES: tuple[str, ...] = ("mistral", "mixtral")  # the families whose config.json has a sliding_window
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -146,8 +170,11 @@ class ModelConfig:
     # the tokenizer's special ids, as HF's config.json keeps them: generate() stops at eos_token_id by default
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # several for e.g. Llama 3.1 Instruct
-    # the Hugging Face family (names on disk, config.json keys): "llama", "mixtral" or "qwen3_moe"
+    # the Hugging Face family (names on disk, config.json keys): "llama", "mistral", "mixtral" or "qwen3_moe"
     model_type: str = "llama"
+    # sliding-window attention (Mistral's / HF's sliding_window): each token sees itself and the sliding_window - 1
+    # tokens before it, in every layer; None: all earlier tokens. Only the families whose config.json keeps it.
+    sliding_window: int | None = None
     # Mixture of Experts (0 experts = the dense SwiGLU MLP): every layer's MLP is n_experts SwiGLU experts of
     # moe_ffn_dim (None = ffn_dim), each token sent to experts_per_token of them by a float32 softmax router
     n_experts: int = 0
@@ -188,6 +215,16 @@ class ModelConfig:
                 self, name, _check_token_ids(getattr(self, name), f"ModelConfig.{name}", self.vocab_size)
             )
         self._check_moe()
+        w = self.sliding_window
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+                raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {w!r}")
+            if self.model_type not in WINDOW_TYPES:
+                raise ValueError(
+                    f"ModelConfig.sliding_window={w} with model_type={self.model_type!r}: only {WINDOW_TYPES} keep a "
+                    f"sliding window in their config.json (a dense windowed model is model_type='mistral')"
+                )
+            object.__setattr__(self, "sliding_window", int(w))
 
     def _check_moe(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -198,10 +235,10 @@ class ModelConfig:
         e, k = self.n_experts, self.experts_per_token
         if isinstance(e, bool) or not isinstance(e, int) or e < 0:
             raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = a dense MLP), got {e!r}")
-        if (self.model_type == "llama") != (e == 0):
+        if (self.model_type in DENSE_TYPES) != (e == 0):
             raise ValueError(
-                f"ModelConfig.model_type={self.model_type!r} with n_experts={e}: 'llama' is the dense model "
-                f"(n_experts=0); 'mixtral' and 'qwen3_moe' need n_experts >= 1"
+                f"ModelConfig.model_type={self.model_type!r} with n_experts={e}: 'llama' and 'mistral' are the dense "
+                f"models (n_experts=0); 'mixtral' and 'qwen3_moe' need n_experts >= 1"
             )
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"ModelConfig.experts_per_token must be a positive int, got {k!r}")
@@ -235,6 +272,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """RMSNorm over each query and key head before RoPE (Qwen3's attention)."""
         return self.model_type == "qwen3_moe"
+
+    @property
+    def attention_window(self) -> tuple[int, None] | None:
+        """``sliding_window`` as the attention contract's ``window`` (keys ``i - left .. i`` of query i), or None."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, None)
 
     @property
     def is_moe(self) -> bool:
@@ -297,7 +339,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dictionary (``model_type`` llama, mixtral or qwen3_moe);
+        """Build from a Hugging Face ``config.json`` dictionary (``model_type`` llama, mistral, mixtral or qwen3_moe);
         refuses what the model cannot represent, naming the key."""
         if not isinstance(hf, dict):
             raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
@@ -355,12 +397,14 @@ class ModelConfig:
             tie_embeddings=_hf_bool(hf, "tie_word_embeddings", False),
             bos_token_id=_check_token_ids(hf.get("bos_token_id"), "config.json bos_token_id", None),
             eos_token_id=_check_token_ids(hf.get("eos_token_id"), "config.json eos_token_id", None),
+            model_type=model_type,
+            sliding_window=_window_from_hf(hf, model_type),
             **_moe_from_hf(hf, model_type),
         )
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM`` (or
-        ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those model types)."""
+        ``MistralForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those model types)."""
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
@@ -388,25 +432,39 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.model_type in WINDOW_TYPES:
+            out["sliding_window"] = self.sliding_window
         if self.is_moe:
             out.update(_moe_to_hf(self))
         return out
 
 
+def _window_from_hf(hf: dict, model_type: str) -> int | None:
+    """A Mistral / Mixtral ``config.json``'s ``sliding_window`` (null: full attention); a ``layer_types`` list that
+    mixes sliding and full layers is refused (the layers are stacked and scanned as identical ones). Llama's config
+    has no such key (transformers' Llama ignores one); Qwen3-MoE's ``use_sliding_window`` is refused by key."""
+    if model_type not in WINDOW_TYPES:
+        return None
+    w = _hf_int(hf, "sliding_window", None, null_means="full attention")
+    kinds = hf.get("layer_types")
+    want = "full_attention" if w is None else "sliding_attention"
+    if kinds is not None and (not isinstance(kinds, list) or any(k != want for k in kinds)):
+        raise ValueError(
+            f"HF config layer_types={kinds!r} with sliding_window={w!r}: only models whose every layer is "
+            f"{want!r} are supported (the layers are stacked and scanned as identical ones)"
+        )
+    return w
+
+
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The MoE fields of a Mixtral / Qwen3-MoE ``config.json``; what the model cannot do is refused by key."""
-    if model_type == "llama":
+    if model_type in DENSE_TYPES:
         return {}
     if model_type == "mixtral":
         n_experts = _hf_int(hf, "num_local_experts")
         jitter = hf.get("router_jitter_noise", 0.0)
         if jitter not in (0, 0.0, None):
             raise ValueError(f"HF config router_jitter_noise={jitter!r}: only 0 (no router noise) is supported")
-        if hf.get("sliding_window") is not None:
-            raise ValueError(
-                f"HF config sliding_window={hf['sliding_window']!r}: sliding-window attention is not supported "
-                f"(Mixtral-8x7B and 8x22B use null)"
-            )
         fields = dict(norm_topk_prob=True, experts_per_token=_hf_int(hf, "num_experts_per_tok", 2))
     else:  # qwen3_moe
         key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
@@ -432,7 +490,6 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
         raise ValueError(f"HF config router_z_loss_coef={z!r}: expected a finite number >= 0")
     return dict(
-        model_type=model_type,
         n_experts=n_experts,
         router_aux_loss_coef=float(coef),
         router_z_loss_coef=float(z),
@@ -449,7 +506,6 @@ def _moe_to_hf(cfg: ModelConfig) -> dict:
         "router_z_loss_coef": cfg.router_z_loss_coef,
         "capacity_factor": cfg.capacity_factor,
         "output_router_logits": False,
-        "sliding_window": None,
     }
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.expert_ffn_dim, router_jitter_noise=0.0)
