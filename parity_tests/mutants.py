@@ -1000,6 +1000,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_hf.py -k mistral",
         "a Mistral config.json's sliding_window is read as full attention",
     ),
+    # ---- Qwen3 (dense)
+    m(
+        "qwen3-dense-without-qk-norm",
+        "model",
+        "twincore/config.py",
+        "return self.model_type in QWEN3_TYPES",
+        'return self.model_type == "qwen3_moe"',
+        "parity_tests/test_hf.py -k qwen3",
+        "a dense Qwen3 runs without its q/k norms (only the MoE family keeps them)",
+    ),
+    m(
+        "qwen3-gguf-rows-unpermuted",
+        "model",
+        "twincore/gguf.py",
+        'if permute is not None and arch == "llama":',
+        'if permute is not None and arch in ("llama", "qwen3"):',
+        "parity_tests/test_gguf.py -k synthetic_file",
+        "a Qwen3 GGUF's q/k rows un-permuted as if llama.cpp had permuted them (it does so for Llama only)",
+    ),
 )
 
 

@@ -81,6 +81,8 @@ GGUF_LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -112,8 +114,11 @@ def _write_gguf(
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.resolved_head_dim)
+    if arch == "qwen3":  # Qwen3Model: TextModel writes the head size, no vocab_size / rope keys of LlamaModel's
+        w.add_key_length(cfg.resolved_head_dim)
+        w.add_value_length(cfg.resolved_head_dim)
     for key, value in (extra_kv or {}).items():
-        w.add_string(key, value)
+        (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
     vocab = _vocab()
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre("smollm")
@@ -129,9 +134,9 @@ def _write_gguf(
         name = _to_gguf_name(hf_name)
         if name in drop:
             continue
-        if name.endswith("attn_q.weight"):
+        if arch == "llama" and name.endswith("attn_q.weight"):  # LlamaModel.modify_tensors only
             t = llama_cpp_permute(t, cfg.n_heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, cfg.n_kv_heads)
         named[name] = t
     write_gguf_tensors(w, {**named, **(extra_tensors or {})}, qtype)  # the 1-D extra tensors stay F32
@@ -139,20 +144,21 @@ def _write_gguf(
 
 
 def _hf_logits(cfg: ModelConfig, tensors: dict, tok: np.ndarray) -> np.ndarray:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf())).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
-        return model(torch.from_numpy(tok)).logits.double().numpy()
+        return hf_llama(cfg, tensors)(torch.from_numpy(tok)).logits.double().numpy()
 
 
-@pytest.mark.parametrize("qtype,tied", [(None, False), (Q8_0, True)], ids=["f32-untied", "q8_0-tied"])
-def test_synthetic_file_loads_into_both(tmp_path, qtype, tied):
-    cfg = _config(tied)
+@pytest.mark.parametrize(
+    "arch,qtype,tied",
+    [("llama", None, False), ("llama", Q8_0, True), ("qwen3", Q8_0, True)],
+    ids=["f32-untied", "q8_0-tied", "qwen3-q8_0-tied"],
+)
+def test_synthetic_file_loads_into_both(tmp_path, arch, qtype, tied):
+    """A file as llama.cpp's converter writes it (q/k rows permuted for "llama" only; Qwen3 with its q/k norms and a
+    head size of its own) loads into both twins with transformers' logits on the same dequantized weights."""
+    cfg = _config(tied) if arch == "llama" else _config(tied).replace(model_type="qwen3", head_dim=24)
     original = _hf_tensors(cfg)
-    path = _write_gguf(tmp_path / "m.gguf", cfg, original, qtype)
+    path = _write_gguf(tmp_path / "m.gguf", cfg, original, qtype, arch=arch)
     config, tensors, _ = read_gguf(path, tokenizer=False)
     assert config == cfg
     assert set(tensors) == set(original)
@@ -219,6 +225,9 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     linear = _write_gguf(tmp_path / "linear.gguf", cfg, tensors, extra_kv={"llama.rope.scaling.type": "linear"})
     with pytest.raises(CheckpointError, match="rope.scaling.type='linear'.*not supported"):
         read_gguf(linear)
+    swa = _write_gguf(tmp_path / "swa.gguf", cfg, tensors, extra_kv={"llama.attention.sliding_window": 4096})
+    with pytest.raises(CheckpointError, match="attention.sliding_window=4096: not supported"):
+        read_gguf(swa)
     freqs = _write_gguf(
         tmp_path / "freqs.gguf", cfg, tensors, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}
     )

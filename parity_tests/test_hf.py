@@ -74,20 +74,30 @@ def test_transformers_directory_loads_into_both(tmp_path, case):
     assert np.abs(out_j - ref).max() <= LOGITS_TOL
 
 
-def test_mistral_sliding_window_directory_loads_decodes_and_saves_in_both(tmp_path):
-    """A transformers ``MistralForCausalLM`` (sliding window of 5 tokens) loads into both twins with its logits on
-    21 tokens, its greedy tokens through the KV cache past the window, and each twin saves a directory transformers
-    reloads as the same Mistral. The window matters at this length: transformers' full-attention logits differ."""
+# transformers families beside Llama: (config class, model class, config kwargs); the tiny shape below is shared
+FAMILIES = {
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),  # shorter than the rows
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),  # q/k norms
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_directory_loads_decodes_and_saves_in_both(tmp_path, family):
+    """A transformers Mistral (sliding window of 5 tokens) or Qwen3 (q/k norms, head_dim 24, tied) directory loads
+    into both twins with its logits on 21 tokens and its greedy tokens through the KV cache (past the window), and
+    each twin saves a directory transformers reloads as the same class with the same logits. The window matters at
+    this length: transformers' full-attention logits differ."""
     from jaxattn.generate import generate as jgen
     from torchref.generate import generate as tgen
 
-    cfg = transformers.MistralConfig(
+    config_cls, model_cls, kw = FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(
         vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=5,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **kw,
         bos_token_id=None, eos_token_id=None,  # no EOS: transformers' generate runs its 10 tokens unforced
     )  # fmt: skip
     torch.manual_seed(5)
-    ref = transformers.MistralForCausalLM(cfg).eval()
+    ref = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
@@ -95,13 +105,15 @@ def test_mistral_sliding_window_directory_loads_decodes_and_saves_in_both(tmp_pa
     tok = torch.from_numpy(tokens(np.random.default_rng(2), 96, 2, 21))
     with torch.no_grad():
         want = ref(tok).logits.double().numpy()
-        ref.config.sliding_window = None
-        assert np.abs(ref(tok).logits.double().numpy() - want).max() > 1e-2  # the window changes these logits
-        ref.config.sliding_window = 5
+        if "sliding_window" in kw:
+            ref.config.sliding_window = None
+            assert np.abs(ref(tok).logits.double().numpy() - want).max() > 1e-2  # the window changes these logits
+            ref.config.sliding_window = kw["sliding_window"]
         greedy = ref.generate(tok[:1, :7], max_new_tokens=10, do_sample=False)[0, 7:].tolist()
     assert len(greedy) == 10
     tmodel, jmodel = torchref.from_pretrained(tmp_path / "hf"), jaxattn.from_pretrained(tmp_path / "hf")
-    assert tmodel.config.sliding_window == jmodel.config.sliding_window == 5
+    assert tmodel.config == jmodel.config and tmodel.config.model_type == cfg.model_type
+    assert tmodel.config.sliding_window == kw.get("sliding_window")
     with torch.no_grad():
         assert np.abs(tmodel(tok).double().numpy() - want).max() <= LOGITS_TOL
     assert (
@@ -113,7 +125,7 @@ def test_mistral_sliding_window_directory_loads_decodes_and_saves_in_both(tmp_pa
     for name, save, model in (("torch", torchref.save_pretrained, tmodel), ("jax", jaxattn.save_pretrained, jmodel)):
         save(model, tmp_path / name)
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
-        assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == 5, name
+        assert type(back).__name__ == model_cls and back.config.sliding_window == kw.get("sliding_window"), name
         with torch.no_grad():
             assert np.abs(back(tok).logits.double().numpy() - want).max() <= LOGITS_TOL, name
 

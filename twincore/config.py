@@ -2,10 +2,11 @@
 
 ``ModelConfig`` holds the Llama-style decoder's shape; ``preset(name)`` gives the project's standard sizes and
 ``from_hf`` / ``to_hf`` read and write a Hugging Face ``config.json`` dictionary (both the transformers 4.x
-keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the four families the
+keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the five families the
 model covers (``model_type``): ``llama``; ``mistral`` (Llama's layers, names on disk and ``sliding_window``
-attention); ``mixtral`` (every layer's MLP a sparse Mixture of Experts, a sliding window allowed); ``qwen3_moe``
-(the same, plus RMSNorm on each query / key head, ``qk_norm``; no window).
+attention); ``qwen3`` (Llama's layers plus RMSNorm on each query / key head, ``qk_norm``); ``mixtral`` (every
+layer's MLP a sparse Mixture of Experts, a sliding window allowed); ``qwen3_moe`` (Mixtral's MoE with Qwen3's
+attention; no window).
 
     cfg = ModelConfig.preset("moe-tiny")         # 4 experts, 2 per token
     cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn_dim, cfg.capacity_factor   # (4, 2, 32, None)
@@ -125,6 +126,23 @@ _PRESETS["qwen3-30b-a3b"] = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+# Qwen3-0.6B: 28 layers of GQA (16 query / 8 kv heads of 128) with Qwen3's q/k norms, tied embeddings.
+_PRESETS["qwen3-0.6b"] = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    dim=1024,
+    n_layers=28,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=128,
+    ffn_dim=3072,
+    max_seq_len=40960,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
 # Mistral-7B-v0.1: the 8b's layers at 32k vocabulary, every layer attending over a 4096-token sliding window.
 _PRESETS["mistral-7b"] = dict(
     model_type="mistral",
@@ -142,12 +160,14 @@ _PRESETS["mistral-7b"] = dict(
     eos_token_id=2,
 )
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "mixtral", "qwen3_moe")
-DENSE_TYPES: tuple[str, ...] = ("llama", "mistral")  # the families whose MLP is the dense SwiGLU
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
+DENSE_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen3")  # the families whose MLP is the dense SwiGLU
+QWEN3_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")  # RMSNorm on each query / key head
 WINDOW_TYPES: tuple[str, ...] = ("mistral", "mixtral")  # the families whose config.json has a sliding_window
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
@@ -170,7 +190,7 @@ class ModelConfig:
     # the tokenizer's special ids, as HF's config.json keeps them: generate() stops at eos_token_id by default
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # several for e.g. Llama 3.1 Instruct
-    # the Hugging Face family (names on disk, config.json keys): "llama", "mistral", "mixtral" or "qwen3_moe"
+    # the Hugging Face family (names on disk, config.json keys): "llama", "mistral", "qwen3", "mixtral", "qwen3_moe"
     model_type: str = "llama"
     # sliding-window attention (Mistral's / HF's sliding_window): each token sees itself and the sliding_window - 1
     # tokens before it, in every layer; None: all earlier tokens. Only the families whose config.json keeps it.
@@ -237,8 +257,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = a dense MLP), got {e!r}")
         if (self.model_type in DENSE_TYPES) != (e == 0):
             raise ValueError(
-                f"ModelConfig.model_type={self.model_type!r} with n_experts={e}: 'llama' and 'mistral' are the dense "
-                f"models (n_experts=0); 'mixtral' and 'qwen3_moe' need n_experts >= 1"
+                f"ModelConfig.model_type={self.model_type!r} with n_experts={e}: {DENSE_TYPES} are the dense models "
+                f"(n_experts=0); 'mixtral' and 'qwen3_moe' need n_experts >= 1"
             )
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"ModelConfig.experts_per_token must be a positive int, got {k!r}")
@@ -271,7 +291,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """RMSNorm over each query and key head before RoPE (Qwen3's attention)."""
-        return self.model_type == "qwen3_moe"
+        return self.model_type in QWEN3_TYPES
 
     @property
     def attention_window(self) -> tuple[int, None] | None:
@@ -339,7 +359,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dictionary (``model_type`` llama, mistral, mixtral or qwen3_moe);
+        """Build from a Hugging Face ``config.json`` dictionary (``model_type`` one of :data:`MODEL_TYPES`);
         refuses what the model cannot represent, naming the key."""
         if not isinstance(hf, dict):
             raise TypeError(f"from_hf expects the config.json dict, got {type(hf).__name__}")
@@ -434,6 +454,8 @@ class ModelConfig:
         }
         if self.model_type in WINDOW_TYPES:
             out["sliding_window"] = self.sliding_window
+        if self.model_type in QWEN3_TYPES:
+            out["use_sliding_window"] = False
         if self.is_moe:
             out.update(_moe_to_hf(self))
         return out
@@ -442,10 +464,19 @@ class ModelConfig:
 def _window_from_hf(hf: dict, model_type: str) -> int | None:
     """A Mistral / Mixtral ``config.json``'s ``sliding_window`` (null: full attention); a ``layer_types`` list that
     mixes sliding and full layers is refused (the layers are stacked and scanned as identical ones). Llama's config
-    has no such key (transformers' Llama ignores one); Qwen3-MoE's ``use_sliding_window`` is refused by key."""
-    if model_type not in WINDOW_TYPES:
+    has no such key (transformers' Llama ignores one); Qwen3's ``use_sliding_window`` (a window on the layers from
+    ``max_window_layers`` on) is refused by key."""
+    if model_type in QWEN3_TYPES:
+        if _hf_bool(hf, "use_sliding_window", False):
+            raise ValueError(
+                "HF config use_sliding_window=True: Qwen3's sliding window (on the layers from max_window_layers on) "
+                "is not supported"
+            )
+        w = None
+    elif model_type in WINDOW_TYPES:
+        w = _hf_int(hf, "sliding_window", None, null_means="full attention")
+    else:
         return None
-    w = _hf_int(hf, "sliding_window", None, null_means="full attention")
     kinds = hf.get("layer_types")
     want = "full_attention" if w is None else "sliding_attention"
     if kinds is not None and (not isinstance(kinds, list) or any(k != want for k in kinds)):
@@ -469,8 +500,6 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     else:  # qwen3_moe
         key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
         n_experts = _hf_int(hf, key)
-        if _hf_bool(hf, "use_sliding_window", False):
-            raise ValueError("HF config use_sliding_window=True: sliding-window attention is not supported")
         step = _hf_int(hf, "decoder_sparse_step", 1)
         dense = hf.get("mlp_only_layers") or []
         if step != 1 or dense:
@@ -516,7 +545,6 @@ def _moe_to_hf(cfg: ModelConfig) -> dict:
             norm_topk_prob=cfg.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            use_sliding_window=False,
         )
     return out
 

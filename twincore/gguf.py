@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer, for the families the
-model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``) and
-Qwen3-MoE ("qwen3moe").
+model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``), Qwen3
+("qwen3") and Qwen3-MoE ("qwen3moe").
 
 Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
@@ -71,8 +71,17 @@ MOE_REFUSED = (
     ("expert_weights_scale", (0.0, 1.0), "scaled expert weights"),
     ("expert_group_count", (0, 1), "grouped expert routing"),
 )
-FAMILY_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
-ARCHITECTURES = ("llama", "qwen3moe")  # general.architecture values that load
+# - Qwen3ForCausalLM converts as Qwen3Model (a Qwen2Model, a TextModel): arch "qwen3", keys qwen3.*, no expert keys,
+#   no q/k permutation (NEOX-style RoPE in src/models/qwen3.cpp), attention.key_length / value_length (head_dim),
+#   blk.N.attn_q_norm / attn_k_norm.weight as for Qwen3-MoE; its dense MLP named as Llama's.
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3-MoE",
+}
+ARCHITECTURES = ("llama", "qwen3", "qwen3moe")  # general.architecture values that load
 
 # tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
 # "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
@@ -205,11 +214,16 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
 
 
 def _read_moe(reader, where: str, arch: str, ffn_dim: int, names: set) -> dict:
-    """The mixture-of-experts ``ModelConfig`` fields (none for a dense "llama" file); refuses by key what the model
-    cannot represent."""
+    """The family and mixture-of-experts ``ModelConfig`` fields (only the family for a dense "llama" or "qwen3" file);
+    refuses by key what the model cannot represent."""
     experts = _get(reader, f"{arch}.expert_count", where, _REQUIRED if arch == "qwen3moe" else 0)
-    if arch == "llama" and not experts:
-        return {}
+    if arch == "qwen3" and experts:
+        raise CheckpointError(f"{where}: qwen3.expert_count={experts!r}: a Qwen3-MoE file's architecture is 'qwen3moe'")
+    if arch != "qwen3moe" and not experts:
+        window = _get(reader, f"{arch}.attention.sliding_window", where, None)
+        if window not in (None, 0):  # never written for Llama / Mistral / Qwen3 by the converter: refused, not ignored
+            raise CheckpointError(f"{where}: {arch}.attention.sliding_window={window!r}: not supported in a GGUF file")
+        return {} if arch == "llama" else dict(model_type="qwen3")
     n_experts = _positive(experts, f"{arch}.expert_count", where)
     key = f"{arch}.expert_used_count"
     used = _positive(_get(reader, key, where), key, where)
@@ -504,8 +518,8 @@ def _open(path: str | os.PathLike):
     arch = _get(reader, "general.architecture", where)
     if arch not in ARCHITECTURES:
         raise CheckpointError(
-            f"{where}: general.architecture={arch!r} is not supported; only 'llama' (Llama, Mixtral) and "
-            f"'qwen3moe' (Qwen3-MoE) load"
+            f"{where}: general.architecture={arch!r} is not supported; only 'llama' (Llama, Mixtral), 'qwen3' "
+            f"(Qwen3) and 'qwen3moe' (Qwen3-MoE) load"
         )
     return reader, where, arch
 
