@@ -23,7 +23,8 @@ def jax_config(tcfg):
 
 def twin_models(tcfg, seed: int = 0, *, perturb_norms: bool = True):
     """(torch model, jax model) holding identical fp32 weights drawn from ``seed`` (torch model on CPU, in eval
-    mode). ``perturb_norms``: norm weights start at 1; add 0.1 * N(0, 1) so a mixed-up norm weight is caught."""
+    mode). ``perturb_norms``: norm weights start at 1 and biases (Qwen2's) at 0; add 0.1 * N(0, 1) so a mixed-up
+    norm weight or a dropped bias is caught."""
     import torch
 
     from jaxattn import hf as jhf
@@ -35,7 +36,7 @@ def twin_models(tcfg, seed: int = 0, *, perturb_norms: bool = True):
     if perturb_norms:
         with torch.no_grad():
             for name, p in tmodel.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith(("norm.weight", ".bias")):
                     p.add_(0.1 * torch.randn_like(p))
     jmodel = jhf.from_state_dict(jax_config(tcfg), {k: v.numpy() for k, v in to_state_dict(tmodel).items()})
     return tmodel, jmodel

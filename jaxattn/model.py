@@ -148,9 +148,9 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     ``(out, (k_cache, v_cache))``. Matmuls go through ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
-    q = checkpoint_name(matmul(x, p["wq"]), "q_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
-    k = checkpoint_name(matmul(x, p["wk"]), "k_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
-    v = checkpoint_name(matmul(x, p["wv"]), "v_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B, S, Hkv, D]
+    q = checkpoint_name(linear(x, p["wq"], p.get("q_bias")), "q_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
+    k = checkpoint_name(linear(x, p["wk"], p.get("k_bias")), "k_proj").reshape(b, s, cfg.n_kv_heads, d)  # [B,S,Hkv,D]
+    v = checkpoint_name(linear(x, p["wv"], p.get("v_bias")), "v_proj").reshape(b, s, cfg.n_kv_heads, d)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
         q = rms_norm(q, p["q_norm"], cfg.norm_eps).astype(q.dtype)  # a float32 norm weight: keep q's dtype
         k = rms_norm(k, p["k_norm"], cfg.norm_eps).astype(k.dtype)
@@ -167,6 +167,12 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attn_output")  # [B, S, Hq*D]
     o = checkpoint_name(matmul(o, p["wo"]), "o_proj")  # [B, S, dim]
     return o if kv is None else (o, kv)
+
+
+def linear(x, w, bias=None):
+    """``x @ w`` (float or int8 ``w``, ``quant.matmul``) plus ``bias`` when there is one (Qwen2's q / k / v)."""
+    y = matmul(x, w)
+    return y if bias is None else y + bias.astype(y.dtype)
 
 
 def mlp_block(x, p):
@@ -212,7 +218,7 @@ def param(row: params.ParamRow, cfg: ModelConfig, rngs: nnx.Rngs, dtype) -> nnx.
     0.12.3+, ``sharding_names``/``sharding`` before), so ``nnx.get_partition_spec`` finds them on each;
     ``eager_sharding=False``: the model never shards itself (no mesh inside), ``jaxattn.sharding`` does it.
     """
-    init = nnx.initializers.ones if row.kind == "norm" else nnx.initializers.normal(0.02)
+    init = {"norm": nnx.initializers.ones, "bias": nnx.initializers.zeros}.get(row.kind, nnx.initializers.normal(0.02))
     return nnx.Param(
         nnx.with_partitioning(init, row.jax_axes, eager_sharding=False)(rngs.params(), row.jax_shape(cfg), dtype)
     )

@@ -1019,6 +1019,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_gguf.py -k synthetic_file",
         "a Qwen3 GGUF's q/k rows un-permuted as if llama.cpp had permuted them (it does so for Llama only)",
     ),
+    # ---- Qwen2 (biased q / k / v)
+    m(
+        "qwen2-q-bias-dropped-jax",
+        "model",
+        "jaxattn/model.py",
+        'linear(x, p["wq"], p.get("q_bias"))',
+        'linear(x, p["wq"])',
+        "parity_tests/test_model.py -k full_model_logits",
+        "JAX's query projection forgets Qwen2's bias",
+    ),
+    m(
+        "qwen2-bias-decayed-jax",
+        "model",
+        "twincore/optim.py",
+        'parts[-1].split("_")[-1] == "bias"',
+        'parts[-1] == "bias"',
+        "parity_tests/test_optim.py -k decay",
+        "weight decay on JAX's q / k / v biases (named q_bias ...), which torch's q_proj.bias never gets",
+    ),
+    m(
+        "qwen2-int8-bias-dropped-torch",
+        "model",
+        "torchref/quant.py",
+        "self.scale.to(x.dtype)[:, None], bias)",
+        "self.scale.to(x.dtype)[:, None])",
+        "parity_tests/test_quant.py -k qwen2",
+        "torch's int8 linear drops the float bias it kept",
+    ),
 )
 
 

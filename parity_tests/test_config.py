@@ -8,7 +8,7 @@ import pytest
 import jaxattn.config as jc
 import torchref.config as tc
 
-PRESETS = ["tiny", "125m", "350m", "1b", "8b", "70b", "mistral-7b", "qwen3-0.6b"]
+PRESETS = ["tiny", "125m", "350m", "1b", "8b", "70b", "mistral-7b", "qwen3-0.6b", "qwen2.5-0.5b"]
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -76,6 +76,7 @@ def test_param_count_of_presets_is_llama_shaped():
     assert 1200 < sizes["1b"] < 1300 and 7900 < sizes["8b"] < 8100  # Llama-3.2-1B: 1.24B, Llama-3.1-8B: 8.03B
     assert 70000 < sizes["70b"] < 71000  # Llama-3.1-70B: 70.55B
     assert 7200 < sizes["mistral-7b"] < 7300  # Mistral-7B-v0.1: 7.24B
+    assert 490 < sizes["qwen2.5-0.5b"] < 500  # Qwen2.5-0.5B: 0.49B (its q / k / v biases not counted)
     assert 590 < sizes["qwen3-0.6b"] < 600  # Qwen3-0.6B: 0.6B (0.44B without the tied embedding; q/k norms not counted)
 
 
@@ -119,14 +120,17 @@ def test_mistral_config_interop_keeps_the_sliding_window(mod, window):
 
 
 @pytest.mark.parametrize("mod", [jc, tc], ids=["jax", "torch"])
-def test_qwen3_config_interop_and_its_sliding_window_refused(mod):
-    """Qwen3's config.json round-trips through transformers' Qwen3Config (q/k norms on, tied embeddings); its
-    use_sliding_window (a window from max_window_layers on) is refused by key."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_qwen_config_interop_and_its_sliding_window_refused(mod, family):
+    """Qwen3's and Qwen2's config.json round-trip through transformers' own config class (Qwen3: q/k norms;
+    Qwen2: q / k / v biases; both tied here); their use_sliding_window (a window from max_window_layers on) is
+    refused by key."""
     transformers = pytest.importorskip("transformers")
-    c = mod.ModelConfig.preset("qwen3-0.6b")
-    assert c.qk_norm and not c.is_moe and c.to_hf()["architectures"] == ["Qwen3ForCausalLM"]
-    hf = transformers.Qwen3Config(**c.to_hf())
-    assert hf.head_dim == 128 and hf.tie_word_embeddings and hf.sliding_window is None
+    c = mod.ModelConfig.preset("qwen3-0.6b" if family == "qwen3" else "qwen2.5-0.5b")
+    assert c.qk_norm == (family == "qwen3") and c.qkv_bias == (family == "qwen2") and not c.is_moe
+    assert c.to_hf()["architectures"] == [f"{family.capitalize()}ForCausalLM"]
+    hf = getattr(transformers, f"{family.capitalize()}Config")(**c.to_hf())
+    assert hf.head_dim == c.resolved_head_dim and hf.tie_word_embeddings and hf.sliding_window is None
     assert mod.ModelConfig.from_hf(hf.to_dict()) == c
     with pytest.raises(ValueError, match="use_sliding_window"):
         mod.ModelConfig.from_hf({**c.to_hf(), "use_sliding_window": True, "max_window_layers": 14})

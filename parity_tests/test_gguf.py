@@ -83,6 +83,9 @@ GGUF_LAYER = {
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
@@ -150,13 +153,18 @@ def _hf_logits(cfg: ModelConfig, tensors: dict, tok: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "arch,qtype,tied",
-    [("llama", None, False), ("llama", Q8_0, True), ("qwen3", Q8_0, True)],
-    ids=["f32-untied", "q8_0-tied", "qwen3-q8_0-tied"],
+    [("llama", None, False), ("llama", Q8_0, True), ("qwen3", Q8_0, True), ("qwen2", None, True)],
+    ids=["f32-untied", "q8_0-tied", "qwen3-q8_0-tied", "qwen2-f32-tied"],
 )
 def test_synthetic_file_loads_into_both(tmp_path, arch, qtype, tied):
     """A file as llama.cpp's converter writes it (q/k rows permuted for "llama" only; Qwen3 with its q/k norms and a
-    head size of its own) loads into both twins with transformers' logits on the same dequantized weights."""
-    cfg = _config(tied) if arch == "llama" else _config(tied).replace(model_type="qwen3", head_dim=24)
+    head size of its own; Qwen2 with its q / k / v biases) loads into both twins with transformers' logits on the
+    same dequantized weights."""
+    cfg = {
+        "llama": _config(tied),
+        "qwen3": _config(tied).replace(model_type="qwen3", head_dim=24),
+        "qwen2": _config(tied).replace(model_type="qwen2"),
+    }[arch]
     original = _hf_tensors(cfg)
     path = _write_gguf(tmp_path / "m.gguf", cfg, original, qtype, arch=arch)
     config, tensors, _ = read_gguf(path, tokenizer=False)
@@ -234,10 +242,15 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     with pytest.raises(CheckpointError, match="rope_freqs.weight"):
         read_gguf(freqs)
     bias = _write_gguf(
-        tmp_path / "bias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_q.bias": np.ones(64, np.float32)}
+        tmp_path / "bias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_output.bias": np.ones(64, np.float32)}
     )
-    with pytest.raises(CheckpointError, match=r"unsupported \(1\): blk\.0\.attn_q\.bias"):
+    with pytest.raises(CheckpointError, match=r"unsupported \(1\): blk\.0\.attn_output\.bias"):
         read_gguf(bias)
+    qkv_bias = _write_gguf(  # Qwen2's tensor in a Llama file
+        tmp_path / "qbias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_q.bias": np.ones(64, np.float32)}
+    )
+    with pytest.raises(CheckpointError, match=r"unexpected \(1\): blk\.0\.attn_q\.bias"):
+        read_gguf(qkv_bias)
     spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")
     assert read_gguf(spm, tokenizer=False).tokenizer is None  # the weights still load
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model='llama' is not supported"):

@@ -78,12 +78,14 @@ def test_transformers_directory_loads_into_both(tmp_path, case):
 FAMILIES = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),  # shorter than the rows
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),  # q/k norms
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),  # biased q / k / v
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_directory_loads_decodes_and_saves_in_both(tmp_path, family):
-    """A transformers Mistral (sliding window of 5 tokens) or Qwen3 (q/k norms, head_dim 24, tied) directory loads
+    """A transformers Mistral (sliding window of 5 tokens), Qwen3 (q/k norms, head_dim 24, tied) or Qwen2 (biased
+    q / k / v) directory loads
     into both twins with its logits on 21 tokens and its greedy tokens through the KV cache (past the window), and
     each twin saves a directory transformers reloads as the same class with the same logits. The window matters at
     this length: transformers' full-attention logits differ."""

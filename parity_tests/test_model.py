@@ -32,6 +32,7 @@ CONFIGS = {
     ),
     # Mistral's sliding window, 6 tokens, so the 17- and 64-token rows and the packed segments cross it
     "mistral-window": ModelConfig.preset("tiny", model_type="mistral", sliding_window=6),
+    "qwen2-qkv-bias": ModelConfig.preset("tiny", model_type="qwen2"),  # biased q / k / v (perturbed from 0)
 }
 
 

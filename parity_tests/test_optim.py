@@ -176,14 +176,16 @@ def test_skipped_steps_do_not_advance_the_schedule(seed):
 def test_decay_mask_same_parameters_by_hf_name():
     """Both sides decay the same parameters, compared by HF name: the JAX mask (computed on the ``nnx.State``
     of params, where the stacked layer norms are 2-D) is written into a model and read back with
-    ``hf.to_state_dict``. Norm weights are not decayed; every other weight is (embeddings and lm_head too)."""
-    tm = LlamaForCausalLM(ModelConfig.preset("tiny"))
+    ``hf.to_state_dict``. Norm weights and biases (Qwen2's q / k / v: JAX's ``q_bias``, torch's ``q_proj.bias``)
+    are not decayed; every other weight is (embeddings and lm_head too)."""
+    cfg = ModelConfig.preset("tiny", model_type="qwen2")
+    tm = LlamaForCausalLM(cfg)
     groups = topt.param_groups(tm, 0.1)
     ids = {id(p) for p in groups[0]["params"]}
     t_decayed = {n for n, p in tm.named_parameters() if id(p) in ids}
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
 
-    jm = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    jm = Llama(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(jm, nnx.Param, ...)
     as_float = jax.tree.map(lambda m, p: jnp.full(p.shape, float(m), p.dtype), jopt.decay_mask(params), params)
     marked = hf.to_state_dict(nnx.merge(graphdef, as_float, rest))
@@ -191,7 +193,7 @@ def test_decay_mask_same_parameters_by_hf_name():
     assert {k for k, v in marked.items() if not np.all(v == 1.0)} == {k for k, v in marked.items() if np.all(v == 0)}
     assert j_decayed == t_decayed
     no_decay = set(marked) - t_decayed
-    assert no_decay == {k for k in marked if k.endswith("norm.weight")} and len(no_decay) == 2 * 2 + 1
+    assert no_decay == {k for k in marked if k.endswith(("norm.weight", ".bias"))} and len(no_decay) == 2 * 5 + 1
     assert "model.embed_tokens.weight" in t_decayed and "lm_head.weight" in t_decayed
 
 
@@ -199,9 +201,9 @@ def test_decay_mask_same_parameters_by_hf_name():
 def test_nnx_optimizer_decays_only_by_name(name, seed):
     """Each transformation runs inside ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` on the tiny model. With zero
     gradients the Adam/Adafactor directions are 0, so one update only applies decay: every decayed leaf is scaled
-    by ``1 - lr*wd`` and the (2-D, stacked) norm weights stay exactly as they were."""
+    by ``1 - lr*wd`` and the (2-D, stacked) norm weights and biases (Qwen2's) stay exactly as they were."""
     lr, wd = 1e-2, 0.5
-    model = Llama(ModelConfig.preset("tiny"), rngs=nnx.Rngs(seed))
+    model = Llama(ModelConfig.preset("tiny", model_type="qwen2"), rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(model, jopt.build(name, lr, wd), wrt=nnx.Param)
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
     opt.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
@@ -211,7 +213,7 @@ def test_nnx_optimizer_decays_only_by_name(name, seed):
         key = jopt.param_name(path)
         want = flat_b[path] * (1.0 - lr * wd) if spec.decays(key) else flat_b[path]
         np.testing.assert_allclose(new, want, rtol=1e-6, atol=0, err_msg=key)
-        assert spec.decays(key) == (not key.endswith("norm")), key
+        assert spec.decays(key) == (not key.endswith(("norm", "_bias"))), key
 
 
 # ----------------------------------------------------------------------------------------------------------------

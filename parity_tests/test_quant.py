@@ -63,6 +63,19 @@ def test_rounding_rule_and_error_bound():
     assert s[3] == 1.0 and not q[3].any()
 
 
+def test_int8_keeps_qwen2s_biases_in_float_in_both_twins():
+    """A biased linear (Qwen2's q / k / v) quantizes its weight and keeps its bias in float: the twins' int8 logits
+    agree, and torch's int8 model holds the biases it had."""
+    tmodel, jmodel = twin_models(ModelConfig.preset("tiny", model_type="qwen2"), seed=4)
+    bias = tmodel.model.layers[1].self_attn.k_proj.bias.detach().clone()
+    qt, qj = tq.quantize(tmodel), jq.quantize(jmodel)
+    assert torch.equal(qt.model.layers[1].self_attn.k_proj.bias, bias) and bias.abs().max() > 0
+    tok = np.random.default_rng(2).integers(0, 256, (2, 16))
+    with torch.no_grad():
+        out_t = qt(torch.from_numpy(tok)).numpy()
+    np.testing.assert_allclose(np.asarray(jitted(qj)(jnp.asarray(tok, jnp.int32))), out_t, atol=LOGITS_TOL, rtol=0)
+
+
 def test_quantized_twins_agree_and_error_vs_fp32(quantized):
     tmodel, jmodel, qt, qj = quantized
     tok = np.random.default_rng(1).integers(0, 256, (2, 24))

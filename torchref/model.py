@@ -81,9 +81,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.resolved_head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * d, bias=cfg.qkv_bias)  # Qwen2: biased q / k / v
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
             self.q_norm = RMSNorm(d, cfg.norm_eps)
@@ -229,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
     def _init_weights(m: nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     def features(
         self,

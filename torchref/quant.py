@@ -42,19 +42,20 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """Bias-free ``nn.Linear`` with an int8 weight and per-output-channel float32 scales."""
+    """``nn.Linear`` with an int8 weight and per-output-channel float32 scales; a bias (Qwen2's q / k / v) stays
+    float, as the JAX twin adds it after its int8 matmul."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("Int8Linear: linear layers with a bias are not supported (Llama has none)")
         q, scale = quantize_weight(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None])
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None], bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

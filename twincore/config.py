@@ -2,9 +2,10 @@
 
 ``ModelConfig`` holds the Llama-style decoder's shape; ``preset(name)`` gives the project's standard sizes and
 ``from_hf`` / ``to_hf`` read and write a Hugging Face ``config.json`` dictionary (both the transformers 4.x
-keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the five families the
+keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the six families the
 model covers (``model_type``): ``llama``; ``mistral`` (Llama's layers, names on disk and ``sliding_window``
-attention); ``qwen3`` (Llama's layers plus RMSNorm on each query / key head, ``qk_norm``); ``mixtral`` (every
+attention); ``qwen2`` (Llama's layers with biased q / k / v projections, ``qkv_bias``); ``qwen3`` (Llama's layers
+plus RMSNorm on each query / key head, ``qk_norm``); ``mixtral`` (every
 layer's MLP a sparse Mixture of Experts, a sliding window allowed); ``qwen3_moe`` (Mixtral's MoE with Qwen3's
 attention; no window).
 
@@ -126,6 +127,22 @@ _PRESETS["qwen3-30b-a3b"] = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+# Qwen2.5-0.5B: 24 layers of GQA (14 query / 2 kv heads of 64) with biased q/k/v projections, tied embeddings.
+_PRESETS["qwen2.5-0.5b"] = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    dim=896,
+    n_layers=24,
+    n_heads=14,
+    n_kv_heads=2,
+    ffn_dim=4864,
+    max_seq_len=32768,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 # Qwen3-0.6B: 28 layers of GQA (16 query / 8 kv heads of 128) with Qwen3's q/k norms, tied embeddings.
 _PRESETS["qwen3-0.6b"] = dict(
     model_type="qwen3",
@@ -160,13 +177,15 @@ _PRESETS["mistral-7b"] = dict(
     eos_token_id=2,
 )
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
-DENSE_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen3")  # the families whose MLP is the dense SwiGLU
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+DENSE_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")  # the families whose MLP is the dense SwiGLU
 QWEN3_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")  # RMSNorm on each query / key head
+QWEN_TYPES: tuple[str, ...] = ("qwen2", *QWEN3_TYPES)  # use_sliding_window / max_window_layers in config.json
 WINDOW_TYPES: tuple[str, ...] = ("mistral", "mixtral")  # the families whose config.json has a sliding_window
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -190,7 +209,7 @@ class ModelConfig:
     # the tokenizer's special ids, as HF's config.json keeps them: generate() stops at eos_token_id by default
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # several for e.g. Llama 3.1 Instruct
-    # the Hugging Face family (names on disk, config.json keys): "llama", "mistral", "qwen3", "mixtral", "qwen3_moe"
+    # the Hugging Face family (names on disk, config.json keys): one of MODEL_TYPES
     model_type: str = "llama"
     # sliding-window attention (Mistral's / HF's sliding_window): each token sees itself and the sliding_window - 1
     # tokens before it, in every layer; None: all earlier tokens. Only the families whose config.json keeps it.
@@ -292,6 +311,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """RMSNorm over each query and key head before RoPE (Qwen3's attention)."""
         return self.model_type in QWEN3_TYPES
+
+    @property
+    def qkv_bias(self) -> bool:
+        """A bias on the query, key and value projections (Qwen2's attention; o_proj has none)."""
+        return self.model_type == "qwen2"
 
     @property
     def attention_window(self) -> tuple[int, None] | None:
@@ -454,8 +478,10 @@ class ModelConfig:
         }
         if self.model_type in WINDOW_TYPES:
             out["sliding_window"] = self.sliding_window
-        if self.model_type in QWEN3_TYPES:
+        if self.model_type in QWEN_TYPES:
             out["use_sliding_window"] = False
+        if self.qkv_bias:  # Qwen2's config.json has no such key: its q / k / v biases are the architecture's
+            del out["attention_bias"]
         if self.is_moe:
             out.update(_moe_to_hf(self))
         return out
@@ -466,10 +492,10 @@ def _window_from_hf(hf: dict, model_type: str) -> int | None:
     mixes sliding and full layers is refused (the layers are stacked and scanned as identical ones). Llama's config
     has no such key (transformers' Llama ignores one); Qwen3's ``use_sliding_window`` (a window on the layers from
     ``max_window_layers`` on) is refused by key."""
-    if model_type in QWEN3_TYPES:
+    if model_type in QWEN_TYPES:
         if _hf_bool(hf, "use_sliding_window", False):
             raise ValueError(
-                "HF config use_sliding_window=True: Qwen3's sliding window (on the layers from max_window_layers on) "
+                "HF config use_sliding_window=True: Qwen's sliding window (on the layers from max_window_layers on) "
                 "is not supported"
             )
         w = None

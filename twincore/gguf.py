@@ -77,11 +77,12 @@ MOE_REFUSED = (
 FAMILY_NAMES = {
     "llama": "Llama",
     "mistral": "Mistral",
+    "qwen2": "Qwen2",
     "qwen3": "Qwen3",
     "mixtral": "Mixtral",
     "qwen3_moe": "Qwen3-MoE",
 }
-ARCHITECTURES = ("llama", "qwen3", "qwen3moe")  # general.architecture values that load
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # general.architecture values that load
 
 # tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
 # "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
@@ -217,13 +218,13 @@ def _read_moe(reader, where: str, arch: str, ffn_dim: int, names: set) -> dict:
     """The family and mixture-of-experts ``ModelConfig`` fields (only the family for a dense "llama" or "qwen3" file);
     refuses by key what the model cannot represent."""
     experts = _get(reader, f"{arch}.expert_count", where, _REQUIRED if arch == "qwen3moe" else 0)
-    if arch == "qwen3" and experts:
-        raise CheckpointError(f"{where}: qwen3.expert_count={experts!r}: a Qwen3-MoE file's architecture is 'qwen3moe'")
+    if arch in ("qwen2", "qwen3") and experts:
+        raise CheckpointError(f"{where}: {arch}.expert_count={experts!r}: a dense {FAMILY_NAMES[arch]} has no experts")
     if arch != "qwen3moe" and not experts:
         window = _get(reader, f"{arch}.attention.sliding_window", where, None)
         if window not in (None, 0):  # never written for Llama / Mistral / Qwen3 by the converter: refused, not ignored
             raise CheckpointError(f"{where}: {arch}.attention.sliding_window={window!r}: not supported in a GGUF file")
-        return {} if arch == "llama" else dict(model_type="qwen3")
+        return {} if arch == "llama" else dict(model_type=arch)
     n_experts = _positive(experts, f"{arch}.expert_count", where)
     key = f"{arch}.expert_used_count"
     used = _positive(_get(reader, key, where), key, where)
@@ -518,8 +519,8 @@ def _open(path: str | os.PathLike):
     arch = _get(reader, "general.architecture", where)
     if arch not in ARCHITECTURES:
         raise CheckpointError(
-            f"{where}: general.architecture={arch!r} is not supported; only 'llama' (Llama, Mixtral), 'qwen3' "
-            f"(Qwen3) and 'qwen3moe' (Qwen3-MoE) load"
+            f"{where}: general.architecture={arch!r} is not supported; only 'llama' (Llama, Mixtral), 'qwen2' "
+            f"(Qwen2 / 2.5), 'qwen3' (Qwen3) and 'qwen3moe' (Qwen3-MoE) load"
         )
     return reader, where, arch
 

@@ -121,7 +121,7 @@ def decays(name: str) -> bool:
     """Whether the parameter called ``name`` (dotted, e.g. ``model.layers.0.input_layernorm.weight`` or
     ``layers.attn_norm``) gets weight decay: not for norm weights and biases, yes for everything else."""
     parts = [p for p in name.split(".") if p not in ("weight", "value")]
-    return not (any(p.endswith("norm") for p in parts) or (parts and parts[-1] == "bias"))
+    return not (any(p.endswith("norm") for p in parts) or (parts and parts[-1].split("_")[-1] == "bias"))
 
 
 def lr_factor(

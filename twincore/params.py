@@ -47,7 +47,7 @@ __all__ = [
     "active_matmul_param_count",
 ]
 
-KINDS = ("embedding", "linear", "router", "norm")  # a router is a linear layer that int8 leaves in float
+KINDS = ("embedding", "linear", "router", "norm", "bias")  # a router is a linear layer that int8 leaves in float
 # Logical axes that Megatron tensor parallelism splits (JAX: the ``tensor`` mesh axis; torch: the TP plan).
 TENSOR_PARALLEL_AXES = ("vocab", "heads", "kv_heads", "mlp", "expert_mlp")
 # The config field whose divisibility a split of each logical axis needs.
@@ -202,6 +202,19 @@ ROWS: tuple[ParamRow, ...] = (
         ("head_dim",),
         "blk.{i}.attn_k_norm.weight",
         present=lambda c: c.qk_norm,
+    ),
+    # Qwen2's biases on the q / k / v projections (o_proj has none); the bias of its linear's output features
+    *(
+        ParamRow(
+            f"{x}_bias",
+            f"model.layers.{{i}}.self_attn.{x}_proj.bias",
+            "bias",
+            (lambda c, h=heads: (getattr(c, h) * _hd(c),)),
+            ("heads" if x == "q" else "kv_heads",),
+            f"blk.{{i}}.attn_{x}.bias",
+            present=lambda c: c.qkv_bias,
+        )
+        for x, heads in (("q", "n_heads"), ("k", "n_kv_heads"), ("v", "n_kv_heads"))
     ),
     ParamRow(
         "w_gate",
@@ -389,6 +402,8 @@ def tp_style(r: ParamRow) -> str | None:
     expert's matrix split as a dense one's)."""
     if r.kind == "norm":
         return None
+    if r.kind == "bias":  # split with its linear's output features (the same module's plan)
+        return "colwise" if r.axes[-1] in TENSOR_PARALLEL_AXES else None
     axes = r.axes[1:] if r.expert else r.axes
     if r.kind == "linear" and axes[-1] in TENSOR_PARALLEL_AXES:
         return "colwise"
