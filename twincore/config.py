@@ -5,9 +5,8 @@
 keys ``rope_theta`` / ``rope_scaling`` and the 5.x ``rope_parameters`` are understood) for the six families the
 model covers (``model_type``): ``llama``; ``mistral`` (Llama's layers, names on disk and ``sliding_window``
 attention); ``qwen2`` (Llama's layers with biased q / k / v projections, ``qkv_bias``); ``qwen3`` (Llama's layers
-plus RMSNorm on each query / key head, ``qk_norm``); ``mixtral`` (every
-layer's MLP a sparse Mixture of Experts, a sliding window allowed); ``qwen3_moe`` (Mixtral's MoE with Qwen3's
-attention; no window).
+plus RMSNorm on each query / key head, ``qk_norm``); ``mixtral`` (every layer's MLP a sparse Mixture of Experts, a
+sliding window allowed); ``qwen3_moe`` (Mixtral's MoE with Qwen3's attention; no window).
 
     cfg = ModelConfig.preset("moe-tiny")         # 4 experts, 2 per token
     cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn_dim, cfg.capacity_factor   # (4, 2, 32, None)
@@ -447,8 +446,9 @@ class ModelConfig:
         )
 
     def to_hf(self) -> dict:
-        """A ``config.json`` dict that transformers 4.x and 5.x both load as ``LlamaForCausalLM`` (or
-        ``MistralForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` for those model types)."""
+        """A ``config.json`` dict that transformers 4.x and 5.x both load as the family's class (``architectures``:
+        ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+        ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``)."""
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
@@ -490,8 +490,8 @@ class ModelConfig:
 def _window_from_hf(hf: dict, model_type: str) -> int | None:
     """A Mistral / Mixtral ``config.json``'s ``sliding_window`` (null: full attention); a ``layer_types`` list that
     mixes sliding and full layers is refused (the layers are stacked and scanned as identical ones). Llama's config
-    has no such key (transformers' Llama ignores one); Qwen3's ``use_sliding_window`` (a window on the layers from
-    ``max_window_layers`` on) is refused by key."""
+    has no such key (transformers' Llama ignores one); Qwen2's / Qwen3's ``use_sliding_window`` (a window on the
+    layers from ``max_window_layers`` on) is refused by key."""
     if model_type in QWEN_TYPES:
         if _hf_bool(hf, "use_sliding_window", False):
             raise ValueError(
