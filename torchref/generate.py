@@ -6,7 +6,8 @@
         ...
     python -m torchref.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
-Same rules as the JAX twin: right-padded prompts, a length per cache row, prefill padded to a power of two
+Same rules as the JAX twin: right-padded prompts, a length per cache row (a windowed model's cache a ring of
+``max(prefill, sliding_window)`` slots when the generation needs more), prefill padded to a power of two
 (logits of each row's last real position only: ``logits_at``), greedy at ``temperature == 0``, else
 temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
 (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``

@@ -11,12 +11,16 @@ shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: 
 ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the slots
 ``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer; with the
 model's ``sliding_window`` w also ``slot > lengths[b] - w``), ``S > 1`` is a prefill of an empty cache (causal among
-the new tokens, in the window). Every slot is kept: no rolling buffer of w slots.
+the new tokens, in the window). A windowed model's cache of ``max_len >= w`` slots is a ring, as in the JAX twin:
+position p in slot ``p % max_len``, a step sees positions ``lengths[b] - w < p <= lengths[b]``, decoding runs past
+``max_len`` (``max_len = w``: a step reads w slots, not the length).
 """
 
 from __future__ import annotations
 
 import torch
+
+from twincore.batch import is_ring
 
 from .attention import dot_product_attention, masked_attention
 
@@ -33,6 +37,7 @@ class KVCache:
         self.slots = torch.arange(max_len, device=device)
         self.window = config.sliding_window  # a token sees itself and the window - 1 before it (None: all)
         self.rows = torch.arange(batch, device=device)
+        self.ring = is_ring(max_len, self.window)
 
     def mark_static(self) -> KVCache:
         """Marks the cache's tensors as static inputs of a ``torch.compile``d step (``torch._dynamo
@@ -72,30 +77,38 @@ class KVCache:
             )
 
     def layers(self, s: int) -> list[LayerKV]:
-        """Each layer's view for one call of ``s`` tokens. A decode step (``s == 1``) builds its mask here, once:
-        the slots ``<= lengths[b]`` of row b (the filled ones and the one this step writes) are visible. Built per
-        layer, the mask was about a fifth of an eager step's dispatched ops (benchmarks/NOTES.md)."""
-        visible = None
+        """Each layer's view for one call of ``s`` tokens. A decode step (``s == 1``) builds its mask and write slots
+        here, once: the slots ``<= lengths[b]`` of row b (the filled ones and the one this step writes) are visible
+        (in a ring, those holding positions in the window). Built per layer, the mask was about a fifth of an eager
+        step's dispatched ops (benchmarks/NOTES.md)."""
+        visible, at = None, self.lengths
         if s == 1:
             slots, last = self.slots[None, :], self.lengths[:, None]  # [1, T], [B, 1]
-            visible = slots <= last if self.window is None else (slots <= last) & (slots > last - self.window)
+            if self.ring:  # slot j holds position last - back, the newest one that is j modulo T (if any)
+                at = self.lengths % self.max_len
+                back = (last - slots) % self.max_len
+                visible = (back <= last) & (back < self.window)
+            elif self.window is None:
+                visible = slots <= last
+            else:
+                visible = (slots <= last) & (slots > last - self.window)
             visible = visible[:, None, None, :]  # [B, 1, 1, T]
-        return [LayerKV(self, i, visible) for i in range(self.k.shape[0])]
+        return [LayerKV(self, i, visible, at) for i in range(self.k.shape[0])]
 
 
 class LayerKV:
     """Layer ``i``'s view of a :class:`KVCache`: ``attend(q, k, v)`` writes k/v and runs attention."""
 
-    def __init__(self, cache: KVCache, i: int, visible=None):
-        self.cache, self.i, self.visible = cache, i, visible
+    def __init__(self, cache: KVCache, i: int, visible=None, at=None):
+        self.cache, self.i, self.visible, self.at = cache, i, visible, at  # at: each row's write slot [B]
 
     def attend(self, q, k, v):
         """q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``."""
         c, s = self.cache, q.shape[2]
         kc, vc = c.k[self.i], c.v[self.i]  # views [B, Hkv, T, D]
-        if s == 1:  # decode: write slot lengths[b] of each row, attend over every filled slot
-            kc[c.rows, :, c.lengths] = k[:, :, 0].to(kc.dtype)
-            vc[c.rows, :, c.lengths] = v[:, :, 0].to(vc.dtype)
+        if s == 1:  # decode: write slot lengths[b] of each row (modulo T in a ring), attend over the visible slots
+            kc[c.rows, :, self.at] = k[:, :, 0].to(kc.dtype)
+            vc[c.rows, :, self.at] = v[:, :, 0].to(vc.dtype)
             return masked_attention(q, kc.to(q.dtype), vc.to(q.dtype), self.visible)
         kc[:, :, :s] = k.to(kc.dtype)  # prefill of an empty cache
         vc[:, :, :s] = v.to(vc.dtype)

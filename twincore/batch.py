@@ -103,6 +103,12 @@ def cache_positions(cache: Any, positions: Any, segment_ids: Any, tokens_shape: 
     return cache.positions(tokens_shape[1]) if positions is None else positions
 
 
+def is_ring(max_len: int, window: int | None) -> bool:
+    """Whether both twins' KV cache of ``max_len`` slots for a model of ``sliding_window`` ``window`` is a ring:
+    position p in slot ``p % max_len``, so decoding runs past ``max_len`` (``jaxattn/kv_cache.py``)."""
+    return window is not None and max_len >= window
+
+
 def check_logits_at(logits_at: Any, tokens_shape: tuple, arg: str = "logits_at") -> None:
     """A model call's ``logits_at``: an int array ``[batch, K >= 1]`` (the tokens' batch) of indices into the
     sequence axis of tokens shaped ``tokens_shape = (batch, seq)``. Reads the shape and dtype only (works on

@@ -122,13 +122,21 @@ def prepare(
     prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
     """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
-    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots, the EOS ids (:func:`eos_ids`))``."""
+    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots (:func:`ring_slots`), the EOS ids
+    (:func:`eos_ids`))``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
     check_seed(seed)
     prompts = check_prompts(prompts, config.vocab_size)
     t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
     tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
-    return tokens, lengths, t, eos_ids(eos_id, config)
+    return tokens, lengths, ring_slots(t, tokens.shape[1], config.sliding_window), eos_ids(eos_id, config)
+
+
+def ring_slots(slots: int, prefill: int, window: int | None) -> int:
+    """The KV cache's slots for a generation that needs ``slots`` with a prefill of ``prefill`` tokens: a windowed
+    model's cache is a ring of ``max(prefill, window)`` slots when the generation needs more than ``window``
+    (``twincore.batch.is_ring``; a prefill needs a slot per token), else ``slots``."""
+    return slots if window is None or slots <= window else max(prefill, window)
 
 
 NON_FINITE = -1  # the id both step programs give a row whose logits are not all finite (emit refuses it)
