@@ -81,27 +81,30 @@ class KVCache:
                 )
 
 
-def cached_attention(q, k, v, k_cache, v_cache, lengths, window: int | None = None):
-    """One layer: write ``k``/``v`` ``[B, S, Hkv, D]`` into the layer's cache ``[B, T, Hkv, D]`` at slot
-    ``lengths[b]`` of each row (``lengths[b] % T`` in a ring), attend; returns ``(o [B, S, Hq, D], (k_cache,
-    v_cache))``. ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it)."""
-    t = k_cache.shape[1]
+def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None = None):
+    """Layer ``layer``: write ``k``/``v`` ``[B, S, Hkv, D]`` into the stacked cache ``[n_layers, B, T, Hkv, D]`` at
+    slot ``lengths[b]`` of each row (``lengths[b] % T`` in a ring), attend over the layer's slots; returns
+    ``(o [B, S, Hq, D], (k_all, v_all))``. The model's layer scan carries the whole cache, so XLA writes it in place
+    (as the scan's ``xs`` and ``ys`` it was copied in and out every step: benchmarks/NOTES.md, "A ring KV cache").
+    ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it)."""
+    t = k_all.shape[2]
     ring = is_ring(t, window)
     at = lengths % t if ring else lengths
-    write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=0))
-    k_cache = write(k_cache, k.astype(k_cache.dtype), at)
-    v_cache = write(v_cache, v.astype(v_cache.dtype), at)
     b, s = q.shape[:2]
+    rows, cols = jnp.arange(b)[:, None], at[:, None] + jnp.arange(s)[None, :]  # [B, 1], [B, S]: the slots written
+    k_all = k_all.at[layer, rows, cols].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, cols].set(v.astype(v_all.dtype), mode="drop")
     if s == 1:  # decode: every filled slot (including the one just written) in the window, none of the empty ones
         slots, last = jnp.arange(t)[None, :], lengths[:, None]  # [1, T], [B, 1]
         if ring:  # slot j holds position last - back, the newest one that is j modulo T (if any)
             back = (last - slots) % t
             seen = (back <= last) & (back < window)
-        else:
-            seen = slots <= last if window is None else (slots <= last) & (slots > last - window)
+        else:  # no wrap; in a cache shorter than the window no filled slot is out of it
+            seen = slots <= last
         kv_ids = seen.astype(jnp.int32)  # [B, T]
         q_ids = jnp.ones((b, 1), jnp.int32)
-        o = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), segment_ids=(q_ids, kv_ids))
+        k_layer, v_layer = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_all, v_all))
+        o = dot_product_attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), segment_ids=(q_ids, kv_ids))
     else:  # prefill of an empty cache: causal among the new tokens
         o = dot_product_attention(q, k, v, causal=True, window=None if window is None else (window - 1, None))
-    return o, (k_cache, v_cache)
+    return o, (k_all, v_all)

@@ -144,8 +144,9 @@ def _self_attention(q, k, v, segment_ids, window=None):
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm).
 
-    ``kv = (k_cache, v_cache, lengths)``: this layer's KV cache (``jaxattn.kv_cache``); then returns
-    ``(out, (k_cache, v_cache))``. Matmuls go through ``quant.matmul`` (float or int8 weights)."""
+    ``kv = (k_all, v_all, layer, lengths)``: the stacked KV cache and this layer's index in it
+    (``jaxattn.kv_cache.cached_attention``); then returns ``(out, (k_all, v_all))``. Matmuls go through
+    ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
     q = checkpoint_name(linear(x, p["wq"], p.get("q_bias")), "q_proj").reshape(b, s, cfg.n_heads, d)  # [B, S, Hq, D]
@@ -184,7 +185,7 @@ def mlp_block(x, p):
 
 def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None, moe_mask=None):
     """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters. With ``kv`` (this layer's
-    cache, see ``attention_block``) returns ``(x, (k_cache, v_cache))``; else an MoE layer returns ``(x, stats)``
+    cache, see ``attention_block``) returns ``(x, (k_all, v_all))``; else an MoE layer returns ``(x, stats)``
     (``jaxattn.moe.moe_block``'s router sums over the tokens ``moe_mask`` keeps) and a dense one ``x``."""
     a = attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids, kv)
     if kv is not None:
@@ -304,13 +305,15 @@ class Llama(nnx.Module):
             )
         elif cache is None:
             x = run_layers(lambda h, p, side: constrain(layer(h, p, side), ACT_AXES), x, stacked, (cos, sin, seg, mask))
-        else:  # each layer reads and writes its slice of the cache (scanned with the parameters)
+        else:  # each layer writes and reads its slice of the cache, carried whole (written in place)
 
-            def cached_layer(h, xs):
-                p, kc, vc = xs
-                return decoder_layer(h, p, cos, sin, cfg, None, (kc, vc, cache.lengths))
+            def cached_layer(carry, xs):
+                h, k, v = carry
+                p, i = xs
+                h, (k, v) = decoder_layer(h, p, cos, sin, cfg, None, (k, v, i, cache.lengths))
+                return (h, k, v), None
 
-            x, (k, v) = jax.lax.scan(cached_layer, x, (stacked, cache.k, cache.v))
+            (x, k, v), _ = jax.lax.scan(cached_layer, (x, cache.k, cache.v), (stacked, jnp.arange(cfg.n_layers)))
             cache = KVCache(k, v, cache.lengths + s)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)  # [B, S, dim]
         if cache is not None:

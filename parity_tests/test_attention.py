@@ -192,6 +192,7 @@ DEFAULT_CASES = [
     (3, 1, 128, 128, 4, 4, 128, dict(seg="pair", window=(16, 8))),  # dead rows from segment ids
     (4, 3, 17, 17, 8, 2, 32, dict(seg="self", softcap=5.0, window=(4, None), causal=True)),
     (5, 1, 1, 513, 8, 1, 64, dict(causal=True)),  # decode step
+    (7, 3, 1, 255, 8, 2, 64, dict(seg="pair", softcap=5.0, window=(40, None), causal=True)),  # batched GQA decode
     (6, 1, 128, 17, 4, 4, 32, dict(window=(None, 3), scale=0.3)),
 ]
 

@@ -302,19 +302,19 @@ def test_kv_cache_decode_routes_through_the_kernel(monkeypatch):
     q, k, v = (
         jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, 1, hq, d), (b, 1, hkv, d), (b, 1, hkv, d))
     )
-    kc, vc = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32) for _ in range(2))
+    kc, vc = (jnp.asarray(rng.standard_normal((2, b, t, hkv, d)), jnp.float32) for _ in range(2))  # 2 layers
     lengths = jnp.asarray([0, 28, 13], jnp.int32)
-    ref, _ = jax.jit(cached_attention)(q, k, v, kc, vc, lengths)
+    ref, _ = jax.jit(cached_attention)(q, k, v, kc, vc, 1, lengths)
 
     @jax.jit
     def step(*a):
         with attn.attention_backend("flash_decode"):
             return cached_attention(*a)
 
-    out, (kc2, _) = step(q, k, v, kc, vc, lengths)
+    out, (kc2, _) = step(q, k, v, kc, vc, 1, lengths)
     assert calls, "the decode step did not reach the flash_decode backend"
     _assert_fp32_close("decode step", out, ref)
-    assert bool(jnp.all(kc2[1, 28] == k[1, 0]))
+    assert bool(jnp.all(kc2[1, 1, 28] == k[1, 0])) and bool(jnp.all(kc2[0] == kc[0]))  # layer 1 written, 0 kept
 
 
 def test_generate_greedy_tokens_match_default_backend(monkeypatch):

@@ -735,15 +735,19 @@ def test_generate_loop_tool_times_every_loop_on_the_same_tokens(capsys, aot_eage
     assert "jax:device vs jax:host:" in text and text.count("ms per token") == 11
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_ring_decode_tool_times_the_ring_against_the_plain_cache(framework, capsys):
-    """``benchmarks.tools.ring_decode``: the ring built from the plain cache's last w positions gives the plain
-    cache's logits (checked inside before any timing), then both are timed, paired."""
+def test_ring_decode_tool_times_the_ring_against_the_plain_cache(capsys, tmp_path):
+    """``benchmarks.tools.ring_decode``: in each twin the ring built from the plain cache's last w positions gives
+    the plain cache's logits (checked inside before any timing), then both are timed, paired; ``--out`` writes
+    the JSON the GPU session brings back."""
+    import json
+
     from benchmarks.tools import ring_decode as tool
 
     full = np.arange(2 * 11).reshape(2, 11)  # positions 0 .. 10 on axis 1
     assert tool.ring_of(full, 10, 4, axis=1)[0].tolist() == [8, 9, 6, 7]  # position p in slot p % 4
-    argv = ["--framework", framework, "--preset", "tiny", "--window", "8", "--length", "40", "--batch", "2"]
-    res = tool.main([*argv, "--rounds", "2", "--per-round", "1"])
-    assert res["slots"] == 64 and res["ratio"]["rounds"] == 2 and set(res["times"]) == {"plain", "ring"}
-    assert "ring / plain per round" in capsys.readouterr().out
+    argv = ["--preset", "tiny", "--window", "8", "--length", "40", "--batch", "2", "--rounds", "2"]
+    res = tool.main([*argv, "--per-round", "1", "--out", str(tmp_path)])
+    for fw in ("jax", "torch"):
+        assert res[fw]["slots"] == 64 and res[fw]["ratio"]["rounds"] == 2 and set(res[fw]["times"]) == {"plain", "ring"}
+    assert capsys.readouterr().out.count("ring / plain per round") == 2
+    assert json.loads((tmp_path / "ring_decode.json").read_text())["args"]["window"] == 8

@@ -48,6 +48,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         "attention",
         "peers",
         "order",
+        "ring",
         "train",
         "decode",
         "loops",
@@ -76,7 +77,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         (["--call", "3"], r"--call '3': give 1 or 2"),
         (
             ["nope"],
-            r"unknown step 'nope'; steps: tests profile attention peers order train decode loops blocks gqa model",
+            r"unknown step 'nope'; steps: tests profile attention peers order ring train decode loops blocks gqa model",
         ),
         (["--fast"], r"unknown option '--fast'"),
     ],
@@ -278,6 +279,8 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
         if call == "1":  # issue 42's profile beside the suites, its wait ladder included
             profile = json.loads((res / "kernel_profile.json").read_text())
             assert profile["complete"] and len(profile["tails"]) == 2
+            ring = json.loads((res / "ring_decode.json").read_text())  # the ring's step against the plain one's
+            assert ring["jax"]["ratio"]["rounds"] == ring["torch"]["ratio"]["rounds"] == 2
         if call == "2":  # the decode rows of the batches it was given, the larger first
             batches = [r["B"] for r in found["decode"]["records"] if r["impl"] == "jaxattn" and r["pass"] == "decode"]
             assert batches and batches[0] == 4 and set(batches) == {1, 4}, batches

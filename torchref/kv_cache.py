@@ -9,11 +9,11 @@ Fixed-shape tensors ``k``/``v`` ``[n_layers, B, Hkv, max_len, D]`` (the torch la
 updated IN PLACE (``index_put_`` / slice assignment), so ``torch.compile`` captures the decode step with static
 shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: rows are right-padded, a call with
 ``S`` tokens writes slots ``lengths[b] .. lengths[b] + S - 1``; ``S = 1`` attends over the slots
-``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer; with the
-model's ``sliding_window`` w also ``slot > lengths[b] - w``), ``S > 1`` is a prefill of an empty cache (causal among
-the new tokens, in the window). A windowed model's cache of ``max_len >= w`` slots is a ring, as in the JAX twin:
-position p in slot ``p % max_len``, a step sees positions ``lengths[b] - w < p <= lengths[b]``, decoding runs past
-``max_len`` (``max_len = w``: a step reads w slots, not the length).
+``slot <= lengths[b]`` (segment ids ``(1, slot <= lengths[b])``' mask, built once per step for every layer), ``S > 1``
+is a prefill of an empty cache (causal among the new tokens, in the model's window). A windowed model's cache of
+``max_len >= w`` slots is a ring, as in the JAX twin: position p in slot ``p % max_len``, a step sees positions
+``lengths[b] - w < p <= lengths[b]``, decoding runs past ``max_len`` (``max_len = w``: a step reads w slots, not the
+length).
 """
 
 from __future__ import annotations
@@ -88,10 +88,8 @@ class KVCache:
                 at = self.lengths % self.max_len
                 back = (last - slots) % self.max_len
                 visible = (back <= last) & (back < self.window)
-            elif self.window is None:
+            else:  # no wrap; in a cache shorter than the window no filled slot is out of it
                 visible = slots <= last
-            else:
-                visible = (slots <= last) & (slots > last - self.window)
             visible = visible[:, None, None, :]  # [B, 1, 1, T]
         return [LayerKV(self, i, visible, at) for i in range(self.k.shape[0])]
 

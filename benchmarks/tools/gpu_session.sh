@@ -2,7 +2,7 @@
 # The GPU session: what the project wants from a lent GPU, in two device calls that fit its 15 minutes
 # (the machine's start takes 1-2 of them). Run from the repository root; writes under $OUT.
 #   bash benchmarks/tools/gpu_session.sh --plan              # the plan (steps, budgets, expected GPU times); runs nothing
-#   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, profile, attention, order
+#   bash benchmarks/tools/gpu_session.sh --call 1            # device call 1: tests, profile, attention, order, ring
 #   bash benchmarks/tools/gpu_session.sh --call 2            # device call 2: train, decode, loops, blocks, gqa
 #   bash benchmarks/tools/gpu_session.sh --dry-run --call 1  # the CPU rehearsal: the same steps at quick sizes
 #   bash benchmarks/tools/gpu_session.sh model attention     # only these steps, each with its budget
@@ -10,7 +10,7 @@
 # finished: they are written one by one). Exit status 1 when a step failed (in a --dry-run rehearsal, also when
 # one outran its budget; CI runs the whole rehearsal, .ci/run). $OUT holds at most 6 files per call (a device call returns 8):
 # session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, kernel_profile.json,
-# generate_loop.json, peers/attention.json, block_search.{json,md}.
+# generate_loop.json, ring_decode.json, peers/attention.json, block_search.{json,md}.
 # Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
 # `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
 # (jax with its CUDA plugin, torch, pytest-xdist, pytest-timeout); $PYTHON picks the interpreter (default python).
@@ -26,6 +26,7 @@ profile|1|130|90|issue 42: each framework's floor (x + 1), the wait ladder (a ma
 attention|1|100|90|attention suite at D=128, S <= 4096: ours (flash with its new dkv default, mosaic), JAX and torch cuDNN (H200, D=128: 89 s on 2026-11-27)
 peers|-|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic (its own folder; H200: 30 of 32 rows in 85 s, twice measured); in no call: by name
 order|1|5|1|default attention order by evidence (tests log + attention records)
+ring|1|45|30|a windowed decode step (125m as a Mistral, w=256, B=64, 1900 tokens, fp32) on a ring of 256 slots vs the plain 2048-slot cache, paired, JAX then torch (never run on a GPU; expected ring / plain 0.25-0.4 in both: a step reads 0.5 GB of weights and 3.2 GB of keys and values on the plain cache, 0.4 GB on the ring)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, fp16 (not reached on 2026-11-28), then bf16, tf32, remat_full (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, B=64 first (never reached), then B=1; fp32/bf16/int8, split-K kernel, torch.compile with CUDA graphs (reduce-overhead; a compile: 14-24 s per weights format)
 loops|2|80|60|generate's loops at 125m B=1, 32 tokens, paired: JAX host loop vs loop="device" (one program, one wait) vs torch's, eager and with the CUDA-graph step on the cache generate keeps (its inductor compile: 14-24 s); JAX's stopping loop with its stop read per 16-step chunk vs per step (expected 1.05-1.3x); JAX's host loop with a stopped row's EOS fed in the step program vs by an eager where (expected 1.02-1.06x) (expected: JAX's device loop per token well under its 1.1-1.4 ms synchronized step and under torch's CUDA-graph steps, 0.81-1.37 ms)
@@ -165,6 +166,10 @@ if want order; then
   else
     echo "order: needs gpu_tests.log and attention.json from this call's tests and attention steps; not run"
   fi
+fi
+if want ring; then
+  if [ "$DRY" = 1 ]; then RING=(--preset tiny --window 8 --length 40 --batch 2 --rounds 2); else RING=(--batch 64); fi
+  step ring "$PY" -m benchmarks.tools.ring_decode "${RING[@]}" --out "$RES"
 fi
 if want train; then
   if [ "$DRY" = 1 ]; then TOGGLES=(baseline bf16); else TOGGLES=(fused_loss fp16 bf16 tf32 remat_full); fi

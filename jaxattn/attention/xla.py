@@ -4,7 +4,10 @@ Materialises the ``[B, Hkv, G, Sq, Sk]`` scores (O(Sq*Sk) memory); GQA reshapes 
 instead of repeating K/V.  Dtypes: q@k^T is taken in the input dtype with fp32 accumulation
 (``preferred_element_type``), softmax in fp32, and for bf16/fp16 inputs the probabilities are cast to the
 input dtype before the p@v product (fp32 accumulation), as flash kernels and ``jax.nn.dot_product_attention``
-do; the output has q's dtype.  A row that sees no key gives zeros and zero gradients.  Differentiable by
+do; the output has q's dtype.  One query per row (a decode step) takes the two products as a multiply and a sum
+over D, then over Sk, in fp32 (the same products and fp32 sums): XLA's dot wants the batch dims (B, Hkv) outermost
+and copied K and V transposed for it every step (benchmarks/NOTES.md, "A ring KV cache").  A row that sees no key
+gives zeros and zero gradients.  Differentiable by
 autodiff.  Tests compare it with :func:`jaxattn.attention.reference.attention_reference`::
 
     out = attention(q, k, v, normalize(q, k, v, causal=True))
@@ -30,7 +33,11 @@ def attention(q, k, v, args: AttnArgs):
     sk, hkv = k.shape[1], k.shape[2]
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
     qg = q.reshape(b, sq, hkv, hq // hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=f32, precision=hi) * args.scale
+    if sq == 1:  # decode: one pass over K in its own layout, no transposed copy
+        s = jnp.sum(qg[:, 0, None].astype(f32) * k[:, :, :, None].astype(f32), axis=-1)  # [B, Sk, Hkv, G]
+        s = jnp.transpose(s, (0, 2, 3, 1))[:, :, :, None] * args.scale  # [B, Hkv, G, 1, Sk]
+    else:
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=f32, precision=hi) * args.scale
     if args.softcap is not None:
         s = args.softcap * jnp.tanh(s / args.softcap)
     m = mask(sq, sk, args)
@@ -41,5 +48,9 @@ def attention(q, k, v, args: AttnArgs):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0, 1.0, denom)  # a row with no visible key stays all-zero
     pv_dtype = f32 if q.dtype == f32 else v.dtype
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(pv_dtype), v, preferred_element_type=f32, precision=hi)
+    if sq == 1:  # decode: one pass over V
+        pk = jnp.transpose(p[:, :, :, 0].astype(pv_dtype).astype(f32), (0, 3, 1, 2))  # [B, Sk, Hkv, G]
+        out = jnp.sum(pk[..., None] * v[:, :, :, None].astype(f32), axis=1)[:, None]  # [B, 1, Hkv, G, D]
+    else:
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(pv_dtype), v, preferred_element_type=f32, precision=hi)
     return out.reshape(b, sq, hq, d).astype(q.dtype)
