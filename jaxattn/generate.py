@@ -5,28 +5,29 @@
         ...
     python -m jaxattn.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
-Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row; a windowed model's cache is a ring
-of ``max(prefill, sliding_window)`` slots when the generation needs more, ``twincore.generate.ring_slots``). The
-model is split once (``nnx.split``) and two pure functions of its state are jitted: the prefill (compiled once per
-power-of-two prompt length; it makes the empty cache and computes the logits of each row's last real position only,
-``logits_at``, never ``[B, P, vocab]``) and the decode step (compiled once per cache length; the cache is donated,
-so it is updated in place where the backend supports donation). Both keep on the device which rows have stopped, and
-a decode step feeds a stopped row its EOS itself: the host's work per token is the call and the read of B ids.
-Sampling: ``temperature == 0`` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus:
-the smallest set of most-likely tokens whose probability reaches ``top_p``), then a draw with
-``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)`` (``seed`` an int in ``[0, 2**32)``): a fixed seed
-reproduces the same tokens (within jax; torch draws its own). A row stops after it emits ``eos_id`` (the EOS is
-returned); finished rows keep feeding EOS until every row is done, their outputs discarded. Logits that are not
-finite (NaN weights) are refused with a ValueError at the prefill or step they appear (``twincore.generate.emit``).
-``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted ``lax.while_loop`` that
-stops when every row has: the host waits once per generation instead of once per token (the same steps and ids;
-``stream`` yields them after the program ends). On a GPU the stop is checked once per ``CHECK_EVERY`` steps, between
-``fori_loop`` chunks of fixed trip count: XLA:GPU reads a while loop's predicate back on the host each iteration, a
-wait per token otherwise.
+Prompts are right-padded into one batch (``jaxattn.kv_cache``: a length per row; a windowed model's cache is a ring of
+``sliding_window`` slots when the generation needs more, ``twincore.generate.ring_slots``; a longer prompt's prefill
+fills a plain cache first and keeps its window, ``KVCache.ring``). The model is split once (``nnx.split``) and two pure
+functions of its state are jitted: the prefill (compiled once per power-of-two prompt length; it makes the empty cache
+and computes the logits of each row's last real position only, ``logits_at``, never ``[B, P, vocab]``) and the decode
+step (compiled once per cache length; the cache is donated, so it is updated in place where the backend supports
+donation). Both keep on the device which rows have stopped, and a decode step feeds a stopped row its EOS itself: the
+host's work per token is the call and the read of B ids. Sampling: ``temperature == 0`` is greedy (argmax); otherwise
+logits / temperature, then top-k, then top-p (nucleus: the smallest set of most-likely tokens whose probability reaches
+``top_p``), then a draw with ``jax.random.categorical`` from ``fold_in(PRNGKey(seed), step)`` (``seed`` an int in ``[0,
+2**32)``): a fixed seed reproduces the same tokens (within jax; torch draws its own). A row stops after it emits
+``eos_id`` (the EOS is returned); finished rows keep feeding EOS until every row is done, their outputs discarded.
+Logits that are not finite (NaN weights) are refused with a ValueError at the prefill or step they appear
+(``twincore.generate.emit``). ``loop="device"`` (``--loop device``) runs the prefill and every decode step as one jitted
+``lax.while_loop`` that stops when every row has: the host waits once per generation instead of once per token (the same
+steps and ids; ``stream`` yields them after the program ends). On a GPU the stop is checked once per ``CHECK_EVERY``
+steps, between ``fori_loop`` chunks of fixed trip count: XLA:GPU reads a while loop's predicate back on the host each
+iteration, a wait per token otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterator
@@ -103,10 +104,20 @@ def _stop_ids(eos: tuple) -> jax.Array:
     return jnp.asarray((*eos, NON_FINITE), jnp.int32)
 
 
-def _empty_cache(spec) -> KVCache:
-    """The empty cache of ``spec`` (:func:`_cache_spec`), made inside a program (no eager zeros, no second copy)."""
+def _slots(spec) -> int:
+    """The slots of the cache of ``spec`` (:func:`_cache_spec`)."""
+    return jax.tree.unflatten(spec[0], [shape for shape, _ in spec[1]]).k[2]
+
+
+def _empty_cache(spec, slots: int | None = None) -> KVCache:
+    """The empty cache of ``spec`` (:func:`_cache_spec`; ``slots`` slots if given), made inside a program (no eager
+    zeros, no second copy)."""
     treedef, leaves = spec
-    return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+    cache = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+    if slots is None or slots == cache.max_len:
+        return cache
+    shape = (*cache.k.shape[:2], slots, *cache.k.shape[3:])
+    return dataclasses.replace(cache, k=jnp.zeros(shape, cache.k.dtype), v=jnp.zeros(shape, cache.v.dtype))
 
 
 def _steps(graphdef, temperature: float, top_k, top_p, has_eos: bool, spec):
@@ -116,10 +127,12 @@ def _steps(graphdef, temperature: float, top_k, top_p, has_eos: bool, spec):
     decode step (no eager ``where`` per step on the host)."""
 
     def prefill(stop, state, tokens, lengths, key):  # only each row's last real position reaches the LM head
-        cache = _empty_cache(spec)
+        slots, p = _slots(spec), tokens.shape[1]
+        cache = _empty_cache(spec, max(p, slots))  # a ring shorter than the prompt: p slots, then its window
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
         token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
-        return token, jnp.isin(token, stop), cache.with_lengths(lengths)
+        cache = cache.with_lengths(lengths)
+        return token, jnp.isin(token, stop), cache if p <= slots else cache.ring(slots)
 
     def decode(stop, state, token, done, cache, key, step):  # step t draws with fold_in(key, t), in the program
         feed = stop[0] if has_eos else 0  # without an EOS only a non-finite row stops, and the host refuses it

@@ -16,7 +16,8 @@ keeps ``lengths + S <= max_len`` (``jaxattn.generate`` sizes the cache so), exce
 A ring: with the model's ``sliding_window`` w and ``max_len >= w``, position p lives in slot ``p % max_len`` and
 a decode step sees the slots holding positions ``lengths - w < p <= lengths``, so decoding runs past ``max_len``
 while the cache holds only the window (Hugging Face's sliding-window cache; ``max_len = w`` is the smallest, a
-step then reads w slots instead of the length). Until it wraps, a ring is the plain cache slot for slot.
+step then reads w slots instead of the length). Until it wraps, a ring is the plain cache slot for slot. A prefill
+needs a slot per token: a longer prompt fills a plain cache, whose :meth:`KVCache.ring` keeps the window.
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class KVCache:
 
     def with_lengths(self, lengths) -> KVCache:
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32).reshape(self.lengths.shape))
+
+    def ring(self, slots: int) -> KVCache:
+        """A ring of ``slots`` slots (for a model whose ``sliding_window`` is at most ``slots``) holding each row's
+        last ``slots`` positions, position p in slot ``p % slots``; the lengths are kept. ``generate`` prefills a
+        prompt longer than its ring into a plain cache and keeps this of it."""
+        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"KVCache.ring: slots must be an int >= 1, got {slots!r}")
+        j = jnp.arange(slots)[None, :]  # [1, slots]
+        last = self.lengths[:, None] - 1  # [B, 1]
+        at = jnp.maximum(last - (last - j) % slots, 0)  # [B, slots]: the position each slot holds (0: none yet)
+        take = lambda c: jnp.take_along_axis(c, at[None, :, :, None, None], axis=2)  # noqa: E731
+        return KVCache(take(self.k), take(self.v), self.lengths)
 
     def positions(self, s: int) -> jax.Array:
         """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""

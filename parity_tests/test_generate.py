@@ -105,27 +105,58 @@ def test_cache_decode_equals_full_forward(twins, windowed, framework, window, sl
 
 
 def test_ring_slots():
-    """A windowed generation that needs more slots than its window gets a ring of max(prefill, window) slots."""
-    assert ring_slots(32, 16, 4) == 16  # the prefill's 16 slots, wrapped from position 16 on
-    assert ring_slots(4096, 64, 1024) == 1024  # the window
-    assert ring_slots(32, 16, None) == 32  # full attention: every slot
-    assert ring_slots(16, 16, 16) == 16  # fits the window: no wrap
+    """A windowed generation that needs more slots than its window gets a ring of the window's slots."""
+    assert ring_slots(32, 4) == 4  # wrapped from position 4 on
+    assert ring_slots(32, None) == 32  # full attention: every slot
+    assert ring_slots(16, 16) == 16  # fits the window: no wrap
     assert not is_ring(8, 16) and is_ring(16, 16) and not is_ring(16, None)
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch", "torch-compiled"])
+def test_a_plain_cache_folds_into_the_ring_alike_in_both_twins():
+    """``KVCache.ring`` (JAX) and ``ring_into`` (torch): each row's last 4 positions of a 12-slot cache, position p
+    in slot p % 4 (row 2, 10 tokens: 8 9 6 7), a short row's first slots as they are (row 1, 3 tokens), the
+    lengths kept; the two twins' layouts (slots on axis 2 / 3) give the same ring."""
+    cfg = ModelConfig.preset("tiny").replace(model_type="mistral", sliding_window=4)
+    lengths = np.asarray([0, 3, 10])
+    jfull = JCache.init(cfg, 3, 12)
+    pos = jnp.arange(12, dtype=jnp.float32)[None, None, :, None, None]  # a slot's value: its position (+ layer)
+    layer = jnp.arange(cfg.n_layers, dtype=jnp.float32)[:, None, None, None, None] * 100
+    jfull = JCache(jfull.k + pos + layer, jfull.v - pos - layer, jnp.asarray(lengths, jnp.int32))
+    jring = jfull.ring(4)
+    assert jring.max_len == 4 and np.asarray(jring.lengths).tolist() == [0, 3, 10]
+    assert np.asarray(jring.k[1, 2, :, 0, 0]).tolist() == [108, 109, 106, 107]
+    assert np.asarray(jring.k[0, 1, :3, 0, 0]).tolist() == [0, 1, 2]
+    tfull = TCache(cfg, 3, 12)
+    tfull.k.copy_(torch.from_numpy(np.asarray(jfull.k)).transpose(2, 3))
+    tfull.v.copy_(torch.from_numpy(np.asarray(jfull.v)).transpose(2, 3))
+    tfull.set_lengths(lengths)
+    tring = TCache(cfg, 3, 4)
+    assert tfull.ring_into(tring) is tring and tring.lengths.tolist() == [0, 3, 10]
+    np.testing.assert_array_equal(tring.k.transpose(2, 3).numpy(), np.asarray(jring.k))
+    np.testing.assert_array_equal(tring.v.transpose(2, 3).numpy(), np.asarray(jring.v))
+    with pytest.raises(ValueError, match=r"KVCache.ring: slots must be an int >= 1, got 0"):
+        jfull.ring(0)
+    with pytest.raises(ValueError, match=r"ring must be a KVCache of this one's \[n_layers, B, Hkv, D\]"):
+        tfull.ring_into(TCache(cfg, 2, 4))
+
+
+@pytest.mark.parametrize("framework", ["jax", "jax-device-loop", "torch", "torch-compiled"])
 def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
-    """Greedy generation with a window of 4 needs 24 slots and gets a ring of 16 (the prefill's), which rows 0 and
-    2 pass; its tokens equal those of the full forward re-run on every prefix, no cache (torch's). ``torch-compiled``:
+    """Greedy generation with a window of 4 needs 24 slots and gets a ring of 4: the 16-token prefill fills a plain
+    cache whose window the ring keeps (rows 0 and 2 are longer than it), then every row wraps; its tokens equal those
+    of the full forward re-run on every prefix, no cache (torch's). ``torch-compiled``:
     the decode step traced whole by dynamo (``aot_eager``, as the test below), the ring's wrap inside the graph."""
     tmodel, jmodel = windowed
     kwargs = {}
     if framework == "torch-compiled":
         request.getfixturevalue("aot_eager_compile")
         kwargs = {"compile": True}
+    elif framework == "jax-device-loop":  # the prefill's fold inside the one while-loop program
+        kwargs = {"loop": "device"}
     rng = np.random.default_rng(5)
     prompts = _ragged(rng, tmodel.config.vocab_size, [5, 2, 8])
-    assert prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config)[2] == 16
+    tokens, _, slots, _ = prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config)
+    assert tokens.shape[1] == 16 and slots == 4
     with torch.no_grad():
         want = []
         for p in prompts:
@@ -133,8 +164,8 @@ def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
             for _ in range(17):
                 ids.append(int(tmodel(torch.tensor([ids]))[0, -1].argmax()))
             want.append(ids[len(p) :])
-    gen = jgen if framework == "jax" else tgen
-    model = jmodel if framework == "jax" else tmodel
+    gen = jgen if framework.startswith("jax") else tgen
+    model = jmodel if framework.startswith("jax") else tmodel
     assert gen.generate(model, prompts, 17, eos_id=None, **kwargs) == want
 
 

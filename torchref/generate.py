@@ -7,20 +7,20 @@
     python -m torchref.generate --init SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 
 Same rules as the JAX twin: right-padded prompts, a length per cache row (a windowed model's cache a ring of
-``max(prefill, sliding_window)`` slots when the generation needs more), prefill padded to a power of two
-(logits of each row's last real position only: ``logits_at``), greedy at ``temperature == 0``, else
-temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator`` seeded by ``seed``
-(reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``. ``compile=True``
-runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in place, so the
-step has static shapes); ``compile_mode="reduce-overhead"`` also replays it as one CUDA graph per step on a GPU
-(gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). A CUDA graph holds its inputs' addresses,
-so in those modes the cache is kept per model and reused by the next call of the same shape, zeroed in place
+``sliding_window`` slots when the generation needs more; a longer prompt is prefilled into a plain cache first,
+:func:`_prefill`), prefill padded to a power of two (logits of each row's last real position only: ``logits_at``),
+greedy at ``temperature == 0``, else temperature -> top-k -> top-p -> ``torch.multinomial`` with a ``torch.Generator``
+seeded by ``seed`` (reproducible within torch; the JAX twin draws with its own PRNG), stop per row at ``eos_id``.
+``compile=True`` runs the decode step under ``torch.compile`` (the cache is a set of fixed-shape tensors updated in
+place, so the step has static shapes); ``compile_mode="reduce-overhead"`` also replays it as one CUDA graph per step on
+a GPU (gpt-fast's decode; the cache marked static, :meth:`KVCache.mark_static`). A CUDA graph holds its inputs'
+addresses, so in those modes the cache is kept per model and reused by the next call of the same shape, zeroed in place
 (:func:`static_cache`, as gpt-fast's ``setup_caches`` and Hugging Face's static cache do): a new cache per call would
-re-record every step's graph per call. Logits that are not finite are refused
-as in the JAX twin (``twincore.generate.emit``). ``loop="device"`` (``--loop device``) keeps the ids on the device:
-the steps are queued without a host wait per token (the stopped rows' EOS fed by ``torch.where``), and the host
-checks whether every row has stopped once per :data:`CHECK_EVERY` steps (torch has no on-device loop; the JAX twin
-runs one ``lax.while_loop``); ``stream`` yields the same steps after the loop.
+re-record every step's graph per call. Logits that are not finite are refused as in the JAX twin
+(``twincore.generate.emit``). ``loop="device"`` (``--loop device``) keeps the ids on the device: the steps are queued
+without a host wait per token (the stopped rows' EOS fed by ``torch.where``), and the host checks whether every row has
+stopped once per :data:`CHECK_EVERY` steps (torch has no on-device loop; the JAX twin runs one ``lax.while_loop``);
+``stream`` yields the same steps after the loop.
 """
 
 from __future__ import annotations
@@ -86,10 +86,17 @@ def _sample_finite(logits: torch.Tensor, generator, temperature: float, top_k, t
 
 
 def _prefill(model, tokens, lengths, cache) -> torch.Tensor:
-    """Fills the empty ``cache`` from right-padded ``tokens [B, P]`` (its lengths set to ``lengths [B]``) and
-    returns the logits ``[B, V]`` of each row's last real position, the only ones computed (``logits_at``)."""
-    logits = model(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, vocab]
-    cache.set_lengths(lengths)
+    """Fills the empty ``cache`` from right-padded ``tokens [B, P]`` (its lengths set to ``lengths [B]``; a ring of
+    fewer than P slots gets each row's window, :meth:`KVCache.ring_into`) and returns the logits ``[B, V]`` of each
+    row's last real position, the only ones computed (``logits_at``)."""
+    p = tokens.shape[1]
+    full = cache  # a ring shorter than the prompt: a plain cache of p slots first, then its window into the ring
+    if p > cache.max_len:
+        full = KVCache(model.config, cache.batch, p, dtype=cache.k.dtype, device=cache.k.device)
+    logits = model(tokens, cache=full, logits_at=(lengths - 1)[:, None])  # [B, 1, vocab]
+    full.set_lengths(lengths)
+    if full is not cache:
+        full.ring_into(cache)
     return logits[:, 0]
 
 

@@ -13,7 +13,8 @@ shapes (the JAX twin returns a new cache instead). Same rules as the JAX cache: 
 is a prefill of an empty cache (causal among the new tokens, in the model's window). A windowed model's cache of
 ``max_len >= w`` slots is a ring, as in the JAX twin: position p in slot ``p % max_len``, a step sees positions
 ``lengths[b] - w < p <= lengths[b]``, decoding runs past ``max_len`` (``max_len = w``: a step reads w slots, not the
-length).
+length). A longer prompt than the ring is prefilled into a plain cache, and :meth:`KVCache.ring_into` keeps its
+window.
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ class KVCache:
     def set_lengths(self, lengths) -> KVCache:
         self.lengths.copy_(torch.as_tensor(lengths, dtype=torch.long).reshape(self.lengths.shape))
         return self
+
+    def ring_into(self, ring: KVCache) -> KVCache:
+        """Fills ``ring``, a cache of fewer slots (at least the model's ``sliding_window``), with each row's last
+        ``ring.max_len`` positions, position p in slot ``p % ring.max_len``, and this cache's lengths, in place
+        (its tensors keep their addresses: a CUDA graph's cache); returns it. ``generate`` prefills a prompt longer
+        than its ring into this plain cache and keeps the window."""
+        same = lambda c: (*c.k.shape[:3], c.k.shape[4])  # noqa: E731  [n_layers, B, Hkv, D]
+        if not isinstance(ring, KVCache) or same(ring) != same(self):
+            got = f"a KVCache of [n_layers, B, Hkv, D] = {list(same(ring))}" if isinstance(ring, KVCache) else ring
+            raise ValueError(
+                f"KVCache.ring_into: ring must be a KVCache of this one's [n_layers, B, Hkv, D] = {list(same(self))}, "
+                f"got {got!r}"
+            )
+        slots = ring.max_len
+        j = torch.arange(slots, device=self.lengths.device)[None, :]  # [1, slots]
+        last = self.lengths[:, None] - 1  # [B, 1]
+        at = torch.clamp(last - (last - j) % slots, min=0)  # [B, slots]: the position each slot holds (0: none yet)
+        index = at[None, :, None, :, None].expand(self.k.shape[0], -1, self.k.shape[2], -1, self.k.shape[4])
+        ring.k.copy_(torch.gather(self.k, 3, index))
+        ring.v.copy_(torch.gather(self.v, 3, index))
+        ring.lengths.copy_(self.lengths)
+        return ring
 
     def positions(self, s: int) -> torch.Tensor:
         """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""

@@ -129,14 +129,14 @@ def prepare(
     prompts = check_prompts(prompts, config.vocab_size)
     t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
     tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
-    return tokens, lengths, ring_slots(t, tokens.shape[1], config.sliding_window), eos_ids(eos_id, config)
+    return tokens, lengths, ring_slots(t, config.sliding_window), eos_ids(eos_id, config)
 
 
-def ring_slots(slots: int, prefill: int, window: int | None) -> int:
-    """The KV cache's slots for a generation that needs ``slots`` with a prefill of ``prefill`` tokens: a windowed
-    model's cache is a ring of ``max(prefill, window)`` slots when the generation needs more than ``window``
-    (``twincore.batch.is_ring``; a prefill needs a slot per token), else ``slots``."""
-    return slots if window is None or slots <= window else max(prefill, window)
+def ring_slots(slots: int, window: int | None) -> int:
+    """The KV cache's slots for a generation that needs ``slots``: a windowed model's cache is a ring of ``window``
+    slots when the generation needs more (``twincore.batch.is_ring``; a longer prompt is prefilled into a plain
+    cache whose window the ring keeps), else ``slots``."""
+    return slots if window is None or slots <= window else window
 
 
 NON_FINITE = -1  # the id both step programs give a row whose logits are not all finite (emit refuses it)
