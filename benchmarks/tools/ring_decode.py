@@ -8,10 +8,10 @@ The ``--preset`` as a Mistral with ``sliding_window = --window`` (random weights
 default device (a GPU where there is one: the torch model is moved there). Both caches hold the same random keys and
 values at ``--length`` tokens per row, drawn on the device: the plain one in slots ``0 .. length - 1`` of
 ``bucket(length + steps)`` slots (as ``generate`` sized it before the ring), the ring the last w of them in slot
-``p % w``. One step from each must give the same logits (checked first); then each cache advances a token per call,
-donated (JAX) or written in place (torch) as ``generate`` does, each call waited for (``measure.sync``). Prints each
-cache's median step and 10th-90th percentile, and the paired ratio ring / plain with its 95% interval
-(``twincore.timing.paired_ratio``).
+``p % w`` (the twin's own fold: ``KVCache.ring`` / ``ring_into``). One step from each must give the same logits
+(checked first); then each cache advances a token per call, donated (JAX) or written in place (torch) as ``generate``
+does, each call waited for (``measure.sync``). Prints each cache's median step and 10th-90th percentile, and the
+paired ratio ring / plain with its 95% interval (``twincore.timing.paired_ratio``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ from twincore.timing import paired_ratio, time_interleaved
 LOGITS_TOL = 1e-4  # fp32 full-model logits (design §7): the two caches sum the same slots in another order
 
 
-def ring_of(full, length: int, window: int, axis: int):
-    """The ring of ``window`` slots holding positions ``length - window .. length - 1`` of a plain cache's slot
-    axis ``axis`` (numpy, jax or torch): slot j holds the newest position p < length with ``p % window == j``."""
-    j = np.arange(window)
-    return full[(slice(None),) * axis + (((length - 1) - ((length - 1 - j) % window)).tolist(),)]
-
-
 def _jax(cfg, batch: int, slots: int, length: int, window: int, tokens):
     import jax
     import jax.numpy as jnp
@@ -48,7 +41,7 @@ def _jax(cfg, batch: int, slots: int, length: int, window: int, tokens):
     shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.resolved_head_dim)  # the slots on axis 2
     k, v = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32) for i in (1, 2))
     lengths = lambda: jnp.full((batch,), length, jnp.int32)  # noqa: E731  (one each: a donated cache takes its own)
-    live = {"ring": KVCache(ring_of(k, length, window, 2), ring_of(v, length, window, 2), lengths())}
+    live = {"ring": KVCache(k, v, lengths()).ring(window)}  # the twin's own fold, as generate's prefill does
     live = {"plain": KVCache(k, v, lengths()), **live}
     tok = jnp.asarray(tokens, jnp.int32)
 
@@ -74,15 +67,11 @@ def _torch(cfg, batch: int, slots: int, length: int, window: int, tokens):
     shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.resolved_head_dim)  # torch's layout: slots on axis 3
     gen = torch.Generator(device=device).manual_seed(1)
     k, v = (torch.randn(shape, generator=gen, device=device) for _ in range(2))
-    live = {}
-    for name, (kk, vv) in {
-        "plain": (k, v),
-        "ring": (ring_of(k, length, window, 3), ring_of(v, length, window, 3)),
-    }.items():
-        c = live[name] = KVCache(cfg, batch, kk.shape[3], device=device)
-        c.k.copy_(kk)
-        c.v.copy_(vv)
-        c.set_lengths([length] * batch)
+    plain = KVCache(cfg, batch, slots, device=device)
+    plain.k.copy_(k)
+    plain.v.copy_(v)
+    plain.set_lengths([length] * batch)
+    live = {"plain": plain, "ring": plain.ring_into(KVCache(cfg, batch, window, device=device))}  # generate's fold
     tok = torch.as_tensor(np.asarray(tokens), device=device).long()
 
     def call(name):
