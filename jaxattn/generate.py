@@ -43,6 +43,7 @@ from twincore.generate import (
     NON_FINITE,
     build_parser,
     check_loop,
+    chunk_len,
     cli,
     decode_steps,
     generate_with,
@@ -109,10 +110,32 @@ def _slots(spec) -> int:
     return jax.tree.unflatten(spec[0], [shape for shape, _ in spec[1]]).k[2]
 
 
+def _chunked_prefill(graphdef, state, cache: KVCache, tokens, lengths, chunk: int):
+    """``(logits [B, V] of each row's last real position, cache)`` from ``tokens [B, n * chunk]`` appended to the
+    empty appending ``cache`` ``chunk`` tokens per call (``stream``'s ``prefill_chunk``): a ``lax.scan`` over the
+    chunks (the model traced once), each row's length set to what it holds before each call, its logits kept from
+    the chunk that holds its last token."""
+    b, p = tokens.shape
+    xs = (tokens.reshape(b, p // chunk, chunk).transpose(1, 0, 2), jnp.arange(0, p, chunk, dtype=jnp.int32))
+
+    def step(carry, x):
+        cache, kept = carry
+        toks, start = x
+        at = jnp.clip(lengths - 1 - start, 0, chunk - 1)[:, None]  # [B, 1]: the last token, clamped into the chunk
+        cache = cache.with_lengths(jnp.minimum(lengths, start))
+        logits, cache = nnx.merge(graphdef, state)(toks, cache=cache, logits_at=at)  # [B, 1, V] float32
+        mine = (lengths - 1 >= start) & (lengths - 1 < start + chunk)  # [B]: the row's last token is in this chunk
+        return (cache, jnp.where(mine[:, None], logits[:, 0], kept)), None
+
+    kept = jnp.zeros((b, nnx.merge(graphdef, state).config.vocab_size), jnp.float32)  # [B, V]
+    (cache, logits), _ = jax.lax.scan(step, (cache, kept), xs)
+    return logits, cache
+
+
 def _empty_cache(spec, slots: int | None = None) -> KVCache:
     """The empty cache of ``spec`` (:func:`_cache_spec`; ``slots`` slots if given), made inside a program (no eager
     zeros, no second copy)."""
-    treedef, leaves = spec
+    treedef, leaves, _ = spec
     cache = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
     if slots is None or slots == cache.max_len:
         return cache
@@ -127,12 +150,16 @@ def _steps(graphdef, temperature: float, top_k, top_p, has_eos: bool, spec):
     decode step (no eager ``where`` per step on the host)."""
 
     def prefill(stop, state, tokens, lengths, key):  # only each row's last real position reaches the LM head
-        slots, p = _slots(spec), tokens.shape[1]
-        cache = _empty_cache(spec, max(p, slots))  # a ring shorter than the prompt: p slots, then its window
-        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
-        token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
+        slots, p, chunk = _slots(spec), tokens.shape[1], spec[2]
+        if chunk is not None:  # appended to the cache chunk by chunk (a ring of sliding_window + chunk - 1 slots)
+            logits, cache = _chunked_prefill(graphdef, state, _empty_cache(spec), tokens, lengths, chunk)
+        else:
+            cache = _empty_cache(spec, max(p, slots))  # a ring shorter than the prompt: p slots, then its window
+            logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(lengths - 1)[:, None])
+            logits = logits[:, 0]  # [B, V]
+        token = _sample_finite(logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
         cache = cache.with_lengths(lengths)
-        return token, jnp.isin(token, stop), cache if p <= slots else cache.ring(slots)
+        return token, jnp.isin(token, stop), cache if chunk is not None or p <= slots else cache.ring(slots)
 
     def decode(stop, state, token, done, cache, key, step):  # step t draws with fold_in(key, t), in the program
         feed = stop[0] if has_eos else 0  # without an EOS only a non-finite row stops, and the host refuses it
@@ -170,10 +197,10 @@ def _loop_program_for(
     that ends when every row has stopped (an EOS, or a non-finite step the host will refuse) or after
     ``max_new_tokens``, checking every ``check_every`` steps (the steps between two checks are a ``fori_loop`` of
     fixed trip count, which XLA:GPU runs without reading a predicate back); without, ``max_new_tokens - 1`` decode
-    steps (``fori_loop``). ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...))``, made inside the program
-    (:func:`_empty_cache`); ``run(stop, state, tokens, lengths, key)``, ``stop`` :func:`_stop_ids`. Compiled once
-    per ``max_new_tokens``, number of EOS ids, cache shape and ``check_every``. Returns ``(ids [max_new_tokens, B],
-    steps run)``; the host reads them once."""
+    steps (``fori_loop``). ``spec``: the empty cache's ``(treedef, ((shape, dtype), ...), chunk)``, made inside the
+    program (:func:`_empty_cache`); ``run(stop, state, tokens, lengths, key)``, ``stop`` :func:`_stop_ids`. Compiled
+    once per ``max_new_tokens``, number of EOS ids, cache shape, prefill chunk and ``check_every``. Returns
+    ``(ids [max_new_tokens, B], steps run)``; the host reads them once."""
     prefill, decode = _steps(graphdef, temperature, top_k, top_p, has_eos, spec)
 
     def advance(stop, state, key, carry):
@@ -203,11 +230,12 @@ def _loop_program_for(
 
 
 @functools.lru_cache(maxsize=32)
-def _cache_spec(cfg, batch: int, max_len: int, dtype) -> tuple:
-    """``(treedef, ((shape, dtype), ...))`` of ``KVCache.init(cfg, batch, max_len, dtype)``, without making it
-    (traced once per cache shape, not once per call)."""
-    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda: KVCache.init(cfg, batch, max_len, dtype=dtype)))
-    return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
+def _cache_spec(cfg, batch: int, max_len: int, dtype, chunk: int | None = None) -> tuple:
+    """``(treedef, ((shape, dtype), ...), chunk)`` of ``KVCache.init(cfg, batch, max_len, dtype)`` (appending, for
+    a prefill of ``chunk`` tokens per call), without making it (traced once per cache shape, not once per call)."""
+    make = lambda: KVCache.init(cfg, batch, max_len, dtype=dtype, append=chunk is not None)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(make))
+    return treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves), chunk
 
 
 @functools.lru_cache(maxsize=64)
@@ -259,16 +287,22 @@ def stream(
     eos_id: int | list[int] | None | str = FROM_CONFIG,
     max_len: int | None = None,
     loop: str = "host",
+    prefill_chunk: int | None = None,
 ) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped).
     ``loop="device"``: the whole generation runs as one program (``lax.while_loop``) and the steps are yielded
-    after it, from ids read once (no host wait per token)."""
+    after it, from ids read once (no host wait per token). ``prefill_chunk``: the prompts are prefilled this many
+    tokens per model call, appended to the cache (``KVCache.init(append=True)``; a windowed model's ring then holds
+    ``sliding_window + prefill_chunk - 1`` slots and the prefill never the whole prompt)."""
     check_loop(loop)
     cfg = model.config
-    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed)
+    tokens, lengths, t, eos = prepare(
+        prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed, prefill_chunk
+    )
     graphdef, state = nnx.split(model)  # once per call: the loop runs pure jitted functions of `state`
     sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
-    cache_args = (cfg, len(tokens), t, model.embed[...].dtype)  # KVCache.init's
+    chunk = chunk_len(prefill_chunk, tokens.shape[1])
+    cache_args = (cfg, len(tokens), t, model.embed[...].dtype, chunk)  # _cache_spec's
     key = _key(int(seed))
     if loop == "device":
         ids, _ = _device_loop(graphdef, state, sampling, cache_args, tokens, lengths, key, max_new_tokens, eos)

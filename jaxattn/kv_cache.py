@@ -18,6 +18,13 @@ a decode step sees the slots holding positions ``lengths - w < p <= lengths``, s
 while the cache holds only the window (Hugging Face's sliding-window cache; ``max_len = w`` is the smallest, a
 step then reads w slots instead of the length). Until it wraps, a ring is the plain cache slot for slot. A prefill
 needs a slot per token: a longer prompt fills a plain cache, whose :meth:`KVCache.ring` keeps the window.
+
+A cache made with ``append=True`` takes calls of ``S > 1`` tokens on what it holds (a chunked prefill, a second turn:
+``jaxattn.generate``'s ``prefill_chunk``): the tokens are written at their slots and attend over the layer's slots
+read in position order (newest last), causally and in the window, the empty ones masked by segment ids, through the
+attention contract. In a ring that needs ``S <= max_len - w + 1``, so a call never writes over a slot its own first
+query still sees (nor, with right padding, over one that a row's next token sees); a plain cache drops the writes
+past its end.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twincore.batch import is_ring
+from twincore.batch import check_append, is_ring
 
 from .attention import dot_product_attention
 
@@ -39,14 +46,18 @@ class KVCache:
     k: jax.Array  # [n_layers, B, max_len, Hkv, D]
     v: jax.Array  # [n_layers, B, max_len, Hkv, D]
     lengths: jax.Array  # [B] int32: tokens held per row
+    append: bool = dataclasses.field(default=False, metadata=dict(static=True))  # S > 1 appends (module docstring)
 
     @classmethod
-    def init(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    def init(cls, config, batch: int, max_len: int, dtype=jnp.float32, append: bool = False) -> KVCache:
         for name, val in (("batch", batch), ("max_len", max_len)):
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"KVCache.init: {name} must be an int >= 1, got {val!r}")
+        if not isinstance(append, (bool, np.bool_)):
+            raise ValueError(f"KVCache.init: append must be a bool, got {append!r}")
         shape = (config.n_layers, batch, int(max_len), config.n_kv_heads, config.resolved_head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        zeros = jnp.zeros(shape, dtype)
+        return cls(zeros, jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32), bool(append))
 
     @property
     def max_len(self) -> int:
@@ -69,20 +80,21 @@ class KVCache:
         last = self.lengths[:, None] - 1  # [B, 1]
         at = jnp.maximum(last - (last - j) % slots, 0)  # [B, slots]: the position each slot holds (0: none yet)
         take = lambda c: jnp.take_along_axis(c, at[None, :, :, None, None], axis=2)  # noqa: E731
-        return KVCache(take(self.k), take(self.v), self.lengths)
+        return dataclasses.replace(self, k=take(self.k), v=take(self.v))
 
     def positions(self, s: int) -> jax.Array:
         """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""
         return self.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
 
     def check_call(self, tokens_shape) -> None:
-        """Shape checks of a model call with this cache (and, when concrete, the empty-cache rule of prefill)."""
+        """Shape checks of a model call with this cache (and, when concrete, the empty-cache rule of prefill;
+        :func:`cached_attention` checks an appending call's length against the window)."""
         b, s = tokens_shape
         if b != self.batch:
             raise ValueError(f"cache: tokens batch {b} != the cache's batch {self.batch}")
         if s > self.max_len:
             raise ValueError(f"cache: {s} tokens do not fit a cache of max_len {self.max_len}")
-        if s > 1:
+        if s > 1 and not self.append:
             try:
                 lengths = np.asarray(self.lengths)
             except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -94,17 +106,18 @@ class KVCache:
                 )
 
 
-def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None = None):
+def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None = None, append: bool = False):
     """Layer ``layer``: write ``k``/``v`` ``[B, S, Hkv, D]`` into the stacked cache ``[n_layers, B, T, Hkv, D]`` at
     slot ``lengths[b]`` of each row (``lengths[b] % T`` in a ring), attend over the layer's slots; returns
     ``(o [B, S, Hq, D], (k_all, v_all))``. The model's layer scan carries the whole cache, so XLA writes it in place
     (as the scan's ``xs`` and ``ys`` it was copied in and out every step: benchmarks/NOTES.md, "A ring KV cache").
-    ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it)."""
+    ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it); ``append``:
+    the cache's (a call of ``S > 1`` tokens attends over the slots too)."""
     t = k_all.shape[2]
     ring = is_ring(t, window)
-    at = lengths % t if ring else lengths
     b, s = q.shape[:2]
-    rows, cols = jnp.arange(b)[:, None], at[:, None] + jnp.arange(s)[None, :]  # [B, 1], [B, S]: the slots written
+    cols = lengths[:, None] + jnp.arange(s)[None, :]  # [B, S]: the positions written
+    rows, cols = jnp.arange(b)[:, None], cols % t if ring else cols  # [B, 1], [B, S]: their slots (past T: dropped)
     k_all = k_all.at[layer, rows, cols].set(k.astype(k_all.dtype), mode="drop")
     v_all = v_all.at[layer, rows, cols].set(v.astype(v_all.dtype), mode="drop")
     if s == 1:  # decode: every filled slot (including the one just written) in the window, none of the empty ones
@@ -118,6 +131,23 @@ def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None =
         q_ids = jnp.ones((b, 1), jnp.int32)
         k_layer, v_layer = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_all, v_all))
         o = dot_product_attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), segment_ids=(q_ids, kv_ids))
+    elif append:  # the layer's slots in position order, newest last: causal and window align bottom-right
+        check_append(s, t, window)
+        at = (lengths[:, None] + s + jnp.arange(t)[None, :]) % t  # [B, T]: the slot of position lengths + s - T + j
+        kv_ids = (lengths[:, None] + s - t + jnp.arange(t)[None, :] >= 0).astype(jnp.int32)  # [B, T]: filled
+        k_layer, v_layer = (
+            jnp.take_along_axis(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False), at[:, :, None, None], 1)
+            for c in (k_all, v_all)
+        )  # [B, T, Hkv, D]
+        ids = (jnp.ones((b, s), jnp.int32), kv_ids)
+        o = dot_product_attention(
+            q,
+            k_layer.astype(q.dtype),
+            v_layer.astype(q.dtype),
+            causal=True,
+            segment_ids=ids,
+            window=None if window is None else (window - 1, None),
+        )
     else:  # prefill of an empty cache: causal among the new tokens
         o = dot_product_attention(q, k, v, causal=True, window=None if window is None else (window - 1, None))
     return o, (k_all, v_all)

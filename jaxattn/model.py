@@ -26,6 +26,7 @@ checks inside jit).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 
 import jax
@@ -144,8 +145,8 @@ def _self_attention(q, k, v, segment_ids, window=None):
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm).
 
-    ``kv = (k_all, v_all, layer, lengths)``: the stacked KV cache and this layer's index in it
-    (``jaxattn.kv_cache.cached_attention``); then returns ``(out, (k_all, v_all))``. Matmuls go through
+    ``kv = (k_all, v_all, layer, lengths, append)``: the stacked KV cache, this layer's index in it and the cache's
+    ``append`` (``jaxattn.kv_cache.cached_attention``); then returns ``(out, (k_all, v_all))``. Matmuls go through
     ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
@@ -164,7 +165,8 @@ def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None)
             Q_AXES,
         )
     else:
-        o, kv = cached_attention(q, k, v, *kv, window=cfg.sliding_window)
+        *cache, append = kv
+        o, kv = cached_attention(q, k, v, *cache, window=cfg.sliding_window, append=append)
     o = checkpoint_name(o.reshape(b, s, cfg.n_heads * d), "attn_output")  # [B, S, Hq*D]
     o = checkpoint_name(matmul(o, p["wo"]), "o_proj")  # [B, S, dim]
     return o if kv is None else (o, kv)
@@ -310,11 +312,11 @@ class Llama(nnx.Module):
             def cached_layer(carry, xs):
                 h, k, v = carry
                 p, i = xs
-                h, (k, v) = decoder_layer(h, p, cos, sin, cfg, None, (k, v, i, cache.lengths))
+                h, (k, v) = decoder_layer(h, p, cos, sin, cfg, None, (k, v, i, cache.lengths, cache.append))
                 return (h, k, v), None
 
             (x, k, v), _ = jax.lax.scan(cached_layer, (x, cache.k, cache.v), (stacked, jnp.arange(cfg.n_layers)))
-            cache = KVCache(k, v, cache.lengths + s)
+            cache = dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + s)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)  # [B, S, dim]
         if cache is not None:
             return x, cache

@@ -104,12 +104,83 @@ def test_cache_decode_equals_full_forward(twins, windowed, framework, window, sl
         np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
 
 
+@pytest.mark.parametrize(
+    "window, slots, chunk, n",
+    [(None, 18, 4, 10), (None, 10, 4, 2), (4, 6, 3, 10)],
+    ids=["full", "drops-past-the-end", "ring"],
+)
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_appending_cache_equals_full_forward(twins, windowed, framework, window, slots, chunk, n):
+    """A cache made with ``append=True`` prefilled ``chunk`` tokens per call (each row's length set to what it holds
+    before each call, as ``generate``'s ``prefill_chunk`` does), then ``n`` one-token steps, vs each row's own full
+    forward. ``drops-past-the-end``: the last chunk's padding reaches slots 10 and 11 of a 10-slot cache (dropped).
+    ``ring``: the windowed model (4 tokens) in a ring of 4 + 3 - 1 slots, which row 2 passes during the prefill."""
+    tmodel, jmodel = twins if window is None else windowed
+    cfg = tmodel.config
+    rng = np.random.default_rng(2)
+    prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])
+    cont = rng.integers(0, cfg.vocab_size, (3, n))
+    plen = np.asarray([len(p) for p in prompts])
+    padded = np.zeros((3, 12), np.int64)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    chunks, steps = [], []
+    if framework == "jax":
+        graphdef, state = nnx.split(jmodel)
+        call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
+        cache = JCache.init(jmodel.config, 3, slots, append=True)
+        for c in range(0, 12, chunk):
+            cache = cache.with_lengths(np.minimum(plen, c))
+            logits, cache = call(state, jnp.asarray(padded[:, c : c + chunk], jnp.int32), cache)
+            chunks.append(np.asarray(logits))
+        cache = cache.with_lengths(plen)
+        for j in range(n):
+            logits, cache = call(state, jnp.asarray(cont[:, j : j + 1], jnp.int32), cache)
+            steps.append(np.asarray(logits))
+        full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
+    else:
+        cache = TCache(cfg, 3, slots, append=True)
+        with torch.no_grad():
+            for c in range(0, 12, chunk):
+                cache.set_lengths(np.minimum(plen, c))
+                chunks.append(tmodel(torch.from_numpy(padded[:, c : c + chunk]), cache=cache).numpy())
+            cache.set_lengths(plen)
+            for j in range(n):
+                steps.append(tmodel(torch.from_numpy(cont[:, j : j + 1]), cache=cache).numpy())
+        full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
+    assert np.asarray(cache.lengths).tolist() == (plen + n).tolist()
+    prefill = np.concatenate(chunks, axis=1)  # [3, 12, V]: a row's own positions, whoever called them
+    for i, p in enumerate(prompts):
+        ref = full(np.concatenate([p, cont[i]]))
+        got = np.concatenate([prefill[i, : len(p)]] + [s[i] for s in steps])
+        np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_an_appending_ring_refuses_a_call_longer_than_its_spare_slots(windowed, framework):
+    """A ring of 6 slots for a window of 4 takes at most 6 - 4 + 1 = 3 tokens per appending call."""
+    tmodel, jmodel = windowed
+    tokens = np.ones((2, 4), np.int64)
+    with pytest.raises(ValueError, match=r"a call of 4 tokens appends to a ring of max_len 6 .* at most .* = 3"):
+        if framework == "jax":
+            jmodel(jnp.asarray(tokens, jnp.int32), cache=JCache.init(jmodel.config, 2, 6, append=True))
+        else:
+            tmodel(torch.from_numpy(tokens), cache=TCache(tmodel.config, 2, 6, append=True))
+    for bad in ("yes", 1):
+        with pytest.raises(ValueError, match="append must be a bool"):
+            JCache.init(jmodel.config, 2, 6, append=bad) if framework == "jax" else TCache(
+                tmodel.config, 2, 6, append=bad
+            )
+
+
 def test_ring_slots():
     """A windowed generation that needs more slots than its window gets a ring of the window's slots."""
     assert ring_slots(32, 4) == 4  # wrapped from position 4 on
     assert ring_slots(32, None) == 32  # full attention: every slot
     assert ring_slots(16, 16) == 16  # fits the window: no wrap
     assert not is_ring(8, 16) and is_ring(16, 16) and not is_ring(16, None)
+    assert ring_slots(32, 4, chunk=3) == 6  # an appending call of 3 tokens may not reach a slot its first one sees
+    assert ring_slots(16, 16, chunk=3) == 16 and ring_slots(32, None, chunk=3) == 32
 
 
 def test_a_plain_cache_folds_into_the_ring_alike_in_both_twins():
@@ -140,23 +211,29 @@ def test_a_plain_cache_folds_into_the_ring_alike_in_both_twins():
         tfull.ring_into(TCache(cfg, 2, 4))
 
 
-@pytest.mark.parametrize("framework", ["jax", "jax-device-loop", "torch", "torch-compiled"])
+@pytest.mark.parametrize(
+    "framework",
+    ["jax", "jax-device-loop", "torch", "torch-compiled", "jax-chunked", "jax-device-loop-chunked", "torch-chunked"],
+)
 def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
     """Greedy generation with a window of 4 needs 24 slots and gets a ring of 4: the 16-token prefill fills a plain
     cache whose window the ring keeps (rows 0 and 2 are longer than it), then every row wraps; its tokens equal those
     of the full forward re-run on every prefix, no cache (torch's). ``torch-compiled``:
-    the decode step traced whole by dynamo (``aot_eager``, as the test below), the ring's wrap inside the graph."""
+    the decode step traced whole by dynamo (``aot_eager``, as the test below), the ring's wrap inside the graph.
+    ``-chunked``: ``prefill_chunk=4``, the prompts appended 4 tokens per call to a ring of 4 + 4 - 1 slots, which
+    row 2 passes during the prefill; row 0's last token opens a chunk."""
     tmodel, jmodel = windowed
-    kwargs = {}
+    kwargs = {"prefill_chunk": 4} if framework.endswith("-chunked") else {}
     if framework == "torch-compiled":
         request.getfixturevalue("aot_eager_compile")
         kwargs = {"compile": True}
-    elif framework == "jax-device-loop":  # the prefill's fold inside the one while-loop program
-        kwargs = {"loop": "device"}
+    elif framework.startswith("jax-device-loop"):  # the prefill's fold (or chunks) inside the one while-loop program
+        kwargs["loop"] = "device"
     rng = np.random.default_rng(5)
     prompts = _ragged(rng, tmodel.config.vocab_size, [5, 2, 8])
-    tokens, _, slots, _ = prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config)
-    assert tokens.shape[1] == 16 and slots == 4
+    chunk = kwargs.get("prefill_chunk")
+    tokens, _, slots, _ = prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config, prefill_chunk=chunk)
+    assert (tokens.shape[1], slots) == ((16, 4) if chunk is None else (16, 7))
     with torch.no_grad():
         want = []
         for p in prompts:
@@ -390,6 +467,9 @@ def test_bad_inputs(twins, framework):
         (dict(seed=2**32 + 5), r"seed must be an int in \[0, 2\*\*32\), got 4294967301"),  # jax: seed 5's key
         (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\), got -1"),
         (dict(seed=1.5), "seed must be an int"),
+        (dict(prefill_chunk=0), r"prefill_chunk must be None \(one call\) or an int >= 1, got 0"),
+        (dict(prefill_chunk=True), "prefill_chunk must be None"),
+        (dict(prefill_chunk=2.0), "prefill_chunk must be None"),
     ]
     for kw, msg in cases:
         args = {"prompts": ok, "max_new_tokens": 16, **kw}
@@ -654,6 +734,10 @@ BAD_GENERATE = [
     ("temperature-nan", lambda p, t: (["--temperature", "nan"], ["--temperature: must be a finite float >= 0"])),
     ("temperature-neg", lambda p, t: (["--temperature", "-1"], ["--temperature: must be a finite float >= 0"])),
     ("top-k-0", lambda p, t: (["--top-k", "0"], ["--top-k: must be None or an int >= 1, got 0"])),
+    (
+        "prefill-chunk-0",
+        lambda p, t: (["--prefill-chunk", "0"], ["--prefill-chunk: must be None (one call) or an int"]),
+    ),
     ("top-p-1.5", lambda p, t: (["--top-p", "1.5"], ["--top-p: must be None or a float in (0, 1], got 1.5"])),
     ("top-p-0", lambda p, t: (["--top-p", "0"], ["--top-p: must be None or a float in (0, 1], got 0.0"])),
     ("seed-text", lambda p, t: (["--seed", "x"], ["argument --seed: invalid int value: 'x'"])),
@@ -780,3 +864,23 @@ def test_ring_decode_tool_times_the_ring_against_the_plain_cache(capsys, tmp_pat
         assert res[fw]["slots"] == 64 and res[fw]["ratio"]["rounds"] == 2 and set(res[fw]["times"]) == {"plain", "ring"}
     assert capsys.readouterr().out.count("ring / plain per round") == 2
     assert json.loads((tmp_path / "ring_decode.json").read_text())["args"]["window"] == 8
+
+
+def test_chunked_prefill_tool_times_the_chunks_against_one_call(capsys, tmp_path):
+    """``benchmarks.tools.chunked_prefill``: in each twin ``generate``'s chunked prefill gives the one-call prefill's
+    last logits (checked inside before any timing), then both are timed, paired; JAX's compiled temp bytes are read
+    (the chunked program's the smaller: it never scores the whole prompt); ``--out`` writes the JSON."""
+    import json
+
+    from benchmarks.tools import chunked_prefill as tool
+
+    argv = ["--preset", "tiny", "--window", "8", "--chunk", "8", "--length", "64", "--rounds", "2", "--batch", "2"]
+    res = tool.main([*argv, "--out", str(tmp_path)])
+    for fw in ("jax", "torch"):
+        assert res[fw]["ratio"]["rounds"] == 2 and set(res[fw]["times"]) == {"one-call", "chunked"}
+    temp = res["jax"]["temp_bytes"]
+    assert 0 < temp["chunked"] < temp["one-call"], temp
+    assert capsys.readouterr().out.count("chunked / one-call per round") == 2
+    assert json.loads((tmp_path / "chunked_prefill.json").read_text())["args"]["chunk"] == 8
+    with pytest.raises(SystemExit):
+        tool.main(["--length", "100", "--chunk", "64"])  # not a multiple of the chunk

@@ -38,6 +38,7 @@ from twincore.generate import (
     NON_FINITE,
     build_parser,
     check_loop,
+    chunk_len,
     cli,
     decode_steps,
     generate_with,
@@ -85,10 +86,22 @@ def _sample_finite(logits: torch.Tensor, generator, temperature: float, top_k, t
     return torch.where(finite, sample(logits, generator, temperature, top_k, top_p), NON_FINITE)
 
 
-def _prefill(model, tokens, lengths, cache) -> torch.Tensor:
+def _prefill(model, tokens, lengths, cache, chunk: int | None = None) -> torch.Tensor:
     """Fills the empty ``cache`` from right-padded ``tokens [B, P]`` (its lengths set to ``lengths [B]``; a ring of
     fewer than P slots gets each row's window, :meth:`KVCache.ring_into`) and returns the logits ``[B, V]`` of each
-    row's last real position, the only ones computed (``logits_at``)."""
+    row's last real position, the only ones computed (``logits_at``). ``chunk``: an appending cache filled ``chunk``
+    tokens per call (P a multiple of it), each row's length set to what it holds before each call, its logits
+    kept from the chunk that holds its last token."""
+    if chunk is not None:
+        kept = None
+        for start in range(0, tokens.shape[1], chunk):
+            at = (lengths - 1 - start).clamp(0, chunk - 1)[:, None]  # [B, 1]: the last token, clamped into the chunk
+            cache.set_lengths(lengths.clamp(max=start))
+            logits = model(tokens[:, start : start + chunk], cache=cache, logits_at=at)[:, 0]  # [B, V]
+            mine = ((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]  # [B, 1]
+            kept = logits if kept is None else torch.where(mine, logits, kept)
+        cache.set_lengths(lengths)
+        return kept
     p = tokens.shape[1]
     full = cache  # a ring shorter than the prompt: a plain cache of p slots first, then its window into the ring
     if p > cache.max_len:
@@ -149,19 +162,20 @@ _IN_USE: set[int] = set()  # ids of the kept caches a live stream is using
 
 
 @contextmanager
-def static_cache(model, batch: int, max_len: int, dtype, device):
+def static_cache(model, batch: int, max_len: int, dtype, device, append: bool = False):
     """The model's kept :class:`KVCache` when it has this shape (``batch``, ``max_len`` slots, ``dtype``,
-    ``device``) and no live stream holds it, emptied in place (zeros, lengths 0: a CUDA graph recorded with it
-    still points at its tensors), else a new one kept in its place. One cache per model, the last shape used (a
+    ``device``, ``append``) and no live stream holds it, emptied in place (zeros, lengths 0: a CUDA graph recorded
+    with it still points at its tensors), else a new one kept in its place. One cache per model, the last shape used (a
     new shape records new graphs anyway); a cache held by a live stream is left to it, the caller gets a fresh
     one that is not kept."""
     cache = _STATIC.get(model)
     shape = (model.config.n_layers, batch, model.config.n_kv_heads, max_len, model.config.resolved_head_dim)
     if cache is not None and id(cache) in _IN_USE:
-        yield KVCache(model.config, batch, max_len, dtype=dtype, device=device)
+        yield KVCache(model.config, batch, max_len, dtype=dtype, device=device, append=append)
         return
-    if cache is None or (tuple(cache.k.shape), cache.k.dtype, cache.k.device) != (shape, dtype, torch.device(device)):
-        cache = _STATIC[model] = KVCache(model.config, batch, max_len, dtype=dtype, device=device)
+    now = (shape, dtype, torch.device(device), append)
+    if cache is None or (tuple(cache.k.shape), cache.k.dtype, cache.k.device, cache.append) != now:
+        cache = _STATIC[model] = KVCache(model.config, batch, max_len, dtype=dtype, device=device, append=append)
     else:
         for t in (cache.k, cache.v, cache.lengths):  # stale keys may hold anything a masked slot could turn to NaN
             t.zero_()
@@ -186,25 +200,31 @@ def stream(
     loop: str = "host",
     compile: bool = False,
     compile_mode: str | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[list]:
     """Yields, per generation step, a list of B new token ids (None for a row that already stopped).
     ``loop="device"``: no host wait per token (:func:`_device_loop`); the steps are yielded after it.
-    ``compile_mode``: ``torch.compile``'s mode for the decode step (with ``compile=True``; :data:`COMPILE_MODES`)."""
+    ``compile_mode``: ``torch.compile``'s mode for the decode step (with ``compile=True``; :data:`COMPILE_MODES`).
+    ``prefill_chunk``: the prompts are prefilled this many tokens per model call, appended to the cache
+    (``KVCache(append=True)``; a windowed model's ring then holds ``sliding_window + prefill_chunk - 1`` slots)."""
     check_loop(loop)
     check_compile_mode(compile, compile_mode)
     cfg = model.config
-    tokens, lengths, t, eos = prepare(prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed)
+    tokens, lengths, t, eos = prepare(
+        prompts, max_new_tokens, temperature, top_k, top_p, eos_id, max_len, cfg, seed, prefill_chunk
+    )
     device = model.model.embed_tokens.weight.device
     b = len(tokens)
     dtype = model.model.embed_tokens.weight.dtype
+    chunk = chunk_len(prefill_chunk, tokens.shape[1])
     if compile and compile_mode in CUDAGRAPH_MODES:  # the graphs hold the cache's addresses: keep it across calls
-        held = static_cache(model, b, t, dtype, device)
+        held = static_cache(model, b, t, dtype, device, append=chunk is not None)
     else:
-        held = nullcontext(KVCache(cfg, b, t, dtype=dtype, device=device))
+        held = nullcontext(KVCache(cfg, b, t, dtype=dtype, device=device, append=chunk is not None))
     with held as cache:
         gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
         lengths = torch.from_numpy(lengths).long().to(device)
-        logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache)  # [B, vocab]
+        logits = _prefill(model, torch.from_numpy(tokens).long().to(device), lengths, cache, chunk)  # [B, vocab]
         token = _sample_finite(logits, gen, temperature, top_k, top_p)
         step_fn = compiled_step(cache, compile_mode) if compile else _decode_step
 

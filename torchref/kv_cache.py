@@ -14,23 +14,28 @@ is a prefill of an empty cache (causal among the new tokens, in the model's wind
 ``max_len >= w`` slots is a ring, as in the JAX twin: position p in slot ``p % max_len``, a step sees positions
 ``lengths[b] - w < p <= lengths[b]``, decoding runs past ``max_len`` (``max_len = w``: a step reads w slots, not the
 length). A longer prompt than the ring is prefilled into a plain cache, and :meth:`KVCache.ring_into` keeps its
-window.
+window. ``append=True``: a call of ``S > 1`` tokens appends to what the cache holds (a chunked prefill, a second
+turn), attending over the layer's slots in position order, as in the JAX twin (a ring takes ``S <= max_len - w + 1``,
+``twincore.batch.check_append``; a plain cache drops the writes past its end).
 """
 
 from __future__ import annotations
 
 import torch
 
-from twincore.batch import is_ring
+from twincore.batch import check_append, is_ring
 
 from .attention import dot_product_attention, masked_attention
 
 
 class KVCache:
-    def __init__(self, config, batch: int, max_len: int, dtype=torch.float32, device=None):
+    def __init__(self, config, batch: int, max_len: int, dtype=torch.float32, device=None, append: bool = False):
         for name, val in (("batch", batch), ("max_len", max_len)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"KVCache: {name} must be an int >= 1, got {val!r}")
+        if not isinstance(append, bool):
+            raise ValueError(f"KVCache: append must be a bool, got {append!r}")
+        self.append = append
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.resolved_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -93,7 +98,9 @@ class KVCache:
             raise ValueError(f"cache: input_ids batch {b} != the cache's batch {self.batch}")
         if s > self.max_len:
             raise ValueError(f"cache: {s} tokens do not fit a cache of max_len {self.max_len}")
-        if s > 1 and not torch.compiler.is_compiling() and int(self.lengths.max()) > 0:
+        if self.append:
+            check_append(s, self.max_len, self.window)
+        elif s > 1 and not torch.compiler.is_compiling() and int(self.lengths.max()) > 0:
             raise ValueError(
                 f"cache: a call with {s} > 1 tokens is a prefill and needs an empty cache, got "
                 f"lengths {self.lengths.tolist()}; decode one token per call"
@@ -114,6 +121,12 @@ class KVCache:
             else:  # no wrap; in a cache shorter than the window no filled slot is out of it
                 visible = slots <= last
             visible = visible[:, None, None, :]  # [B, 1, 1, T]
+        elif self.append:  # the written slots; the slots in position order (newest last) and which are filled
+            t, pos = self.max_len, self.lengths[:, None] + torch.arange(s, device=self.slots.device)[None, :]
+            kept = (pos >= 0) if self.ring else pos < t  # [B, S]: a plain cache drops the writes past its end
+            at = (pos % t, kept)
+            order = self.lengths[:, None] + s - t + self.slots[None, :]  # [B, T]: position lengths + s - T + j
+            visible = (order % t, (order >= 0).long())
         return [LayerKV(self, i, visible, at) for i in range(self.k.shape[0])]
 
 
@@ -121,7 +134,9 @@ class LayerKV:
     """Layer ``i``'s view of a :class:`KVCache`: ``attend(q, k, v)`` writes k/v and runs attention."""
 
     def __init__(self, cache: KVCache, i: int, visible=None, at=None):
-        self.cache, self.i, self.visible, self.at = cache, i, visible, at  # at: each row's write slot [B]
+        # a decode step: at, each row's write slot [B]; visible, the mask [B, 1, 1, T]. An appending call: at, the
+        # write slots [B, S] and which are kept; visible, the slots in position order [B, T] and the filled ones
+        self.cache, self.i, self.visible, self.at = cache, i, visible, at
 
     def attend(self, q, k, v):
         """q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` -> ``[B, Hq, S, D]``."""
@@ -131,7 +146,17 @@ class LayerKV:
             kc[c.rows, :, self.at] = k[:, :, 0].to(kc.dtype)
             vc[c.rows, :, self.at] = v[:, :, 0].to(vc.dtype)
             return masked_attention(q, kc.to(q.dtype), vc.to(q.dtype), self.visible)
+        w = self.cache.window
+        window = None if w is None else (w - 1, None)
+        if c.append:  # write the tokens' slots, attend over the layer's slots in position order (causal bottom-right)
+            (cols, kept), (order, kv_ids) = self.at, self.visible
+            rows = c.rows[:, None].expand_as(cols)[kept]  # [N]: the kept writes
+            kc[rows, :, cols[kept]] = k.transpose(1, 2)[kept].to(kc.dtype)  # [N, Hkv, D]
+            vc[rows, :, cols[kept]] = v.transpose(1, 2)[kept].to(vc.dtype)
+            index = order[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])  # [B, Hkv, T, D]
+            k_seq, v_seq = (torch.gather(x, 2, index).to(q.dtype) for x in (kc, vc))
+            ids = (torch.ones(q.shape[0], s, dtype=torch.long, device=q.device), kv_ids)
+            return dot_product_attention(q, k_seq, v_seq, causal=True, segment_ids=ids, window=window)
         kc[:, :, :s] = k.to(kc.dtype)  # prefill of an empty cache
         vc[:, :, :s] = v.to(vc.dtype)
-        w = self.cache.window
-        return dot_product_attention(q, k, v, causal=True, window=None if w is None else (w - 1, None))
+        return dot_product_attention(q, k, v, causal=True, window=window)

@@ -109,6 +109,18 @@ def is_ring(max_len: int, window: int | None) -> bool:
     return window is not None and max_len >= window
 
 
+def check_append(s: int, max_len: int, window: int | None) -> None:
+    """ValueError unless a call of ``s`` tokens may append to both twins' cache of ``max_len`` slots made with
+    ``append=True`` for a model of ``sliding_window`` ``window``: in a ring ``s <= max_len - window + 1``, so the
+    call never writes over a slot that its first token (or, with right padding, a row's next token) still sees."""
+    if is_ring(max_len, window) and s > max_len - window + 1:
+        raise ValueError(
+            f"cache: a call of {s} tokens appends to a ring of max_len {max_len} for a sliding_window of {window}; "
+            f"it takes at most max_len - window + 1 = {max_len - window + 1} tokens per call (more would write over "
+            f"slots its first tokens still see): shorter calls, or a ring of sliding_window + {s} - 1 slots"
+        )
+
+
 def check_logits_at(logits_at: Any, tokens_shape: tuple, arg: str = "logits_at") -> None:
     """A model call's ``logits_at``: an int array ``[batch, K >= 1]`` (the tokens' batch) of indices into the
     sequence axis of tokens shaped ``tokens_shape = (batch, seq)``. Reads the shape and dtype only (works on

@@ -119,24 +119,50 @@ def pad_prompts(prompts: list[list[int]], length: int, pad_id: int = 0) -> tuple
 
 
 def prepare(
-    prompts, max_new_tokens: int, temperature, top_k, top_p, eos_id, max_len: int | None, config, seed: int = 0
+    prompts,
+    max_new_tokens: int,
+    temperature,
+    top_k,
+    top_p,
+    eos_id,
+    max_len: int | None,
+    config,
+    seed: int = 0,
+    prefill_chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]:
-    """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket.
-    Returns ``(tokens [B, P] int32, lengths [B] int32, cache slots (:func:`ring_slots`), the EOS ids
-    (:func:`eos_ids`))``."""
+    """Both ``stream`` functions' start: every argument checked, the prompts right-padded to a prefill bucket (with
+    ``prefill_chunk``, to a whole number of chunks of :func:`chunk_len` tokens). Returns ``(tokens [B, P] int32,
+    lengths [B] int32, cache slots (:func:`ring_slots`), the EOS ids (:func:`eos_ids`))``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, config.vocab_size)
     check_seed(seed)
+    check_prefill_chunk(prefill_chunk)
     prompts = check_prompts(prompts, config.vocab_size)
     t = cache_len(prompts, max_new_tokens, config.max_seq_len if max_len is None else max_len)
-    tokens, lengths = pad_prompts(prompts, min(bucket(max(len(p) for p in prompts)), t))
-    return tokens, lengths, ring_slots(t, config.sliding_window), eos_ids(eos_id, config)
+    p = min(bucket(max(len(p) for p in prompts)), t)
+    chunk = chunk_len(prefill_chunk, p)
+    tokens, lengths = pad_prompts(prompts, p if chunk is None else -(-p // chunk) * chunk)
+    return tokens, lengths, ring_slots(t, config.sliding_window, chunk or 1), eos_ids(eos_id, config)
 
 
-def ring_slots(slots: int, window: int | None) -> int:
-    """The KV cache's slots for a generation that needs ``slots``: a windowed model's cache is a ring of ``window``
-    slots when the generation needs more (``twincore.batch.is_ring``; a longer prompt is prefilled into a plain
-    cache whose window the ring keeps), else ``slots``."""
-    return slots if window is None or slots <= window else window
+def check_prefill_chunk(prefill_chunk) -> None:
+    if prefill_chunk is not None and (
+        not isinstance(prefill_chunk, numbers.Integral) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be None (one call) or an int >= 1, got {prefill_chunk!r}")
+
+
+def chunk_len(prefill_chunk: int | None, p: int) -> int | None:
+    """The tokens per prefill call of both twins' ``stream(prefill_chunk=...)`` for a prompt batch padded to ``p``
+    (a prefill bucket or a whole number of chunks): ``prefill_chunk``, at most ``p`` (None: one call)."""
+    return None if prefill_chunk is None else min(int(prefill_chunk), p)
+
+
+def ring_slots(slots: int, window: int | None, chunk: int = 1) -> int:
+    """The KV cache's slots for a generation that needs ``slots``: a windowed model's cache is a ring when the
+    generation needs more than ``window`` (``twincore.batch.is_ring``): of ``window`` slots (a longer prompt is
+    prefilled into a plain cache whose window the ring keeps), or of ``window + chunk - 1`` for a prefill of
+    ``chunk`` tokens per call appended to it (``twincore.batch.check_append``); else ``slots``."""
+    return slots if window is None or slots <= window else window + chunk - 1
 
 
 NON_FINITE = -1  # the id both step programs give a row whose logits are not all finite (emit refuses it)
@@ -281,6 +307,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--int8", action="store_true", help="int8 weight-only quantization (quant.quantize)")
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prefill the prompt this many tokens per call, appended to the KV cache (a windowed model's ring then "
+        "holds sliding_window + N - 1 slots and never the whole prompt; default: one call)",
+    )
+    p.add_argument(
         "--loop",
         choices=LOOPS,
         default="host",
@@ -295,6 +328,7 @@ def check_cli_args(args: argparse.Namespace) -> None:
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         check_seed(args.seed)
+        check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise ValueError(f"--{name.replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
@@ -355,6 +389,7 @@ def print_generated(stream, model, args: argparse.Namespace, tokenizer, **option
         args.seed,
         eos_id,
         loop=args.loop,
+        prefill_chunk=args.prefill_chunk,
         **options,
     )
     print_stream(steps, tokenizer)
