@@ -68,6 +68,46 @@ def timeit_paired(calls: dict, *, rounds: int = 10, per_round: int = 3, warmup: 
     return {**t, "paired": paired}
 
 
+def checked_pair(calls: dict, new: str, base: str, tol: float, *, rounds: int, per_round: int, warmup: int):
+    """Two ways of one computation (``calls = {base: f, new: g}``, zero-argument callables returning arrays or
+    tensors) checked first to give the same output within ``tol`` (absolute), then timed interleaved (closed by
+    :func:`sync`): ``(times, paired_ratio(new rounds / base rounds))``."""
+    import numpy as np
+
+    first = {}
+    for name, call in calls.items():
+        out = call()
+        first[name] = out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
+    np.testing.assert_allclose(first[new], first[base], atol=tol, rtol=0, err_msg=f"{new} != {base}")
+    times = time_interleaved(calls, rounds=rounds, per_round=per_round, warmup=warmup, sync=sync)
+    return times, paired_ratio(times[new]["rounds"], times[base]["rounds"], cv=[t["cv"] for t in times.values()])
+
+
+def print_paired(times: dict, ratio: dict, label: str, digits: int = 1, extra: dict | None = None) -> None:
+    """A paired timing's lines as the tools print them: each call's median and 10th-90th percentile in ms (``times``:
+    ``time_interleaved``'s; ``extra[name]``: text appended to that call's line), then ``label``'s per-round ratio
+    (``paired_ratio``'s) with its 95% interval, flagged UNSTABLE when its interval is wide."""
+    import numpy as np
+
+    for name, t in times.items():
+        lo, mid, hi = np.percentile(np.asarray(t["calls"]) * 1e3, [10, 50, 90])
+        tail = (extra or {}).get(name, "")
+        print(f"  {name}: median {mid:.{digits}f} ms, p10-p90 {lo:.{digits}f}-{hi:.{digits}f} ms{tail}")
+    flag = f" UNSTABLE ({ratio['why']})" if ratio["unstable"] else ""
+    lo, hi = ratio["ci"]
+    print(f"  {label} per round: median {ratio['ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}{flag}")
+
+
+def write_record(out: str | None, name: str, res: dict) -> None:
+    """``res`` as ``out/name`` (indented JSON; the folder made if needed), when ``out`` is given."""
+    if out:
+        import json
+
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def threads() -> dict:
     """The thread settings a CPU timing depends on: torch's intra-/inter-op pools, the CPU count, and the XLA
     flags (XLA's CPU client sizes its pool from the CPU count unless XLA_FLAGS says otherwise)."""

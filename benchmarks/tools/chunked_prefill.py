@@ -18,12 +18,8 @@ one-call with its 95% interval (``twincore.timing.paired_ratio``); for JAX also 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import numpy as np
-
-from twincore.timing import paired_ratio, time_interleaved
 
 LOGITS_TOL = 1e-4  # fp32 full-model logits (design §7): the two ways sum the same keys in another order
 
@@ -87,13 +83,9 @@ def measure_one(framework: str, cfg, args) -> dict:
 
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.length))
     calls, temp = (_jax if framework == "jax" else _torch)(cfg, tokens, args.window, args.chunk)
-    first = {}
-    for name, call in calls.items():
-        out = call()
-        first[name] = out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
-    np.testing.assert_allclose(first["chunked"], first["one-call"], atol=LOGITS_TOL, rtol=0, err_msg="chunked")
-    times = time_interleaved(calls, rounds=args.rounds, per_round=1, warmup=1, sync=measure.sync)
-    ratio = paired_ratio(times["chunked"]["rounds"], times["one-call"]["rounds"], cv=[t["cv"] for t in times.values()])
+    times, ratio = measure.checked_pair(
+        calls, "chunked", "one-call", LOGITS_TOL, rounds=args.rounds, per_round=1, warmup=1
+    )
     return {"times": times, "ratio": ratio, "temp_bytes": temp}
 
 
@@ -129,20 +121,10 @@ def main(argv=None) -> dict:
             f"of {args.length} slots, then its window) vs {args.chunk} per call (a ring of "
             f"{args.window + args.chunk - 1} slots)"
         )
-        for name, t in one["times"].items():
-            lo, mid, hi = np.percentile(np.asarray(t["calls"]) * 1e3, [10, 50, 90])
-            temp = "" if one["temp_bytes"] is None else f", compiled temp {one['temp_bytes'][name] / 2**20:.1f} MiB"
-            print(f"  {name}: median {mid:.0f} ms, p10-p90 {lo:.0f}-{hi:.0f} ms{temp}")
-        r = one["ratio"]
-        flag = f" UNSTABLE ({r['why']})" if r["unstable"] else ""
-        print(
-            f"  chunked / one-call per round: median {r['ratio']:.3f}, 95% interval {r['ci'][0]:.3f}-{r['ci'][1]:.3f}"
-            f"{flag}"
-        )
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "chunked_prefill.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        temp = one["temp_bytes"] or {}
+        extra = {name: f", compiled temp {b / 2**20:.1f} MiB" for name, b in temp.items()}
+        measure.print_paired(one["times"], one["ratio"], "chunked / one-call", digits=0, extra=extra)
+    measure.write_record(args.out, "chunked_prefill.json", res)
     return res
 
 

@@ -17,13 +17,10 @@ paired ratio ring / plain with its 95% interval (``twincore.timing.paired_ratio`
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import numpy as np
 
 from twincore.generate import bucket
-from twincore.timing import paired_ratio, time_interleaved
 
 LOGITS_TOL = 1e-4  # fp32 full-model logits (design §7): the two caches sum the same slots in another order
 
@@ -94,13 +91,9 @@ def measure_one(framework: str, cfg, args) -> dict:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, 1))
     build = _jax if framework == "jax" else _torch
     calls = build(cfg, args.batch, slots, args.length, args.window, tokens)
-    first = {}
-    for name, call in calls.items():
-        out = call()
-        first[name] = out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
-    np.testing.assert_allclose(first["ring"], first["plain"], atol=LOGITS_TOL, rtol=0, err_msg="ring != plain")
-    times = time_interleaved(calls, rounds=args.rounds, per_round=args.per_round, warmup=warmup, sync=measure.sync)
-    ratio = paired_ratio(times["ring"]["rounds"], times["plain"]["rounds"], cv=[t["cv"] for t in times.values()])
+    times, ratio = measure.checked_pair(
+        calls, "ring", "plain", LOGITS_TOL, rounds=args.rounds, per_round=args.per_round, warmup=warmup
+    )
     return {"times": times, "ratio": ratio, "slots": slots}
 
 
@@ -131,18 +124,8 @@ def main(argv=None) -> dict:
             f"{fw} {args.preset} as mistral w={args.window} B={args.batch} length={args.length}: "
             f"plain cache {one['slots']} slots, ring {args.window}"
         )
-        for name, t in one["times"].items():
-            lo, mid, hi = np.percentile(np.asarray(t["calls"]) * 1e3, [10, 50, 90])
-            print(f"  {name}: median {mid:.1f} ms, p10-p90 {lo:.1f}-{hi:.1f} ms")
-        r = one["ratio"]
-        flag = f" UNSTABLE ({r['why']})" if r["unstable"] else ""
-        print(
-            f"  ring / plain per round: median {r['ratio']:.3f}, 95% interval {r['ci'][0]:.3f}-{r['ci'][1]:.3f}{flag}"
-        )
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ring_decode.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        measure.print_paired(one["times"], one["ratio"], "ring / plain")
+    measure.write_record(args.out, "ring_decode.json", res)
     return res
 
 
