@@ -1055,6 +1055,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch's prefill puts the window's positions in the ring's slots in the wrong order",
     ),
     m(
+        "cpu-default-decode",
+        "attention",
+        "jaxattn/attention/__init__.py",
+        "table = _DEFAULT_DECODE if q_len == 1 else _DEFAULT",
+        "table = _DEFAULT",
+        "parity_tests/test_attention.py -k default_backend_on_cpu",
+        "a decode step on a CPU goes to `chunked` by default, which scans key blocks for one query (5x slower)",
+    ),
+    m(
         "append-order-jax",
         "model",
         "jaxattn/kv_cache.py",

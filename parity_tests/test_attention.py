@@ -380,10 +380,17 @@ def spy(monkeypatch):
 
 
 def test_default_backend_on_cpu(spy):
+    """On a CPU a block of queries goes to ``chunked`` (torch's CPU default is its blocked flash kernel; ``xla``
+    materialises the scores and was 3-15x slower from S = 1024 on: benchmarks/NOTES.md), a decode step's one query to
+    ``xla`` (its multiply-and-sum; ``chunked`` scans key blocks for it, 5x slower at 2048 slots)."""
     q, k, v = _qkv()
-    assert attn.default_backends(q) == ("xla",)
+    assert q.shape[1] > 1 and attn.default_backends(q) == ("chunked", "xla")
     dot_product_attention(q, k, v, causal=True)
-    assert spy == ["xla"]
+    assert spy == ["chunked"]
+    one = q[:, :1]
+    assert attn.default_backends(one) == ("xla",)
+    dot_product_attention(one, k, v, causal=True)
+    assert spy == ["chunked", "xla"]
 
 
 def test_attention_backend_order_and_nesting(spy):

@@ -69,3 +69,23 @@ def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
         with tattn.attention_backend(backend):
             out = tmodel(torch.from_numpy(tok), torch.from_numpy(pos)).numpy()
     assert np.abs(out - ref).max() <= LOGITS_TOL
+
+
+def test_cpu_default_tool_pairs_the_default_with_xla(capsys, tmp_path):
+    """``benchmarks.tools.cpu_default``: the model's training step and forward traced under the default backends and
+    under ``xla`` alone agree (checked inside before any timing), then are timed, paired; ``--out`` writes the
+    JSON. On a CPU the default puts ``chunked`` first."""
+    import json
+
+    from benchmarks.tools import cpu_default as tool
+
+    res = tool.main(
+        ["--preset", "tiny", "--train", "2x16", "--prefill", "1x24", "--rounds", "1", "--out", str(tmp_path)]
+    )
+    assert res["default"] == ["chunked", "xla"]
+    for what in ("train", "prefill"):
+        assert res[what]["ratio"]["rounds"] == 1 and set(res[what]["times"]) == {"xla", "default"}
+    assert capsys.readouterr().out.count("default / xla per round") == 2
+    assert json.loads((tmp_path / "cpu_default.json").read_text())["args"]["train"] == [2, 16]
+    with pytest.raises(SystemExit):
+        tool.main(["--train", "2by16"])

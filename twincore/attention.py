@@ -58,6 +58,8 @@ class Backend:
     * ``forward_only``: no backward (never offered to training).
     * ``default_rank``: ``((platform, rank), ...)``: position in that platform's default order (0 first);
       a platform not listed leaves the backend opt-in there.  Pass a dict; it is stored as sorted pairs.
+    * ``default_min_q``: ``((platform, n), ...)``: in that platform's default order only for calls of at least n
+      queries per row (a backend named explicitly serves any call).  A dict, stored as sorted pairs.
     * ``title``: a few words for messages.
     """
 
@@ -67,13 +69,15 @@ class Backend:
     forward_only: bool = False
     default_rank: Any = ()
     title: str = ""
+    default_min_q: Any = ()
 
     def __post_init__(self):
-        ranks = dict(self.default_rank)
-        bad = sorted(set(ranks) - set(PLATFORMS))
-        if bad:
-            raise ValueError(f"Backend {self.name!r}: default_rank platforms must be in {PLATFORMS}, got {bad}")
-        object.__setattr__(self, "default_rank", tuple(sorted(ranks.items())))
+        for field in ("default_rank", "default_min_q"):
+            table = dict(getattr(self, field))
+            bad = sorted(set(table) - set(PLATFORMS))
+            if bad:
+                raise ValueError(f"Backend {self.name!r}: {field} platforms must be in {PLATFORMS}, got {bad}")
+            object.__setattr__(self, field, tuple(sorted(table.items())))
 
     def rank(self, platform: str) -> int | None:
         """Position in ``platform``'s default order, or None (opt-in there)."""
@@ -84,6 +88,9 @@ class Backend:
 # and a committed record shows it correct). `mosaic` joined on one H200 (2026-11-27): all 51 `gpu` tests passed and,
 # at D=128, it tied cuDNN (median time / fastest 1.00 vs 1.02) and beat flash 1.6x; the tie keeps cuDNN first and it
 # declines off Hopper (benchmarks/NOTES.md, "GPU session on one H200").
+# On a CPU: `chunked` (blocked, masked blocks skipped; torch's CPU SDPA is a blocked flash kernel too) before `xla`,
+# whose materialised scores were 3-15x slower from S = 1024 on, except for one query per row (a decode step), where
+# `xla`'s multiply-and-sum was 5x faster (benchmarks/NOTES.md, "JAX's CPU default").
 # On a TPU: jax's splash kernel (a library kernel, MaxText's TPU default), then the pure-JAX ones; its torch twin is
 # none (torch_xla is out of scope: torchref runs on CPU/CUDA).
 BACKENDS: tuple[Backend, ...] = (
@@ -92,8 +99,15 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("mosaic", "mosaic", None, default_rank={"gpu": 1}, title="Pallas Mosaic GPU"),
     Backend("splash", "splash", None, default_rank={"tpu": 0}, title="Pallas TPU splash attention (jax's)"),
     Backend("cudnn", "cudnn", "CUDNN_ATTENTION", default_rank={"gpu": 0}, title="cuDNN fused attention"),
-    Backend("chunked", "chunked", "EFFICIENT_ATTENTION", default_rank={"gpu": 3, "tpu": 1}, title="O(S)-memory JAX"),
-    Backend("xla", "xla", "MATH", default_rank={"gpu": 4, "cpu": 0, "tpu": 2}, title="plain math"),
+    Backend(
+        "chunked",
+        "chunked",
+        "EFFICIENT_ATTENTION",
+        default_rank={"gpu": 3, "tpu": 1, "cpu": 0},
+        default_min_q={"cpu": 2},
+        title="O(S)-memory JAX",
+    ),
+    Backend("xla", "xla", "MATH", default_rank={"gpu": 4, "cpu": 1, "tpu": 2}, title="plain math"),
 )
 _BY_NAME: dict[str, Backend] = {b.name: b for b in BACKENDS}
 
@@ -113,11 +127,16 @@ def torch_backend_names() -> tuple[str, ...]:
     return tuple(b.name for b in BACKENDS if b.torch_twin is not None)
 
 
-def default_order(platform: str) -> tuple[str, ...]:
-    """Default backend order on ``platform`` ("cpu", "gpu", "tpu"): the ranked rows, by rank."""
+def default_order(platform: str, q_len: int | None = None) -> tuple[str, ...]:
+    """Default backend order on ``platform`` ("cpu", "gpu", "tpu"): the ranked rows, by rank; for a call of
+    ``q_len`` queries per row, without the rows whose ``default_min_q`` there is more (None: every ranked row)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-    ranked = [(b.rank(platform), b.name) for b in BACKENDS if b.rank(platform) is not None]
+    ranked = [
+        (b.rank(platform), b.name)
+        for b in BACKENDS
+        if b.rank(platform) is not None and (q_len is None or q_len >= dict(b.default_min_q).get(platform, 1))
+    ]
     return tuple(name for _, name in sorted(ranked))
 
 
