@@ -56,8 +56,7 @@ class KVCache:
         if not isinstance(append, (bool, np.bool_)):
             raise ValueError(f"KVCache.init: append must be a bool, got {append!r}")
         shape = (config.n_layers, batch, int(max_len), config.n_kv_heads, config.resolved_head_dim)
-        zeros = jnp.zeros(shape, dtype)
-        return cls(zeros, jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32), bool(append))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32), bool(append))
 
     @property
     def max_len(self) -> int:
@@ -114,7 +113,7 @@ def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None =
     ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it); ``append``:
     the cache's (a call of ``S > 1`` tokens attends over the slots too)."""
     t = k_all.shape[2]
-    ring = is_ring(t, window)
+    ring, contract_window = is_ring(t, window), None if window is None else (window - 1, None)  # the contract's window
     b, s = q.shape[:2]
     cols = lengths[:, None] + jnp.arange(s)[None, :]  # [B, S]: the positions written
     rows, cols = jnp.arange(b)[:, None], cols % t if ring else cols  # [B, 1], [B, S]: their slots (past T: dropped)
@@ -141,13 +140,8 @@ def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None =
         )  # [B, T, Hkv, D]
         ids = (jnp.ones((b, s), jnp.int32), kv_ids)
         o = dot_product_attention(
-            q,
-            k_layer.astype(q.dtype),
-            v_layer.astype(q.dtype),
-            causal=True,
-            segment_ids=ids,
-            window=None if window is None else (window - 1, None),
+            q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), causal=True, segment_ids=ids, window=contract_window
         )
     else:  # prefill of an empty cache: causal among the new tokens
-        o = dot_product_attention(q, k, v, causal=True, window=None if window is None else (window - 1, None))
+        o = dot_product_attention(q, k, v, causal=True, window=contract_window)
     return o, (k_all, v_all)

@@ -123,7 +123,8 @@ class KVCache:
             visible = visible[:, None, None, :]  # [B, 1, 1, T]
         elif self.append:  # the written slots; the slots in position order (newest last) and which are filled
             t, pos = self.max_len, self.lengths[:, None] + torch.arange(s, device=self.slots.device)[None, :]
-            kept = (pos >= 0) if self.ring else pos < t  # [B, S]: a plain cache drops the writes past its end
+            # [B, S]: a ring keeps every write; a plain cache drops those past its end
+            kept = torch.ones_like(pos, dtype=torch.bool) if self.ring else pos < t
             at = (pos % t, kept)
             order = self.lengths[:, None] + s - t + self.slots[None, :]  # [B, T]: position lengths + s - T + j
             visible = (order % t, (order >= 0).long())
