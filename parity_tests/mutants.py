@@ -415,6 +415,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the block search's speed-up of its winner over the default inverted",
     ),
     m(
+        "tokamax-argv-flags",
+        "records",
+        "benchmarks/tools/programs.py",
+        "        flags.FLAGS.mark_as_parsed()\n    return tokamax",
+        "        pass\n    return tokamax",
+        "parity_tests/test_benchmarks.py -k tokamax_peer",
+        "tokamax parses our command line (`run --quick`) as its absl flags and every tokamax row is skipped",
+    ),
+    m(
         "stats-order-tie-ignored",
         "statistics",
         "benchmarks/tools/default_order.py",
@@ -1057,11 +1066,21 @@ MUTANTS: tuple[Mutant, ...] = (
     m(
         "cpu-default-decode",
         "attention",
-        "jaxattn/attention/__init__.py",
-        "table = _DEFAULT_DECODE if q_len == 1 else _DEFAULT",
-        "table = _DEFAULT",
+        "twincore/attention.py",
+        "and (q_len is None or q_len >= dict(self.default_min_q).get(platform, 1))",
+        "and (q_len is None or q_len >= 1)",
         "parity_tests/test_attention.py -k default_backend_on_cpu",
         "a decode step on a CPU goes to `chunked` by default, which scans key blocks for one query (5x slower)",
+    ),
+    m(
+        "cpu-default-kv-floor",
+        "attention",
+        "jaxattn/attention/__init__.py",
+        "names = _resolve(backend, target, q.shape[1], k.shape[1])",
+        "names = _resolve(backend, target, q.shape[1], q.shape[1])",
+        "parity_tests/test_attention.py -k default_backend_on_cpu",
+        "the dispatcher floors `chunked` by the queries' length, so a prefill of a few tokens into a long cache "
+        "and an appending chunk pick the backend from the wrong length",
     ),
     m(
         "append-order-jax",

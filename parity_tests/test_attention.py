@@ -380,17 +380,23 @@ def spy(monkeypatch):
 
 
 def test_default_backend_on_cpu(spy):
-    """On a CPU a block of queries goes to ``chunked`` (torch's CPU default is its blocked flash kernel; ``xla``
-    materialises the scores and was 3-15x slower from S = 1024 on: benchmarks/NOTES.md), a decode step's one query to
-    ``xla`` (its multiply-and-sum; ``chunked`` scans key blocks for it, 5x slower at 2048 slots)."""
-    q, k, v = _qkv()
-    assert q.shape[1] > 1 and attn.default_backends(q) == ("chunked", "xla")
+    """On a CPU a block of queries over 128 keys or more goes to ``chunked`` (torch's CPU default is its blocked flash
+    kernel; ``xla`` materialises the scores and was 3-15x slower from S = 1024 on: benchmarks/NOTES.md); a decode
+    step's one query to ``xla`` (its multiply-and-sum; ``chunked`` scans key blocks for it, 5x slower at 2048 slots),
+    and so do calls under 128 keys (``chunked``'s scan costs more to compile than it saves there)."""
+    q, k, v = _qkv(sk=128)
+    assert q.shape[1] > 1 and attn.default_backends(q, k) == ("chunked", "xla")
     dot_product_attention(q, k, v, causal=True)
     assert spy == ["chunked"]
     one = q[:, :1]
-    assert attn.default_backends(one) == ("xla",)
+    assert attn.default_backends(one, k) == attn.default_backends(one) == ("xla",)
     dot_product_attention(one, k, v, causal=True)
     assert spy == ["chunked", "xla"]
+    short = k[:, :127], v[:, :127]
+    assert attn.default_backends(q, short[0]) == ("xla",)
+    dot_product_attention(q, *short, causal=True)
+    assert spy == ["chunked", "xla", "xla"]
+    assert attn.default_backends(q) == ("chunked", "xla")  # no key length given: every floor met
 
 
 def test_attention_backend_order_and_nesting(spy):

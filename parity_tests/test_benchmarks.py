@@ -754,3 +754,22 @@ def test_decode_suite_compiled_torch_steps_give_the_eager_tokens(monkeypatch):
         runs[impl] = [step().tolist() for _ in range(4)]
     assert runs["torchref+compile"] == runs["torchref"] == runs["torchref+cudagraphs"], runs
     assert modes == [None, "reduce-overhead"]
+
+
+def test_tokamax_peer_runs_under_our_command_line(monkeypatch):
+    """tokamax reads its options through absl flags, which parse ``sys.argv`` while unparsed: under
+    ``python -m benchmarks run --quick`` every tokamax row was skipped with "Unknown command line flag 'quick'".
+    The peer marks the flags parsed (``programs.import_tokamax``) and computes attention."""
+    pytest.importorskip("tokamax")
+    import jax
+    import numpy as np
+    from absl import flags
+
+    if flags.FLAGS.is_parsed():
+        flags.FLAGS.unparse_flags()  # as in a fresh `python -m benchmarks run --quick`
+    monkeypatch.setattr(sys, "argv", ["benchmarks", "run", "--quick"])
+    r = np.random.default_rng(0)
+    q, k, v = (jax.numpy.asarray(r.standard_normal((1, 33, 2, 16)), jax.numpy.float32) for _ in range(3))
+    out = attention_suite._jax_impls(quick=True)["tokamax"](True)(q, k, v)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)

@@ -42,12 +42,14 @@ QKV = (_sds((1, 256, 4, 64)), _sds((1, 256, 2, 64)), _sds((1, 256, 2, 64)))
 # ------------------------------------------------------------------------------------ no plugin needed
 def test_default_order_pinned():
     """design §4: on a GPU cudnn -> mosaic -> flash -> chunked -> xla (mosaic only on Hopper); on a TPU splash ->
-    chunked -> xla; on CPU chunked -> xla, and xla alone for one query per row.  The dispatcher reads these orders
-    from the backend table's ranks (``twincore.attention.BACKENDS``)."""
+    chunked -> xla; on CPU chunked -> xla, and xla alone for one query or under 128 keys per row.  The dispatcher
+    reads these orders from the backend table's ranks (``twincore.attention.BACKENDS``)."""
     from twincore.attention import default_order
 
     assert attn.default_backends() == ("chunked", "xla") == default_order("cpu")
-    assert default_order("cpu", 1) == ("xla",) and default_order("gpu", 1) == default_order("gpu")
+    assert default_order("cpu", 1) == default_order("cpu", 2, 127) == ("xla",)
+    assert default_order("cpu", 2, 128) == default_order("cpu")
+    assert default_order("gpu", 1, 1) == default_order("gpu") and default_order("tpu", 1, 1) == default_order("tpu")
     with attn.target_platform("gpu", compute_capability=(9, 0)):
         assert attn.default_backends() == ("cudnn", "mosaic", "flash", "chunked", "xla")
         assert attn.default_backends() == default_order("gpu")

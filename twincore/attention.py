@@ -15,6 +15,7 @@ orders, and torchref's SDPA mapping, are all read from it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import re
@@ -60,6 +61,7 @@ class Backend:
       a platform not listed leaves the backend opt-in there.  Pass a dict; it is stored as sorted pairs.
     * ``default_min_q``: ``((platform, n), ...)``: in that platform's default order only for calls of at least n
       queries per row (a backend named explicitly serves any call).  A dict, stored as sorted pairs.
+    * ``default_min_kv``: the same floor on keys per row.
     * ``title``: a few words for messages.
     """
 
@@ -70,9 +72,10 @@ class Backend:
     default_rank: Any = ()
     title: str = ""
     default_min_q: Any = ()
+    default_min_kv: Any = ()
 
     def __post_init__(self):
-        for field in ("default_rank", "default_min_q"):
+        for field in ("default_rank", "default_min_q", "default_min_kv"):
             table = dict(getattr(self, field))
             bad = sorted(set(table) - set(PLATFORMS))
             if bad:
@@ -83,6 +86,15 @@ class Backend:
         """Position in ``platform``'s default order, or None (opt-in there)."""
         return dict(self.default_rank).get(platform)
 
+    def in_default(self, platform: str, q_len: int | None = None, kv_len: int | None = None) -> bool:
+        """Ranked on ``platform`` and, for a call of ``q_len`` queries and ``kv_len`` keys per row (None: any),
+        at or above both floors there."""
+        return (
+            self.rank(platform) is not None
+            and (q_len is None or q_len >= dict(self.default_min_q).get(platform, 1))
+            and (kv_len is None or kv_len >= dict(self.default_min_kv).get(platform, 1))
+        )
+
 
 # design §4: a backend enters a GPU default only on evidence (its compiled `gpu` tests passed on a real GPU
 # and a committed record shows it correct). `mosaic` joined on one H200 (2026-11-27): all 51 `gpu` tests passed and,
@@ -90,7 +102,8 @@ class Backend:
 # declines off Hopper (benchmarks/NOTES.md, "GPU session on one H200").
 # On a CPU: `chunked` (blocked, masked blocks skipped; torch's CPU SDPA is a blocked flash kernel too) before `xla`,
 # whose materialised scores were 3-15x slower from S = 1024 on, except for one query per row (a decode step), where
-# `xla`'s multiply-and-sum was 5x faster (benchmarks/NOTES.md, "JAX's CPU default").
+# `xla`'s multiply-and-sum was 5x faster (benchmarks/NOTES.md, "JAX's CPU default"), and under 128 keys per row, where
+# `chunked`'s scan and custom VJP cost more to compile and dispatch than they save ("A key-length floor").
 # On a TPU: jax's splash kernel (a library kernel, MaxText's TPU default), then the pure-JAX ones; its torch twin is
 # none (torch_xla is out of scope: torchref runs on CPU/CUDA).
 BACKENDS: tuple[Backend, ...] = (
@@ -105,6 +118,7 @@ BACKENDS: tuple[Backend, ...] = (
         "EFFICIENT_ATTENTION",
         default_rank={"gpu": 3, "tpu": 1, "cpu": 0},
         default_min_q={"cpu": 2},
+        default_min_kv={"cpu": 128},
         title="O(S)-memory JAX",
     ),
     Backend("xla", "xla", "MATH", default_rank={"gpu": 4, "cpu": 1, "tpu": 2}, title="plain math"),
@@ -127,16 +141,14 @@ def torch_backend_names() -> tuple[str, ...]:
     return tuple(b.name for b in BACKENDS if b.torch_twin is not None)
 
 
-def default_order(platform: str, q_len: int | None = None) -> tuple[str, ...]:
+@functools.cache
+def default_order(platform: str, q_len: int | None = None, kv_len: int | None = None) -> tuple[str, ...]:
     """Default backend order on ``platform`` ("cpu", "gpu", "tpu"): the ranked rows, by rank; for a call of
-    ``q_len`` queries per row, without the rows whose ``default_min_q`` there is more (None: every ranked row)."""
+    ``q_len`` queries and ``kv_len`` keys per row, without the rows whose ``default_min_q`` / ``default_min_kv``
+    there is more (None: every ranked row)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-    ranked = [
-        (b.rank(platform), b.name)
-        for b in BACKENDS
-        if b.rank(platform) is not None and (q_len is None or q_len >= dict(b.default_min_q).get(platform, 1))
-    ]
+    ranked = [(b.rank(platform), b.name) for b in BACKENDS if b.in_default(platform, q_len, kv_len)]
     return tuple(name for _, name in sorted(ranked))
 
 

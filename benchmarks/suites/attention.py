@@ -139,9 +139,10 @@ def _jax_impls(quick: bool):
 
     impls[mgpu_peer.SUITE_NAME] = make_mgpu
 
-    def make_tokamax(causal):
-        import tokamax  # noqa: F401  (optional peer)
+    def make_tokamax(causal):  # an optional peer: ImportError skips it
+        from benchmarks.tools.programs import import_tokamax
 
+        tokamax = import_tokamax()
         return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
 
     impls["tokamax"] = make_tokamax

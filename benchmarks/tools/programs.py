@@ -68,17 +68,25 @@ def attention_loss(impl: str, shape: AttnShape, d: int):
 def peer_context(impl: str, devs):
     """tokamax decides whether it may lower by asking jax's default device (a CPU here) what it is, and reads its
     options through absl flags: make the target's first device the default and set its documented
-    ``cross_compile`` option (absl flags marked parsed, as a library user's ``main`` would)."""
+    ``cross_compile`` option (absl flags marked parsed: :func:`import_tokamax`)."""
     if not impl.startswith("tokamax:"):
         yield
         return
+    tokamax = import_tokamax()
+    with jax.default_device(devs[0]), tokamax.config.cross_compile(True):
+        yield
+
+
+def import_tokamax():
+    """The ``tokamax`` module, ready to call from any program. It reads its options through absl flags and, while
+    they are unparsed, parses ``sys.argv``, whose flags are ours (``run --quick``: "Unknown command line flag
+    'quick'"); so mark them parsed, as a library user's absl ``main`` would, leaving tokamax's at their defaults."""
     import tokamax
     from absl import flags
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    with jax.default_device(devs[0]), tokamax.config.cross_compile(True):
-        yield
+    return tokamax
 
 
 def attention_base(impl: str, d: int, dt: str, shape: AttnShape, label: str) -> dict:

@@ -53,8 +53,6 @@ __all__ = [
 BACKENDS: tuple[str, ...] = _spec.backend_names()
 FORWARD_ONLY: tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
 _MODULE_OF: dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module
-_DEFAULT: dict[str, tuple[str, ...]] = {p: _spec.default_order(p) for p in _spec.PLATFORMS}
-_DEFAULT_DECODE: dict[str, tuple[str, ...]] = {p: _spec.default_order(p, 1) for p in _spec.PLATFORMS}  # Sq = 1
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
 _MODULES: dict[str, object] = {}
@@ -98,18 +96,19 @@ def current_backends() -> tuple[str, ...] | None:
     return _ACTIVE.get()
 
 
-def default_backends(q=None) -> tuple[str, ...]:
+def default_backends(q=None, k=None) -> tuple[str, ...]:
     """Preference used when neither ``backend=`` nor ``attention_backend`` says anything, for the platform the
-    trace targets (:func:`current_target`) and, given ``q``, its queries per row, from the backend table's ranks: on
-    a GPU ``cudnn, mosaic, flash, chunked, xla`` (``mosaic`` serves Hopper only); on a TPU ``splash, chunked, xla``;
-    on a CPU ``chunked, xla``, and ``xla`` for one query per row (a decode step: benchmarks/NOTES.md, "JAX's CPU
-    default"). Interpreted Pallas kernels are for tests."""
-    return _default_for(platform_of(q), None if q is None else q.shape[1])
+    trace targets (:func:`current_target`) and, given ``q`` (and ``k``), its queries (and keys) per row, from the
+    backend table's ranks: on a GPU ``cudnn, mosaic, flash, chunked, xla`` (``mosaic`` serves Hopper only); on a TPU
+    ``splash, chunked, xla``; on a CPU ``chunked, xla``, but ``xla`` alone for one query per row (a decode step) or
+    under 128 keys per row (benchmarks/NOTES.md, "JAX's CPU default" and "A key-length floor"). Interpreted Pallas
+    kernels are for tests."""
+    q_len = None if q is None else q.shape[1]
+    return _default_for(platform_of(q), q_len, None if k is None else k.shape[1])
 
 
-def _default_for(platform: str, q_len: int | None = None) -> tuple[str, ...]:
-    table = _DEFAULT_DECODE if q_len == 1 else _DEFAULT
-    return table.get(platform, table["cpu"])
+def _default_for(platform: str, q_len: int | None = None, kv_len: int | None = None) -> tuple[str, ...]:
+    return _spec.default_order(platform if platform in _spec.PLATFORMS else "cpu", q_len, kv_len)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -151,11 +150,11 @@ def _decline_reason(name: str, q, k, v, args: AttnArgs) -> tuple[str | None, obj
     return reason, mod
 
 
-def _resolve(backend, target: Target, q_len: int) -> tuple[str, ...]:
+def _resolve(backend, target: Target, q_len: int, kv_len: int) -> tuple[str, ...]:
     if backend is not None:
         return _check_names(backend, "backend")
     active = _ACTIVE.get()
-    return active if active is not None else _default_for(target.platform, q_len)
+    return active if active is not None else _default_for(target.platform, q_len, kv_len)
 
 
 def _describe(q, k, args: AttnArgs, target: Target) -> str:
@@ -196,7 +195,7 @@ def dot_product_attention(
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     target = current_target(q)  # once per call: the backends below read it from the context
     with _entered(target):
-        names = _resolve(backend, target, q.shape[1])
+        names = _resolve(backend, target, q.shape[1], k.shape[1])
         reasons: dict[str, str] = {}
         for name in names:
             reason, mod = _decline_reason(name, q, k, v, args)
