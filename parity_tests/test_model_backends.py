@@ -74,18 +74,24 @@ def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
 def test_cpu_default_tool_pairs_the_default_with_xla(capsys, tmp_path):
     """``benchmarks.tools.cpu_default``: the model's training step and forward traced under the default backends and
     under ``xla`` alone agree (checked inside before any timing), then are timed, paired; ``--out`` writes the
-    JSON. On a CPU the default puts ``chunked`` first."""
+    JSON. On a CPU the default puts ``chunked`` first from 128 keys on; ``--sweep`` times ``xla`` and ``chunked``
+    by name."""
     import json
 
     from benchmarks.tools import cpu_default as tool
 
     res = tool.main(
-        ["--preset", "tiny", "--train", "2x16", "--prefill", "1x24", "--rounds", "1", "--out", str(tmp_path)]
+        ["--preset", "tiny", "--train", "2x16", "--prefill", "1x128", "--rounds", "1", "--out", str(tmp_path)]
     )
-    assert res["default"] == ["chunked", "xla"]
+    assert res["train"]["default"] == ["xla"] and res["prefill"]["default"] == ["chunked", "xla"]
     for what in ("train", "prefill"):
         assert res[what]["ratio"]["rounds"] == 1 and set(res[what]["times"]) == {"xla", "default"}
     assert capsys.readouterr().out.count("default / xla per round") == 2
     assert json.loads((tmp_path / "cpu_default.json").read_text())["args"]["train"] == [2, 16]
-    with pytest.raises(SystemExit):
-        tool.main(["--train", "2by16"])
+    sweep = tool.main(["--preset", "tiny", "--train", "2x8", "--sweep", "8,12", "--rounds", "1"])["sweep"]
+    assert list(sweep) == [8, 12] and all(set(row) == {"xla", "chunked"} for row in sweep.values())
+    assert all(r["first_s"] > 0 and r["median_ms"] > 0 for row in sweep.values() for r in row.values())
+    assert "S=12: xla" in capsys.readouterr().out
+    for bad in (["--train", "2by16"], ["--sweep", "8,0"], ["--sweep", "a"]):
+        with pytest.raises(SystemExit):
+            tool.main(bad)
