@@ -477,16 +477,22 @@ def test_backend_table_drives_both_packages():
 
     from twincore import attention as spec
 
-    assert attn.BACKENDS == tuple(b.name for b in spec.BACKENDS)
+    assert attn.BACKENDS == tuple(b.name for b in spec.BACKENDS if b.module is not None)
     assert attn.FORWARD_ONLY == ("flash_decode",)
-    assert {n: getattr(SDPBackend, spec.backend(n).torch_twin) for n in tattn.BACKENDS} == tattn.SDPA_BACKENDS
+    sdpa = {n: getattr(SDPBackend, spec.backend(n).torch_twin) for n in tattn.BACKENDS if n != "flex"}
+    assert sdpa == tattn.SDPA_BACKENDS
     assert tattn.SDPA_BACKENDS == {
         "xla": SDPBackend.MATH,
         "flash": SDPBackend.FLASH_ATTENTION,
         "chunked": SDPBackend.EFFICIENT_ATTENTION,
         "cudnn": SDPBackend.CUDNN_ATTENTION,
     }
+    assert tattn.BACKENDS == (*tattn.SDPA_BACKENDS, "flex") and spec.backend("flex").torch_twin == spec.FLEX
     for b in spec.BACKENDS:
+        if b.module is None:  # torch's only (FlexAttention): jaxattn refuses the name, as torchref refuses splash
+            with pytest.raises(ValueError, match=rf"{b.name!r} \(.*\) has no JAX twin; jax backends are"):
+                attn.get_backend(b.name)
+            continue
         assert attn.get_backend(b.name).__name__ == f"jaxattn.attention.{b.module}"
         if b.torch_twin is None:
             with pytest.raises(ValueError, match=rf"{b.name!r} \(.*\) has no torch twin; torch backends are"):
@@ -617,7 +623,7 @@ def test_bad_inputs_torch(name, args, kw, exc, match):
 
 def test_torch_softcap_declines_fused():
     q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match=r"softcap=2.0 needs the 'xla' \(MATH\) backend"):
+    with pytest.raises(ValueError, match=r"softcap=2.0 needs the 'xla' \(MATH\) or 'flex' backend"):
         tattn.dot_product_attention(q, k, k, softcap=2.0, backend="flash")
     out = tattn.dot_product_attention(q, k, k, softcap=2.0, backend=("flash", "xla"))
     assert torch.isfinite(out).all()
@@ -632,6 +638,41 @@ def test_torch_attention_backend_context_matches_explicit():
 
 
 # --------------------------------------------------------------------------------------------- memory
+def test_chunked_skips_a_block_only_when_every_rows_ids_keep_it_hidden():
+    """``chunked`` skips a block that the segment ids hide: when, in every row, the query chunk's id range and the key
+    chunk's do not meet. Row 0 holds two documents and row 1 one, so the off-diagonal blocks are hidden in row 0 only
+    and must be computed; forward and gradients equal the oracle's, and the skip test says which blocks it skips."""
+    ids = np.stack([np.repeat([0, 1], 32), np.zeros(64, int)]).astype(np.int32)  # [B=2, 64]
+    cfg = chunked_mod._Cfg(False, 0.125, None, None, 64, 64, 16, 16, True)
+    need = lambda qi, ki: bool(chunked_mod._block_needed(cfg, 0, 0, jnp.asarray(qi), jnp.asarray(ki)))  # noqa: E731
+    assert need(ids[:, :16], ids[:, 48:]) and not need(ids[:1, :16], ids[:1, 48:])
+    assert not need(np.array([[0, 0], [3, 4]]), np.array([[1, 2], [5, 5]]))  # ranges [0,0]/[1,2] and [3,4]/[5,5]
+    case = (21, 2, 64, 64, 4, 2, 16, dict(seg="self"))
+    q, k, v, do, _, _, kw = _prep(case)
+    oracle = _oracle(q, k, v, do, q_ids=ids, kv_ids=ids, **kw)
+    got = _jax_run("chunked", q, k, v, do, ids, ids, kw, q_chunk_size=16, kv_chunk_size=16)
+    _check_fp32(got, oracle, "chunked, blocks hidden in one row only")
+
+
+def test_chunked_default_chunks_follow_the_trace_platform():
+    """256-row chunks on a CPU, 512 elsewhere (``chunked.default_chunks``): the scans of a 1024-token call run 4 or 2
+    steps, by the platform the trace targets."""
+    import re
+
+    from jaxattn.attention import target_platform
+
+    assert chunked_mod.default_chunks("cpu") == (256, 256) and chunked_mod.default_chunks("gpu") == (512, 512)
+    q = jnp.ones((1, 1024, 2, 8))
+
+    def steps():
+        jaxpr = jax.make_jaxpr(lambda q: chunked_mod.chunked_attention(q, q, q, causal=True))(q)
+        return sorted(set(re.findall(r"length=(\d+)", str(jaxpr))))
+
+    assert steps() == ["4"]
+    with target_platform("tpu"):
+        assert steps() == ["2"]
+
+
 def test_chunked_memory_is_linear():
     """fwd+bwd of ``chunked`` keeps no S x S buffer: XLA's temp allocation at S=4096 is far below one fp32
     S x S score matrix per head, and doubling S about doubles it (the xla backend is shown for contrast)."""

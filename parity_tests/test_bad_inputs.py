@@ -544,6 +544,18 @@ BAD = [
             ),
             ("attention-cudnn-on-cpu", BOTH, ["--attention", "cudnn"], ["--attention 'cudnn' cannot serve", "cpu"]),
             (
+                "attention-flex-backward-on-cpu",
+                ("torch",),
+                ["--attention", "flex"],
+                ["--attention 'flex' cannot serve", "no FlexAttention backward on cpu"],
+            ),
+            (
+                "attention-flex-in-jax",
+                ("jax",),
+                ["--attention", "flex"],
+                ["--attention 'flex'", "jax attention backends from flash,"],
+            ),
+            (
                 "parallel-outside-torchrun",
                 ("torch",),
                 ["--parallel", "fsdp", "--offload-optimizer"],

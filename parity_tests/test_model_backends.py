@@ -50,7 +50,7 @@ def test_gpu_only_backends_decline_on_cpu(case, backend):
 
 
 def _torch_backends():
-    names = ["xla"]
+    names = ["xla", "flex"]  # flex: FlexAttention, forward only on a CPU (these calls are under no_grad)
     q = torch.randn(1, 4, 8, 16)
     for name in ("flash", "chunked"):
         try:
@@ -69,6 +69,24 @@ def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
         with tattn.attention_backend(backend):
             out = tmodel(torch.from_numpy(tok), torch.from_numpy(pos)).numpy()
     assert np.abs(out - ref).max() <= LOGITS_TOL
+
+
+def test_torch_flex_model_matches_jax_with_a_window_and_segment_ids(case):
+    """torch's model under ``attention_backend("flex")`` as a Mistral (a 4-token window) on packed documents: the
+    mask of every layer comes from FlexAttention's block mask, built once per call (``torchref.flex_attention``), and
+    the logits equal the JAX twin's."""
+    from parity_tests.twins import windowed_twins
+
+    tmodel, jmodel = windowed_twins(twin_models(ModelConfig.preset("tiny"), seed=11))
+    _, _, tok, pos, seg, _ = case
+    args = [torch.from_numpy(a) for a in (tok, pos, seg)]
+    with torch.no_grad():
+        with tattn.attention_backend("flex"):
+            out = tmodel(*args).numpy()
+        ref = tmodel(*args).numpy()
+    want = np.asarray(jitted(jmodel)(*(jnp.asarray(a, jnp.int32) for a in (tok, pos, seg))))
+    assert np.abs(out - ref).max() <= LOGITS_TOL
+    assert np.abs(out - want).max() <= LOGITS_TOL
 
 
 def test_cpu_default_tool_pairs_the_default_with_xla(capsys, tmp_path):

@@ -4,7 +4,8 @@
 
 Same keywords and checks as ``jaxattn.attention.dot_product_attention`` (design §4, :func:`check_call` of
 ``twincore.attention``), in torch's layout. ``backend`` names map onto ``SDPBackend`` by the backend table's
-torch-twin column and run under ``sdpa_kernel``; None leaves the choice to SDPA. Hand-written, and why: the mask
+torch-twin column and run under ``sdpa_kernel``; None leaves the choice to SDPA; ``flex`` is torch's FlexAttention
+(``torchref.flex_attention``: the mask and softcap in the kernel). Hand-written, and why: the mask
 (SDPA has no bottom-right window or segment ids; the parity tests pin it to JAX's), zeros for a row that sees no
 key (SDPA could give NaN, and NaN in its backward), a plain-math path for ``softcap`` (SDPA cannot express it;
 only ``xla``/MATH serves it), and kv heads expanded for EFFICIENT/CUDNN (``enable_gqa`` is FLASH/MATH only).
@@ -14,6 +15,7 @@ NaN inputs are outside the contract: torch's CPU flash kernel zeroes a row holdi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,14 @@ __all__ = [
     "math_attention",
 ]
 
-# The backend table's torch-twin column: jaxattn backend name -> SDPBackend (backends without a twin are absent).
+# The backend table's torch-twin column: backend name -> SDPBackend (backends without a twin are absent, and `flex`,
+# torch's FlexAttention, is served by torchref.flex_attention instead of SDPA).
 SDPA_BACKENDS: dict[str, SDPBackend] = {
-    b.name: getattr(SDPBackend, b.torch_twin) for b in _spec.BACKENDS if b.torch_twin is not None
+    b.name: getattr(SDPBackend, b.torch_twin) for b in _spec.BACKENDS if b.torch_twin not in (None, _spec.FLEX)
 }
-BACKENDS: tuple[str, ...] = tuple(SDPA_BACKENDS)
+FLEX = next(b.name for b in _spec.BACKENDS if b.torch_twin == _spec.FLEX)
+BACKENDS: tuple[str, ...] = _spec.torch_backend_names()
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("torchref_attention_backends", default=None)
 _GQA_NATIVE = {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION}
 MAX_HEAD_DIM = _spec.MAX_HEAD_DIM
 
@@ -48,18 +53,19 @@ def _backend_names(backend, argname: str = "backend") -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def attention_backend(*names):
-    """Twin of ``jaxattn.attention.attention_backend``: ``sdpa_kernel`` with jaxattn backend names, in order
-    of preference (``sdpa_kernel(..., set_priority=True)`` where this torch supports it)."""
+    """Twin of ``jaxattn.attention.attention_backend``: within the block ``dot_product_attention(backend=None)``
+    tries ``names`` in order, and raw SDPA calls run under ``sdpa_kernel`` with the SDPA ones
+    (``set_priority=True`` where this torch supports it); ``flex`` is torch's FlexAttention."""
     if len(names) == 1 and not isinstance(names[0], str):
         names = tuple(names[0])
     names = _backend_names(names, "attention_backend")  # an AttentionChoice: checked when it was made
-    sdp = [SDPA_BACKENDS[n] for n in names]
+    sdp = [SDPA_BACKENDS[n] for n in names if n != FLEX]
+    token = _ACTIVE.set(names)
     try:
-        ctx = sdpa_kernel(sdp, set_priority=True)
-    except TypeError:  # older torch without set_priority
-        ctx = sdpa_kernel(sdp)
-    with ctx:
-        yield names
+        with _kernel_ctx(sdp) if sdp else contextlib.nullcontext():
+            yield names
+    finally:
+        _ACTIVE.reset(token)
 
 
 def _describe(x):
@@ -149,19 +155,56 @@ def dot_product_attention(
     """``softmax(mask(softcap(scale * q k^T))) v`` in torch layout; see the module docstring.
 
     q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``, ``Hq % Hkv == 0``; returns ``[B, Hq, Sq, D]``.
-    ``backend``: None (SDPA decides, within any active ``sdpa_kernel``), a name from :data:`BACKENDS`
-    or an ordered sequence of names."""
+    ``backend``: None (the active ``attention_backend``'s names, else SDPA decides within any active
+    ``sdpa_kernel``), a name from :data:`BACKENDS` or an ordered sequence of names, tried in order."""
     causal, ids, scale, window, softcap = _validate(q, k, v, causal, segment_ids, scale, window, softcap)
-    names = None if backend is None else _backend_names(backend)
+    names = _ACTIVE.get() if backend is None else _backend_names(backend)
+    call = dict(causal=causal, segment_ids=ids, scale=scale, window=window, softcap=softcap)
+    if names is None or FLEX not in names:
+        return _sdpa_attention(q, k, v, call, names, backend)
+    groups = _groups(names)  # flex alone, and each run of SDPA names between
+    failed = {}
+    for group in groups:
+        try:
+            if group == (FLEX,):
+                from .flex_attention import flex_dot_product_attention
+
+                return flex_dot_product_attention(q, k, v, **call)
+            return _sdpa_attention(q, k, v, call, group, backend)
+        except (RuntimeError, ValueError) as e:
+            if len(groups) == 1:
+                raise
+            failed[",".join(group)] = str(e).splitlines()[0]
+    raise RuntimeError(
+        f"no torch attention backend in {list(names)} can serve this call on {q.device.type}; tried, in order: "
+        + "; ".join(f"{g}: {why}" for g, why in failed.items())
+    )
+
+
+def _groups(names) -> list[tuple[str, ...]]:
+    """``names`` cut into ``(flex,)`` and the runs of SDPA names around it, in order."""
+    out: list[tuple[str, ...]] = []
+    for n in names:
+        if n == FLEX or not out or out[-1] == (FLEX,):
+            out.append((n,))
+        else:
+            out[-1] += (n,)
+    return out
+
+
+def _sdpa_attention(q, k, v, call: dict, names, backend):
+    """The call by SDPA (``names``: SDPA backend names, or None) or, for ``softcap``, by :func:`math_attention`."""
+    causal, ids, scale, window, softcap = (call[n] for n in ("causal", "segment_ids", "scale", "window", "softcap"))
     sq, sk = q.shape[2], k.shape[2]
 
     if softcap is not None:
         math_ok = ("xla" in names) if names is not None else torch.backends.cuda.math_sdp_enabled()
         if not math_ok:
             raise ValueError(
-                f"softcap={softcap} needs the 'xla' (MATH) backend: SDPA's fused kernels cannot "
+                f"softcap={softcap} needs the 'xla' (MATH) or 'flex' backend: SDPA's fused kernels cannot "
                 f"apply a score cap; got backend={backend!r}"
-                + ("" if names is not None else " (MATH disabled by an active sdpa_kernel)")
+                + (" (MATH disabled by an active sdpa_kernel)" if names is None else "")
+                + (f" under attention_backend{tuple(names)}" if names is not None and backend is None else "")
             )
         m = build_mask(sq, sk, causal=causal, window=window, segment_ids=ids, device=q.device)
         return math_attention(q, k, v, mask=m, scale=scale, softcap=softcap)
@@ -225,5 +268,5 @@ def _sdpa(q, k, v, kwargs: dict, names):
 def _kernel_ctx(sdp):
     try:
         return sdpa_kernel(sdp, set_priority=True)
-    except TypeError:
+    except TypeError:  # older torch without set_priority
         return sdpa_kernel(sdp)

@@ -119,15 +119,16 @@ class Trainer(BaseTrainer):
         )
 
     def _check_attention(self, args, config) -> None:
-        """``--attention`` can serve this model's attention call on this device (a backend that cannot, e.g.
-        ``cudnn`` on a CPU, fails now, not at the first step): one tiny call with the model's head shapes."""
+        """``--attention`` can serve this model's attention call on this device, backward included (a backend that
+        cannot, e.g. ``cudnn`` on a CPU or ``flex`` on a CPU, fails now, not at the first step): one tiny call with
+        the model's head shapes."""
         d, dev = config.resolved_head_dim, self.device
         dtype = get_policy(args.precision).compute_dtype
-        q = torch.randn(1, config.n_heads, 8, d, device=dev, dtype=dtype)
+        q = torch.randn(1, config.n_heads, 8, d, device=dev, dtype=dtype, requires_grad=True)
         kv = torch.randn(1, config.n_kv_heads, 8, d, device=dev, dtype=dtype)
         try:
-            with torch.no_grad():
-                dot_product_attention(q, kv, kv, causal=True, window=config.attention_window, backend=self.attention)
+            out = dot_product_attention(q, kv, kv, causal=True, window=config.attention_window, backend=self.attention)
+            out.float().sum().backward()
         except (RuntimeError, ValueError) as e:
             raise CLIError(
                 f"--attention {args.attention!r} cannot serve this model's attention call on "

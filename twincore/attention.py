@@ -28,6 +28,7 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "PLATFORMS",
+    "FLEX",
     "LAYOUTS",
     "Layout",
     "Call",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
+FLEX = "FlexAttention"  # a ``torch_twin`` that is not an SDPBackend member: torch.nn.attention.flex_attention
 
 
 # --------------------------------------------------------------------------------------------- backends
@@ -53,9 +55,10 @@ class Backend:
     """One attention backend.
 
     * ``name``: what ``backend=`` / ``attention_backend(...)`` take.
-    * ``module``: its module in ``jaxattn.attention``.
-    * ``torch_twin``: the ``torch.nn.attention.SDPBackend`` member serving the same name in torchref, or
-      None (no torch twin: torchref refuses the name).
+    * ``module``: its module in ``jaxattn.attention``, or None (a torch-only backend: jaxattn refuses the name).
+    * ``torch_twin``: the ``torch.nn.attention.SDPBackend`` member serving the same name in torchref,
+      :data:`FLEX` (torch's FlexAttention, ``torchref.flex_attention``), or None (no torch twin: torchref refuses
+      the name).
     * ``forward_only``: no backward (never offered to training).
     * ``default_rank``: ``((platform, rank), ...)``: position in that platform's default order (0 first);
       a platform not listed leaves the backend opt-in there.  Pass a dict; it is stored as sorted pairs.
@@ -66,7 +69,7 @@ class Backend:
     """
 
     name: str
-    module: str
+    module: str | None
     torch_twin: str | None
     forward_only: bool = False
     default_rank: Any = ()
@@ -106,6 +109,9 @@ class Backend:
 # `chunked`'s scan and custom VJP cost more to compile and dispatch than they save ("A key-length floor").
 # On a TPU: jax's splash kernel (a library kernel, MaxText's TPU default), then the pure-JAX ones; its torch twin is
 # none (torch_xla is out of scope: torchref runs on CPU/CUDA).
+# `flex`: torch's FlexAttention (mask and score cap compiled into one kernel, fully masked blocks skipped), opt-in; no
+# JAX twin of its own, its JAX counterparts being the kernels that take the same masks natively (`flash`, `mosaic`,
+# `splash`, `chunked`). Its CPU kernel has no backward (torch 2.13): forward only there.
 BACKENDS: tuple[Backend, ...] = (
     Backend("flash", "flash", "FLASH_ATTENTION", default_rank={"gpu": 2}, title="Pallas flash attention"),
     Backend("flash_decode", "decode", None, forward_only=True, title="Pallas split-K decode"),
@@ -122,6 +128,7 @@ BACKENDS: tuple[Backend, ...] = (
         title="O(S)-memory JAX",
     ),
     Backend("xla", "xla", "MATH", default_rank={"gpu": 4, "cpu": 1, "tpu": 2}, title="plain math"),
+    Backend("flex", None, FLEX, title="torch FlexAttention"),
 )
 _BY_NAME: dict[str, Backend] = {b.name: b for b in BACKENDS}
 
@@ -132,8 +139,11 @@ def backend(name: str) -> Backend:
 
 
 def backend_names(*, forward_only: bool | None = None) -> tuple[str, ...]:
-    """Every backend name in table order; ``forward_only=False`` drops the forward-only ones."""
-    return tuple(b.name for b in BACKENDS if forward_only is None or b.forward_only == forward_only)
+    """Every jaxattn backend name (a row with a ``module``) in table order; ``forward_only=False`` drops the
+    forward-only ones."""
+    return tuple(
+        b.name for b in BACKENDS if b.module is not None and (forward_only is None or b.forward_only == forward_only)
+    )
 
 
 def torch_backend_names() -> tuple[str, ...]:
@@ -182,9 +192,10 @@ def check_backend_names(names, argname: str, framework: str = "jax") -> tuple[st
                 f"{argname}: backend names must be strings from {valid}, got {n!r} of type {type(n).__name__}"
             )
         if n not in valid:
-            if n in _BY_NAME:  # a jax backend without a torch twin
+            if n in _BY_NAME:  # a backend of the other twin only
+                other = "JAX" if framework == "jax" else "torch"
                 raise ValueError(
-                    f"{argname}: {n!r} ({_BY_NAME[n].title}) has no torch twin; torch backends are {valid}"
+                    f"{argname}: {n!r} ({_BY_NAME[n].title}) has no {other} twin; {framework} backends are {valid}"
                 )
             raise ValueError(f"{argname}: unknown attention backend {n!r}; valid backends are {valid}")
     if len(set(names)) != len(names):

@@ -80,6 +80,7 @@ READABLE = {
     "torch:sdpa:math": "torch SDPA math",
     "torch:sdpa:efficient": "torch SDPA efficient",
     "torch:sdpa:cudnn": "torch SDPA cuDNN",
+    "torch:flex_attention": "torch FlexAttention (compiled)",
     "torch:torchref": "torch (torchref)",
     "torch:torchref+compile": "torch (torchref, torch.compile)",
     "torch:torchref+cudagraphs": "torch (torchref, torch.compile reduce-overhead: CUDA graphs)",

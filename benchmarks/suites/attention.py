@@ -1,4 +1,5 @@
-"""Attention suite: every jaxattn attention backend against its peers (JAX's own, torch SDPA), fwd and fwd+bwd.
+"""Attention suite: every jaxattn attention backend against its peers (JAX's own, torch SDPA and FlexAttention), fwd
+and fwd+bwd.
 
     records = run(quick=True, impls=["flash", "sdpa:flash"], max_seq=4096)
 
@@ -22,7 +23,9 @@ MAX_MATERIALISED_S = 4096
 JAX_OURS = backend_names(forward_only=False)  # the backend table's, minus forward-only flash_decode
 JAX_PEERS = ("jax.nn:xla", "jax.nn:cudnn", "pallas:mha", mgpu_peer.SUITE_NAME, "tokamax")
 TORCH_SDPA = ("flash", "efficient", "cudnn", "math")
-IMPLS = JAX_OURS + JAX_PEERS + tuple(f"sdpa:{n}" for n in TORCH_SDPA)  # every `impl` a record can have
+TORCH_FLEX = "flex_attention"  # torch's FlexAttention, compiled (torchref's backend `flex`)
+TORCH_IMPLS = (*(f"sdpa:{n}" for n in TORCH_SDPA), TORCH_FLEX)
+IMPLS = JAX_OURS + JAX_PEERS + TORCH_IMPLS  # every `impl` a record can have
 
 
 def _shapes(quick: bool, on_gpu: bool = False):
@@ -284,28 +287,43 @@ def _run_torch(records, quick, shape, iters, warmup, wanted=None, calls=None):
     }
     gqa = dict(enable_gqa=True) if hq != hkv else {}
     base = dict(dtype=dtype, b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal)
-    for name in TORCH_SDPA:
-        impl = f"sdpa:{name}"
+    for impl in TORCH_IMPLS:
         if wanted is not None and impl not in wanted:
             continue
+        name = impl.removeprefix("sdpa:")
         reason = None
         if ("torch", impl) in MATERIALISING and s > MAX_MATERIALISED_S:
             reason = f"materialises S x S scores; skipped above S={MAX_MATERIALISED_S}"
         elif dev == "cpu" and name in ("efficient", "cudnn"):
             reason = f"SDPA {name} backend needs CUDA (device {dev})"
 
-        def fwd(q, k, v, _b=sdp[name]):
-            with sdpa_kernel([_b]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+        if impl == TORCH_FLEX:  # the compiled kernel, causal by its block mask (torchref.flex_attention)
 
-        def fwd_bwd(q, k, v, do):
+            def fwd(q, k, v):
+                from torchref.flex_attention import flex_dot_product_attention
+
+                scale = 1.0 / float(np.sqrt(q.shape[-1]))
+                return flex_dot_product_attention(
+                    q, k, v, causal=causal, segment_ids=None, scale=scale, window=None, softcap=None
+                )
+
+        else:
+
+            def fwd(q, k, v, _b=sdp[name]):
+                with sdpa_kernel([_b]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+        def fwd_bwd(q, k, v, do, fwd=fwd):
             qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
             out = fwd(qq, kk, vv)
             return torch.autograd.grad(out, (qq, kk, vv), do)
 
         for pss, fn, args in (("fwd", fwd, (q, k, v)), ("fwd_bwd", fwd_bwd, (q, k, v, do))):
-            if reason is not None:
-                records.append(_record(impl, "torch", pss, status="skipped", reason=reason, **_kw(base)))
+            why = reason
+            if why is None and impl == TORCH_FLEX and pss == "fwd_bwd" and dev == "cpu":
+                why = f"FlexAttention has no backward on a CPU (torch {torch.__version__})"
+            if why is not None:
+                records.append(_record(impl, "torch", pss, status="skipped", reason=why, **_kw(base)))
                 continue
             try:
                 measure.torch_reset_peak()
@@ -349,12 +367,12 @@ def run(
         try:
             import torch  # noqa: F401
         except ImportError as e:
-            for name in TORCH_SDPA:
+            for impl in TORCH_IMPLS:
                 for pss in ("fwd", "fwd_bwd"):
                     dtype, b, hq, hkv, s, d, causal = shape
                     records.append(
                         _record(
-                            f"sdpa:{name}",
+                            impl,
                             "torch",
                             pss,
                             status="skipped",

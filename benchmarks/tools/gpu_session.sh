@@ -24,7 +24,7 @@ PY=${PYTHON:-python}
 PLAN="tests|1|75|50|gpu tests (55 + the flash dkv default's): 8 pytest-xdist workers, 60 s per test; 55 passed in 49.6 s on one H200 (2026-11-28)
 profile|1|130|90|issue 42: each framework's floor (x + 1), the wait ladder (a matmul of 3 us to 1.4 ms: the tail after it, jax blocking / spinning / the suites' wait, torch), then JAX cuDNN vs torch cuDNN and mosaic at D=128, S 2048 and 4096: one call per wait and bursts of 10, paired, host dispatch, kernels and a per-call timeline (H200 2026-11-28: 77 s with two more variants, no ladder)
 attention|1|100|90|attention suite at D=128, S <= 4096: ours (flash with its new dkv default, mosaic), JAX and torch cuDNN (H200, D=128: 89 s on 2026-11-27)
-peers|-|85|80|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic (its own folder; H200: 30 of 32 rows in 85 s, twice measured); in no call: by name
+peers|-|170|140|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic (its own folder; H200: 30 of 32 rows in 85 s, twice measured), then torch's FlexAttention (flex_attention: never run on a GPU; its inductor/Triton compile per shape and pass is the unknown, guessed at 3 s); in no call: by name
 order|1|5|1|default attention order by evidence (tests log + attention records)
 ring|1|45|30|a windowed decode step (125m as a Mistral, w=256, B=64, 1900 tokens, fp32) on a ring of 256 slots vs the plain 2048-slot cache, paired, JAX then torch (never run on a GPU; expected ring / plain 0.25-0.4 in both: a step reads 0.5 GB of weights and 3.2 GB of keys and values on the plain cache, 0.4 GB on the ring)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, fp16 (not reached on 2026-11-28), then bf16, tf32, remat_full (H200: 3 toggles in 118 s)
@@ -156,8 +156,8 @@ if want attention; then
 fi
 if want peers; then  # its own folder ($OUT/peers: a device call returns files 2 folders down at most), since its
   # mosaic rows would repeat the D=128 ones of a merged attention table
-  if [ "$DRY" = 1 ]; then PEERS=(--impl xla --impl flash); else
-    PEERS=(--head-dim 128 --max-seq 4096 --impl pallas:mgpu --impl mosaic); fi
+  if [ "$DRY" = 1 ]; then PEERS=(--impl xla --impl flash --impl flex_attention); else
+    PEERS=(--head-dim 128 --max-seq 4096 --impl pallas:mgpu --impl mosaic --impl flex_attention); fi
   step peers "$PY" -m benchmarks run "${QUICK[@]}" --no-report --out "$OUT/peers" --suite attention "${PEERS[@]}"
 fi
 if want order; then

@@ -51,8 +51,8 @@ __all__ = [
 
 # All read from the one backend table, twincore.attention.BACKENDS (default ranks per platform included).
 BACKENDS: tuple[str, ...] = _spec.backend_names()
-FORWARD_ONLY: tuple[str, ...] = tuple(b.name for b in _spec.BACKENDS if b.forward_only)  # not offered to training
-_MODULE_OF: dict[str, str] = {b.name: b.module for b in _spec.BACKENDS}  # backend name -> module
+FORWARD_ONLY: tuple[str, ...] = tuple(n for n in BACKENDS if _spec.backend(n).forward_only)  # not offered to training
+_MODULE_OF: dict[str, str] = {n: _spec.backend(n).module for n in BACKENDS}  # backend name -> module
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxattn_attention_backends", default=None)
 _MODULES: dict[str, object] = {}

@@ -5,7 +5,8 @@ each with a ``lax.scan`` over key chunks and an online softmax (Rabe & Staats 20
 recurrence), so only one ``[B, Hkv, G, Cq, Ck]`` score block exists at a time: O(S) memory.  A
 ``jax.custom_vjp`` saves only q, k, v, the output and the log-sum-exp and recomputes score blocks in the
 backward (FlashAttention-2), so the backward is O(S) too (autodiff through the scan would keep every
-block).  Key chunks hidden by the causal/window mask are skipped; any length works (padded and masked)::
+block).  Key chunks hidden by the causal/window mask or by the segment ids are skipped; any length works
+(padded and masked). Chunks default to 512, 256 on a CPU (finer skipping; no tile to fill)::
 
     out = chunked_attention(q, k, v, causal=True, q_chunk_size=256, kv_chunk_size=512)
 """
@@ -21,11 +22,15 @@ import jax.numpy as jnp
 from twincore.attention import visible_bounds
 
 from .args import AttnArgs, mask, normalize
+from .target import current_target
 
-__all__ = ["supports", "attention", "chunked_attention", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]
+__all__ = ["supports", "attention", "chunked_attention", "default_chunks", "DEFAULT_Q_CHUNK", "DEFAULT_KV_CHUNK"]
 
 DEFAULT_Q_CHUNK = 512
 DEFAULT_KV_CHUNK = 512
+# a CPU's: a 256-key window at S = 4096 ran in 0.6x the time of 512's, a plain causal call no slower
+# (benchmarks/NOTES.md, "torch's FlexAttention beside SDPA and JAX's default, on masks")
+CPU_CHUNK = 256
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
@@ -47,7 +52,16 @@ def supports(q, k, v, args: AttnArgs):
     return None
 
 
-def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int = DEFAULT_Q_CHUNK, kv_chunk_size: int = DEFAULT_KV_CHUNK):
+def default_chunks(platform: str) -> tuple[int, int]:
+    """``(q_chunk_size, kv_chunk_size)`` when none is given, for a trace targeting ``platform``."""
+    return (CPU_CHUNK, CPU_CHUNK) if platform == "cpu" else (DEFAULT_Q_CHUNK, DEFAULT_KV_CHUNK)
+
+
+def attention(q, k, v, args: AttnArgs, *, q_chunk_size: int | None = None, kv_chunk_size: int | None = None):
+    if q_chunk_size is None or kv_chunk_size is None:
+        dq, dkv = default_chunks(current_target(q).platform)
+        q_chunk_size = dq if q_chunk_size is None else q_chunk_size
+        kv_chunk_size = dkv if kv_chunk_size is None else kv_chunk_size
     for name, c in (("q_chunk_size", q_chunk_size), ("kv_chunk_size", kv_chunk_size)):
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"{name} must be a positive int, got {c!r}")
@@ -81,10 +95,11 @@ def chunked_attention(
     scale=None,
     window=None,
     softcap=None,
-    q_chunk_size: int = DEFAULT_Q_CHUNK,
-    kv_chunk_size: int = DEFAULT_KV_CHUNK,
+    q_chunk_size: int | None = None,
+    kv_chunk_size: int | None = None,
 ):
-    """Public op with the contract's keywords plus the chunk sizes (q ``[B,Sq,Hq,D]``, k/v ``[B,Sk,Hkv,D]``)."""
+    """Public op with the contract's keywords plus the chunk sizes (q ``[B,Sq,Hq,D]``, k/v ``[B,Sk,Hkv,D]``; None:
+    :func:`default_chunks` of the trace's platform)."""
     args = normalize(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, softcap=softcap)
     return attention(q, k, v, args, q_chunk_size=q_chunk_size, kv_chunk_size=kv_chunk_size)
 
@@ -114,8 +129,10 @@ def _unchunk(x, s: int):
     return x[:, :s]
 
 
-def _block_needed(cfg: _Cfg, q0, k0):
-    """False when the causal/window rule hides the whole [q0, q0+cq) x [k0, k0+ck) block (a scalar)."""
+def _block_needed(cfg: _Cfg, q0, k0, qidc, kidc):
+    """False when the causal/window rule, or the segment ids (``qidc [B, cq]``, ``kidc [B, ck]``), hide the whole
+    [q0, q0+cq) x [k0, k0+ck) block (a scalar). Ids: hidden when in every row the two chunks' id ranges do not meet,
+    which never hides an equal pair (padding, id 0, only widens a range)."""
     shift = cfg.kv_len - cfg.q_len
     q_first, q_last = q0 + shift, q0 + cfg.cq - 1 + shift  # absolute positions
     k_first, k_last = k0, k0 + cfg.ck - 1
@@ -125,6 +142,9 @@ def _block_needed(cfg: _Cfg, q0, k0):
         ok = ok & (k_last >= q_first - left)
     if right is not None:
         ok = ok & (k_first <= q_last + right)
+    if cfg.has_ids:
+        meet = (qidc.min(axis=1) <= kidc.max(axis=1)) & (kidc.min(axis=1) <= qidc.max(axis=1))  # [B]
+        ok = ok & meet.any()
     return ok
 
 
@@ -178,7 +198,7 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
                 pv = jnp.einsum("bhgqk,bkhd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32, precision=_HI)
                 return m_new, l, alpha[..., None] * acc + pv
 
-            carry = jax.lax.cond(_block_needed(cfg, q0, k0), compute, lambda c: c, carry)
+            carry = jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, lambda c: c, carry)
             return carry, None
 
         init = (
@@ -251,7 +271,7 @@ def _chunked_bwd(cfg, res, dout):
                 z = jnp.zeros((b, cfg.ck, hkv, d), _F32)
                 return dq, (z, z)
 
-            return jax.lax.cond(_block_needed(cfg, q0, k0), compute, skip, dq)
+            return jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, skip, dq)
 
         dq0 = jnp.zeros((b, cfg.cq, hkv, g, d), _F32)
         dq, (dk, dv) = jax.lax.scan(kv_step, dq0, (kch, vch, kidch, k_starts))
