@@ -55,7 +55,7 @@ def _static_block_mask(sq: int, sk: int, causal: bool, window, device: str):
     return create_block_mask(_mask_mod(sq, sk, causal, window, None), None, None, sq, sk, device=device)
 
 
-_LAST_SEGMENTS: list = []  # [(q_ids, kv_ids, versions, key), mask]: one call's mask, reused by the next layers
+_LAST_SEGMENTS = None  # (q_ids, kv_ids, key, mask) of the last call with segment ids, replaced in one assignment
 
 
 def block_mask(sq: int, sk: int, *, causal: bool, window=None, segment_ids=None, device=None):
@@ -63,6 +63,7 @@ def block_mask(sq: int, sk: int, *, causal: bool, window=None, segment_ids=None,
 
     Without segment ids it is cached by shape; with them, the last call's mask is reused while the same two id
     tensors, unmodified, come back (every layer of one model call)."""
+    global _LAST_SEGMENTS
     if not causal and window is None and segment_ids is None:
         return None
     device = str(torch.device(device) if device is not None else torch.device("cpu"))
@@ -70,13 +71,13 @@ def block_mask(sq: int, sk: int, *, causal: bool, window=None, segment_ids=None,
         return _static_block_mask(sq, sk, causal, window, device)
     q_ids, kv_ids = segment_ids
     key = (sq, sk, causal, window, device, q_ids._version, kv_ids._version)
-    if _LAST_SEGMENTS and _LAST_SEGMENTS[0][0] is q_ids and _LAST_SEGMENTS[0][1] is kv_ids:
-        if _LAST_SEGMENTS[0][2] == key:
-            return _LAST_SEGMENTS[1]
+    last = _LAST_SEGMENTS  # read once: another thread may replace it meanwhile
+    if last is not None and last[0] is q_ids and last[1] is kv_ids and last[2] == key:
+        return last[3]
     mask = create_block_mask(
         _mask_mod(sq, sk, causal, window, segment_ids), q_ids.shape[0], None, sq, sk, device=device
     )
-    _LAST_SEGMENTS[:] = [(q_ids, kv_ids, key), mask]
+    _LAST_SEGMENTS = (q_ids, kv_ids, key, mask)
     return mask
 
 
