@@ -629,6 +629,22 @@ def test_torch_softcap_declines_fused():
     assert torch.isfinite(out).all()
 
 
+def test_torch_attention_traces_whole_under_torch_compile():
+    """``torchref.attention.dot_product_attention`` (checks, mask, the active ``attention_backend``) is one graph for
+    dynamo (``fullgraph=True``), alone and inside ``attention_backend("xla")``: a graph break here would be one per
+    layer of every ``--compile`` model (a ``ContextVar`` read was one)."""
+    q, k = torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])
+
+    def f(q, k):
+        return tattn.dot_product_attention(q, k, k, causal=True, window=(3, None), segment_ids=ids)
+
+    want = f(q, k)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(q, k), want)
+    with tattn.attention_backend("xla"):
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(q, k), want)
+
+
 def test_torch_attention_backend_context_matches_explicit():
     q, k = torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16)
     with tattn.attention_backend("xla"):

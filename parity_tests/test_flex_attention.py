@@ -180,19 +180,24 @@ def test_block_mask_cache_never_serves_a_stale_mask():
     assert flex.block_mask(6, 6, causal=False) is None
 
 
-def test_masked_attention_tool_times_three_ways_that_agree(capsys, tmp_path):
+def test_masked_attention_tool_times_three_ways_that_agree(capsys, tmp_path, monkeypatch):
     """``benchmarks.tools.masked_attention``: SDPA's dense mask, FlexAttention and JAX's default give the same output
-    (checked before any timing) on a window and on packed documents, then are timed interleaved; ``--out`` writes the
-    rows; bad arguments are refused by name."""
+    (checked before any timing) on a window in float32 and on packed documents in bfloat16, then are timed
+    interleaved; ``--out`` writes the rows; bad arguments are refused by name."""
     import json
 
     from benchmarks.tools import masked_attention as tool
 
-    assert tool.main(["--seq", "48", "--window", "8", "--docs", "3", "--rounds", "2", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "masked_attention.json").read_text())["rows"]
+    monkeypatch.setattr(flex, "COMPILED", False)  # the tool's plumbing; the compiled kernel is tested above
+    rows = []
+    for mask, dtype in (("window", "float32"), ("documents", "bfloat16")):
+        argv = ["--seq", "48", "--window", "8", "--docs", "3", "--rounds", "2", "--mask", mask, "--dtype", dtype]
+        assert tool.main([*argv, "--out", str(tmp_path)]) == 0
+        rows += json.loads((tmp_path / "masked_attention.json").read_text())["rows"]
     assert [(r["S"], r["mask"]) for r in rows] == [(48, "window"), (48, "documents")]
     assert all(set(r["ratios"]) == {"sdpa/flex", "jax/flex"} and r["ratios"]["jax/flex"]["rounds"] == 2 for r in rows)
-    assert capsys.readouterr().out.count("jax/flex per round") == 2
+    out = capsys.readouterr().out
+    assert out.count("jax/flex per round") == 2 and "S=48 documents (3 documents), bfloat16" in out
     # the documents mask: every row gets docs-many sorted ids, boundaries inside the row
     _, _, _, call = tool._inputs(np.random.default_rng(0), 2, 48, 4, 2, 8, "documents", 8, 3)
     ids = call["segment_ids"]
@@ -202,7 +207,8 @@ def test_masked_attention_tool_times_three_ways_that_agree(capsys, tmp_path):
         and (ids[:, -1] == 2).all()
         and (ids[:, 0] == 0).all()
     )
-    for bad, what in ((["--seq", "1"], "--seq"), (["--heads", "6/4"], "--heads"), (["--seq", "3"], "--seq 3")):
+    bad_args = (["--seq", "1"], "--seq"), (["--heads", "6/4"], "--heads"), (["--seq", "3"], "--seq 3")
+    for bad, what in (*bad_args, (["--dtype", "float16"], "--dtype")):
         with pytest.raises(SystemExit):
             tool.main(bad)
         assert what in capsys.readouterr().err

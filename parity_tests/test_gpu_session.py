@@ -48,6 +48,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         "attention",
         "peers",
         "order",
+        "masked",
         "ring",
         "train",
         "decode",
@@ -56,7 +57,7 @@ def test_plan_fits_two_device_calls(tmp_path):
         "gqa",
         "model",
     ]
-    assert plan["model"][0] == plan["peers"][0] == "-", "model and peers are in no call (run by name)"
+    assert plan["model"][0] == plan["peers"][0] == plan["masked"][0] == "-", "model, peers, masked: in no call"
     for call in (1, 2):
         steps = {s: v for s, v in plan.items() if v[0] == call}
         assert steps, f"call {call} has no step"
@@ -77,7 +78,8 @@ def test_plan_fits_two_device_calls(tmp_path):
         (["--call", "3"], r"--call '3': give 1 or 2"),
         (
             ["nope"],
-            r"unknown step 'nope'; steps: tests profile attention peers order ring train decode loops blocks gqa model",
+            r"unknown step 'nope'; steps: tests profile attention peers order masked ring train decode loops "
+            r"blocks gqa model",
         ),
         (["--fast"], r"unknown option '--fast'"),
     ],
@@ -264,9 +266,10 @@ def test_a_preset_whose_process_dies_is_skipped_with_its_last_line():
 def test_whole_session_rehearsed_on_cpu(tmp_path):
     """Both calls at quick sizes: every step exits 0 within its budget, each suite's JSON is complete, the report
     builds from the results folder a session leaves."""
-    for call in ("1", "2", "named"):  # "named": the steps in no call (model, peers), run by name
+    for call in ("1", "2", "named"):  # "named": the steps in no call (model, peers, masked), run by name
         out = tmp_path / f"call{call}"
-        r = _session("--dry-run", *(["model", "peers"] if call == "named" else ["--call", call]), out=out, timeout=900)
+        named = ["model", "peers", "masked"]
+        r = _session("--dry-run", *(named if call == "named" else ["--call", call]), out=out, timeout=900)
         log = (out / "session.log").read_text()
         assert r.returncode == 0, log[-3000:]
         summary = log.split("=== session summary")[1]
@@ -286,8 +289,10 @@ def test_whole_session_rehearsed_on_cpu(tmp_path):
             assert batches and batches[0] == 4 and set(batches) == {1, 4}, batches
             loops = json.loads((res / "generate_loop.json").read_text())  # generate's loops, paired
             assert all(loops["tokens_agree"].values()) and len(loops["pairs"]) == 5  # no CUDA: no graph loops
-        if call == "named":  # the peers in their own folder
+        if call == "named":  # the peers in their own folder; the masked forwards, three ways
             assert set(read_results(str(out / "peers"))) == {"attention"}
+            masked = json.loads((res / "masked_attention.json").read_text())
+            assert [r["mask"] for r in masked["rows"]] == ["window", "documents"]
         rep = subprocess.run(
             [sys.executable, "-m", "benchmarks", "report", str(res)], cwd=ROOT, capture_output=True, text=True
         )

@@ -16,6 +16,7 @@ from jaxattn.attention import AttentionBackendError, attention_backend  # noqa: 
 from parity_tests.conftest import HAS_GPU  # noqa: E402
 from parity_tests.twins import jitted, tokens, twin_models  # noqa: E402
 from torchref import attention as tattn  # noqa: E402
+from torchref import flex_attention as flex  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
 
 LOGITS_TOL = 1e-4
@@ -62,7 +63,8 @@ def _torch_backends():
 
 
 @pytest.mark.parametrize("backend", _torch_backends())
-def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
+def test_torch_model_same_logits_with_each_sdpa_backend(case, backend, monkeypatch):
+    monkeypatch.setattr(flex, "COMPILED", False)  # the kernel compiled: test_flex_attention.py; here the routing
     tmodel, _, tok, pos, _, _ = case
     with torch.no_grad():
         ref = tmodel(torch.from_numpy(tok), torch.from_numpy(pos)).numpy()
@@ -71,12 +73,13 @@ def test_torch_model_same_logits_with_each_sdpa_backend(case, backend):
     assert np.abs(out - ref).max() <= LOGITS_TOL
 
 
-def test_torch_flex_model_matches_jax_with_a_window_and_segment_ids(case):
+def test_torch_flex_model_matches_jax_with_a_window_and_segment_ids(case, monkeypatch):
     """torch's model under ``attention_backend("flex")`` as a Mistral (a 4-token window) on packed documents: the
     mask of every layer comes from FlexAttention's block mask, built once per call (``torchref.flex_attention``), and
-    the logits equal the JAX twin's."""
+    the logits equal the JAX twin's (torch's unfused FlexAttention: the compiled kernel is test_flex_attention's)."""
     from parity_tests.twins import windowed_twins
 
+    monkeypatch.setattr(flex, "COMPILED", False)
     tmodel, jmodel = windowed_twins(twin_models(ModelConfig.preset("tiny"), seed=11))
     _, _, tok, pos, seg, _ = case
     args = [torch.from_numpy(a) for a in (tok, pos, seg)]

@@ -15,7 +15,6 @@ NaN inputs are outside the contract: torch's CPU flash kernel zeroes a row holdi
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +39,9 @@ SDPA_BACKENDS: dict[str, SDPBackend] = {
 }
 FLEX = next(b.name for b in _spec.BACKENDS if b.torch_twin == _spec.FLEX)
 BACKENDS: tuple[str, ...] = _spec.torch_backend_names()
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("torchref_attention_backends", default=None)
+# the innermost attention_backend's names: process-wide, as sdpa_kernel's flags are, and a plain global so that dynamo
+# traces a call through it (a ContextVar read is a graph break in every layer of a compiled model)
+_ACTIVE: tuple[str, ...] | None = None
 _GQA_NATIVE = {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION}
 MAX_HEAD_DIM = _spec.MAX_HEAD_DIM
 
@@ -59,13 +60,14 @@ def attention_backend(*names):
     if len(names) == 1 and not isinstance(names[0], str):
         names = tuple(names[0])
     names = _backend_names(names, "attention_backend")  # an AttentionChoice: checked when it was made
+    global _ACTIVE
     sdp = [SDPA_BACKENDS[n] for n in names if n != FLEX]
-    token = _ACTIVE.set(names)
+    before, _ACTIVE = _ACTIVE, names
     try:
         with _kernel_ctx(sdp) if sdp else contextlib.nullcontext():
             yield names
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE = before
 
 
 def _describe(x):
@@ -158,7 +160,7 @@ def dot_product_attention(
     ``backend``: None (the active ``attention_backend``'s names, else SDPA decides within any active
     ``sdpa_kernel``), a name from :data:`BACKENDS` or an ordered sequence of names, tried in order."""
     causal, ids, scale, window, softcap = _validate(q, k, v, causal, segment_ids, scale, window, softcap)
-    names = _ACTIVE.get() if backend is None else _backend_names(backend)
+    names = _ACTIVE if backend is None else _backend_names(backend)
     call = dict(causal=causal, segment_ids=ids, scale=scale, window=window, softcap=softcap)
     if names is None or FLEX not in names:
         return _sdpa_attention(q, k, v, call, names, backend)

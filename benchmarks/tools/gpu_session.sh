@@ -10,7 +10,7 @@
 # finished: they are written one by one). Exit status 1 when a step failed (in a --dry-run rehearsal, also when
 # one outran its budget; CI runs the whole rehearsal, .ci/run). $OUT holds at most 6 files per call (a device call returns 8):
 # session.log (everything printed), gpu_tests.log, results/<device>/<suite>.json, kernel_profile.json,
-# generate_loop.json, ring_decode.json, peers/attention.json, block_search.{json,md}.
+# generate_loop.json, ring_decode.json, peers/attention.json, block_search.{json,md}, masked_attention.json.
 # Copy results/<device>/ into benchmarks/results/, then `python -m benchmarks report` on it and
 # `python -m benchmarks readme`; never type a GPU number by hand. Needs nothing beyond the image's packages
 # (jax with its CUDA plugin, torch, pytest-xdist, pytest-timeout); $PYTHON picks the interpreter (default python).
@@ -26,6 +26,7 @@ profile|1|130|90|issue 42: each framework's floor (x + 1), the wait ladder (a ma
 attention|1|100|90|attention suite at D=128, S <= 4096: ours (flash with its new dkv default, mosaic), JAX and torch cuDNN (H200, D=128: 89 s on 2026-11-27)
 peers|-|170|140|D=128 S <= 4096: jax's attention_mgpu (pallas:mgpu) beside mosaic (its own folder; H200: 30 of 32 rows in 85 s, twice measured), then torch's FlexAttention (flex_attention: never run on a GPU; its inductor/Triton compile per shape and pass is the unknown, guessed at 3 s); in no call: by name
 order|1|5|1|default attention order by evidence (tests log + attention records)
+masked|-|100|70|a 256-key window and 4 packed documents, B=2, 16/4 heads, D=128, bf16, S 2048 and 8192: torch SDPA's dense mask vs FlexAttention vs JAX's default (flash for these masks), one forward each, paired (never run on a GPU: FlexAttention's Triton compile is the unknown); in no call: by name
 ring|1|45|30|a windowed decode step (125m as a Mistral, w=256, B=64, 1900 tokens, fp32) on a ring of 256 slots vs the plain 2048-slot cache, paired, JAX then torch (never run on a GPU; expected ring / plain 0.25-0.4 in both: a step reads 0.5 GB of weights and 3.2 GB of keys and values on the plain cache, 0.4 GB on the ring)
 train|2|130|120|train suite 1b B=1 S=2048: fused_loss, fp16 (not reached on 2026-11-28), then bf16, tf32, remat_full (H200: 3 toggles in 118 s)
 decode|2|130|120|decode suite: 125m-random, B=64 first (never reached), then B=1; fp32/bf16/int8, split-K kernel, torch.compile with CUDA graphs (reduce-overhead; a compile: 14-24 s per weights format)
@@ -166,6 +167,11 @@ if want order; then
   else
     echo "order: needs gpu_tests.log and attention.json from this call's tests and attention steps; not run"
   fi
+fi
+if want masked; then
+  if [ "$DRY" = 1 ]; then MASKED=(--seq 128 --window 16 --rounds 2); else
+    MASKED=(--seq 2048,8192 --batch 2 --heads 16/4 --dim 128 --dtype bfloat16); fi
+  step masked "$PY" -m benchmarks.tools.masked_attention "${MASKED[@]}" --out "$RES"
 fi
 if want ring; then
   if [ "$DRY" = 1 ]; then RING=(--preset tiny --window 8 --length 40 --batch 2 --rounds 2); else RING=(--batch 64); fi
