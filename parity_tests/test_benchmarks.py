@@ -262,7 +262,10 @@ def check_model_suite_output(out, presets=frozenset({"tiny", "moe-tiny"})) -> No
         )
         pair, medians = jax_rec["paired"], torch_rec["median_ms"] / jax_rec["median_ms"]
         assert torch_rec["paired"] == pair and pair["rounds"] == len(pair["ratios"]) >= 5
-        if abs(math.log(medians)) > math.log(1.3):  # a clear gap (measured 2-3x): the pair sides with the medians
+        # a clear gap (measured 2-3x) in a pair that is not `unstable` (design §9: an unstable ratio is no finding; on
+        # a loaded machine torch's calls spread 8-520 ms and the medians' ratio went against the pair's): the pair
+        # sides with the medians
+        if not pair["unstable"] and abs(math.log(medians)) > math.log(1.3):
             assert math.log(pair["ratio"]) * math.log(medians) > 0, (preset, name, pair["ratio"], medians)
 
 
