@@ -1129,6 +1129,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunked skips a block the segment ids hide in one row though another row sees it",
     ),
     m(
+        "chunked-heads-order",
+        "attention",
+        "jaxattn/attention/chunked.py",
+        "return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(b, s, hkv * g, d)",
+        "return jnp.transpose(x, (0, 3, 2, 1, 4)).reshape(b, s, hkv * g, d)",
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "chunked's output back from its heads-major layout with the query heads of a kv group out of order (GQA)",
+    ),
+    m(
         "chunked-cpu-chunks",
         "attention",
         "jaxattn/attention/chunked.py",

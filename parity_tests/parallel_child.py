@@ -58,6 +58,7 @@ def main():
     if dist.get_rank() == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(out, f)
+    dist.barrier()  # no rank leaves (and closes its sockets) while another still has work in flight
     dist.destroy_process_group()
 
 

@@ -94,6 +94,7 @@ def main():
         out["labels"] = str(e)
     with open(f"{sys.argv[2]}.{rank}", "w") as f:
         json.dump(out, f)
+    dist.barrier()  # no rank leaves (and closes its sockets) while another still has work in flight
     dist.destroy_process_group()
 
 

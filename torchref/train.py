@@ -63,7 +63,7 @@ class Trainer(BaseTrainer):
         return self.parallel is None or int(os.environ.get("RANK", "0")) == 0
 
     def setup(self, args) -> None:
-        self.parallel = None
+        self.parallel, self._own_group = None, False
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         set_matmul_precision(args.matmul_precision)
         seed_all(args.seed, deterministic=args.deterministic)
@@ -146,6 +146,7 @@ class Trainer(BaseTrainer):
                 dist.init_process_group(
                     "nccl" if self.device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout)
                 )
+                self._own_group = True
             except dist.DistError as e:
                 raise CLIError(
                     f"rank {rank}: the {world} ranks did not all meet at {where} within {timeout:g} s "
@@ -272,6 +273,14 @@ class Trainer(BaseTrainer):
         t = torch.tensor([1 if ok else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def fit(self) -> dict:
+        out = super().fit()
+        if self._own_group:  # torch's shutdown rule; on a clean finish only (a failed rank's peers may be waiting)
+            dist.barrier()  # no rank leaves while another still has work in flight
+            dist.destroy_process_group()
+            self._own_group = False
+        return out
 
     def barrier(self) -> None:
         """Under ``--parallel``: wait until rank 0 has written (a checkpoint, the export)."""

@@ -114,19 +114,31 @@ def _pad_to(x, axis: int, n: int):
     return jnp.pad(x, pads)
 
 
-def _chunks(x, c: int):
-    """[B, S, ...] -> [S/c, B, c, ...] (S padded up to a multiple of c)."""
-    s = x.shape[1]
-    n = -(-s // c)
-    x = _pad_to(x, 1, n * c)
-    return jnp.moveaxis(x.reshape((x.shape[0], n, c) + x.shape[2:]), 1, 0)
+def _chunks(x, c: int, axis: int = 1):
+    """Split ``axis`` (padded up to a multiple of c) into chunks stacked first: [..., S, ...] -> [S/c, ..., c, ...]."""
+    n = -(-x.shape[axis] // c)
+    x = _pad_to(x, axis, n * c)
+    return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, c) + x.shape[axis + 1 :]), axis, 0)
 
 
-def _unchunk(x, s: int):
-    """[n, B, c, ...] -> [B, s, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    x = x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
-    return x[:, :s]
+def _unchunk(x, s: int, axis: int = 1):
+    """The inverse of :func:`_chunks`: [n, ..., c, ...] -> [..., s, ...]."""
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+    return jax.lax.slice_in_dim(x, 0, s, axis=axis)
+
+
+def _heads_major(x, hkv: int):
+    """[B, S, H, D] -> [B, Hkv, G, S, D] (G = H / Hkv; G = 1 for keys and values): every block's matmul then
+    reads its operands as they lie, one [G*c, D] by [D, c] per (batch, kv head), no copy in the loops."""
+    b, s, h, d = x.shape
+    return jnp.transpose(x.reshape(b, s, hkv, h // hkv, d), (0, 2, 3, 1, 4))
+
+
+def _seq_major(x):
+    """[B, Hkv, G, S, D] -> [B, S, Hkv * G, D], the inverse of :func:`_heads_major`."""
+    b, hkv, g, s, d = x.shape
+    return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(b, s, hkv * g, d)
 
 
 def _block_needed(cfg: _Cfg, q0, k0, qidc, kidc):
@@ -149,8 +161,9 @@ def _block_needed(cfg: _Cfg, q0, k0, qidc, kidc):
 
 
 def _scores(cfg: _Cfg, qc, kc, q0, k0, qidc, kidc):
-    """Masked (and capped) fp32 scores [B, Hkv, G, cq, ck]; also tanh(s/c) for the softcap derivative."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale
+    """Masked (and capped) fp32 scores [B, Hkv, G, cq, ck] of ``qc [B, Hkv, G, cq, D]`` and ``kc [B, Hkv, ck, D]``;
+    also tanh(s/c) for the softcap derivative."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale
     t = None
     if cfg.softcap is not None:
         t = jnp.tanh(s / cfg.softcap)
@@ -172,11 +185,12 @@ def _low(x, like):
 
 # --------------------------------------------------------------------------------------------- forward
 def _forward(cfg: _Cfg, q, k, v, qids, kvids):
+    """``(out [B, Sq, Hq, D], lse [B, Hkv, G, Sq])``."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    qch = _chunks(q.reshape(b, sq, hkv, g, d), cfg.cq)  # [nq, B, cq, Hkv, G, D]
-    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)  # [nk, B, ck, Hkv, D]
+    qch = _chunks(_heads_major(q, hkv), cfg.cq, 3)  # [nq, B, Hkv, G, cq, D]
+    kch, vch = (_chunks(_heads_major(x, hkv)[:, :, 0], cfg.ck, 2) for x in (k, v))  # [nk, B, Hkv, ck, D]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
@@ -195,7 +209,7 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
                 alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(s - m_safe[..., None])
                 l = alpha * l + p.sum(axis=-1)
-                pv = jnp.einsum("bhgqk,bkhd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32, precision=_HI)
+                pv = jnp.einsum("bhgqk,bhkd->bhgqd", _low(p, vc), vc, preferred_element_type=_F32, precision=_HI)
                 return m_new, l, alpha[..., None] * acc + pv
 
             carry = jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, lambda c: c, carry)
@@ -210,13 +224,11 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
         alive = l > 0
         out = acc / jnp.where(alive, l, 1.0)[..., None]
         lse = jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), 0.0)  # 0 for rows with no key
-        out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype)  # [B, cq, Hkv, G, D]
-        return None, (out, jnp.transpose(lse, (0, 3, 1, 2)))  # lse [B, cq, Hkv, G]
+        return None, (out.astype(q.dtype), lse)  # [B, Hkv, G, cq, D], [B, Hkv, G, cq]
 
     q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
     _, (out, lse) = jax.lax.scan(q_step, None, (qch, qidch, q_starts))
-    out = _unchunk(out, sq).reshape(b, sq, hq, d)
-    return out, _unchunk(lse, sq)  # lse [B, Sq, Hkv, G]
+    return _seq_major(_unchunk(out, sq, 3)), _unchunk(lse, sq, 3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -235,21 +247,19 @@ def _chunked_bwd(cfg, res, dout):
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    dout = dout.astype(q.dtype).reshape(b, sq, hkv, g, d)
-    delta = jnp.sum(dout.astype(_F32) * out.reshape(b, sq, hkv, g, d).astype(_F32), axis=-1)  # [B,Sq,Hkv,G]
-    qch = _chunks(q.reshape(b, sq, hkv, g, d), cfg.cq)
-    doch = _chunks(dout, cfg.cq)
-    lsech, deltach = _chunks(lse, cfg.cq), _chunks(delta, cfg.cq)
+    qh, doh = _heads_major(q, hkv), _heads_major(dout.astype(q.dtype), hkv)  # [B, Hkv, G, Sq, D]
+    delta = jnp.sum(doh.astype(_F32) * _heads_major(out, hkv).astype(_F32), axis=-1)  # [B, Hkv, G, Sq]
+    qch, doch = _chunks(qh, cfg.cq, 3), _chunks(doh, cfg.cq, 3)  # [nq, B, Hkv, G, cq, D]
+    lsech, deltach = _chunks(lse, cfg.cq, 3), _chunks(delta, cfg.cq, 3)  # [nq, B, Hkv, G, cq]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
-    kch, vch = _chunks(k, cfg.ck), _chunks(v, cfg.ck)
+    kch, vch = (_chunks(_heads_major(x, hkv)[:, :, 0], cfg.ck, 2) for x in (k, v))  # [nk, B, Hkv, ck, D]
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
     q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
 
     def q_step(dkv, xs):
         qc, doc, lsec, deltac, qidc, q0 = xs
-        lse_b = jnp.transpose(lsec, (0, 2, 3, 1))[..., None]  # [B, Hkv, G, cq, 1]
-        delta_b = jnp.transpose(deltac, (0, 2, 3, 1))[..., None]
+        lse_b, delta_b = lsec[..., None], deltac[..., None]  # [B, Hkv, G, cq, 1]
 
         def kv_step(dq, ys):
             kc, vc, kidc, k0 = ys
@@ -257,31 +267,30 @@ def _chunked_bwd(cfg, res, dout):
             def compute(dq):
                 s, t = _scores(cfg, qc, kc, q0, k0, qidc, kidc)
                 p = jnp.exp(s - lse_b)  # 0 where masked / dead rows
-                dv = jnp.einsum("bhgqk,bqhgd->bkhd", _low(p, doc), doc, preferred_element_type=_F32, precision=_HI)
-                dp = jnp.einsum("bqhgd,bkhd->bhgqk", doc, vc, preferred_element_type=_F32, precision=_HI)
+                dv = jnp.einsum("bhgqk,bhgqd->bhkd", _low(p, doc), doc, preferred_element_type=_F32, precision=_HI)
+                dp = jnp.einsum("bhgqd,bhkd->bhgqk", doc, vc, preferred_element_type=_F32, precision=_HI)
                 ds = p * (dp - delta_b)
                 if t is not None:
                     ds = ds * (1.0 - t * t)
                 ds = ds * cfg.scale
-                dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", _low(ds, kc), kc, preferred_element_type=_F32, precision=_HI)
-                dk = jnp.einsum("bhgqk,bqhgd->bkhd", _low(ds, qc), qc, preferred_element_type=_F32, precision=_HI)
+                dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", _low(ds, kc), kc, preferred_element_type=_F32, precision=_HI)
+                dk = jnp.einsum("bhgqk,bhgqd->bhkd", _low(ds, qc), qc, preferred_element_type=_F32, precision=_HI)
                 return dq, (dk, dv)
 
             def skip(dq):
-                z = jnp.zeros((b, cfg.ck, hkv, d), _F32)
+                z = jnp.zeros((b, hkv, cfg.ck, d), _F32)
                 return dq, (z, z)
 
             return jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, skip, dq)
 
-        dq0 = jnp.zeros((b, cfg.cq, hkv, g, d), _F32)
+        dq0 = jnp.zeros((b, hkv, g, cfg.cq, d), _F32)
         dq, (dk, dv) = jax.lax.scan(kv_step, dq0, (kch, vch, kidch, k_starts))
         return (dkv[0] + dk, dkv[1] + dv), dq
 
-    zeros = jnp.zeros((nk, b, cfg.ck, hkv, d), _F32)
+    zeros = jnp.zeros((nk, b, hkv, cfg.ck, d), _F32)
     (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), (qch, doch, lsech, deltach, qidch, q_starts))
-    dq = _unchunk(dq, sq).reshape(b, sq, hq, d).astype(q.dtype)
-    dk = _unchunk(dk, sk).astype(k.dtype)
-    dv = _unchunk(dv, sk).astype(v.dtype)
+    dq = _seq_major(_unchunk(dq, sq, 3)).astype(q.dtype)
+    dk, dv = (_seq_major(_unchunk(x, sk, 2)[:, :, None]).astype(k.dtype) for x in (dk, dv))
     return dq, dk, dv, None, None
 
 
