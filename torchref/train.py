@@ -274,13 +274,11 @@ class Trainer(BaseTrainer):
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
-    def fit(self) -> dict:
-        out = super().fit()
-        if self._own_group:  # torch's shutdown rule; on a clean finish only (a failed rank's peers may be waiting)
+    def end_processes(self) -> None:
+        if self._own_group:  # torch's shutdown rule: the group this trainer made is destroyed before the exit
             dist.barrier()  # no rank leaves while another still has work in flight
             dist.destroy_process_group()
             self._own_group = False
-        return out
 
     def barrier(self) -> None:
         """Under ``--parallel``: wait until rank 0 has written (a checkpoint, the export)."""

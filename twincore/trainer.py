@@ -186,6 +186,10 @@ class Trainer:
     def barrier(self) -> None:
         """Wait until the lead process has written (a checkpoint, the export)."""
 
+    def end_processes(self) -> None:
+        """After a clean finish only (a failed process's peers may be waiting in a collective): let go of what the
+        trainer started across processes."""
+
     # ---- shared
     def close(self) -> None:
         """Let the checkpoint directory go (its lock), for a trainer whose :meth:`fit` will not run; fit does it."""
@@ -355,6 +359,7 @@ class Trainer:
                 out["final"] = final
             last = None if self.last_saved is None else self.ckpt.path(self.last_saved)
             out["summary"] = log.summary(checkpoint=last, final=final)
+            self.end_processes()
             return out
         finally:
             if batches is not None and hasattr(batches, "close"):
