@@ -1138,6 +1138,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunked's output back from its heads-major layout with the query heads of a kv group out of order (GQA)",
     ),
     m(
+        "xla-heads-order",
+        "attention",
+        "jaxattn/attention/xla.py",
+        "out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, Sq, Hkv, G, D]",
+        "out = jnp.transpose(out, (0, 3, 2, 1, 4))  # [B, Sq, Hkv, G, D]",
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "the xla backend's output back from its heads-major layout with a kv group's query heads out of order (GQA)",
+    ),
+    m(
         "chunked-cpu-chunks",
         "attention",
         "jaxattn/attention/chunked.py",

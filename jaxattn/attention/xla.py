@@ -6,9 +6,10 @@ instead of repeating K/V.  Dtypes: q@k^T is taken in the input dtype with fp32 a
 input dtype before the p@v product (fp32 accumulation), as flash kernels and ``jax.nn.dot_product_attention``
 do; the output has q's dtype.  One query per row (a decode step) takes the two products as a multiply and a sum
 over D, then over Sk, in fp32 (the same products and fp32 sums): XLA's dot wants the batch dims (B, Hkv) outermost
-and copied K and V transposed for it every step (benchmarks/NOTES.md, "A ring KV cache").  A row that sees no key
-gives zeros and zero gradients.  Differentiable by
-autodiff.  Tests compare it with :func:`jaxattn.attention.reference.attention_reference`::
+and copied K and V transposed for it every step (benchmarks/NOTES.md, "A ring KV cache"). More queries go to that
+layout first, ``[B, Hkv, G, S, D]``, so no O(Sq*Sk) block is transposed (NOTES, "`chunked`'s blocks in the
+layout").  A row that sees no key gives zeros and zero gradients.  Differentiable by autodiff.  Tests compare it
+with :func:`jaxattn.attention.reference.attention_reference`::
 
     out = attention(q, k, v, normalize(q, k, v, causal=True))
 """
@@ -36,8 +37,10 @@ def attention(q, k, v, args: AttnArgs):
     if sq == 1:  # decode: one pass over K in its own layout, no transposed copy
         s = jnp.sum(qg[:, 0, None].astype(f32) * k[:, :, :, None].astype(f32), axis=-1)  # [B, Sk, Hkv, G]
         s = jnp.transpose(s, (0, 2, 3, 1))[:, :, :, None] * args.scale  # [B, Hkv, G, 1, Sk]
-    else:
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=f32, precision=hi) * args.scale
+    else:  # heads-major operands, so the dot writes the [B, Hkv, G, Sq, Sk] block in place (no transposed copy of it)
+        qh = jnp.transpose(qg, (0, 2, 3, 1, 4))  # [B, Hkv, G, Sq, D]
+        kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, Hkv, Sk, D]
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qh, kh, preferred_element_type=f32, precision=hi) * args.scale
     if args.softcap is not None:
         s = args.softcap * jnp.tanh(s / args.softcap)
     m = mask(sq, sk, args)
@@ -52,5 +55,6 @@ def attention(q, k, v, args: AttnArgs):
         pk = jnp.transpose(p[:, :, :, 0].astype(pv_dtype).astype(f32), (0, 3, 1, 2))  # [B, Sk, Hkv, G]
         out = jnp.sum(pk[..., None] * v[:, :, :, None].astype(f32), axis=1)[:, None]  # [B, 1, Hkv, G, D]
     else:
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(pv_dtype), v, preferred_element_type=f32, precision=hi)
+        out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(pv_dtype), vh, preferred_element_type=f32, precision=hi)
+        out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, Sq, Hkv, G, D]
     return out.reshape(b, sq, hq, d).astype(q.dtype)
