@@ -1147,6 +1147,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the xla backend's output back from its heads-major layout with a kv group's query heads out of order (GQA)",
     ),
     m(
+        "chunked-bwd-mask-order",
+        "attention",
+        "jaxattn/attention/chunked.py",
+        "m = jnp.broadcast_to(m[..., None, :], m.shape[:-1] + (g, cfg.cq)).reshape(m.shape[:-1] + (s.shape[-1],))",
+        "m = jnp.broadcast_to(m[..., None], m.shape + (g,)).reshape(m.shape[:-1] + (s.shape[-1],))",
+        "parity_tests/test_attention.py -k 'fp32_parity and not sweep'",
+        "chunked's transposed backward lays its mask out (query, head) where the scores are (head, query) (GQA)",
+    ),
+    m(
         "chunked-cpu-chunks",
         "attention",
         "jaxattn/attention/chunked.py",

@@ -160,14 +160,18 @@ def _block_needed(cfg: _Cfg, q0, k0, qidc, kidc):
     return ok
 
 
+def _cap(cfg: _Cfg, s):
+    """The softcap, ``(c * tanh(s / c), tanh(s / c))`` (the second for its derivative); ``(s, None)`` without one."""
+    if cfg.softcap is None:
+        return s, None
+    t = jnp.tanh(s / cfg.softcap)
+    return cfg.softcap * t, t
+
+
 def _scores(cfg: _Cfg, qc, kc, q0, k0, qidc, kidc):
     """Masked (and capped) fp32 scores [B, Hkv, G, cq, ck] of ``qc [B, Hkv, G, cq, D]`` and ``kc [B, Hkv, ck, D]``;
     also tanh(s/c) for the softcap derivative."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale
-    t = None
-    if cfg.softcap is not None:
-        t = jnp.tanh(s / cfg.softcap)
-        s = cfg.softcap * t
+    s, t = _cap(cfg, jnp.einsum("bhgqd,bhkd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale)
     margs = AttnArgs(causal=cfg.causal, window=cfg.window)
     q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
     kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
@@ -242,49 +246,71 @@ def _chunked_fwd(cfg, q, k, v, qids, kvids):
 
 
 # --------------------------------------------------------------------------------------------- backward
+def _scores_t(cfg: _Cfg, kc, qtc, q0, k0, qidc, kidc):
+    """The backward's scores transposed, ``[B, Hkv, ck, G*cq]`` from ``kc [B, Hkv, ck, D]`` and the query chunk as
+    ``qtc [B, Hkv, D, G*cq]``: every product of the block then reads and writes its operands as they lie (the
+    forward's orientation would transpose P and dS for dV and dK). Also tanh(s/c) for the softcap derivative."""
+    s, t = _cap(cfg, jnp.einsum("bhkd,bhdn->bhkn", kc, qtc, preferred_element_type=_F32, precision=_HI) * cfg.scale)
+    margs = AttnArgs(causal=cfg.causal, window=cfg.window)
+    q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
+    kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
+    ids = (qidc, kidc) if cfg.has_ids else ()
+    m = jnp.swapaxes(mask(cfg.q_len, cfg.kv_len, margs, *ids, q_pos=q_pos, kv_pos=kv_pos), -1, -2)  # [(B,) ck, cq]
+    g = s.shape[-1] // cfg.cq
+    m = jnp.broadcast_to(m[..., None, :], m.shape[:-1] + (g, cfg.cq)).reshape(m.shape[:-1] + (s.shape[-1],))
+    return jnp.where(m[:, None] if cfg.has_ids else m, s, -jnp.inf), t
+
+
 def _chunked_bwd(cfg, res, dout):
     q, k, v, qids, kvids, out, lse = res
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
+    n = g * cfg.cq  # a query chunk's rows of one kv head
     qh, doh = _heads_major(q, hkv), _heads_major(dout.astype(q.dtype), hkv)  # [B, Hkv, G, Sq, D]
     delta = jnp.sum(doh.astype(_F32) * _heads_major(out, hkv).astype(_F32), axis=-1)  # [B, Hkv, G, Sq]
     qch, doch = _chunks(qh, cfg.cq, 3), _chunks(doh, cfg.cq, 3)  # [nq, B, Hkv, G, cq, D]
     lsech, deltach = _chunks(lse, cfg.cq, 3), _chunks(delta, cfg.cq, 3)  # [nq, B, Hkv, G, cq]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
     kch, vch = (_chunks(_heads_major(x, hkv)[:, :, 0], cfg.ck, 2) for x in (k, v))  # [nk, B, Hkv, ck, D]
+    ktch = jnp.swapaxes(kch, -1, -2)  # [nk, B, Hkv, D, ck]
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
     q_starts = jnp.arange(nq, dtype=jnp.int32) * cfg.cq
 
     def q_step(dkv, xs):
         qc, doc, lsec, deltac, qidc, q0 = xs
-        lse_b, delta_b = lsec[..., None], deltac[..., None]  # [B, Hkv, G, cq, 1]
+        qn, don = qc.reshape(b, hkv, n, d), doc.reshape(b, hkv, n, d)  # [B, Hkv, N, D]
+        qtc, dotc = jnp.swapaxes(qn, -1, -2), jnp.swapaxes(don, -1, -2)  # [B, Hkv, D, N]
+        lse_n, delta_n = lsec.reshape(b, hkv, 1, n), deltac.reshape(b, hkv, 1, n)
 
-        def kv_step(dq, ys):
-            kc, vc, kidc, k0 = ys
+        def kv_step(dqt, ys):
+            kc, ktc, vc, kidc, k0 = ys
 
-            def compute(dq):
-                s, t = _scores(cfg, qc, kc, q0, k0, qidc, kidc)
-                p = jnp.exp(s - lse_b)  # 0 where masked / dead rows
-                dv = jnp.einsum("bhgqk,bhgqd->bhkd", _low(p, doc), doc, preferred_element_type=_F32, precision=_HI)
-                dp = jnp.einsum("bhgqd,bhkd->bhgqk", doc, vc, preferred_element_type=_F32, precision=_HI)
-                ds = p * (dp - delta_b)
+            def compute(dqt):
+                st, t = _scores_t(cfg, kc, qtc, q0, k0, qidc, kidc)  # [B, Hkv, ck, N]
+                pt = jnp.exp(st - lse_n)  # 0 where masked / dead rows
+                dv = jnp.einsum("bhkn,bhnd->bhkd", _low(pt, don), don, preferred_element_type=_F32, precision=_HI)
+                dpt = jnp.einsum("bhkd,bhdn->bhkn", vc, dotc, preferred_element_type=_F32, precision=_HI)
+                dst = pt * (dpt - delta_n)
                 if t is not None:
-                    ds = ds * (1.0 - t * t)
-                ds = ds * cfg.scale
-                dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", _low(ds, kc), kc, preferred_element_type=_F32, precision=_HI)
-                dk = jnp.einsum("bhgqk,bhgqd->bhkd", _low(ds, qc), qc, preferred_element_type=_F32, precision=_HI)
-                return dq, (dk, dv)
+                    dst = dst * (1.0 - t * t)
+                dst = dst * cfg.scale
+                dk = jnp.einsum("bhkn,bhnd->bhkd", _low(dst, qn), qn, preferred_element_type=_F32, precision=_HI)
+                dqt = dqt + jnp.einsum(
+                    "bhdk,bhkn->bhdn", ktc, _low(dst, ktc), preferred_element_type=_F32, precision=_HI
+                )  # dQ^T [B, Hkv, D, N]
+                return dqt, (dk, dv)
 
-            def skip(dq):
+            def skip(dqt):
                 z = jnp.zeros((b, hkv, cfg.ck, d), _F32)
-                return dq, (z, z)
+                return dqt, (z, z)
 
-            return jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, skip, dq)
+            return jax.lax.cond(_block_needed(cfg, q0, k0, qidc, kidc), compute, skip, dqt)
 
-        dq0 = jnp.zeros((b, hkv, g, cfg.cq, d), _F32)
-        dq, (dk, dv) = jax.lax.scan(kv_step, dq0, (kch, vch, kidch, k_starts))
+        dqt0 = jnp.zeros((b, hkv, d, n), _F32)
+        dqt, (dk, dv) = jax.lax.scan(kv_step, dqt0, (kch, ktch, vch, kidch, k_starts))
+        dq = jnp.moveaxis(dqt.reshape(b, hkv, d, g, cfg.cq), 2, 4)  # [B, Hkv, G, cq, D]
         return (dkv[0] + dk, dkv[1] + dv), dq
 
     zeros = jnp.zeros((nk, b, hkv, cfg.ck, d), _F32)
