@@ -141,6 +141,11 @@ def _seq_major(x):
     return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(b, s, hkv * g, d)
 
 
+def _kv_chunks(cfg: _Cfg, k, v):
+    """k, v ``[B, Sk, Hkv, D]`` -> key-chunked ``[nk, B, Hkv, ck, D]`` each."""
+    return tuple(_chunks(_heads_major(x, x.shape[2])[:, :, 0], cfg.ck, 2) for x in (k, v))
+
+
 def _block_needed(cfg: _Cfg, q0, k0, qidc, kidc):
     """False when the causal/window rule, or the segment ids (``qidc [B, cq]``, ``kidc [B, ck]``), hide the whole
     [q0, q0+cq) x [k0, k0+ck) block (a scalar). Ids: hidden when in every row the two chunks' id ranges do not meet,
@@ -168,18 +173,21 @@ def _cap(cfg: _Cfg, s):
     return cfg.softcap * t, t
 
 
+def _block_mask(cfg: _Cfg, q0, k0, qidc, kidc):
+    """Visibility of the [q0, q0+cq) x [k0, k0+ck) block: ``[cq, ck]``, or ``[B, cq, ck]`` with segment ids."""
+    margs = AttnArgs(causal=cfg.causal, window=cfg.window)
+    q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
+    kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
+    ids = (qidc, kidc) if cfg.has_ids else ()
+    return mask(cfg.q_len, cfg.kv_len, margs, *ids, q_pos=q_pos, kv_pos=kv_pos)
+
+
 def _scores(cfg: _Cfg, qc, kc, q0, k0, qidc, kidc):
     """Masked (and capped) fp32 scores [B, Hkv, G, cq, ck] of ``qc [B, Hkv, G, cq, D]`` and ``kc [B, Hkv, ck, D]``;
     also tanh(s/c) for the softcap derivative."""
     s, t = _cap(cfg, jnp.einsum("bhgqd,bhkd->bhgqk", qc, kc, preferred_element_type=_F32, precision=_HI) * cfg.scale)
-    margs = AttnArgs(causal=cfg.causal, window=cfg.window)
-    q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
-    kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
-    if cfg.has_ids:
-        m = mask(cfg.q_len, cfg.kv_len, margs, qidc, kidc, q_pos=q_pos, kv_pos=kv_pos)[:, None, None]
-    else:
-        m = mask(cfg.q_len, cfg.kv_len, margs, q_pos=q_pos, kv_pos=kv_pos)
-    return jnp.where(m, s, -jnp.inf), t
+    m = _block_mask(cfg, q0, k0, qidc, kidc)
+    return jnp.where(m[:, None, None] if cfg.has_ids else m, s, -jnp.inf), t
 
 
 def _low(x, like):
@@ -194,7 +202,7 @@ def _forward(cfg: _Cfg, q, k, v, qids, kvids):
     hkv = k.shape[2]
     g = hq // hkv
     qch = _chunks(_heads_major(q, hkv), cfg.cq, 3)  # [nq, B, Hkv, G, cq, D]
-    kch, vch = (_chunks(_heads_major(x, hkv)[:, :, 0], cfg.ck, 2) for x in (k, v))  # [nk, B, Hkv, ck, D]
+    kch, vch = _kv_chunks(cfg, k, v)  # [nk, B, Hkv, ck, D]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
@@ -251,11 +259,7 @@ def _scores_t(cfg: _Cfg, kc, qtc, q0, k0, qidc, kidc):
     ``qtc [B, Hkv, D, G*cq]``: every product of the block then reads and writes its operands as they lie (the
     forward's orientation would transpose P and dS for dV and dK). Also tanh(s/c) for the softcap derivative."""
     s, t = _cap(cfg, jnp.einsum("bhkd,bhdn->bhkn", kc, qtc, preferred_element_type=_F32, precision=_HI) * cfg.scale)
-    margs = AttnArgs(causal=cfg.causal, window=cfg.window)
-    q_pos = q0 + jnp.arange(cfg.cq, dtype=jnp.int32)
-    kv_pos = k0 + jnp.arange(cfg.ck, dtype=jnp.int32)
-    ids = (qidc, kidc) if cfg.has_ids else ()
-    m = jnp.swapaxes(mask(cfg.q_len, cfg.kv_len, margs, *ids, q_pos=q_pos, kv_pos=kv_pos), -1, -2)  # [(B,) ck, cq]
+    m = jnp.swapaxes(_block_mask(cfg, q0, k0, qidc, kidc), -1, -2)  # [(B,) ck, cq]
     g = s.shape[-1] // cfg.cq
     m = jnp.broadcast_to(m[..., None, :], m.shape[:-1] + (g, cfg.cq)).reshape(m.shape[:-1] + (s.shape[-1],))
     return jnp.where(m[:, None] if cfg.has_ids else m, s, -jnp.inf), t
@@ -272,7 +276,7 @@ def _chunked_bwd(cfg, res, dout):
     qch, doch = _chunks(qh, cfg.cq, 3), _chunks(doh, cfg.cq, 3)  # [nq, B, Hkv, G, cq, D]
     lsech, deltach = _chunks(lse, cfg.cq, 3), _chunks(delta, cfg.cq, 3)  # [nq, B, Hkv, G, cq]
     qidch, kidch = _chunks(qids, cfg.cq), _chunks(kvids, cfg.ck)
-    kch, vch = (_chunks(_heads_major(x, hkv)[:, :, 0], cfg.ck, 2) for x in (k, v))  # [nk, B, Hkv, ck, D]
+    kch, vch = _kv_chunks(cfg, k, v)  # [nk, B, Hkv, ck, D]
     ktch = jnp.swapaxes(kch, -1, -2)  # [nk, B, Hkv, D, ck]
     nq, nk = qch.shape[0], kch.shape[0]
     k_starts = jnp.arange(nk, dtype=jnp.int32) * cfg.ck
