@@ -228,13 +228,20 @@ def _reference_block(x, router, w_gate, w_up, w_down, cfg):
 
 
 def _block_inputs(cfg, rng, positive=False):
+    """Unit-scale activations, the scale §7's absolute module bound (1e-5) is for: x ~ N(0, 1) (a block's input
+    is RMS-normalised) and expert weights at fan-in scale (std 1/sqrt(fan_in)), so each projection keeps unit
+    variance; the router at 0.3 (logits of std 2.4: clear winners). 400 seeds: |y| up to 5.8, rms 0.5, both twins
+    within 2.2e-6 of the float64 loop. (With the experts at 0.2, 1.6x fan-in scale, |y| reached 24, where float32's
+    spacing is 1.9e-6, and about one seed in 200 put both twins past 1e-5 by the rounding of a correct float32
+    computation.)"""
     x = rng.standard_normal((2, 9, cfg.dim)).astype(np.float32)
     x = np.abs(x) if positive else x
+    e, d, f = cfg.n_experts, cfg.dim, cfg.expert_ffn_dim
     ws = {
-        "router": 0.3 * rng.standard_normal((cfg.dim, cfg.n_experts)),
-        "e_gate": 0.2 * rng.standard_normal((cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)),
-        "e_up": 0.2 * rng.standard_normal((cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)),
-        "e_down": 0.2 * rng.standard_normal((cfg.n_experts, cfg.expert_ffn_dim, cfg.dim)),
+        "router": 0.3 * rng.standard_normal((d, e)),
+        "e_gate": rng.standard_normal((e, d, f)) / math.sqrt(d),
+        "e_up": rng.standard_normal((e, d, f)) / math.sqrt(d),
+        "e_down": rng.standard_normal((e, f, d)) / math.sqrt(f),
     }
     return x, {k: v.astype(np.float32) for k, v in ws.items()}
 
