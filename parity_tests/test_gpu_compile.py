@@ -427,6 +427,8 @@ def test_block_search_filter_rejects_the_old_dkv_spill_and_passes_the_default():
         assert all("time" not in r for r in bsr.time_rows(rows))
 
 
+@pytest.mark.slow  # the tool's Mosaic filter (the flash filter's case stays); CI runs it
+@pytest.mark.slow_feature
 @pytest.mark.gpu_compile
 @needs_plugin
 def test_block_search_filters_mosaic_tiles_and_times_the_default_too():

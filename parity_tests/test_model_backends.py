@@ -92,6 +92,8 @@ def test_torch_flex_model_matches_jax_with_a_window_and_segment_ids(case, monkey
     assert np.abs(out - want).max() <= LOGITS_TOL
 
 
+@pytest.mark.slow  # the tool's run; the default's choice is test_attention's test_default_backend_on_cpu; CI runs it
+@pytest.mark.slow_feature
 def test_cpu_default_tool_pairs_the_default_with_xla(capsys, tmp_path):
     """``benchmarks.tools.cpu_default``: the model's training step and forward traced under the default backends and
     under ``xla`` alone agree (checked inside before any timing), then are timed, paired; ``--out`` writes the
