@@ -3,11 +3,11 @@
 compile extras, and the declared range."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+pytest_plugins = ["pytester"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,24 +48,19 @@ def test_b():
 
 
 @pytest.mark.parametrize("second_skips, required", [(True, "1"), (True, None), (False, "1")])
-def test_a_run_where_every_gpu_compile_test_skipped_fails_when_required(tmp_path, second_skips, required):
-    (tmp_path / "test_fake.py").write_text(textwrap.dedent(_FAKE_TESTS.format(second_skips=second_skips)))
-    (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "parity_tests", "conftest.py")).read())
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu_compile: x\n    tpu_compile: x\n    gpu: x\n")
-    env = {k: v for k, v in os.environ.items() if k != "JAXATTN_REQUIRE_COMPILE_TESTS"}
+def test_a_run_where_every_gpu_compile_test_skipped_fails_when_required(pytester, monkeypatch, second_skips, required):
+    # in this process (jax and torch are imported already): the suite's conftest, copied as a plugin module of its
+    # own name (fresh outcome tables; "conftest" in sys.modules is this suite's), run on two fake tests
+    pytester.makepyfile(test_fake=textwrap.dedent(_FAKE_TESTS.format(second_skips=second_skips)))
+    pytester.makepyfile(ci_conftest_copy=open(os.path.join(ROOT, "parity_tests", "conftest.py")).read())
+    pytester.makeini("[pytest]\nmarkers =\n    gpu_compile: x\n    tpu_compile: x\n    gpu: x\n")
+    pytester.syspathinsert()
+    monkeypatch.delenv("JAXATTN_REQUIRE_COMPILE_TESTS", raising=False)
     if required:
-        env["JAXATTN_REQUIRE_COMPILE_TESTS"] = required
-    env["PYTHONPATH"] = ROOT
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = proc.stdout
+        monkeypatch.setenv("JAXATTN_REQUIRE_COMPILE_TESTS", required)
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "ci_conftest_copy")
+    out = "\n".join(result.outlines)
     assert "gpu_compile: " in out and "skipped (" in out and "does not match jaxlib 0.2" in out, out[-2000:]
     all_skipped = second_skips
-    assert proc.returncode == (1 if all_skipped and required else 0), out[-2000:]
+    assert result.ret == (1 if all_skipped and required else 0), out[-2000:]
     assert ("every gpu_compile test skipped" in out) == bool(all_skipped and required), out[-2000:]

@@ -249,6 +249,8 @@ def test_compiled_plans_move_what_the_analysis_says():
     assert fsdp["all-gather"] == pytest.approx(4 * (1 - table) + 2 * table, rel=0.01), fsdp  # + the token ids
 
 
+@pytest.mark.slow  # a pod compile (8 H100s); test_pipeline checks GPipe's numbers by default, CI runs this one
+@pytest.mark.slow_feature
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(_REASON is not None, reason=f"deviceless GPU compile unavailable: {_REASON}")
 def test_a_stage_plan_compiles_with_gpipes_bubble_in_its_loop():

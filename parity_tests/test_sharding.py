@@ -60,7 +60,13 @@ def reference():
     return _run(make_train_step(graphdef, _tx()), state)
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+def _meshes(*slow):
+    """MESHES as parameters, those named in ``slow`` moved to CI's ``slow_feature`` run (their axes are covered by the
+    default's 2,2,2 and 8,1,1: rows per device, fsdp and tensor at once)."""
+    return [pytest.param(n, marks=(pytest.mark.slow, pytest.mark.slow_feature)) if n in slow else n for n in MESHES]
+
+
+@pytest.mark.parametrize("name", _meshes("2,4,1"))
 def test_mesh_gives_single_device_losses_and_params(name, reference):
     ref_losses, ref_state = reference
     mesh = sharding.make_mesh(MESHES[name])
@@ -136,7 +142,7 @@ def test_activation_constraints_applied_under_mesh_only():
     assert constrain(x, ("batch", "seq", "embed")) is x  # the context is gone after the step
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", _meshes("2,4,1", "1,2,4"))
 def test_fused_loss_per_device_rows_equals_single_device_dense(name, reference, monkeypatch):
     """``loss="fused"`` on a mesh: each device's fused loss sees only its own rows (``per_shard``: the head gathered
     once and its gradient reduced once, not per chunk) and the losses and parameters equal the single-device dense

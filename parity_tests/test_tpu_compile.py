@@ -63,6 +63,8 @@ def test_peers_compile_beside_splash_for_a_v5e_chip():
         assert tk["status"] == "ok" and tk["tpu_custom_calls"] == 2, tk
 
 
+@pytest.mark.slow  # the CLI's files; splash compiled for TPU chips stays in the default (the plan test); CI runs it
+@pytest.mark.slow_feature
 @pytest.mark.tpu_compile
 @needs_libtpu
 def test_compile_for_v5e_writes_splash_and_program_records(tmp_path):
