@@ -54,6 +54,9 @@ from twincore.generate import (
     replay_steps,
     takes_arguments_of,
 )
+from twincore.generate import (
+    Conversation as _Conversation,
+)
 
 from . import hf
 from .attention import attention_backend, current_backends
@@ -327,6 +330,55 @@ def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[
     """The new token ids of each prompt, a list per row (:func:`twincore.generate.generate_with`); the arguments
     are :func:`stream`'s."""
     return generate_with(stream, model, prompts, max_new_tokens, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=32)
+def _append_program_for(graphdef, temperature: float, top_k, top_p, backends):
+    """A :class:`Conversation` turn's first program: the turn's tokens ``[B, P]`` appended after each row's ``held``
+    ones in the appending cache (donated), the logits of each row's last new token only, the first draw."""
+
+    def append(stop, state, cache, tokens, held, new, key):
+        cache = cache.with_lengths(held)
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, logits_at=(new - 1)[:, None])  # [B, 1, V]
+        token = _sample_finite(logits[:, 0], jax.random.fold_in(key, 0), temperature, top_k, top_p)
+        return token, jnp.isin(token, stop), cache.with_lengths(held + new)
+
+    return jax.jit(_traced_under(append, backends), donate_argnums=(2,))
+
+
+class Conversation(_Conversation):
+    """Multi-turn generation over one KV cache kept between turns (``twincore.generate.Conversation``; twin of
+    ``torchref.generate.Conversation``). The cache is appending (``KVCache.init(append=True)``); a turn runs one
+    jitted program for its new tokens (compiled per padded length) and the decode step of ``generate`` (compiled
+    once per cache shape), both under the attention backends active at the call.
+
+        chat = Conversation(model, max_len=256)
+        first = chat.send([ids], max_new_tokens=32)[0]
+        second = chat.send([more_ids], max_new_tokens=32)[0]     # the cache holds ids + first: not prefilled again
+    """
+
+    def _new_cache(self, batch: int, slots: int) -> None:
+        self.cache = KVCache.init(self.model.config, batch, slots, dtype=self.model.embed[...].dtype, append=True)
+
+    def _append(self, tokens, held, new, sampling, seed: int, eos: tuple):
+        graphdef, state = nnx.split(self.model)
+        key, stop = _key(seed), _stop_ids(eos)
+        append = _append_program_for(graphdef, *sampling, current_backends())
+        token, done, self.cache = append(stop, state, self.cache, tokens, held, new, key)
+        decode = _programs_for(graphdef, *sampling, current_backends(), bool(eos), None)[1]
+
+        def advance(step, token):
+            nonlocal done
+            token, done, self.cache = decode(stop, state, token, done, self.cache, key, step)
+            return token
+
+        return token, advance
+
+    _to_host = staticmethod(np.asarray)
+
+    @staticmethod
+    def _feed_eos(token, done, eos_id):  # the decode program feeds a stopped row its EOS from its own `done`
+        return token
 
 
 def main(argv=None) -> int:

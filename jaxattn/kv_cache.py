@@ -39,6 +39,11 @@ from twincore.batch import check_append, is_ring
 
 from .attention import dot_product_attention
 
+# The CPU's model programs read each layer's slots and write every layer's keys after the layer scan
+# (``cached_attention``'s ``layer=None``); False: the carried cache of the GPU's and TPU's programs, on the CPU too
+# (the tests run that way there).
+WRITE_AFTER_THE_SCAN_ON_CPU = True
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,14 @@ class KVCache:
         take = lambda c: jnp.take_along_axis(c, at[None, :, :, None, None], axis=2)  # noqa: E731
         return dataclasses.replace(self, k=take(self.k), v=take(self.v))
 
+    def written(self, k: jax.Array, v: jax.Array, window: int | None = None) -> KVCache:
+        """This cache after a call of ``S`` tokens: every layer's new keys and values ``k``/``v`` ``[n_layers, B, S,
+        Hkv, D]`` written at their slots (one scatter each, in place where the cache is donated; past a plain cache's
+        end: dropped), the lengths advanced by ``S``. ``window``: the model's ``sliding_window`` (a ring's slots)."""
+        rows, cols = _slots(self.lengths, k.shape[2], self.max_len, is_ring(self.max_len, window))
+        write = lambda c, x: c.at[:, rows, cols].set(x.astype(c.dtype), mode="drop")  # noqa: E731
+        return dataclasses.replace(self, k=write(self.k, k), v=write(self.v, v), lengths=self.lengths + k.shape[2])
+
     def positions(self, s: int) -> jax.Array:
         """RoPE positions ``[B, s]`` of the next ``s`` tokens of each row."""
         return self.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -105,20 +118,45 @@ class KVCache:
                 )
 
 
-def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None = None, append: bool = False):
-    """Layer ``layer``: write ``k``/``v`` ``[B, S, Hkv, D]`` into the stacked cache ``[n_layers, B, T, Hkv, D]`` at
-    slot ``lengths[b]`` of each row (``lengths[b] % T`` in a ring), attend over the layer's slots; returns
-    ``(o [B, S, Hq, D], (k_all, v_all))``. The model's layer scan carries the whole cache, so XLA writes it in place
-    (as the scan's ``xs`` and ``ys`` it was copied in and out every step: benchmarks/NOTES.md, "A ring KV cache").
-    ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it); ``append``:
-    the cache's (a call of ``S > 1`` tokens attends over the slots too)."""
-    t = k_all.shape[2]
+def _slots(lengths, s: int, t: int, ring: bool):
+    """``(rows [B, 1], cols [B, S])``: where a call of ``s`` tokens writes in a cache of ``t`` slots (position
+    ``lengths[b] + j``, modulo ``t`` in a ring; past ``t`` in a plain cache: dropped by the writes)."""
+    cols = lengths[:, None] + jnp.arange(s)[None, :]  # [B, S]: the positions written
+    return jnp.arange(lengths.shape[0])[:, None], cols % t if ring else cols
+
+
+def cached_attention(q, k, v, k_cache, v_cache, layer, lengths, window: int | None = None, append: bool = False):
+    """One layer's attention over its cache. The call's new keys and values ``k``/``v`` ``[B, S, Hkv, D]`` go at slot
+    ``lengths[b]`` of each row (``lengths[b] % T`` in a ring) and the queries attend over the layer's slots; returns
+    ``(o [B, S, Hq, D], kv)``. Two ways, one result:
+
+    * ``layer`` an index: ``k_cache``/``v_cache`` are the stacked cache ``[n_layers, B, T, Hkv, D]``, carried through
+      the layer scan; the call's keys are written into it, then the layer is read; ``kv = (k_cache, v_cache)``
+      written (in place where XLA can: the GPU's and TPU's programs).
+    * ``layer`` None: ``k_cache``/``v_cache`` are the layer's slots ``[B, T, Hkv, D]`` before the call; the call's
+      keys are written into this copy only, and ``kv = (k, v)``, for one write of every layer's after the scan
+      (:meth:`KVCache.written`). XLA:CPU copies a carried cache whole, twice per layer, when it is written and
+      read in one layer, and jax 0.10 converts a carried bf16 cache to float32 per layer (benchmarks/NOTES.md, "A
+      conversation's next turn"): the CPU's programs take this way (``jaxattn.model``).
+
+    ``window``: the model's ``sliding_window`` (a token sees itself and the ``window - 1`` before it); ``append``: the
+    cache's (a call of ``S > 1`` tokens attends over the slots too)."""
+    t = k_cache.shape[-3]
     ring, contract_window = is_ring(t, window), None if window is None else (window - 1, None)  # the contract's window
     b, s = q.shape[:2]
-    cols = lengths[:, None] + jnp.arange(s)[None, :]  # [B, S]: the positions written
-    rows, cols = jnp.arange(b)[:, None], cols % t if ring else cols  # [B, 1], [B, S]: their slots (past T: dropped)
-    k_all = k_all.at[layer, rows, cols].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, rows, cols].set(v.astype(v_all.dtype), mode="drop")
+    rows, cols = _slots(lengths, s, t, ring)
+    if layer is None:  # the layer's slots, this call's written into them: [B, T, Hkv, D]; the cache after the scan
+        kv = (k, v)
+        if s == 1 or append:
+            k_layer = k_cache.at[rows, cols].set(k.astype(k_cache.dtype), mode="drop")
+            v_layer = v_cache.at[rows, cols].set(v.astype(v_cache.dtype), mode="drop")
+    else:  # the stacked cache written, then this layer read
+        kv = (
+            k_cache.at[layer, rows, cols].set(k.astype(k_cache.dtype), mode="drop"),
+            v_cache.at[layer, rows, cols].set(v.astype(v_cache.dtype), mode="drop"),
+        )
+        if s == 1 or append:
+            k_layer, v_layer = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in kv)
     if s == 1:  # decode: every filled slot (including the one just written) in the window, none of the empty ones
         slots, last = jnp.arange(t)[None, :], lengths[:, None]  # [1, T], [B, 1]
         if ring:  # slot j holds position last - back, the newest one that is j modulo T (if any)
@@ -128,20 +166,16 @@ def cached_attention(q, k, v, k_all, v_all, layer, lengths, window: int | None =
             seen = slots <= last
         kv_ids = seen.astype(jnp.int32)  # [B, T]
         q_ids = jnp.ones((b, 1), jnp.int32)
-        k_layer, v_layer = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k_all, v_all))
         o = dot_product_attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), segment_ids=(q_ids, kv_ids))
     elif append:  # the layer's slots in position order, newest last: causal and window align bottom-right
         check_append(s, t, window)
         at = (lengths[:, None] + s + jnp.arange(t)[None, :]) % t  # [B, T]: the slot of position lengths + s - T + j
         kv_ids = (lengths[:, None] + s - t + jnp.arange(t)[None, :] >= 0).astype(jnp.int32)  # [B, T]: filled
-        k_layer, v_layer = (
-            jnp.take_along_axis(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False), at[:, :, None, None], 1)
-            for c in (k_all, v_all)
-        )  # [B, T, Hkv, D]
+        k_layer, v_layer = (jnp.take_along_axis(c, at[:, :, None, None], 1) for c in (k_layer, v_layer))  # [B,T,Hkv,D]
         ids = (jnp.ones((b, s), jnp.int32), kv_ids)
         o = dot_product_attention(
             q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), causal=True, segment_ids=ids, window=contract_window
         )
     else:  # prefill of an empty cache: causal among the new tokens
         o = dot_product_attention(q, k, v, causal=True, window=contract_window)
-    return o, (k_all, v_all)
+    return o, kv

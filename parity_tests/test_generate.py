@@ -292,6 +292,107 @@ def test_bad_inputs(twins, framework):
         gen.generate(model, [[1] * 6], 4, max_len=8)
 
 
+# ----------------------------------------------------------------------------------------- conversations
+def _turn_checked(gen, model, chat, prompts, n, **kw):
+    """One :meth:`Conversation.send` turn, checked against ``generate`` on the whole conversation so far (the last
+    reply's final token then the prompt: greedy or seeded, the same tokens), and the history extended by both."""
+    before = chat.history or [[] for _ in prompts]
+    want = gen.generate(model, [h + p for h, p in zip(before, prompts)], n, **kw)
+    got = chat.send(prompts, n, **kw)
+    assert got == want
+    assert chat.history == [h + p + r for h, p, r in zip(before, prompts, got)]
+    return got
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_conversation_turns_equal_generate_on_the_whole_conversation(twins, framework):
+    """Four turns over one cache, ragged rows: each turn's replies are ``generate``'s on the whole conversation so far
+    (the earlier turns never prefilled again). Turn 1: row 0 stops at an EOS after 2 tokens while row 1 runs on, so its
+    cache holds fed EOS slots past its end; turn 2 samples (seeded); turn 3 is read for 2 steps only (``stream``,
+    then closed: the turn is what was read); turn 4 after it. The twins' greedy replies are the same tokens."""
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    rng = np.random.default_rng(21)
+    p1, p2, p3, p4 = (ragged(rng, tmodel.config.vocab_size, n) for n in ([5, 2], [3, 7], [1, 4], [6, 1]))
+    eos = tgen.generate(tmodel, p1, 6, eos_id=None)[0][1]  # row 0's second greedy token
+    chat = gen.Conversation(model, max_len=64)
+    r1 = _turn_checked(gen, model, chat, p1, 6, eos_id=eos)
+    assert len(r1[0]) == 2 and len(r1[1]) == 6, r1  # row 0 stopped early
+    _turn_checked(gen, model, chat, p2, 5, eos_id=eos, temperature=1.0, top_k=50, seed=3)
+    before = chat.history
+    steps = chat.stream(p3, 8, eos_id=None)
+    read = [next(steps), next(steps)]
+    steps.close()
+    assert chat.history == [h + p + [a, b] for h, p, (a, b) in zip(before, p3, zip(*read))]
+    r4 = _turn_checked(gen, model, chat, p4, 5, eos_id=None)
+    other_gen, other = (tgen, tmodel) if framework == "jax" else (jgen, jmodel)  # the other twin, on the whole
+    assert other_gen.generate(other, [h[: -len(r)] for h, r in zip(chat.history, r4)], 5, eos_id=None) == r4
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_conversation_on_a_ring_equals_generate(windowed, framework):
+    """A windowed model (w = 4) in a conversation cache of 8 slots, a ring: five turns run far past its end, each
+    turn's replies ``generate``'s on the whole conversation; with a row stopped at its first token, the 5 EOS feeds
+    after it (max_new_tokens = 6, the most a ring of 8 takes) do not reach a slot its next turn sees."""
+    tmodel, jmodel = windowed
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    rng = np.random.default_rng(22)
+    chat = gen.Conversation(model, max_len=8)
+    assert chat.ring
+    for i, lens in enumerate(([4, 2], [3, 4], [4, 1], [2, 4], [1, 3])):
+        prompts = ragged(rng, tmodel.config.vocab_size, lens)
+        eos = None
+        if i == 2:  # row 1 stops at its first token
+            eos = tgen.generate(tmodel, [h + p for h, p in zip(chat.history, prompts)], 1, eos_id=None)[1][0]
+        _turn_checked(gen, model, chat, prompts, 6, eos_id=eos)
+    assert min(len(h) for h in chat.history) > 4 * 8  # four times round the ring
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_conversation_refuses_what_does_not_fit_and_keeps_a_failed_turn_out(twins, windowed, framework):
+    tmodel, jmodel = twins
+    model, gen = (jmodel, jgen) if framework == "jax" else (tmodel, tgen)
+    for bad in (1, 0, True, 2.5):
+        with pytest.raises(ValueError, match=f"max_len must be None .* or an int >= 2, got {bad!r}"):
+            gen.Conversation(model, max_len=bad)
+    chat = gen.Conversation(model, max_len=16)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: this turn needs 17 cache slots > max_len=16"):
+        chat.send([[1, 2], [3] * 10], 8)
+    assert chat.history == []
+    first = chat.send([[1, 2], [3] * 5], 4, eos_id=None)
+    with pytest.raises(ValueError, match=r"prompts has 1 rows; this conversation has 2"):
+        chat.send([[4]], 2)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty"):
+        chat.send([[5], []], 2)
+    kept = chat.history
+    chat._to_host = lambda token: (_ for _ in ()).throw(RuntimeError("device lost"))  # the turn fails mid-way
+    with pytest.raises(RuntimeError, match="device lost"):
+        chat.send([[6, 7], [8]], 3, eos_id=None)
+    del chat._to_host
+    assert chat.history == kept and not chat.broken  # a plain cache: as before the failed turn
+    _turn_checked(gen, model, chat, [[6, 7], [8]], 3, eos_id=None)
+    assert len(first[1]) == 4
+    chat.reset()
+    assert chat.history == [] and chat.send([[9]], 2, eos_id=None)
+    tw, jw = windowed
+    ring = gen.Conversation(jw if framework == "jax" else tw, max_len=8)
+    with pytest.raises(
+        ValueError, match=r"a turn takes at most max_len - window \+ 1 = 5 tokens and max_new_tokens <= 6"
+    ):
+        ring.send([[1] * 6], 2)
+    with pytest.raises(ValueError, match="max_new_tokens=7 on a ring of max_len=8"):
+        ring.send([[1]], 7)
+    ring.send([[1, 2]], 3)
+    ring._to_host = lambda token: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError):
+        ring.send([[3]], 3)
+    del ring._to_host
+    with pytest.raises(ValueError, match=r"left part-written by a failed turn: call reset\(\)"):
+        ring.send([[4]], 2)
+    ring.reset()
+    assert len(ring.send([[4]], 2, eos_id=None)[0]) == 2
+
+
 # ------------------------------------------------------------------------------------------ the real model
 def _poisoned(tmodel, where: str):
     """Copies of the twins with NaN weights: ``"head"`` (every prompt's logits NaN) or ``"token"`` (the embedding
@@ -687,3 +788,23 @@ def test_chunked_prefill_tool_times_the_chunks_against_one_call(capsys, tmp_path
     assert json.loads((tmp_path / "chunked_prefill.json").read_text())["args"]["chunk"] == 8
     with pytest.raises(SystemExit):
         tool.main(["--length", "100", "--chunk", "64"])  # not a multiple of the chunk
+
+
+def test_conversation_tool_times_the_kept_cache_against_generate_on_everything(capsys, tmp_path):
+    """``benchmarks.tools.conversation``: in each twin the turn with the cache kept gives ``generate``'s tokens on
+    the whole conversation (checked inside before any timing; a 2-row batch), then both are timed, paired, the
+    conversation set back to its history before each call; ``--out`` writes the JSON; a conversation longer than the
+    preset's ``max_seq_len`` is refused."""
+    import json
+
+    from benchmarks.tools import conversation as tool
+
+    argv = ["--preset", "tiny", "--history", "40", "--turn", "8", "--new", "4", "--rounds", "2", "--batch", "2"]
+    res = tool.main([*argv, "--out", str(tmp_path)])
+    for fw in ("jax", "torch"):
+        assert res[fw]["ratio"]["rounds"] == 2 and set(res[fw]["times"]) == {"again", "kept"}
+        assert res[fw]["slots"] == 64
+    assert capsys.readouterr().out.count("kept / again per round") == 2
+    assert json.loads((tmp_path / "conversation.json").read_text())["args"]["history"] == 40
+    with pytest.raises(SystemExit):
+        tool.main(["--preset", "tiny", "--history", "300"])  # tiny: max_seq_len 256

@@ -2,7 +2,9 @@
 full forward's logits (fp32 1e-4, design §7's full-model rule) with ragged rows, in a sliding window and on a ring
 past its slots; an appending cache (``append=True``) fed a few tokens a call does too, and refuses a call too long
 for its ring; a plain cache folds into the ring alike in both twins; torch builds its decode mask once per step; a
-prefill needs an empty cache. ``generate`` on these caches: ``test_generate.py``.
+prefill needs an empty cache. JAX's cache is checked both ways its programs write it: each layer's slots read and
+every layer's keys written after the layer scan (the CPU's), and the stacked cache carried through the scan and
+written per layer (``jax-carried``: the GPU's and TPU's). ``generate`` on these caches: ``test_generate.py``.
 """
 
 import jax
@@ -13,6 +15,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 
+from jaxattn import kv_cache as jkv  # noqa: E402
 from jaxattn.kv_cache import KVCache as JCache  # noqa: E402
 from parity_tests.twins import decoding_twins, jitted, ragged, windowed_twins  # noqa: E402
 from torchref.config import ModelConfig  # noqa: E402
@@ -32,8 +35,8 @@ def windowed(twins):
 
 
 @pytest.mark.parametrize("window, slots", [(None, 24), (4, 24), (4, 8)], ids=["full", "window", "ring"])
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_cache_decode_equals_full_forward(twins, windowed, framework, window, slots):
+@pytest.mark.parametrize("framework", ["jax", "jax-carried", "torch"])
+def test_cache_decode_equals_full_forward(monkeypatch, twins, windowed, framework, window, slots):
     """Ragged rows (right-padded prefill, then 10 one-token steps) vs each row's own full forward; with a sliding
     window shorter than the prompts of 5 and 8 tokens, the prefill and every step see only the window. ``ring``: a
     cache of 8 slots for the windowed model, which rows 0 and 2 pass (positions 8 .. 17 wrap to slots 0 .. 7)."""
@@ -48,7 +51,8 @@ def test_cache_decode_equals_full_forward(twins, windowed, framework, window, sl
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
     steps = []
-    if framework == "jax":
+    monkeypatch.setattr(jkv, "WRITE_AFTER_THE_SCAN_ON_CPU", framework == "jax")  # jax-carried: the GPU's way
+    if framework.startswith("jax"):
         graphdef, state = nnx.split(jmodel)
         call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
         cache = JCache.init(jmodel.config, 3, slots)
@@ -80,8 +84,8 @@ def test_cache_decode_equals_full_forward(twins, windowed, framework, window, sl
     [(None, 18, 4, 10), (None, 10, 4, 2), (4, 6, 3, 10)],
     ids=["full", "drops-past-the-end", "ring"],
 )
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_appending_cache_equals_full_forward(twins, windowed, framework, window, slots, chunk, n):
+@pytest.mark.parametrize("framework", ["jax", "jax-carried", "torch"])
+def test_appending_cache_equals_full_forward(monkeypatch, twins, windowed, framework, window, slots, chunk, n):
     """A cache made with ``append=True`` prefilled ``chunk`` tokens per call (each row's length set to what it holds
     before each call, as ``generate``'s ``prefill_chunk`` does), then ``n`` one-token steps, vs each row's own full
     forward. ``drops-past-the-end``: the last chunk's padding reaches slots 10 and 11 of a 10-slot cache (dropped).
@@ -96,7 +100,8 @@ def test_appending_cache_equals_full_forward(twins, windowed, framework, window,
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
     chunks, steps = [], []
-    if framework == "jax":
+    monkeypatch.setattr(jkv, "WRITE_AFTER_THE_SCAN_ON_CPU", framework == "jax")  # jax-carried: the GPU's way
+    if framework.startswith("jax"):
         graphdef, state = nnx.split(jmodel)
         call = jax.jit(lambda st, t, c: nnx.merge(graphdef, st)(t, cache=c))  # one compile per shape
         cache = JCache.init(jmodel.config, 3, slots, append=True)

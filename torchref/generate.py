@@ -49,6 +49,9 @@ from twincore.generate import (
     replay_steps,
     takes_arguments_of,
 )
+from twincore.generate import (
+    Conversation as _Conversation,
+)
 
 from . import hf
 from .config import ModelConfig
@@ -247,6 +250,47 @@ def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[
     """The new token ids of each prompt, a list per row (:func:`twincore.generate.generate_with`); the arguments
     are :func:`stream`'s."""
     return generate_with(stream, model, prompts, max_new_tokens, *args, **kwargs)
+
+
+class Conversation(_Conversation):
+    """Multi-turn generation over one KV cache kept between turns (``twincore.generate.Conversation``; twin of
+    ``jaxattn.generate.Conversation``). The cache is appending (``KVCache(append=True)``, written in place); a turn
+    is one model call for its new tokens and eager decode steps, as ``generate``'s.
+
+        chat = Conversation(model, max_len=256)
+        first = chat.send([ids], max_new_tokens=32)[0]
+        second = chat.send([more_ids], max_new_tokens=32)[0]     # the cache holds ids + first: not prefilled again
+    """
+
+    def _new_cache(self, batch: int, slots: int) -> None:
+        weight = self.model.model.embed_tokens.weight
+        self.cache = KVCache(self.model.config, batch, slots, dtype=weight.dtype, device=weight.device, append=True)
+
+    @torch.no_grad()
+    def _append(self, tokens, held, new, sampling, seed: int, eos: tuple):
+        model, cache, (temperature, top_k, top_p) = self.model, self.cache, sampling
+        device = cache.k.device
+        gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
+        held, new = (torch.from_numpy(x).long().to(device) for x in (held, new))
+        cache.set_lengths(held)
+        logits = model(torch.from_numpy(tokens).long().to(device), cache=cache, logits_at=(new - 1)[:, None])
+        cache.set_lengths(held + new)
+        token = _sample_finite(logits[:, 0], gen, temperature, top_k, top_p)
+
+        @torch.no_grad()
+        def advance(step, token):  # the model's own draws or a fed EOS: no id check, no device sync per step
+            with trusted_ids():
+                return _sample_finite(_decode_step(model, token, cache), gen, temperature, top_k, top_p)
+
+        return token, advance
+
+    @staticmethod
+    def _to_host(token):
+        return token.cpu().numpy()
+
+    @staticmethod
+    def _feed_eos(token, done, eos_id):
+        return torch.where(torch.from_numpy(done).to(token.device), torch.full_like(token, eos_id), token)
 
 
 def main(argv=None) -> int:

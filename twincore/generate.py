@@ -249,6 +249,149 @@ def generate_with(stream, model, prompts, *args, **kwargs) -> list[list[int]]:
     return collect(stream(model, prompts, *args, **kwargs), len(prompts))
 
 
+# ------------------------------------------------------------------------------------------- conversations
+class Conversation:
+    """Multi-turn generation over ONE KV cache kept between turns (both twins' ``Conversation`` subclass this):
+    each :meth:`send` appends only the turn's new tokens to what the cache holds and decodes from there, so the
+    earlier turns are never prefilled again (a cache made with ``append=True``; ``generate`` starts empty).
+
+        chat = Conversation(model, max_len=512)          # jaxattn.generate.Conversation / torchref's
+        reply = chat.send([ids_turn1], max_new_tokens=32)[0]
+        reply = chat.send([ids_turn2], max_new_tokens=32)[0]   # == generate(model, [turn1 + reply + turn2], 32)[0]
+
+    A turn's tokens, for every row, are the last reply's final token (drawn, never fed to the model yet) followed
+    by the turn's prompt; the replies and their sampling are ``generate``'s on the whole conversation (greedy: the
+    same tokens; ``seed`` draws as ``generate`` does from the turn's first step). Rows are a fixed batch (the first
+    turn's); each row's conversation is its own (lengths per row, right padding as in ``generate``). The cache has
+    ``max_len`` slots (the model's ``max_seq_len`` unless given); a turn that does not fit is refused before it
+    runs, naming the row. A windowed model's cache of ``max_len >= sliding_window`` slots is a ring and a
+    conversation runs past ``max_len`` (``twincore.batch.is_ring``); a ring takes at most ``max_len - window + 1``
+    new tokens per turn and ``max_new_tokens <= max_len - window + 2`` (a stopped row keeps feeding its EOS into
+    slots that its next turn must still see otherwise). ``history`` holds every row's tokens so far.
+
+    A subclass makes the cache and runs the model: ``_new_cache(batch, slots)``, ``_append(tokens [B, P], held
+    [B], new [B], sampling, seed)`` (the turn's tokens written after each row's ``held`` ones; returns the first
+    drawn token [B] on the device and the ``advance(step, token)`` of the decode steps), and ``_to_host`` and
+    ``_feed_eos`` as :func:`decode_steps` takes them. A turn that fails (a non-finite step) leaves a plain cache's
+    conversation as it was before it; a ring's may have been written over, and it is refused until :meth:`reset`.
+    """
+
+    def __init__(self, model, max_len: int | None = None):
+        cfg = model.config
+        limit = cfg.max_seq_len if max_len is None else max_len
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 2:
+            raise ValueError(f"max_len must be None (the model's max_seq_len) or an int >= 2, got {max_len!r}")
+        self.model, self.max_len, self.window = model, int(limit), cfg.sliding_window
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every turn (the next :meth:`send` starts a new conversation, of any batch)."""
+        self.rows: list[list[int]] | None = None  # every row's tokens so far (the last reply's final one included)
+        self.held = None  # [B] int: the tokens each row's cache holds (all of ``rows`` but the last one)
+        self.broken = False
+
+    @property
+    def history(self) -> list[list[int]]:
+        """Every row's tokens so far: prompts and replies, in order."""
+        return [] if self.rows is None else [list(r) for r in self.rows]
+
+    @property
+    def ring(self) -> bool:
+        from .batch import is_ring
+
+        return is_ring(self.max_len, self.window)
+
+    def send(self, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[int]]:
+        """Each row's reply (a list of new ids; a row that hit an EOS ends with it); the arguments are
+        :meth:`stream`'s."""
+        return collect(self.stream(prompts, max_new_tokens, *args, **kwargs), len(prompts))
+
+    def stream(
+        self,
+        prompts,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_id=FROM_CONFIG,
+    ):
+        """Yields, per generation step of this turn, a list of B new ids (None for a row that stopped), as the
+        twins' ``stream``; ``prompts``: one non-empty token-id list per row, the turn's new text."""
+        cfg = self.model.config
+        check_sampling(max_new_tokens, temperature, top_k, top_p, eos_id, cfg.vocab_size)
+        check_seed(seed)
+        prompts = check_prompts(prompts, cfg.vocab_size)
+        if self.broken:
+            raise ValueError("this conversation's ring cache was left part-written by a failed turn: call reset()")
+        if self.rows is not None and len(prompts) != len(self.rows):
+            raise ValueError(
+                f"prompts has {len(prompts)} rows; this conversation has {len(self.rows)} (its first turn's): one "
+                f"prompt per row, or reset() for a new batch"
+            )
+        first = self.rows is None
+        new = [p if first else [r[-1], *p] for r, p in zip(self.rows or prompts, prompts)]  # the reply's last token
+        held = np.zeros(len(new), np.int64) if first else self.held
+        width = self._width([len(n) for n in new], held, max_new_tokens)
+        tokens, lengths = pad_prompts(new, width)
+        if first:
+            self._new_cache(len(new), self.max_len)
+        sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+        eos = eos_ids(eos_id, cfg)
+        replies = [[] for _ in new]
+        try:
+            token, advance = self._append(tokens, held.astype(np.int32), lengths, sampling, int(seed), eos)
+            for step in decode_steps(token, len(new), max_new_tokens, eos, advance, self._to_host, self._feed_eos):
+                for reply, tok in zip(replies, step):
+                    if tok is not None:
+                        reply.append(tok)
+                yield step
+        except GeneratorExit:  # the caller stopped reading: the steps it saw are the turn (the cache holds them)
+            self._keep(first, prompts, replies, held, lengths)
+            raise
+        except BaseException:
+            self.broken = self.ring and not first  # a plain cache's conversation is as before the turn
+            raise
+        self._keep(first, prompts, replies, held, lengths)
+
+    def _keep(self, first, prompts, replies, held, lengths) -> None:
+        rows = [[] for _ in prompts] if first else self.rows
+        self.rows = [[*r, *p, *a] for r, p, a in zip(rows, prompts, replies)]
+        self.held = held + lengths + np.asarray([len(a) for a in replies]) - 1
+
+    def _width(self, new: list[int], held: np.ndarray, max_new_tokens: int) -> int:
+        """The padded length of the turn's call (a prefill bucket when it fits), after checking the turn fits the
+        cache: ValueError naming the row, ``max_len`` and what the turn needs."""
+        t, longest = self.max_len, max(new)
+        if self.ring:
+            room = t - self.window + 1
+            if longest > room or max_new_tokens > room + 1:
+                raise ValueError(
+                    f"this turn appends {longest} tokens (the last reply's final token and the prompt) and draws "
+                    f"max_new_tokens={max_new_tokens} on a ring of max_len={t} slots for a sliding_window of "
+                    f"{self.window}: a turn takes at most max_len - window + 1 = {room} tokens and "
+                    f"max_new_tokens <= {room + 1}; a larger max_len, or shorter turns"
+                )
+            return min(bucket(longest), room)
+        need = held + np.asarray(new) + max_new_tokens - 1  # the last drawn token is never fed
+        if need.max() > t:
+            b = int(need.argmax())
+            so_far = 0 if self.rows is None else len(self.rows[b])
+            raise ValueError(
+                f"prompts[{b}]: this turn needs {int(need[b])} cache slots > max_len={t} (the row's {so_far} tokens "
+                f"so far, the prompt's {new[b] - (so_far > 0)} and max_new_tokens={max_new_tokens} - 1): a "
+                f"Conversation with a larger max_len, a shorter turn, or reset()"
+            )
+        room = t - int(held.max())
+        if longest > room:
+            raise ValueError(
+                f"this turn's rows do not fit one call: row {int(held.argmax())} holds {int(held.max())} of "
+                f"max_len={t} slots and another row appends {longest} tokens (rows are padded to one length): a "
+                f"Conversation with a larger max_len"
+            )
+        return min(bucket(longest), room)
+
+
 def print_stream(steps, tokenizer, file=None) -> None:
     """The CLIs' output: each new token's text as soon as it is complete (EOS not printed), then a newline."""
     import sys
