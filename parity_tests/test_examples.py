@@ -226,24 +226,24 @@ def test_generate_block_runs_as_written():
     assert len(answers) == 2 and all("The capital of France is Paris." in a for a in answers), proc.stdout
 
 
-def test_next_turn_block_runs_as_written():
-    """The appending cache's next-turn example: its second turn's logits are the whole conversation's."""
-    _, code = example("next-turn")
+def _python_block_prints(name: str) -> str:
+    """What the README's python block ``name`` prints, run as written in a fresh interpreter (which must exit 0)."""
+    _, code = example(name)
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "[8] True", proc.stdout
+    return proc.stdout.strip()
+
+
+def test_next_turn_block_runs_as_written():
+    """The appending cache's next-turn example: its second turn's logits are the whole conversation's."""
+    assert _python_block_prints("next-turn") == "[8] True"
 
 
 def test_conversation_block_runs_as_written():
     """``Conversation``'s example: 24 tokens of history, and its second reply is ``generate``'s on all of them."""
-    _, code = example("conversation")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "24 True", proc.stdout
+    assert _python_block_prints("conversation") == "24 True"
 
 
 @pytest.mark.slow

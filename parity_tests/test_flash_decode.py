@@ -319,7 +319,7 @@ def test_kv_cache_decode_routes_through_the_kernel(monkeypatch):
     _assert_fp32_close("decode step", out, ref)
     assert bool(jnp.all(kc2[1, 1, 28] == k[1, 0])) and bool(jnp.all(kc2[0] == kc[0]))  # layer 1 written, 0 kept
     # the CPU's way: the layer's slots read as they were, the call's keys returned for one write after the layer scan
-    out_read, (k_out, _) = step(q, k, v, kc[1], vc[1], None, lengths)
+    out_read, (k_out, _) = jax.jit(cached_attention, static_argnums=5)(q, k, v, kc[1], vc[1], None, lengths)
     _assert_fp32_close("decode step, slots read then written", out_read, ref)
     assert k_out is not None and bool(jnp.all(k_out == k))
     new_k, new_v = jnp.stack([k + 1, k]), jnp.stack([v + 1, v])  # [2, B, 1, Hkv, D]: the layers' differ
