@@ -444,22 +444,25 @@ def _search_row(knobs: dict, median_s: float | None, **extra) -> dict:
 
 def test_block_search_times_the_fastest_tile_against_the_default_paired():
     """The GPU session's block search: the fastest timed tile is timed again against the default, alternately, and
-    carries its paired speed-up over the default (default / best per round). Here a `best` call of ~1 ms against a
-    default of ~3 ms; the default is recognised by its knobs (rows written before `default` was recorded)."""
+    carries its paired speed-up over the default (default / best per round). Here a `best` call of ~2 ms against a
+    default of ~10 ms (a ratio near 5: a scheduler delay of a few ms in one round, which a loaded 2-core machine gives,
+    cannot turn a round's ratio below 1, as it did with 1 ms against 3 ms); the default is recognised by its knobs
+    (rows written before `default` was recorded)."""
+    from benchmarks.report.tables import format_ratio
     from benchmarks.tools import block_search as bsr
 
     default_knobs = {"block_q_dq": 128, "block_k_dq": 64, "num_warps": 8, "num_stages": 2}  # flash._DEFAULTS
     assert bsr.is_default(_search_row(default_knobs, None))
     assert not bsr.is_default(_search_row({**default_knobs, "num_warps": 4}, None))
-    fast = _search_row({**default_knobs, "block_q_dq": 64, "num_warps": 4}, 0.001)
-    slow = _search_row({**default_knobs, "block_k_dq": 32}, 0.004)
-    default = _search_row(default_knobs, 0.003)
-    calls = {id(r): (lambda s=s: time.sleep(s)) for r, s in ((fast, 0.001), (slow, 0.004), (default, 0.003))}
+    fast = _search_row({**default_knobs, "block_q_dq": 64, "num_warps": 4}, 0.002)
+    slow = _search_row({**default_knobs, "block_k_dq": 32}, 0.012)
+    default = _search_row(default_knobs, 0.010)
+    calls = {id(r): (lambda s=s: time.sleep(s)) for r, s in ((fast, 0.002), (slow, 0.012), (default, 0.010))}
     pair = bsr.pair_best_with_default([slow, default, fast], lambda r: calls[id(r)], rounds=6, sync=lambda out: None)
     assert pair is fast["vs_default"] and "vs_default" not in default and "vs_default" not in slow
-    assert 2.0 < pair["ratio"] < 4.0 and pair["ci"][0] > 1.0 and pair["finding"], pair
+    assert 3.0 < pair["ratio"] < 6.0 and pair["ci"][0] > 1.0 and pair["finding"], pair
     assert pair["default_knobs"] == default_knobs and pair["rounds"] == 6
-    assert "2." in bsr.table([slow, default, fast]).splitlines()[-1].split("|")[-2]
+    assert format_ratio(pair["ratio"], pair) in bsr.table([slow, default, fast]).splitlines()[-1].split("|")[-2]
     # nothing to pair: the default is the fastest, or was not timed
     assert bsr.pair_best_with_default([default, slow], lambda r: calls[id(r)], sync=lambda out: None) is None
     assert bsr.pair_best_with_default([fast, slow], lambda r: calls[id(r)], sync=lambda out: None) is None
