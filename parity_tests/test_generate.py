@@ -578,9 +578,114 @@ def test_cli_streams_bytes(gen, capsys):
     assert out.endswith("\n") and len(out) >= 1
     assert gen.main([*argv, "--loop", "device"]) == 0 and capsys.readouterr().out == out
     assert gen.main(["--max-new-tokens", "5"]) == 2  # --prompt is required
-    assert "the following arguments are required: --prompt" in capsys.readouterr().err
+    assert "--prompt is required (or --interactive" in capsys.readouterr().err
     assert gen.main(["--prompt", "x", "--chat"]) == 2
     assert "error: --chat needs a chat template" in capsys.readouterr().err
+
+
+def _spy_replies(monkeypatch) -> list[list[int]]:
+    """The ids of each reply ``converse`` prints (``print_stream``'s return), in order."""
+    import twincore.generate as core
+
+    seen, real = [], core.print_stream
+    monkeypatch.setattr(core, "print_stream", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    return seen
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_cli_interactive_answers_each_line_on_one_cache(framework, monkeypatch, capsys):
+    """``--interactive`` without a template: ``--prompt`` and each non-blank stdin line are turns of one conversation,
+    each reply ``generate``'s on the whole conversation so far (the CLI's own random tiny weights, rebuilt here)."""
+    import io
+
+    from twincore.generate import FROM_CONFIG, ByteTokenizer
+
+    gen = jgen if framework == "jax" else tgen
+    replies = _spy_replies(monkeypatch)
+    monkeypatch.setattr("sys.stdin", io.StringIO("ab\n\n  \ncd\n"))
+    assert gen.main(["--prompt", "xy", "--interactive", "--max-len", "64", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.count("\n") == 3  # one line per reply
+    if framework == "jax":
+        model = jgen.Llama(jgen.ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+    else:
+        torch.manual_seed(0)
+        model = tgen.LlamaForCausalLM(tgen.ModelConfig.preset("tiny")).eval()
+    so_far, tok = [], ByteTokenizer()
+    for text, got in zip(("xy", "ab", "cd"), replies, strict=True):
+        so_far += tok.encode(text)
+        assert got == gen.generate(model, [so_far], 6, eos_id=FROM_CONFIG)[0], text
+        so_far += got
+
+
+def test_cli_interactive_refuses_what_it_cannot_do(capsys):
+    """The flags a conversation does not take are refused by name, before a model is built."""
+    for argv, fragment in (
+        (["--interactive", "--loop", "device"], "--loop device: an --interactive conversation"),
+        (["--interactive", "--prefill-chunk", "8"], "--prefill-chunk: an --interactive conversation"),
+        (["--prompt", "x", "--max-len", "64"], "--max-len 64: an --interactive conversation's cache slots"),
+        (["--interactive", "--max-len", "1"], "--max-len 1: an --interactive"),
+        (["--interactive", "--compile"], "--compile: an --interactive conversation runs torch's decode steps"),
+    ):
+        assert tgen.main(argv) == 2, argv
+        assert fragment in capsys.readouterr().err, argv
+
+
+def test_interactive_chat_turns_are_the_whole_rendered_conversation(smollm2_gguf, monkeypatch, capsys):
+    """``--interactive --chat`` on SmolLM2 (torch's twin; the turn logic is shared): each reply is ``generate``'s on the
+    whole conversation rendered by the file's template, the assistant's replies included, and the second turn appends
+    only what follows the first reply (the cache is not started over)."""
+    import argparse
+
+    from torchref import hf as thf
+    from twincore.chat import converse, next_turn
+    from twincore.generate import encode_prompt
+
+    _, config, tensors, tok = smollm2_gguf
+    model = thf.from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()}).eval()
+    replies = _spy_replies(monkeypatch)
+    args = argparse.Namespace(
+        prompt=None, chat=True, max_new_tokens=12, temperature=0.0, top_k=None, top_p=None, seed=0
+    )
+    turns = ["What is the capital of France?", "And of Germany?"]
+    chat = tgen.Conversation(model, max_len=256)
+    converse(chat, tok, args, [t + "\n" for t in turns])
+    out = capsys.readouterr().out.splitlines()
+    assert "Paris" in out[0] and "Berlin" in out[1], out
+    messages = []
+    for text, got in zip(turns, replies, strict=True):
+        messages.append({"role": "user", "content": text})
+        ids = encode_prompt(tok, tok.render_chat(messages))
+        assert got == tgen.generate(model, [ids], 12, eos_id=tok.eos_id)[0], text
+        messages.append({"role": "assistant", "content": tok.decode(got, skip_special_tokens=True)})
+    assert chat.history[0] == ids + got
+    first = encode_prompt(tok, tok.render_chat(messages[:1]))
+    appended, whole = next_turn(first + replies[0], messages[:2], turns[1], tok, True)
+    assert not whole and first + replies[0] + appended == ids
+
+
+def test_next_turn_starts_over_when_the_reply_encodes_to_other_ids():
+    """A conversation whose rendered text no longer begins with the ids the cache holds is sent whole."""
+    from twincore.chat import next_turn
+
+    class Tok:  # bytes, a one-line template
+        add_bos, bos_id = False, None
+
+        def encode(self, text):
+            return list(text.encode())
+
+        def render_chat(self, messages):
+            return "".join(f"<{m['role']}>{m['content']}|" for m in messages) + "<assistant>"
+
+    tok, messages = Tok(), [{"role": "user", "content": "hi"}]
+    held = tok.encode(tok.render_chat(messages)) + tok.encode("yo")
+    messages.append({"role": "assistant", "content": "yo"})
+    assert next_turn(held, list(messages), "ok", tok, True) == (tok.encode("|<user>ok|<assistant>"), False)
+    drawn = held[:-1] + [ord("u")]  # the cache holds "yu" where the reply's text reads "yo"
+    ids, whole = next_turn(drawn, messages, "ok", tok, True)
+    assert whole and ids == tok.encode("<user>hi|<assistant>yo|<user>ok|<assistant>")
+    tok.add_bos, tok.bos_id = True, 1  # without the template: the BOS on the first turn only
+    assert next_turn([], [], "ok", tok, False) == ([1, *tok.encode("ok")], False)
+    assert next_turn([1, 5], [], "ok", tok, False) == (tok.encode("ok"), False)
 
 
 def test_text_stream_waits_for_complete_utf8():

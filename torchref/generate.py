@@ -32,6 +32,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from twincore.chat import converse
 from twincore.generate import (
     CHECK_EVERY,
     FROM_CONFIG,
@@ -308,6 +309,8 @@ def main(argv=None) -> int:
 def _run(args) -> None:
     if args.compile_mode is not None and not args.compile:
         raise ValueError(f"--compile-mode {args.compile_mode} needs --compile")
+    if args.compile and args.interactive:
+        raise ValueError("--compile: an --interactive conversation runs torch's decode steps eagerly")
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
@@ -324,7 +327,10 @@ def _run(args) -> None:
             file=sys.stderr,
             flush=True,
         )
-    print_generated(stream, model, args, tok, compile=args.compile, compile_mode=args.compile_mode)
+    if args.interactive:
+        converse(Conversation(model, max_len=args.max_len), tok, args, sys.stdin)
+    else:
+        print_generated(stream, model, args, tok, compile=args.compile, compile_mode=args.compile_mode)
 
 
 if __name__ == "__main__":

@@ -392,18 +392,23 @@ class Conversation:
         return min(bucket(longest), room)
 
 
-def print_stream(steps, tokenizer, file=None) -> None:
-    """The CLIs' output: each new token's text as soon as it is complete (EOS not printed), then a newline."""
+def print_stream(steps, tokenizer, file=None) -> list[int]:
+    """The CLIs' output: each new token's text as soon as it is complete (EOS not printed), then a newline; returns
+    the first row's new ids (an EOS it stopped at included)."""
     import sys
 
     file = sys.stdout if file is None else file
     enc = getattr(file, "encoding", None) or "utf-8"
-    out = TextStream(tokenizer)
+    out, ids = TextStream(tokenizer), []
     for step in steps:
+        if step[0] is not None:
+            ids.append(step[0])
         if step[0] is not None and step[0] != tokenizer.eos_id:  # a character the terminal lacks prints as "?"
             file.write(out.push(step[0]).encode(enc, "replace").decode(enc))
             file.flush()
     file.write("\n")
+    file.flush()
+    return ids
 
 
 # ------------------------------------------------------------------------------------------- tokenizers
@@ -438,8 +443,20 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=PRESET_NAMES,
         help="model preset when --init is not given (random weights, byte-level tokens)",
     )
-    p.add_argument("--prompt", required=True, help="prompt text (UTF-8)")
+    p.add_argument("--prompt", default=None, help="prompt text (UTF-8); with --interactive, the first turn (optional)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a conversation: each line on stdin is a user turn, answered on one KV cache kept between turns "
+        "(Conversation); with --chat every turn and reply goes through the chat template; ends at end of input",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="an --interactive conversation's KV-cache slots (default: the model's max_seq_len)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (>= 0; 0 = greedy)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (>= 1)")
@@ -479,12 +496,20 @@ def check_cli_args(args: argparse.Namespace) -> None:
         from .dtypes import check_model_dtype
 
         args.dtype = check_model_dtype(args.dtype, "--dtype")
-    if not args.prompt:
+    if args.prompt is None and not args.interactive:
+        raise ValueError("--prompt is required (or --interactive, which reads the turns from stdin)")
+    if args.prompt is not None and not args.prompt:
         raise ValueError("--prompt '': an empty prompt; give some text")
     try:
-        args.prompt.encode("utf-8")
+        (args.prompt or "").encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
         raise ValueError(f"--prompt is not valid UTF-8 text (byte {e.start} onwards); pass UTF-8 text") from None
+    if args.max_len is not None and (not args.interactive or args.max_len < 2):
+        raise ValueError(f"--max-len {args.max_len}: an --interactive conversation's cache slots, an int >= 2")
+    if args.interactive and args.loop != "host":
+        raise ValueError(f"--loop {args.loop}: an --interactive conversation prints each reply as it is made (host)")
+    if args.interactive and args.prefill_chunk is not None:
+        raise ValueError("--prefill-chunk: an --interactive conversation appends each turn in one call")
     if args.init is not None:
         init = args.init
         if not os.path.exists(init):
@@ -540,6 +565,11 @@ def print_generated(stream, model, args: argparse.Namespace, tokenizer, **option
 
 def prompt_ids(args, tokenizer) -> list[int]:
     text = tokenizer.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    return encode_prompt(tokenizer, text)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """``text``'s ids, after the tokenizer's BOS where it adds one (``add_bos``) and the text does not begin with it."""
     ids = tokenizer.encode(text)
     if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids = [tokenizer.bos_id] + ids
