@@ -1300,6 +1300,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "every raw --interactive turn starts with the tokenizer's BOS, as if it began a new document",
     ),
     m(
+        "conversation-torch-compile-ignored",
+        "model",
+        "torchref/generate.py",
+        "self._step = compiled_step(self.cache, self.compile_mode) if self.compile else _decode_step",
+        "self._step = _decode_step",
+        "parity_tests/test_generate.py -k 'conversation_compiled or interactive_compiles'",
+        "torch's Conversation(compile=True) runs its decode steps eagerly: the flag is taken and nothing compiles",
+    ),
+    m(
         "xla-decode-scale",
         "attention",
         "jaxattn/attention/xla.py",

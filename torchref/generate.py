@@ -256,20 +256,28 @@ def generate(model, prompts, max_new_tokens: int, *args, **kwargs) -> list[list[
 class Conversation(_Conversation):
     """Multi-turn generation over one KV cache kept between turns (``twincore.generate.Conversation``; twin of
     ``jaxattn.generate.Conversation``). The cache is appending (``KVCache(append=True)``, written in place); a turn
-    is one model call for its new tokens and eager decode steps, as ``generate``'s.
+    is one model call for its new tokens and then ``generate``'s decode steps: eager, or with ``compile=True``
+    ``torch.compile``d in ``compile_mode`` (:func:`compiled_step`, once per cache; a CUDA-graph mode marks the
+    conversation's cache static, and the graphs replay on it turn after turn).
 
         chat = Conversation(model, max_len=256)
         first = chat.send([ids], max_new_tokens=32)[0]
         second = chat.send([more_ids], max_new_tokens=32)[0]     # the cache holds ids + first: not prefilled again
     """
 
+    def __init__(self, model, max_len: int | None = None, compile: bool = False, compile_mode: str | None = None):
+        check_compile_mode(compile, compile_mode)
+        self.compile, self.compile_mode = compile, compile_mode
+        super().__init__(model, max_len)
+
     def _new_cache(self, batch: int, slots: int) -> None:
         weight = self.model.model.embed_tokens.weight
         self.cache = KVCache(self.model.config, batch, slots, dtype=weight.dtype, device=weight.device, append=True)
+        self._step = compiled_step(self.cache, self.compile_mode) if self.compile else _decode_step
 
     @torch.no_grad()
     def _append(self, tokens, held, new, sampling, seed: int, eos: tuple):
-        model, cache, (temperature, top_k, top_p) = self.model, self.cache, sampling
+        model, cache, decode, (temperature, top_k, top_p) = self.model, self.cache, self._step, sampling
         device = cache.k.device
         gen = torch.Generator(device=device).manual_seed(seed) if temperature else None
         held, new = (torch.from_numpy(x).long().to(device) for x in (held, new))
@@ -281,7 +289,7 @@ class Conversation(_Conversation):
         @torch.no_grad()
         def advance(step, token):  # the model's own draws or a fed EOS: no id check, no device sync per step
             with trusted_ids():
-                return _sample_finite(_decode_step(model, token, cache), gen, temperature, top_k, top_p)
+                return _sample_finite(decode(model, token, cache), gen, temperature, top_k, top_p)
 
         return token, advance
 
@@ -309,8 +317,6 @@ def main(argv=None) -> int:
 def _run(args) -> None:
     if args.compile_mode is not None and not args.compile:
         raise ValueError(f"--compile-mode {args.compile_mode} needs --compile")
-    if args.compile and args.interactive:
-        raise ValueError("--compile: an --interactive conversation runs torch's decode steps eagerly")
     if args.init is not None:
         model = hf.from_pretrained(args.init, dtype=args.dtype)
     else:
@@ -328,7 +334,8 @@ def _run(args) -> None:
             flush=True,
         )
     if args.interactive:
-        converse(Conversation(model, max_len=args.max_len), tok, args, sys.stdin)
+        chat = Conversation(model, max_len=args.max_len, compile=args.compile, compile_mode=args.compile_mode)
+        converse(chat, tok, args, sys.stdin)
     else:
         print_generated(stream, model, args, tok, compile=args.compile, compile_mode=args.compile_mode)
 
