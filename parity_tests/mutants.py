@@ -1291,6 +1291,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the template renders the next turn without the model's reply: the model never sees what it said",
     ),
     m(
+        "chat-system-message-dropped",
+        "model",
+        "twincore/chat.py",
+        "messages = system_message(args)  # --system: the conversation's first message",
+        "messages = []",
+        "parity_tests/test_generate.py -k 'chat_turns or system'",
+        "an --interactive conversation forgets --system: the model never sees the system message",
+    ),
+    m(
         "interactive-turn-gets-a-bos",
         "model",
         "twincore/chat.py",

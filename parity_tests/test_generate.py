@@ -655,6 +655,7 @@ def test_cli_interactive_refuses_what_it_cannot_do(capsys):
         (["--interactive", "--prefill-chunk", "8"], "--prefill-chunk: an --interactive conversation"),
         (["--prompt", "x", "--max-len", "64"], "--max-len 64: an --interactive conversation's cache slots"),
         (["--interactive", "--max-len", "1"], "--max-len 1: an --interactive"),
+        (["--prompt", "x", "--system", "be brief"], "--system: a system message goes through the chat template"),
     ):
         assert tgen.main(argv) == 2, argv
         assert fragment in capsys.readouterr().err, argv
@@ -673,23 +674,24 @@ def test_interactive_chat_turns_are_the_whole_rendered_conversation(smollm2_gguf
     _, config, tensors, tok = smollm2_gguf
     model = thf.from_state_dict(config, {k: torch.from_numpy(v) for k, v in tensors.items()}).eval()
     replies = _spy_replies(monkeypatch)
+    system = "You answer in one short sentence."
     args = argparse.Namespace(
-        prompt=None, chat=True, max_new_tokens=12, temperature=0.0, top_k=None, top_p=None, seed=0
+        prompt=None, chat=True, system=system, max_new_tokens=12, temperature=0.0, top_k=None, top_p=None, seed=0
     )
     turns = ["What is the capital of France?", "And of Germany?"]
     chat = tgen.Conversation(model, max_len=256)
     converse(chat, tok, args, [t + "\n" for t in turns])
     out = capsys.readouterr().out.splitlines()
     assert "Paris" in out[0] and "Berlin" in out[1], out
-    messages = []
+    messages = [{"role": "system", "content": system}]  # --system: the first message, before every turn
     for text, got in zip(turns, replies, strict=True):
         messages.append({"role": "user", "content": text})
         ids = encode_prompt(tok, tok.render_chat(messages))
         assert got == tgen.generate(model, [ids], 12, eos_id=tok.eos_id)[0], text
         messages.append({"role": "assistant", "content": tok.decode(got, skip_special_tokens=True)})
     assert chat.history[0] == ids + got
-    first = encode_prompt(tok, tok.render_chat(messages[:1]))
-    appended, whole = next_turn(first + replies[0], messages[:2], turns[1], tok, True)
+    first = encode_prompt(tok, tok.render_chat(messages[:2]))
+    appended, whole = next_turn(first + replies[0], messages[:3], turns[1], tok, True)
     assert not whole and first + replies[0] + appended == ids
 
 
@@ -716,6 +718,27 @@ def test_next_turn_starts_over_when_the_reply_encodes_to_other_ids():
     tok.add_bos, tok.bos_id = True, 1  # without the template: the BOS on the first turn only
     assert next_turn([], [], "ok", tok, False) == ([1, *tok.encode("ok")], False)
     assert next_turn([1, 5], [], "ok", tok, False) == (tok.encode("ok"), False)
+
+
+def test_system_message_comes_first_in_the_rendered_prompt():
+    """``--system`` is the chat's first message, in the one-shot prompt as in a conversation; without it, none."""
+    import argparse
+
+    from twincore.generate import prompt_ids
+
+    class Tok:  # renders the roles in order
+        add_bos, bos_id = False, None
+
+        def encode(self, text):
+            return list(text.encode())
+
+        def render_chat(self, messages):
+            return "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+
+    args = argparse.Namespace(prompt="hi", chat=True, system="be brief")
+    assert bytes(prompt_ids(args, Tok())).decode() == "<system>be brief|<user>hi|"
+    args.system = None
+    assert bytes(prompt_ids(args, Tok())).decode() == "<user>hi|"
 
 
 def test_text_stream_waits_for_complete_utf8():

@@ -44,14 +44,14 @@ def next_turn(history: list[int], messages: list[dict], text: str, tokenizer, te
 def converse(conversation, tokenizer, args, lines, file=None) -> None:
     """The generate CLIs' ``--interactive``: ``--prompt`` (if given) and then each line of ``lines`` (stdin) is a user
     turn; each reply is printed as it is made (:func:`twincore.generate.print_stream`), on one ``Conversation``'s KV
-    cache. ``--chat`` renders the turns and the replies through the checkpoint's template (:func:`next_turn`); blank
-    lines are skipped. A turn that does not fit the cache raises the conversation's ValueError (the CLI's one error
-    line)."""
-    from .generate import FROM_CONFIG, print_stream
+    cache. ``--chat`` renders the turns and the replies, after ``--system``'s message, through the checkpoint's
+    template (:func:`next_turn`); blank lines are skipped. A turn that does not fit the cache raises the
+    conversation's ValueError (the CLI's one error line)."""
+    from .generate import FROM_CONFIG, print_stream, system_message
 
     eos_id = tokenizer.eos_id if tokenizer.eos_id is not None else FROM_CONFIG
     ask = getattr(lines, "isatty", lambda: False)()  # a person typing: a prompt on stderr before each turn
-    messages: list[dict] = []
+    messages = system_message(args)  # --system: the conversation's first message
     for line in itertools.chain([args.prompt] if args.prompt is not None else [], _prompted(lines, ask)):
         text = line.rstrip("\r\n")
         if not text.strip():

@@ -446,6 +446,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="prompt text (UTF-8); with --interactive, the first turn (optional)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument(
+        "--system",
+        default=None,
+        help="with --chat: the conversation's system message (default: none of ours; the template may add its own)",
+    )
+    p.add_argument(
         "--interactive",
         action="store_true",
         help="a conversation: each line on stdin is a user turn, answered on one KV cache kept between turns "
@@ -504,6 +509,8 @@ def check_cli_args(args: argparse.Namespace) -> None:
         (args.prompt or "").encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
         raise ValueError(f"--prompt is not valid UTF-8 text (byte {e.start} onwards); pass UTF-8 text") from None
+    if args.system is not None and not args.chat:
+        raise ValueError("--system: a system message goes through the chat template; add --chat")
     if args.max_len is not None and (not args.interactive or args.max_len < 2):
         raise ValueError(f"--max-len {args.max_len}: an --interactive conversation's cache slots, an int >= 2")
     if args.interactive and args.loop != "host":
@@ -564,8 +571,13 @@ def print_generated(stream, model, args: argparse.Namespace, tokenizer, **option
 
 
 def prompt_ids(args, tokenizer) -> list[int]:
-    text = tokenizer.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    return encode_prompt(tokenizer, text)
+    messages = [*system_message(args), {"role": "user", "content": args.prompt}]
+    return encode_prompt(tokenizer, tokenizer.render_chat(messages) if args.chat else args.prompt)
+
+
+def system_message(args) -> list[dict]:
+    """The CLI's ``--system`` as the chat's first message (none without it)."""
+    return [] if getattr(args, "system", None) is None else [{"role": "system", "content": args.system}]
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
