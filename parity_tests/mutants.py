@@ -1326,6 +1326,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_attention.py -k 'fp32_parity and Sq1-'",
         "the xla backend's one-query path (a decode step) forgets the softmax scale",
     ),
+    # ---- GGUF tokenizers: llama.cpp's pre-tokenizer families
+    m(
+        "gguf-qwen2-digit-runs",
+        "model",
+        "twincore/gguf.py",
+        "r\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?",
+        "r\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?",
+        "parity_tests/test_gguf.py -k pre_tokenizers",
+        "a Qwen2 GGUF tokenizer keeps digit runs together (Qwen2 splits one digit at a time)",
+    ),
+    m(
+        "gguf-llama3-merges-not-ignored",
+        "model",
+        "twincore/gguf.py",
+        "PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)",
+        "PreTokenizer(_LLAMA3_SPLIT, add_bos=True)",
+        "parity_tests/test_gguf.py -k pre_tokenizers",
+        "a Llama 3 GGUF tokenizer runs the merges over a piece that is a whole token (llama.cpp's ignore_merges)",
+    ),
+    m(
+        "gguf-llama3-no-default-bos",
+        "model",
+        "twincore/gguf.py",
+        '"tokenizer.ggml.add_bos_token", where, pre.add_bos))',
+        '"tokenizer.ggml.add_bos_token", where, False))',
+        "parity_tests/test_gguf.py -k pre_tokenizers",
+        "a Llama 3 GGUF file without add_bos_token gets no BOS (llama.cpp adds one for that family)",
+    ),
     # ---- Qwen3 (dense)
     m(
         "qwen3-dense-without-qk-norm",

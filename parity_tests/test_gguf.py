@@ -215,6 +215,91 @@ def test_synthetic_tokenizer_and_dtypes(tmp_path):
         torchref.hf.from_gguf(path, dtype="int8")
 
 
+# llama.cpp's splits (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_*), on a vocabulary whose merges make them differ: digit
+# runs ("123", "45"), contractions in either case ("'S"), and "Ġworld", a token no merge makes (only Llama 3's
+# ignore_merges, tiktoken's rule, emits it whole).
+PRE_MERGES = ["1 2", "12 3", "4 5", "Ġ t", "h e", "Ġt he", "' s", "' S", "' l", "'l l", "Ċ Ċ", "Ġ Ġ", "i n", "I T"]
+FRAGMENTS = ["IT'S", "we'll", "'ll", "12345", "4512", "7", " the", " in", " a", "the", "\n\n", "  ", "\r\n"]
+FRAGMENTS += ["\t", "héllo", "世界", "🙂", "<|im_start|>", "<|im_end|>", "world", " world", "x", "!!", "...", "' s"]
+
+
+def _pre_vocab() -> list[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return SPECIALS + sorted(ByteLevel.alphabet()) + ["".join(m.split(" ")) for m in PRE_MERGES] + ["Ġworld"]
+
+
+def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None):
+    """A metadata-only file: the tokenizer keys as llama.cpp's converter writes them, no tensors."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    vocab = _pre_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocab)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
+    w.add_token_merges(PRE_MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "pre,pieces,add_bos",
+    [
+        ("qwen2", ["IT", "'S", "Ġ", "1", "2", "3", "4", "5", "Ġ", "w", "o", "r", "l", "d"], False),
+        ("llama-bpe", ["IT", "'S", "Ġ", "123", "45", "Ġworld"], True),
+        ("smollm", ["IT", "'", "S", "Ġ", "1", "2", "3", "4", "5", "Ġ", "w", "o", "r", "l", "d"], False),
+        ("default", ["IT", "'", "S", "Ġ", "123", "45", "Ġ", "w", "o", "r", "l", "d"], False),
+    ],
+    ids=["qwen2", "llama-bpe", "smollm", "default"],
+)
+def test_pre_tokenizers_split_as_llama_cpp(tmp_path, pre, pieces, add_bos):
+    """Each ``tokenizer.ggml.pre`` family splits as llama.cpp does: Qwen2 one digit at a time and contractions in
+    any case; Llama 3 digit runs of up to three, any-case contractions and a piece that is a whole token kept whole
+    (ignore_merges); SmolLM single digits before GPT-2's regex, whose contractions are lower-case only. Llama 3 adds
+    a BOS when the file has no ``add_bos_token`` key; the key wins when present."""
+    from twincore.gguf import read_gguf_tokenizer
+
+    vocab = _pre_vocab()
+    tok = read_gguf_tokenizer(_write_tokenizer_gguf(tmp_path / "t.gguf", pre))
+    ids = tok.encode("IT'S 12345 world")
+    assert [vocab[i] for i in ids] == pieces and tok.decode(ids) == "IT'S 12345 world"
+    assert tok.add_bos is add_bos
+    assert read_gguf_tokenizer(_write_tokenizer_gguf(tmp_path / "f.gguf", pre, add_bos=False)).add_bos is False
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "default"])
+def test_pre_tokenizers_match_transformers_gguf_reader(tmp_path, pre):
+    """On fresh random text (digits, contractions, CR/LF runs, accents, CJK, emoji, special tokens), the ids equal
+    transformers' own GGUF tokenizer reader's, and the tokenizer an export writes (``tokenizer.json``) encodes the
+    same. transformers leaves llama.cpp's ignore_merges off for Llama 3 (HF's own Llama 3 tokenizer.json has it on),
+    so its BPE model gets it here."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from twincore.gguf import read_gguf_tokenizer
+
+    path = _write_tokenizer_gguf(tmp_path / f"{pre}.gguf", pre, add_bos=False)
+    ours = read_gguf_tokenizer(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ref.backend_tokenizer.model.ignore_merges = pre == "llama-bpe"
+    exported = Tokenizer.from_str(ours.tokenizer.to_str())
+    rng = random.Random()
+    for _ in range(40):
+        text = "".join(rng.choice(FRAGMENTS) + rng.choice(["", " ", "  ", "\n"]) for _ in range(rng.randint(1, 12)))
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), repr(text)
+        assert ids == exported.encode(text, add_special_tokens=False).ids, repr(text)
+        assert ours.decode(ids) == text
+
+
 def test_bad_files_name_the_file_and_key(tmp_path):
     cfg = _config(False)
     tensors = _hf_tensors(cfg)

@@ -1,6 +1,8 @@
 """GGUF (llama.cpp) files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer, for the families the
-model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``), Qwen3
-("qwen3") and Qwen3-MoE ("qwen3moe").
+model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``), Qwen2 /
+2.5 ("qwen2"), Qwen3 ("qwen3") and Qwen3-MoE ("qwen3moe"). The tokenizer is the byte-level BPE of ``tokenizer.ggml.*``
+(``model`` "gpt2"), split before its merges as llama.cpp splits for ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`:
+GPT-2's, SmolLM's, Llama 3's and Qwen2's splits).
 
 Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
@@ -84,15 +86,45 @@ FAMILY_NAMES = {
 }
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # general.architecture values that load
 
-# tokenizer.ggml.pre -> pre-tokenizer, as llama.cpp's llama-vocab.cpp splits text for that name.
-# "gpt2": GPT-2's regex (ByteLevel's own); "digits+gpt2": each digit alone first, then GPT-2's regex.
-PRE_TOKENIZERS = {
-    "default": "gpt2",
-    "gpt-2": "gpt2",
-    "gpt2": "gpt2",
-    "smollm": "digits+gpt2",
-    "starcoder": "digits+gpt2",
-    "refact": "digits+gpt2",
+
+class PreTokenizer(NamedTuple):
+    """How llama.cpp's llama-vocab.cpp treats a ``tokenizer.ggml.pre`` name (its LLAMA_VOCAB_PRE_TYPE_* table).
+
+    ``split``: "gpt2" is GPT-2's regex (ByteLevel's own); "digits+gpt2" each digit alone first, then GPT-2's regex;
+    anything else a regex whose matches and the gaps between them are the pieces. ``ignore_merges``: a piece that is
+    a whole vocabulary token is that token, whatever the merges would make of it (tiktoken's rule; HF's
+    ``"ignore_merges": true``). ``add_bos``: whether a BOS is added when the file has no ``add_bos_token`` key.
+    """
+
+    split: str
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+# Llama 3's and Qwen2's regexes (llama.cpp spells the contractions '[sS]|'[tT]|..., the same thing) differ in the
+# digits: runs of up to three, or one at a time.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_GPT2, _DIGITS = PreTokenizer("gpt2"), PreTokenizer("digits+gpt2")
+_LLAMA3, _QWEN2 = PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True), PreTokenizer(_QWEN2_SPLIT)
+PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> PreTokenizer, for the names of the families the model covers
+    "default": _GPT2,
+    "gpt-2": _GPT2,
+    "gpt2": _GPT2,
+    "smollm": _DIGITS,
+    "starcoder": _DIGITS,
+    "refact": _DIGITS,
+    "llama3": _LLAMA3,  # Llama 3.x ("llama-bpe" is what the converter writes)
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "qwen2": _QWEN2,  # Qwen2 / 2.5 / 3
+    "deepseek-r1-qwen": _QWEN2,
 }
 GGUF_READ_DTYPES = ("float32", "float16")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched as whole tokens in text
@@ -276,6 +308,24 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def _pre_tokenizer(split: str, pre_tokenizers):
+    """The ``tokenizers`` pre-tokenizer for a :class:`PreTokenizer`'s ``split``."""
+    if split == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "digits+gpt2":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), _pre_tokenizer("gpt2", pre_tokenizers)]
+        )
+    from tokenizers import Regex
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     model = _get(reader, "tokenizer.ggml.model", where)
     if model != "gpt2":
@@ -301,13 +351,11 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (
-        byte_level
-        if PRE_TOKENIZERS[pre] == "gpt2"
-        else pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    pre = PRE_TOKENIZERS[pre]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
     )
+    tok.pre_tokenizer = _pre_tokenizer(pre.split, pre_tokenizers)
     tok.decoder = decoders.ByteLevel()
     types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
     tok.add_tokens(
@@ -322,7 +370,7 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     for key, i in (("bos_token_id", bos), ("eos_token_id", eos)):
         if i is not None and not 0 <= i < len(tokens):
             raise CheckpointError(f"{where}: tokenizer.ggml.{key}={i} is outside the vocabulary (0..{len(tokens) - 1})")
-    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", where, False))
+    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", where, pre.add_bos))
     if add_bos:
         if bos is None:
             raise CheckpointError(f"{where}: tokenizer.ggml.add_bos_token is true but bos_token_id is missing")
