@@ -1354,6 +1354,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_gguf.py -k pre_tokenizers",
         "a Llama 3 GGUF file without add_bos_token gets no BOS (llama.cpp adds one for that family)",
     ),
+    m(
+        "gguf-rope-freqs-ignored",
+        "model",
+        "twincore/gguf.py",
+        'kw["rope_scaling"] = llama3_scaling_from_factors(factors, kw["rope_theta"], head_dim, where)',
+        'factors = llama3_scaling_from_factors(factors, kw["rope_theta"], head_dim, where)',
+        "parity_tests/test_gguf.py -k 'synthetic_file or llama3'",
+        "a Llama 3.1 GGUF file's rope_freqs.weight is read and dropped: the model rotates without its RoPE scaling",
+    ),
+    m(
+        "gguf-rope-freqs-unchecked",
+        "model",
+        "twincore/gguf.py",
+        "if np.allclose(llama3_factors(scaling, rope_theta, head_dim), f, rtol=1e-5, atol=0):",
+        "if True:",
+        "parity_tests/test_gguf.py -k 'bad_files or llama3'",
+        "any rope_freqs.weight is taken for Llama 3's scaling: the fitted dict is never checked against the divisors",
+    ),
     # ---- Qwen3 (dense)
     m(
         "qwen3-dense-without-qk-norm",

@@ -151,22 +151,61 @@ def _hf_logits(cfg: ModelConfig, tensors: dict, tok: np.ndarray) -> np.ndarray:
         return hf_llama(cfg, tensors)(torch.from_numpy(tok)).logits.double().numpy()
 
 
+def converter_rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) writes it for a
+    ``rope_type: llama3`` config: per frequency, 1 below ``old / high_freq_factor`` in wavelength, ``factor`` above
+    ``old / low_freq_factor``, and ``1 / ((1 - smooth) / factor + smooth)`` between; float32."""
+    import math
+
+    s, d = cfg.rope_scaling, cfg.resolved_head_dim
+    old, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    out = []
+    for i in range(0, d, 2):
+        wavelen = 2 * math.pi * cfg.rope_theta ** (i / d)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, np.float32)
+
+
+# Llama 3's RoPE scaling with bounds that put three of the tiny head's 8 frequencies between them (the converter's
+# 8192 as the original context; Llama 3.1's own 1 / 4 bounds would leave the tiny head's none there).
+TINY_LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=64.0, original_max_position_embeddings=8192
+)
+
+
 @pytest.mark.parametrize(
     "arch,qtype,tied",
-    [("llama", None, False), ("llama", Q8_0, True), ("qwen3", Q8_0, True), ("qwen2", None, True)],
-    ids=["f32-untied", "q8_0-tied", "qwen3-q8_0-tied", "qwen2-f32-tied"],
+    [
+        ("llama", None, False),
+        ("llama", Q8_0, True),
+        ("qwen3", Q8_0, True),
+        ("qwen2", None, True),
+        ("llama3", None, True),
+    ],
+    ids=["f32-untied", "q8_0-tied", "qwen3-q8_0-tied", "qwen2-f32-tied", "llama3-rope-f32-tied"],
 )
 def test_synthetic_file_loads_into_both(tmp_path, arch, qtype, tied):
     """A file as llama.cpp's converter writes it (q/k rows permuted for "llama" only; Qwen3 with its q/k norms and a
-    head size of its own; Qwen2 with its q / k / v biases) loads into both twins with transformers' logits on the
+    head size of its own; Qwen2 with its q / k / v biases; Llama 3.1's RoPE scaling as a ``rope_freqs.weight``
+    tensor, read back into the config's ``rope_scaling``) loads into both twins with transformers' logits on the
     same dequantized weights."""
     cfg = {
         "llama": _config(tied),
         "qwen3": _config(tied).replace(model_type="qwen3", head_dim=24),
         "qwen2": _config(tied).replace(model_type="qwen2"),
+        "llama3": _config(tied).replace(rope_scaling=TINY_LLAMA3_ROPE),
     }[arch]
     original = _hf_tensors(cfg)
-    path = _write_gguf(tmp_path / "m.gguf", cfg, original, qtype, arch=arch)
+    extra = None if cfg.rope_scaling is None else {"rope_freqs.weight": converter_rope_factors(cfg)}
+    path = _write_gguf(
+        tmp_path / "m.gguf", cfg, original, qtype, arch=arch.replace("llama3", "llama"), extra_tensors=extra
+    )
     config, tensors, _ = read_gguf(path, tokenizer=False)
     assert config == cfg
     assert set(tensors) == set(original)
@@ -190,6 +229,25 @@ def test_synthetic_file_loads_into_both(tmp_path, arch, qtype, tied):
     assert np.abs(out_j - ref).max() <= LOGITS_TOL
     if qtype is None:  # F32 is lossless: the original weights give the same numbers
         assert np.abs(_hf_logits(cfg, original, tok) - ref).max() == 0
+
+
+@pytest.mark.parametrize("preset", ["8b", "1b", "3b-shape"])
+def test_llama3_rope_scaling_is_recovered_from_the_converters_factors(preset):
+    """Llama 3.1-8B's (factor 8, head 128) and 3.2-1B's (factor 32, head 64) and 3.2-3B's (factor 32, head 128)
+    RoPE scaling come back exactly from the float32 divisors the converter writes; all ones is no scaling; a wrong
+    length or a divisor below 1 is refused naming the tensor."""
+    from twincore.gguf import llama3_scaling_from_factors
+
+    cfg = ModelConfig.preset("1b" if preset == "3b-shape" else preset)
+    if preset == "3b-shape":
+        cfg = cfg.replace(dim=3072, n_heads=24)
+    head = cfg.resolved_head_dim
+    assert llama3_scaling_from_factors(converter_rope_factors(cfg), cfg.rope_theta, head, "f") == cfg.rope_scaling
+    assert llama3_scaling_from_factors(np.ones(head // 2, np.float32), cfg.rope_theta, head, "f") is None
+    with pytest.raises(CheckpointError, match=rf"f: rope_freqs\.weight has shape \[{head // 2 + 1}\]"):
+        llama3_scaling_from_factors(np.ones(head // 2 + 1), cfg.rope_theta, head, "f")
+    with pytest.raises(CheckpointError, match="divisors >= 1"):
+        llama3_scaling_from_factors(np.full(head // 2, 0.5), cfg.rope_theta, head, "f")
 
 
 def test_synthetic_tokenizer_and_dtypes(tmp_path):
@@ -321,10 +379,13 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     swa = _write_gguf(tmp_path / "swa.gguf", cfg, tensors, extra_kv={"llama.attention.sliding_window": 4096})
     with pytest.raises(CheckpointError, match="attention.sliding_window=4096: not supported"):
         read_gguf(swa)
-    freqs = _write_gguf(
-        tmp_path / "freqs.gguf", cfg, tensors, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}
+    freqs = _write_gguf(  # a ramp: not Llama 3's divisors
+        tmp_path / "freqs.gguf",
+        cfg,
+        tensors,
+        extra_tensors={"rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)},
     )
-    with pytest.raises(CheckpointError, match="rope_freqs.weight"):
+    with pytest.raises(CheckpointError, match=r"freqs\.gguf.*rope_freqs\.weight = .* is not Llama 3's RoPE scaling"):
         read_gguf(freqs)
     bias = _write_gguf(
         tmp_path / "bias.gguf", cfg, tensors, extra_tensors={"blk.0.attn_output.bias": np.ones(64, np.float32)}

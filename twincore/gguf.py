@@ -2,7 +2,8 @@
 model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``), Qwen2 /
 2.5 ("qwen2"), Qwen3 ("qwen3") and Qwen3-MoE ("qwen3moe"). The tokenizer is the byte-level BPE of ``tokenizer.ggml.*``
 (``model`` "gpt2"), split before its merges as llama.cpp splits for ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`:
-GPT-2's, SmolLM's, Llama 3's and Qwen2's splits).
+GPT-2's, SmolLM's, Llama 3's and Qwen2's splits). Llama 3.x's ``rope_freqs.weight`` (RoPE scaling as one divisor per
+frequency) becomes the config's llama3 ``rope_scaling`` (:func:`llama3_scaling_from_factors`).
 
 Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
@@ -19,7 +20,7 @@ left after the last tensor). A changed type field (F32 read as F16, Q8_0 as Q4_1
 
     config, tensors, tok = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.decode(tok.encode("<|im_start|>user\\nHi")), tok.chat_template
-    read_gguf_config(path), read_gguf_tokenizer(path)   # the metadata alone: no tensor is dequantized
+    read_gguf_config(path), read_gguf_tokenizer(path)   # the metadata alone: no weight is dequantized
 """
 
 from __future__ import annotations
@@ -216,16 +217,14 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
             f"partial rotary embeddings are not supported"
         )
     scaling = _get(reader, f"{arch}.rope.scaling.type", where, "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
-        what = (
-            f"{arch}.rope.scaling.type={scaling!r}"
-            if scaling != "none"
-            else "a rope_freqs.weight tensor (llama3 RoPE scaling stored as per-frequency factors)"
-        )
+    if scaling != "none":
         raise CheckpointError(
-            f"{where} uses {what}: not supported; a GGUF file loads only without RoPE scaling "
-            f"(rope.scaling.type absent or 'none', no rope_freqs.weight)"
+            f"{where} uses {arch}.rope.scaling.type={scaling!r}: not supported; a GGUF file loads without RoPE "
+            f"scaling or with Llama 3's (a {ROPE_FREQS} tensor, no rope.scaling.type key)"
         )
+    if ROPE_FREQS in names:
+        factors = _rope_freq_factors(reader, where)
+        kw["rope_scaling"] = llama3_scaling_from_factors(factors, kw["rope_theta"], head_dim, where)
     moe = _read_moe(reader, where, arch, kw["ffn_dim"], names)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else _get(reader, f"{arch}.vocab_size", where, None)
@@ -243,6 +242,74 @@ def _read_config(reader, where: str, arch: str, names: set) -> ModelConfig:
         **special,
         **moe,
         **kw,
+    )
+
+
+ROPE_FREQS = "rope_freqs.weight"
+LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's original_max_position_embeddings; see llama3_scaling_from_factors
+
+
+def _rope_freq_factors(reader, where: str) -> np.ndarray:
+    import gguf
+
+    (t,) = [t for t in reader.tensors if t.name == ROPE_FREQS]
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+
+
+def llama3_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.ndarray:
+    """Llama 3's per-frequency RoPE divisors as llama.cpp's converter writes them (``rope_freqs.weight``): 1 for a
+    wavelength under ``old / high_freq_factor``, ``factor`` over ``old / low_freq_factor``, and between them the
+    reciprocal of HF's smoothed interpolation."""
+    inv = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv
+    old, lo, hi, factor = (scaling[k] for k in ("original_max_position_embeddings", *_FACTOR_KEYS))
+    smooth = (old / wavelen - lo) / (hi - lo)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, factor, out))
+
+
+_FACTOR_KEYS = ("low_freq_factor", "high_freq_factor", "factor")
+
+
+def llama3_scaling_from_factors(factors, rope_theta: float, head_dim: int, where: str) -> dict | None:
+    """HF's ``rope_scaling`` dict (``rope_type`` "llama3") that gives the file's ``rope_freqs.weight``, or None when
+    every factor is 1 (no scaling).
+
+    ``factor`` is the largest divisor. Between the two wavelength bounds the converter wrote
+    ``1 / ((1 - s) / factor + s)`` with ``s = (old / wavelen - lo) / (hi - lo)``, a straight line in ``1 / wavelen``:
+    its slope and intercept, fitted on those frequencies (at least two), give ``old / (hi - lo)`` and
+    ``-lo / (hi - lo)``. Only the ratios ``old / lo`` and ``old / hi`` are in the file, and the rotation depends on
+    nothing else, so ``old`` is taken as Llama 3.x's 8192. The result is checked against every factor."""
+    f = np.asarray(factors, np.float64)
+    if f.shape != (head_dim // 2,) or not np.isfinite(f).all() or f.min() < 1 - 1e-6:
+        raise CheckpointError(
+            f"{where}: {ROPE_FREQS} has shape {list(f.shape)} and values in [{f.min():g}, {f.max():g}]; expected "
+            f"{head_dim // 2} finite divisors >= 1 (Llama 3's RoPE scaling, one per frequency of a {head_dim}-wide "
+            f"head)"
+        )
+    factor = float(np.float32(f.max()))
+    if factor <= 1 + 1e-6:
+        return None
+    inv = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    mid = (f > 1 + 1e-5) & (f < factor * (1 - 1e-5))
+    if mid.sum() >= 2:
+        smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv[mid] / (2 * np.pi), smooth, 1)
+        old = LLAMA3_ORIGINAL_CONTEXT
+        lo = -intercept * old / slope
+        for digits in (4, None):  # round numbers when they give the same factors (Llama 3.x: 1 and 4)
+            scaling = {"rope_type": "llama3", "factor": factor}
+            scaling["low_freq_factor"] = float(lo if digits is None else round(lo, digits))
+            scaling["high_freq_factor"] = float(
+                (lo + old / slope) if digits is None else round(lo + old / slope, digits)
+            )
+            scaling["original_max_position_embeddings"] = old
+            if np.allclose(llama3_factors(scaling, rope_theta, head_dim), f, rtol=1e-5, atol=0):
+                return scaling
+    raise CheckpointError(
+        f"{where}: {ROPE_FREQS} = {np.array2string(f, precision=4)} is not Llama 3's RoPE scaling (divisors 1, then a "
+        f"smooth rise over at least two frequencies, then one factor) for rope_theta={rope_theta:g} and a "
+        f"{head_dim}-wide head; no other per-frequency scaling is supported"
     )
 
 
@@ -574,7 +641,8 @@ def _open(path: str | os.PathLike):
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """The ``ModelConfig`` of a llama.cpp file, from its metadata (and tensor names) alone: nothing is dequantized."""
+    """The ``ModelConfig`` of a llama.cpp file, from its metadata and tensor names (and Llama 3's small
+    ``rope_freqs.weight``): no weight is dequantized."""
     reader, where, arch = _open(path)
     return _read_config(reader, where, arch, {t.name for t in reader.tensors})
 
@@ -603,9 +671,9 @@ def read_gguf(path: str | os.PathLike, dtype: str = "float32", tokenizer: bool =
     by_name = {t.name: t for t in reader.tensors}
     config = _read_config(reader, where, arch, set(by_name))
     names = params.gguf_names(config)  # GGUF name -> HF key (a merged expert tensor: its experts' keys, in order)
-    unknown = sorted(n for n in by_name if params.match_gguf(n) is None)
+    unknown = sorted(n for n in by_name if params.match_gguf(n) is None and n != ROPE_FREQS)
     missing = [n for n in names if n not in by_name]
-    extra = sorted(set(by_name) - set(names) - set(unknown))  # e.g. blk.30.* beyond block_count
+    extra = sorted(set(by_name) - set(names) - set(unknown) - {ROPE_FREQS})  # e.g. blk.30.*; ROPE_FREQS: the config
     if missing or unknown or extra:
         parts = [f"{where} does not hold the tensors of a {config.n_layers}-layer {FAMILY_NAMES[config.model_type]}:"]
         for title, items in (("missing", missing), ("unsupported", unknown), ("unexpected", extra)):
