@@ -1372,6 +1372,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_gguf.py -k 'bad_files or llama3'",
         "any rope_freqs.weight is taken for Llama 3's scaling: the fitted dict is never checked against the divisors",
     ),
+    m(
+        "chat-template-without-special-tokens",
+        "model",
+        "twincore/chat.py",
+        "variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}",
+        "variables = {}",
+        "parity_tests/test_tokenizer.py parity_tests/test_gguf.py -k 'transformers or survive'",
+        "a chat template's {{ bos_token }} / {{ eos_token }} render empty: Llama 3's chat prompt loses its BOS",
+    ),
+    m(
+        "hf-tokenizer-bos-ignored",
+        "model",
+        "twincore/tokenizer.py",
+        "self.add_bos = self.bos_id is not None and first == [self.bos_id]",
+        "self.add_bos = False",
+        "parity_tests/test_tokenizer.py parity_tests/test_gguf.py -k 'transformers or survive'",
+        "a directory whose tokenizer.json puts a BOS first (Llama 3) gets prompts without it",
+    ),
     # ---- Qwen3 (dense)
     m(
         "qwen3-dense-without-qk-norm",

@@ -287,7 +287,7 @@ def _pre_vocab() -> list[str]:
     return SPECIALS + sorted(ByteLevel.alphabet()) + ["".join(m.split(" ")) for m in PRE_MERGES] + ["Ġworld"]
 
 
-def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None):
+def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None, template: str | None = None):
     """A metadata-only file: the tokenizer keys as llama.cpp's converter writes them, no tensors."""
     w = gguf.GGUFWriter(str(path), "llama")
     vocab = _pre_vocab()
@@ -300,6 +300,8 @@ def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None):
     w.add_eos_token_id(2)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if template is not None:
+        w.add_chat_template(template)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -356,6 +358,33 @@ def test_pre_tokenizers_match_transformers_gguf_reader(tmp_path, pre):
         assert ids == ref.encode(text, add_special_tokens=False), repr(text)
         assert ids == exported.encode(text, add_special_tokens=False).ids, repr(text)
         assert ours.decode(ids) == text
+
+
+def test_llama3_prompts_and_chats_survive_the_export(tmp_path):
+    """A Llama 3 file (a BOS by default, a chat template that writes ``{{ bos_token }}`` first): its chat renders as
+    transformers' GGUF reader renders it, the chat's ids hold one BOS, and the tokenizer an export writes beside the
+    model (``tokenizer.json`` etc.) gives the same prompt and chat ids as the file."""
+    from twincore.data import copy_tokenizer
+    from twincore.generate import encode_prompt
+    from twincore.gguf import read_gguf_tokenizer
+    from twincore.tokenizer import HFTokenizer
+
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    path = _write_tokenizer_gguf(tmp_path / "l3.gguf", "llama-bpe", template=template)
+    tok = read_gguf_tokenizer(path)
+    chat = [{"role": "user", "content": "IT'S 12345 world"}]
+    rendered = tok.render_chat(chat)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    expected = f"{SPECIALS[1]}[user] {chat[0]['content']}{SPECIALS[2]}"  # the file's bos_id=1, eos_id=2
+    assert rendered == ref.apply_chat_template(chat, tokenize=False) == expected
+    ids = encode_prompt(tok, rendered)
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    (tmp_path / "export").mkdir()
+    copy_tokenizer(str(path), str(tmp_path / "export"))
+    exported = HFTokenizer(str(tmp_path / "export"))
+    assert exported.add_bos and encode_prompt(exported, exported.render_chat(chat)) == ids
+    text = chat[0]["content"]
+    assert encode_prompt(exported, text) == encode_prompt(tok, text) == [tok.bos_id] + tok.encode(text)
 
 
 def test_bad_files_name_the_file_and_key(tmp_path):

@@ -84,3 +84,62 @@ def test_generate_stops_at_the_config_eos_by_default_in_both_twins(seed):
     assert tgen.generate(tmodel, prompts, 12, eos_id=None) == free == jgen.generate(jmodel, prompts, 12, eos_id=None)
     with pytest.raises(ValueError, match="eos_id must be 'config'"):
         jgen.generate(jmodel, prompts, 4, eos_id=[np.int64(300)])
+
+
+# A template using what transformers' apply_chat_template gives one: the special tokens' text, raise_exception,
+# strftime_now, a tojson that keeps "<" and non-ASCII as they are, and {% break %}.
+TEMPLATE = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{{- '<|start|>' + m['role'] + '\n' + m['content'] | tojson + '<|end|>' }}"
+    "{%- if m['role'] == 'assistant' %}{{ eos_token }}{%- endif %}"
+    "{%- if loop.index0 == 3 %}{% break %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start|>assistant ' + strftime_now('%Y') + '\n' }}{%- endif %}"
+)
+
+
+def _bos_dir(tmp_path, bos_first: bool):
+    """A directory as transformers saves one: tokenizer.json (a BOS-first post-processor or none), the special
+    tokens and the chat template in tokenizer_config.json, the ids in config.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {chr(97 + i): i for i in range(26)} | {"<s>": 26, "</s>": 27}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(["<s>", "</s>"])
+    if bos_first:
+        tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 26)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 26, "eos_token_id": 27}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("bos_first", [True, False], ids=["bos-post-processor", "none"])
+def test_prompts_and_chat_templates_are_transformers(tmp_path, bos_first):
+    """A directory's prompt is what transformers' ``tokenizer(text)`` gives (the BOS its post-processor puts first,
+    or none), and a chat renders as ``apply_chat_template`` renders it (special tokens' text, ``tojson``,
+    ``strftime_now``, ``{% break %}``); a conversation the template refuses (``raise_exception``) is a ValueError
+    naming the directory and the template's message."""
+    transformers = pytest.importorskip("transformers")
+    from twincore.generate import encode_prompt
+
+    path = _bos_dir(tmp_path, bos_first)
+    ours, ref = HFTokenizer(str(path)), transformers.AutoTokenizer.from_pretrained(str(path))
+    assert ours.add_bos is bos_first
+    for text in ("abc", "hello", "</s>xyz"):
+        assert encode_prompt(ours, text) == ref(text).input_ids, text
+    chat = [
+        {"role": "user", "content": "is 1 < 2 in «français»?"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "and then"},
+        {"role": "assistant", "content": "no"},
+        {"role": "user", "content": "cut by the break"},
+    ]
+    for n in (1, 3, 5):
+        expected = ref.apply_chat_template(chat[:n], tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(chat[:n]) == expected
+    assert ours.render_chat(chat[:2]).startswith('<s><|start|>user\n"is 1 < 2 in «français»?"')
+    with pytest.raises(ValueError, match=r"tokenizer\.json's directory: TemplateError: Conversation roles must alt"):
+        ours.render_chat([{"role": "assistant", "content": "hi"}])

@@ -11,14 +11,37 @@ import itertools
 __all__ = ["render_template", "next_turn", "converse"]
 
 
-def render_template(template: str | None, messages, add_generation_prompt: bool, where: str) -> str:
-    """``messages`` through ``template``; ValueError naming ``where`` when it has none."""
+def render_template(
+    template: str | None, messages, add_generation_prompt: bool, where: str, special_tokens: dict | None = None
+) -> str:
+    """``messages`` through ``template`` with what ``transformers``' ``apply_chat_template`` gives a template: the
+    special tokens' text (``special_tokens``: ``bos_token``, ``eos_token``; Llama 3's template writes ``{{ bos_token
+    }}`` first), ``raise_exception(message)``, ``strftime_now(format)``, a ``tojson`` that does not escape HTML, and
+    ``{% break %}`` / ``{% continue %}``. ValueError naming ``where`` when it has no template or the template
+    refuses the conversation (``raise_exception``) or does not parse."""
     if not template:
         raise ValueError(f"--chat needs a chat template; {where} has none")
+    import datetime
+    import json
+
+    import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f))
+    env.filters["tojson"] = tojson
+    variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    try:
+        compiled = env.from_string(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"the chat template of {where}: {type(e).__name__}: {e}") from None
 
 
 def next_turn(history: list[int], messages: list[dict], text: str, tokenizer, template: bool) -> tuple[list[int], bool]:

@@ -163,7 +163,8 @@ class GGUFTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the file's chat template (``tokenizer.chat_template``)."""
-        return render_template(self.chat_template, messages, add_generation_prompt, "this GGUF file")
+        special = {f"{k}_token": self.tokenizer.id_to_token(i) for k, i in (("bos", self.bos_id), ("eos", self.eos_id))}
+        return render_template(self.chat_template, messages, add_generation_prompt, "this GGUF file", special)
 
 
 _REQUIRED = object()

@@ -6,7 +6,8 @@
 
 :func:`load_tokenizer` takes what ``--init`` / ``from_pretrained`` take: a llama.cpp ``.gguf`` file (its metadata's
 BPE tokenizer, ``twincore.gguf.GGUFTokenizer``), a Hugging Face directory with ``tokenizer.json`` (:class:`HFTokenizer`:
-``tokenizer_config.json``'s chat template, the EOS / BOS ids of ``generation_config.json`` or ``config.json``), or
+``tokenizer_config.json``'s chat template, the EOS / BOS ids of ``generation_config.json`` or ``config.json``, and
+``add_bos`` where its post-processor puts the BOS first, as ``tokenizer(text)`` would), or
 anything else (None, a directory without one) for :class:`ByteTokenizer`, raw UTF-8 bytes as ids 0..255, the
 trainers' default. Every tokenizer has the same interface: ``encode(text)`` (no special tokens added; special tokens
 written in the text, such as ``<|im_start|>``, become their ids), ``decode(ids, skip_special_tokens=False)``,
@@ -68,7 +69,7 @@ def _first(value):
 class HFTokenizer:
     """A Hugging Face directory's ``tokenizer.json`` (or that file itself) with its chat template and special ids."""
 
-    add_bos = False  # a tokenizer.json's own post-processor adds BOS where the model wants it; encode skips it
+    add_bos = False  # see __init__: whether tokenizer.json's post-processor puts a BOS first
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer  # optional dependency: only needed when a tokenizer.json is given
@@ -84,9 +85,21 @@ class HFTokenizer:
             **_read_json(os.path.join(folder, "generation_config.json")),
         }
         self.eos_id, self.bos_id = _first(ids.get("eos_token_id")), _first(ids.get("bos_token_id"))
-        self.chat_template = _read_json(os.path.join(folder, "tokenizer_config.json")).get("chat_template")
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        self.chat_template = config.get("chat_template")
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.name = file
+        # encode() adds no special token; a prompt gets the BOS that `tokenizer(text)` would give it (Llama 3's
+        # post-processor writes <|begin_of_text|> first; SmolLM2's writes nothing), through add_bos
+        first = self.tokenizer.encode("", add_special_tokens=True).ids[:1]
+        self.add_bos = self.bos_id is not None and first == [self.bos_id]
+        self.special_tokens = {}  # the text of tokenizer_config.json's bos / eos tokens, for the chat template
+        for key, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            self.special_tokens[key] = (
+                value if isinstance(value, str) else (None if i is None else self.tokenizer.id_to_token(int(i)))
+            )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -95,7 +108,8 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
-        return render_template(self.chat_template, messages, add_generation_prompt, f"{self.name}'s directory")
+        where = f"{self.name}'s directory"
+        return render_template(self.chat_template, messages, add_generation_prompt, where, self.special_tokens)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):
