@@ -387,6 +387,81 @@ def test_llama3_prompts_and_chats_survive_the_export(tmp_path):
     assert encode_prompt(exported, text) == encode_prompt(tok, text) == [tok.bos_id] + tok.encode(text)
 
 
+def _sentencepiece(add_dummy_prefix: bool):
+    """A SentencePiece BPE model trained here on README.md (400 pieces: 3 specials, 256 byte pieces for the
+    characters it lacks, 141 merges and characters), and that model written as llama.cpp's converter writes one
+    (``tokenizer.ggml.model`` "llama": pieces, scores, types, ``add_space_prefix``)."""
+    import io
+    import pathlib
+
+    spm = pytest.importorskip("sentencepiece")
+    proto = io.BytesIO()
+    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=proto, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=0.995, add_dummy_prefix=add_dummy_prefix, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    return spm.SentencePieceProcessor(model_proto=proto.getvalue())
+
+
+def _write_sentencepiece_gguf(path, sp, template: str | None = None):
+    n = sp.get_piece_size()
+    kinds = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_unused, 5), (sp.is_byte, 6)]  # else NORMAL (1)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([next((k for f, k in kinds if f(i)), 1) for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("▁"))
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["space-prefix", "no-prefix"])
+def test_sentencepiece_files_tokenize_as_sentencepiece(tmp_path, prefix):
+    """A "llama" (SentencePiece) file: on fresh random text (slices of docs/design.md after and before spaces,
+    newlines, digits, and characters the vocabulary lacks, which fall back to bytes) the ids and the decoded text are
+    SentencePiece's own. Special tokens in the text are their ids, and the text after one starts again with the space
+    prefix, as llama.cpp encodes each stretch between them; a BOS is added by default, and the export's tokenizer
+    gives the same prompt ids."""
+    import pathlib
+    import random
+
+    from twincore.data import copy_tokenizer
+    from twincore.generate import encode_prompt
+    from twincore.gguf import read_gguf_tokenizer
+    from twincore.tokenizer import HFTokenizer
+
+    sp = _sentencepiece(prefix)
+    path = _write_sentencepiece_gguf(tmp_path / "spm.gguf", sp)
+    tok = read_gguf_tokenizer(path)
+    assert tok.add_bos and (tok.bos_id, tok.eos_id) == (sp.bos_id(), sp.eos_id()) == (1, 2)
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
+    rng = random.Random()
+    for _ in range(100):
+        start = rng.randrange(len(doc) - 100)
+        text = rng.choice(["", " ", "  ", "\n"]) + doc[start : start + rng.randint(1, 100)]
+        text += rng.choice(["", " ", "é 世界 🙂", " 12345"])
+        ids = tok.encode(text)
+        assert ids == sp.encode(text), repr(text)
+        assert tok.decode(ids) == sp.decode(ids), repr(text)
+    assert tok.encode("") == sp.encode("") == []
+    assert tok.encode("<s>hi</s> there") == [1, *sp.encode("hi"), 2, *sp.encode(" there")]
+    (tmp_path / "export").mkdir()
+    copy_tokenizer(str(path), str(tmp_path / "export"))
+    exported = HFTokenizer(str(tmp_path / "export"))
+    assert encode_prompt(exported, "What is 1 + 1? é") == encode_prompt(tok, "What is 1 + 1? é")
+    assert encode_prompt(tok, "What is 1 + 1? é") == [1, *sp.encode("What is 1 + 1? é")]
+
+
 def test_bad_files_name_the_file_and_key(tmp_path):
     cfg = _config(False)
     tensors = _hf_tensors(cfg)
@@ -426,9 +501,12 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     )
     with pytest.raises(CheckpointError, match=r"unexpected \(1\): blk\.0\.attn_q\.bias"):
         read_gguf(qkv_bias)
-    spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")
-    assert read_gguf(spm, tokenizer=False).tokenizer is None  # the weights still load
-    with pytest.raises(CheckpointError, match="tokenizer.ggml.model='llama' is not supported"):
+    t5 = _write_gguf(tmp_path / "t5.gguf", cfg, tensors, tokenizer_model="t5")
+    assert read_gguf(t5, tokenizer=False).tokenizer is None  # the weights still load
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.model='t5' is not supported; only 'gpt2'"):
+        read_gguf(t5)
+    spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")  # SentencePiece without scores
+    with pytest.raises(CheckpointError, match=r"spm\.gguf' has no metadata key 'tokenizer\.ggml\.scores'"):
         read_gguf(spm)
 
 

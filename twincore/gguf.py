@@ -1,9 +1,10 @@
 """GGUF (llama.cpp) files -> ``ModelConfig``, Hugging Face-named numpy tensors and a tokenizer, for the families the
 model covers: dense Llama and Mixtral (``general.architecture`` "llama", Mixtral with ``llama.expert_count``), Qwen2 /
-2.5 ("qwen2"), Qwen3 ("qwen3") and Qwen3-MoE ("qwen3moe"). The tokenizer is the byte-level BPE of ``tokenizer.ggml.*``
-(``model`` "gpt2"), split before its merges as llama.cpp splits for ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`:
-GPT-2's, SmolLM's, Llama 3's and Qwen2's splits). Llama 3.x's ``rope_freqs.weight`` (RoPE scaling as one divisor per
-frequency) becomes the config's llama3 ``rope_scaling`` (:func:`llama3_scaling_from_factors`).
+2.5 ("qwen2"), Qwen3 ("qwen3") and Qwen3-MoE ("qwen3moe"). The tokenizer of ``tokenizer.ggml.*`` is the byte-level
+BPE of ``model`` "gpt2", split before its merges as llama.cpp splits for ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`:
+GPT-2's, SmolLM's, Llama 3's and Qwen2's splits), or the SentencePiece BPE of ``model`` "llama" (merges from
+scores). Llama 3.x's ``rope_freqs.weight`` (RoPE scaling as one divisor per frequency) becomes the config's llama3
+``rope_scaling`` (:func:`llama3_scaling_from_factors`).
 
 Framework-neutral (numpy, the ``gguf`` package and, for the tokenizer, ``tokenizers``): ``jaxattn.hf`` and
 ``torchref.hf`` build their models from what this returns. Quantized tensors (Q4_1, Q8_0, K-quants, ...) are
@@ -394,38 +395,29 @@ def _pre_tokenizer(split: str, pre_tokenizers):
     )
 
 
+TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values that load: byte-level BPE, SentencePiece BPE
+
+
 def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     model = _get(reader, "tokenizer.ggml.model", where)
-    if model != "gpt2":
+    if model not in TOKENIZER_MODELS:
         raise CheckpointError(
-            f"{where}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' (byte-level BPE) tokenizers load"
+            f"{where}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' (byte-level BPE) and 'llama' "
+            f"(SentencePiece BPE: Llama 2, Mistral, TinyLlama) tokenizers load"
         )
-    pre = _get(reader, "tokenizer.ggml.pre", where, "default")
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
     try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, processors
     except ImportError as e:
         raise ImportError(
             "reading a GGUF tokenizer needs the `tokenizers` package (pip install tokenizers), or pass tokenizer=False"
         ) from e
     tokens = _get(reader, "tokenizer.ggml.tokens", where)
-    merges = []
-    for m in _get(reader, "tokenizer.ggml.merges", where):
-        pair = m.split(" ")
-        if len(pair) != 2:
-            raise CheckpointError(f"{where}: tokenizer.ggml.merges entry {m!r} is not two tokens split by a space")
-        merges.append(tuple(pair))
+    types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    pre = PRE_TOKENIZERS[pre]
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
-    )
-    tok.pre_tokenizer = _pre_tokenizer(pre.split, pre_tokenizers)
-    tok.decoder = decoders.ByteLevel()
-    types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
+    build = _byte_level_bpe if model == "gpt2" else _sentencepiece_bpe
+    tok, add_bos_default = build(reader, where, tokens, types, vocab)
     tok.add_tokens(
         [
             AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
@@ -438,7 +430,7 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     for key, i in (("bos_token_id", bos), ("eos_token_id", eos)):
         if i is not None and not 0 <= i < len(tokens):
             raise CheckpointError(f"{where}: tokenizer.ggml.{key}={i} is outside the vocabulary (0..{len(tokens) - 1})")
-    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", where, pre.add_bos))
+    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", where, add_bos_default))
     if add_bos:
         if bos is None:
             raise CheckpointError(f"{where}: tokenizer.ggml.add_bos_token is true but bos_token_id is missing")
@@ -452,6 +444,67 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
         add_bos,
         _get(reader, "tokenizer.chat_template", where, None),
     )
+
+
+def _byte_level_bpe(reader, where: str, tokens, types, vocab):
+    """``(tokenizer, add_bos default)`` of a "gpt2" file: its merges, split first as :data:`PRE_TOKENIZERS` says."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pre = _get(reader, "tokenizer.ggml.pre", where, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+    merges = []
+    for m in _get(reader, "tokenizer.ggml.merges", where):
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges entry {m!r} is not two tokens split by a space")
+        merges.append(tuple(pair))
+    pre = PRE_TOKENIZERS[pre]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
+    )
+    tok.pre_tokenizer = _pre_tokenizer(pre.split, pre_tokenizers)
+    tok.decoder = decoders.ByteLevel()
+    return tok, pre.add_bos
+
+
+_NORMAL, _UNKNOWN = 1, 2
+
+
+def _sentencepiece_bpe(reader, where: str, tokens, types, vocab):
+    """``(tokenizer, add_bos default)`` of a "llama" file: SentencePiece's BPE as llama.cpp runs it (its
+    llm_tokenizer_spm). Spaces are "▁", and a "▁" goes before the text and after each special token when
+    ``add_space_prefix`` (the default); adjacent pieces merge while their concatenation is a normal token, the
+    highest-scoring first; a character outside the vocabulary becomes its UTF-8 byte tokens (``<0xE4>``). The file
+    has scores, not merges: every split of a normal token into two normal tokens is a merge ranked by that token's
+    score, and ``tokenizers``' BPE with byte fallback then runs the same algorithm. A BOS is added by default."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = _get(reader, "tokenizer.ggml.scores", where)
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.scores has {len(scores)} and token_type {len(types)} entries for "
+            f"{len(tokens)} tokens; a SentencePiece vocabulary needs one of each per token"
+        )
+    if _get(reader, "tokenizer.ggml.remove_extra_whitespaces", where, False):
+        raise CheckpointError(f"{where}: tokenizer.ggml.remove_extra_whitespaces=True is not supported")
+    normal = {t for t, k in zip(tokens, types) if k == _NORMAL}
+    ranked = []
+    for i, (t, k) in enumerate(zip(tokens, types)):
+        if k == _NORMAL and len(t) > 1:
+            ranked += [(-float(scores[i]), i, t[:j], t[j:]) for j in range(1, len(t)) if {t[:j], t[j:]} <= normal]
+    merges = [(a, b) for _, _, a, b in sorted(ranked)]
+    unknown = _get(reader, "tokenizer.ggml.unknown_token_id", where, None)
+    if unknown is None:
+        unknown = next((i for i, k in enumerate(types) if k == _UNKNOWN), None)
+    unk = None if unknown is None else tokens[unknown]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(_get(reader, "tokenizer.ggml.add_space_prefix", where, True))
+    spaces = normalizers.Replace(" ", "▁")  # per stretch of text between special tokens, as llama.cpp's fragments
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok, True
 
 
 # --------------------------------------------------------------------------------- tensor-info validation
