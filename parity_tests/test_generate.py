@@ -668,7 +668,7 @@ def test_interactive_chat_turns_are_the_whole_rendered_conversation(smollm2_gguf
     import argparse
 
     from torchref import hf as thf
-    from twincore.chat import converse, next_turn
+    from twincore.chat import conversation_ids, converse, next_turn
     from twincore.generate import encode_prompt
 
     _, config, tensors, tok = smollm2_gguf
@@ -691,13 +691,16 @@ def test_interactive_chat_turns_are_the_whole_rendered_conversation(smollm2_gguf
         messages.append({"role": "assistant", "content": tok.decode(got, skip_special_tokens=True)})
     assert chat.history[0] == ids + got
     first = encode_prompt(tok, tok.render_chat(messages[:2]))
-    appended, whole = next_turn(first + replies[0], messages[:3], turns[1], tok, True)
+    appended, whole = next_turn(
+        first + replies[0], conversation_ids(tok, True, messages[:1], [(turns[0], replies[0])], turns[1])
+    )
     assert not whole and first + replies[0] + appended == ids
 
 
 def test_next_turn_starts_over_when_the_reply_encodes_to_other_ids():
-    """A conversation whose rendered text no longer begins with the ids the cache holds is sent whole."""
-    from twincore.chat import next_turn
+    """A conversation whose rendered text no longer begins with the ids the cache holds is sent whole; without the
+    template, the BOS goes before the first user turn only."""
+    from twincore.chat import conversation_ids, next_turn
 
     class Tok:  # bytes, a one-line template
         add_bos, bos_id = False, None
@@ -705,19 +708,57 @@ def test_next_turn_starts_over_when_the_reply_encodes_to_other_ids():
         def encode(self, text):
             return list(text.encode())
 
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(ids).decode()
+
         def render_chat(self, messages):
             return "".join(f"<{m['role']}>{m['content']}|" for m in messages) + "<assistant>"
 
-    tok, messages = Tok(), [{"role": "user", "content": "hi"}]
-    held = tok.encode(tok.render_chat(messages)) + tok.encode("yo")
-    messages.append({"role": "assistant", "content": "yo"})
-    assert next_turn(held, list(messages), "ok", tok, True) == (tok.encode("|<user>ok|<assistant>"), False)
+    tok = Tok()
+    held = tok.encode("<user>hi|<assistant>yo")  # the first turn and its reply "yo", as the cache holds them
+    whole = conversation_ids(tok, True, [], [("hi", tok.encode("yo"))], "ok")
+    assert whole == tok.encode("<user>hi|<assistant>yo|<user>ok|<assistant>")
+    assert next_turn(held, whole) == (tok.encode("|<user>ok|<assistant>"), False)
     drawn = held[:-1] + [ord("u")]  # the cache holds "yu" where the reply's text reads "yo"
-    ids, whole = next_turn(drawn, messages, "ok", tok, True)
-    assert whole and ids == tok.encode("<user>hi|<assistant>yo|<user>ok|<assistant>")
+    assert next_turn(drawn, whole) == (whole, True)
+    system = [{"role": "system", "content": "be brief"}]
+    assert conversation_ids(tok, True, system, [], "ok") == tok.encode("<system>be brief|<user>ok|<assistant>")
     tok.add_bos, tok.bos_id = True, 1  # without the template: the BOS on the first turn only
-    assert next_turn([], [], "ok", tok, False) == ([1, *tok.encode("ok")], False)
-    assert next_turn([1, 5], [], "ok", tok, False) == (tok.encode("ok"), False)
+    assert conversation_ids(tok, False, [], [], "ok") == [1, *tok.encode("ok")]
+    assert conversation_ids(tok, False, [], [("ab", [7, 8])], "ok") == [1, *tok.encode("ab"), 7, 8, *tok.encode("ok")]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_cli_interactive_drops_the_oldest_exchanges_and_takes_commands(framework, monkeypatch, capsys):
+    """A turn that would not fit ``--max-len`` drops the oldest exchanges and sends the rest whole (a note on
+    stderr); ``/undo`` forgets the last exchange and ``/reset`` all of them. Each reply is ``generate``'s on what the
+    conversation keeps."""
+    import io
+
+    from twincore.generate import FROM_CONFIG, ByteTokenizer
+
+    gen = jgen if framework == "jax" else tgen
+    replies = _spy_replies(monkeypatch)
+    lines = ["abcdefgh", "ijklmnop", "qrstuvwx", " /undo ", "yz", "/reset", "0123"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert gen.main(["--interactive", "--max-len", "32", "--max-new-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "[dropped the oldest 1 of the exchanges to fit --max-len 32]" in err
+    assert "[/undo: 1 exchanges kept]" in err and "[/reset: 0 exchanges kept]" in err
+    if framework == "jax":
+        model = jgen.Llama(jgen.ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+    else:
+        torch.manual_seed(0)
+        model = tgen.LlamaForCausalLM(tgen.ModelConfig.preset("tiny")).eval()
+    tok = ByteTokenizer()
+    kept = {  # what each turn's reply was drawn after: 8 + 6 + 8 + 6 + 8 + 5 = 41 > 32 slots drops the first pair
+        "abcdefgh": [], "ijklmnop": ["abcdefgh"], "qrstuvwx": ["ijklmnop"], "yz": ["ijklmnop"], "0123": [],
+    }  # fmt: skip
+    said = {}
+    for text, got in zip(kept, replies, strict=True):
+        ids = [i for t in kept[text] for i in tok.encode(t) + said[t]] + tok.encode(text)
+        assert got == gen.generate(model, [ids], 6, eos_id=FROM_CONFIG)[0], text
+        said[text] = got
 
 
 def test_system_message_comes_first_in_the_rendered_prompt():
