@@ -1327,6 +1327,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "/undo forgets every exchange, not only the last",
     ),
     m(
+        "interactive-continuation-ignored",
+        "model",
+        "twincore/chat.py",
+        'if not line.endswith("\\\\"):',
+        "if True:",
+        "parity_tests/test_generate.py -k backslash",
+        "a line ending in a backslash is sent as a turn of its own instead of going on in the next line",
+    ),
+    m(
         "conversation-torch-compile-ignored",
         "model",
         "torchref/generate.py",

@@ -761,6 +761,16 @@ def test_cli_interactive_drops_the_oldest_exchanges_and_takes_commands(framework
         said[text] = got
 
 
+def test_interactive_lines_ending_in_a_backslash_continue_the_turn(capsys):
+    """A line that ends with a backslash goes on in the next one (joined by a newline, the backslash dropped), a
+    continuation at the end of input is still a turn, and a terminal's user sees ``. `` before a continued line."""
+    from twincore.chat import _prompted
+
+    lines = ["def f(x):\\\n", "    return x\n", "plain\r\n", "ends \\\\\n", "on\\\n"]
+    assert list(_prompted(lines, ask=True)) == ["def f(x):\n    return x", "plain", "ends \\\non"]
+    assert capsys.readouterr().err == "> . > > . . "  # the last: the read that found the end of input
+
+
 def test_system_message_comes_first_in_the_rendered_prompt():
     """``--system`` is the chat's first message, in the one-shot prompt as in a conversation; without it, none."""
     import argparse

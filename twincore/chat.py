@@ -85,9 +85,10 @@ COMMANDS = {
 
 def converse(conversation, tokenizer, args, lines, file=None) -> None:
     """The generate CLIs' ``--interactive``: ``--prompt`` (if given) and then each line of ``lines`` (stdin) is a user
-    turn; each reply is printed as it is made (:func:`twincore.generate.print_stream`), on one ``Conversation``'s KV
-    cache. ``--chat`` renders the turns and the replies, after ``--system``'s message, through the checkpoint's
-    template; each turn appends only the ids after those the cache holds (:func:`next_turn`). Blank lines are
+    turn (a line that ends with a backslash continues on the next one); each reply is printed as it is made
+    (:func:`twincore.generate.print_stream`), on one ``Conversation``'s KV cache. ``--chat`` renders the turns and
+    the replies, after ``--system``'s message, through the checkpoint's template; each turn appends only the ids
+    after those the cache holds (:func:`next_turn`). Blank lines are
     skipped; :data:`COMMANDS` act on the conversation. When a turn and its ``max_new_tokens`` would not fit the
     cache, the oldest exchanges are dropped (a note on stderr) and the rest is sent whole, as chat front-ends keep
     the newest turns; a turn that does not fit alone raises the conversation's ValueError (the CLI's one error
@@ -101,7 +102,7 @@ def converse(conversation, tokenizer, args, lines, file=None) -> None:
     system = system_message(args)  # --system: the conversation's first message
     exchanges: list[tuple[str, list[int]]] = []  # (user text, reply ids), oldest first
     for line in itertools.chain([args.prompt] if args.prompt is not None else [], _prompted(lines, ask)):
-        text = line.rstrip("\r\n")
+        text = line.rstrip("\r\n")  # --prompt's own; _prompted's lines come without theirs
         if not text.strip():
             continue
         if text.strip() in COMMANDS:
@@ -139,13 +140,23 @@ def _slots(history: list[int], ids: list[int], whole: bool, args) -> int:
 
 
 def _prompted(lines, ask: bool):
+    """Each turn of ``lines``: a line, or lines joined by newlines while each ends with a backslash (the backslash
+    dropped), as a shell continues a command; a ``> `` prompt (``. `` for a continued line) on stderr when ``ask``."""
     import sys
 
     lines = iter(lines)
     while True:
-        if ask:
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = next(lines, None)
-        if line is None:
-            return
-        yield line
+        parts = []
+        while True:
+            if ask:
+                print(". " if parts else "> ", end="", file=sys.stderr, flush=True)
+            line = next(lines, None)
+            if line is None:
+                if parts:
+                    yield "\n".join(parts)
+                return
+            line = line.rstrip("\r\n")
+            if not line.endswith("\\"):
+                break
+            parts.append(line[:-1])
+        yield "\n".join([*parts, line])
