@@ -24,7 +24,7 @@ from parity_tests.twins import (  # noqa: E402
 )
 from torchref.hf import from_gguf as torch_from_gguf  # noqa: E402
 from twincore.config import ModelConfig  # noqa: E402
-from twincore.gguf import read_gguf  # noqa: E402
+from twincore.gguf import read_gguf, read_gguf_tokenizer  # noqa: E402
 from twincore.hf_format import CheckpointError  # noqa: E402
 
 LOGITS_TOL = 1e-4  # design §7, fp32 full-model logits
@@ -505,6 +505,17 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     assert read_gguf(t5, tokenizer=False).tokenizer is None  # the weights still load
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model='t5' is not supported; only 'gpt2'"):
         read_gguf(t5)
+    w = gguf.GGUFWriter(str(tmp_path / "types.gguf"), "llama")  # a token type short of the tokens
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "c"])
+    w.add_token_types([1, 1])
+    w.add_token_merges([])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"types\.gguf.*token_type has 2 entries for 3 tokens"):
+        read_gguf_tokenizer(tmp_path / "types.gguf")
     spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")  # SentencePiece without scores
     with pytest.raises(CheckpointError, match=r"spm\.gguf' has no metadata key 'tokenizer\.ggml\.scores'"):
         read_gguf(spm)

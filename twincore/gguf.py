@@ -413,6 +413,10 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
         ) from e
     tokens = _get(reader, "tokenizer.ggml.tokens", where)
     types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; expected one per token"
+        )
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
@@ -481,10 +485,10 @@ def _sentencepiece_bpe(reader, where: str, tokens, types, vocab):
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = _get(reader, "tokenizer.ggml.scores", where)
-    if len(scores) != len(tokens) or len(types) != len(tokens):
+    if len(scores) != len(tokens):
         raise CheckpointError(
-            f"{where}: tokenizer.ggml.scores has {len(scores)} and token_type {len(types)} entries for "
-            f"{len(tokens)} tokens; a SentencePiece vocabulary needs one of each per token"
+            f"{where}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens; a SentencePiece "
+            f"vocabulary needs one score per token"
         )
     if _get(reader, "tokenizer.ggml.remove_extra_whitespaces", where, False):
         raise CheckpointError(f"{where}: tokenizer.ggml.remove_extra_whitespaces=True is not supported")
