@@ -1353,6 +1353,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "parity_tests/test_attention.py -k 'fp32_parity and Sq1-'",
         "the xla backend's one-query path (a decode step) forgets the softmax scale",
     ),
+    # ---- AdamW8bit on FSDP2's row shards
+    m(
+        "adamw8bit-fsdp-state-not-sharded",
+        "training",
+        "torchref/optim.py",
+        "return DTensor.from_local(local, p.device_mesh, [Shard(0)], run_check=False)",
+        "return local",
+        "parity_tests/test_parallel.py -m 'slow or not slow' -k fsdp_adamw8bit_checkpoint",
+        "an fsdp run's 8-bit state is each rank's plain tensor: the checkpoint keeps one rank's blocks for all",
+    ),
+    m(
+        "adamw8bit-fsdp-local-threshold",
+        "training",
+        "torchref/optim.py",
+        "quantised = p.numel() >= self.min_8bit_size  # the whole parameter's size, sharded or not",
+        "quantised = _local(p).numel() >= self.min_8bit_size",
+        "parity_tests/test_parallel.py -k fsdp_runs_adamw8bit",
+        "under fsdp a parameter is 8-bit by its shard's size: a 4096-element weight keeps float32 moments on 2 ranks",
+    ),
     # ---- GGUF tokenizers: llama.cpp's pre-tokenizer families
     m(
         "gguf-qwen2-digit-runs",

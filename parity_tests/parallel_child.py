@@ -49,12 +49,28 @@ def train(mode):
     return losses, norms
 
 
+def adamw8bit_refusal(mode) -> str:
+    """The error ``AdamW8bit`` gives on ``mode``'s DTensor parameters (tensor parallel: column shards), or ""."""
+    from torchref.optim import AdamW8bit
+
+    torch.manual_seed(0)
+    mesh = parallel.build_mesh(mode)
+    model = parallel.parallelize(LlamaForCausalLM(CFG), mode, mesh)
+    opt = AdamW8bit(model.parameters(), lr=1e-3)
+    try:
+        make_train_step(model, opt, max_grad_norm=1.0)(parallel.local_rows(batches()[0], mode, mesh))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main():
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     out = {"reference": train(None)}
     for mode in sys.argv[1].split(","):
         out[mode] = train(mode)
+    out["adamw8bit_tp"] = adamw8bit_refusal("tp")
     if dist.get_rank() == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(out, f)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -32,6 +33,16 @@ def test_parallel_mode_matches_one_process(mode, results):
     assert len(losses) == 3
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=0, atol=1e-5)
+
+
+def test_adamw8bit_refuses_column_shards(results):
+    """Tensor parallel's column shards would cut AdamW8bit's blocks across ranks: its step refuses them, naming the
+    shape, the placements and what it takes."""
+    assert re.search(
+        r"AdamW8bit: a DTensor parameter of shape \[\d+, \d+\] with placements \(Shard\(dim=1\),\) on a 1-D mesh of 2 "
+        r"ranks .*its 8-bit blocks take the rows of a 1-D mesh \(FSDP2's Shard\(0\)\)",
+        results["adamw8bit_tp"],
+    ), results["adamw8bit_tp"]
 
 
 def test_bad_mode_and_tp_divisibility():
@@ -94,6 +105,48 @@ def test_ddp_runs_the_optimizers_that_refuse_dtensors(optimizer, tmp_path):
     log = tmp_path / "log.jsonl"
     torchrun("-m", "torchref.train", "--parallel", "ddp", "--log-json", str(log), *argv)
     np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
+
+
+def test_fsdp_runs_adamw8bit_with_the_one_process_blocks(tmp_path):
+    """``--parallel fsdp --optimizer adamw8bit`` under torchrun (2 ranks): each rank updates its row shard of every
+    parameter with the 8-bit blocks of those rows (the tiny preset's shards are whole blocks), so the losses are the
+    one-process run's within 1e-5 and the exported weights agree within AdamW's rounding bound."""
+    from torchref import train as trainer
+
+    argv = ["--steps", "3", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", "adamw8bit"]
+    argv += ["--lr", "1e-3", "--schedule", "constant"]
+    single = trainer.run(argv + ["--num-workers", "0", "--checkpoint-dir", str(tmp_path / "one")])
+    log = tmp_path / "log.jsonl"
+    torchrun(
+        "-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--checkpoint-dir", str(tmp_path / "two"),
+        *argv,
+    )  # fmt: skip
+    np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
+    assert_exports_agree(tmp_path / "two" / "final", tmp_path / "one" / "final", lr=1e-3, steps=3)
+
+
+@pytest.mark.slow  # 15 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)
+@pytest.mark.slow_feature
+def test_fsdp_adamw8bit_checkpoint_resumes_in_one_process(tmp_path):
+    """The 8-bit state of an fsdp run is DTensors row-sharded like the parameters, so the checkpoint's full state
+    dict gathers the one-process codes and absmaxes: ONE process resumes it at step 2 and logs the one-process losses
+    to step 4 within 1e-5, and both exports agree within AdamW's rounding bound."""
+    from torchref import train as trainer
+
+    argv = ["--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", "adamw8bit", "--lr", "1e-3"]
+    argv += ["--schedule", "constant"]
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    torchrun(
+        "-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--steps", "4",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--keep-checkpoints", "2", *argv,
+    )  # fmt: skip
+    os.remove(ck / "torchref-step-00000004.pt")  # resume from step 2, in one process
+    resumed = trainer.run(["--steps", "4", "--resume", "--checkpoint-dir", str(ck), *argv])
+    ref = trainer.run(["--steps", "4", "--checkpoint-dir", str(tmp_path / "ref"), *argv])
+    assert resumed["start"] == 2
+    np.testing.assert_allclose(jsonl_losses(log), ref["losses"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(resumed["losses"], ref["losses"][2:], rtol=0, atol=1e-5)
+    assert_exports_agree(ck / "final", tmp_path / "ref" / "final", lr=1e-3, steps=4)
 
 
 @pytest.mark.slow  # 13 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)

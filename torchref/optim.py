@@ -99,6 +99,11 @@ class AdamW8bit(torch.optim.Optimizer):
     ``block_size`` consecutive elements one float32 absmax, m on the signed and v on the unsigned dynamic map
     (``twincore.optim.quantization_map``), nearest entry, ties to the lower index. Smaller parameters keep float32
     moments (same update). State per quantised element: 2 bytes + 8 bytes per block.
+
+    FSDP2's DTensor parameters (``--parallel fsdp``: rows split evenly over a 1-D mesh, whole blocks per rank) are
+    updated shard by shard, their 8-bit state a DTensor row-sharded like them: the ranks' blocks, in order, are the
+    one-process blocks, and a full state dict gathers the one-process state. Other shardings (tensor parallel's
+    column shards) would cut blocks across ranks and are refused before any parameter moves.
     """
 
     def __init__(
@@ -133,6 +138,10 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # every shard checked before any parameter moves
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p] and p.numel() >= self.min_8bit_size:
+                    _check_blocks(p, _local(p), self.block_size)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -140,36 +149,87 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 code_m, code_v = self._codes(p.device)
                 state = self.state[p]
-                quantised = p.numel() >= self.min_8bit_size
+                quantised = p.numel() >= self.min_8bit_size  # the whole parameter's size, sharded or not
+                local = _local(p)  # this rank's shard of a DTensor (FSDP2), else p itself
                 if not state:
                     state["step"] = 0
                     if quantised:  # absmax 0: every code dequantises to 0
-                        n_blocks = -(-p.numel() // self.block_size)
+                        n_blocks = -(-_check_blocks(p, local, self.block_size) // self.block_size)
                         for k in ("m", "v"):
-                            state[f"{k}_codes"] = torch.zeros(
-                                n_blocks, self.block_size, dtype=torch.uint8, device=p.device
-                            )
-                            state[f"{k}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
-                    else:
-                        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                            codes = torch.zeros(n_blocks, self.block_size, dtype=torch.uint8, device=p.device)
+                            state[f"{k}_codes"] = _like(codes, p)
+                            state[f"{k}_absmax"] = _like(torch.zeros(n_blocks, dtype=torch.float32, device=p.device), p)
+                    else:  # like p: a DTensor of p's placements when p is one
+                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 state["step"] += 1
                 t = state["step"]
-                g = p.grad.float()
+                g = _local(_placed_like(p.grad, p)).float()
                 if quantised:
-                    m = _dequantize(state["m_codes"], state["m_absmax"], code_m, p)
-                    v = _dequantize(state["v_codes"], state["v_absmax"], code_v, p)
+                    m = _dequantize(_local(state["m_codes"]), _local(state["m_absmax"]), code_m, local)
+                    v = _dequantize(_local(state["v_codes"]), _local(state["v_absmax"]), code_v, local)
                 else:
-                    m, v = state["exp_avg"], state["exp_avg_sq"]
+                    m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 m.mul_(b1).add_(g, alpha=1.0 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
                 u = m / (v.sqrt() / math.sqrt(1.0 - b2**t) + eps) / (1.0 - b1**t)
-                p32 = p.float()
-                p.copy_(p32 - lr * (u + wd * p32))
+                p32 = local.float()
+                local.copy_(p32 - lr * (u + wd * p32))
                 if quantised:
-                    state["m_codes"], state["m_absmax"] = _quantize(m, code_m, self.block_size)
-                    state["v_codes"], state["v_absmax"] = _quantize(v, code_v, self.block_size)
+                    for k, x, code in (("m", m, code_m), ("v", v, code_v)):
+                        codes, absmax = _quantize(x, code, self.block_size)
+                        state[f"{k}_codes"], state[f"{k}_absmax"] = _like(codes, p), _like(absmax, p)
         return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the parameter), or the tensor itself."""
+    if not torch.distributed.is_available():
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placed_like(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``p``'s placements (tensor parallel can leave a gradient placed otherwise than its parameter)."""
+    if not torch.distributed.is_available():
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """8-bit state made from ``p``'s shard, as a DTensor row-sharded like ``p`` when ``p`` is one: the blocks of the
+    ranks, in rank order, are then the blocks of the whole parameter, and a full state dict gathers the one-process
+    state (and scatters it back on load)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, [Shard(0)], run_check=False)
+
+
+def _check_blocks(p: torch.Tensor, local: torch.Tensor, block_size: int) -> int:
+    """The number of elements the 8-bit blocks cover on this rank (ValueError where a DTensor's shard would cut
+    blocks: only a 1-D mesh's even row shards, of whole blocks each, keep the one-process blocks)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return p.numel()
+    ranks = p.device_mesh.size()
+    rows = p.shape[0] if p.dim() else 0
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or rows % ranks or local.numel() % block_size:
+        raise ValueError(
+            f"AdamW8bit: a DTensor parameter of shape {list(p.shape)} with placements {tuple(p.placements)} on a "
+            f"{p.device_mesh.ndim}-D mesh of {ranks} ranks ({local.numel()} elements here); its 8-bit blocks take "
+            f"the rows of a 1-D mesh (FSDP2's Shard(0)), split evenly, a multiple of block_size={block_size} "
+            f"elements per rank: use --parallel fsdp or ddp, or --optimizer adamw"
+        )
+    return local.numel()
 
 
 # ----------------------------------------------------------------------------------------------------------------

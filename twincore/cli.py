@@ -56,11 +56,12 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 PP_MODES = ("pp", "pp+fsdp", "pp+tp")  # torchref.pipeline: stages alone, each sharded by FSDP2 or tensor parallel
 EP_MODES = ("ep", "ep+fsdp")  # torchref.parallel: an MoE's experts split over the ranks (the rest ddp / fsdp)
 PARALLEL = ("ddp", "fsdp", "tp", "fsdp+tp", *EP_MODES, *PP_MODES)  # torchref.parallel.MODES + torchref.pipeline's
-# optimizers whose torch step fails on DTensor parameters (every --parallel mode but ddp and pp), and why
+# optimizers whose torch step fails on DTensor parameters, why, and the DTensor modes they do run (beside ddp, pp)
 DTENSORLESS_OPTIMIZERS = {
     "adafactor": "torch.optim.Adafactor's factored row/column norms fail DTensor's sharding propagation",
-    "adamw8bit": "torchref's AdamW8bit keeps plain-tensor 8-bit blocks, not DTensor shards",
+    "adamw8bit": "torchref's AdamW8bit keeps its 8-bit blocks on row shards of a 1-D mesh only (fsdp)",
 }
+DTENSOR_MODES = {"adamw8bit": ("fsdp",)}
 
 
 class CLIError(ValueError):
@@ -722,11 +723,13 @@ def _check_jax(args: argparse.Namespace) -> None:
 def _check_torch(args: argparse.Namespace) -> None:
     """torch's own flags: --parallel against torchrun, pipelines, the loss with a split head, workers, offload."""
     _check_pipeline_flags(args)
-    if args.optimizer in DTENSORLESS_OPTIMIZERS and args.parallel not in (None, "ddp", "pp"):
+    runs = (None, "ddp", "pp", *DTENSOR_MODES.get(args.optimizer, ()))
+    if args.optimizer in DTENSORLESS_OPTIMIZERS and args.parallel not in runs:
         raise CLIError(
             f"--optimizer {args.optimizer} does not run with --parallel {args.parallel} in torchref: the parameters "
-            f"are DTensors there, and {DTENSORLESS_OPTIMIZERS[args.optimizer]}; use --parallel ddp or pp, or "
-            f"--optimizer adamw / adamw_fused (the JAX CLI runs {args.optimizer} on any --mesh)"
+            f"are DTensors there, and {DTENSORLESS_OPTIMIZERS[args.optimizer]}; use --parallel "
+            f"{' or '.join(m for m in runs if m)}, or --optimizer adamw / adamw_fused (the JAX CLI runs "
+            f"{args.optimizer} on any --mesh)"
         )
     if args.loss == "fused" and args.parallel in ("tp", "fsdp+tp"):
         raise CLIError(

@@ -415,7 +415,8 @@ def _build_tokenizer(reader, where: str) -> GGUFTokenizer:
     types = _get(reader, "tokenizer.ggml.token_type", where, [1] * len(tokens))
     if len(types) != len(tokens):
         raise CheckpointError(
-            f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; expected one per token"
+            f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; expected one "
+            f"per token"
         )
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
