@@ -96,8 +96,9 @@ def test_cli_parallel_under_torchrun_matches_one_process(mode, tmp_path):
 @pytest.mark.slow_feature
 @pytest.mark.parametrize("optimizer", ["adafactor", "adamw8bit"])
 def test_ddp_runs_the_optimizers_that_refuse_dtensors(optimizer, tmp_path):
-    """torch's Adafactor and our AdamW8bit fail on DTensor parameters, so the CLI refuses them with every mode but
-    ddp and pp (``test_trainer``'s bad flags); under ddp they log the one-process losses within 1e-5."""
+    """torch's Adafactor fails on DTensor parameters and our AdamW8bit takes only fsdp's row shards, so the CLI
+    refuses them with the other modes but ddp and pp (``test_trainer``'s bad flags); under ddp they log the
+    one-process losses within 1e-5."""
     from torchref import train as trainer
 
     argv = ["--steps", "2", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", optimizer]
