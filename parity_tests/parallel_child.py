@@ -26,14 +26,21 @@ def batches():
     ]
 
 
-def train(mode):
+def train(mode, eight_bit: bool = False, weights: dict | None = None):
+    """Losses and gradient norms of STEPS steps (AdamW, or AdamW8bit); ``weights`` (a dict) receives the final
+    weights, whole, by name."""
+    from torchref.optim import AdamW8bit
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(CFG)
     mesh = None
     if mode is not None:
         mesh = parallel.build_mesh(mode)
         model = parallel.parallelize(model, mode, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    if eight_bit:
+        opt = AdamW8bit(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     step = make_train_step(model, opt, max_grad_norm=1.0)
     losses, norms = [], []
     for b in batches():
@@ -46,7 +53,21 @@ def train(mode):
         losses.append(float(loss))
         gn = m["grad_norm"]
         norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+    if weights is not None:
+        for name, p in model.named_parameters():
+            weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
     return losses, norms
+
+
+def adamw8bit_fsdp() -> dict:
+    """AdamW8bit on fsdp's row shards against one process: the losses, the norms, and per weight the largest
+    difference and the share of entries more than 1e-5 apart."""
+    one, two = {}, {}
+    ref, got = train(None, True, one), train("fsdp", True, two)
+    diffs = {
+        k: ((two[k] - one[k]).abs().max().item(), ((two[k] - one[k]).abs() > 1e-5).float().mean().item()) for k in one
+    }
+    return {"reference": ref, "fsdp": got, "weights": diffs}
 
 
 def adamw8bit_refusal(mode) -> str:
@@ -71,6 +92,7 @@ def main():
     for mode in sys.argv[1].split(","):
         out[mode] = train(mode)
     out["adamw8bit_tp"] = adamw8bit_refusal("tp")
+    out["adamw8bit_fsdp"] = adamw8bit_fsdp()
     if dist.get_rank() == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(out, f)

@@ -108,30 +108,23 @@ def test_ddp_runs_the_optimizers_that_refuse_dtensors(optimizer, tmp_path):
     np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
 
 
-def test_fsdp_runs_adamw8bit_with_the_one_process_blocks(tmp_path):
-    """``--parallel fsdp --optimizer adamw8bit`` under torchrun (2 ranks): each rank updates its row shard of every
-    parameter with the 8-bit blocks of those rows (the tiny preset's shards are whole blocks), so the losses are the
-    one-process run's within 1e-5 and the exported weights agree within AdamW's rounding bound."""
-    from torchref import train as trainer
-
-    argv = ["--steps", "3", "--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", "adamw8bit"]
-    argv += ["--lr", "1e-3", "--schedule", "constant"]
-    single = trainer.run(argv + ["--num-workers", "0", "--checkpoint-dir", str(tmp_path / "one")])
-    log = tmp_path / "log.jsonl"
-    torchrun(
-        "-m", "torchref.train", "--parallel", "fsdp", "--log-json", str(log), "--checkpoint-dir", str(tmp_path / "two"),
-        *argv,
-    )  # fmt: skip
-    np.testing.assert_allclose(jsonl_losses(log), single["losses"], rtol=0, atol=1e-5)
-    assert_exports_agree(tmp_path / "two" / "final", tmp_path / "one" / "final", lr=1e-3, steps=3)
+def test_fsdp_runs_adamw8bit_with_the_one_process_blocks(results):
+    """AdamW8bit on FSDP2's row shards (2 ranks): each rank updates its rows with the 8-bit blocks of those rows (the
+    tiny preset's shards are whole blocks), so the losses and gradient norms are the one-process run's within 1e-5 and
+    every weight agrees within AdamW's rounding bound (all but < 0.1% of entries to 1e-5; lr 1e-3, 3 steps)."""
+    run = results["adamw8bit_fsdp"]
+    np.testing.assert_allclose(run["fsdp"], run["reference"], rtol=0, atol=1e-5)
+    for name, (largest, share) in run["weights"].items():
+        assert largest <= 2 * 1e-3 * 3 and share < 1e-3, (name, largest, share)
 
 
 @pytest.mark.slow  # 15 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)
 @pytest.mark.slow_feature
 def test_fsdp_adamw8bit_checkpoint_resumes_in_one_process(tmp_path):
-    """The 8-bit state of an fsdp run is DTensors row-sharded like the parameters, so the checkpoint's full state
-    dict gathers the one-process codes and absmaxes: ONE process resumes it at step 2 and logs the one-process losses
-    to step 4 within 1e-5, and both exports agree within AdamW's rounding bound."""
+    """The CLI's ``--parallel fsdp --optimizer adamw8bit`` logs the one-process losses. Its 8-bit state is DTensors
+    row-sharded like the parameters, so the checkpoint's full state dict gathers the one-process codes and absmaxes:
+    ONE process resumes it at step 2 and logs the one-process losses to step 4 within 1e-5, and both exports agree
+    within AdamW's rounding bound."""
     from torchref import train as trainer
 
     argv = ["--seq-len", "16", "--batch-size", "4", "--no-progress", "--optimizer", "adamw8bit", "--lr", "1e-3"]
