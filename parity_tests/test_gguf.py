@@ -287,6 +287,18 @@ def _pre_vocab() -> list[str]:
     return SPECIALS + sorted(ByteLevel.alphabet()) + ["".join(m.split(" ")) for m in PRE_MERGES] + ["Ġworld"]
 
 
+def _write_metadata_only(w, path, template: str | None = None):
+    """Writes the ``gguf.GGUFWriter`` ``w`` (its keys, with ``template`` as the chat template, and no tensors) to
+    ``path`` and returns the path."""
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None, template: str | None = None):
     """A metadata-only file: the tokenizer keys as llama.cpp's converter writes them, no tensors."""
     w = gguf.GGUFWriter(str(path), "llama")
@@ -300,13 +312,7 @@ def _write_tokenizer_gguf(path, pre: str, add_bos: bool | None = None, template:
     w.add_eos_token_id(2)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
-    if template is not None:
-        w.add_chat_template(template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _write_metadata_only(w, path, template)
 
 
 @pytest.mark.parametrize(
@@ -416,13 +422,7 @@ def _write_sentencepiece_gguf(path, sp, template: str | None = None):
     w.add_bos_token_id(sp.bos_id())
     w.add_eos_token_id(sp.eos_id())
     w.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("▁"))
-    if template is not None:
-        w.add_chat_template(template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _write_metadata_only(w, path, template)
 
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["space-prefix", "no-prefix"])
@@ -510,10 +510,7 @@ def test_bad_files_name_the_file_and_key(tmp_path):
     w.add_token_list(["a", "b", "c"])
     w.add_token_types([1, 1])
     w.add_token_merges([])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_metadata_only(w, tmp_path / "types.gguf")
     with pytest.raises(CheckpointError, match=r"types\.gguf.*token_type has 2 entries for 3 tokens"):
         read_gguf_tokenizer(tmp_path / "types.gguf")
     spm = _write_gguf(tmp_path / "spm.gguf", cfg, tensors, tokenizer_model="llama")  # SentencePiece without scores
