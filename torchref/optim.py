@@ -206,6 +206,8 @@ def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """8-bit state made from ``p``'s shard, as a DTensor row-sharded like ``p`` when ``p`` is one: the blocks of the
     ranks, in rank order, are then the blocks of the whole parameter, and a full state dict gathers the one-process
     state (and scatters it back on load)."""
+    if not torch.distributed.is_available():
+        return local
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(p, DTensor):
@@ -216,6 +218,8 @@ def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _check_blocks(p: torch.Tensor, local: torch.Tensor, block_size: int) -> int:
     """The number of elements the 8-bit blocks cover on this rank (ValueError where a DTensor's shard would cut
     blocks: only a 1-D mesh's even row shards, of whole blocks each, keep the one-process blocks)."""
+    if not torch.distributed.is_available():
+        return p.numel()
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(p, DTensor):

@@ -88,11 +88,11 @@ def converse(conversation, tokenizer, args, lines, file=None) -> None:
     turn (a line that ends with a backslash continues on the next one); each reply is printed as it is made
     (:func:`twincore.generate.print_stream`), on one ``Conversation``'s KV cache. ``--chat`` renders the turns and
     the replies, after ``--system``'s message, through the checkpoint's template; each turn appends only the ids
-    after those the cache holds (:func:`next_turn`). Blank lines are
-    skipped; :data:`COMMANDS` act on the conversation. When a turn and its ``max_new_tokens`` would not fit the
-    cache, the oldest exchanges are dropped (a note on stderr) and the rest is sent whole, as chat front-ends keep
-    the newest turns; a turn that does not fit alone raises the conversation's ValueError (the CLI's one error
-    line). A ring (a windowed model) runs past its slots and drops nothing."""
+    after those the cache holds (:func:`next_turn`). Blank lines are skipped; :data:`COMMANDS` act on the
+    conversation. When a turn and its ``max_new_tokens`` would not fit the cache, the oldest exchanges are dropped
+    (a note on stderr) and the rest is sent whole, as chat front-ends keep the newest turns; a turn that does not fit
+    alone raises the conversation's ValueError (the CLI's one error line). A ring (a windowed model) runs past its
+    slots and drops nothing."""
     import sys
 
     from .generate import FROM_CONFIG, print_stream, system_message
