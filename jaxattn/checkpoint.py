@@ -42,6 +42,11 @@ def _abstract(tree: Any) -> Any:
     )
 
 
+def _path(path) -> tuple:
+    """A jax key path as names (dict keys, attribute names, indices), as orbax's metadata tree spells them."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def _is_empty(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and math.prod(x.shape) == 0
 
@@ -114,15 +119,52 @@ class Checkpointer(StepCheckpointer):
             self.run_dir.prune(self.keep)
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
-        """``(tree, meta)`` of ``step``; ``like`` is a tree of the same structure (arrays or shape structs)."""
+        """``(tree, meta)`` of ``step``; ``like`` is a tree of the same structure (arrays or shape structs). An
+        array stored in another shape of the same size and dtype (8-bit AdamW's moments, flat before they were held
+        by row) is read as stored and reshaped to ``like``'s."""
         self.manager.reload()
+        target = _abstract(_without_empty(like))
+        stored = self._stored_shapes(int(step))
+        reshaped = set()
+
+        def as_stored(path, x):
+            shape = stored.get(_path(path))
+            if not isinstance(x, jax.ShapeDtypeStruct) or shape is None or shape == x.shape:
+                return x
+            if math.prod(shape) != math.prod(x.shape):
+                return x  # orbax names the mismatch
+            reshaped.add(_path(path))
+            sh = x.sharding
+            full = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()) if hasattr(sh, "mesh") else sh
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=full)
+
+        target = jax.tree_util.tree_map_with_path(as_stored, target)
         out = self.manager.restore(
             int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(_without_empty(like))), meta=ocp.args.JsonRestore()
-            ),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
         )
-        return _refill(out["state"], like), out["meta"]
+        state = out["state"]
+        if reshaped:
+
+            def back(path, x, want):
+                if _path(path) not in reshaped:
+                    return x
+                y = jnp.reshape(x, want.shape)
+                return jax.device_put(y, want.sharding) if getattr(want, "sharding", None) is not None else y
+
+            state = jax.tree_util.tree_map_with_path(back, state, _abstract(_without_empty(like)))
+        return _refill(state, like), out["meta"]
+
+    def _stored_shapes(self, step: int) -> dict[tuple, tuple]:
+        """``{path: shape}`` of the arrays ``step`` holds, from orbax's metadata ({} where it cannot be read)."""
+        try:
+            meta = ocp.StandardCheckpointer().metadata(os.path.join(self.path(step), "state"))
+            tree = getattr(meta, "item_metadata", meta)  # orbax >= 0.11.x wraps the tree in a StepMetadata
+            tree = getattr(tree, "tree", tree)
+            leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+            return {_path(p): tuple(x.shape) for p, x in leaves if hasattr(x, "shape")}
+        except Exception:  # an orbax without item metadata: restore as before
+            return {}
 
     def close(self) -> None:
         """Close orbax's manager and let the directory's lock go."""

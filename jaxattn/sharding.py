@@ -42,6 +42,7 @@ from twincore.cli import print_line
 from . import remat
 from .model import ACTIVATION_CONSTRAINT, PER_SHARD
 from .moe import EXPERT_PARALLEL, moe_block
+from .optim import LAYER_SHARDS, ScaleByAdam8bitState
 
 __all__ = [
     "MESH_AXES",
@@ -245,34 +246,105 @@ def check_stages(config, mesh: Mesh, rows: int, microbatches: int, virtual: int 
         )
 
 
+def _names(leaf) -> tuple | None:
+    md = leaf.get_metadata()
+    return md.get("out_sharding") or md.get("sharding_names") or md.get("sharding")
+
+
+def _divisible(mesh: Mesh, shape: Sequence[int], spec: Sequence) -> NamedSharding:
+    """``spec`` with every axis that does not divide its dim left whole."""
+    return NamedSharding(mesh, P(*(a if dim % _axis_size(mesh, a) == 0 else None for dim, a in zip(shape, spec))))
+
+
 def _leaf_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSharding:
-    replicated = NamedSharding(mesh, P())
-    if not isinstance(leaf, nnx.Variable):
-        return replicated
-    names = (
-        leaf.get_metadata().get("out_sharding")
-        or leaf.get_metadata().get("sharding_names")
-        or leaf.get_metadata().get("sharding")
-    )
     shape = getattr(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value, "shape", ())
+    names = _names(leaf)
     if not names or len(names) != len(shape):
-        return replicated  # no names, or a leaf that is not the param's shape (e.g. a factored moment)
-    spec = _unused(logical_to_spec(names, rules), ())  # a layer's stacked axis holds stage: its embed not again
-    if any(dim % _axis_size(mesh, a) for dim, a in zip(shape, spec)):
-        return replicated
-    return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, P())  # no names, or a leaf that is not the param's shape (e.g. a factored moment)
+    return _divisible(mesh, shape, _unused(logical_to_spec(names, rules), ()))  # stage holds layers: not embed too
+
+
+def _codes_sharding(leaf, mesh: Mesh, rules: Mapping[str, str | None]) -> NamedSharding:
+    """8-bit Adam's codes (``jaxattn.optim``). By row, ``[*param.shape[:-1], last / block, block]``: the param's
+    spec, the block axis whole, so each device quantises its own elements. Flat, ``[*lead, n_blocks, block]`` (a
+    last dim that is not a whole number of blocks): the layer axes as the param's, the blocks over every axis the
+    param's own dims are split over (XLA moves the elements of a block that straddles two devices)."""
+    shape = (leaf.get_value() if hasattr(leaf, "get_value") else leaf.value).shape
+    names = _names(leaf) or ()
+    spec = tuple(_unused(logical_to_spec(names, rules), ())) if names else ()
+    if len(shape) == len(spec) + 1:
+        # an axis that does not divide the row's blocks (a device's share of the row under a block) splits the
+        # rows instead (XLA then moves each device's elements to the device of their blocks); never the layers
+        grid, moved = list(spec), []
+        for i, a in enumerate(spec):
+            if a is not None and shape[i] % _axis_size(mesh, a):
+                grid[i], moved = None, [*moved, a]
+        for a in moved:
+            for i, name in enumerate(names):
+                axes = (*_axes(grid[i]), *_axes(a))
+                if name != "layers" and shape[i] % _axis_size(mesh, axes) == 0:
+                    grid[i] = axes
+                    break
+        return NamedSharding(mesh, P(*grid, None))
+    b = len(shape) - 2
+    own = tuple(a for s in spec[b:] for a in _axes(s))
+    first = spec[b] if len(spec) > b else None
+    blocks = next((a for a in (own, first) if a and shape[b] % _axis_size(mesh, a) == 0), None)
+    return _divisible(mesh, shape, (*spec[:b], blocks, None))
+
+
+def _axes(a) -> tuple:
+    """A spec entry's mesh axes: None, a name or a tuple of names."""
+    return () if a is None else (a,) if isinstance(a, str) else tuple(a)
+
+
+def _adam8bit_shardings(node: ScaleByAdam8bitState, mesh: Mesh, rules: Mapping[str, str | None]):
+    """Codes by :func:`_codes_sharding`, each absmax as its codes without the block axis; float32 moments (small
+    params) like their params."""
+
+    def moment(leaf):
+        return _codes_sharding(leaf, mesh, rules) if _is_codes(leaf) else _leaf_sharding(leaf, mesh, rules)
+
+    def absmax(codes, codes_sharding, leaf):
+        if _is_codes(codes):
+            return NamedSharding(mesh, P(*codes_sharding.spec[:-1]))
+        return _leaf_sharding(leaf, mesh, rules)
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    mu, nu = (jax.tree.map(moment, t, is_leaf=is_var) for t in (node.mu, node.nu))
+    return ScaleByAdam8bitState(
+        NamedSharding(mesh, P()),
+        mu,
+        jax.tree.map(absmax, node.mu, mu, node.mu_absmax, is_leaf=is_var),
+        nu,
+        jax.tree.map(absmax, node.nu, nu, node.nu_absmax, is_leaf=is_var),
+    )
+
+
+def _is_codes(leaf) -> bool:
+    return (
+        isinstance(leaf, nnx.Variable)
+        and (leaf.get_value() if hasattr(leaf, "get_value") else leaf.value).dtype == jnp.uint8
+    )
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Any:
     """A tree of ``NamedSharding`` (a prefix of ``state``: one per ``nnx.Variable`` or array leaf) for any pytree
     holding the model's ``nnx.Param`` leaves: a ``TrainState`` (params, optimizer moments: ZeRO-3), an
-    ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated. A rule
-    naming ``stage`` applies only where the mesh has a ``stage`` axis larger than 1 (no pipeline: layers whole)."""
+    ``nnx.State``. Leaves without logical names (scalars, the RoPE table, the loss scale) are replicated; 8-bit
+    Adam's blocks of a param are split as the param's elements are (:func:`_codes_sharding`). A rule naming
+    ``stage`` applies only where the mesh has a ``stage`` axis larger than 1 (no pipeline: layers whole)."""
     if "stage" not in mesh.shape or mesh.shape["stage"] == 1:
         rules = {k: (None if v == "stage" else v) for k, v in rules.items()}
     elif rules.get("embed") == RULES["embed"]:  # the embedding, head and norms (outside the stages) over them too
         rules = {**rules, "embed": ("stage", *RULES["embed"])}
-    return jax.tree.map(lambda x: _leaf_sharding(x, mesh, rules), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def one(x):
+        if isinstance(x, ScaleByAdam8bitState):
+            return _adam8bit_shardings(x, mesh, rules)
+        return _leaf_sharding(x, mesh, rules) if isinstance(x, nnx.Variable) else NamedSharding(mesh, P())
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, (nnx.Variable, ScaleByAdam8bitState)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -363,13 +435,14 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, Any] = ACTIVATION_RULES)
     def experts(x, p, cfg, mask):
         return expert_parallel_map(x, p, cfg, mask, mesh)
 
-    tokens = ACTIVATION_CONSTRAINT.set(constrain), PER_SHARD.set(local), EXPERT_PARALLEL.set(experts)
+    stages = _axis_size(mesh, ("stage",)) if RULES["layers"] == "stage" else 1
+    seams = (ACTIVATION_CONSTRAINT, constrain), (PER_SHARD, local), (EXPERT_PARALLEL, experts), (LAYER_SHARDS, stages)
+    tokens = [(var, var.set(value)) for var, value in seams]
     try:
         yield
     finally:
-        ACTIVATION_CONSTRAINT.reset(tokens[0])
-        PER_SHARD.reset(tokens[1])
-        EXPERT_PARALLEL.reset(tokens[2])
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 def expert_parallel_map(x, p, cfg, mask, mesh: Mesh):

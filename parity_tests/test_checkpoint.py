@@ -236,3 +236,42 @@ def test_every_optimizer_state_saves_and_restores_exactly(name, tmp_path, seed):
     opt_twin.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+def test_adamw8bit_flat_moments_resume_held_by_row(tmp_path, rng):
+    """A JAX checkpoint whose 8-bit moments are flat ``[*lead, n_blocks, 256]`` (how they were held before rows
+    that are a whole number of blocks kept their own) restores into the by-row layout, placed as ``like`` is:
+    the same blocks, reshaped."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxattn import optim as jopt
+    from jaxattn.checkpoint import Checkpointer
+
+    params = {"layers.w": (2, 8, 512), "head": (16, 256), "small": (300, 100)}
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in params.items()}
+    tx = jopt.build("adamw8bit", 1e-2)
+    _, state = tx.update(jax.tree.map(lambda p: p * 0.5, params), tx.init(params), params)
+    adam = state[0]
+    assert adam.mu["layers.w"].shape == (2, 8, 2, 256) and adam.mu["head"].shape == (16, 1, 256)
+    assert adam.mu["small"].shape == (118, 256)  # 100 is not a whole number of blocks: flat, as before
+    lead = {"layers.w": 1, "head": 0, "small": 0}
+
+    def flat(tree, codes):
+        return {k: x.reshape(*x.shape[: lead[k]], -1, *x.shape[x.ndim - 1 :] if codes else ()) for k, x in tree.items()}
+
+    old = adam._replace(**{f: flat(getattr(adam, f), not f.endswith("absmax")) for f in adam._fields[1:]})
+    assert old.mu["layers.w"].shape == (2, 16, 256) and old.nu_absmax["head"].shape == (16,)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    placed = NamedSharding(mesh, P(None, "x"))
+    like = adam._replace(mu={**adam.mu, "layers.w": jax.device_put(adam.mu["layers.w"], placed)})
+    ck = Checkpointer(str(tmp_path / "jax"), keep=1)
+    ck.save(1, {"opt": old}, {"step": 1})
+    back, _ = ck.restore(1, {"opt": like})
+    ck.close()
+    for a, b in zip(jax.tree.leaves(like), jax.tree.leaves(back["opt"])):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert back["opt"].mu["layers.w"].sharding == placed

@@ -520,3 +520,94 @@ def test_cli_offload_optimizer_trains_like_device_state():
     r = trainer.Trainer.from_argv(flags + ["--mesh", mesh, "--offload-optimizer"])
     assert {x.sharding.memory_kind for x in _jax.tree.leaves(r.state.opt_state) if x.ndim >= 2} == {"pinned_host"}
     np.testing.assert_allclose(r.fit()["losses"], plain, rtol=0, atol=1e-6)
+
+
+# Every row a whole number of 256-element blocks per device on data=2,fsdp=2,tensor=2 (dim 512 and vocab 512 split
+# in two, 128-wide heads): 8-bit AdamW's moments held by row
+CFG8 = ModelConfig.preset("tiny", dim=512, ffn_dim=1024, vocab_size=512, n_kv_heads=4)
+
+
+def _slices(index, shape):
+    return [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+
+
+def test_adamw8bit_moments_split_as_their_params():
+    """8-bit AdamW on ``data=2,fsdp=2,tensor=2`` gives the one-device losses, and each device holds the 8-bit blocks
+    (and absmaxes) of exactly the elements it holds of their parameter: its update reads and writes its own memory
+    only (the plan suite's compiled steps: no collective beyond AdamW's)."""
+    from jaxattn import optim
+
+    def tx():
+        return optim.build("adamw8bit", 1e-3)
+
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, CFG8.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)} for _ in range(2)]
+
+    def run(step, state):
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        return losses, state
+
+    graphdef, state = TrainState.create(Llama(CFG8, rngs=nnx.Rngs(0)), tx())
+    single, _ = run(make_train_step(graphdef, tx()), jax.device_put(state, jax.devices()[0]))
+    graphdef, state = TrainState.create(Llama(CFG8, rngs=nnx.Rngs(0)), tx())
+    losses, state = run(
+        *_sharded(graphdef, tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch_size=BATCH)
+    )
+    np.testing.assert_allclose(losses, single, rtol=0, atol=1e-5)
+    adam = state.opt_state[0]
+    checked = 0
+    for p, codes, absmax in zip(*(jax.tree.leaves(t) for t in (state.params, adam.nu, adam.nu_absmax))):
+        if codes.dtype != np.uint8:
+            continue
+        assert codes.shape == (*p.shape[:-1], p.shape[-1] // 256, 256) and absmax.shape == codes.shape[:-1]
+        own = {s.device: _slices(s.index, p.shape) for s in p.addressable_shards}
+        for c, a in zip(codes.addressable_shards, absmax.addressable_shards):
+            rows, (lo, hi) = own[c.device][:-1], own[c.device][-1]
+            assert _slices(c.index, codes.shape) == [*rows, (lo // 256, hi // 256), (0, 256)]
+            assert _slices(a.index, absmax.shape) == [*rows, (lo // 256, hi // 256)]
+        assert codes.addressable_shards[0].data.size * 4 == codes.size  # fsdp x tensor: a quarter per device
+        checked += 1
+    assert checked == 9  # every weight but the norms
+    # dim 256 on fsdp=2: a device's half of a 256-wide row is under a block, so fsdp splits the rows instead, and
+    # every 8-bit moment is still a quarter per device (the flat ones, wk / wv's 128-wide rows, too)
+    narrow = ModelConfig.preset("tiny", dim=256, ffn_dim=512)
+    graphdef, state = TrainState.create(Llama(narrow, rngs=nnx.Rngs(0)), tx())
+    _, state = _sharded(graphdef, tx(), state, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch_size=BATCH)
+    codes = {k: v[...] for k, v in state.opt_state[0].mu["layers"].items() if v[...].dtype == np.uint8}
+    assert codes["wo"].sharding.spec == P(None, ("tensor", "fsdp", "expert"), None, None)
+    assert codes["wk"].shape == (2, 128, 256)  # flat: n_blocks over the param's fsdp and tensor
+    assert all(c.addressable_shards[0].data.size * 4 == c.size for c in codes.values()), codes.keys()
+
+
+def test_adamw8bit_walks_each_pipeline_stages_layers():
+    """With a ``stage`` axis the 8-bit update loops over the layers of every stage at once (``LAYER_SHARDS``, set
+    while a sharded step traces), so that no device reads another stage's layers; the numbers are the ones of
+    the loop over all layers."""
+    from jaxattn import optim
+
+    assert optim.LAYER_SHARDS.get() == 1
+    with sharding.activation_sharding(sharding.make_mesh("stage=2,data=4")):
+        assert optim.LAYER_SHARDS.get() == 2
+    assert optim.LAYER_SHARDS.get() == 1
+    rng = np.random.default_rng(1)
+    params = {"layers": {"w": jax.numpy.asarray(rng.standard_normal((4, 8, 512)), np.float32)}}
+    grads = [jax.tree.map(lambda x: x * 0 + rng.standard_normal(x.shape).astype(np.float32), params) for _ in range(2)]
+    out = []
+    for shares in (1, 2):
+        tx = optim.scale_by_adam_8bit(stacked=lambda t: jax.tree.map(lambda _: 1, t))
+        state = tx.init(params)
+        token = optim.LAYER_SHARDS.set(shares)
+        try:
+            update = jax.jit(tx.update)
+            for g in grads:
+                u, state = update(g, state)
+        finally:
+            optim.LAYER_SHARDS.reset(token)
+        out.append((u, state))
+    (u1, s1), (u2, s2) = out
+    assert s1.nu["layers"]["w"].shape == (4, 8, 2, 256)
+    for a, b in zip(jax.tree.leaves((u1, s1)), jax.tree.leaves((u2, s2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
