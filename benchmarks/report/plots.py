@@ -529,7 +529,8 @@ def plot_plan(out_dir: str, records: list[dict], info: dict | None = None) -> Pl
     def key(r):
         return r["devices"], r["preset"], r["mesh"], r["schedule"], r.get("loss", "dense")
 
-    ok = [r for r in _ok(records, "measured") if "pipeline" in r["measured"]]
+    # AdamW's sweeps (an 8-bit AdamW row is the 8-bit README table's)
+    ok = [r for r in _ok(records, "measured") if "pipeline" in r["measured"] and r.get("optimizer", "adamw") == "adamw"]
     counts: dict = {}
     for r in ok:
         counts[key(r)] = counts.get(key(r), 0) + 1

@@ -146,7 +146,7 @@ def plan_section() -> list[str]:
         "reduce-scatter GiB per step | fits |",
     )
     for r in d["records"]:
-        if "stage=" in r["mesh"] or r["preset"] in MOE_PRESETS:  # pipeline_section's, moe_section's
+        if "stage=" in r["mesh"] or r["preset"] in MOE_PRESETS or _optimizer(r) != "adamw":  # the other sections'
             continue
         where = f"{r.get('target', 'h100')} `{r.get('topology', '1x1x8')}`"
         limit = r.get("device_memory_bytes") or 80e9
@@ -175,7 +175,11 @@ def pipeline_section() -> list[str]:
     """The plan suite's ``stage`` rows: memory, the stage hand-offs (compiled beside expected), the other
     collectives and the idle fraction read off the compiled stage loop beside the analytic one."""
     d, path = _load("h100-plan", "plan.json")
-    rows = [r for r in (d or {}).get("records", []) if "stage=" in r.get("mesh", "") and r.get("status") == "ok"]
+    rows = [
+        r
+        for r in (d or {}).get("records", [])
+        if "stage=" in r.get("mesh", "") and r.get("status") == "ok" and _optimizer(r) == "adamw"
+    ]
     if not rows:
         return []
     plot = os.path.join(os.path.dirname(path), "pipeline_plans.png")
@@ -211,6 +215,48 @@ def pipeline_section() -> list[str]:
             f"{r['microbatches']} | {r.get('loss', 'dense')} | {_gib(peak)} ({'fits' if peak < limit else 'over'} "
             f"{limit / 1e9:.0f} GB) | {_gib(pipe['handoff_bytes_compiled'])} {same} "
             f"{_gib(pipe['handoff_bytes_expected'])} | {other} | {idle} / {pipe['bubble_analytic']:.3f} |"
+        )
+    return out
+
+
+def _optimizer(r: dict) -> str:
+    return r.get("optimizer") or "adamw"  # records before the field: AdamW
+
+
+def _plan_key(r: dict) -> tuple:
+    fields = ("target", "topology", "preset", "mesh", "remat", "loss", "batch", "microbatches", "schedule")
+    return tuple(r.get(k) for k in fields)
+
+
+def optimizer_plan_section() -> list[str]:
+    """The plan suite's 8-bit AdamW rows beside the same step's AdamW row: the state's bytes, the peak and every
+    collective per step."""
+    d, path = _load("h100-plan", "plan.json")
+    recs = [r for r in (d or {}).get("records", []) if r.get("status") == "ok"]
+    adamw = {_plan_key(r): r for r in recs if _optimizer(r) == "adamw"}
+    pairs = [(adamw.get(_plan_key(r)), r) for r in recs if _optimizer(r) == "adamw8bit"]
+    pairs = [(a, b) for a, b in pairs if a is not None]
+    if not pairs:
+        return []
+    out = _head(
+        "8-bit AdamW beside AdamW: 8 and 64 H100s (compiled, not run)",
+        f"From `{path}` (the same suite): the same bf16 train step with AdamW and with `--optimizer adamw8bit` "
+        "(`jaxattn.optim`: block-wise 8-bit moments, held by row where a row is a whole number of 256-element "
+        "blocks and split as their parameter is, `jaxattn.sharding`; updated one layer at a time). Arguments = the "
+        "parameters and optimizer state a device holds; collectives = all-gather / reduce-scatter / all-reduce / "
+        "all-to-all GiB per step.",
+        "| devices | mesh | preset | arguments GiB / device: AdamW → 8-bit | peak GiB / device: AdamW → 8-bit | "
+        "collectives AdamW | collectives 8-bit |",
+    )
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+    for a, b in pairs:
+        mem = [r["measured"]["per_device_memory"] for r in (a, b)]
+        coll = [" / ".join(_gib(r["measured"]["collectives"][k]["bytes_per_step"]) for k in kinds) for r in (a, b)]
+        stages = f", {b['microbatches']} micro-batches" if "stage=" in b["mesh"] else ""
+        out.append(
+            f"| {b.get('devices', 8)} × {b.get('target', 'h100')} `{b.get('topology', '1x1x8')}` | `{b['mesh']}`"
+            f"{stages} | {b['preset']} | {_gib(mem[0]['argument'])} → {_gib(mem[1]['argument'])} | "
+            f"{_gib(mem[0]['peak'])} → {_gib(mem[1]['peak'])} | {coll[0]} | {coll[1]} |"
         )
     return out
 
@@ -874,6 +920,7 @@ def render() -> str:
         programs_section(),
         plan_section(),
         pipeline_section(),
+        optimizer_plan_section(),
         moe_section(),
         tpu_section(),
     ):

@@ -34,6 +34,7 @@ GRID = (
     + (("1b", "fsdp=8", "save_qkv_attn", "dense"), ("1b", "fsdp=8", "full", "fused"))
     + tuple(("8b", m, "full", "dense") for m in _MESHES)
     + (("8b", "data=8", "full", "fused"), ("8b", "fsdp=8", "full", "fused"))
+    + (("qwen2.5-0.5b", "fsdp=8", "full", "dense"),)  # AdamW beside OPTIMIZER_GRID's 8-bit row
 )
 # Pods (issue: TPU without a TPU): the 8b and 70b steps at one sequence of 4096 per device on 64 H100s (8 hosts),
 # a 64-chip v5p slice and 256-chip v5e / v6e slices, ZeRO-3 over everything, FSDP x tensor parallel, and (64) a
@@ -80,20 +81,37 @@ MOE_GRID = (
     + tuple(("1x8x8", "mixtral-8x7b", m) for m in ("fsdp=64", "fsdp=8,expert=8"))
 )
 GPU_MEMORY = {"h100": 80 * 10**9, "h200": 141 * 10**9}  # bytes per GPU (the "80 GB" of the name)
-# (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual, gather_once)
+# 8-bit AdamW (its moments split as their params are): (topology, preset, mesh, microbatches) compiled with
+# adamw8bit beside the same step's AdamW row of the grids above — ZeRO-3, 3-D and FSDP x TP, pipeline stages, a
+# model whose dim is not a whole number of 256-element blocks (Qwen2.5-0.5B's 896: its blocks kept flat), and 64
+# GPUs (a device's 64 columns of a row, less than a block)
+OPTIMIZER_GRID = (
+    ("1x1x8", "1b", "fsdp=8", 1),
+    ("1x1x8", "1b", "data=2,fsdp=2,tensor=2", 1),
+    ("1x1x8", "8b", "fsdp=8", 1),
+    ("1x1x8", "8b", "fsdp=4,tensor=2", 1),
+    ("1x1x8", "8b", "stage=4,fsdp=2", 4),
+    ("1x1x8", "qwen2.5-0.5b", "fsdp=8", 1),
+    ("1x8x8", "8b", "fsdp=64", 1),
+)
+# (target, topology, preset, mesh, remat, loss, batch, seq, microbatches, virtual, gather_once, optimizer)
 FULL_GRID = (
-    tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096, 1, 1, False) for p, m, r, loss in GRID)
+    tuple(("h100", "1x1x8", p, m, r, loss, 8, 4096, 1, 1, False, "adamw") for p, m, r, loss in GRID)
     + tuple(
-        (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False)
+        (t, topo, p, m, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False, "adamw")
         for t, topo, p, m in POD_GRID
     )
     + tuple(
-        ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v, go)
+        ("h100", topo, p, mesh, "full", loss, math.prod(map(int, topo.split("x"))), 4096, mb, v, go, "adamw")
         for topo, p, mesh, loss, mb, v, go in STAGE_GRID
     )
     + tuple(
-        ("h100", topo, p, mesh, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False)
+        ("h100", topo, p, mesh, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, 1, 1, False, "adamw")
         for topo, p, mesh in MOE_GRID
+    )
+    + tuple(
+        ("h100", topo, p, mesh, "full", "dense", math.prod(map(int, topo.split("x"))), 4096, mb, 1, False, "adamw8bit")
+        for topo, p, mesh, mb in OPTIMIZER_GRID
     )
 )
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
@@ -234,28 +252,31 @@ def compile_plan(
     microbatches: int = 1,
     virtual: int = 1,
     gather_once: bool = False,
+    optimizer: str = "adamw",
+    overrides: dict | None = None,
 ):
-    """Compile the bf16 AdamW train step of ``preset`` (with ``loss``) sharded by ``spec`` for ``devs`` (deviceless
-    GPUs: flash attention, ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record. A
-    ``stage`` axis runs the layers as pipeline stages over ``microbatches`` (``jaxattn.pipeline``; ``virtual`` > 1:
-    the circular schedule): the record adds the analytic bubble and the one read off the compiled program, and the
-    stage hand-off bytes expected beside the compiled ones (:func:`pipeline_bubble`)."""
+    """Compile the bf16 train step of ``preset`` (its fields changed by ``overrides``; with ``loss``; AdamW, or
+    ``optimizer`` by ``jaxattn.optim``'s name) sharded by ``spec`` for ``devs`` (deviceless GPUs: flash attention,
+    ``gpu_target.compile``; TPU chips: splash, ``tpu_target.compile``); returns a record. A ``stage`` axis runs the
+    layers as pipeline stages over ``microbatches`` (``jaxattn.pipeline``; ``virtual`` > 1: the circular
+    schedule): the record adds the analytic bubble and the one read off the compiled program, and the stage
+    hand-off bytes expected beside the compiled ones (:func:`pipeline_bubble`)."""
     import optax
     from flax import nnx
 
+    from jaxattn import optim, sharding
     from jaxattn import remat as remat_mod
-    from jaxattn import sharding
     from jaxattn.attention import attention_backend
     from jaxattn.config import ModelConfig
     from jaxattn.model import Llama
     from jaxattn.train_step import TrainState, make_train_step
 
-    cfg = ModelConfig.preset(preset)
+    cfg = ModelConfig.preset(preset, **(overrides or {}))
     mesh = sharding.make_mesh(spec, devices=devs)
     sharding.check_config(cfg, mesh)
     sharding.check_batch_size(batch, mesh)
     sharding.check_stages(cfg, mesh, batch, microbatches, virtual)
-    tx = optax.adamw(1e-4)
+    tx = optax.adamw(1e-4) if optimizer == "adamw" else optim.build(optimizer, 1e-4)
 
     def build():
         model = Llama(cfg, rngs=nnx.Rngs(0))
@@ -320,7 +341,7 @@ def compile_plan(
         precision="bf16",
         remat=remat,
         loss=loss,
-        optimizer="adamw",
+        optimizer=optimizer,
         attention=attention,
         devices=len(devs),
         target=target,
@@ -405,10 +426,12 @@ def run(quick: bool = False) -> list:
     """The plan suite: :data:`GRID` on 8 H100s at seq 4096, batch 8, then :data:`POD_GRID`, :data:`STAGE_GRID` and
     :data:`MOE_GRID` (quick: ``tiny`` at seq 128 on :data:`PLANS`, 8 H100s)."""
     grid = (
-        tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1, False) for p in PLANS) if quick else FULL_GRID
+        tuple(("h100", "1x1x8", "tiny", p, "full", "dense", 8, 128, 1, 1, False, "adamw") for p in PLANS)
+        if quick
+        else FULL_GRID
     )
 
-    def row(target, topology, preset, spec, remat, loss, batch, seq, mb, v, go, **status):  # compiled nothing
+    def row(target, topology, preset, spec, remat, loss, batch, seq, mb, v, go, optimizer, **status):  # no compile
         return dict(
             framework="jax",
             impl="sharding-plan",
@@ -420,13 +443,14 @@ def run(quick: bool = False) -> list:
             loss=loss,
             batch=batch,
             seq=seq,
+            optimizer=optimizer,
             **({"microbatches": mb, "schedule": _schedule(v, go)} if "stage=" in spec else {}),
             **status,
         )
 
     records = []
     for g in grid:
-        target, topology, preset, spec, remat, loss, batch, seq, mb, v, go = g
+        target, topology, preset, spec, remat, loss, batch, seq, mb, v, go, optimizer = g
         reason = _unavailable(target)
         if reason is not None:
             records.append(row(*g, status="skipped", reason=reason))
@@ -446,6 +470,7 @@ def run(quick: bool = False) -> list:
                 microbatches=mb,
                 virtual=v,
                 gather_once=go,
+                optimizer=optimizer,
             )
             rec["status"] = "ok"
         except Exception as e:  # one failed plan does not hide the others
@@ -458,6 +483,7 @@ def run(quick: bool = False) -> list:
         print(
             f"  plan {target}:{topology} {preset} {spec} remat={remat} loss={loss}"
             + (f" microbatches={mb} {_schedule(v, go)}" if "stage=" in spec else "")
+            + ("" if optimizer == "adamw" else f" optimizer={optimizer}")
             + f": {rec.get('status')} "
             f"{rec.get('summary', rec.get('error', rec.get('required_temp_gib', '')))}",
             flush=True,
