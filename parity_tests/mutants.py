@@ -1360,7 +1360,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torchref/optim.py",
         "return DTensor.from_local(local, p.device_mesh, [Shard(0)], run_check=False)",
         "return local",
-        "parity_tests/test_parallel.py -m 'slow or not slow' -k fsdp_adamw8bit_checkpoint",
+        "parity_tests/test_parallel.py -k fsdp_runs_adamw8bit",
         "an fsdp run's 8-bit state is each rank's plain tensor: the checkpoint keeps one rank's blocks for all",
     ),
     m(

@@ -26,9 +26,10 @@ def batches():
     ]
 
 
-def train(mode, eight_bit: bool = False, weights: dict | None = None):
+def train(mode, eight_bit: bool = False, weights: dict | None = None, states: list | None = None):
     """Losses and gradient norms of STEPS steps (AdamW, or AdamW8bit); ``weights`` (a dict) receives the final
-    weights, whole, by name."""
+    weights, whole, by name; ``states`` (a list) each 8-bit code or absmax tensor's placement: ``"rows"``
+    for a DTensor split as its parameter's rows, else its type and placements."""
     from torchref.optim import AdamW8bit
 
     torch.manual_seed(0)
@@ -53,6 +54,15 @@ def train(mode, eight_bit: bool = False, weights: dict | None = None):
         losses.append(float(loss))
         gn = m["grad_norm"]
         norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+    if states is not None:
+        for st in opt.state.values():
+            for key in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
+                if key in st:
+                    v = st[key]
+                    rows = [getattr(x, "dim", None) == 0 and x.is_shard() for x in getattr(v, "placements", ())]
+                    states.append(
+                        "rows" if rows and all(rows) else f"{type(v).__name__} {getattr(v, 'placements', '')}"
+                    )
     if weights is not None:
         for name, p in model.named_parameters():
             weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -60,14 +70,14 @@ def train(mode, eight_bit: bool = False, weights: dict | None = None):
 
 
 def adamw8bit_fsdp() -> dict:
-    """AdamW8bit on fsdp's row shards against one process: the losses, the norms, and per weight the largest
-    difference and the share of entries more than 1e-5 apart."""
-    one, two = {}, {}
-    ref, got = train(None, True, one), train("fsdp", True, two)
+    """AdamW8bit on fsdp's row shards against one process: the losses, the norms, per weight the largest
+    difference and the share of entries more than 1e-5 apart, and the 8-bit state's placements."""
+    one, two, states = {}, {}, []
+    ref, got = train(None, True, one), train("fsdp", True, two, states)
     diffs = {
         k: ((two[k] - one[k]).abs().max().item(), ((two[k] - one[k]).abs() > 1e-5).float().mean().item()) for k in one
     }
-    return {"reference": ref, "fsdp": got, "weights": diffs}
+    return {"reference": ref, "fsdp": got, "weights": diffs, "states": states}
 
 
 def adamw8bit_refusal(mode) -> str:

@@ -111,11 +111,14 @@ def test_ddp_runs_the_optimizers_that_refuse_dtensors(optimizer, tmp_path):
 def test_fsdp_runs_adamw8bit_with_the_one_process_blocks(results):
     """AdamW8bit on FSDP2's row shards (2 ranks): each rank updates its rows with the 8-bit blocks of those rows (the
     tiny preset's shards are whole blocks), so the losses and gradient norms are the one-process run's within 1e-5 and
-    every weight agrees within AdamW's rounding bound (all but < 0.1% of entries to 1e-5; lr 1e-3, 3 steps)."""
+    every weight agrees within AdamW's rounding bound (all but < 0.1% of entries to 1e-5; lr 1e-3, 3 steps). The
+    8-bit codes and absmaxes are DTensors split by rows like their parameters (what a checkpoint's full state dict
+    gathers into the one-process state: ``test_fsdp_adamw8bit_checkpoint_resumes_in_one_process``)."""
     run = results["adamw8bit_fsdp"]
     np.testing.assert_allclose(run["fsdp"], run["reference"], rtol=0, atol=1e-5)
     for name, (largest, share) in run["weights"].items():
         assert largest <= 2 * 1e-3 * 3 and share < 1e-3, (name, largest, share)
+    assert len(run["states"]) == 4 * 12 and set(run["states"]) == {"rows"}, run["states"]  # 12 weights of >= 4096
 
 
 @pytest.mark.slow  # 15 s: a torchrun run, then a resume in one process; CI runs it (slow_feature)
